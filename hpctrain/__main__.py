@@ -1,0 +1,61 @@
+"""`python -m hpctrain train|sample` (console script `hpctrain`): thin dispatch only."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hpctrain.dist import run_guarded
+
+TRAIN_EPILOG = """\
+Every config key can be given in the TOML file or overridden on the command line as
+--section.key=value (or --section.key value). Unknown keys are errors. Keys:
+{keys}
+
+Launch: `python -m hpctrain train ...` runs one rank; `mpiexec -n N python -m hpctrain train ...` or
+`srun python -m hpctrain train ...` runs N ranks. Rerunning the same command resumes from the newest
+committed checkpoint in the run directory.
+"""
+
+
+def _train(argv: list[str]) -> int:
+    from hpctrain import config
+
+    parser = argparse.ArgumentParser(
+        prog="hpctrain train", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train a GPT on sharded data with MPI-launched data parallelism.",
+        epilog=TRAIN_EPILOG.format(keys=config.describe()))
+    parser.add_argument("--config", help="TOML config file (see configs/)")
+    args, overrides = parser.parse_known_args(argv)
+    cfg = config.load(args.config, overrides)  # config errors surface before MPI starts
+
+    from hpctrain.dist import init_distributed, teardown
+    from hpctrain.train.loop import train
+
+    ctx = init_distributed(cfg.dist.backend, cfg.dist.timeout_s)
+    try:
+        return train(cfg, ctx)
+    finally:
+        teardown()
+
+
+def _sample(argv: list[str]) -> int:
+    from hpctrain.sample import main as sample_main
+
+    return sample_main(argv)
+
+
+COMMANDS = {"train": _train, "sample": _sample}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: python -m hpctrain {train,sample} [-h] ...\n\n"
+              "  train   train a GPT (mpiexec/srun for several ranks); resumes automatically\n"
+              "  sample  generate text from a checkpoint", file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return run_guarded(COMMANDS[argv[0]], argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""The one source of truth for a run's settings: dataclasses, TOML loading, `--section.key=value` overrides.
+
+Owns: the schema (every key, its type, default and meaning), parsing, type coercion and validation of
+values that need no other context. Unknown keys, missing required keys and ill-typed values are
+`ConfigError`s naming the key. It must never import torch or touch the filesystem beyond reading the
+TOML file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from hpctrain.errors import ConfigError
+
+REQUIRED = dataclasses.MISSING
+
+
+@dataclass
+class RunConfig:
+    dir: str = field(metadata={"help": "run directory: checkpoints/, metrics.jsonl, config.toml live here"})
+
+
+@dataclass
+class DataConfig:
+    path: str = field(metadata={"help": "dataset directory made by `data_tools shard` (has manifest.json)"})
+    train_split: str = field(default="train", metadata={"help": "split used for training"})
+    val_split: str = field(default="val", metadata={"help": "split used for validation loss"})
+    verify: str = field(default="checksum", metadata={
+        "help": "check shards at start: 'checksum' (sha256, spread over ranks) or 'size' (fast)"})
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = field(metadata={"help": "transformer blocks"})
+    n_head: int = field(metadata={"help": "attention heads per block (n_embd must divide by it)"})
+    n_embd: int = field(metadata={"help": "embedding width"})
+    block_size: int = field(metadata={"help": "context length in tokens (training window)"})
+    vocab_size: int = field(metadata={"help": "must be >= the dataset's vocab size (padding is allowed)"})
+    dropout: float = field(default=0.0, metadata={"help": "dropout probability (0 keeps runs bit-reproducible cheaply)"})
+
+
+@dataclass
+class TrainConfig:
+    steps: int = field(metadata={"help": "optimizer steps: the length of the LR schedule"})
+    micro_batch_size: int = field(metadata={"help": "sequences per rank per forward/backward"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step (one all-reduce per step)"})
+    stop_at_step: int = field(default=0, metadata={
+        "help": "checkpoint and exit cleanly at this step without changing the schedule (0 = run to `steps`)"})
+    seed: int = field(default=1337, metadata={"help": "seed for init, data order and dropout"})
+    precision: str = field(default="fp32", metadata={"help": "fp32 | bf16 (autocast; master weights stay fp32)"})
+    lr: float = field(default=1e-3, metadata={"help": "peak learning rate"})
+    min_lr: float = field(default=1e-4, metadata={"help": "learning rate at the end of cosine decay"})
+    warmup_steps: int = field(default=10, metadata={"help": "linear warmup steps"})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW decoupled weight decay (matrices only)"})
+    beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
+    beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
+    grad_clip: float = field(default=1.0, metadata={"help": "clip global grad norm to this (0 = off)"})
+    eval_interval: int = field(default=50, metadata={"help": "validation every N steps and at the end (0 = never)"})
+    eval_batches: int = field(default=8, metadata={"help": "micro-batches per rank per validation"})
+    log_interval: int = field(default=10, metadata={"help": "print a progress line every N steps (rank 0)"})
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = field(default=100, metadata={"help": "save every N steps (and always at the end / stop)"})
+    keep: int = field(default=3, metadata={"help": "committed checkpoints to keep (newest)"})
+    dir: str = field(default="", metadata={"help": "checkpoint root (default: <run.dir>/checkpoints)"})
+
+
+@dataclass
+class DistConfig:
+    backend: str = field(default="auto", metadata={"help": "auto (nccl if CUDA, else gloo) | nccl | gloo"})
+    timeout_s: float = field(default=300.0, metadata={"help": "collective timeout in seconds"})
+
+
+@dataclass
+class Config:
+    run: RunConfig
+    data: DataConfig
+    model: ModelConfig
+    train: TrainConfig
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+
+    def validate(self) -> "Config":
+        m, t = self.model, self.train
+        _check(m.n_layer >= 1, "model.n_layer", "must be >= 1")
+        _check(m.n_head >= 1 and m.n_embd % m.n_head == 0, "model.n_head",
+               f"n_embd={m.n_embd} must be divisible by n_head={m.n_head}")
+        _check(m.block_size >= 1, "model.block_size", "must be >= 1")
+        _check(0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)")
+        _check(t.steps >= 1, "train.steps", "must be >= 1")
+        _check(0 <= t.stop_at_step <= t.steps, "train.stop_at_step", f"must be in [0, train.steps={t.steps}]")
+        _check(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
+        _check(t.grad_accum >= 1, "train.grad_accum", "must be >= 1")
+        _check(t.precision in ("fp32", "bf16"), "train.precision", f"{t.precision!r}: expected fp32 or bf16")
+        _check(0 <= t.warmup_steps <= t.steps, "train.warmup_steps", "must be in [0, train.steps]")
+        _check(self.checkpoint.interval >= 1, "checkpoint.interval", "must be >= 1")
+        _check(self.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
+        _check(self.data.verify in ("checksum", "size"), "data.verify", "expected checksum or size")
+        _check(self.dist.backend in ("auto", "nccl", "gloo"), "dist.backend", "expected auto, nccl or gloo")
+        return self
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.run.dir) / "checkpoints"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _check(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}': {msg}")
+
+
+def _sections() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+
+
+def _coerce(key: str, value, typ: type):
+    """Convert a TOML value or an override string to the field's type, or raise naming the key."""
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif typ is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"config key '{key}': expected {typ.__name__}, got {value!r}")
+
+
+def from_dict(raw: dict, source: str = "config") -> Config:
+    sections = _sections()
+    built = {}
+    for name in raw:
+        if name not in sections:
+            raise ConfigError(f"unknown config section '{name}' in {source} (known: {', '.join(sections)})")
+    for name, cls in sections.items():
+        values = raw.get(name, {})
+        if not isinstance(values, dict):
+            raise ConfigError(f"config key '{name}': expected a [{name}] table in {source}")
+        hints = typing.get_type_hints(cls)
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs = {}
+        for key, value in values.items():
+            if key not in known:
+                raise ConfigError(f"unknown config key '{name}.{key}' in {source}")
+            kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
+        for key, f in known.items():
+            if key not in kwargs and f.default is REQUIRED and f.default_factory is REQUIRED:
+                raise ConfigError(f"missing required config key '{name}.{key}' in {source}")
+        built[name] = cls(**kwargs)
+    return Config(**built).validate()
+
+
+def parse_overrides(args: list[str]) -> dict:
+    """['--train.steps=40', '--run.dir', 'x'] -> {'train': {'steps': '40'}, 'run': {'dir': 'x'}}."""
+    out: dict = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(f"bad override {arg!r}: expected --section.key=value")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+        elif i + 1 < len(args):
+            key, value = arg[2:], args[i + 1]
+            i += 1
+        else:
+            raise ConfigError(f"override {arg!r} has no value")
+        section, _, name = key.partition(".")
+        out.setdefault(section, {})[name] = value
+        i += 1
+    return out
+
+
+def load(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    raw: dict = {}
+    source = "overrides"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        try:
+            raw = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: config file not found") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML ({e})") from None
+    for section, values in parse_overrides(overrides or []).items():
+        raw.setdefault(section, {})
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"config key '{section}': not a table")
+        raw[section].update(values)
+    return from_dict(raw, source)
+
+
+def to_toml(cfg: Config) -> str:
+    lines = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if isinstance(value, bool):
+                lines.append(f"{key} = {'true' if value else 'false'}")
+            elif isinstance(value, str):
+                lines.append(f'{key} = "{value}"')
+            else:
+                lines.append(f"{key} = {value!r}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def describe() -> str:
+    """Every option with its type, default and meaning, for `--help`."""
+    out = []
+    for section, cls in _sections().items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.default is not REQUIRED:
+                default = repr(f.default)
+            elif f.default_factory is not REQUIRED:
+                default = repr(f.default_factory())
+            else:
+                default = "required"
+            out.append(f"  --{section}.{f.name}={hints[f.name].__name__:<6} [{default}] {f.metadata.get('help', '')}")
+    return "\n".join(out)

@@ -1,0 +1,68 @@
+"""Abort-on-error for MPI jobs: an exception on any rank ends every rank within seconds.
+
+Without this, one rank raising leaves the others blocked in a collective until its timeout
+(PLATFORM.md). `run_guarded(fn)` runs the entry point; on an exception it prints one line (user
+errors) or a rank-tagged traceback (bugs) and calls MPI Abort, which the launcher (mpiexec, srun)
+turns into the end of the whole job. It must never swallow an error.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+
+from hpctrain.errors import UserError
+
+EXIT_USER_ERROR = 2
+EXIT_BUG = 1
+
+
+def _world():
+    """(rank, size, comm) if mpi4py is already initialized, else (0, 1, None). Never initializes MPI."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return 0, 1, None
+    comm = mpi.COMM_WORLD
+    return comm.Get_rank(), comm.Get_size(), comm
+
+
+def _report_and_abort(exc: BaseException) -> None:
+    rank, size, comm = _world()
+    user = isinstance(exc, UserError)
+    code = EXIT_USER_ERROR if user else EXIT_BUG
+    if size > 1 and rank != 0:
+        # Let rank 0 speak first: errors from bad input are usually raised on every rank alike, and
+        # one line is what the user should see. If rank 0 is fine, it is killed by our Abort below.
+        time.sleep(1.0)
+    tag = f"[rank {rank}] " if size > 1 and rank != 0 else ""
+    if user:
+        print(f"{tag}error: {exc}", file=sys.stderr, flush=True)
+    else:
+        lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
+        sys.stderr.write("".join(f"[rank {rank}] {ln}" for ln in "".join(lines).splitlines(True)))
+        sys.stderr.flush()
+    if comm is not None and size > 1:
+        comm.Abort(code)
+    os._exit(code)
+
+
+def _thread_hook(args) -> None:
+    if args.exc_type is SystemExit:
+        return
+    _report_and_abort(args.exc_value)
+
+
+def run_guarded(fn, *args, **kwargs) -> int:
+    """Run an entry point; any exception (on any thread) aborts the whole MPI job."""
+    threading.excepthook = _thread_hook
+    try:
+        return fn(*args, **kwargs) or 0
+    except SystemExit:
+        raise
+    except KeyboardInterrupt as exc:
+        _report_and_abort(exc)
+    except BaseException as exc:  # noqa: BLE001 - reported with traceback, then the job is aborted
+        _report_and_abort(exc)
+    return EXIT_BUG

@@ -1,0 +1,171 @@
+"""Launch: from an MPI world (mpiexec, srun, or a plain singleton) to torch.distributed.
+
+Owns: discovering rank / world size / node-local rank from mpi4py, choosing the backend (NCCL when
+CUDA is present, Gloo otherwise) and the device, agreeing on a rendezvous address, thread counts,
+collective timeouts, and teardown. This is the only module that knows about MPI launch details and
+environment overrides. It must never import model, data or checkpoint code.
+
+Environment overrides (they win over discovery):
+  MASTER_ADDR / MASTER_PORT   rendezvous address and port of rank 0's TCP store
+  HPCTRAIN_IFACE              network interface whose IPv4 address rank 0 advertises (e.g. ib0)
+  HPCTRAIN_RANKS_PER_NODE     split one machine's ranks into "nodes" of this many ranks (tests)
+  HPCTRAIN_THREADS            intra-op threads per rank (else derived from cores per node / local ranks)
+"""
+from __future__ import annotations
+
+import datetime
+import fcntl
+import gc
+import os
+import socket
+import struct
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Who this process is in the job. One instance per process, made by `init_distributed`."""
+
+    rank: int
+    world_size: int
+    local_rank: int      # rank inside this node
+    local_size: int      # ranks on this node
+    node_rank: int       # index of this node (0..n_nodes-1, ordered by lowest global rank)
+    n_nodes: int
+    backend: str         # "nccl" | "gloo"
+    device: torch.device
+    threads: int
+    master_addr: str
+    master_port: int
+    comm: object         # mpi4py MPI.Comm (COMM_WORLD)
+    node_comm: object    # mpi4py communicator of this node's ranks
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _mpi():
+    from mpi4py import MPI  # imported lazily: MPI_Init happens here
+
+    return MPI
+
+
+def _node_comm(MPI, comm):
+    """Ranks sharing a node, from MPI shared-memory split (or a forced split for tests)."""
+    forced = os.environ.get("HPCTRAIN_RANKS_PER_NODE")
+    if forced:
+        per_node = int(forced)
+        if per_node < 1:
+            raise ValueError(f"HPCTRAIN_RANKS_PER_NODE={forced}: must be >= 1")
+        return comm.Split(color=comm.Get_rank() // per_node, key=comm.Get_rank())
+    return comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+
+
+def _node_index(MPI, comm, node_comm) -> tuple[int, int]:
+    is_leader = node_comm.Get_rank() == 0
+    leaders = comm.Split(color=0 if is_leader else MPI.UNDEFINED, key=comm.Get_rank())
+    node_rank = leaders.Get_rank() if is_leader else -1
+    if is_leader:
+        leaders.Free()
+    node_rank = node_comm.bcast(node_rank, root=0)
+    n_nodes = comm.allreduce(1 if is_leader else 0, op=MPI.SUM)
+    return node_rank, n_nodes
+
+
+def _iface_address(iface: str) -> str:
+    """IPv4 address of a network interface (Linux SIOCGIFADDR)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", iface[:15].encode()))
+        except OSError as e:
+            raise RuntimeError(f"HPCTRAIN_IFACE={iface}: no IPv4 address on this interface ({e})") from e
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _rank0_address() -> str:
+    if os.environ.get("MASTER_ADDR"):
+        return os.environ["MASTER_ADDR"]
+    if os.environ.get("HPCTRAIN_IFACE"):
+        return _iface_address(os.environ["HPCTRAIN_IFACE"])
+    host = socket.gethostname()
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return "127.0.0.1"
+
+
+def _threads_per_rank(local_size: int) -> int:
+    """Intra-op threads: explicit override, Slurm's CPUs per task, or this node's cores / local ranks.
+
+    Torch drops to 1 thread under mpiexec (MKL/OpenMP read the local rank count), so we always set it.
+    """
+    if os.environ.get("HPCTRAIN_THREADS"):
+        return max(1, int(os.environ["HPCTRAIN_THREADS"]))
+    if os.environ.get("SLURM_CPUS_PER_TASK"):
+        return max(1, int(os.environ["SLURM_CPUS_PER_TASK"]))
+    affinity = len(os.sched_getaffinity(0))
+    cores = os.cpu_count() or 1
+    if affinity < cores:  # the launcher bound us to a core set: use exactly that
+        return max(1, affinity)
+    return max(1, cores // max(1, local_size))
+
+
+def choose_backend(requested: str = "auto") -> str:
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
+    if requested not in ("nccl", "gloo"):
+        raise ValueError(f"dist.backend={requested!r}: expected auto, nccl or gloo")
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise ValueError("dist.backend='nccl' but CUDA is not available on this node")
+    return requested
+
+
+def init_distributed(backend: str = "auto", timeout_s: float = 300.0) -> DistContext:
+    """Bootstrap torch.distributed from MPI. Collective calls time out after `timeout_s` seconds."""
+    MPI = _mpi()
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+    node_comm = _node_comm(MPI, comm)
+    local_rank, local_size = node_comm.Get_rank(), node_comm.Get_size()
+    node_rank, n_nodes = _node_index(MPI, comm, node_comm)
+
+    backend = choose_backend(backend)
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    threads = _threads_per_rank(local_size)
+    torch.set_num_threads(threads)
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # Rank 0 owns the TCP store; port 0 lets the OS pick a free port (no race), then it is broadcast.
+    addr = comm.bcast(_rank0_address() if rank == 0 else None, root=0)
+    port = int(os.environ.get("MASTER_PORT", "0"))
+    store = None
+    if rank == 0:
+        store = dist.TCPStore(addr, port, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        port = store.port
+    port = comm.bcast(port, root=0)
+    if rank != 0:
+        store = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                            device_id=device if backend == "nccl" else None)
+    return DistContext(rank=rank, world_size=world, local_rank=local_rank, local_size=local_size,
+                       node_rank=node_rank, n_nodes=n_nodes, backend=backend, device=device,
+                       threads=threads, master_addr=addr, master_port=port, comm=comm,
+                       node_comm=node_comm)
+
+
+def teardown() -> None:
+    """Barrier, destroy the process group, collect garbage (Open MPI crashes at exit otherwise)."""
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+    gc.collect()

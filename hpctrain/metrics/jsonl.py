@@ -1,0 +1,53 @@
+"""`metrics.jsonl`: one JSON object per optimizer step, written by rank 0 only.
+
+On resume from step S, records with step > S (written after the checkpoint by a run that was then
+stopped or killed) are dropped first, so the log reads as one uninterrupted run. The rewrite is
+atomic (temp file + rename). Each record is flushed as it is written so `tail -f` works.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+class MetricsLog:
+    def __init__(self, path: str | Path, enabled: bool, resume_step: int = 0):
+        self.path = Path(path)
+        self.enabled = enabled
+        self._f = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._truncate_after(resume_step)
+        self._f = open(self.path, "a", encoding="utf-8")
+
+    def _truncate_after(self, step: int) -> None:
+        if not self.path.exists():
+            return
+        kept = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by a kill -9 mid-write
+            if rec.get("step", 0) <= step:
+                kept.append(line)
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+        os.replace(tmp, self.path)
+
+    def write(self, record: dict) -> None:
+        if self._f is None:
+            return
+        self._f.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def read(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

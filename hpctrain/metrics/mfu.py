@@ -1,0 +1,26 @@
+"""Model FLOP utilization: achieved model FLOP/s over a measured peak of the same device.
+
+The peak is measured, not looked up: a square matmul at the training precision, with the thread count
+the rank trains with, run by all ranks of the node at once (so oversubscription is priced in). This
+makes MFU meaningful on CPUs, whose datasheet peaks are far from reachable.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, reps: int = 8) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 2.0 * n**3 * reps / (time.perf_counter() - t0)

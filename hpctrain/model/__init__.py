@@ -1,0 +1,4 @@
+"""Model architecture (no distributed code here)."""
+from hpctrain.model.gpt import GPT, GPTConfig
+
+__all__ = ["GPT", "GPTConfig"]

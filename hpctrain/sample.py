@@ -1,0 +1,69 @@
+"""`python -m hpctrain sample`: generate text from a committed checkpoint (single process).
+
+Owns: resolving which checkpoint to load (a run dir, a checkpoint root or one step dir), rebuilding the
+model from the config stored in the checkpoint, and decoding with the dataset's tokenizer. Loading
+goes through the checkpoint manager (verified, never unpickled).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from hpctrain.errors import UserError
+
+
+def _resolve(path: Path):
+    from hpctrain.checkpoint import CheckpointManager
+
+    if (path / "COMMIT.json").exists():
+        return path
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    latest = CheckpointManager(root, keep=1, rank=0, world_size=1).latest()
+    if latest is None:
+        raise UserError(f"{path}: no committed checkpoint found")
+    return latest
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="hpctrain sample",
+                                     description="Generate text from a trained checkpoint.")
+    parser.add_argument("--checkpoint", required=True,
+                        help="run dir, checkpoint root, or a checkpoint step dir (newest committed is used)")
+    parser.add_argument("--prompt", default="\n", help="text to continue")
+    parser.add_argument("--tokens", type=int, default=200, help="number of tokens to generate")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=50, help="sample from the k most likely tokens (0 = all)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    args = parser.parse_args(argv)
+
+    from data_tools.tokenizers import get_tokenizer
+    from hpctrain.checkpoint import CheckpointManager
+    from hpctrain.dist import init_distributed, teardown
+    from hpctrain.model import GPT, GPTConfig
+
+    init_distributed("gloo", timeout_s=120)
+    try:
+        path = _resolve(Path(args.checkpoint))
+        mgr = CheckpointManager(path.parent, keep=1, rank=0, world_size=1)
+        extra = json.loads((path / "trainer_state.json").read_text())
+        m = extra["config"]["model"]
+        model = GPT(GPTConfig(m["n_layer"], m["n_head"], m["n_embd"], m["block_size"], m["vocab_size"]))
+        state = {"model": model.state_dict()}
+        mgr.load(path, state)  # loads only the keys present: the model, not the optimizer
+        model.load_state_dict(state["model"])
+        model.eval()
+        tok = get_tokenizer(extra["tokenizer"]["name"])
+        ids = tok.encode(args.prompt)
+        if len(ids) == 0:
+            ids = [extra["tokenizer"]["eot_id"]]
+        gen = torch.Generator().manual_seed(args.seed)
+        out = model.generate(torch.tensor([list(ids)], dtype=torch.long), args.tokens,
+                             temperature=args.temperature, top_k=args.top_k or None, generator=gen)
+        print(f"# checkpoint {path} (step {extra['step']})")
+        print(tok.decode(out[0].tolist()))
+    finally:
+        teardown()
+    return 0

@@ -1,0 +1,84 @@
+"""The trainer's view of the data: verified shards -> global sampler -> this rank's micro-batches.
+
+Owns: checking the dataset once at start (checksums spread over all ranks, one agreed verdict), the
+global batch size, and turning the sampler's global indices into this data-parallel rank's
+micro-batches on the training device. The sample order itself lives in `hpctrain.data.sampler` and
+does not depend on the data-parallel size.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from data_tools.format import DataError, read_manifest
+from data_tools.verify import verify_dataset
+from hpctrain.config import Config
+from hpctrain.dist import DistContext
+from hpctrain.dist.mesh import Mesh
+from hpctrain.errors import ConfigError
+from hpctrain.data import GlobalSampler, TokenShards, split_for_rank
+
+
+def verify_everywhere(path: str, ctx: DistContext, checksums: bool) -> None:
+    """Each rank checks every world_size-th shard; all ranks raise the same first problem."""
+    manifest = read_manifest(path)
+    n = len(manifest["shards"])
+    mine = list(range(ctx.rank, n, ctx.world_size))
+    problems = verify_dataset(path, shard_indices=mine, checksums=checksums) if mine else []
+    every = [p for rank_problems in ctx.comm.allgather(problems) for p in rank_problems]
+    if every:
+        extra = f" (+{len(every) - 1} more problems; run `data_tools verify {path}`)" if len(every) > 1 else ""
+        raise DataError(every[0] + extra)
+
+
+class TrainData:
+    def __init__(self, cfg: Config, ctx: DistContext, mesh: Mesh):
+        self.cfg, self.ctx = cfg, ctx
+        self.dp_rank, self.dp_size = mesh.dp_rank, mesh.dp_size
+        t, m = cfg.train, cfg.model
+        verify_everywhere(cfg.data.path, ctx, checksums=cfg.data.verify == "checksum")
+        manifest = read_manifest(cfg.data.path)
+        tok = manifest["tokenizer"]
+        self.tokenizer_info = dict(tok)
+        if tok["vocab_size"] > m.vocab_size:
+            raise ConfigError(f"config key 'model.vocab_size': {m.vocab_size} is smaller than the "
+                              f"dataset's vocab size {tok['vocab_size']} ({cfg.data.path})")
+        self.train = TokenShards(cfg.data.path, cfg.data.train_split, m.block_size)
+        self.val = self._open_optional(cfg.data.val_split)
+        self.micro_batch, self.grad_accum = t.micro_batch_size, t.grad_accum
+        self.global_batch = self.micro_batch * self.grad_accum * self.dp_size
+        self.sampler = GlobalSampler(len(self.train), self.global_batch, t.seed)
+
+    def _open_optional(self, split: str):
+        try:
+            shards = TokenShards(self.cfg.data.path, split, self.cfg.model.block_size)
+        except DataError as e:
+            if "no shards" in str(e) or "split" in str(e):
+                return None
+            raise
+        return shards if len(shards) > 0 else None
+
+    def _to_device(self, batch: torch.Tensor) -> torch.Tensor:
+        if self.ctx.device.type == "cuda":
+            return batch.pin_memory().to(self.ctx.device, non_blocking=True)
+        return batch
+
+    def next_train_micro_batches(self) -> list[torch.Tensor]:
+        indices = self.sampler.next_indices()
+        parts = split_for_rank(indices, self.dp_rank, self.dp_size, self.micro_batch, self.grad_accum)
+        return [self._to_device(self.train.batch(p)) for p in parts]
+
+    def val_micro_batches(self) -> list[torch.Tensor] | None:
+        """The same evaluation set every time: `eval_batches` micro-batches per rank spread evenly
+        over the validation split (independent of the step, so val losses are comparable)."""
+        if self.val is None:
+            return None
+        n_eval = self.cfg.train.eval_batches
+        total = min(len(self.val), n_eval * self.micro_batch * self.dp_size)
+        per_micro = total // (n_eval * self.dp_size)
+        if per_micro == 0:
+            return None
+        total = per_micro * n_eval * self.dp_size
+        indices = np.linspace(0, len(self.val) - 1, total).astype(np.int64)
+        parts = split_for_rank(indices, self.dp_rank, self.dp_size, per_micro, n_eval)
+        return [self._to_device(self.val.batch(p)) for p in parts]

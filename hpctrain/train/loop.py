@@ -1,0 +1,199 @@
+"""The training loop. It reads like the algorithm:
+
+config -> bootstrap -> mesh -> data -> model, parallelized from outside -> resume if a committed
+checkpoint exists -> loop { batch -> forward/backward over micro-batches -> clip -> step -> metrics ->
+maybe validate -> maybe checkpoint -> maybe stop } -> final checkpoint -> teardown.
+
+Owns: the order of those steps and the trainer state that goes into a checkpoint (step, sampler
+position, RNG). It must never parse MPI/Slurm environment (bootstrap does), build parallel wrappers
+(parallelize does) or write checkpoint files itself (the checkpoint manager does).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from hpctrain import config as config_mod
+from hpctrain.checkpoint import CheckpointManager
+from hpctrain.config import Config
+from hpctrain.dist import DistContext
+from hpctrain.dist.mesh import Mesh, ParallelDims
+from hpctrain.errors import ConfigError
+from hpctrain.metrics import MetricsLog, measure_peak_flops
+from hpctrain.model import GPT, GPTConfig
+from hpctrain.parallel import grad_sync_context, parallelize
+from hpctrain.train import rng
+from hpctrain.train.data import TrainData
+from hpctrain.train.optim import build_optimizer, lr_at, set_lr
+
+
+def log(ctx: DistContext, msg: str) -> None:
+    if ctx.is_main:
+        print(msg, file=sys.stderr, flush=True)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, ctx: DistContext):
+        self.cfg, self.ctx = cfg, ctx
+        t = cfg.train
+        self.mesh = Mesh(ParallelDims.from_world(ctx.world_size), ctx)
+        self.data = TrainData(cfg, ctx, self.mesh)
+        torch.manual_seed(t.seed)  # identical initial weights on every rank
+        m = cfg.model
+        self.model_cfg = GPTConfig(m.n_layer, m.n_head, m.n_embd, m.block_size, m.vocab_size, m.dropout)
+        self.raw_model = GPT(self.model_cfg).to(ctx.device)
+        self.model = parallelize(self.raw_model, self.mesh, cfg)
+        self.optimizer = build_optimizer(self.model, t)
+        self.ckpt = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep, ctx.rank, ctx.world_size)
+        self.autocast = (torch.autocast(ctx.device.type, dtype=torch.bfloat16)
+                         if t.precision == "bf16" else contextlib.nullcontext())
+        self.step = 0
+        rng.seed_rank(t.seed, ctx.rank)
+
+    # ---- checkpoint state -------------------------------------------------------------------
+    def _tensor_state(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def save(self) -> None:
+        t0 = time.perf_counter()
+        rngs = self.ctx.comm.allgather(rng.capture())
+        extra = {"step": self.step, "sampler": self.data.sampler.state_dict(), "rng": rngs,
+                 "world_size": self.ctx.world_size, "config": self.cfg.to_dict(),
+                 "tokenizer": self.data.tokenizer_info}
+        path = self.ckpt.save(self.step, self._tensor_state(), extra)
+        log(self.ctx, f"checkpoint: step {self.step} -> {path} ({time.perf_counter() - t0:.2f}s)")
+
+    def maybe_resume(self) -> None:
+        path = self.ckpt.latest()
+        if path is None:
+            return
+        state = self._tensor_state()
+        extra = self.ckpt.load(path, state)
+        _check_same_model(extra["config"]["model"], self.cfg.to_dict()["model"], path)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        self.step = int(extra["step"])
+        self.data.sampler.load_state_dict(extra["sampler"])
+        saved = extra["rng"]
+        if extra["world_size"] == self.ctx.world_size:
+            rng.restore(saved[self.ctx.rank])
+        else:  # another world size: fresh but deterministic dropout streams
+            rng.seed_rank(self.cfg.train.seed + self.step, self.ctx.rank)
+        log(self.ctx, f"resumed from {path} at step {self.step}")
+
+    # ---- one optimizer step -----------------------------------------------------------------
+    def train_step(self) -> tuple[float, float]:
+        t = self.cfg.train
+        micro_batches = self.data.next_train_micro_batches()
+        self.model.train()
+        loss_sum = torch.zeros((), device=self.ctx.device)
+        for i, tokens in enumerate(micro_batches):
+            x, y = tokens[:, :-1], tokens[:, 1:]
+            with grad_sync_context(self.model, sync=i == len(micro_batches) - 1):
+                with self.autocast:
+                    logits = self.model(x)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+                (loss / t.grad_accum).backward()
+            loss_sum += loss.detach()
+        if t.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters()
+                                                       if p.grad is not None])
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_avg = loss_sum / t.grad_accum
+        dist.all_reduce(loss_avg, op=dist.ReduceOp.AVG, group=self.mesh.group("dp"))
+        return loss_avg.item(), float(grad_norm)
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        batches = self.data.val_micro_batches()
+        if batches is None:
+            return None
+        self.model.eval()
+        total = torch.zeros((), device=self.ctx.device)
+        for tokens in batches:
+            with self.autocast:
+                logits = self.model(tokens[:, :-1])
+            total += F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        total /= len(batches)
+        dist.all_reduce(total, op=dist.ReduceOp.AVG, group=self.mesh.group("dp"))
+        return total.item()
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def fit(self) -> int:
+        cfg, ctx, t = self.cfg, self.ctx, self.cfg.train
+        self.maybe_resume()
+        end = t.stop_at_step or t.steps
+        if ctx.is_main:
+            Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+            (Path(cfg.run.dir) / "config.toml").write_text(config_mod.to_toml(cfg))
+        metrics = MetricsLog(Path(cfg.run.dir) / "metrics.jsonl", ctx.is_main, resume_step=self.step)
+        peak = self._peak_flops()
+        tokens_per_step = self.data.global_batch * cfg.model.block_size
+        flops_per_token = self.raw_model.flops_per_token()
+        log(ctx, f"training: {self.raw_model.num_params() / 1e6:.2f}M params, world {ctx.world_size} "
+                 f"({ctx.backend}, {ctx.threads} threads/rank), {tokens_per_step} tokens/step, "
+                 f"steps {self.step} -> {end} of {t.steps}")
+        last_saved = self.step if self.step > 0 else -1
+        t_start = time.perf_counter()
+        while self.step < end:
+            lr = lr_at(self.step, t)
+            set_lr(self.optimizer, lr)
+            t0 = time.perf_counter()
+            loss, grad_norm = self.train_step()
+            dt = time.perf_counter() - t0
+            self.step += 1
+            tok_s = tokens_per_step / dt
+            rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                   "tokens_per_s": tok_s, "mfu": flops_per_token * tok_s / (peak * ctx.world_size),
+                   "step_time_s": dt, "epoch": self.data.sampler.state_dict()["epoch"]}
+            if t.eval_interval and (self.step % t.eval_interval == 0 or self.step == t.steps):
+                val = self.evaluate()
+                if val is not None:
+                    rec["val_loss"] = val
+            metrics.write(rec)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss} at step {self.step}")
+            if ctx.is_main and (self.step % t.log_interval == 0 or self.step == end):
+                eta = (time.perf_counter() - t_start) / max(1, self.step - (last_saved if last_saved > 0 else 0)) * (end - self.step)
+                val_txt = f" val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
+                log(ctx, f"step {self.step}/{end} loss {loss:.4f}{val_txt} lr {lr:.2e} "
+                         f"{tok_s:,.0f} tok/s mfu {rec['mfu']:.1%} eta {eta:.0f}s")
+            if self.step % cfg.checkpoint.interval == 0 or self.step == end:
+                self.save()
+                last_saved = self.step
+        if last_saved != self.step:
+            self.save()
+        metrics.close()
+        if t.stop_at_step and self.step < t.steps:
+            log(ctx, f"stopped at train.stop_at_step={t.stop_at_step}; rerun the same command to resume")
+        return 0
+
+    def _peak_flops(self) -> float:
+        dtype = torch.bfloat16 if self.cfg.train.precision == "bf16" else torch.float32
+        peak = torch.tensor(measure_peak_flops(self.ctx.device, dtype), dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.AVG)
+        return float(peak)
+
+
+def _check_same_model(saved: dict, current: dict, path) -> None:
+    diff = [k for k in current if saved.get(k) != current[k] and k != "dropout"]
+    if diff:
+        k = diff[0]
+        raise ConfigError(f"config key 'model.{k}': {current[k]!r} differs from checkpoint {path} "
+                          f"({saved.get(k)!r}); use a new run.dir to train a different model")
+
+
+def train(cfg: Config, ctx: DistContext) -> int:
+    return Trainer(cfg, ctx).fit()

@@ -1,0 +1,40 @@
+"""Optimizer and learning-rate schedule.
+
+Owns: AdamW with decoupled weight decay on matrices only (not biases, norms), and the warmup + cosine
+schedule as a pure function of the step, so resuming needs no scheduler state.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from hpctrain.config import TrainConfig
+
+
+def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": t.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    # foreach: one fused multi-tensor update per group (the fused kernel is CUDA-only on this torch).
+    fused = next(model.parameters()).is_cuda
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,
+                             fused=fused or None, foreach=None if fused else True)
+
+
+def lr_at(step: int, t: TrainConfig) -> float:
+    """Learning rate for the optimizer step with 0-based index `step` (linear warmup, cosine decay)."""
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    span = max(1, t.steps - t.warmup_steps)
+    progress = min(1.0, (step - t.warmup_steps) / span)
+    return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.lr - t.min_lr)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

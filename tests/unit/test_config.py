@@ -1,0 +1,101 @@
+"""Config: TOML + overrides -> dataclasses; every bad input is one ConfigError naming the key."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpctrain import config
+from hpctrain.errors import ConfigError
+
+MINIMAL = """
+[run]
+dir = "runs/x"
+[data]
+path = "data/x"
+[model]
+n_layer = 2
+n_head = 2
+n_embd = 32
+block_size = 16
+vocab_size = 257
+[train]
+steps = 10
+micro_batch_size = 4
+"""
+
+
+@pytest.fixture
+def toml(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text(MINIMAL)
+    return p
+
+
+def test_load_defaults_and_overrides(toml):
+    cfg = config.load(toml, ["--train.steps=40", "--train.lr", "3e-4", "--train.precision=bf16",
+                             "--checkpoint.keep=5"])
+    assert cfg.train.steps == 40 and cfg.train.lr == 3e-4 and cfg.train.precision == "bf16"
+    assert cfg.checkpoint.keep == 5 and cfg.train.grad_accum == 1
+    assert cfg.checkpoint_dir == Path("runs/x/checkpoints")
+
+
+def test_roundtrip_through_toml(toml, tmp_path):
+    cfg = config.load(toml, ["--train.stop_at_step=5"])
+    again = tmp_path / "again.toml"
+    again.write_text(config.to_toml(cfg))
+    assert config.load(again) == cfg
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["--train.stepz=3"], "train.stepz"),
+    (["--bogus.x=1"], "bogus"),
+    (["--train.steps=abc"], "train.steps"),
+    (["--train.lr=fast"], "train.lr"),
+    (["--train.precision=fp8"], "train.precision"),
+    (["--model.n_head=3"], "model.n_head"),
+    (["--train.stop_at_step=11"], "train.stop_at_step"),
+    (["train.steps=3"], "train.steps=3"),
+])
+def test_bad_input_names_the_key(toml, overrides, key):
+    with pytest.raises(ConfigError) as e:
+        config.load(toml, overrides)
+    msg = str(e.value)
+    assert key in msg and "\n" not in msg
+
+
+def test_missing_required_key(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text(MINIMAL.replace('path = "data/x"\n', ""))
+    with pytest.raises(ConfigError, match="missing required config key 'data.path'"):
+        config.load(p)
+
+
+def test_unknown_key_in_file(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text(MINIMAL + "bogus_key = 1\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.bogus_key' in .*c.toml"):
+        config.load(p)
+
+
+def test_wrong_type_in_file(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text(MINIMAL.replace("steps = 10", 'steps = "ten"'))
+    with pytest.raises(ConfigError, match="config key 'train.steps': expected int, got 'ten'"):
+        config.load(p)
+
+
+def test_cli_reports_one_line_and_exit_2(toml):
+    r = subprocess.run([sys.executable, "-m", "hpctrain", "train", "--config", str(toml),
+                        "--train.nope=1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"error: unknown config key 'train.nope' in {toml}"
+
+
+def test_help_lists_every_key():
+    r = subprocess.run([sys.executable, "-m", "hpctrain", "train", "--help"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0
+    for key in ("--run.dir", "--data.path", "--model.n_layer", "--train.stop_at_step",
+                "--train.precision", "--checkpoint.interval", "--checkpoint.keep", "--dist.timeout_s"):
+        assert key in r.stdout
