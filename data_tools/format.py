@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hpctrain.errors import UserError
+
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 SPLITS = ("train", "val")
@@ -33,7 +35,7 @@ MANIFEST_KEYS = ("format_version", "tokenizer", "dtype", "seed", "val_fraction",
 SHARD_KEYS = ("file", "split", "n_tokens", "n_docs", "bytes", "sha256")
 
 
-class DataError(Exception):
+class DataError(UserError):
     """A problem with a dataset or its inputs.  ``str(e)`` is ONE line starting with the path.
 
     ``DataError(path, problem)`` renders as ``"{path}: {problem}"``; ``DataError(message)`` keeps
@@ -248,6 +250,13 @@ def read_manifest(root: str) -> dict:
         raise DataError(path, f"eot_id {tok['eot_id']} outside vocab_size {tok['vocab_size']}")
     if m["dtype"] != token_dtype(tok["vocab_size"]).name:
         raise DataError(path, f"dtype {m['dtype']!r} wrong for vocab_size {tok['vocab_size']}")
+    for key in ("n_documents", "n_tokens"):
+        d = m[key]
+        if not (isinstance(d, dict) and all(isinstance(d.get(sp, 0), int) for sp in SPLITS)):
+            raise DataError(path, f"{key} must map each split to an int")
+    if not (isinstance(m["shard_tokens"], int) and m["shard_tokens"] > 0
+            and isinstance(m["seed"], int) and isinstance(m["shards"], list)):
+        raise DataError(path, "shard_tokens/seed must be ints and shards a list")
     seen = set()
     for i, s in enumerate(m["shards"]):
         if not isinstance(s, dict) or any(k not in s for k in SHARD_KEYS):
@@ -255,8 +264,10 @@ def read_manifest(root: str) -> dict:
         match = SHARD_RE.match(str(s["file"]))
         if not match or match.group(1) != s["split"] or s["file"] in seen:
             raise DataError(path, f"shards[{i}] has a bad or duplicate file name {s['file']!r}")
-        if not (isinstance(s["n_tokens"], int) and s["n_tokens"] > 0):
-            raise DataError(path, f"shards[{i}] n_tokens must be a positive int")
+        if not (isinstance(s["n_tokens"], int) and s["n_tokens"] > 0 and isinstance(s["n_docs"], int)
+                and isinstance(s["bytes"], int) and isinstance(s["sha256"], str)):
+            raise DataError(path, f"shards[{i}] needs positive int n_tokens, int n_docs/bytes, "
+                                  f"str sha256")
         seen.add(s["file"])
     for split in SPLITS:
         got = sum(s["n_tokens"] for s in m["shards"] if s["split"] == split)

@@ -10,7 +10,7 @@ NP=${NP:-2}
 echo "== 1/4 shard the Shakespeare plays (GPT-2 BPE) into $DATA"
 if ! python -m data_tools verify "$DATA" >/dev/null 2>&1; then
   rm -rf "$DATA"
-  python -m data_tools shard --input "$(python -m data_tools.corpora shakespeare)" \
+  python -m data_tools shard --input $(python -m data_tools.corpora shakespeare) \
       --output "$DATA" --tokenizer gpt2 --val-fraction 0.05 --seed 1
 fi
 python -m data_tools inspect "$DATA"

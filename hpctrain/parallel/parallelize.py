@@ -17,9 +17,7 @@ from hpctrain.dist.mesh import Mesh
 
 def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> nn.Module:
     if mesh.dp_size > 1:
-        # broadcast_buffers=False: the GPT has no buffers that change during training.
-        model = DDP(model, process_group=mesh.group("dp"), broadcast_buffers=False,
-                    gradient_as_bucket_view=True)
+        model = DDP(model, process_group=mesh.group("dp"), gradient_as_bucket_view=True)
     return model
 
 

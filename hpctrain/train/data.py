@@ -7,10 +7,12 @@ does not depend on the data-parallel size.
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import torch
 
-from data_tools.format import DataError, read_manifest
+from data_tools.format import DataError, read_manifest, shards_of
 from data_tools.verify import verify_dataset
 from hpctrain.config import Config
 from hpctrain.dist import DistContext
@@ -37,8 +39,8 @@ class TrainData:
         self.dp_rank, self.dp_size = mesh.dp_rank, mesh.dp_size
         t, m = cfg.train, cfg.model
         verify_everywhere(cfg.data.path, ctx, checksums=cfg.data.verify == "checksum")
-        manifest = read_manifest(cfg.data.path)
-        tok = manifest["tokenizer"]
+        self.manifest = read_manifest(cfg.data.path)
+        tok = self.manifest["tokenizer"]
         self.tokenizer_info = dict(tok)
         if tok["vocab_size"] > m.vocab_size:
             raise ConfigError(f"config key 'model.vocab_size': {m.vocab_size} is smaller than the "
@@ -50,13 +52,15 @@ class TrainData:
         self.sampler = GlobalSampler(len(self.train), self.global_batch, t.seed)
 
     def _open_optional(self, split: str):
-        try:
-            shards = TokenShards(self.cfg.data.path, split, self.cfg.model.block_size)
-        except DataError as e:
-            if "no shards" in str(e) or "split" in str(e):
-                return None
-            raise
-        return shards if len(shards) > 0 else None
+        """The validation split, or None (with a warning) when it is empty or too short."""
+        entries = shards_of(self.manifest, split)
+        longest = max((e["n_tokens"] for e in entries), default=0)
+        if longest <= self.cfg.model.block_size:
+            if self.ctx.is_main:
+                print(f"warning: {self.cfg.data.path}: split '{split}' has no window of "
+                      f"{self.cfg.model.block_size + 1} tokens; validation is off", file=sys.stderr)
+            return None
+        return TokenShards(self.cfg.data.path, split, self.cfg.model.block_size)
 
     def _to_device(self, batch: torch.Tensor) -> torch.Tensor:
         if self.ctx.device.type == "cuda":

@@ -11,6 +11,7 @@ position, RNG). It must never parse MPI/Slurm environment (bootstrap does), buil
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import sys
 import time
@@ -76,9 +77,10 @@ class Trainer:
         path = self.ckpt.latest()
         if path is None:
             return
+        saved_cfg = json.loads((path / "trainer_state.json").read_text())["config"]
+        _check_same_model(saved_cfg["model"], self.cfg.to_dict()["model"], path)
         state = self._tensor_state()
         extra = self.ckpt.load(path, state)
-        _check_same_model(extra["config"]["model"], self.cfg.to_dict()["model"], path)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         self.step = int(extra["step"])

