@@ -66,6 +66,11 @@ class TrainConfig:
     eval_interval: int = field(default=50, metadata={"help": "validation every N steps and at the end (0 = never)"})
     eval_batches: int = field(default=8, metadata={"help": "micro-batches per rank per validation"})
     log_interval: int = field(default=10, metadata={"help": "print a progress line every N steps (rank 0)"})
+    max_bad_steps: int = field(default=5, metadata={
+        "help": "a non-finite loss or grad norm skips the step; this many in a row stops the run "
+                "(the last checkpoint stays the newest)"})
+    inject_nan_at_step: int = field(default=0, metadata={
+        "help": "TEST ONLY: make the loss NaN on the last rank at this step (0 = never)"})
 
 
 @dataclass
@@ -73,12 +78,38 @@ class CheckpointConfig:
     interval: int = field(default=100, metadata={"help": "save every N steps (and always at the end / stop)"})
     keep: int = field(default=3, metadata={"help": "committed checkpoints to keep (newest)"})
     dir: str = field(default="", metadata={"help": "checkpoint root (default: <run.dir>/checkpoints)"})
+    async_save: bool = field(default=False, metadata={
+        "help": "write checkpoints in the background (the step loop pays only a copy to host memory);"
+                " TOML may spell it `async`"})
 
 
 @dataclass
 class DistConfig:
     backend: str = field(default="auto", metadata={"help": "auto (nccl if CUDA, else gloo) | nccl | gloo"})
     timeout_s: float = field(default=300.0, metadata={"help": "collective timeout in seconds"})
+    heartbeat_timeout_s: float = field(default=60.0, metadata={
+        "help": "a rank silent this long (dead, hung, unreachable) ends the job with an error naming "
+                "it (0 = off)"})
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = field(default=0, metadata={
+        "help": "data-parallel size (0 = world / (tp * pp)); dp * tp * pp must equal the world size"})
+    tp: int = field(default=1, metadata={
+        "help": "tensor-parallel size (innermost mesh axis: keep it <= GPUs per node); divides n_head"})
+    pp: int = field(default=1, metadata={"help": "pipeline-parallel stages (outermost mesh axis)"})
+    data_parallel: str = field(default="ddp", metadata={
+        "help": "ddp (replicated weights, all-reduce) | fsdp (FSDP2 fully_shard: sharded weights, "
+                "grads and optimizer state over dp)"})
+    pp_schedule: str = field(default="1f1b", metadata={
+        "help": "gpipe | 1f1b | interleaved (micro-batches per step = train.grad_accum)"})
+    pp_virtual_stages: int = field(default=2, metadata={
+        "help": "model chunks per pipeline rank with pp_schedule = 'interleaved'"})
+    activation_checkpoint: str = field(default="none", metadata={
+        "help": "none | full (recompute every block in backward) | selective (every ac_every-th block)"})
+    ac_every: int = field(default=2, metadata={
+        "help": "with activation_checkpoint = 'selective': checkpoint blocks 0, N, 2N, ..."})
 
 
 @dataclass
@@ -89,6 +120,7 @@ class Config:
     train: TrainConfig
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self) -> "Config":
         m, t = self.model, self.train
@@ -105,8 +137,12 @@ class Config:
         _check(0 <= t.warmup_steps <= t.steps, "train.warmup_steps", "must be in [0, train.steps]")
         _check(self.checkpoint.interval >= 1, "checkpoint.interval", "must be >= 1")
         _check(self.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
+        _check(t.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1")
+        _check(t.inject_nan_at_step >= 0, "train.inject_nan_at_step", "must be >= 0")
+        _check(self.dist.heartbeat_timeout_s >= 0, "dist.heartbeat_timeout_s", "must be >= 0")
         _check(self.data.verify in ("checksum", "size"), "data.verify", "expected checksum or size")
         _check(self.dist.backend in ("auto", "nccl", "gloo"), "dist.backend", "expected auto, nccl or gloo")
+        _validate_parallel(self.parallel, m)
         return self
 
     @property
@@ -115,6 +151,33 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _validate_parallel(p: ParallelConfig, m: ModelConfig) -> None:
+    """Layout checks that need no world size (the mesh checks dp * tp * pp == world)."""
+    _check(p.dp >= 0, "parallel.dp", f"{p.dp}: must be >= 0 (0 = derived from the world size)")
+    _check(p.tp >= 1, "parallel.tp", f"{p.tp}: must be >= 1")
+    _check(p.pp >= 1, "parallel.pp", f"{p.pp}: must be >= 1")
+    _check(p.data_parallel in ("ddp", "fsdp"), "parallel.data_parallel",
+           f"{p.data_parallel!r}: expected ddp or fsdp")
+    _check(p.pp_schedule in ("gpipe", "1f1b", "interleaved"), "parallel.pp_schedule",
+           f"{p.pp_schedule!r}: expected gpipe, 1f1b or interleaved")
+    _check(p.pp_virtual_stages >= 1, "parallel.pp_virtual_stages", "must be >= 1")
+    _check(p.activation_checkpoint in ("none", "full", "selective"), "parallel.activation_checkpoint",
+           f"{p.activation_checkpoint!r}: expected none, full or selective")
+    _check(p.ac_every >= 1, "parallel.ac_every", "must be >= 1")
+    _check(m.n_head % p.tp == 0, "parallel.tp",
+           f"tp={p.tp} must divide model.n_head={m.n_head} (each rank holds n_head / tp heads)")
+    _check(m.block_size % p.tp == 0, "parallel.tp",
+           f"tp={p.tp} must divide model.block_size={m.block_size} (sequence parallelism)")
+    stages = p.pp * (p.pp_virtual_stages if p.pp_schedule == "interleaved" and p.pp > 1 else 1)
+    _check(stages <= m.n_layer, "parallel.pp",
+           f"pp={p.pp} x virtual stages gives {stages} pipeline stages but model.n_layer={m.n_layer}: "
+           f"every stage needs at least one block")
+
+
+# Spellings accepted for a key: TOML `async` is a Python keyword, so the field is `async_save`.
+ALIASES = {"checkpoint.async": "async_save"}
 
 
 def _check(ok: bool, key: str, msg: str) -> None:
@@ -170,6 +233,7 @@ def from_dict(raw: dict, source: str = "config") -> Config:
         known = {f.name: f for f in dataclasses.fields(cls)}
         kwargs = {}
         for key, value in values.items():
+            key = ALIASES.get(f"{name}.{key}", key)
             if key not in known:
                 raise ConfigError(f"unknown config key '{name}.{key}' in {source}")
             kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])

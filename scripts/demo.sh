@@ -3,27 +3,27 @@
 # -> stop at a checkpoint -> resume to the end -> print generated text. Expects the venv on PATH.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DATA=data/shakespeare
+DATA=data/shakespeare_bytes
 RUN=runs/demo
 NP=${NP:-2}
 
-echo "== 1/4 shard the Shakespeare plays (GPT-2 BPE) into $DATA"
+echo "== 1/4 shard the Shakespeare plays (byte tokenizer) into $DATA"
 if ! python -m data_tools verify "$DATA" >/dev/null 2>&1; then
   rm -rf "$DATA"
   python -m data_tools shard --input $(python -m data_tools.corpora shakespeare) \
-      --output "$DATA" --tokenizer gpt2 --val-fraction 0.05 --seed 1
+      --output "$DATA" --tokenizer bytes --val-fraction 0.05 --seed 1
 fi
 python -m data_tools inspect "$DATA"
 
-echo "== 2/4 train on $NP ranks, stopping at step 150 (a checkpoint is committed there)"
+echo "== 2/4 train on $NP ranks, stopping at step 200 (a checkpoint is committed there)"
 rm -rf "$RUN"
-mpiexec -n "$NP" python -m hpctrain train --config configs/demo.toml --train.stop_at_step=150
+mpiexec -n "$NP" python -m hpctrain train --config configs/demo.toml --train.stop_at_step=200
 
 echo "== 3/4 resume: the same command without the stop resumes from the newest checkpoint"
 mpiexec -n "$NP" python -m hpctrain train --config configs/demo.toml
 
 echo "== 4/4 sample from the final checkpoint"
-python -m hpctrain sample --checkpoint "$RUN" --prompt "ROMEO:" --tokens 120 --seed 1
+python -m hpctrain sample --checkpoint "$RUN" --prompt "ROMEO:" --tokens 300 --seed 1
 python - <<'PY'
 import json
 recs = [json.loads(l) for l in open("runs/demo/metrics.jsonl")]

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpctrain.checkpoint import faults
 from hpctrain.errors import UserError
 
 FORMAT = "hpctrain-checkpoint"
@@ -169,7 +170,7 @@ def check_checkpoint(ckpt: Path, full: bool = False):
 
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
-        return [f"not a directory"], None, None
+        return ["not a directory"], None, None
     try:
         commit = read_commit(ckpt)
     except CheckpointError as e:
@@ -179,11 +180,17 @@ def check_checkpoint(ckpt: Path, full: bool = False):
     if parsed and parsed[0] != commit["step"]:
         problems.append(f"{COMMIT_FILE} says step {commit['step']}, directory name says {parsed[0]}")
     files = commit["files"]
+    outside = [rel for rel in files if os.path.isabs(rel) or ".." in Path(rel).parts]
+    if outside:
+        return [f"{COMMIT_FILE} lists files outside the checkpoint: {outside[:3]}"], commit, None
     for name in SMALL_FILES:
         if name not in files:
             problems.append(f"{COMMIT_FILE} does not list {name}")
     for rel, entry in sorted(files.items()):
         p = ckpt / rel
+        if not isinstance(entry, dict):
+            problems.append(f"{COMMIT_FILE} entry for {rel} is malformed")
+            continue
         try:
             size = os.stat(p).st_size
         except FileNotFoundError:
@@ -202,15 +209,22 @@ def check_checkpoint(ckpt: Path, full: bool = False):
         return problems, commit, None
     try:
         state = json.loads((ckpt / TRAINER_STATE_FILE).read_bytes())
-        if not isinstance(state, dict):
-            problems.append(f"{TRAINER_STATE_FILE} is not a JSON object")
+    except (ValueError, OSError) as e:
+        return [f"{TRAINER_STATE_FILE} unreadable ({e})"], commit, None
+    if not isinstance(state, dict):
+        return [f"{TRAINER_STATE_FILE} is not a JSON object"], commit, None
+    try:
         metadata = read_metadata(ckpt / DCP_METADATA_FILE)
-    except (ValueError, OSError, CheckpointError) as e:
-        return problems + [str(e)], commit, None
-    ends: dict[str, int] = {}
-    for info in metadata.storage_data.values():
-        rel = str(info.relative_path)
-        ends[rel] = max(ends.get(rel, 0), int(info.offset) + int(info.length))
+        ends: dict[str, int] = {}
+        for info in metadata.storage_data.values():
+            rel = str(info.relative_path)
+            if os.path.isabs(rel) or ".." in Path(rel).parts:
+                return [f".metadata points outside the checkpoint: {rel}"], commit, None
+            ends[rel] = max(ends.get(rel, 0), int(info.offset) + int(info.length))
+    except CheckpointError as e:
+        return [str(e)], commit, None
+    except (AttributeError, TypeError, ValueError) as e:
+        return [f".metadata is malformed ({type(e).__name__}: {e})"], commit, None
     for rel, end in sorted(ends.items()):
         if rel not in files:
             problems.append(f".metadata refers to {rel}, which {COMMIT_FILE} does not list")
@@ -307,6 +321,7 @@ def remove_checkpoint(path: Path) -> None:
         shutil.rmtree(trash)
     os.rename(path, trash)
     fsync_dir(path.parent)
+    faults.hit("retention.renamed")
     shutil.rmtree(trash)
 
 
@@ -330,6 +345,7 @@ def install(tmp: Path, final: Path) -> None:
         if aside.exists() and not final.exists():
             os.rename(aside, final)
         raise
+    faults.hit("commit.renamed")
     fsync_dir(root)
     if aside.exists():
         remove_checkpoint(aside)

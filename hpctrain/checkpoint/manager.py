@@ -4,14 +4,19 @@ Owns: the order of operations across ranks (tmp dir -> every rank's DCP write ->
 COMMIT.json -> rename -> fsync -> retention), with tensors saved by torch.distributed.checkpoint (so
 resharding to another world size or layout comes from torch) and the rest as JSON (state.py), and
 turning any failure on any rank into the same one-line CheckpointError raised on every rank.
+`save_async` splits a save: validation, agreement and the copy to host memory on the caller's
+thread; write, agreement and commit in a background thread whose collectives use their own gloo
+group (never the training's), one save in flight at a time (background.py).
 
 It does not know the model's layout, and it must never: leave a rank waiting in a collective that
 another rank skipped (every rank-local failure is agreed on before the next step), touch a previously
-committed checkpoint while saving a new one (only retention deletes, after the commit), list
-directories on ranks other than 0, or unpickle file contents (see safe_load.py).
+committed checkpoint before the new one is completely written (a re-saved step's old copy is moved
+aside only at commit; retention deletes only after it), list directories on ranks other than 0, or
+unpickle file contents (see safe_load.py).
 """
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import os
@@ -19,21 +24,21 @@ import shutil
 import time
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from hpctrain.checkpoint import layout
+from hpctrain.checkpoint import background, faults, layout
 from hpctrain.checkpoint.layout import CheckpointError
 from hpctrain.checkpoint.safe_load import SafeFileSystemReader, TensorOnlyLoadPlanner
 from hpctrain.checkpoint.state import check_json, merge_values, split_state
 
 # ----------------------------------------------------------------------------------------------
-# Collectives (torch.distributed, any backend); identity when there is one process and no group
+# Failures: one line each, reported by the rank where they happened
 # ----------------------------------------------------------------------------------------------
 
 def _describe(exc: BaseException) -> str:
@@ -65,8 +70,12 @@ class _RecordingFileSystem(FileSystem):
     @contextmanager
     def create_stream(self, path, mode):
         try:
+            if "w" in mode:
+                faults.file_point("open", path)
             with super().create_stream(path, mode) as stream:
                 yield _RecordingStream(stream, self, path) if "w" in mode else stream
+            if "w" in mode:
+                faults.file_point("closed", path)
         except OSError as e:
             self._record(e, path)
             raise
@@ -81,16 +90,34 @@ class _RecordingFileSystem(FileSystem):
 class _RecordingStream:
     def __init__(self, stream, fs: _RecordingFileSystem, path):
         self._stream, self._fs, self._path = stream, fs, path
+        self._written = False
 
     def write(self, data):
         try:
-            return self._stream.write(data)
+            n = self._stream.write(data)
+            if not self._written:  # after the first chunk: a partial file (fault injection)
+                self._written = True
+                self._stream.flush()
+                faults.file_point("write", self._path)
+            return n
         except OSError as e:
             self._fs._record(e, self._path)
             raise
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
+
+
+@dataclass
+class _Job:
+    """One save between its phases: where it goes, and what (tensors possibly staged copies)."""
+    step: int
+    final: Path
+    tmp: Path
+    prefix: str
+    extra: dict
+    tensors: dict = field(default_factory=dict)
+    values_json: str = ""
 
 
 class CheckpointManager:
@@ -102,7 +129,7 @@ class CheckpointManager:
     """
 
     def __init__(self, root: str | os.PathLike, keep: int, rank: int, world_size: int, *,
-                 full_checksums: bool = False, writer_threads: int = 1):
+                 full_checksums: bool = False, writer_threads: int = 1, timeout_s: float = 300.0):
         if keep < 1:
             raise CheckpointError(f"checkpoint keep={keep}: must be >= 1")
         self.root = Path(root)
@@ -114,21 +141,25 @@ class CheckpointManager:
                              f"torch.distributed says {dist.get_rank()}/{dist.get_world_size()}")
         if not self._dist and world_size != 1:
             raise ValueError("CheckpointManager with world_size > 1 needs torch.distributed initialized")
-        self.last_save_s = self.last_load_s = 0.0
+        self.last_save_s = self.last_load_s = self.last_write_s = 0.0
+        self._timeout = datetime.timedelta(seconds=timeout_s)  # of the background group
+        self._bg_group = None                                   # made by the first save_async
+        self._inflight: background.InFlight | None = None
+        self._staging: dict = {}                                # reused host buffers (async)
 
-    # -- collectives -----------------------------------------------------------------------------
-    def _gather(self, obj) -> list:
+    # -- collectives (torch.distributed, any backend; identity with one process and no group) -----
+    def _gather(self, obj, group=None) -> list:
         if not self._dist:
             return [obj]
         out = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=group)
         return out
 
-    def _bcast(self, obj):
+    def _bcast(self, obj, group=None):
         if not self._dist:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=group)
         return box[0]
 
     def _raise_first(self, errs: list, prefix: str) -> None:
@@ -160,53 +191,111 @@ class CheckpointManager:
 
     def save(self, step: int, state: dict, extra: dict) -> Path:
         """Collective. Writes `state` (tensors via DCP; JSON-able leaves as JSON) and rank 0's
-        `extra` (JSON trainer state) as checkpoint `step`; returns its path once committed."""
+        `extra` (JSON trainer state) as checkpoint `step`; returns its path once committed.
+        An async save still in flight is finished (and its error raised) first."""
+        self.wait()
         t0 = time.perf_counter()
-        final = self.root / layout.step_dir_name(step if isinstance(step, int) else 0)
-        tmp = layout.tmp_path(final)
-        prefix = f"checkpoint save to {final}"
+        job = self._prepare(step, state, extra)
+        path = self._write_and_commit(job, group=None)
+        self.last_save_s = self.last_write_s = time.perf_counter() - t0
+        return path
 
-        # 1. validate on every rank; rank 0 clears a stale tmp for this step. Agree before writing.
+    def save_async(self, step: int, state: dict, extra: dict) -> None:
+        """Collective. Like `save`, but returns once the tensors are copied to host memory; a
+        background thread writes and commits them, with its collectives on a separate gloo group.
+        At most one save is in flight: this first waits for the previous one (raising its error on
+        every rank). Call `wait()` before exiting; `poll()` reports completion without blocking."""
+        self.wait()
+        t0 = time.perf_counter()
+        job = self._prepare(step, state, extra)
+        err = None
+        try:
+            job.tensors = background.stage(job.tensors, self._staging)
+            faults.hit("save.staged")
+        except Exception as e:  # noqa: BLE001 - agreed below
+            err = _failure(e, self.rank)
+        try:
+            self._agree(err, job.prefix)
+        except CheckpointError:
+            self._discard(job.tmp)
+            raise
+        if self._bg_group is None and self._dist:
+            self._bg_group = dist.new_group(backend="gloo", timeout=self._timeout)
+        self._inflight = background.InFlight(
+            lambda: self._write_and_commit(job, group=self._bg_group), name=f"checkpoint-{step}")
+        self.last_save_s = time.perf_counter() - t0
+
+    def wait(self) -> Path | None:
+        """Block until the in-flight async save is committed; its path, or None if there was none.
+        Raises its CheckpointError (the same on every rank: agreed in the background)."""
+        if self._inflight is None:
+            return None
+        job, self._inflight = self._inflight, None
+        path = job.result()
+        self.last_write_s = job.duration_s
+        return path
+
+    def poll(self) -> bool:
+        """True if no async save is in flight or the in-flight one has finished (never blocks)."""
+        return self._inflight is None or self._inflight.done()
+
+    def _prepare(self, step: int, state: dict, extra: dict) -> "_Job":
+        """Phase 1 (main thread, default group): validate on every rank, rank 0 creates a fresh
+        step_N.tmp; agree before anyone writes."""
+        faults.hit("save.begin")
+        final = self.root / layout.step_dir_name(step if isinstance(step, int) else 0)
+        job = _Job(step, final, layout.tmp_path(final), f"checkpoint save to {final}", extra)
         err = None
         try:
             if not isinstance(step, int) or step < 0:
                 raise CheckpointError(f"step must be an int >= 0, got {step!r}")
-            tensors, values = split_state(state)
+            job.tensors, values = split_state(state)
             # one [path, value] per line: readable, and identical bytes on every rank
-            values_json = "[\n" + ",\n".join(json.dumps(v, sort_keys=True) for v in values) + "\n]\n"
+            job.values_json = "[\n" + ",\n".join(json.dumps(v, sort_keys=True) for v in values) + "\n]\n"
             if self.rank == 0:
                 check_json(extra)
+                job.extra = json.loads(json.dumps(extra))  # a snapshot: the caller may mutate it
                 self.root.mkdir(parents=True, exist_ok=True)
-                if tmp.exists():
-                    shutil.rmtree(tmp)
-                tmp.mkdir()
+                if job.tmp.exists():
+                    shutil.rmtree(job.tmp)
+                job.tmp.mkdir()
                 layout.fsync_dir(self.root)
+                faults.hit("save.tmp_created")
         except Exception as e:  # noqa: BLE001 - reported on every rank below
             err = _failure(e, self.rank)
         steps = self._gather((err, step))
-        self._raise_first([e for e, _ in steps], prefix)
+        self._raise_first([e for e, _ in steps], job.prefix)
         if len({s for _, s in steps}) > 1:
-            raise CheckpointError(f"{prefix} failed: ranks disagree on the step: "
+            raise CheckpointError(f"{job.prefix} failed: ranks disagree on the step: "
                                   f"{[s for _, s in steps]}")
+        return job
 
+    def _write_and_commit(self, job: "_Job", group) -> Path:
+        """Phases 2-4 (any thread; collectives on `group`): DCP write, agreement, commit, retention."""
+        tmp, prefix = job.tmp, job.prefix
         # 2. every rank writes its DCP shards; rank 0 the JSON files. Agree on success.
-        digest, hashes = hashlib.sha256(values_json.encode()).hexdigest(), {}
+        digest, hashes = hashlib.sha256(job.values_json.encode()).hexdigest(), {}
         fs = _RecordingFileSystem()
         try:
             writer = dcp.FileSystemWriter(tmp, sync_files=True, thread_count=self.writer_threads)
             writer.fs = fs
+            faults.hit("save.before_write")
             with self._quiet():
-                metadata = dcp.save(tensors, storage_writer=writer, no_dist=not self._dist)
+                metadata = dcp.save(job.tensors, storage_writer=writer, no_dist=not self._dist,
+                                    process_group=group)
+            faults.hit("save.dcp_done")
             if self.full_checksums:
                 hashes = self._hash_my_share(tmp, metadata)
             if self.rank == 0:
-                layout.write_json_durably(tmp / layout.TRAINER_STATE_FILE, extra)
-                layout.write_bytes_durably(tmp / layout.NONTENSOR_FILE, values_json.encode())
+                layout.write_json_durably(tmp / layout.TRAINER_STATE_FILE, job.extra)
+                faults.hit("save.trainer_state")
+                layout.write_bytes_durably(tmp / layout.NONTENSOR_FILE, job.values_json.encode())
+                faults.hit("save.nontensor")
             err = None
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
             err = _failure(e, self.rank, fs.first_error)
         try:
-            results = self._gather((err, digest, hashes))
+            results = self._gather((err, digest, hashes), group)
             self._raise_first([e for e, _, _ in results], prefix)
             if any(d != results[0][1] for _, d, _ in results):
                 raise CheckpointError(f"{prefix} failed: non-tensor state entries (optimizer "
@@ -214,19 +303,23 @@ class CheckpointManager:
         except CheckpointError:
             self._discard(tmp)
             raise
+        faults.hit("save.agreed")
 
         # 3. rank 0 commits: COMMIT.json, fsync, rename into place, fsync root. Everyone learns.
         err = None
         if self.rank == 0:
             try:
                 data_sha = {k: v for _, _, h in results for k, v in h.items()}
-                layout.write_commit(tmp, step, self.world_size, data_sha)
+                layout.write_commit(tmp, job.step, self.world_size, data_sha)
+                faults.hit("commit.marker_written")
                 layout.fsync_dir(tmp)
-                layout.install(tmp, final)
+                faults.hit("commit.before_rename")
+                layout.install(tmp, job.final)
+                faults.hit("commit.done")
             except Exception as e:  # noqa: BLE001
                 err = _describe(e)
                 self._discard(tmp)
-        err = self._bcast(err)
+        err = self._bcast(err, group)
         if err:
             raise CheckpointError(f"{prefix} failed: {err}")
 
@@ -236,8 +329,8 @@ class CheckpointManager:
                 layout.prune(self.root, self.keep)
             except Exception as e:  # noqa: BLE001 - the new checkpoint is committed regardless
                 layout.warn(f"checkpoint retention in {self.root} failed: {_describe(e)}")
-        self.last_save_s = time.perf_counter() - t0
-        return final
+        faults.hit("save.end")
+        return job.final
 
     def load(self, path: str | os.PathLike, state: dict) -> dict:
         """Collective. Loads checkpoint `path` into `state` in place (tensors via DCP, resharded to

@@ -55,8 +55,11 @@ _ALLOWED: frozenset[tuple[str, str]] = frozenset({
     ("builtins", "set"),
     ("builtins", "frozenset"),
 })
-# torch.float32, torch.bfloat16, ...: pickled as globals of module `torch`.
-_TORCH_ENUM_TYPES = (torch.dtype, torch.layout, torch.memory_format)
+# torch.float32, torch.bfloat16, torch.strided, ...: pickled as globals of module `torch`. Listed
+# up front (no getattr on attacker-chosen names: torch's module __getattr__ imports submodules).
+_TORCH_CONSTANTS: frozenset[str] = frozenset(
+    name for name, v in vars(torch).items()
+    if isinstance(v, (torch.dtype, torch.layout, torch.memory_format)))
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
@@ -67,8 +70,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_ENUM_TYPES):
-            return getattr(torch, name)
+        if module == "torch" and name in _TORCH_CONSTANTS:
+            return vars(torch)[name]
         raise UnsafeCheckpointError(
             f"{self._source}: refusing to unpickle {module}.{name} (only DCP metadata classes "
             f"are allowed; this file was not written by torch.distributed.checkpoint, or was "

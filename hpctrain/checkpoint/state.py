@@ -65,7 +65,9 @@ def split_state(state: dict) -> tuple[dict, list]:
             for k, v in items:
                 if isinstance(node, dict) and not isinstance(k, str):
                     raise CheckpointError(f"state key {k!r} under {'.'.join(map(str, path)) or 'top'}"
-                                          f" is a {type(k).__name__}; DCP needs str keys")
+                                          f" is a {type(k).__name__}; DCP state dicts have str keys (build"
+                                          f" it with torch.distributed.checkpoint.state_dict."
+                                          f"get_state_dict)")
                 sub = walk(v, path + [k])
                 if sub is not None:
                     out[str(k)] = sub

@@ -19,11 +19,16 @@ EXIT_USER_ERROR = 2
 EXIT_BUG = 1
 
 
+LAUNCHER_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+
+
 def _world():
-    """(rank, size, comm) if mpi4py is already initialized, else (0, 1, None). Never initializes MPI."""
+    """(rank, size, comm) from mpi4py if it is initialized (never initializes MPI); before that, the
+    rank the launcher put in the environment, so an error in the config is printed once, not N times."""
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
-        return 0, 1, None
+        rank = next((int(os.environ[v]) for v in LAUNCHER_RANK_VARS if os.environ.get(v, "").isdigit()), 0)
+        return rank, 1, None
     comm = mpi.COMM_WORLD
     return comm.Get_rank(), comm.Get_size(), comm
 
@@ -32,6 +37,8 @@ def _report_and_abort(exc: BaseException) -> None:
     rank, size, comm = _world()
     user = isinstance(exc, UserError)
     code = EXIT_USER_ERROR if user else EXIT_BUG
+    if comm is None and rank != 0 and user:
+        os._exit(code)  # before MPI starts, every rank sees the same input: rank 0 reports it
     if size > 1 and rank != 0:
         # Let rank 0 speak first: errors from bad input are usually raised on every rank alike, and
         # one line is what the user should see. If rank 0 is fine, it is killed by our Abort below.

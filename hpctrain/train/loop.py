@@ -148,7 +148,12 @@ class Trainer:
                  f"({ctx.backend}, {ctx.threads} threads/rank), {tokens_per_step} tokens/step, "
                  f"steps {self.step} -> {end} of {t.steps}")
         last_saved = self.step if self.step > 0 else -1
-        t_start = time.perf_counter()
+        if self.step == 0 and t.eval_interval:
+            val = self.evaluate()  # the starting point of the validation curve
+            if val is not None:
+                metrics.write({"step": 0, "val_loss": val})
+                log(ctx, f"step 0 val {val:.4f}")
+        start_step, t_start = self.step, time.perf_counter()
         while self.step < end:
             lr = lr_at(self.step, t)
             set_lr(self.optimizer, lr)
@@ -168,7 +173,7 @@ class Trainer:
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {self.step}")
             if ctx.is_main and (self.step % t.log_interval == 0 or self.step == end):
-                eta = (time.perf_counter() - t_start) / max(1, self.step - (last_saved if last_saved > 0 else 0)) * (end - self.step)
+                eta = (time.perf_counter() - t_start) / (self.step - start_step) * (end - self.step)
                 val_txt = f" val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
                 log(ctx, f"step {self.step}/{end} loss {loss:.4f}{val_txt} lr {lr:.2e} "
                          f"{tok_s:,.0f} tok/s mfu {rec['mfu']:.1%} eta {eta:.0f}s")

@@ -28,7 +28,7 @@ def mpirun(n: int, mode: str, root: Path, timeout: float = 90) -> str:
     """Run the worker on n ranks; return the ranks' reports (one file per rank) concatenated."""
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     mpiexec = BIN / "mpiexec" if (BIN / "mpiexec").exists() else "mpiexec"
-    report = root.parent / f"{root.name}-report-{mode}-n{n}"
+    report = root / f".report-{mode}-n{n}"  # ignored by the manager: not a step_* name
     cmd = [str(mpiexec), "-n", str(n), sys.executable, str(WORKER), mode, str(root), str(report)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)

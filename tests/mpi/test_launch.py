@@ -36,10 +36,12 @@ def test_two_ranks_one_node_threads_split_cores(tmp_path):
 
 def test_forced_node_split_and_env_overrides(tmp_path):
     r = mpirun(4, [PROBE, tmp_path], timeout=180, check=True,
-               env={"HPCTRAIN_RANKS_PER_NODE": "2", "MASTER_PORT": "29517", "HPCTRAIN_THREADS": "1"})
+               env={"HPCTRAIN_RANKS_PER_NODE": "2", "MASTER_PORT": "29517", "HPCTRAIN_THREADS": "1",
+                    "HPCTRAIN_IFACE": "lo"})
     vs = views(tmp_path)
     assert [(v["node_rank"], v["local_rank"]) for v in vs] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(v["n_nodes"] == 2 and v["port"] == 29517 and v["sum"] == 10.0 for v in vs)
+    assert all(v["addr"] == "127.0.0.1" for v in vs)  # the address of interface lo
     assert all(v["torch_threads"] == 1 for v in vs)
 
 

@@ -68,6 +68,7 @@ def train(n, cfg, *overrides, check=True, timeout=600):
 
 
 def losses(run, key="loss"):
+    """{step: value} for the records that have `key`."""
     recs = [json.loads(l) for l in (Path(run) / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r[key] for r in recs if key in r}
 
@@ -104,7 +105,7 @@ def test_parity_one_rank_mb8_vs_two_ranks_mb4(tmp_path, dataset):
     train(1, cfg1, "--train.micro_batch_size=8", "--train.steps=20")
     train(2, cfg2, "--train.micro_batch_size=4", "--train.steps=20")
     a, b = losses(run1), losses(run2)
-    assert sorted(a) == sorted(b) == list(range(1, 21))
+    assert sorted(a) == sorted(b) == list(range(1, 21))  # (step 0 holds only val_loss)
     for step in a:
         assert abs(a[step] - b[step]) <= 1e-5 * abs(a[step]), (step, a[step], b[step])
 
@@ -113,14 +114,17 @@ def test_metrics_fields_and_learning(tmp_path, dataset):
     cfg, run = write_config(tmp_path, dataset)
     train(2, cfg, "--train.steps=60", "--train.eval_interval=20")
     recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert recs[0]["step"] == 0 and set(recs[0]) == {"step", "val_loss"}  # curve's starting point
+    recs = recs[1:]
     assert [r["step"] for r in recs] == list(range(1, 61))
     for r in recs:
         assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= set(r)
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1.5
     val = losses(run, "val_loss")
-    assert sorted(val) == [20, 40, 60]
+    assert sorted(val) == [0, 20, 40, 60]
     # uniform over 257 bytes is 5.55 nats; byte-level English falls fast, then keeps falling
-    assert val[20] > val[40] > val[60] and val[60] < 0.6 * 5.55, val
+    assert val[0] == pytest.approx(5.55, abs=0.3)
+    assert val[0] > val[20] > val[40] > val[60] and val[60] < 0.6 * val[0], val
     assert recs[-1]["lr"] == pytest.approx(3e-4, rel=0.02)  # cosine ends at min_lr
     assert recs[0]["loss"] == pytest.approx(5.55, abs=0.3)  # ln(257): uniform at init
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
@@ -194,3 +198,42 @@ def test_resume_refuses_a_different_model(tmp_path, dataset):
     r = train(1, cfg, "--train.steps=20", "--model.n_embd=32", check=False, timeout=120)
     assert r.returncode == 2 and "model.n_embd" in r.stderr
     assert tree_digest(run / "checkpoints") == before
+
+
+@pytest.mark.parametrize("verify", ["checksum", "size"])
+def test_token_id_beyond_vocab_names_the_shard(tmp_path, dataset, verify):
+    """A shard holding an id >= the dataset's vocab (checksums recomputed, so only the range check
+    can see it) stops training with one line naming the shard: at start-up when shards are
+    checksummed, at the first batch that touches it otherwise."""
+    import numpy as np
+
+    from data_tools.format import read_manifest, sha256_file, write_manifest
+
+    data = tmp_path / "data"
+    shutil.copytree(dataset, data)
+    m = read_manifest(str(data))
+    entry = next(e for e in m["shards"] if e["split"] == "train")
+    shard = data / entry["file"]
+    import h5py
+    with h5py.File(shard, "r+") as f:
+        tokens = f["tokens"]
+        t = tokens[:]
+        tokens[:] = np.where(t == m["tokenizer"]["eot_id"], t, 300)  # every window is out of range
+    entry["sha256"] = sha256_file(str(shard))
+    write_manifest(str(data), m)
+    cfg, run = write_config(tmp_path, data)
+    before = tree_digest(data)
+    r = train(2, cfg, f"--data.verify={verify}", "--train.steps=5", check=False, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    line = next(l for l in r.stderr.splitlines() if "error:" in l)
+    assert shard.name in line and "300" in line and "257" in line
+    assert "Traceback" not in r.stderr
+    assert tree_digest(data) == before
+
+
+def test_config_error_under_mpiexec_is_one_line(tmp_path, dataset):
+    cfg, run = write_config(tmp_path, dataset)
+    r = train(2, cfg, "--train.steps=abc", check=False, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip() == "error: config key 'train.steps': expected int, got 'abc'"
+    assert not run.exists()

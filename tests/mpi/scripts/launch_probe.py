@@ -19,7 +19,7 @@ def main():
     view = json.dumps({"rank": ctx.rank, "world": ctx.world_size, "local_rank": ctx.local_rank,
                       "local_size": ctx.local_size, "node_rank": ctx.node_rank, "n_nodes": ctx.n_nodes,
                       "backend": ctx.backend, "threads": ctx.threads, "torch_threads": torch.get_num_threads(),
-                      "port": ctx.master_port, "sum": x.item()})
+                      "port": ctx.master_port, "addr": ctx.master_addr, "sum": x.item()})
     with open(f"{sys.argv[1]}/rank{ctx.rank}.json", "w") as f:
         f.write(view)
     if len(sys.argv) > 2 and ctx.rank == int(sys.argv[2]):

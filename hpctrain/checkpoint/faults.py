@@ -1,0 +1,94 @@
+"""Test-only fault injection at named points of the checkpoint save path.
+
+Owns the list of fault points (`POINTS`) and the `HPCTRAIN_FAULT_POINT` environment variable that
+arms one of them. Tests use it to kill a rank (SIGKILL: no cleanup, no flush, like a node failure) or
+to make a write fail with ENOSPC at an exact moment of a save, then check that the run resumes from
+an intact, committed checkpoint. Unset (production), `hit()` is a dict lookup and nothing else.
+
+    HPCTRAIN_FAULT_POINT=NAME[:COUNT[:RANK[:ACTION]]]
+
+NAME is a point below (points inside DCP's file writes are `open:`, `write:` or `closed:` followed
+by the file name, e.g. `write:__1_0.distcp`, `closed:.metadata.tmp`); COUNT: act on the COUNT-th time
+this process reaches it (default 1); RANK: only on this global rank (default: every rank);
+ACTION: `kill` (default) or `enospc` (raise OSError(ENOSPC) naming the file being written).
+
+It must never be armed by anything but that environment variable, and never catch what it raises.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import signal
+
+ENV = "HPCTRAIN_FAULT_POINT"
+
+# In the order a save reaches them (rank 0 does the commit points; every rank the others).
+POINTS = (
+    "save.begin",              # a save starts (before the tmp dir exists)
+    "save.tmp_created",        # rank 0 created step_N.tmp (empty)
+    "save.staged",             # async: state copied to host memory, write not started
+    "save.before_write",       # about to call DCP save
+    # open:<file> / write:<file> (after the first chunk) / closed:<file> (written and fsynced)
+    # for __<rank>_0.distcp and .metadata.tmp, from inside DCP's writer
+    "save.dcp_done",           # DCP returned: shards and .metadata written
+    "save.trainer_state",      # rank 0 wrote trainer_state.json
+    "save.nontensor",          # rank 0 wrote state_nontensor.json
+    "save.agreed",             # every rank's write succeeded (agreement done)
+    "commit.marker_written",   # COMMIT.json written into step_N.tmp
+    "commit.before_rename",    # tmp fsynced, not yet renamed
+    "commit.renamed",          # step_N exists, root not yet fsynced
+    "commit.done",             # root fsynced
+    "retention.renamed",       # an old checkpoint renamed to .deleting, not yet deleted
+    "save.end",                # save returned (retention done)
+)
+FILE_EVENTS = ("open", "write", "closed")
+
+_counts: dict[str, int] = {}
+_spec: tuple[str, int, int | None, str] | None = None
+_parsed = False
+
+
+def _armed():
+    global _spec, _parsed
+    if not _parsed:
+        _parsed = True
+        raw = os.environ.get(ENV, "")
+        if raw:
+            parts = raw.split(":")
+            if parts[0] in FILE_EVENTS and len(parts) > 1:  # "write:__1_0.distcp:2:1"
+                parts = [parts[0] + ":" + parts[1]] + parts[2:]
+            name = parts[0]
+            count = int(parts[1]) if len(parts) > 1 and parts[1] else 1
+            rank = int(parts[2]) if len(parts) > 2 and parts[2] != "" else None
+            action = parts[3] if len(parts) > 3 else "kill"
+            base = name.split(":")[0]
+            if name not in POINTS and base not in FILE_EVENTS:
+                raise ValueError(f"{ENV}={raw}: unknown fault point {name!r}")
+            if action not in ("kill", "enospc"):
+                raise ValueError(f"{ENV}={raw}: action must be kill or enospc")
+            _spec = (name, count, rank, action)
+    return _spec
+
+
+def _my_rank() -> int:
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def hit(name: str, path: str | os.PathLike | None = None) -> None:
+    """Called at fault point `name`; acts if HPCTRAIN_FAULT_POINT arms it (tests only)."""
+    spec = _armed()
+    if spec is None or spec[0] != name:
+        return
+    _counts[name] = _counts.get(name, 0) + 1
+    if _counts[name] != spec[1] or (spec[2] is not None and spec[2] != _my_rank()):
+        return
+    if spec[3] == "enospc":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path or name))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def file_point(event: str, path) -> None:
+    hit(f"{event}:{os.path.basename(str(path))}", path)
