@@ -29,8 +29,10 @@ def _train(argv: list[str]) -> int:
     cfg = config.load(args.config, overrides)  # config errors surface before MPI starts
 
     from hpctrain.dist import init_distributed, teardown
+    from hpctrain.dist.preempt import install_signal_handlers
     from hpctrain.train.loop import train
 
+    install_signal_handlers(cfg.slurm.signals)  # early: an uncaught SIGUSR1 would kill the rank
     ctx = init_distributed(cfg.dist.backend, cfg.dist.timeout_s)
     try:
         return train(cfg, ctx)
@@ -44,7 +46,25 @@ def _sample(argv: list[str]) -> int:
     return sample_main(argv)
 
 
-COMMANDS = {"train": _train, "sample": _sample}
+def _plot(argv: list[str]) -> int:
+    from hpctrain.metrics.plot import main as plot_main
+
+    return plot_main(argv)
+
+
+def _ckpt(argv: list[str]) -> int:
+    from hpctrain.checkpoint.cli import main as ckpt_main
+
+    return ckpt_main(argv)
+
+
+def _export(argv: list[str]) -> int:
+    from hpctrain.export import main as export_main
+
+    return export_main(argv)
+
+
+COMMANDS = {"train": _train, "sample": _sample, "plot": _plot, "ckpt": _ckpt, "export": _export}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print("usage: python -m hpctrain {train,sample} [-h] ...\n\n"
               "  train   train a GPT (mpiexec/srun for several ranks); resumes automatically\n"
-              "  sample  generate text from a checkpoint", file=sys.stderr)
+              "  sample  generate text from a checkpoint\n"
+              "  plot    PNG of loss, val loss, lr, tokens/s and MFU of a run\n"
+              "  ckpt    list RUN_DIR | verify DIR: checkpoint status and integrity\n"
+              "  export  --checkpoint DIR --format hf --output OUT: Hugging Face GPT-2 folder",
+              file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return run_guarded(COMMANDS[argv[0]], argv[1:])
 

@@ -34,7 +34,17 @@ class DataConfig:
     train_split: str = field(default="train", metadata={"help": "split used for training"})
     val_split: str = field(default="val", metadata={"help": "split used for validation loss"})
     verify: str = field(default="checksum", metadata={
-        "help": "check shards at start: 'checksum' (sha256, spread over ranks) or 'size' (fast)"})
+        "help": "check shards at start: 'checksum' (sha256, spread over ranks) or 'size' (fast); "
+                "with the node cache, each shard's sha256 is checked once per node as it is staged"})
+    cache_dir: str = field(default="auto", metadata={
+        "help": "node-local shard cache: one rank per node copies each shard there once, the node's "
+                "ranks read the copy; 'auto' = $SLURM_TMPDIR or $TMPDIR if set, else off; 'off'; a "
+                "path (may contain {node}; /dev/shm works)"})
+    cache_bytes: int = field(default=0, metadata={
+        "help": "node cache budget in bytes; least-recently-used shards are evicted beyond it "
+                "(0 = 90% of the cache file system's free space)"})
+    prefetch: int = field(default=4, metadata={
+        "help": "steps ahead of the fastest local rank that the node leader stages shards"})
 
 
 @dataclass
@@ -81,12 +91,17 @@ class CheckpointConfig:
     async_save: bool = field(default=False, metadata={
         "help": "write checkpoints in the background (the step loop pays only a copy to host memory);"
                 " TOML may spell it `async`"})
+    full_checksums: bool = field(default=False, metadata={
+        "help": "record sha256 of the tensor data files too (ranks hash their share in parallel); "
+                "`hpctrain ckpt verify --full` checks them"})
 
 
 @dataclass
 class DistConfig:
     backend: str = field(default="auto", metadata={"help": "auto (nccl if CUDA, else gloo) | nccl | gloo"})
     timeout_s: float = field(default=300.0, metadata={"help": "collective timeout in seconds"})
+    grad_sync: str = field(default="auto", metadata={
+        "help": "DDP gradient all-reduce: auto (mpi on CPU, the backend on GPU) | mpi | backend"})
     heartbeat_timeout_s: float = field(default=60.0, metadata={
         "help": "a rank silent this long (dead, hung, unreachable) ends the job with an error naming "
                 "it (0 = off)"})
@@ -113,6 +128,24 @@ class ParallelConfig:
 
 
 @dataclass
+class SlurmConfig:
+    requeue: str = field(default="auto", metadata={
+        "help": "after a stop on a signal or the wall-time guard (checkpoint saved): auto (scontrol "
+                "requeue when in a batch job that allows requeue) | true | false (exit status 75)"})
+    signals: str = field(default="USR1,TERM", metadata={
+        "help": "comma-separated signals that mean: checkpoint at the next step boundary and stop "
+                "(all ranks agree on the step; '' = none)"})
+    time_margin_s: float = field(default=300.0, metadata={
+        "help": "inside a Slurm job: stop with a checkpoint when less wall time than this is left "
+                "(0 = off)"})
+    time_check_s: float = field(default=60.0, metadata={
+        "help": "how often rank 0 asks Slurm for the remaining wall time (seconds)"})
+    debug_step_sleep_s: float = field(default=0.0, metadata={
+        "help": "testing only: sleep this long every step so a tiny model runs long enough to be "
+                "preempted (0 = off)"})
+
+
+@dataclass
 class Config:
     run: RunConfig
     data: DataConfig
@@ -121,6 +154,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
     def validate(self) -> "Config":
         m, t = self.model, self.train
@@ -141,8 +175,13 @@ class Config:
         _check(t.inject_nan_at_step >= 0, "train.inject_nan_at_step", "must be >= 0")
         _check(self.dist.heartbeat_timeout_s >= 0, "dist.heartbeat_timeout_s", "must be >= 0")
         _check(self.data.verify in ("checksum", "size"), "data.verify", "expected checksum or size")
+        _check(self.data.cache_bytes >= 0, "data.cache_bytes", "must be >= 0 (0 = auto)")
+        _check(self.data.prefetch >= 0, "data.prefetch", "must be >= 0")
         _check(self.dist.backend in ("auto", "nccl", "gloo"), "dist.backend", "expected auto, nccl or gloo")
+        _check(self.dist.grad_sync in ("auto", "mpi", "backend"), "dist.grad_sync",
+               f"{self.dist.grad_sync!r}: expected auto, mpi or backend")
         _validate_parallel(self.parallel, m)
+        _validate_slurm(self.slurm)
         return self
 
     @property
@@ -152,6 +191,17 @@ class Config:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+
+def _validate_slurm(sl: SlurmConfig) -> None:
+    _check(sl.requeue in ("auto", "true", "false"), "slurm.requeue", f"{sl.requeue!r}: expected auto, true or false")
+    import signal
+    for name in (n.strip().upper() for n in sl.signals.split(",") if n.strip()):
+        full = name if name.startswith("SIG") else "SIG" + name
+        _check(full in signal.Signals.__members__ and full not in ("SIGKILL", "SIGSTOP"),
+               "slurm.signals", f"{name!r} is not a signal that can be caught (e.g. USR1,TERM)")
+    _check(sl.time_margin_s >= 0, "slurm.time_margin_s", "must be >= 0")
+    _check(sl.time_check_s > 0, "slurm.time_check_s", "must be > 0")
+    _check(sl.debug_step_sleep_s >= 0, "slurm.debug_step_sleep_s", "must be >= 0")
 
 def _validate_parallel(p: ParallelConfig, m: ModelConfig) -> None:
     """Layout checks that need no world size (the mesh checks dp * tp * pp == world)."""
@@ -216,6 +266,8 @@ def _coerce(key: str, value, typ: type):
     elif typ is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, bool):  # TOML `requeue = true` for a true|false|auto key
+            return "true" if value else "false"
     raise ConfigError(f"config key '{key}': expected {typ.__name__}, got {value!r}")
 
 

@@ -24,6 +24,7 @@ mpiexec -n "$NP" python -m hpctrain train --config configs/demo.toml
 
 echo "== 4/4 sample from the final checkpoint"
 python -m hpctrain sample --checkpoint "$RUN" --prompt "ROMEO:" --tokens 300 --seed 1
+python -m hpctrain plot "$RUN" >/dev/null && echo "loss curve: $RUN/metrics.png"
 python - <<'PY'
 import json
 recs = [json.loads(l) for l in open("runs/demo/metrics.jsonl")]

@@ -45,14 +45,15 @@ FILE_EVENTS = ("open", "write", "closed")
 
 _counts: dict[str, int] = {}
 _spec: tuple[str, int, int | None, str] | None = None
-_parsed = False
+_parsed: str | None = None
 
 
 def _armed():
     global _spec, _parsed
-    if not _parsed:
-        _parsed = True
-        raw = os.environ.get(ENV, "")
+    raw = os.environ.get(ENV, "")
+    if raw != _parsed:  # parsed again only when the variable changes (tests in one process)
+        _parsed, _spec = raw, None
+        _counts.clear()
         if raw:
             parts = raw.split(":")
             if parts[0] in FILE_EVENTS and len(parts) > 1:  # "write:__1_0.distcp:2:1"

@@ -55,6 +55,20 @@ class GlobalSampler:
         self.position += self.global_batch
         return out
 
+    @property
+    def steps_done(self) -> int:
+        """Optimizer steps taken since epoch 0 (the index ``k`` of the next step's batch)."""
+        return self.epoch * self.steps_per_epoch + self.position // self.global_batch
+
+    def indices_at(self, k: int) -> np.ndarray:
+        """The global batch of step ``k`` (a pure function of k: what ``next_indices`` returns as
+        the k-th call from a fresh sampler).  Lets the cache prefetch what the sampler needs next."""
+        epoch, pos = divmod(int(k), self.steps_per_epoch)
+        pos *= self.global_batch
+        if self._order_epoch != epoch:
+            self._order, self._order_epoch = self.epoch_order(epoch), epoch
+        return self._order[pos:pos + self.global_batch].copy()
+
     def state_dict(self) -> dict:
         return {"seed": self.seed, "epoch": self.epoch, "position": self.position,
                 "n_samples": self.n_samples, "global_batch": self.global_batch}

@@ -27,7 +27,7 @@ class TokenShards:
     """
 
     def __init__(self, path: str, split: str, block_size: int,
-                 expected_vocab_size: int | None = None, max_open: int = 128):
+                 expected_vocab_size: int | None = None, max_open: int = 128, cache=None):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.path, self.split, self.block_size = path, split, int(block_size)
@@ -42,17 +42,23 @@ class TokenShards:
         if not entries:
             raise DataError(mpath, f"no shards for split '{split}' (val_fraction was "
                                    f"{self.manifest['val_fraction']})")
-        self.layouts = [open_shard_layout(os.path.join(path, e["file"]), e, self.manifest)
-                        for e in entries]
+        # With a node cache (hpctrain.data.cache) nothing is opened on data.path here: shards are
+        # read from the node-local copy, which the cache verified when it staged it.
+        self.cache, self.dtype = cache, np.dtype(self.manifest["dtype"])
+        self.paths = [os.path.join(path, e["file"]) for e in entries]
+        pos = {e["file"]: i for i, e in enumerate(self.manifest["shards"])}
+        self.shard_ids = [pos[e["file"]] for e in entries]  # index into manifest["shards"]
+        self.layouts = None if cache is not None else [
+            open_shard_layout(p, e, self.manifest) for p, e in zip(self.paths, entries)]
         T = self.block_size
-        self.samples_per_shard = np.array([(lay.n_tokens - 1) // T for lay in self.layouts],
-                                          dtype=np.int64)
+        self.shard_tokens = np.array([e["n_tokens"] for e in entries], dtype=np.int64)
+        self.samples_per_shard = (self.shard_tokens - 1) // T
         self.cum = np.concatenate([[0], np.cumsum(self.samples_per_shard)])
         self.n_samples = int(self.cum[-1])
         if self.n_samples == 0:
             raise DataError(mpath, f"split '{split}' has no window of block_size+1={T + 1} tokens "
-                                   f"(largest shard has {max(lay.n_tokens for lay in self.layouts)})")
-        self.n_tokens = sum(lay.n_tokens for lay in self.layouts)
+                                   f"(largest shard has {int(self.shard_tokens.max())})")
+        self.n_tokens = int(self.shard_tokens.sum())
         self._maps: OrderedDict[int, np.memmap] = OrderedDict()
         self.max_open = max(1, int(max_open))
 
@@ -63,12 +69,15 @@ class TokenShards:
         """Memory map of shard ``s``'s tokens (LRU-bounded, so file descriptors stay bounded)."""
         m = self._maps.get(s)
         if m is None:
-            lay = self.layouts[s]
+            if self.cache is not None:
+                where, offset = self.cache.acquire(self.shard_ids[s])
+            else:
+                where, offset = self.layouts[s].path, self.layouts[s].offset
             try:
-                m = np.memmap(lay.path, dtype=lay.dtype, mode="r", offset=lay.offset,
-                              shape=(lay.n_tokens,))
+                m = np.memmap(where, dtype=self.dtype, mode="r", offset=offset,
+                              shape=(int(self.shard_tokens[s]),))
             except (OSError, ValueError) as e:
-                raise DataError(lay.path, f"cannot memory-map tokens ({e})") from None
+                raise DataError(where, f"cannot memory-map tokens ({e})") from None
             self._maps[s] = m
             while len(self._maps) > self.max_open:
                 self._maps.popitem(last=False)
@@ -83,10 +92,19 @@ class TokenShards:
         s = int(np.searchsorted(self.cum, idx, side="right")) - 1
         return s, int(idx - self.cum[s]) * self.block_size
 
+    def shard_ids_of(self, indices) -> np.ndarray:
+        """Manifest shard index (into manifest["shards"]) of each sample index."""
+        s = np.searchsorted(self.cum, np.asarray(indices, dtype=np.int64), side="right") - 1
+        return np.asarray(self.shard_ids, dtype=np.int64)[s]
+
     def window(self, idx: int) -> np.ndarray:
         """Tokens of sample ``idx``: a read-only (block_size+1,) view into the shard's memmap."""
         s, start = self.locate(int(idx))
-        return self._map(s)[start:start + self.block_size + 1]
+        w = self._map(s)[start:start + self.block_size + 1]
+        if self.cache is not None:
+            w = np.array(w)
+            self._maps.clear()
+        return w
 
     def batch(self, indices) -> torch.Tensor:
         """LongTensor [B, block_size+1] of the given samples (inputs = [:, :-1], targets = [:, 1:]).
@@ -100,8 +118,10 @@ class TokenShards:
             out[row] = w
             if int(w.max()) >= self.vocab_size:
                 j = int(np.argmax(w >= self.vocab_size))
-                raise DataError(self.layouts[s].path, f"token id {int(w[j])} at position "
-                                                      f"{start + j} >= vocab_size {self.vocab_size}")
+                raise DataError(self.paths[s], f"token id {int(w[j])} at position "
+                                               f"{start + j} >= vocab_size {self.vocab_size}")
+        if self.cache is not None:  # cached copies may be evicted after this step: don't hold maps
+            self._maps.clear()
         return torch.from_numpy(out)
 
     def close(self) -> None:
@@ -115,4 +135,4 @@ class TokenShards:
 
     def __repr__(self) -> str:
         return (f"TokenShards({self.path!r}, split={self.split!r}, block_size={self.block_size}, "
-                f"shards={len(self.layouts)}, samples={self.n_samples}, tokens={self.n_tokens})")
+                f"shards={len(self.paths)}, samples={self.n_samples}, tokens={self.n_tokens})")

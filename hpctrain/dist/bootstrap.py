@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hpctrain.dist import slurm
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -129,6 +131,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0) -> DistCon
     MPI = _mpi()
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
+    slurm.check_launch(world)  # `srun` without --mpi=pmi2/pmix: N singletons, refuse
     node_comm = _node_comm(MPI, comm)
     local_rank, local_size = node_comm.Get_rank(), node_comm.Get_size()
     node_rank, n_nodes = _node_index(MPI, comm, node_comm)

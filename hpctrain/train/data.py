@@ -19,6 +19,7 @@ from hpctrain.dist import DistContext
 from hpctrain.dist.mesh import Mesh
 from hpctrain.errors import ConfigError
 from hpctrain.data import GlobalSampler, TokenShards, split_for_rank
+from hpctrain.data.prefetch import DataFeed
 
 
 def verify_everywhere(path: str, ctx: DistContext, checksums: bool) -> None:
@@ -38,18 +39,22 @@ class TrainData:
         self.cfg, self.ctx = cfg, ctx
         self.dp_rank, self.dp_size = mesh.dp_rank, mesh.dp_size
         t, m = cfg.train, cfg.model
-        verify_everywhere(cfg.data.path, ctx, checksums=cfg.data.verify == "checksum")
+        # With the node cache, sha256 is checked as each shard is staged (once per node), not here.
+        self.feed = DataFeed.open(cfg, ctx, read_manifest(cfg.data.path))
+        if not self.feed.cached:  # the cache checks sha256 + layout as it stages each shard
+            verify_everywhere(cfg.data.path, ctx, checksums=cfg.data.verify == "checksum")
         self.manifest = read_manifest(cfg.data.path)
         tok = self.manifest["tokenizer"]
         self.tokenizer_info = dict(tok)
         if tok["vocab_size"] > m.vocab_size:
             raise ConfigError(f"config key 'model.vocab_size': {m.vocab_size} is smaller than the "
                               f"dataset's vocab size {tok['vocab_size']} ({cfg.data.path})")
-        self.train = TokenShards(cfg.data.path, cfg.data.train_split, m.block_size)
+        self.train = TokenShards(cfg.data.path, cfg.data.train_split, m.block_size, cache=self.feed.cache)
         self.val = self._open_optional(cfg.data.val_split)
         self.micro_batch, self.grad_accum = t.micro_batch_size, t.grad_accum
         self.global_batch = self.micro_batch * self.grad_accum * self.dp_size
         self.sampler = GlobalSampler(len(self.train), self.global_batch, t.seed)
+        self.feed.bind(self, ctx.node_comm)
 
     def _open_optional(self, split: str):
         """The validation split, or None (with a warning) when it is empty or too short."""
@@ -60,7 +65,7 @@ class TrainData:
                 print(f"warning: {self.cfg.data.path}: split '{split}' has no window of "
                       f"{self.cfg.model.block_size + 1} tokens; validation is off", file=sys.stderr)
             return None
-        return TokenShards(self.cfg.data.path, split, self.cfg.model.block_size)
+        return TokenShards(self.cfg.data.path, split, self.cfg.model.block_size, cache=self.feed.cache)
 
     def _to_device(self, batch: torch.Tensor) -> torch.Tensor:
         if self.ctx.device.type == "cuda":
@@ -68,15 +73,32 @@ class TrainData:
         return batch
 
     def next_train_micro_batches(self) -> list[torch.Tensor]:
+        t0 = self.feed.begin_step()
         indices = self.sampler.next_indices()
         parts = split_for_rank(indices, self.dp_rank, self.dp_size, self.micro_batch, self.grad_accum)
-        return [self._to_device(self.train.batch(p)) for p in parts]
+        out = [self._to_device(self.train.batch(p)) for p in parts]
+        self.feed.end_step(t0)
+        return out
+
+    def step_metrics(self) -> dict:
+        """Data metrics of the step just taken (every rank calls this once per step)."""
+        return self.feed.metrics()
+
+    def _val_indices(self) -> np.ndarray | None:
+        """The fixed evaluation set (global val sample indices), or None when it is empty."""
+        n_eval = self.cfg.train.eval_batches
+        total = min(len(self.val), n_eval * self.micro_batch * self.dp_size)
+        per_micro = total // (n_eval * self.dp_size)
+        if per_micro == 0:
+            return None
+        return np.linspace(0, len(self.val) - 1, per_micro * n_eval * self.dp_size).astype(np.int64)
 
     def val_micro_batches(self) -> list[torch.Tensor] | None:
         """The same evaluation set every time: `eval_batches` micro-batches per rank spread evenly
         over the validation split (independent of the step, so val losses are comparable)."""
         if self.val is None:
             return None
+        self.feed.ensure_started()
         n_eval = self.cfg.train.eval_batches
         total = min(len(self.val), n_eval * self.micro_batch * self.dp_size)
         per_micro = total // (n_eval * self.dp_size)

@@ -12,27 +12,27 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hpctrain import config as config_mod
 from hpctrain.checkpoint import CheckpointManager
 from hpctrain.config import Config
 from hpctrain.dist import DistContext
+from hpctrain.dist.preempt import PreemptionGuard
 from hpctrain.dist.mesh import Mesh, ParallelDims
+from hpctrain.dist.watchdog import guard as peer_watchdog
 from hpctrain.errors import ConfigError
 from hpctrain.metrics import MetricsLog, measure_peak_flops
 from hpctrain.model import GPT, GPTConfig
-from hpctrain.parallel import grad_sync_context, parallelize
+from hpctrain.parallel import parallelize
 from hpctrain.train import rng
 from hpctrain.train.data import TrainData
+from hpctrain.train.guard import NonFiniteGuard, all_finite
 from hpctrain.train.optim import build_optimizer, lr_at, set_lr
 
 
@@ -45,15 +45,22 @@ class Trainer:
     def __init__(self, cfg: Config, ctx: DistContext):
         self.cfg, self.ctx = cfg, ctx
         t = cfg.train
-        self.mesh = Mesh(ParallelDims.from_world(ctx.world_size), ctx)
+        self.mesh = Mesh(ParallelDims.from_config(ctx.world_size, cfg.parallel), ctx)
         self.data = TrainData(cfg, ctx, self.mesh)
         torch.manual_seed(t.seed)  # identical initial weights on every rank
         m = cfg.model
         self.model_cfg = GPTConfig(m.n_layer, m.n_head, m.n_embd, m.block_size, m.vocab_size, m.dropout)
         self.raw_model = GPT(self.model_cfg).to(ctx.device)
-        self.model = parallelize(self.raw_model, self.mesh, cfg)
+        self.n_params, self.flops_per_token = self.raw_model.num_params(), self.raw_model.flops_per_token()
+        self.par = parallelize(self.raw_model, self.mesh, cfg)  # layout-aware fwd/bwd, clip, state
+        self.model = self.par.module  # this rank's parameters (a pipeline stage holds a subset)
         self.optimizer = build_optimizer(self.model, t)
-        self.ckpt = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep, ctx.rank, ctx.world_size)
+        self.ckpt = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep, ctx.rank, ctx.world_size,
+                                      timeout_s=cfg.dist.timeout_s,
+                                      full_checksums=cfg.checkpoint.full_checksums)
+        self.guard = NonFiniteGuard(t.max_bad_steps, t.inject_nan_at_step, ctx.rank, ctx.world_size)
+        self.step_skipped = False
+        self.preempt = PreemptionGuard(cfg.slurm, ctx.comm, ctx.rank)  # signals + wall-time guard
         self.autocast = (torch.autocast(ctx.device.type, dtype=torch.bfloat16)
                          if t.precision == "bf16" else contextlib.nullcontext())
         self.step = 0
@@ -61,8 +68,7 @@ class Trainer:
 
     # ---- checkpoint state -------------------------------------------------------------------
     def _tensor_state(self) -> dict:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
+        return self.par.checkpoint_state(self.optimizer)
 
     def save(self) -> None:
         t0 = time.perf_counter()
@@ -70,6 +76,13 @@ class Trainer:
         extra = {"step": self.step, "sampler": self.data.sampler.state_dict(), "rng": rngs,
                  "world_size": self.ctx.world_size, "config": self.cfg.to_dict(),
                  "tokenizer": self.data.tokenizer_info}
+        if not all_finite(self.model.parameters(), self.ctx.device):  # never save a broken state
+            raise FloatingPointError(f"step {self.step}: non-finite weights; not saving a checkpoint")
+        if self.cfg.checkpoint.async_save:  # returns after the copy to host memory
+            self.ckpt.save_async(self.step, self._tensor_state(), extra)
+            log(self.ctx, f"checkpoint: step {self.step} staged in {time.perf_counter() - t0:.2f}s, "
+                          f"writing in the background")
+            return
         path = self.ckpt.save(self.step, self._tensor_state(), extra)
         log(self.ctx, f"checkpoint: step {self.step} -> {path} ({time.perf_counter() - t0:.2f}s)")
 
@@ -81,9 +94,9 @@ class Trainer:
         _check_same_model(saved_cfg["model"], self.cfg.to_dict()["model"], path)
         state = self._tensor_state()
         extra = self.ckpt.load(path, state)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        self.par.load_checkpoint_state(self.optimizer, state)
         self.step = int(extra["step"])
+        _check_same_global_batch(extra["sampler"], self.data.global_batch, self.cfg, path)
         self.data.sampler.load_state_dict(extra["sampler"])
         saved = extra["rng"]
         if extra["world_size"] == self.ctx.world_size:
@@ -96,25 +109,17 @@ class Trainer:
     def train_step(self) -> tuple[float, float]:
         t = self.cfg.train
         micro_batches = self.data.next_train_micro_batches()
-        self.model.train()
-        loss_sum = torch.zeros((), device=self.ctx.device)
-        for i, tokens in enumerate(micro_batches):
-            x, y = tokens[:, :-1], tokens[:, 1:]
-            with grad_sync_context(self.model, sync=i == len(micro_batches) - 1):
-                with self.autocast:
-                    logits = self.model(x)
-                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-                (loss / t.grad_accum).backward()
-            loss_sum += loss.detach()
-        if t.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
-        else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters()
-                                                       if p.grad is not None])
-        self.optimizer.step()
+        self.par.train()
+        # forward/backward of every micro-batch (DDP/FSDP/TP loop or pipeline schedule); the loss is
+        # the mean over the global batch; test-only NaN injection via the hook
+        loss_avg = self.par.forward_backward(micro_batches, self.autocast,
+                                             loss_hook=lambda loss: self.guard.poison(self.step + 1, loss))
+        grad_norm = self.par.clip_grad_norm_(t.grad_clip)  # global norm over shards and stages
+        # a NaN/Inf loss or grad norm on any rank: every rank skips the update (collective)
+        self.step_skipped = self.guard.should_skip(self.step + 1, loss_avg, grad_norm)
+        if not self.step_skipped:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_avg = loss_sum / t.grad_accum
-        dist.all_reduce(loss_avg, op=dist.ReduceOp.AVG, group=self.mesh.group("dp"))
         return loss_avg.item(), float(grad_norm)
 
     @torch.no_grad()
@@ -122,15 +127,7 @@ class Trainer:
         batches = self.data.val_micro_batches()
         if batches is None:
             return None
-        self.model.eval()
-        total = torch.zeros((), device=self.ctx.device)
-        for tokens in batches:
-            with self.autocast:
-                logits = self.model(tokens[:, :-1])
-            total += F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-        total /= len(batches)
-        dist.all_reduce(total, op=dist.ReduceOp.AVG, group=self.mesh.group("dp"))
-        return total.item()
+        return self.par.eval_loss(batches, self.autocast)
 
     # ---- the loop ---------------------------------------------------------------------------
     def fit(self) -> int:
@@ -143,8 +140,9 @@ class Trainer:
         metrics = MetricsLog(Path(cfg.run.dir) / "metrics.jsonl", ctx.is_main, resume_step=self.step)
         peak = self._peak_flops()
         tokens_per_step = self.data.global_batch * cfg.model.block_size
-        flops_per_token = self.raw_model.flops_per_token()
-        log(ctx, f"training: {self.raw_model.num_params() / 1e6:.2f}M params, world {ctx.world_size} "
+        flops_per_token = self.flops_per_token
+        log(ctx, f"training: {self.n_params / 1e6:.2f}M params, world {ctx.world_size} "
+                 f"[{self.mesh.dims.describe()}] "
                  f"({ctx.backend}, {ctx.threads} threads/rank), {tokens_per_step} tokens/step, "
                  f"steps {self.step} -> {end} of {t.steps}")
         last_saved = self.step if self.step > 0 else -1
@@ -169,9 +167,14 @@ class Trainer:
                 val = self.evaluate()
                 if val is not None:
                     rec["val_loss"] = val
+            if self.step_skipped or self.guard.skipped:
+                rec.update(skipped=self.step_skipped, bad_steps=self.guard.skipped)
+                if self.step_skipped:
+                    log(ctx, f"step {self.step}: loss {loss} / grad norm {grad_norm}: not finite, "
+                             f"update skipped ({self.guard.in_a_row} in a row, "
+                             f"train.max_bad_steps={t.max_bad_steps})")
+            rec.update(self.data.step_metrics())  # data_time_s, data_wait_s, cache_* (all ranks)
             metrics.write(rec)
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at step {self.step}")
             if ctx.is_main and (self.step % t.log_interval == 0 or self.step == end):
                 eta = (time.perf_counter() - t_start) / (self.step - start_step) * (end - self.step)
                 val_txt = f" val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
@@ -180,9 +183,14 @@ class Trainer:
             if self.step % cfg.checkpoint.interval == 0 or self.step == end:
                 self.save()
                 last_saved = self.step
+            if self.step < end and self.preempt.should_stop(self.step):
+                break  # all ranks agreed to stop at this step: the checkpoint below is saved now
         if last_saved != self.step:
             self.save()
+        self.ckpt.wait()  # an async save still in flight: commit it (or raise its error) first
         metrics.close()
+        if self.preempt.stopped:
+            return self.preempt.finish(self.step)  # requeue the Slurm job and/or exit 75
         if t.stop_at_step and self.step < t.steps:
             log(ctx, f"stopped at train.stop_at_step={t.stop_at_step}; rerun the same command to resume")
         return 0
@@ -194,6 +202,17 @@ class Trainer:
         return float(peak)
 
 
+def _check_same_global_batch(saved_sampler: dict, global_batch: int, cfg: Config, path) -> None:
+    """A reshard may change dp, but the global batch (micro_batch x grad_accum x dp) must stay."""
+    saved = int(saved_sampler["global_batch"])
+    if saved != global_batch:
+        t = cfg.train
+        raise ConfigError(f"config keys 'train.micro_batch_size' x 'train.grad_accum' x dp: global batch "
+                          f"{t.micro_batch_size} x {t.grad_accum} x {global_batch // (t.micro_batch_size * t.grad_accum)}"
+                          f" = {global_batch} differs from checkpoint {path} ({saved} sequences per "
+                          f"step); adjust micro_batch_size / grad_accum so the global batch stays {saved}")
+
+
 def _check_same_model(saved: dict, current: dict, path) -> None:
     diff = [k for k in current if saved.get(k) != current[k] and k != "dropout"]
     if diff:
@@ -203,4 +222,5 @@ def _check_same_model(saved: dict, current: dict, path) -> None:
 
 
 def train(cfg: Config, ctx: DistContext) -> int:
-    return Trainer(cfg, ctx).fit()
+    with peer_watchdog(ctx, cfg.dist.heartbeat_timeout_s):  # a lost rank ends the job, named
+        return Trainer(cfg, ctx).fit()

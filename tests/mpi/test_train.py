@@ -139,6 +139,14 @@ def test_sample_prints_text(tmp_path, dataset):
     assert "step 10" in r.stdout
     text = r.stdout.split("\n", 1)[1]
     assert text.startswith("KING") and len(text) >= 40
+    # plot: a valid PNG of the real run's metrics
+    r = run_cmd([sys.executable, "-m", "hpctrain", "plot", run], timeout=120, check=True)
+    png = run / "metrics.png"
+    assert r.stdout.strip() == str(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+    h, w, _ = matplotlib.image.imread(png).shape
+    assert (w, h) == (1100, 700)
 
 
 def _corrupt_truncate(shard: Path):
@@ -237,3 +245,14 @@ def test_config_error_under_mpiexec_is_one_line(tmp_path, dataset):
     assert r.returncode == 2
     assert r.stderr.strip() == "error: config key 'train.steps': expected int, got 'abc'"
     assert not run.exists()
+
+
+def test_mpi_grad_sync_bit_identical_to_gloo(tmp_path, dataset):
+    """The MPI all-reduce hook (default on CPU) gives exactly the Gloo path's fp32 losses."""
+    runs = {}
+    for mode in ("mpi", "backend"):
+        cfg, run = write_config(tmp_path, dataset, mode)
+        train(2, cfg, f"--dist.grad_sync={mode}", "--train.steps=20", "--train.grad_accum=2")
+        runs[mode] = losses(run)
+    assert sorted(runs["mpi"]) == list(range(1, 21))
+    assert runs["mpi"] == runs["backend"]

@@ -1,0 +1,70 @@
+"""Training throughput: `hpctrain train` next to a plain torchrun + DDP script (bench/ddp_baseline.py).
+
+Run:  python bench/train.py [--data data/shakespeare_bytes] [--steps 30] [--precision fp32|bf16]
+
+Both sides: the same GPT, batch, precision and 2 ranks on this machine; each reports the median
+tokens/s of its timed steps. The runs alternate (A B A B) so drifting machine load hits both alike.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def run(cmd, env=None) -> str:
+    e = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", **(env or {}))
+    r = subprocess.run(cmd, capture_output=True, text=True, env=e, cwd=ROOT, timeout=900)
+    if r.returncode:
+        sys.exit(f"failed: {' '.join(map(str, cmd))}\n{r.stderr[-3000:]}")
+    return r.stdout
+
+
+def ours(args, tmp: Path) -> float:
+    rundir = tmp / "run"
+    shutil.rmtree(rundir, ignore_errors=True)
+    run([BIN / "mpiexec", "-n", str(args.ranks), sys.executable, "-m", "hpctrain", "train",
+         "--config", "configs/demo.toml", f"--run.dir={rundir}", f"--data.path={args.data}",
+         f"--train.steps={args.steps + 5}", "--train.warmup_steps=2", f"--train.precision={args.precision}",
+         "--train.eval_interval=0", f"--checkpoint.interval={10**6}", "--data.verify=size"])
+    recs = [json.loads(l) for l in (rundir / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median(r["tokens_per_s"] for r in recs if r.get("step", 0) > 5)
+
+
+def baseline(args) -> float:
+    out = run([BIN / "torchrun", "--standalone", f"--nproc_per_node={args.ranks}", "bench/ddp_baseline.py",
+               "--data", args.data, "--steps", str(args.steps), "--precision", args.precision])
+    return json.loads(out.strip().splitlines()[-1])["tokens_per_s"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default="data/shakespeare_bytes", help="byte-level dataset (make demo builds it)")
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per run")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--rounds", type=int, default=2, help="A/B rounds")
+    args = ap.parse_args()
+    a, b = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(args.rounds):
+            a.append(ours(args, Path(tmp)))
+            b.append(baseline(args))
+    ma, mb = statistics.median(a), statistics.median(b)
+    print(f"config: configs/demo.toml model, {args.ranks} ranks, {args.precision}, {args.steps} timed steps x {args.rounds} rounds")
+    print(f"{'hpctrain train':<32}{ma:>12,.0f} tokens/s   runs: {', '.join(f'{x:,.0f}' for x in a)}")
+    print(f"{'torchrun + DDP baseline':<32}{mb:>12,.0f} tokens/s   runs: {', '.join(f'{x:,.0f}' for x in b)}")
+    print(f"{'ratio (ours / baseline)':<32}{ma / mb:>12.2f}x")
+
+
+if __name__ == "__main__":
+    main()

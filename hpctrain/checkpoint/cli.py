@@ -1,0 +1,101 @@
+"""`python -m hpctrain ckpt list|verify`: inspect checkpoints from a shell (one process, no MPI).
+
+Owns turning a user-given path (a run directory, a checkpoint root, or one `step_N` directory) into
+checkpoint directories, and printing their status. It must never modify a checkpoint and never
+unpickle anything (it goes through layout.check_checkpoint and safe_load).
+
+    ckpt list RUN_DIR [--full]      every step_* directory: step, status, commit time, size, problem
+    ckpt verify DIR [--full]        exit 0 if DIR (or every checkpoint under it) is committed and
+                                    intact, else 1 with one line per problem
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from hpctrain.checkpoint import layout
+from hpctrain.checkpoint.layout import CheckpointError
+
+
+def resolve_root(path: str | Path) -> Path:
+    """A run dir (has checkpoints/) or a checkpoint root -> the checkpoint root."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such directory")
+    if not p.is_dir():
+        raise CheckpointError(f"{p}: not a directory")
+    return p / "checkpoints" if (p / "checkpoints").is_dir() else p
+
+
+def is_checkpoint_dir(p: Path) -> bool:
+    return (p / layout.COMMIT_FILE).exists() or layout.parse_dir_name(p.name) is not None
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def cmd_list(args) -> int:
+    root = resolve_root(args.dir)
+    infos = layout.list_checkpoints(root, full=args.full)
+    if not infos:
+        print(f"{root}: no checkpoints")
+        return 0
+    print(f"{'step':>10}  {'status':<10} {'kind':<10} {'committed (UTC)':<25} {'size':>10}  path")
+    for i in infos:
+        print(f"{i.step:>10}  {i.status:<10} {i.kind:<10} {i.time or '-':<25} "
+              f"{_size(i.size_bytes):>10}  {i.path}")
+        for problem in i.problems if i.status != "committed" else []:
+            print(f"{'':>12}{problem}")
+    latest, _ = layout.find_latest(root)
+    print(f"latest: {latest if latest else 'none (nothing to resume from)'}")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    p = Path(args.dir)
+    if not p.is_dir():
+        raise CheckpointError(f"{p}: no such directory")
+    if is_checkpoint_dir(p):
+        targets = [p]
+    else:
+        targets = [path for _, kind, path in layout.scan(resolve_root(p)) if kind == "checkpoint"]
+        if not targets:
+            raise CheckpointError(f"{p}: no checkpoints (expected a step_N directory, a checkpoint "
+                                  f"root or a run directory)")
+    bad = 0
+    for t in targets:
+        problems = layout.verify_checkpoint(t, full=args.full)
+        if problems:
+            bad += 1
+            for problem in problems:
+                print(f"{t}: {problem}")
+        else:
+            commit = layout.read_commit(t)
+            how = "all files sha256-checked" if args.full and commit.get("checksums") == "full" \
+                else "sizes + small-file sha256" + ("" if not args.full else
+                                                   " (no data checksums recorded)")
+            print(f"{t}: intact (step {commit['step']}, world size {commit['world_size']}, {how})")
+    return 1 if bad else 0
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="hpctrain ckpt", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("list", help="list checkpoints with their status")
+    p.add_argument("dir", help="run directory or checkpoint root")
+    p.add_argument("--full", action="store_true", help="also check data-file checksums")
+    p = sub.add_parser("verify", help="check one checkpoint (or all under a root); exit 1 if bad")
+    p.add_argument("dir", help="step_N directory, checkpoint root or run directory")
+    p.add_argument("--full", action="store_true", help="also check data-file checksums if recorded")
+    args = parser.parse_args(argv)
+    return {"list": cmd_list, "verify": cmd_verify}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

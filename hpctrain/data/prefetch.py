@@ -1,0 +1,103 @@
+"""Feeding the trainer through the node cache: what to prefetch, when to start, what to report.
+
+Owns: opening the node cache from the config (``data.cache_dir``, ``cache_bytes``, ``prefetch``),
+the function from a step number to the shards this NODE's ranks will read at that step (the
+sampler's order is a pure function of the step; each local rank's slice comes from its dp rank),
+the validation shards pinned in the cache, telling the cache which step this rank is on, timing
+how long each step waited for data, and the per-step data metrics (summed/maxed over all ranks).
+
+Must never: decide the sample order or which samples a rank reads (sampler.split_for_rank does),
+read tokens itself, or call a collective that not every rank reaches (``metrics()`` is called by
+every rank once per step; ``open`` by every rank at start).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .cache import NodeCache, resolve_cache_dir
+
+METRIC_SUMS = ("cache_hits", "cache_misses", "cache_copies", "cache_bytes_staged",
+               "cache_evictions")
+
+
+class DataFeed:
+    """Per-rank glue between TrainData and the (optional) NodeCache."""
+
+    def __init__(self, cache: NodeCache | None, comm):
+        self.cache, self.comm = cache, comm
+        self.started = False
+        self.data_s = 0.0  # time spent producing micro-batches since the last metrics()
+
+    @classmethod
+    def open(cls, cfg, ctx, manifest: dict) -> "DataFeed":
+        """Every rank calls this at start (node_comm collectives inside when the cache is on)."""
+        root = resolve_cache_dir(cfg.data.cache_dir, ctx.node_rank)
+        cache = None
+        if root is not None:
+            cache = NodeCache(root, cfg.data.path, manifest, ctx.node_comm,
+                              budget=cfg.data.cache_bytes, prefetch=cfg.data.prefetch,
+                              timeout_s=cfg.dist.timeout_s)
+        return cls(cache, ctx.comm)
+
+    @property
+    def cached(self) -> bool:
+        return self.cache is not None
+
+    def bind(self, data, node_comm) -> None:
+        """Learn the node's dp ranks (collective on node_comm) and the pinned val shards."""
+        self.data = data
+        if self.cache is None:
+            return
+        self.local_dp = sorted(set(node_comm.allgather(data.dp_rank)))
+        val_idx = data._val_indices() if data.val is not None else None
+        self.pinned = set() if val_idx is None else set(data.val.shard_ids_of(val_idx).tolist())
+
+    def _needs(self, k: int) -> list[int]:
+        d = self.data
+        per = d.micro_batch * d.grad_accum
+        idx = self._plan_sampler.indices_at(k)  # never the trainer's sampler: other thread
+        mine = np.concatenate([idx[r * per:(r + 1) * per] for r in self.local_dp])
+        return d.train.shard_ids_of(mine).tolist()
+
+    def ensure_started(self) -> None:
+        """Start the leader's prefetch thread at the sampler's current step (after any resume)."""
+        if self.started or self.cache is None:
+            return
+        self.started = True
+        d = self.data
+        from .sampler import GlobalSampler
+
+        self._plan_sampler = GlobalSampler(d.sampler.n_samples, d.sampler.global_batch,
+                                           d.sampler.seed)  # the thread's own copy of the order
+        t = d.cfg.train
+        self.cache.start(d.sampler.steps_done, t.stop_at_step or t.steps, self._needs, self.pinned)
+
+    def begin_step(self) -> float:
+        self.ensure_started()
+        if self.cache is not None:
+            self.cache.publish(self.data.sampler.steps_done)
+        return time.perf_counter()
+
+    def end_step(self, t0: float) -> None:
+        self.data_s += time.perf_counter() - t0
+
+    def metrics(self) -> dict:
+        """This step's data metrics over all ranks: ``data_time_s`` and ``data_wait_s`` (max over
+        ranks of time spent getting the batch / blocked on the cache), and with the cache: hits,
+        misses (shard look-ups that had to wait), copies/bytes staged and evictions (all nodes)."""
+        from mpi4py import MPI
+
+        c = self.cache.take_counts() if self.cache is not None else {}
+        mx = np.array([self.data_s, c.get("wait_s", 0.0)], dtype=np.float64)
+        sm = np.array([c.get("hits", 0), c.get("misses", 0), c.get("copies", 0),
+                       c.get("bytes_staged", 0), c.get("evictions", 0)], dtype=np.int64)
+        self.data_s = 0.0
+        if self.comm.Get_size() > 1:
+            self.comm.Allreduce(MPI.IN_PLACE, mx, op=MPI.MAX)
+            self.comm.Allreduce(MPI.IN_PLACE, sm, op=MPI.SUM)
+        out = {"data_time_s": float(mx[0]), "data_wait_s": float(mx[1])}
+        if self.cache is not None:
+            out.update({k: int(v) for k, v in zip(METRIC_SUMS, sm)})
+        return out

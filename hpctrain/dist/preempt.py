@@ -1,0 +1,145 @@
+"""Preemption and wall-time guard: every rank stops at the same step, with a checkpoint.
+
+Owns: the signal handlers (`slurm.signals`, USR1 and TERM by default) that only set a flag; the
+wall-time check (rank 0 asks Slurm how much time is left every `slurm.time_check_s` seconds); the
+once-per-step agreement of all ranks (one MPI all-reduce MAX of a small int, so no rank starts a
+collective that another skips); and what happens after the final checkpoint: requeue the Slurm job
+(`slurm.requeue`) and/or exit with EXIT_PREEMPTED.
+
+It must never save checkpoints itself (the loop calls the checkpoint manager when `should_stop` says
+so), call torch.distributed collectives, or act on a signal anywhere but at a step boundary.
+
+Exit status: EXIT_PREEMPTED = 75 (EX_TEMPFAIL from sysexits.h) means "stopped early on a signal or
+the wall-time guard, checkpoint committed: run the same command again to resume". It is returned
+whether or not the job was requeued (after a requeue Slurm ends this run anyway).
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import time
+
+from hpctrain.dist import slurm
+
+EXIT_PREEMPTED = 75
+
+# Agreed stop reasons; the all-reduce takes the MAX, so a higher code wins when several hit at once.
+NONE, WALLTIME, SIGNAL = 0, 1, 2
+
+_received: list[int] = []  # signal numbers, in arrival order (appending is async-signal safe)
+_installed: set[int] = set()
+
+
+def parse_signals(spec: str) -> list[signal.Signals]:
+    """'USR1,TERM' -> [SIGUSR1, SIGTERM]; ValueError naming the bad entry."""
+    out = []
+    for name in (s.strip().upper() for s in spec.split(",") if s.strip()):
+        full = name if name.startswith("SIG") else f"SIG{name}"
+        try:
+            sig = signal.Signals[full]
+        except KeyError:
+            raise ValueError(f"unknown signal {name!r}") from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ValueError(f"{name} cannot be caught")
+        out.append(sig)
+    return out
+
+
+def _on_signal(signum, frame) -> None:
+    _received.append(signum)
+
+
+def install_signal_handlers(spec: str) -> None:
+    """Catch these signals from now on (call early: an uncaught USR1 kills the process)."""
+    for sig in parse_signals(spec):
+        if sig not in _installed:
+            signal.signal(sig, _on_signal)
+            _installed.add(sig)
+
+
+def _log(rank: int, msg: str) -> None:
+    if rank == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+class PreemptionGuard:
+    """`should_stop(step)` once per step on every rank; `finish(step)` after the final checkpoint.
+
+    cfg: the `slurm` config section; comm: the mpi4py world communicator (all ranks call both)."""
+
+    def __init__(self, cfg, comm, rank: int):
+        self.cfg, self.comm, self.rank = cfg, comm, rank
+        self.job = slurm.SlurmJob.from_env()
+        self.reason = NONE
+        self.detail = ""
+        install_signal_handlers(cfg.signals)
+        self._next_time_check = 0.0
+        self._time_guard = cfg.time_margin_s > 0 and self.job is not None
+        if self.job is not None and rank == 0:
+            left = slurm.remaining_seconds(self.job)
+            left_txt = "unlimited" if left is None else _hms(left)
+            _log(rank, f"{self.job.describe()}, time left {left_txt}, stop on "
+                       f"{cfg.signals or 'no signal'}"
+                       + (f" or < {cfg.time_margin_s:.0f}s left" if self._time_guard else ""))
+
+    # ---- per step ---------------------------------------------------------------------------
+    def _local_reason(self) -> int:
+        if _received:
+            self.detail = f"signal {signal.Signals(_received[0]).name}"
+            return SIGNAL
+        if self.rank == 0 and self._time_guard and time.monotonic() >= self._next_time_check:
+            self._next_time_check = time.monotonic() + self.cfg.time_check_s
+            left = slurm.remaining_seconds(self.job)
+            if left is not None and left < self.cfg.time_margin_s:
+                self.detail = (f"wall time: {_hms(left)} left < slurm.time_margin_s="
+                               f"{self.cfg.time_margin_s:g}")
+                return WALLTIME
+        return NONE
+
+    def should_stop(self, step: int) -> bool:
+        """True on every rank, at the same step, once any rank got a signal or rank 0 saw the wall
+        time run short. One small MPI all-reduce per call."""
+        if self.cfg.debug_step_sleep_s > 0:
+            time.sleep(self.cfg.debug_step_sleep_s)
+        from mpi4py import MPI
+
+        reason = self.comm.allreduce(self._local_reason(), op=MPI.MAX)
+        if reason != NONE:
+            self.reason = reason
+            if not self.detail:
+                self.detail = "signal on another rank" if reason == SIGNAL else "wall time"
+            _log(self.rank, f"stopping at step {step}: {self.detail}; saving a checkpoint")
+        return reason != NONE
+
+    @property
+    def stopped(self) -> bool:
+        return self.reason != NONE
+
+    # ---- after the final checkpoint ---------------------------------------------------------
+    def finish(self, step: int) -> int:
+        """All ranks: wait until everyone is done, rank 0 requeues if configured; EXIT_PREEMPTED."""
+        self.comm.Barrier()
+        if self.rank == 0:
+            mode = self.cfg.requeue
+            if mode == "false":
+                why = "slurm.requeue=false"
+                ok = False
+            elif mode == "auto":
+                ok, why = slurm.requeue_allowed(self.job)
+            else:
+                ok, why = (self.job is not None), "not running inside a Slurm job"
+            if ok:
+                ok, err = slurm.requeue(self.job)
+                why = f"scontrol requeue {self.job.job_id} failed: {err}"
+            if ok:
+                _log(0, f"requeued Slurm job {self.job.job_id}: its next run resumes from step {step}")
+            else:
+                _log(0, f"stopped at step {step} with a committed checkpoint; not requeued ({why}): "
+                        f"run the same command again to resume (exit status {EXIT_PREEMPTED})")
+        self.comm.Barrier()
+        return EXIT_PREEMPTED
+
+
+def _hms(seconds: float) -> str:
+    s = max(0, int(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"

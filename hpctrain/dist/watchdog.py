@@ -1,0 +1,144 @@
+"""Peer liveness: a rank that died, hangs or became unreachable ends the job with an error naming it.
+
+Owns the heartbeat protocol. Every rank runs one daemon thread that, every `interval` seconds, bumps
+its counter `hpctrain/hb/<rank>` in the rendezvous TCPStore (its own client connection, not the
+process group's), watches ONE neighbour's counter (rank + 1 mod world: O(1) store traffic per rank),
+and reads one verdict key. A neighbour whose counter has not moved for `timeout_s` (seconds of this
+rank's own clock: no clock sync needed) is declared lost: the watcher publishes the verdict, every
+rank prints it as one line (`error: rank 3 lost: no heartbeat for 10 s ...`) within one interval,
+and the job ends through MPI Abort (non-zero exit) — also when the main thread is stuck in a gloo or
+NCCL collective that would otherwise wait for `dist.timeout_s`. The store is hosted by rank 0, so
+losing contact with the store means losing rank 0, and is reported as such.
+
+`guard()` wraps the main thread: a collective that fails because a peer vanished ("connection
+closed by peer", a timeout) waits for the verdict rather than printing a traceback, and if none
+comes within the timeout becomes a one-line PeerLostError naming the failed collective.
+
+Bound: a lost rank ends the job within timeout_s + 3 intervals (interval = timeout_s / 10, clamped to
+[0.2, 5] s). It must never import model, data or checkpoint code, and never run a collective.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+import torch.distributed as dist
+
+from hpctrain.errors import UserError
+
+EXIT_PEER_LOST = 3
+_LOST = "hpctrain/lost"
+
+
+class PeerLostError(UserError):
+    """A peer rank is gone or a collective failed because of it."""
+
+
+class Watchdog:
+    def __init__(self, ctx, timeout_s: float):
+        self.rank, self.world = ctx.rank, ctx.world_size
+        self.comm = ctx.comm
+        self.timeout = float(timeout_s)
+        self.interval = max(0.2, min(5.0, self.timeout / 10))
+        self._stop = threading.Event()
+        self._reported = threading.Lock()
+        self.verdict: str | None = None
+        self._store = dist.TCPStore(ctx.master_addr, ctx.master_port, is_master=False,
+                                    timeout=datetime.timedelta(seconds=max(self.timeout, 1.0)))
+        self._store.add(f"hpctrain/hb/{self.rank}", 1)
+        self._thread = threading.Thread(target=self._run, name="hpctrain-watchdog", daemon=True)
+        self._thread.start()
+
+    # -- the thread ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        nbr = (self.rank + 1) % self.world
+        seen, since = None, time.monotonic()
+        while not self._stop.wait(self.interval):
+            try:
+                self._store.add(f"hpctrain/hb/{self.rank}", 1)
+                if self._store.check([_LOST]):
+                    self._die(self._store.get(_LOST).decode())
+                if self._store.check([f"hpctrain/done/{nbr}"]):
+                    continue  # finished cleanly
+                value = self._store.add(f"hpctrain/hb/{nbr}", 0)
+            except Exception as e:  # noqa: BLE001 - the store (on rank 0) is unreachable
+                if self._stop.is_set():
+                    return
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                self._die(f"rank 0 lost: its rendezvous store is unreachable ({first[:200]})")
+            now = time.monotonic()
+            if value != seen:
+                seen, since = value, now
+            elif now - since > self.timeout:
+                msg = (f"rank {nbr} lost: no heartbeat for {now - since:.0f} s "
+                       f"(dist.heartbeat_timeout_s={self.timeout:g}): it died, hangs, or its node "
+                       f"is unreachable")
+                try:
+                    self._store.set(_LOST, msg)
+                except Exception:  # noqa: BLE001 - we report it ourselves regardless
+                    pass
+                self._die(msg)
+
+    def _die(self, msg: str) -> None:
+        """Print the verdict (once per process), give the other ranks an interval or two to print
+        theirs, then end the job."""
+        if not self._reported.acquire(blocking=False):
+            return
+        self.verdict = msg
+        tag = f"[rank {self.rank}] " if self.rank else ""
+        print(f"{tag}error: {msg}", file=sys.stderr, flush=True)
+        time.sleep(min(3.0, 2 * self.interval + 0.5))
+        try:
+            if self.comm is not None:
+                self.comm.Abort(EXIT_PEER_LOST)
+        finally:
+            os._exit(EXIT_PEER_LOST)
+
+    # -- main thread -----------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Clean finish: tell the watcher not to expect more beats, stop the thread."""
+        try:
+            self._store.set(f"hpctrain/done/{self.rank}", "1")
+        except Exception:  # noqa: BLE001 - the thread would report a lost store
+            pass
+        self._stop.set()
+        self._thread.join(timeout=self.timeout + 5)
+
+    def wait_for_verdict(self, exc: BaseException) -> None:
+        """A collective failed on the main thread: let the watchdog name the lost rank (it ends
+        the process); if it does not within the bound, raise a one-line PeerLostError."""
+        deadline = time.monotonic() + self.timeout + 3 * self.interval
+        while time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.1)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise PeerLostError(f"collective failed ({type(exc).__name__}: {first[:300]}); no peer "
+                            f"was found silent for dist.heartbeat_timeout_s={self.timeout:g}") from None
+
+
+def _is_comm_error(exc: BaseException) -> bool:
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(
+        w in text for w in ("gloo", "nccl", "connection closed", "connection reset", "timed out",
+                            "broken pipe", "peer"))
+
+
+@contextmanager
+def guard(ctx, timeout_s: float):
+    """Run the body under a heartbeat watchdog (no-op for one rank or timeout 0)."""
+    if timeout_s <= 0 or ctx.world_size == 1:
+        yield None
+        return
+    wd = Watchdog(ctx, timeout_s)
+    try:
+        yield wd
+    except Exception as e:
+        if _is_comm_error(e):
+            wd.wait_for_verdict(e)
+        raise
+    wd.stop()

@@ -1,0 +1,122 @@
+"""`python -m hpctrain export --checkpoint DIR --format hf --output OUT`: a checkpoint as a Hugging
+Face GPT-2 model folder (config.json + model.safetensors) that `GPT2LMHeadModel.from_pretrained` loads.
+
+Owns the name and layout mapping from our GPT (hpctrain/model/gpt.py) to HF GPT-2: separate q/k/v
+Linear layers -> one `c_attn` Conv1D (concatenated on the output dim), Linear weights [out, in] ->
+Conv1D [in, out] (transposed), norm1/norm2/norm_f -> ln_1/ln_2/ln_f, tok_emb/pos_emb -> wte/wpe,
+lm_head tied to wte (not stored), GELU(tanh) = "gelu_new", LayerNorm eps 1e-5 (both defaults).
+It reads any layout's checkpoint (DCP keys are layout-free: DDP, FSDP, TP, PP save the same FQNs)
+in one process through the checkpoint manager (safe loading, no pickle), and must never import
+transformers (a test-only dependency) or modify the checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from hpctrain.checkpoint import CheckpointManager, layout
+from hpctrain.checkpoint.cli import is_checkpoint_dir, resolve_root
+from hpctrain.checkpoint.safe_load import read_metadata
+from hpctrain.errors import UserError
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """A step_N dir as given, or the newest intact checkpoint under a run dir / checkpoint root."""
+    p = Path(path)
+    if p.is_dir() and is_checkpoint_dir(p):
+        return p
+    found, _ = layout.find_latest(resolve_root(p))
+    if found is None:
+        raise UserError(f"{p}: no committed checkpoint found")
+    return found
+
+
+def load_model_state(ckpt: Path) -> tuple[dict, dict]:
+    """(our model's tensors by FQN, the model config) from a committed checkpoint."""
+    problems = layout.verify_checkpoint(ckpt)
+    if problems:
+        raise UserError(f"{ckpt}: not an intact checkpoint: {problems[0]}")
+    extra = json.loads((ckpt / layout.TRAINER_STATE_FILE).read_text())
+    model_cfg = extra.get("config", {}).get("model")
+    if not model_cfg:
+        raise UserError(f"{ckpt / layout.TRAINER_STATE_FILE}: no config.model (not a training checkpoint)")
+    md = read_metadata(ckpt / layout.DCP_METADATA_FILE)
+    state = {"model": {}}
+    for fqn, meta in md.state_dict_metadata.items():
+        if fqn.startswith("model.") and hasattr(meta, "size"):
+            state["model"][fqn[len("model."):]] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    if not state["model"]:
+        raise UserError(f"{ckpt}: checkpoint holds no model.* tensors")
+    CheckpointManager(ckpt.parent, keep=1, rank=0, world_size=1).load(ckpt, state)
+    return state["model"], model_cfg
+
+
+def to_hf_gpt2(sd: dict, m: dict) -> tuple[dict, dict]:
+    """(HF GPT-2 state dict, config.json dict) from our model's state dict and config."""
+    def get(name):
+        if name not in sd:
+            raise UserError(f"checkpoint lacks model.{name} (not an hpctrain GPT?)")
+        return sd[name].float()
+
+    out = {"transformer.wte.weight": get("tok_emb.weight"),
+           "transformer.wpe.weight": get("pos_emb.weight"),
+           "transformer.ln_f.weight": get("norm_f.weight"),
+           "transformer.ln_f.bias": get("norm_f.bias")}
+    for i in range(m["n_layer"]):
+        ours, hf = f"blocks.{i}.", f"transformer.h.{i}."
+        for a, b in (("norm1", "ln_1"), ("norm2", "ln_2")):
+            out[hf + b + ".weight"], out[hf + b + ".bias"] = get(ours + a + ".weight"), get(ours + a + ".bias")
+        qkv = [ours + f"attn.{w}" for w in ("wq", "wk", "wv")]
+        out[hf + "attn.c_attn.weight"] = torch.cat([get(n + ".weight") for n in qkv], 0).t()
+        out[hf + "attn.c_attn.bias"] = torch.cat([get(n + ".bias") for n in qkv], 0)
+        for a, b in (("attn.wo", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
+            out[hf + b + ".weight"] = get(ours + a + ".weight").t()
+            out[hf + b + ".bias"] = get(ours + a + ".bias")
+    out = {k: v.contiguous() for k, v in out.items()}
+    config = {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": m["vocab_size"], "n_positions": m["block_size"], "n_ctx": m["block_size"],
+        "n_embd": m["n_embd"], "n_layer": m["n_layer"], "n_head": m["n_head"], "n_inner": None,
+        "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "initializer_range": 0.02,
+        "scale_attn_weights": True, "tie_word_embeddings": True, "use_cache": True,
+        "torch_dtype": "float32",
+    }
+    return out, config
+
+
+def export_hf(checkpoint: str | Path, output: str | Path) -> Path:
+    from safetensors.torch import save_file
+
+    ckpt = find_checkpoint(checkpoint)
+    sd, model_cfg = load_model_state(ckpt)
+    tensors, config = to_hf_gpt2(sd, model_cfg)
+    tok = json.loads((ckpt / layout.TRAINER_STATE_FILE).read_text()).get("tokenizer") or {}
+    if isinstance(tok.get("eot_id"), int):
+        config["bos_token_id"] = config["eos_token_id"] = tok["eot_id"]
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    print(f"exported {ckpt} (step {json.loads((ckpt / layout.COMMIT_FILE).read_text())['step']}) "
+          f"-> {out} (Hugging Face GPT-2: config.json, model.safetensors)")
+    return out
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="hpctrain export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", required=True,
+                        help="step_N directory, checkpoint root or run directory (newest intact)")
+    parser.add_argument("--format", default="hf", choices=["hf"], help="hf: Hugging Face GPT-2")
+    parser.add_argument("--output", required=True, help="output folder")
+    args = parser.parse_args(argv)
+    export_hf(args.checkpoint, args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,24 @@
+"""Activation checkpointing applied from outside: wrap whole transformer blocks with torch's
+checkpoint wrapper, so their activations are recomputed in backward instead of stored.
+
+Owns: which blocks are wrapped ("full": all; "selective": blocks 0, N, 2N, ... of the model, by
+their original index, so a pipeline stage wraps the same blocks the unsplit model would). It must
+never change parameter names as checkpoints see them: the wrapper's `_checkpoint_wrapped_module.`
+prefix is stripped by torch.distributed.checkpoint.state_dict.
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> int:
+    """Wrap blocks of `model.blocks` (a ModuleDict keyed by layer index) in place; returns how many."""
+    if mode == "none":
+        return 0
+    wrapped = 0
+    for key in list(model.blocks.keys()):
+        if mode == "full" or int(key) % every == 0:
+            model.blocks[key] = checkpoint_wrapper(model.blocks[key], preserve_rng_state=True)
+            wrapped += 1
+    return wrapped

@@ -1,0 +1,54 @@
+"""Gradient all-reduce through MPI instead of Gloo, as a DDP communication hook (CPU training).
+
+On CPU clusters the MPI library is the fastest path between ranks: it knows the interconnect and uses
+shared memory inside a node, while Gloo goes through TCP sockets. Measured here (PLATFORM.md): an
+in-place mpi4py Allreduce is ~2x faster than Gloo at 64 MiB and 3-6x at 1-16 MiB.
+
+Owns: building an MPI communicator with exactly the ranks of a torch process group, and a DDP comm
+hook that reduces each gradient bucket with it. Numerics mirror DDP's default hook (divide by the
+group size, then sum), so fp32 losses are bit-identical to the Gloo path on 2 ranks (where a sum of
+two values has only one possible order). It must never be used for CUDA tensors (NCCL is faster there).
+"""
+import torch
+import torch.distributed as dist
+
+# dtypes MPI can reduce natively through mpi4py's buffer protocol (numpy views of the bucket)
+_MPI_DTYPES = (torch.float32, torch.float64)
+
+
+def mpi_comm_for_group(group: dist.ProcessGroup, world_comm):
+    """An MPI communicator holding the same ranks as `group`, in the same order (collective over
+    the world: every rank calls it, each with its own group)."""
+    ranks = dist.get_process_group_ranks(group)
+    me = dist.get_rank()
+    return world_comm.Split(color=min(ranks), key=ranks.index(me))
+
+
+class MPIHookState:
+    def __init__(self, comm):
+        self.comm = comm
+        self.size = comm.Get_size()
+        self.bytes_reduced = 0  # for metrics / bandwidth accounting
+
+
+# (no `from __future__ import annotations`: DDP checks these annotations at registration)
+def mpi_allreduce_hook(state: MPIHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average one gradient bucket over the group with MPI Allreduce (in place)."""
+    from mpi4py import MPI
+
+    buf = bucket.buffer()
+    fut: torch.futures.Future = torch.futures.Future()
+    if buf.device.type != "cpu" or buf.dtype not in _MPI_DTYPES:
+        raise TypeError(f"MPI gradient sync needs fp32/fp64 CPU gradients, got {buf.dtype} on {buf.device}")
+    buf.div_(state.size)
+    state.comm.Allreduce(MPI.IN_PLACE, buf.numpy(), op=MPI.SUM)
+    state.bytes_reduced += buf.numel() * buf.element_size()
+    fut.set_result(buf)
+    return fut
+
+
+def use_mpi_grad_sync(ddp_model, group: dist.ProcessGroup, world_comm) -> "MPIHookState":
+    """Register the MPI hook on a DDP model; returns the hook state (holds the communicator)."""
+    state = MPIHookState(mpi_comm_for_group(group, world_comm))
+    ddp_model.register_comm_hook(state, mpi_allreduce_hook)
+    return state

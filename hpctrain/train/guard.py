@@ -1,0 +1,71 @@
+"""The non-finite step guard: a NaN/Inf loss or gradient norm skips the optimizer step on every rank.
+
+Owns the decision "is this step's update usable", agreed by all ranks with one MAX all-reduce of a
+flag over the whole world (robust for any layout: under TP/PP/FSDP ranks may see different partial
+losses or norms), the count of skipped steps, and stopping with a clear error after
+`train.max_bad_steps` bad steps in a row (the caller must then not save: the newest checkpoint stays
+the last good state). Also the test-only fault `train.inject_nan_at_step` (NaN loss on the last
+rank only, so agreement is what makes the other ranks skip too).
+
+It must never step or zero the optimizer itself (the loop does), and never decide on one rank alone.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hpctrain.errors import UserError
+
+
+class TrainingDivergedError(UserError):
+    """Too many non-finite steps in a row."""
+
+
+class NonFiniteGuard:
+    def __init__(self, max_bad_steps: int, inject_nan_at_step: int, rank: int, world_size: int):
+        self.max_bad = max_bad_steps
+        self.inject_at = inject_nan_at_step
+        self.poisoned_rank = world_size - 1
+        self.rank = rank
+        self.skipped = 0          # total skipped steps in this process's run (metrics: bad_steps)
+        self.in_a_row = 0
+
+    def poison(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        """TEST ONLY: the loss of step `inject_nan_at_step` becomes NaN on the last rank."""
+        if self.inject_at and step == self.inject_at and self.rank == self.poisoned_rank:
+            return loss * float("nan")
+        return loss
+
+    def should_skip(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | float) -> bool:
+        """Collective over the default group. True if any rank saw a non-finite loss or grad norm
+        for this step; raises TrainingDivergedError after max_bad_steps such steps in a row."""
+        loss = loss.detach().float().reshape(())
+        norm = torch.as_tensor(grad_norm, dtype=torch.float32, device=loss.device).reshape(())
+        flag = (~torch.isfinite(loss) | ~torch.isfinite(norm)).float()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() == 0:
+            self.in_a_row = 0
+            return False
+        self.skipped += 1
+        self.in_a_row += 1
+        if self.in_a_row >= self.max_bad:
+            raise TrainingDivergedError(
+                f"loss or gradient norm not finite for {self.in_a_row} steps in a row (steps "
+                f"{step - self.in_a_row + 1}..{step}, train.max_bad_steps={self.max_bad}): stopping "
+                f"without saving; the newest checkpoint is the last good state (lower train.lr, "
+                f"check the data, or use train.precision=fp32)")
+        return True
+
+
+def all_finite(params, device) -> bool:
+    """Collective: every rank's parameters are finite (checked before a checkpoint is written)."""
+    ok = torch.ones((), device=device)
+    for p in params:
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if not bool(torch.isfinite(local.detach()).all()):
+            ok = torch.zeros((), device=device)
+            break
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item() == 1)

@@ -1,0 +1,137 @@
+"""The node-local shard cache under a real `mpiexec -n 4` split into 2 pretend nodes.
+
+Each node's leader copies a shard from data.path once, the node's ranks read the copy, losses are
+bit-identical to a run without the cache; a small budget evicts and still matches; a kill -9 in
+the middle of staging, a stray temp file and a corrupted cached shard do not stop the next run.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from data_tools.format import read_manifest
+from tests.conftest import ROOT, mpiexec_path, mpirun, run_cmd
+from tests.mpi.test_train import TINY, losses
+
+pytestmark = pytest.mark.mpi
+NODES = {"HPCTRAIN_RANKS_PER_NODE": "2"}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    from data_tools.corpora import shakespeare_files
+
+    plays = sorted(shakespeare_files())[:6]
+    out = tmp_path_factory.mktemp("data") / "small_shards"
+    run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", *plays, "--output", out,
+             "--tokenizer", "bytes", "--shard-tokens", "20000", "--val-fraction", "0.2", "--seed",
+             "3", "--no-progress"], timeout=300, check=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, dataset):
+    """Losses of a 4-rank run without the cache (cache_dir=off)."""
+    tmp = tmp_path_factory.mktemp("ref")
+    cfg, run = config(tmp, dataset, "ref")
+    train4(cfg, "--data.cache_dir=off")
+    return losses(run), losses(run, "val_loss")
+
+
+def config(tmp, data, name):
+    run = tmp / name
+    cfg = tmp / f"{name}.toml"
+    cfg.write_text(TINY.format(run=run, data=data).replace("steps = 40", "steps = 20"))
+    return cfg, run
+
+
+def train4(cfg, *overrides, timeout=300):
+    return mpirun(4, ["-m", "hpctrain", "train", "--config", cfg, *overrides], env=NODES,
+                  timeout=timeout, check=True)
+
+
+def node_stats(cache):
+    return [json.loads(p.read_text()) for p in sorted(Path(cache).glob("node*/hpctrain-*/stats.json"))]
+
+
+def records(run):
+    return [json.loads(l) for l in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_each_node_copies_each_shard_once_and_losses_match(tmp_path, dataset, reference):
+    cache = tmp_path / "cache"
+    cfg, run = config(tmp_path, dataset, "cached")
+    train4(cfg, f"--data.cache_dir={cache}")
+    assert losses(run) == reference[0] and losses(run, "val_loss") == reference[1]
+    stats = node_stats(cache)
+    assert len(stats) == 2  # node0/ and node1/, each with its own copies
+    names = {s["file"] for s in read_manifest(str(dataset))["shards"]}
+    for st in stats:
+        assert st["copies_per_shard"] and set(st["copies_per_shard"]) <= names
+        assert set(st["copies_per_shard"].values()) == {1}, st["copies_per_shard"]  # never twice on a node
+        assert st["evictions"] == 0 and st["bytes_staged"] == st["used"]
+    recs = [r for r in records(run) if "loss" in r]
+    assert all(r["data_wait_s"] >= 0 and r["data_time_s"] > 0 for r in recs)
+    assert sum(r["cache_hits"] + r["cache_misses"] for r in recs) > 0
+    assert sum(r["cache_copies"] for r in recs) <= sum(len(s["copies_per_shard"]) for s in stats)
+    # The cached copies are what the ranks read: with data.path's shards gone, a new run still
+    # trains (each cached shard re-verified once, nothing copied) and gives the same losses.
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    (gone / "manifest.json").write_bytes((dataset / "manifest.json").read_bytes())
+    cfg2, run2 = config(tmp_path, gone, "from_cache")
+    train4(cfg2, f"--data.cache_dir={cache}")
+    assert losses(run2) == reference[0] and losses(run2, "val_loss") == reference[1]
+    for st in node_stats(cache):
+        assert st["copies_per_shard"] == {} and st["reused"] > 0
+
+
+def test_budget_smaller_than_dataset_evicts_and_matches(tmp_path, dataset, reference):
+    m = read_manifest(str(dataset))
+    size = {sp: sum(s["bytes"] for s in m["shards"] if s["split"] == sp) for sp in ("train", "val")}
+    budget = size["val"] + size["train"] // 2  # val shards stay pinned; half the train shards fit
+    cache = tmp_path / "cache"
+    cfg, run = config(tmp_path, dataset, "small")
+    r = train4(cfg, f"--data.cache_dir={cache}", f"--data.cache_bytes={budget}")
+    assert "smaller than one step" not in r.stderr
+    assert losses(run) == reference[0] and losses(run, "val_loss") == reference[1]
+    for st in node_stats(cache):
+        assert st["evictions"] > 0 and st["used"] <= budget
+        assert max(st["copies_per_shard"].values()) >= 2  # evicted, needed again, staged again
+    assert sum(r["cache_evictions"] for r in records(run) if "loss" in r) > 0
+
+
+def test_kill_9_while_staging_then_restart(tmp_path, dataset, reference):
+    cache = tmp_path / "cache"
+    cfg, run = config(tmp_path, dataset, "killed")
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", **NODES)
+    cmd = [mpiexec_path(), "-n", "4", sys.executable, "-m", "hpctrain", "train", "--config",
+           str(cfg), f"--data.cache_dir={cache}", "--train.steps=2000", "--checkpoint.interval=1000"]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not any(st["copies_per_shard"] for st in node_stats(cache)):
+            time.sleep(0.05)
+        assert any(st["copies_per_shard"] for st in node_stats(cache)), "no shard staged within 120 s"
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)  # the whole job: mpiexec, proxies and ranks
+        p.wait(timeout=30)
+    node0 = next(Path(cache).glob("node0/hpctrain-*"))
+    (node0 / ".tmp-999999-train_00001.h5").write_bytes(b"half a shard")  # a crash's leftover
+    cached = sorted(node0.glob("train_*.h5"))
+    assert cached, "the killed run staged nothing on node0"
+    data = bytearray(cached[0].read_bytes())
+    data[-100] ^= 1  # bit rot in the cache: must be detected and fetched again
+    cached[0].write_bytes(bytes(data))
+    cfg2, run2 = config(tmp_path, dataset, "restarted")
+    train4(cfg2, f"--data.cache_dir={cache}")
+    assert losses(run2) == reference[0] and losses(run2, "val_loss") == reference[1]
+    st0 = node_stats(cache)[0]
+    assert st0["refetched"] >= 1 and st0["copies_per_shard"].get(cached[0].name) == 1
+    assert not list(Path(cache).rglob(".tmp-*"))

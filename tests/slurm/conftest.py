@@ -1,0 +1,128 @@
+"""Fixtures for tests against a real local Slurm cluster: the cluster (session), job helpers.
+
+The cluster is started once per session in a temporary directory (tests/slurm/cluster.py installs the
+Debian packages if they are missing) and stopped at the end. Tests skip only when this machine cannot
+have one (not Debian, not root and the packages missing, apt failing). Job state is read with
+`scontrol show job` and the jobs' output files (no accounting database is configured).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import BIN, ROOT
+from tests.slurm.cluster import ClusterUnavailable, LocalSlurm
+
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+            "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+
+
+class Jobs:
+    """sbatch / scancel / scontrol against one cluster, with the venv first on PATH in every job."""
+
+    def __init__(self, cluster: LocalSlurm):
+        self.cluster = cluster
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
+        env.update(cluster.env)
+        env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+        env["HPCTRAIN_PYTHON"] = sys.executable
+        env["PYTHONUNBUFFERED"] = "1"
+        env.pop("HPCTRAIN_THREADS", None)
+        self.env = env
+
+    def _run(self, args, env=None, timeout=60):
+        import subprocess
+
+        return subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=timeout,
+                              env=dict(self.env, **(env or {})), cwd=ROOT)
+
+    def sbatch(self, *args, env=None) -> str:
+        r = self._run(["sbatch", "--parsable", *args], env=env)
+        assert r.returncode == 0, f"sbatch failed: {r.stderr}"
+        return r.stdout.strip().split(";")[0]
+
+    def scancel(self, *args) -> None:
+        r = self._run(["scancel", *args])
+        assert r.returncode == 0, f"scancel {args} failed: {r.stderr}"
+
+    def show(self, job_id: str) -> list[dict]:
+        """One dict per job record (an array job has one per task)."""
+        r = self._run(["scontrol", "show", "job", "-o", job_id])
+        recs = []
+        for line in r.stdout.splitlines():
+            rec = {}
+            for tok in line.split():
+                k, sep, v = tok.partition("=")
+                if sep and k not in rec:
+                    rec[k] = v
+            if rec:
+                recs.append(rec)
+        return recs
+
+    def wait(self, job_id: str, timeout: float = 180, n_records: int = 1) -> list[dict]:
+        """Poll until every record of the job is in a terminal state; return the records."""
+        deadline = time.monotonic() + timeout
+        recs = []
+        while time.monotonic() < deadline:
+            recs = self.show(job_id)
+            if len(recs) >= n_records and all(r.get("JobState") in TERMINAL for r in recs):
+                return recs
+            time.sleep(0.5)
+        self.scancel(job_id)
+        raise AssertionError(f"job {job_id} not finished after {timeout}s: "
+                             f"{[(r.get('JobId'), r.get('JobState')) for r in recs]}")
+
+    def wait_for(self, predicate, what: str, timeout: float = 120, job_id: str | None = None):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            if job_id and all(r.get("JobState") in TERMINAL for r in self.show(job_id)):
+                raise AssertionError(f"job {job_id} ended before {what}")
+            time.sleep(0.3)
+        raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    prefix = tmp_path_factory.mktemp("slurm")
+    cluster = LocalSlurm(prefix, cpus=4)
+    try:
+        cluster.start()
+    except ClusterUnavailable as e:
+        pytest.skip(f"no local Slurm cluster on this machine: {e}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def jobs(slurm_cluster):
+    return Jobs(slurm_cluster)
+
+
+def metrics(run) -> list[dict]:
+    p = Path(run) / "metrics.jsonl"
+    if not p.exists():
+        return []
+    out = []
+    for line in p.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written while we poll
+            pass
+    return out
+
+
+def losses(run) -> dict:
+    return {r["step"]: r["loss"] for r in metrics(run) if "loss" in r}
+
+
+def last_step(run) -> int:
+    return max(losses(run), default=0)

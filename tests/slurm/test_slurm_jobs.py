@@ -1,0 +1,198 @@
+"""The sbatch templates on a real local Slurm cluster: preprocess, train, preempt -> checkpoint ->
+requeue -> resume, --no-requeue + resubmit, the wall-time guard, a sweep array.
+
+A tiny GPT on Shakespeare bytes; `slurm.debug_step_sleep_s` stretches steps so that a signal lands
+mid-run. Every loss curve is compared step for step with one uninterrupted `mpiexec -n 2` run.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, mpirun
+from tests.slurm.conftest import last_step, losses
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+TRAIN = ROOT / "slurm" / "train.sbatch"
+STEPS = 40
+TINY = """
+[run]
+dir = "{run}"
+[data]
+path = "{data}"
+[model]
+n_layer = 2
+n_head = 2
+n_embd = 64
+block_size = 64
+vocab_size = 257
+[train]
+steps = 40
+micro_batch_size = 4
+lr = 3e-3
+min_lr = 3e-4
+warmup_steps = 5
+eval_interval = 10
+eval_batches = 2
+log_interval = 10
+[checkpoint]
+interval = 1000
+keep = 2
+[slurm]
+time_check_s = 1
+"""
+SLOW = "--slurm.debug_step_sleep_s=0.25"   # 40 steps take >= 10 s: time to send a signal
+
+
+@pytest.fixture(scope="module")
+def dataset(jobs, tmp_path_factory):
+    """Made by slurm/preprocess.sbatch on 2 ranks (srun --mpi=pmi2)."""
+    from data_tools.corpora import shakespeare_files
+
+    tmp = tmp_path_factory.mktemp("slurm-data")
+    out = tmp / "tiny"
+    plays = sorted(shakespeare_files())[:4]
+    jid = jobs.sbatch(f"--output={tmp}/pre-%j.out", "--chdir", tmp, ROOT / "slurm" / "preprocess.sbatch",
+                      *plays, "--", out, "--tokenizer", "bytes", "--shard-tokens", "400000",
+                      "--val-fraction", "0.2", "--seed", "3")
+    (rec,) = jobs.wait(jid, timeout=120)
+    log = (tmp / f"pre-{jid}.out").read_text()
+    assert rec["JobState"] == "COMPLETED", log
+    assert "2 rank(s)" in log and f"{out}: OK" in log
+    return out
+
+
+def write_config(tmp_path, data, name):
+    run = tmp_path / name
+    cfg = tmp_path / f"{name}.toml"
+    cfg.write_text(TINY.format(run=run, data=data))
+    return cfg, run
+
+
+@pytest.fixture(scope="module")
+def reference(dataset, tmp_path_factory):
+    """The uninterrupted run: a direct `mpiexec -n 2` outside Slurm."""
+    tmp = tmp_path_factory.mktemp("slurm-ref")
+    cfg, run = write_config(tmp, dataset, "ref")
+    mpirun(2, ["-m", "hpctrain", "train", "--config", cfg], timeout=300, check=True)
+    ref = losses(run)
+    assert sorted(ref) == list(range(1, STEPS + 1))
+    return ref
+
+
+def submit_train(jobs, tmp_path, cfg, *overrides, sbatch_args=(), env=None):
+    jid = jobs.sbatch(f"--output={tmp_path}/train-%j.out", "--chdir", tmp_path, *sbatch_args,
+                      TRAIN, cfg, *overrides, env=env)
+    return jid, tmp_path / f"train-{jid}.out"
+
+
+def signal_mid_run(jobs, jid, run, at_step=6):
+    jobs.wait_for(lambda: last_step(run) >= at_step, f"step {at_step} in {run}", job_id=jid)
+    jobs.scancel("--signal=USR1", "--batch", jid)
+
+
+def stop_step(log: str) -> int:
+    steps = [int(s) for s in re.findall(r"stopping at step (\d+)", log)]
+    assert len(steps) == 1, log
+    return steps[0]
+
+
+def assert_same_curve(run, reference):
+    got = losses(run)
+    assert sorted(got) == list(range(1, STEPS + 1))  # every step exactly once
+    for step, loss in reference.items():
+        assert got[step] == loss, f"step {step}: {got[step]!r} != {loss!r}"
+
+
+def test_train_sbatch_matches_mpiexec(jobs, dataset, reference, tmp_path):
+    cfg, run = write_config(tmp_path, dataset, "plain")
+    jid, out = submit_train(jobs, tmp_path, cfg)
+    (rec,) = jobs.wait(jid)
+    log = out.read_text()
+    assert (rec["JobState"], rec["ExitCode"]) == ("COMPLETED", "0:0"), log
+    assert f"slurm: job {jid}, restart 0, 1 node localhost" in log
+    assert "world 2" in log and "training finished" in log
+    assert_same_curve(run, reference)
+
+
+def test_usr1_checkpoints_requeues_and_resumes(jobs, dataset, reference, tmp_path):
+    cfg, run = write_config(tmp_path, dataset, "preempted")
+    jid, out = submit_train(jobs, tmp_path, cfg, SLOW)
+    signal_mid_run(jobs, jid, run)
+    (rec,) = jobs.wait(jid, timeout=240)
+    log = out.read_text()
+    assert (rec["JobState"], rec["Restarts"]) == ("COMPLETED", "1"), log
+    s = stop_step(log)
+    assert 6 <= s < STEPS
+    assert f"checkpoint: step {s} -> " in log  # saved at the signal, not at an interval (1000)
+    assert f"requeued Slurm job {jid}: its next run resumes from step {s}" in log
+    assert f"slurm: job {jid}, restart 1" in log
+    assert re.search(rf"resumed from \S+step_0*{s} at step {s}\b", log), log
+    assert_same_curve(run, reference)
+    saved = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert saved == [f"step_{s:08d}", f"step_{STEPS:08d}"]
+
+
+def test_no_requeue_exits_75_and_resubmit_resumes(jobs, dataset, reference, tmp_path):
+    """First run under mpiexec inside the allocation, the resubmission under srun."""
+    cfg, run = write_config(tmp_path, dataset, "norequeue")
+    jid, out = submit_train(jobs, tmp_path, cfg, SLOW, sbatch_args=["--no-requeue"],
+                            env={"HPCTRAIN_LAUNCHER": "mpiexec"})
+    signal_mid_run(jobs, jid, run)
+    (rec,) = jobs.wait(jid)
+    log = out.read_text()
+    assert (rec["JobState"], rec["ExitCode"], rec["Restarts"]) == ("FAILED", "75:0", "0"), log
+    s = stop_step(log)
+    assert f"checkpoint: step {s} -> " in log
+    assert (f"stopped at step {s} with a committed checkpoint; not requeued (job {jid} does not "
+            f"allow requeue (submitted with --no-requeue))") in log
+    assert "stopped early with a checkpoint" in log
+    assert last_step(run) == s
+    jid2, out2 = submit_train(jobs, tmp_path, cfg, SLOW)
+    (rec2,) = jobs.wait(jid2)
+    log2 = out2.read_text()
+    assert rec2["JobState"] == "COMPLETED", log2
+    assert re.search(rf"resumed from \S+step_0*{s} at step {s}\b", log2), log2
+    assert_same_curve(run, reference)
+
+
+def test_walltime_guard_checkpoints_before_the_limit(jobs, dataset, tmp_path):
+    """--time=1 (60 s) and a 50 s margin: the guard stops ~10 s in, long before Slurm's kill."""
+    cfg, run = write_config(tmp_path, dataset, "walltime")
+    jid, out = submit_train(jobs, tmp_path, cfg, "--train.steps=100000", "--train.eval_interval=0",
+                            "--slurm.debug_step_sleep_s=0.02", "--slurm.time_margin_s=50",
+                            sbatch_args=["--time=1", "--no-requeue"])
+    (rec,) = jobs.wait(jid, timeout=120)
+    log = out.read_text()
+    assert (rec["JobState"], rec["ExitCode"]) == ("FAILED", "75:0"), log  # not TIMEOUT
+    m = re.search(r"stopping at step (\d+): wall time: 0:00:(\d\d) left < slurm.time_margin_s=50", log)
+    assert m, log
+    s = int(m.group(1))
+    assert 0 < s < 100000 and int(m.group(2)) < 50
+    assert f"checkpoint: step {s} -> " in log
+    assert (run / "checkpoints" / f"step_{s:08d}" / "COMMIT.json").exists()
+    assert last_step(run) == s
+
+
+def test_sweep_array_runs_points_in_separate_dirs(jobs, dataset, tmp_path):
+    cfg, _ = write_config(tmp_path, dataset, "unused")
+    sweep = tmp_path / "lr.txt"
+    sweep.write_text("# learning rates\n--train.lr=1e-3\n\n--train.lr=3e-3 --train.warmup_steps=2\n")
+    base = tmp_path / "sweep"
+    jid = jobs.sbatch(f"--output={tmp_path}/sweep-%A_%a.out", "--chdir", tmp_path, "--array=0-1",
+                      ROOT / "slurm" / "sweep.sbatch", cfg, sweep, "--train.steps=8",
+                      env={"HPCTRAIN_SWEEP_DIR": str(base)})
+    recs = jobs.wait(jid, n_records=2)
+    assert sorted((r["ArrayTaskId"], r["JobState"]) for r in recs) == [("0", "COMPLETED"), ("1", "COMPLETED")]
+    a, b = losses(base / "point_0"), losses(base / "point_1")
+    assert sorted(a) == sorted(b) == list(range(1, 9))
+    assert a[1] == b[1] and a[8] != b[8]  # same init and data, different learning rates
+    assert 'lr = 0.001' in (base / "point_0" / "config.toml").read_text()
+    cfg1 = (base / "point_1" / "config.toml").read_text()
+    assert 'lr = 0.003' in cfg1 and "warmup_steps = 2" in cfg1
+    log0 = (tmp_path / f"sweep-{jid}_0.out").read_text()
+    assert f"slurm: job {jid}_0 (job " in log0
