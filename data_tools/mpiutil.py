@@ -40,6 +40,8 @@ class SerialComm:
     def barrier(self) -> None:
         pass
 
+    Barrier = barrier  # mpi4py spells the buffer-style collectives with a capital
+
     def Abort(self, code=1):  # noqa: N802 (mpi4py spelling)
         os._exit(code)
 

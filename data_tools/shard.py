@@ -2,8 +2,8 @@
 
 Owns: the shard pipeline — output-dir safety, planning (rank 0 enumerates documents and
 assigns splits), parallel tokenization of disjoint contiguous document ranges, cutting each
-split's token stream into shards, the MPI exchange that lets shard j be written by rank
-j % world_size, and writing the manifest LAST.
+split's token stream into shards, the MPI exchange (round by round, so memory stays bounded) that
+lets each shard be written by its owner rank, and writing the manifest LAST.
 
 Must never: let the output bytes depend on the number of ranks (tests run 1, 2 and 3 ranks and
 compare bytes), write anything but temp files + os.replace into the output dir, write the
@@ -12,6 +12,7 @@ manifest before every shard is durable, or raise on one rank only (see mpiutil.a
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 
@@ -28,6 +29,8 @@ DEFAULT_VAL_FRACTION = 0.05
 DEFAULT_SEED = 1234
 BATCH_BYTES = 8 << 20  # text handed to the tokenizer per call
 BATCH_DOCS = 512
+TOKENIZER_FILE = "tokenizer.json"  # a trained tokenizer, copied beside the shards
+ROUND_BYTES = 64 << 20  # MPI: text each rank tokenizes per round (bounds memory, see docs/data.md)
 _TAG_TOKENS, _TAG_DOCS = 11, 12
 
 
@@ -46,7 +49,8 @@ def prepare_output(out: str) -> None:
     os.makedirs(out, exist_ok=True)
     entries = sorted(os.listdir(out))
     foreign = [e for e in entries
-               if not (e == MANIFEST_NAME or SHARD_RE.match(e) or e.startswith(TMP_PREFIX))]
+               if not (e in (MANIFEST_NAME, TOKENIZER_FILE) or SHARD_RE.match(e)
+                       or e.startswith(TMP_PREFIX))]
     if foreign:
         raise DataError(out, f"not empty and not an hpctrain dataset (found {foreign[0]!r}); "
                              f"refusing to overwrite — use a new or empty directory")
@@ -58,7 +62,7 @@ def prepare_output(out: str) -> None:
         os.unlink(os.path.join(out, MANIFEST_NAME))
         fsync_path(out)
     for e in entries:
-        if e != MANIFEST_NAME:
+        if e not in (MANIFEST_NAME, TOKENIZER_FILE):  # the tokenizer may be the one in use
             os.unlink(os.path.join(out, e))
     fsync_path(out)
 
@@ -121,76 +125,98 @@ class _StreamWriter:
             self._flush(s, final=True)
 
 
-def _exchange_and_write(comm, emit, bufs, shard_tokens, dtype):
-    """World size > 1: shard j (train shards first, then val) is written by rank j % size.
+def round_cuts(length: np.ndarray, per_round: int) -> list[tuple[int, int]]:
+    """Cut documents into consecutive rounds of about ``per_round`` bytes of text (document i
+    joins round floor(bytes before i / per_round)).  Only bounds memory; never changes output."""
+    before = np.cumsum(length, dtype=np.int64) - length
+    rnd = before // max(1, int(per_round))
+    cuts = [0] + (np.flatnonzero(np.diff(rnd)) + 1).tolist() + [int(length.size)]
+    return [(a, b) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
 
-    Every rank Isends its slice of every shard it does not own (tokens + shard-relative doc
-    offsets), then each owner receives its shards' slices in rank order.  Messages between a
-    pair of ranks are posted and received in the same (split, shard) order, so MPI's
-    non-overtaking rule matches them without per-shard tags."""
-    rank, size = comm.Get_rank(), comm.Get_size()
-    S = shard_tokens
-    local = {s: bufs[s].take(dtype) for s in SPLITS}  # (tokens, local doc starts)
-    counts = np.array(comm.allgather([local[s][0].size for s in SPLITS]), dtype=np.int64)
-    starts = np.vstack([np.zeros((1, len(SPLITS)), np.int64), np.cumsum(counts, axis=0)])
-    g0 = {s: int(starts[rank, si]) for si, s in enumerate(SPLITS)}  # my global token offset
-    local = {s: (t, d + g0[s]) for s, (t, d) in local.items()}  # doc starts made global
-    totals = starts[-1]
-    n_shards = [(int(t) + S - 1) // S for t in totals]
-    plan = []  # (split, k, global shard number j)
-    for si, s in enumerate(SPLITS):
-        plan += [(s, k, sum(n_shards[:si]) + k) for k in range(n_shards[si])]
 
-    def piece(r, si, k):  # [a, b) of shard k of split si held by rank r, in global offsets
-        a = max(k * S, int(starts[r, si]))
-        b = min((k + 1) * S, int(starts[r + 1, si]))
-        return a, b
+class _RoundExchange:
+    """World size > 1, one round at a time: every rank sends its slice of every shard the round
+    touches to the shard's owner (train shard k -> rank k % size, val shard k -> rank
+    (k + size // 2) % size); an owner keeps a shard's buffer only until it is full, then writes
+    it.  Messages between a pair of ranks are posted and received in the same (split, shard)
+    order within a round (and rounds end with Waitall), so MPI's non-overtaking rule matches
+    them without per-shard tags."""
 
-    requests, first_err = [], None
-    for s, k, j in plan:
-        si = SPLITS.index(s)
-        a, b = piece(rank, si, k)
-        owner = j % size
-        if a >= b or owner == rank:
-            continue
-        toks, gdocs = local[s]
-        g = g0[s]
-        offs = _starts_in(gdocs, a, b) - k * S
-        requests.append(comm.Isend(toks[a - g:b - g], dest=owner, tag=_TAG_TOKENS))
-        requests.append(comm.isend(offs, dest=owner, tag=_TAG_DOCS))
-    for s, k, j in plan:
-        if j % size != rank:
-            continue
-        si = SPLITS.index(s)
-        lo, hi = k * S, min((k + 1) * S, int(totals[si]))
-        out = np.empty(hi - lo, dtype=dtype)
-        offs = []
-        for r in range(size):
-            a, b = piece(r, si, k)
-            if a >= b:
-                continue
-            if r == rank:
+    def __init__(self, comm, emit, shard_tokens, dtype):
+        self.comm, self.emit, self.S, self.dtype = comm, emit, shard_tokens, dtype
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.base = np.zeros(len(SPLITS), np.int64)  # tokens of each split before this round
+        self.open = {}  # (split, k) -> [buffer, [doc offset arrays], tokens filled]
+
+    def owner(self, si: int, k: int) -> int:
+        return (k + si * (self.size // 2)) % self.size
+
+    def round(self, bufs, final: bool) -> None:
+        from mpi4py import MPI
+
+        comm, rank, size, S = self.comm, self.rank, self.size, self.S
+        local = {s: bufs[s].take(self.dtype) for s in SPLITS}  # (tokens, local doc starts)
+        counts = np.array(comm.allgather([local[s][0].size for s in SPLITS]), dtype=np.int64)
+        starts = self.base + np.vstack([np.zeros((1, len(SPLITS)), np.int64),
+                                        np.cumsum(counts, axis=0)])
+        g0 = {s: int(starts[rank, si]) for si, s in enumerate(SPLITS)}
+        local = {s: (t, d + g0[s]) for s, (t, d) in local.items()}  # doc starts made global
+
+        def piece(r, si, k):  # [a, b) of shard k of split si held by rank r, global offsets
+            return max(k * S, int(starts[r, si])), min((k + 1) * S, int(starts[r + 1, si]))
+
+        plan = [(si, s, k) for si, s in enumerate(SPLITS) if starts[-1, si] > starts[0, si]
+                for k in range(int(starts[0, si]) // S, (int(starts[-1, si]) - 1) // S + 1)]
+        requests, first_err = [], None
+        for si, s, k in plan:
+            a, b = piece(rank, si, k)
+            if a < b and self.owner(si, k) != rank:
                 toks, gdocs = local[s]
-                out[a - lo:b - lo] = toks[a - g0[s]:b - g0[s]]
-                offs.append(_starts_in(gdocs, a, b) - lo)
-            else:
-                comm.Recv(out[a - lo:b - lo], source=r, tag=_TAG_TOKENS)
-                offs.append(comm.recv(source=r, tag=_TAG_DOCS))
+                requests.append(comm.Isend(toks[a - g0[s]:b - g0[s]], dest=self.owner(si, k),
+                                           tag=_TAG_TOKENS))
+                requests.append(comm.isend(_starts_in(gdocs, a, b) - k * S,
+                                           dest=self.owner(si, k), tag=_TAG_DOCS))
+        for si, s, k in plan:
+            if self.owner(si, k) != rank:
+                continue
+            slot = self.open.setdefault((s, k), [np.empty(S, dtype=self.dtype), [], 0])
+            out, lo = slot[0], k * S
+            for r in range(size):
+                a, b = piece(r, si, k)
+                if a >= b:
+                    continue
+                if r == rank:
+                    toks, gdocs = local[s]
+                    out[a - lo:b - lo] = toks[a - g0[s]:b - g0[s]]
+                    slot[1].append(_starts_in(gdocs, a, b) - lo)
+                else:
+                    comm.Recv(out[a - lo:b - lo], source=r, tag=_TAG_TOKENS)
+                    slot[1].append(comm.recv(source=r, tag=_TAG_DOCS))
+                slot[2] += b - a
+            if slot[2] == S:
+                first_err = self._write(s, k, first_err)
+        if final:  # the short last shard of each split
+            for s, k in sorted(self.open):
+                first_err = self._write(s, k, first_err)
+        MPI.Request.Waitall(requests)
+        self.base = starts[-1].copy()
+        if first_err is not None:
+            raise first_err
+
+    def _write(self, s, k, first_err):
+        out, offs, n = self.open.pop((s, k))
         if first_err is None:  # after a failure keep receiving (senders must complete)
             try:
-                emit(s, k, out, np.concatenate(offs) if offs else np.zeros(0, np.int64))
-            except Exception as exc:  # noqa: BLE001 - re-raised below, after the exchange
-                first_err = exc
-    from mpi4py import MPI
-
-    MPI.Request.Waitall(requests)
-    if first_err is not None:
-        raise first_err
+                self.emit(s, k, out[:n], np.concatenate(offs) if offs else np.zeros(0, np.int64))
+            except Exception as exc:  # noqa: BLE001 - re-raised after the exchange
+                return exc
+        return first_err
 
 
 def shard_dataset(inputs, output, tokenizer="gpt2", shard_tokens=DEFAULT_SHARD_TOKENS,
                   val_fraction=DEFAULT_VAL_FRACTION, seed=DEFAULT_SEED, comm=None,
-                  progress=True, log=None) -> dict:
+                  progress=True, log=None, round_bytes=ROUND_BYTES, filter=False,
+                  min_chars=1) -> dict:
     """Build a dataset at ``output``; every rank of ``comm`` must call this with the same
     arguments.  Returns the manifest (on every rank).  Raises DataError (on all ranks)."""
     comm = comm if comm is not None else SerialComm()
@@ -210,8 +236,20 @@ def shard_dataset(inputs, output, tokenizer="gpt2", shard_tokens=DEFAULT_SHARD_T
     tok = agree(comm, get_tokenizer, tokenizer)
     dtype = token_dtype(tok.vocab_size)
     table, is_val = root_then_bcast(comm, _plan, inputs, output, val_fraction, seed)
+    report = None
+    if filter:  # drop bad/short/duplicate documents, then number and split the kept ones
+        from .validate import describe_report, filter_documents, subset
+
+        keep, report = filter_documents(table, min_chars, comm)
+        table = subset(table, keep)
+        is_val = documents.assign_val(len(table), val_fraction, seed)
+        if rank == 0:
+            log("filter: " + describe_report(report, min_chars))
     t_plan = time.perf_counter()
-    lo, hi = documents.balanced_ranges(table.length, size)[rank]
+    # Rounds of ~ROUND_BYTES of text per rank bound memory (MPI); 1 rank streams in one round.
+    rounds = round_cuts(table.length, round_bytes * size) if size > 1 else [(0, len(table))]
+    ranges = [(a + lo, a + hi) for a, b in rounds
+              for lo, hi in [documents.balanced_ranges(table.length[a:b], size)[rank]]]
     threads = threads_per_rank(comm)
     entries = []
 
@@ -221,15 +259,17 @@ def shard_dataset(inputs, output, tokenizer="gpt2", shard_tokens=DEFAULT_SHARD_T
                                    vocab_size=tok.vocab_size, eot_id=tok.eot_id))
 
     stream = _StreamWriter(emit, shard_tokens, dtype) if size == 1 else None
+    exchange = _RoundExchange(comm, emit, shard_tokens, dtype) if size > 1 else None
     bufs = {s: _Buffer() for s in SPLITS}
+    bar = None
+    if rank == 0 and progress:
+        from tqdm import tqdm
 
-    def tokenize():
-        bar = None
-        if rank == 0 and progress:
-            from tqdm import tqdm
+        bar = tqdm(total=int(sum(table.length[lo:hi].sum() for lo, hi in ranges)), unit="B",
+                   unit_scale=True, file=sys.stderr, disable=None,
+                   desc=f"tokenize (rank 0 of {size})")
 
-            bar = tqdm(total=int(table.length[lo:hi].sum()), unit="B", unit_scale=True,
-                       file=sys.stderr, disable=None, desc=f"tokenize (rank 0 of {size})")
+    def tokenize(lo, hi):
         eot = np.array([tok.eot_id], dtype=dtype)
         batch, nbytes = [], 0
 
@@ -252,14 +292,15 @@ def shard_dataset(inputs, output, tokenizer="gpt2", shard_tokens=DEFAULT_SHARD_T
                 run(batch)
                 batch, nbytes = [], 0
         run(batch)
-        if bar is not None:
-            bar.close()
         if stream is not None:
             stream.finish()
 
-    agree(comm, tokenize)
-    if size > 1:
-        agree(comm, _exchange_and_write, comm, emit, bufs, shard_tokens, dtype)
+    for r, (lo, hi) in enumerate(ranges):
+        agree(comm, tokenize, lo, hi)
+        if exchange is not None:
+            agree(comm, exchange.round, bufs, r == len(ranges) - 1)
+    if bar is not None:
+        bar.close()
     gathered = comm.gather(entries, root=0)
 
     def finish():
@@ -277,6 +318,18 @@ def shard_dataset(inputs, output, tokenizer="gpt2", shard_tokens=DEFAULT_SHARD_T
             "n_tokens": {s: sum(e["n_tokens"] for e in shards if e["split"] == s) for s in SPLITS},
             "shards": shards,
         }
+        if report is not None:
+            manifest["filter"] = {"min_chars": int(min_chars), "total": report["total"],
+                                  "dropped": {r: report[r] for r in
+                                              ("invalid", "empty", "short", "duplicate")}}
+        if getattr(tok, "path", None):  # a trained BPE: saved beside the data, pinned by sha256
+            dst = os.path.join(output, TOKENIZER_FILE)
+            tmp = os.path.join(output, f"{TMP_PREFIX}{os.getpid()}-{TOKENIZER_FILE}")
+            shutil.copyfile(tok.path, tmp)
+            os.replace(tmp, dst)
+            manifest["tokenizer"].update(file=TOKENIZER_FILE, sha256=tok.sha256)
+        elif os.path.exists(os.path.join(output, TOKENIZER_FILE)):  # a previous dataset's
+            os.unlink(os.path.join(output, TOKENIZER_FILE))
         fsync_path(output)  # the shard renames are durable before the manifest appears
         write_manifest(output, manifest)
         return manifest

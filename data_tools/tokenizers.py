@@ -128,11 +128,53 @@ def _gpt2_encoding():
     return enc
 
 
+class FileTokenizer(Tokenizer):
+    """A byte-level BPE saved by ``data_tools train-tokenizer`` (HF ``tokenizers`` JSON).
+
+    Named ``bpe-<first 12 hex of the file's sha256>`` so a dataset names the exact vocabulary;
+    ``<|endoftext|>`` must be in the vocabulary (it is the end-of-text id) and, as for gpt2,
+    that string inside a document is encoded as ordinary text."""
+
+    def __init__(self, path: str):
+        try:
+            from tokenizers import Tokenizer as HFTokenizer
+        except ImportError:
+            raise DataError("tokenizers", "package not installed: pip install tokenizers") from None
+        from .format import sha256_file
+
+        try:
+            self.tok = HFTokenizer.from_file(path)
+        except Exception as e:  # noqa: BLE001 - any parse failure is a bad input file
+            raise DataError(path, f"not a tokenizers JSON file ({e})") from None
+        eot = self.tok.token_to_id(ENDOFTEXT)
+        if eot is None:
+            raise DataError(path, f"vocabulary has no {ENDOFTEXT} token")
+        self.tok.encode_special_tokens = True  # "<|endoftext|>" in text is not the eot id
+        self.path, self.sha256 = path, sha256_file(path)
+        self.name, self.eot_id = f"bpe-{self.sha256[:12]}", int(eot)
+        self.vocab_size = int(self.tok.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+    def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[np.ndarray]:
+        encs = self.tok.encode_batch(texts, add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.int64) for e in encs]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in np.asarray(ids).ravel()], skip_special_tokens=False)
+
+
 TOKENIZERS = {"gpt2": GPT2Tokenizer, "bytes": BytesTokenizer}
 
 
 def get_tokenizer(name: str) -> Tokenizer:
-    """Build a tokenizer by name (``gpt2`` or ``bytes``)."""
+    """Build a tokenizer by name (``gpt2``, ``bytes``) or from a ``tokenizer.json`` path."""
+    if name.endswith(".json") or os.sep in name:
+        if not os.path.isfile(name):
+            raise DataError(name, "tokenizer file not found")
+        return FileTokenizer(name)
     if name not in TOKENIZERS:
-        raise DataError(f"tokenizer {name!r}", f"unknown (choose from {sorted(TOKENIZERS)})")
+        raise DataError(f"tokenizer {name!r}", f"unknown (choose from {sorted(TOKENIZERS)} or "
+                                               f"a tokenizer.json path)")
     return TOKENIZERS[name]()

@@ -40,6 +40,13 @@ def check_manifest(root: str, m: dict) -> list[str]:
                                 f"the last of a split must have shard_tokens={m['shard_tokens']}")
         if shards and shards[-1]["n_tokens"] > m["shard_tokens"]:
             problems.append(f"{mp}: {shards[-1]['file']} exceeds shard_tokens")
+    tok_file = m["tokenizer"].get("file")  # a trained tokenizer saved beside the shards
+    if tok_file:
+        tp = os.path.join(root, os.path.basename(str(tok_file)))
+        if not os.path.isfile(tp):
+            problems.append(f"{tp}: missing (listed in manifest as the tokenizer)")
+        elif sha256_file(tp) != m["tokenizer"].get("sha256"):
+            problems.append(f"{tp}: sha256 does not match the manifest's tokenizer.sha256")
     return problems
 
 

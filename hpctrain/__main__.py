@@ -1,10 +1,13 @@
-"""`python -m hpctrain train|sample` (console script `hpctrain`): thin dispatch only."""
+"""`python -m hpctrain train|sample|plot|ckpt|export` (console script `hpctrain`): thin dispatch only."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from hpctrain.dist import run_guarded
+from hpctrain import signals
+
+signals.install(signals.EARLY)  # before torch loads: a forwarded preemption USR1 must not kill us
+from hpctrain.dist import run_guarded  # noqa: E402
 
 TRAIN_EPILOG = """\
 Every config key can be given in the TOML file or overridden on the command line as
@@ -29,15 +32,17 @@ def _train(argv: list[str]) -> int:
     cfg = config.load(args.config, overrides)  # config errors surface before MPI starts
 
     from hpctrain.dist import init_distributed, teardown
-    from hpctrain.dist.preempt import install_signal_handlers
+    from hpctrain.dist.preempt import install_signal_handlers, requeue_if_requested
     from hpctrain.train.loop import train
 
     install_signal_handlers(cfg.slurm.signals)  # early: an uncaught SIGUSR1 would kill the rank
     ctx = init_distributed(cfg.dist.backend, cfg.dist.timeout_s)
     try:
-        return train(cfg, ctx)
+        status = train(cfg, ctx)
     finally:
         teardown()
+    requeue_if_requested(ctx.comm)  # after a preemption stop: MPI finalized, then scontrol requeue
+    return status
 
 
 def _sample(argv: list[str]) -> int:
@@ -70,7 +75,7 @@ COMMANDS = {"train": _train, "sample": _sample, "plot": _plot, "ckpt": _ckpt, "e
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: python -m hpctrain {train,sample} [-h] ...\n\n"
+        print("usage: python -m hpctrain {train,sample,plot,ckpt,export} [-h] ...\n\n"
               "  train   train a GPT (mpiexec/srun for several ranks); resumes automatically\n"
               "  sample  generate text from a checkpoint\n"
               "  plot    PNG of loss, val loss, lr, tokens/s and MFU of a run\n"

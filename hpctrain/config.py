@@ -76,6 +76,11 @@ class TrainConfig:
     eval_interval: int = field(default=50, metadata={"help": "validation every N steps and at the end (0 = never)"})
     eval_batches: int = field(default=8, metadata={"help": "micro-batches per rank per validation"})
     log_interval: int = field(default=10, metadata={"help": "print a progress line every N steps (rank 0)"})
+    straggler_window: int = field(default=10, metadata={
+        "help": "flag a rank whose busy time exceeds 1.25x the median in this many consecutive steps"})
+    debug_delay_rank: int = field(default=-1, metadata={
+        "help": "TEST ONLY: this rank sleeps debug_delay_s in every step (-1 = off)"})
+    debug_delay_s: float = field(default=0.0, metadata={"help": "TEST ONLY: see debug_delay_rank"})
     max_bad_steps: int = field(default=5, metadata={
         "help": "a non-finite loss or grad norm skips the step; this many in a row stops the run "
                 "(the last checkpoint stays the newest)"})
@@ -173,6 +178,8 @@ class Config:
         _check(self.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
         _check(t.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1")
         _check(t.inject_nan_at_step >= 0, "train.inject_nan_at_step", "must be >= 0")
+        _check(t.straggler_window >= 2, "train.straggler_window", "must be >= 2")
+        _check(t.debug_delay_s >= 0, "train.debug_delay_s", "must be >= 0")
         _check(self.dist.heartbeat_timeout_s >= 0, "dist.heartbeat_timeout_s", "must be >= 0")
         _check(self.data.verify in ("checksum", "size"), "data.verify", "expected checksum or size")
         _check(self.data.cache_bytes >= 0, "data.cache_bytes", "must be >= 0 (0 = auto)")
@@ -194,11 +201,12 @@ class Config:
 
 def _validate_slurm(sl: SlurmConfig) -> None:
     _check(sl.requeue in ("auto", "true", "false"), "slurm.requeue", f"{sl.requeue!r}: expected auto, true or false")
-    import signal
-    for name in (n.strip().upper() for n in sl.signals.split(",") if n.strip()):
-        full = name if name.startswith("SIG") else "SIG" + name
-        _check(full in signal.Signals.__members__ and full not in ("SIGKILL", "SIGSTOP"),
-               "slurm.signals", f"{name!r} is not a signal that can be caught (e.g. USR1,TERM)")
+    from hpctrain.signals import parse  # standard library only
+
+    try:
+        parse(sl.signals)
+    except ValueError as e:
+        raise ConfigError(f"config key 'slurm.signals': {e} (expected e.g. USR1,TERM)") from None
     _check(sl.time_margin_s >= 0, "slurm.time_margin_s", "must be >= 0")
     _check(sl.time_check_s > 0, "slurm.time_check_s", "must be > 0")
     _check(sl.debug_step_sleep_s >= 0, "slurm.debug_step_sleep_s", "must be >= 0")

@@ -2,11 +2,13 @@
 
 Public API (everything else in this package is internal):
   CheckpointManager(root, keep, rank, world_size)  .latest() .save(step, state, extra) .load(path, state)
+                                                    .save_async(step, state, extra) .wait() .poll()
   list_checkpoints(root) -> [CheckpointInfo]        verify_checkpoint(path) -> [problem, ...]
   CheckpointError                                   (a UserError: shown as one line)
 
 This package must never import model, data or training code, and never unpickle file contents
-(safe_load.py). Format and protocol: docs/checkpoints.md.
+(safe_load.py). Format and protocol: docs/checkpoints.md. `python -m hpctrain ckpt list|verify` is
+cli.py; test-only fault injection points are faults.py.
 """
 from hpctrain.checkpoint.layout import (CheckpointError, CheckpointInfo, list_checkpoints,
                                         verify_checkpoint)

@@ -29,7 +29,9 @@ import numpy as np
 
 from data_tools.format import TMP_PREFIX, DataError, SHARD_RE, open_shard_layout, sha256_file
 
-STATE, LOCK, STATS = "state.bin", "lock", "stats.json"
+from .shards import check_token_range
+
+STATE, LOCK, STATS, ERROR = "state.bin", "lock", "stats.json", "error.txt"
 _HDR = 4  # state.bin int64 words: magic, error flag, n_local, n_shards; then progress, ready
 _MAGIC = 0x68706374726E  # "hpctrn"
 COPY_BUF = 8 << 20
@@ -51,9 +53,12 @@ def resolve_cache_dir(setting: str, node_rank: int) -> str | None:
 
 
 def dataset_key(data_path: str) -> str:
-    """Cache sub-directory name: a hash of the manifest bytes (another dataset = another dir)."""
+    """Cache sub-directory name: a hash of the dataset's real path and manifest bytes (another
+    dataset, a re-sharded one, or a copy elsewhere = another directory)."""
+    h = hashlib.sha256(os.path.realpath(data_path).encode() + b"\0")
     with open(os.path.join(data_path, "manifest.json"), "rb") as f:
-        return "hpctrain-" + hashlib.sha256(f.read()).hexdigest()[:16]
+        h.update(f.read())
+    return "hpctrain-" + h.hexdigest()[:16]
 
 
 class NodeCache:
@@ -107,7 +112,7 @@ class NodeCache:
             if name in self.index:  # left by an earlier run: checked again before first use
                 self.unverified[self.index[name]] = None
                 used += os.path.getsize(full)
-            elif name.startswith(TMP_PREFIX) or name == STATE or SHARD_RE.match(name):
+            elif name.startswith(TMP_PREFIX) or name in (STATE, ERROR) or SHARD_RE.match(name):
                 os.unlink(full)  # a crash's temp file, old state, or a shard of no interest
         if budget <= 0:  # auto: 90% of what the file system can hold for us
             st = os.statvfs(self.dir)
@@ -154,7 +159,7 @@ class NodeCache:
 
     def _error_message(self) -> str:
         try:
-            with open(os.path.join(self.dir, "error.txt"), encoding="utf-8") as f:
+            with open(os.path.join(self.dir, ERROR), encoding="utf-8") as f:
                 return f.read().strip() or f"{self.dir}: node cache failed"
         except OSError:
             return f"{self.dir}: node cache failed on the node leader"
@@ -214,7 +219,7 @@ class NodeCache:
                     time.sleep(0.002)  # no room until the slowest rank moves on
         except BaseException as e:  # noqa: BLE001 - handed to every rank of the node
             msg = str(e) if isinstance(e, DataError) else f"{self.dir}: staging failed: {e!r}"
-            with open(os.path.join(self.dir, "error.txt"), "w", encoding="utf-8") as f:
+            with open(os.path.join(self.dir, ERROR), "w", encoding="utf-8") as f:
                 f.write(msg + "\n")
             self.state[1] = 1
 
@@ -250,6 +255,7 @@ class NodeCache:
         if os.path.exists(path):
             os.unlink(path)
         self.node["evictions"] += 1
+        self._write_stats()
 
     def _stage(self, i: int) -> None:
         e = self.entries[i]
@@ -259,7 +265,8 @@ class NodeCache:
             ok = os.path.getsize(dst) == e["bytes"] and sha256_file(dst) == e["sha256"]
             if ok:
                 self.node["reused"] += 1
-                self.ready[i] = open_shard_layout(dst, e, self.manifest).offset
+                self.ready[i] = self._checked_offset(dst, e, dst)
+                self._write_stats()
                 return
             self.used -= os.path.getsize(dst)
             os.unlink(dst)
@@ -286,12 +293,21 @@ class NodeCache:
             raise DataError(src, what + " while staging into the node cache")
         os.replace(tmp, dst)
         self.used += n
-        offset = open_shard_layout(dst, e, self.manifest).offset  # attrs/layout vs the manifest
+        offset = self._checked_offset(dst, e, src)
         self.node["copies"] += 1
         self.node["bytes_staged"] += n
         self.copies_per_shard[e["file"]] = self.copies_per_shard.get(e["file"], 0) + 1
         self.ready[i] = offset
         self._write_stats()
+
+    def _checked_offset(self, path: str, e: dict, name: str) -> int:
+        """HDF5 attrs/layout against the manifest, then every token id < vocab_size (once per
+        node, so readers need not check); returns the tokens' byte offset."""
+        lay = open_shard_layout(path, e, self.manifest)
+        toks = np.memmap(path, dtype=lay.dtype, mode="r", offset=lay.offset, shape=(lay.n_tokens,))
+        check_token_range(toks, self.manifest["tokenizer"]["vocab_size"], name)
+        del toks
+        return lay.offset
 
     def _write_stats(self) -> None:
         """stats.json: this run's staging work on this node (copies per shard, counters)."""

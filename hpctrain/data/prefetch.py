@@ -25,8 +25,8 @@ METRIC_SUMS = ("cache_hits", "cache_misses", "cache_copies", "cache_bytes_staged
 class DataFeed:
     """Per-rank glue between TrainData and the (optional) NodeCache."""
 
-    def __init__(self, cache: NodeCache | None, comm):
-        self.cache, self.comm = cache, comm
+    def __init__(self, cache: NodeCache | None, device):
+        self.cache, self.device = cache, device
         self.started = False
         self.data_s = 0.0  # time spent producing micro-batches since the last metrics()
 
@@ -39,7 +39,7 @@ class DataFeed:
             cache = NodeCache(root, cfg.data.path, manifest, ctx.node_comm,
                               budget=cfg.data.cache_bytes, prefetch=cfg.data.prefetch,
                               timeout_s=cfg.dist.timeout_s)
-        return cls(cache, ctx.comm)
+        return cls(cache, ctx.device)
 
     @property
     def cached(self) -> bool:
@@ -87,17 +87,21 @@ class DataFeed:
         """This step's data metrics over all ranks: ``data_time_s`` and ``data_wait_s`` (max over
         ranks of time spent getting the batch / blocked on the cache), and with the cache: hits,
         misses (shard look-ups that had to wait), copies/bytes staged and evictions (all nodes)."""
-        from mpi4py import MPI
+        import torch
+        import torch.distributed as dist
 
         c = self.cache.take_counts() if self.cache is not None else {}
-        mx = np.array([self.data_s, c.get("wait_s", 0.0)], dtype=np.float64)
-        sm = np.array([c.get("hits", 0), c.get("misses", 0), c.get("copies", 0),
-                       c.get("bytes_staged", 0), c.get("evictions", 0)], dtype=np.int64)
+        mx = torch.tensor([self.data_s, c.get("wait_s", 0.0)], dtype=torch.float64)
+        sm = torch.tensor([c.get("hits", 0), c.get("misses", 0), c.get("copies", 0),
+                           c.get("bytes_staged", 0), c.get("evictions", 0)], dtype=torch.int64)
         self.data_s = 0.0
-        if self.comm.Get_size() > 1:
-            self.comm.Allreduce(MPI.IN_PLACE, mx, op=MPI.MAX)
-            self.comm.Allreduce(MPI.IN_PLACE, sm, op=MPI.SUM)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # torch collectives, not MPI: a lost rank must surface through the backend's
+            # timeout / the heartbeat watchdog (MPICH kills the job from inside MPI_Allreduce)
+            mx, sm = mx.to(self.device), sm.to(self.device)
+            dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+            dist.all_reduce(sm, op=dist.ReduceOp.SUM)
         out = {"data_time_s": float(mx[0]), "data_wait_s": float(mx[1])}
         if self.cache is not None:
-            out.update({k: int(v) for k, v in zip(METRIC_SUMS, sm)})
+            out.update({k: int(v) for k, v in zip(METRIC_SUMS, sm.tolist())})
         return out

@@ -2,7 +2,8 @@
 
 Owns: the sample space — per shard, non-overlapping windows of block_size+1 tokens
 (window j of a shard covers tokens [j*T, j*T+T+1), never crossing a shard boundary), numbered
-globally in manifest order — and turning sample indices into tensors.
+globally in manifest order — and turning sample indices into tensors (from data.path, or from the
+node-local copies a ``hpctrain.data.cache.NodeCache`` hands out).
 
 Must never: write to the dataset, read whole files into memory (tokens are np.memmap views at
 the HDF5 dataset's byte offset; h5py is used only to validate attributes/layout), decide the
@@ -19,6 +20,19 @@ import torch
 from data_tools.format import DataError, open_shard_layout, read_manifest, shards_of
 
 
+SCAN = 1 << 24
+
+
+def check_token_range(tokens: np.ndarray, vocab_size: int, path: str) -> None:
+    """Raise DataError naming ``path`` if any id in ``tokens`` is >= vocab_size (chunked scan)."""
+    for a in range(0, tokens.size, SCAN):
+        chunk = tokens[a:a + SCAN]
+        if chunk.size and int(chunk.max()) >= vocab_size:
+            j = a + int(np.argmax(chunk >= vocab_size))
+            raise DataError(path, f"token id {int(tokens[j])} at position {j} >= vocab_size "
+                                  f"{vocab_size}")
+
+
 class TokenShards:
     """Windows of ``block_size + 1`` tokens over one split of a dataset.
 
@@ -27,7 +41,8 @@ class TokenShards:
     """
 
     def __init__(self, path: str, split: str, block_size: int,
-                 expected_vocab_size: int | None = None, max_open: int = 128, cache=None):
+                 expected_vocab_size: int | None = None, max_open: int = 128, cache=None,
+                 range_checked: bool = False):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.path, self.split, self.block_size = path, split, int(block_size)
@@ -60,6 +75,8 @@ class TokenShards:
                                    f"(largest shard has {int(self.shard_tokens.max())})")
         self.n_tokens = int(self.shard_tokens.sum())
         self._maps: OrderedDict[int, np.memmap] = OrderedDict()
+        # Shards whose token ids are known to be < vocab_size (verify's scan or the cache's).
+        self._checked = set(range(len(entries))) if range_checked or cache is not None else set()
         self.max_open = max(1, int(max_open))
 
     def __len__(self) -> int:
@@ -109,17 +126,26 @@ class TokenShards:
     def batch(self, indices) -> torch.Tensor:
         """LongTensor [B, block_size+1] of the given samples (inputs = [:, :-1], targets = [:, 1:]).
 
-        Raises DataError naming the shard if any token id >= vocab_size."""
+        Raises DataError naming the shard if a token id >= vocab_size (checked here per window
+        unless the whole shard was range-checked: by verify's scan or the node cache's)."""
         indices = np.asarray(indices, dtype=np.int64).ravel()
-        out = np.empty((indices.size, self.block_size + 1), dtype=np.int64)
-        for row, idx in enumerate(indices.tolist()):
-            s, start = self.locate(idx)
-            w = self._map(s)[start:start + self.block_size + 1]
-            out[row] = w
-            if int(w.max()) >= self.vocab_size:
-                j = int(np.argmax(w >= self.vocab_size))
-                raise DataError(self.paths[s], f"token id {int(w[j])} at position "
-                                               f"{start + j} >= vocab_size {self.vocab_size}")
+        if indices.size and (int(indices.min()) < 0 or int(indices.max()) >= self.n_samples):
+            bad = indices[(indices < 0) | (indices >= self.n_samples)][0]
+            raise IndexError(f"sample {bad} out of range [0, {self.n_samples})")
+        W = self.block_size + 1
+        shard = np.searchsorted(self.cum, indices, side="right") - 1
+        starts = ((indices - self.cum[shard]) * self.block_size).tolist()
+        out = np.empty((indices.size, W), dtype=np.int64)
+        maps = {}
+        for row, (s, a) in enumerate(zip(shard.tolist(), starts)):
+            m = maps.get(s)
+            if m is None:  # a plain ndarray view: slicing it skips np.memmap's Python hooks
+                m = maps[s] = self._map(s).view(np.ndarray)
+            out[row] = m[a:a + W]
+            if s not in self._checked and int(out[row].max()) >= self.vocab_size:
+                j = int(np.argmax(out[row] >= self.vocab_size))
+                raise DataError(self.paths[s], f"token id {int(out[row, j])} at position "
+                                               f"{a + j} >= vocab_size {self.vocab_size}")
         if self.cache is not None:  # cached copies may be evicted after this step: don't hold maps
             self._maps.clear()
         return torch.from_numpy(out)

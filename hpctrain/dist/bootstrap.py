@@ -3,7 +3,8 @@
 Owns: discovering rank / world size / node-local rank from mpi4py, choosing the backend (NCCL when
 CUDA is present, Gloo otherwise) and the device, agreeing on a rendezvous address, thread counts,
 collective timeouts, and teardown. This is the only module that knows about MPI launch details and
-environment overrides. It must never import model, data or checkpoint code.
+environment overrides (Slurm specifics live in slurm.py: a `srun` without an MPI plugin, which
+would start N one-rank worlds, is refused there). It must never import model, data or checkpoint code.
 
 Environment overrides (they win over discovery):
   MASTER_ADDR / MASTER_PORT   rendezvous address and port of rank 0's TCP store

@@ -1,10 +1,11 @@
 """Preemption and wall-time guard: every rank stops at the same step, with a checkpoint.
 
-Owns: the signal handlers (`slurm.signals`, USR1 and TERM by default) that only set a flag; the
-wall-time check (rank 0 asks Slurm how much time is left every `slurm.time_check_s` seconds); the
-once-per-step agreement of all ranks (one MPI all-reduce MAX of a small int, so no rank starts a
-collective that another skips); and what happens after the final checkpoint: requeue the Slurm job
-(`slurm.requeue`) and/or exit with EXIT_PREEMPTED.
+Owns: turning the recorded signals (hpctrain/signals.py: `slurm.signals`, USR1 and TERM by default)
+and the wall-time check (rank 0 asks Slurm how much time is left every `slurm.time_check_s` seconds)
+into one decision agreed by all ranks once per step (one MPI all-reduce MAX of a small int, so no
+rank starts a collective that another skips), and what happens after the final checkpoint: decide
+whether to requeue the Slurm job (`slurm.requeue`), requeue it once MPI is finalized, and exit with
+EXIT_PREEMPTED.
 
 It must never save checkpoints itself (the loop calls the checkpoint manager when `should_stop` says
 so), call torch.distributed collectives, or act on a signal anywhere but at a step boundary.
@@ -19,6 +20,7 @@ import signal
 import sys
 import time
 
+from hpctrain import signals
 from hpctrain.dist import slurm
 
 EXIT_PREEMPTED = 75
@@ -26,35 +28,10 @@ EXIT_PREEMPTED = 75
 # Agreed stop reasons; the all-reduce takes the MAX, so a higher code wins when several hit at once.
 NONE, WALLTIME, SIGNAL = 0, 1, 2
 
-_received: list[int] = []  # signal numbers, in arrival order (appending is async-signal safe)
-_installed: set[int] = set()
-
-
-def parse_signals(spec: str) -> list[signal.Signals]:
-    """'USR1,TERM' -> [SIGUSR1, SIGTERM]; ValueError naming the bad entry."""
-    out = []
-    for name in (s.strip().upper() for s in spec.split(",") if s.strip()):
-        full = name if name.startswith("SIG") else f"SIG{name}"
-        try:
-            sig = signal.Signals[full]
-        except KeyError:
-            raise ValueError(f"unknown signal {name!r}") from None
-        if sig in (signal.SIGKILL, signal.SIGSTOP):
-            raise ValueError(f"{name} cannot be caught")
-        out.append(sig)
-    return out
-
-
-def _on_signal(signum, frame) -> None:
-    _received.append(signum)
-
 
 def install_signal_handlers(spec: str) -> None:
-    """Catch these signals from now on (call early: an uncaught USR1 kills the process)."""
-    for sig in parse_signals(spec):
-        if sig not in _installed:
-            signal.signal(sig, _on_signal)
-            _installed.add(sig)
+    """Catch these signals from now on (see hpctrain/signals.py)."""
+    signals.install(spec)
 
 
 def _log(rank: int, msg: str) -> None:
@@ -84,8 +61,9 @@ class PreemptionGuard:
 
     # ---- per step ---------------------------------------------------------------------------
     def _local_reason(self) -> int:
-        if _received:
-            self.detail = f"signal {signal.Signals(_received[0]).name}"
+        got = signals.received()
+        if got:
+            self.detail = f"signal {signal.Signals(got[0]).name}"
             return SIGNAL
         if self.rank == 0 and self._time_guard and time.monotonic() >= self._next_time_check:
             self._next_time_check = time.monotonic() + self.cfg.time_check_s
@@ -117,27 +95,54 @@ class PreemptionGuard:
 
     # ---- after the final checkpoint ---------------------------------------------------------
     def finish(self, step: int) -> int:
-        """All ranks: wait until everyone is done, rank 0 requeues if configured; EXIT_PREEMPTED."""
-        self.comm.Barrier()
+        """All ranks, after the final checkpoint: decide (rank 0) whether to requeue; EXIT_PREEMPTED.
+
+        The requeue itself waits for `requeue_if_requested`, after teardown: `scontrol requeue`
+        kills the job's processes, and MPI ranks killed before MPI_Finalize leave shared-memory
+        segments behind that break the next run of the same job step (MPICH over srun/PMI2)."""
+        why = ""
         if self.rank == 0:
             mode = self.cfg.requeue
             if mode == "false":
-                why = "slurm.requeue=false"
-                ok = False
+                ok, why = False, "slurm.requeue=false"
             elif mode == "auto":
                 ok, why = slurm.requeue_allowed(self.job)
             else:
-                ok, why = (self.job is not None), "not running inside a Slurm job"
-            if ok:
-                ok, err = slurm.requeue(self.job)
-                why = f"scontrol requeue {self.job.job_id} failed: {err}"
-            if ok:
-                _log(0, f"requeued Slurm job {self.job.job_id}: its next run resumes from step {step}")
-            else:
-                _log(0, f"stopped at step {step} with a committed checkpoint; not requeued ({why}): "
-                        f"run the same command again to resume (exit status {EXIT_PREEMPTED})")
-        self.comm.Barrier()
+                ok, why = self.job is not None, "not running inside a Slurm job"
+        ok, why = self.comm.bcast((ok, why) if self.rank == 0 else None, root=0)
+        if ok:
+            _pending_requeue.append(self.job)
+            _log(self.rank, f"requeueing Slurm job {self.job.job_id} once all ranks have exited: "
+                            f"its next run resumes from step {step}")
+        else:
+            _log(self.rank, f"stopped at step {step} with a committed checkpoint; not requeued "
+                            f"({why}): run the same command again to resume (exit status "
+                            f"{EXIT_PREEMPTED})")
         return EXIT_PREEMPTED
+
+
+_pending_requeue: list = []
+
+
+def requeue_if_requested(comm) -> None:
+    """Call on every rank after teardown. If `finish` decided to requeue: all ranks finalize MPI
+    (a collective, cleaning up shared memory), then rank 0 runs `scontrol requeue`."""
+    if not _pending_requeue:
+        return
+    from mpi4py import MPI
+
+    rank = comm.Get_rank()
+    comm.Barrier()
+    MPI.Finalize()
+    if rank != 0:
+        return
+    time.sleep(0.5)  # let the other ranks' MPI_Finalize finish before Slurm signals them
+    ok, err = slurm.requeue(_pending_requeue[0])
+    if ok:
+        _log(0, f"requeued Slurm job {_pending_requeue[0].job_id}")
+    else:
+        _log(0, f"error: scontrol requeue {_pending_requeue[0].job_id} failed ({err}): the "
+                f"checkpoint is committed, submit the job again to resume")
 
 
 def _hms(seconds: float) -> str:

@@ -154,4 +154,5 @@ def requeue(job: SlurmJob) -> tuple[bool, str]:
                            timeout=SLURM_CMD_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as e:
         return False, str(e)
-    return r.returncode == 0, (r.stderr or r.stdout).strip()
+    # < 0: scontrol was itself ended by the requeue it asked for (it runs inside the job)
+    return r.returncode <= 0, (r.stderr or r.stdout).strip() or f"exit status {r.returncode}"

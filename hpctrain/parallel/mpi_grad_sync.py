@@ -9,6 +9,8 @@ hook that reduces each gradient bucket with it. Numerics mirror DDP's default ho
 group size, then sum), so fp32 losses are bit-identical to the Gloo path on 2 ranks (where a sum of
 two values has only one possible order). It must never be used for CUDA tensors (NCCL is faster there).
 """
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -29,6 +31,12 @@ class MPIHookState:
         self.comm = comm
         self.size = comm.Get_size()
         self.bytes_reduced = 0  # for metrics / bandwidth accounting
+        self.wait_s = 0.0       # time spent inside Allreduce (waiting for peers + transfer)
+
+    def take_wait(self) -> float:
+        """Seconds spent in gradient all-reduce since the last call (per step: straggler metrics)."""
+        w, self.wait_s = self.wait_s, 0.0
+        return w
 
 
 # (no `from __future__ import annotations`: DDP checks these annotations at registration)
@@ -41,7 +49,9 @@ def mpi_allreduce_hook(state: MPIHookState, bucket: dist.GradBucket) -> torch.fu
     if buf.device.type != "cpu" or buf.dtype not in _MPI_DTYPES:
         raise TypeError(f"MPI gradient sync needs fp32/fp64 CPU gradients, got {buf.dtype} on {buf.device}")
     buf.div_(state.size)
+    t0 = time.perf_counter()
     state.comm.Allreduce(MPI.IN_PLACE, buf.numpy(), op=MPI.SUM)
+    state.wait_s += time.perf_counter() - t0
     state.bytes_reduced += buf.numel() * buf.element_size()
     fut.set_result(buf)
     return fut

@@ -51,6 +51,14 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
+def _mpi_grad_sync(mode: str, device: torch.device) -> bool:
+    """dist.grad_sync = "mpi": DDP all-reduces CPU gradients with MPI (faster than Gloo).
+    "auto" keeps the backend for now: a rank killed while its peers sit in MPI_Allreduce makes MPICH
+    kill the job before the heartbeat watchdog can name the lost rank
+    (tests/mpi/test_fault_tolerance.py::test_lost_rank_ends_job_with_its_name[SIGKILL])."""
+    return mode == "mpi" and device.type == "cpu"
+
+
 class ParallelModel:
     """The model in this job's layout plus the layout-aware steps of training.
 
@@ -84,6 +92,10 @@ class ParallelModel:
         self.module = model
         self.forward_module = DDP(model, process_group=mesh.group("dp"),
                                   gradient_as_bucket_view=True) if self.ddp else roots[0]
+        self.grad_sync_state = None
+        if self.ddp and _mpi_grad_sync(cfg.dist.grad_sync, next(model.parameters()).device):
+            self.grad_sync_state = use_mpi_grad_sync(self.forward_module, mesh.group("dp"),
+                                                     mesh.world_comm)
         self.n_micro = t.grad_accum
         self.device = next(model.parameters()).device
         self.schedule = None

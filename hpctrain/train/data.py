@@ -49,7 +49,8 @@ class TrainData:
         if tok["vocab_size"] > m.vocab_size:
             raise ConfigError(f"config key 'model.vocab_size': {m.vocab_size} is smaller than the "
                               f"dataset's vocab size {tok['vocab_size']} ({cfg.data.path})")
-        self.train = TokenShards(cfg.data.path, cfg.data.train_split, m.block_size, cache=self.feed.cache)
+        self.train = TokenShards(cfg.data.path, cfg.data.train_split, m.block_size, cache=self.feed.cache,
+                                 range_checked=self.cfg.data.verify == "checksum")
         self.val = self._open_optional(cfg.data.val_split)
         self.micro_batch, self.grad_accum = t.micro_batch_size, t.grad_accum
         self.global_batch = self.micro_batch * self.grad_accum * self.dp_size
@@ -65,7 +66,8 @@ class TrainData:
                 print(f"warning: {self.cfg.data.path}: split '{split}' has no window of "
                       f"{self.cfg.model.block_size + 1} tokens; validation is off", file=sys.stderr)
             return None
-        return TokenShards(self.cfg.data.path, split, self.cfg.model.block_size, cache=self.feed.cache)
+        return TokenShards(self.cfg.data.path, split, self.cfg.model.block_size, cache=self.feed.cache,
+                           range_checked=self.cfg.data.verify == "checksum")
 
     def _to_device(self, batch: torch.Tensor) -> torch.Tensor:
         if self.ctx.device.type == "cuda":

@@ -28,6 +28,7 @@ from hpctrain.dist.mesh import Mesh, ParallelDims
 from hpctrain.dist.watchdog import guard as peer_watchdog
 from hpctrain.errors import ConfigError
 from hpctrain.metrics import MetricsLog, measure_peak_flops
+from hpctrain.metrics.straggler import StragglerDetector
 from hpctrain.model import GPT, GPTConfig
 from hpctrain.parallel import parallelize
 from hpctrain.train import rng
@@ -64,6 +65,7 @@ class Trainer:
         self.autocast = (torch.autocast(ctx.device.type, dtype=torch.bfloat16)
                          if t.precision == "bf16" else contextlib.nullcontext())
         self.step = 0
+        self.stragglers = StragglerDetector(ctx.comm, window=t.straggler_window)
         rng.seed_rank(t.seed, ctx.rank)
 
     # ---- checkpoint state -------------------------------------------------------------------
@@ -109,6 +111,8 @@ class Trainer:
     def train_step(self) -> tuple[float, float]:
         t = self.cfg.train
         micro_batches = self.data.next_train_micro_batches()
+        if t.debug_delay_s and self.ctx.rank == t.debug_delay_rank:
+            time.sleep(t.debug_delay_s)  # test-only straggler
         self.par.train()
         # forward/backward of every micro-batch (DDP/FSDP/TP loop or pipeline schedule); the loss is
         # the mean over the global batch; test-only NaN injection via the hook
@@ -174,6 +178,11 @@ class Trainer:
                              f"update skipped ({self.guard.in_a_row} in a row, "
                              f"train.max_bad_steps={t.max_bad_steps})")
             rec.update(self.data.step_metrics())  # data_time_s, data_wait_s, cache_* (all ranks)
+            sync = getattr(self.par, "grad_sync_state", None)
+            rec.update(self.stragglers.observe(dt, dt - (sync.take_wait() if sync else 0.0)))
+            warning = self.stragglers.warning(self.step, rec)
+            if warning:
+                log(ctx, warning)
             metrics.write(rec)
             if ctx.is_main and (self.step % t.log_interval == 0 or self.step == end):
                 eta = (time.perf_counter() - t_start) / (self.step - start_step) * (end - self.step)

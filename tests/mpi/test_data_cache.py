@@ -6,6 +6,7 @@ the middle of staging, a stray temp file and a corrupted cached shard do not sto
 """
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -55,6 +56,13 @@ def train4(cfg, *overrides, timeout=300):
                   timeout=timeout, check=True)
 
 
+def same(a, b):
+    """Equal losses. Not bit-for-bit: with 4 ranks the logged loss is a Gloo all-reduce of 4
+    floats whose summation order varies between runs (1 ulp; the weights themselves are
+    identical — later steps match exactly), so allow 1e-6 relative."""
+    return sorted(a) == sorted(b) and all(abs(a[k] - b[k]) <= 1e-6 * abs(b[k]) for k in a)
+
+
 def node_stats(cache):
     return [json.loads(p.read_text()) for p in sorted(Path(cache).glob("node*/hpctrain-*/stats.json"))]
 
@@ -63,11 +71,31 @@ def records(run):
     return [json.loads(l) for l in (Path(run) / "metrics.jsonl").read_text().splitlines()]
 
 
+def descendants(pid):
+    """All live descendants of ``pid`` (from /proc), so a test kills exactly what it started."""
+    children = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
 def test_each_node_copies_each_shard_once_and_losses_match(tmp_path, dataset, reference):
     cache = tmp_path / "cache"
-    cfg, run = config(tmp_path, dataset, "cached")
+    data = tmp_path / "data"
+    shutil.copytree(dataset, data)
+    cfg, run = config(tmp_path, data, "cached")
     train4(cfg, f"--data.cache_dir={cache}")
-    assert losses(run) == reference[0] and losses(run, "val_loss") == reference[1]
+    assert same(losses(run), reference[0]) and same(losses(run, "val_loss"), reference[1])
     stats = node_stats(cache)
     assert len(stats) == 2  # node0/ and node1/, each with its own copies
     names = {s["file"] for s in read_manifest(str(dataset))["shards"]}
@@ -81,16 +109,16 @@ def test_each_node_copies_each_shard_once_and_losses_match(tmp_path, dataset, re
     assert sum(r["cache_copies"] for r in recs) <= sum(len(s["copies_per_shard"]) for s in stats)
     # The cached copies are what the ranks read: with data.path's shards gone, a new run still
     # trains (each cached shard re-verified once, nothing copied) and gives the same losses.
-    gone = tmp_path / "gone"
-    gone.mkdir()
-    (gone / "manifest.json").write_bytes((dataset / "manifest.json").read_bytes())
-    cfg2, run2 = config(tmp_path, gone, "from_cache")
+    for name in names:
+        (data / name).unlink()
+    cfg2, run2 = config(tmp_path, data, "from_cache")
     train4(cfg2, f"--data.cache_dir={cache}")
-    assert losses(run2) == reference[0] and losses(run2, "val_loss") == reference[1]
+    assert same(losses(run2), reference[0]) and same(losses(run2, "val_loss"), reference[1])
     for st in node_stats(cache):
         assert st["copies_per_shard"] == {} and st["reused"] > 0
 
 
+@pytest.mark.slow
 def test_budget_smaller_than_dataset_evicts_and_matches(tmp_path, dataset, reference):
     m = read_manifest(str(dataset))
     size = {sp: sum(s["bytes"] for s in m["shards"] if s["split"] == sp) for sp in ("train", "val")}
@@ -99,13 +127,14 @@ def test_budget_smaller_than_dataset_evicts_and_matches(tmp_path, dataset, refer
     cfg, run = config(tmp_path, dataset, "small")
     r = train4(cfg, f"--data.cache_dir={cache}", f"--data.cache_bytes={budget}")
     assert "smaller than one step" not in r.stderr
-    assert losses(run) == reference[0] and losses(run, "val_loss") == reference[1]
+    assert same(losses(run), reference[0]) and same(losses(run, "val_loss"), reference[1])
     for st in node_stats(cache):
         assert st["evictions"] > 0 and st["used"] <= budget
         assert max(st["copies_per_shard"].values()) >= 2  # evicted, needed again, staged again
     assert sum(r["cache_evictions"] for r in records(run) if "loss" in r) > 0
 
 
+@pytest.mark.slow
 def test_kill_9_while_staging_then_restart(tmp_path, dataset, reference):
     cache = tmp_path / "cache"
     cfg, run = config(tmp_path, dataset, "killed")
@@ -116,12 +145,17 @@ def test_kill_9_while_staging_then_restart(tmp_path, dataset, reference):
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120
-        while time.time() < deadline and not any(st["copies_per_shard"] for st in node_stats(cache)):
-            time.sleep(0.05)
-        assert any(st["copies_per_shard"] for st in node_stats(cache)), "no shard staged within 120 s"
+        while time.time() < deadline and len(list(Path(cache).glob("node0/*/train_*.h5"))) < 2:
+            time.sleep(0.02)  # kill while the leader is still staging train shards
     finally:
-        os.killpg(p.pid, signal.SIGKILL)  # the whole job: mpiexec, proxies and ranks
+        job = descendants(p.pid)  # mpiexec, its proxy and the 4 ranks (own process groups)
+        for pid in [p.pid, *job]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         p.wait(timeout=30)
+    assert len(job) >= 4
     node0 = next(Path(cache).glob("node0/hpctrain-*"))
     (node0 / ".tmp-999999-train_00001.h5").write_bytes(b"half a shard")  # a crash's leftover
     cached = sorted(node0.glob("train_*.h5"))
@@ -131,7 +165,7 @@ def test_kill_9_while_staging_then_restart(tmp_path, dataset, reference):
     cached[0].write_bytes(bytes(data))
     cfg2, run2 = config(tmp_path, dataset, "restarted")
     train4(cfg2, f"--data.cache_dir={cache}")
-    assert losses(run2) == reference[0] and losses(run2, "val_loss") == reference[1]
+    assert same(losses(run2), reference[0]) and same(losses(run2, "val_loss"), reference[1])
     st0 = node_stats(cache)[0]
     assert st0["refetched"] >= 1 and st0["copies_per_shard"].get(cached[0].name) == 1
     assert not list(Path(cache).rglob(".tmp-*"))

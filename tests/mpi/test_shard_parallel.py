@@ -60,3 +60,16 @@ def test_tiny_shards_spanning_many_ranks(tmp_path):
                timeout=180, check=True)
         outs[n] = tree_bytes(out)
     assert len(outs[1]) > 100 and outs[4] == outs[1]
+
+
+def test_rounds_bound_memory_and_keep_bytes(tmp_path):
+    """`--round-bytes` small enough for many rounds (shards filled across rounds and ranks):
+    the same bytes as one rank."""
+    outs = {}
+    for n, extra in ((1, []), (3, ["--round-bytes", "20000"])):
+        out = tmp_path / f"n{n}"
+        mpirun(n, ["-m", "data_tools", "shard", "--input", *PLAYS, "--output", out, "--tokenizer",
+                   "bytes", "--shard-tokens", "70000", "--val-fraction", "0.3", "--seed", "5",
+                   "--no-progress", *extra], timeout=180, check=True)
+        outs[n] = tree_bytes(out)
+    assert len(outs[1]) > 10 and outs[3] == outs[1]

@@ -256,3 +256,20 @@ def test_mpi_grad_sync_bit_identical_to_gloo(tmp_path, dataset):
         runs[mode] = losses(run)
     assert sorted(runs["mpi"]) == list(range(1, 21))
     assert runs["mpi"] == runs["backend"]
+
+
+def test_straggler_detector_flags_the_slow_rank(tmp_path, dataset):
+    cfg, run = write_config(tmp_path, dataset)
+    r = train(2, cfg, "--train.steps=14", "--train.eval_interval=0", "--train.straggler_window=5",
+              "--train.debug_delay_rank=1", "--train.debug_delay_s=0.15", "--dist.grad_sync=mpi")
+    assert "warning: rank 1 is a straggler" in r.stderr
+    recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
+    busy = [r["rank_busy_s"] for r in recs]
+    assert all(len(b) == 2 for b in busy)
+    # rank 0 waits for rank 1 inside the all-reduce, so rank 1 is the busier one (noise allowed)
+    assert sum(b[1] > b[0] for b in busy) >= len(busy) - 2
+    assert recs[-1]["straggler"] == 1 and {r.get("straggler") for r in recs} <= {None, 1}
+    # and without the delay nobody is flagged
+    cfg2, run2 = write_config(tmp_path, dataset, "even")
+    r = train(2, cfg2, "--train.steps=14", "--train.eval_interval=0", "--train.straggler_window=5")
+    assert "straggler" not in r.stderr

@@ -14,6 +14,8 @@ Knowledge this encodes (Slurm 22.05.8 on Debian 12, no systemd, no cgroups):
 - slurmd runs in the foreground under `tini -s` (a child subreaper): the sandbox's PID 1 reaps orphans
   only every few seconds, and srun leaves an orphaned helper that would hold every job ~3 s longer.
 - AuthInfo=cred_expire=10: a requeued job may start again after ~15 s instead of ~160 s.
+- FirstJobId differs per start: MPICH under `srun --mpi=pmi2` names its shared memory after
+  `jobid.stepid`; a segment left by a killed step would break a new job with the same id.
 - CPUs may exceed the real cores (SlurmdParameters=config_overrides), so 2-task jobs and 2-point
   arrays fit on a 2-core machine.
 - MpiDefault=none; jobs choose `srun --mpi=pmi2` (MPICH) or `--mpi=pmix` (Open MPI, needs libpmix-dev
@@ -111,6 +113,7 @@ class LocalSlurm:
         p = self.prefix
         for d in ("etc", "state/ctld", "state/d", "log", "run"):
             (p / d).mkdir(parents=True, exist_ok=True)
+        first_job_id = 1000 + int(time.time() * 10) % 60_000_000
         mem_kib = next(int(l.split()[1]) for l in open("/proc/meminfo") if l.startswith("MemTotal"))
         self.conf.write_text(f"""\
 ClusterName=hpctrain-test
@@ -145,6 +148,9 @@ ReturnToService=2
 SlurmdParameters=config_overrides
 InactiveLimit=0
 MinJobAge=600
+# job ids unique across sessions: MPICH names its shared memory after `jobid.stepid` under
+# srun/PMI2, and a segment left by a killed step must not meet a new job with the same id
+FirstJobId={first_job_id}
 KillWait=5
 OverTimeLimit=0
 NodeName={NODE} NodeHostname=localhost NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={int(mem_kib / 1024 * 0.9)} State=UNKNOWN

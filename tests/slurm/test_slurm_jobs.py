@@ -129,7 +129,7 @@ def test_usr1_checkpoints_requeues_and_resumes(jobs, dataset, reference, tmp_pat
     s = stop_step(log)
     assert 6 <= s < STEPS
     assert f"checkpoint: step {s} -> " in log  # saved at the signal, not at an interval (1000)
-    assert f"requeued Slurm job {jid}: its next run resumes from step {s}" in log
+    assert f"requeueing Slurm job {jid} once all ranks have exited: its next run resumes from step {s}" in log
     assert f"slurm: job {jid}, restart 1" in log
     assert re.search(rf"resumed from \S+step_0*{s} at step {s}\b", log), log
     assert_same_curve(run, reference)
@@ -161,18 +161,19 @@ def test_no_requeue_exits_75_and_resubmit_resumes(jobs, dataset, reference, tmp_
 
 
 def test_walltime_guard_checkpoints_before_the_limit(jobs, dataset, tmp_path):
-    """--time=1 (60 s) and a 50 s margin: the guard stops ~10 s in, long before Slurm's kill."""
+    """--time=2 (120 s) and a 100 s margin: the guard stops ~20 s in, long before Slurm's kill.
+    (The template's --signal=B:USR1@300 is replaced by an ignored SIGURG, so only the guard acts.)"""
     cfg, run = write_config(tmp_path, dataset, "walltime")
     jid, out = submit_train(jobs, tmp_path, cfg, "--train.steps=100000", "--train.eval_interval=0",
-                            "--slurm.debug_step_sleep_s=0.02", "--slurm.time_margin_s=50",
-                            sbatch_args=["--time=1", "--no-requeue"])
-    (rec,) = jobs.wait(jid, timeout=120)
+                            "--slurm.debug_step_sleep_s=0.02", "--slurm.time_margin_s=100",
+                            sbatch_args=["--time=2", "--no-requeue", "--signal=B:URG@1"])
+    (rec,) = jobs.wait(jid, timeout=180)
     log = out.read_text()
     assert (rec["JobState"], rec["ExitCode"]) == ("FAILED", "75:0"), log  # not TIMEOUT
-    m = re.search(r"stopping at step (\d+): wall time: 0:00:(\d\d) left < slurm.time_margin_s=50", log)
+    m = re.search(r"stopping at step (\d+): wall time: 0:0(\d):(\d\d) left < slurm.time_margin_s=100", log)
     assert m, log
     s = int(m.group(1))
-    assert 0 < s < 100000 and int(m.group(2)) < 50
+    assert 0 < s < 100000 and 0 < int(m.group(2)) * 60 + int(m.group(3)) < 100
     assert f"checkpoint: step {s} -> " in log
     assert (run / "checkpoints" / f"step_{s:08d}" / "COMMIT.json").exists()
     assert last_step(run) == s

@@ -1,0 +1,148 @@
+"""Checkpoint cost: async vs sync DCP saves, next to a raw sequential write of the same bytes.
+
+Run:  python bench/checkpoint.py [--layers 6 --width 512] [--dir /path/on/the/target/fs]
+      mpiexec -n 2 python bench/checkpoint.py ...        (each rank writes its shard)
+
+Trains our GPT (AdamW, random tokens) and prints, per rank's shard and job-wide:
+  normal step          median step time without a save in flight
+  async save           what the step loop paid (stage to host memory), the background write time,
+                       the median step time WHILE the write is in flight, and its ratio to normal
+  sync DCP save        wall time and bandwidth of CheckpointManager.save (DCP + commit + fsync)
+  raw write            the same number of bytes per rank written sequentially in 16 MiB blocks +
+                       fsync (dd-style), the ceiling the file system gives one writer
+Numbers go to docs/benchmarks.md ("Checkpoints").
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from hpctrain.checkpoint import CheckpointManager
+from hpctrain.dist import init_distributed, teardown
+from hpctrain.model import GPT, GPTConfig
+
+
+def raw_write(path: Path, nbytes: int, block: int = 16 << 20) -> float:
+    buf = os.urandom(min(block, nbytes))
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, buf[:min(left, len(buf))])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dt = time.perf_counter() - t0
+    os.unlink(path)
+    return dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=12, help="normal steps to time")
+    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir in /tmp)")
+    args = ap.parse_args()
+
+    ctx = init_distributed("gloo", 300)
+    r, w = ctx.rank, ctx.world_size
+    root = Path(args.dir or tempfile.gettempdir()) / f"hpctrain-bench-ckpt-{os.getppid()}"
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(args.layers, max(1, args.width // 64), args.width, args.seq, args.vocab))
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if w > 1 else model
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(r)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        x = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+        loss = F.cross_entropy(ddp(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    def state():
+        msd, osd = get_state_dict(ddp, opt)
+        return {"model": msd, "optim": osd}
+
+    for _ in range(3):
+        step()
+    normal = statistics.median(step() for _ in range(args.steps))
+    mgr = CheckpointManager(root, keep=1, rank=r, world_size=w, timeout_s=300)
+
+    # sync DCP save (twice: the first one also creates files/dirs for the first time)
+    mgr.save(1, state(), {"step": 1})
+    dist.barrier()
+    t0 = time.perf_counter()
+    mgr.save(2, state(), {"step": 2})
+    sync_s = time.perf_counter() - t0
+    shard = sum(p.stat().st_size for p in (root / "step_00000002").glob(f"__{r}_*.distcp"))
+    total = sum(p.stat().st_size for p in (root / "step_00000002").iterdir())
+
+    # raw sequential write of this rank's shard size, all ranks at once (same contention)
+    dist.barrier()
+    raw_s = raw_write(root / f"raw.{r}", shard)
+
+    # async save: steps keep running while the background thread writes. The first one allocates
+    # the host staging buffers (page faults); the measured one reuses them (steady state).
+    mgr.save_async(3, state(), {"step": 3})
+    mgr.wait()
+    dist.barrier()
+    t0 = time.perf_counter()
+    mgr.save_async(4, state(), {"step": 4})
+    blocked = time.perf_counter() - t0
+    during = []
+    while not mgr.poll() or not during:
+        during.append(step())
+    mgr.wait()
+    write_s = mgr.last_write_s
+    after = statistics.median(step() for _ in range(args.steps))
+    during_med = statistics.median(during)
+
+    rows = torch.tensor([normal, after, during_med, blocked, write_s, sync_s, raw_s, shard],
+                        dtype=torch.float64)
+    gathered = [torch.zeros_like(rows) for _ in range(w)]
+    dist.all_gather(gathered, rows)
+    if r == 0:
+        g = torch.stack(gathered)
+        normal, after, during_med, blocked, write_s, sync_s, raw_s, _ = g.max(0).values.tolist()
+        shard_mb = g[:, 7].mean().item() / 1e6
+        ref = (normal + after) / 2
+        params = sum(p.numel() for p in model.parameters()) / 1e6
+        print(f"model {params:.1f}M params; checkpoint {total / 1e6:.1f} MB ({w} rank(s), "
+              f"{shard_mb:.1f} MB per rank shard) in {root}")
+        print(f"normal step              {ref * 1e3:8.1f} ms   (median before {normal * 1e3:.1f}, "
+              f"after {after * 1e3:.1f})")
+        print(f"async: step loop paid    {blocked * 1e3:8.1f} ms   (stage to host memory)")
+        print(f"async: background write  {write_s * 1e3:8.1f} ms   "
+              f"{total / write_s / 1e6:8.1f} MB/s job-wide, over {len(during)} steps")
+        print(f"async: step during write {during_med * 1e3:8.1f} ms   "
+              f"{during_med / ref:6.2f}x a normal step")
+        print(f"sync DCP save            {sync_s * 1e3:8.1f} ms   {total / sync_s / 1e6:8.1f} MB/s")
+        print(f"raw write + fsync        {raw_s * 1e3:8.1f} ms   {total / raw_s / 1e6:8.1f} MB/s "
+              f"(same bytes per rank, 16 MiB blocks)")
+    mgr.wait()
+    dist.barrier()
+    if r == 0:
+        import shutil
+        shutil.rmtree(root, ignore_errors=True)
+    teardown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Preemption outside Slurm under a real mpiexec: SIGUSR1 to ONE rank stops every rank at the same
+step with a checkpoint written at that step, exit status 75; the same command resumes bit-exactly."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import BIN, mpiexec_path, mpirun, run_cmd
+
+pytestmark = pytest.mark.mpi
+
+CFG = """
+[run]
+dir = "{run}"
+[data]
+path = "{data}"
+verify = "size"
+cache_dir = "off"
+[model]
+n_layer = 1
+n_head = 2
+n_embd = 32
+block_size = 32
+vocab_size = 257
+[train]
+steps = 24
+micro_batch_size = 2
+warmup_steps = 2
+eval_interval = 0
+log_interval = 100
+[checkpoint]
+interval = 1000
+"""
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from data_tools.corpora import shakespeare_files
+
+    out = tmp_path_factory.mktemp("pdata") / "d"
+    run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", *sorted(shakespeare_files())[:2],
+             "--output", out, "--tokenizer", "bytes", "--val-fraction", "0", "--no-progress"],
+            timeout=120, check=True)
+    return out
+
+
+def losses(run):
+    recs = [json.loads(l) for l in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs if "loss" in r}
+
+
+def rank_pids(launcher_pid):
+    """Python rank processes below mpiexec (mpiexec -> hydra_pmi_proxy -> ranks)."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            pid, rest = stat.read_text().split(" ", 1)
+            ppid = int(rest.rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(pid))
+    out, todo = [], [launcher_pid]
+    while todo:
+        p = todo.pop()
+        for c in children.get(p, []):
+            todo.append(c)
+            try:
+                if "hpctrain" in Path(f"/proc/{c}/cmdline").read_text():
+                    out.append(c)
+            except OSError:
+                pass
+    return sorted(out)
+
+
+def test_usr1_to_one_rank_stops_all_at_one_step_then_resumes(tmp_path, data):
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    for run in (straight, stopped):
+        (tmp_path / f"{run.name}.toml").write_text(CFG.format(run=run, data=data))
+    mpirun(2, ["-m", "hpctrain", "train", "--config", tmp_path / "straight.toml"], timeout=300, check=True)
+
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([mpiexec_path(), "-n", "2", sys.executable, "-m", "hpctrain", "train",
+                             "--config", str(tmp_path / "stopped.toml"), "--slurm.debug_step_sleep_s=0.25"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            m = stopped / "metrics.jsonl"
+            if m.exists() and len(m.read_text().splitlines()) >= 4:
+                break
+            time.sleep(0.2)
+        pids = rank_pids(proc.pid)
+        assert len(pids) == 2, pids
+        os.kill(pids[-1], signal.SIGUSR1)  # one rank only
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, err[-3000:]
+    line = next(l for l in err.splitlines() if l.startswith("stopping at step"))
+    s = int(line.split()[3].rstrip(":"))
+    assert 4 <= s < 24 and ("signal SIGUSR1" in line or "signal on another rank" in line)
+    assert f"checkpoint: step {s} -> " in err
+    assert "not requeued (not running inside a Slurm job)" in err and "Traceback" not in err
+    assert max(losses(stopped)) == s
+
+    r = mpirun(2, ["-m", "hpctrain", "train", "--config", tmp_path / "stopped.toml"], timeout=300, check=True)
+    assert f"at step {s}" in r.stderr
+    a, b = losses(straight), losses(stopped)
+    assert sorted(b) == list(range(1, 25)) and all(a[k] == b[k] for k in a), (a, b)

@@ -1,0 +1,116 @@
+"""Async checkpoint saves in one process (a real 1-rank gloo group): the staged copy is what gets
+written even though training mutates the weights meanwhile; one save in flight at a time; a write
+error in the background surfaces at wait() and leaves the previous checkpoint intact.
+
+Failures are injected with the same HPCTRAIN_FAULT_POINT hook the MPI kill tests use (a real
+OSError(ENOSPC) raised at the file stream, below DCP); nothing mocks torch.distributed.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from hpctrain.checkpoint import CheckpointError, CheckpointManager, verify_checkpoint
+
+
+@pytest.fixture(scope="module")
+def world():
+    created = False
+    if not dist.is_initialized():
+        from hpctrain.dist.bootstrap import init_distributed
+
+        init_distributed(backend="gloo", timeout_s=60)
+        created = True
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
+def make(seed: int):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Embedding(64, 32), nn.LayerNorm(32), nn.Linear(32, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randint(0, 64, (4, 8))
+    nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def state_of(model, opt):
+    return dict(zip(("model", "optim"), get_state_dict(model, opt)))
+
+
+def snapshot(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def load_into_fresh(mgr, path):
+    model, opt = make(99)
+    state = state_of(model, opt)
+    extra = mgr.load(path, state)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return model, extra
+
+
+def test_async_save_writes_the_staged_copy(world, tmp_path):
+    mgr = CheckpointManager(tmp_path, keep=2, rank=0, world_size=1, full_checksums=True)
+    model, opt = make(0)
+    before = snapshot(model)
+    mgr.save_async(1, state_of(model, opt), {"step": 1})
+    with torch.no_grad():  # training goes on while the save is written
+        for p in model.parameters():
+            p.add_(1.0)
+    path = mgr.wait()
+    assert path == tmp_path / "step_00000001"
+    assert verify_checkpoint(path, full=True) == []
+    loaded, extra = load_into_fresh(mgr, path)
+    assert extra == {"step": 1}
+    for k, v in snapshot(loaded).items():
+        assert torch.equal(v, before[k]), k
+    assert mgr.wait() is None  # nothing in flight any more
+
+
+def test_one_save_in_flight_and_sync_save_waits(world, tmp_path):
+    mgr = CheckpointManager(tmp_path, keep=3, rank=0, world_size=1)
+    model, opt = make(0)
+    mgr.save_async(1, state_of(model, opt), {"step": 1})
+    mgr.save_async(2, state_of(model, opt), {"step": 2})  # waits for step 1 first
+    assert verify_checkpoint(tmp_path / "step_00000001") == []
+    mgr.save(3, state_of(model, opt), {"step": 3})        # finishes step 2 first
+    assert mgr.poll()
+    assert [verify_checkpoint(tmp_path / f"step_0000000{s}") for s in (1, 2, 3)] == [[], [], []]
+    assert mgr.latest() == tmp_path / "step_00000003"
+
+
+def test_background_write_error_surfaces_at_wait(world, tmp_path, monkeypatch):
+    mgr = CheckpointManager(tmp_path, keep=2, rank=0, world_size=1)
+    model, opt = make(0)
+    mgr.save(1, state_of(model, opt), {"step": 1})
+    monkeypatch.setenv("HPCTRAIN_FAULT_POINT", "write:__0_0.distcp:1:0:enospc")
+    mgr.save_async(2, state_of(model, opt), {"step": 2})  # returns: the write fails later
+    with pytest.raises(CheckpointError) as e:
+        mgr.wait()
+    msg = str(e.value)
+    assert msg.startswith(f"checkpoint save to {tmp_path / 'step_00000002'} failed: ")
+    assert "No space left on device" in msg and "step_00000002.tmp/__0_0.distcp" in msg
+    assert not (tmp_path / "step_00000002.tmp").exists()
+    assert mgr.latest() == tmp_path / "step_00000001"
+    assert verify_checkpoint(tmp_path / "step_00000001") == []
+    monkeypatch.delenv("HPCTRAIN_FAULT_POINT")
+    mgr.save_async(2, state_of(model, opt), {"step": 2})  # the manager is usable again
+    assert mgr.wait() == tmp_path / "step_00000002"
+
+
+def test_fault_spec_is_validated(monkeypatch):
+    from hpctrain.checkpoint import faults
+
+    monkeypatch.setenv(faults.ENV, "no.such.point")
+    with pytest.raises(ValueError, match="unknown fault point"):
+        faults.hit("save.begin")
+    monkeypatch.setenv(faults.ENV, "save.begin:1::explode")
+    with pytest.raises(ValueError, match="kill or enospc"):
+        faults.hit("save.begin")

@@ -1,0 +1,60 @@
+"""Config keys of issue 6 (async checkpoints, heartbeat, NaN guard): the `async` spelling, defaults,
+validation naming the key, and --help listing them; the NaN guard's counting in one process."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpctrain import config
+from hpctrain.errors import ConfigError
+
+BASE = {"run": {"dir": "r"}, "data": {"path": "d"},
+        "model": {"n_layer": 1, "n_head": 1, "n_embd": 8, "block_size": 8, "vocab_size": 16},
+        "train": {"steps": 20, "micro_batch_size": 1}}
+
+
+def build(**sections):
+    raw = {k: dict(v) for k, v in BASE.items()}
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return config.from_dict(raw, "test.toml")
+
+
+def test_defaults_and_async_spellings():
+    c = build()
+    assert (c.checkpoint.async_save, c.checkpoint.full_checksums) == (False, False)
+    assert (c.dist.heartbeat_timeout_s, c.train.max_bad_steps, c.train.inject_nan_at_step) == (60.0, 5, 0)
+    assert build(checkpoint={"async": True}).checkpoint.async_save is True
+    assert build(checkpoint={"async_save": True}).checkpoint.async_save is True
+    over = config.parse_overrides(["--checkpoint.async=true"])
+    assert build(**over).checkpoint.async_save is True
+
+
+@pytest.mark.parametrize("section, key, value", [
+    ("train", "max_bad_steps", 0), ("train", "inject_nan_at_step", -1),
+    ("dist", "heartbeat_timeout_s", -1.0)])
+def test_bad_values_name_the_key(section, key, value):
+    with pytest.raises(ConfigError, match=f"config key '{section}.{key}'"):
+        build(**{section: {key: value}})
+
+
+def test_help_lists_the_keys():
+    text = config.describe()
+    for key in ("--checkpoint.async_save", "--checkpoint.full_checksums", "--dist.heartbeat_timeout_s",
+                "--train.max_bad_steps", "--train.inject_nan_at_step"):
+        assert key in text
+    assert "TEST ONLY" in text
+
+
+def test_guard_skips_counts_and_stops():
+    from hpctrain.train.guard import NonFiniteGuard, TrainingDivergedError
+
+    g = NonFiniteGuard(max_bad_steps=2, inject_nan_at_step=3, rank=0, world_size=1)
+    one = torch.tensor(1.0)
+    assert torch.isnan(g.poison(3, one)) and g.poison(4, one) == one
+    assert g.should_skip(1, one, 0.5) is False
+    assert g.should_skip(2, one, float("inf")) is True
+    assert g.should_skip(3, one, 0.5) is False and g.in_a_row == 0 and g.skipped == 1
+    assert g.should_skip(4, torch.tensor(float("nan")), 0.5) is True
+    with pytest.raises(TrainingDivergedError, match=r"2 steps in a row \(steps 4..5, train.max_bad_steps=2\)"):
+        g.should_skip(5, one, float("nan"))

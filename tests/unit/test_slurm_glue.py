@@ -1,0 +1,86 @@
+"""Slurm glue without a cluster: job info from the environment, durations, the srun-without-MPI
+check, the slurm config section, and signal recording."""
+import os
+import signal
+
+import pytest
+
+from hpctrain import config, signals
+from hpctrain.dist import slurm
+from hpctrain.errors import ConfigError, UserError
+
+BASE = {"run": {"dir": "r"}, "data": {"path": "d"},
+        "model": {"n_layer": 1, "n_head": 1, "n_embd": 8, "block_size": 8, "vocab_size": 8},
+        "train": {"steps": 2, "micro_batch_size": 1, "warmup_steps": 0}}
+
+
+@pytest.mark.parametrize("text, seconds", [
+    ("5:00", 300), ("0:45", 45), ("1:02:03", 3723), ("2-03:04:05", 183845), ("1-00", 86400),
+    ("7", 420), ("UNLIMITED", None), ("INVALID", None), ("", None), ("NOT_SET", None),
+])
+def test_parse_duration(text, seconds):
+    assert slurm.parse_duration(text) == seconds
+
+
+def test_job_from_env():
+    assert slurm.SlurmJob.from_env({}) is None
+    job = slurm.SlurmJob.from_env({"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "n[1-2]",
+                                   "SLURM_JOB_NUM_NODES": "2", "SLURM_RESTART_COUNT": "3",
+                                   "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "2"})
+    assert (job.job_id, job.n_nodes, job.restart_count, job.name) == ("42", 2, 3, "40_2 (job 42)")
+    assert job.describe() == "slurm: job 40_2 (job 42), restart 3, 2 nodes n[1-2]"
+
+
+def test_remaining_from_job_end_time():
+    import time
+
+    job = slurm.SlurmJob.from_env({"SLURM_JOB_ID": "1"})
+    left = slurm.remaining_seconds(job, {"SLURM_JOB_END_TIME": str(int(time.time()) + 100)})
+    assert 98 <= left <= 100
+    assert slurm.remaining_seconds(None) is None
+
+
+def test_srun_without_mpi_plugin_is_refused():
+    env = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4"}
+    with pytest.raises(UserError, match=r"srun started 4 tasks but MPI sees a world of 1.*--mpi=pmi2"):
+        slurm.check_launch(1, env)
+    slurm.check_launch(4, env)                                  # srun --mpi=pmi2: fine
+    slurm.check_launch(1, {**env, "SLURM_STEP_NUM_TASKS": "1"})  # one task: fine
+    slurm.check_launch(1, {"SLURM_JOB_ID": "7"})                # batch shell, not a step
+    slurm.check_launch(1, {})
+
+
+def test_requeue_not_allowed_outside_slurm():
+    assert slurm.requeue_allowed(None) == (False, "not running inside a Slurm job")
+
+
+def test_slurm_config_section():
+    cfg = config.from_dict(BASE)
+    assert (cfg.slurm.requeue, cfg.slurm.signals, cfg.slurm.time_margin_s) == ("auto", "USR1,TERM", 300.0)
+    cfg = config.from_dict({**BASE, "slurm": {"requeue": False, "signals": "usr2, SIGTERM"}})
+    assert (cfg.slurm.requeue, cfg.slurm.signals) == ("false", "usr2, SIGTERM")  # TOML bool accepted
+    with pytest.raises(ConfigError, match="slurm.requeue"):
+        config.from_dict({**BASE, "slurm": {"requeue": "maybe"}})
+    with pytest.raises(ConfigError, match=r"config key 'slurm.signals': unknown signal 'USR3'"):
+        config.from_dict({**BASE, "slurm": {"signals": "USR1,USR3"}})
+    with pytest.raises(ConfigError, match=r"slurm.signals.*KILL cannot be caught"):
+        config.from_dict({**BASE, "slurm": {"signals": "KILL"}})
+    with pytest.raises(ConfigError, match="slurm.time_margin_s"):
+        config.from_dict({**BASE, "slurm": {"time_margin_s": -1}})
+    assert "--slurm.requeue=" in config.describe()
+
+
+def test_signals_are_recorded_not_fatal():
+    old = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGUSR2)}
+    try:
+        signals.install("USR1,USR2")
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert signals.received()[-1] == signal.SIGUSR2
+        signals.install("USR1")  # USR2 no longer wanted: default action back, record dropped
+        assert signal.SIGUSR2 not in signals.received()
+        assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        signals._installed.clear()
+        signals._received.clear()
