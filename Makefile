@@ -26,5 +26,8 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest tests -m "not slow"
 
+bench: $(STAMP)
+	PATH=$(abspath $(VENV))/bin:$$PATH bash bench/run_all.sh
+
 clean:
 	rm -rf runs/demo data/shakespeare

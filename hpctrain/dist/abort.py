@@ -51,6 +51,9 @@ def _report_and_abort(exc: BaseException) -> None:
         sys.stderr.write("".join(f"[rank {rank}] {ln}" for ln in "".join(lines).splitlines(True)))
         sys.stderr.flush()
     if comm is not None and size > 1:
+        # The launcher forwards our stderr asynchronously (hydra/srun proxies) and stops forwarding
+        # when Abort tears the job down: give the line a moment to get out, or it is lost.
+        time.sleep(0.5)
         comm.Abort(code)
     os._exit(code)
 
