@@ -1,8 +1,9 @@
-"""Command line: ``python -m data_tools {shard,verify,inspect,stats,validate,train-tokenizer} ...`` (also ``data-tools``).
+"""Command line: ``python -m data_tools COMMAND ...`` (also ``data-tools``); COMMAND is one of
+shard, blend, verify, inspect, stats, validate, train-tokenizer.
 
 Owns: argument parsing, help text, exit codes and one-line error reporting.
-Must never: contain data logic (it dispatches to shard.py / verify.py) or print a traceback
-for an expected DataError.  Exit codes: 0 ok, 1 data problem, 2 usage error (argparse).
+Must never: contain data logic (it dispatches to shard.py / blend.py / verify.py) or print a
+traceback for an expected DataError.  Exit codes: 0 ok, 1 data problem, 2 usage error (argparse).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from .format import DataError
 
 DESCRIPTION = """Build, verify and inspect hpctrain token datasets (HDF5 shards + manifest.json).
 Run `shard` under `mpiexec -n N` to tokenize in parallel; the output is byte-identical for any N.
+`blend` mixes sharded datasets by weight without copying tokens (train with data.path = the blend).
 See docs/data.md for the format."""
 
 
@@ -21,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .shard import DEFAULT_SEED, DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION, ROUND_BYTES
 
     p = argparse.ArgumentParser(prog="python -m data_tools", description=DESCRIPTION)
-    sub = p.add_subparsers(dest="command", required=True, metavar="{shard,verify,inspect,stats,validate,train-tokenizer}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{shard,blend,verify,inspect,stats,validate,train-tokenizer}")
     s = sub.add_parser(
         "shard", help="tokenize text into a sharded dataset",
         description="Tokenize documents, append end-of-text to each, split them into train/val "
@@ -58,19 +60,42 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--min-chars", type=int, default=1, metavar="N",
                    help="with --filter: minimum characters after stripping whitespace (default 1)")
     s.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    b = sub.add_parser(
+        "blend", help="mix sharded datasets by weight (a manifest only, no token copies)",
+        description="Write OUTPUT/manifest.json describing a weighted mixture of datasets made by "
+                    "`shard` (paths relative to OUTPUT, each component's manifest sha256, "
+                    "normalized weights, seed, the shared tokenizer). Training with data.path = "
+                    "OUTPUT draws windows from the components in exact proportion to the weights "
+                    "(every prefix of n samples holds n*w_i of component i, rounded up or down), "
+                    "deterministically for any number of ranks; val mixes the components' val "
+                    "splits the same way. `verify OUTPUT` verifies every component.")
+    b.add_argument("--input", nargs="+", required=True, metavar="DIR:WEIGHT",
+                   help="component dataset directories, each with a positive weight after the "
+                        "last ':' (any scale, normalized: data/web:0.7 data/code:0.3, or 7 and 3; "
+                        "fractions like 1/3 are exact)")
+    b.add_argument("--output", required=True, metavar="DIR",
+                   help="blend directory; must be new, empty, or a previous blend (replaced)")
+    b.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="seed of the interleaving's tie order and, with train.seed, of each "
+                        "component's sample order (default 0)")
+    b.add_argument("--tokens", type=int, default=None, metavar="N",
+                   help="also print how many epochs of each component N training tokens make "
+                        "(summary only; not recorded)")
     v = sub.add_parser(
-        "verify", help="check a dataset against its manifest",
+        "verify", help="check a dataset (or every component of a blend) against its manifest",
         description="Check manifest, shard presence, sizes, sha256, HDF5 layout and attributes, "
                     "token ids < vocab_size and document offsets. Prints one OK line (exit 0) or "
                     "one line naming the first bad file and the problem (exit 1). Read-only.")
-    v.add_argument("dir", metavar="DIR", help="dataset directory (holds manifest.json)")
+    v.add_argument("dir", metavar="DIR", help="dataset or blend directory (holds manifest.json); "
+                                             "a blend's components are verified")
     v.add_argument("--no-checksums", action="store_true",
                    help="skip the full-file passes (sha256 and token-id range scan); still checks "
                         "the manifest, presence, sizes, HDF5 layout/attributes and doc offsets")
-    i = sub.add_parser("inspect", help="summarise a dataset",
+    i = sub.add_parser("inspect", help="summarise a dataset or a blend",
                        description="Print tokenizer, vocab, dtype, and per split: documents, "
-                                   "tokens, shards (reads only manifest.json).")
-    i.add_argument("dir", metavar="DIR", help="dataset directory (holds manifest.json)")
+                                   "tokens, shards (reads only manifest.json); for a blend, its "
+                                   "components, weights and tokens.")
+    i.add_argument("dir", metavar="DIR", help="dataset or blend directory (holds manifest.json)")
     st = sub.add_parser("stats", help="documents, tokens, document-length histogram",
                         description="Per split: documents, tokens, mean/median/max document "
                                     "length and a power-of-two length histogram (reads only the "
@@ -115,6 +140,11 @@ def main(argv=None) -> int:
                           seed=args.seed, comm=comm, progress=not args.no_progress,
                           round_bytes=args.round_bytes, filter=args.filter,
                           min_chars=args.min_chars)
+        elif args.command == "blend":
+            from .blend import blend_datasets, describe_blend, parse_input
+
+            blend_datasets([parse_input(spec) for spec in args.input], args.output, seed=args.seed)
+            print(describe_blend(args.output, tokens=args.tokens))
         elif args.command == "verify":
             from .verify import verify_dataset
 
@@ -123,9 +153,9 @@ def main(argv=None) -> int:
                 more = f" (+{len(problems) - 1} more problems)" if len(problems) > 1 else ""
                 print(problems[0] + more, file=sys.stderr)
                 return 1
-            from .format import read_manifest
+            from .blend import data_manifest
 
-            m = read_manifest(args.dir)
+            m = data_manifest(args.dir)
             what = "tokens verified" if not args.no_checksums else "tokens, checksums skipped"
             print(f"{args.dir}: OK ({len(m['shards'])} shards, "
                   f"{sum(m['n_tokens'].values()):,} {what})")

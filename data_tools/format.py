@@ -29,10 +29,17 @@ DOC_OFFSETS_DSET = "doc_offsets"
 H5_LIBVER = ("earliest", "v110")
 SHARD_ATTRS = ("format_version", "tokenizer", "vocab_size", "eot_id", "n_tokens", "split")
 SHARD_RE = re.compile(r"^(train|val)_(\d{5,})\.h5$")
+# A component shard of a blend in a node cache: "c<component>-<shard file>" (no collisions).
+CACHED_SHARD_RE = re.compile(r"^(c\d+-)?(train|val)_(\d{5,})\.h5$")
 TMP_PREFIX = ".tmp-"  # every temporary file the writer creates starts with this
 MANIFEST_KEYS = ("format_version", "tokenizer", "dtype", "seed", "val_fraction", "shard_tokens",
                  "n_documents", "n_tokens", "shards")
 SHARD_KEYS = ("file", "split", "n_tokens", "n_docs", "bytes", "sha256")
+# A blend (``data_tools blend``): a manifest with "kind": "blend" and no shards of its own, naming
+# component datasets.  A manifest without "kind" is a sharded dataset (kind "shards").
+KIND_SHARDS, KIND_BLEND = "shards", "blend"
+BLEND_KEYS = ("format_version", "kind", "seed", "tokenizer", "dtype", "period", "components")
+COMPONENT_KEYS = ("path", "manifest_sha256", "weight", "parts", "n_tokens", "n_documents")
 
 
 class DataError(UserError):
@@ -224,8 +231,8 @@ def write_manifest(root: str, manifest: dict) -> None:
     fsync_path(root)
 
 
-def read_manifest(root: str) -> dict:
-    """Load and validate manifest.json; raises DataError naming the manifest on any problem."""
+def _load_manifest_json(root: str) -> dict:
+    """manifest.json as a dict with a supported format_version (schema not checked yet)."""
     path = manifest_path(root)
     if not os.path.isfile(path):
         raise DataError(path, "missing — not an hpctrain dataset or an incomplete shard run")
@@ -239,15 +246,41 @@ def read_manifest(root: str) -> dict:
     if m.get("format_version") != FORMAT_VERSION:
         raise DataError(path, f"format_version {m.get('format_version')!r} unsupported "
                               f"(this code reads {FORMAT_VERSION})")
-    missing = [k for k in MANIFEST_KEYS if k not in m]
-    if missing:
-        raise DataError(path, f"missing keys {missing}")
-    tok = m["tokenizer"]
+    kind = m.get("kind", KIND_SHARDS)
+    if kind not in (KIND_SHARDS, KIND_BLEND):
+        raise DataError(path, f"unknown kind {kind!r} (this code reads {KIND_SHARDS!r}, "
+                              f"{KIND_BLEND!r})")
+    return m
+
+
+def manifest_kind(root: str) -> str:
+    """The manifest's kind: KIND_SHARDS (a sharded dataset) or KIND_BLEND (a mixture)."""
+    return _load_manifest_json(root).get("kind", KIND_SHARDS)
+
+
+def _check_tokenizer(path: str, tok) -> None:
     if not (isinstance(tok, dict) and all(isinstance(tok.get(k), t) for k, t in
                                           (("name", str), ("vocab_size", int), ("eot_id", int)))):
         raise DataError(path, "tokenizer must be {name: str, vocab_size: int, eot_id: int}")
     if not 0 <= tok["eot_id"] < tok["vocab_size"]:
         raise DataError(path, f"eot_id {tok['eot_id']} outside vocab_size {tok['vocab_size']}")
+
+
+def read_manifest(root: str) -> dict:
+    """Load and validate the manifest.json of a SHARDED dataset; raises DataError naming the
+    manifest on any problem (including when ``root`` is a blend: see read_blend_manifest)."""
+    path = manifest_path(root)
+    m = _load_manifest_json(root)
+    if m.get("kind", KIND_SHARDS) == KIND_BLEND:
+        names = ", ".join(str(c.get("path")) for c in m.get("components", [])
+                          if isinstance(c, dict))
+        raise DataError(path, f"a blend of datasets (kind 'blend'; components: {names}), not a "
+                              f"sharded dataset: use this command on its components")
+    missing = [k for k in MANIFEST_KEYS if k not in m]
+    if missing:
+        raise DataError(path, f"missing keys {missing}")
+    tok = m["tokenizer"]
+    _check_tokenizer(path, tok)
     if m["dtype"] != token_dtype(tok["vocab_size"]).name:
         raise DataError(path, f"dtype {m['dtype']!r} wrong for vocab_size {tok['vocab_size']}")
     for key in ("n_documents", "n_tokens"):
@@ -273,6 +306,36 @@ def read_manifest(root: str) -> dict:
         got = sum(s["n_tokens"] for s in m["shards"] if s["split"] == split)
         if m["n_tokens"].get(split, 0) != got:
             raise DataError(path, f"n_tokens[{split}]={m['n_tokens'].get(split)} but shards sum to {got}")
+    return m
+
+
+def read_blend_manifest(root: str) -> dict:
+    """Load and validate the manifest.json of a BLEND (schema only: the components are resolved
+    and checked against their recorded sha256 by data_tools.blend.resolve_blend)."""
+    path = manifest_path(root)
+    m = _load_manifest_json(root)
+    if m.get("kind", KIND_SHARDS) != KIND_BLEND:
+        raise DataError(path, "a sharded dataset, not a blend (kind 'blend')")
+    missing = [k for k in BLEND_KEYS if k not in m]
+    if missing:
+        raise DataError(path, f"missing keys {missing}")
+    _check_tokenizer(path, m["tokenizer"])
+    if m["dtype"] != token_dtype(m["tokenizer"]["vocab_size"]).name:
+        raise DataError(path, f"dtype {m['dtype']!r} wrong for vocab_size "
+                              f"{m['tokenizer']['vocab_size']}")
+    comps = m["components"]
+    if not (isinstance(m["seed"], int) and m["seed"] >= 0 and isinstance(comps, list) and comps):
+        raise DataError(path, "seed must be an int >= 0 and components a non-empty list")
+    for i, c in enumerate(comps):
+        if not isinstance(c, dict) or any(k not in c for k in COMPONENT_KEYS):
+            raise DataError(path, f"components[{i}] must have keys {list(COMPONENT_KEYS)}")
+        if not (isinstance(c["path"], str) and c["path"] and isinstance(c["manifest_sha256"], str)
+                and isinstance(c["parts"], int) and c["parts"] > 0
+                and isinstance(c["weight"], (int, float)) and c["weight"] > 0):
+            raise DataError(path, f"components[{i}] needs a str path and manifest_sha256, "
+                                  f"int parts > 0 and weight > 0")
+    if m["period"] != sum(c["parts"] for c in comps):
+        raise DataError(path, f"period {m['period']} != sum of the components' parts")
     return m
 
 

@@ -14,8 +14,8 @@ import os
 
 import numpy as np
 
-from .format import (SHARD_RE, SPLITS, DataError, check_shard_size, manifest_path,
-                     open_shard_layout, read_manifest, sha256_file, shards_of)
+from .format import (KIND_BLEND, SHARD_RE, SPLITS, DataError, check_shard_size, manifest_kind,
+                     manifest_path, open_shard_layout, read_manifest, sha256_file, shards_of)
 
 SCAN_TOKENS = 1 << 24  # tokens per chunk when scanning a shard
 
@@ -103,8 +103,12 @@ def verify_dataset(path: str, shard_indices=None, checksums: bool = True) -> lis
     per-shard checks, e.g. ``range(rank, n, world)``; per-split end-of-text totals are only
     checked when all shards are verified with checksums.  ``checksums=False`` keeps the cheap
     checks (manifest, presence, size, HDF5 layout/attrs, doc offsets) and skips reading every
-    byte (sha256 and the token-id range scan).  Read-only."""
+    byte (sha256 and the token-id range scan).  Read-only.  For a blend, the components are
+    resolved and checked (data_tools.blend.resolve_blend) and ``shard_indices`` index the
+    flattened shard list of ``data_tools.blend.data_manifest`` (every component's shards)."""
     try:
+        if manifest_kind(path) == KIND_BLEND:
+            return verify_blend(path, shard_indices, checksums)
         m = read_manifest(path)
     except DataError as e:
         return [str(e)]
@@ -128,6 +132,27 @@ def verify_dataset(path: str, shard_indices=None, checksums: bool = True) -> lis
     return problems
 
 
+def verify_blend(path: str, shard_indices=None, checksums: bool = True) -> list[str]:
+    """verify_dataset for a blend: the blend manifest and its components (present, unchanged
+    since blending, one tokenizer), then each component exactly as verify_dataset checks it."""
+    from .blend import resolve_blend, shard_bases
+
+    try:
+        _, comps = resolve_blend(path)
+    except DataError as e:
+        return [str(e)]
+    bases = shard_bases(comps)
+    total = bases[-1] + len(comps[-1].manifest["shards"])
+    wanted = range(total) if shard_indices is None else list(shard_indices)
+    problems = [f"{manifest_path(path)}: no shard index {i} (has {total})"
+                for i in wanted if not 0 <= i < total]
+    for c, base in zip(comps, bases):
+        n = len(c.manifest["shards"])
+        mine = [i - base for i in wanted if base <= i < base + n]
+        problems += verify_dataset(c.path, None if shard_indices is None else mine, checksums)
+    return list(dict.fromkeys(problems))
+
+
 def stray_files(path: str, m: dict) -> list[str]:
     """Shard-named files in the directory that the manifest does not list (informational)."""
     listed = {s["file"] for s in m["shards"]}
@@ -135,7 +160,11 @@ def stray_files(path: str, m: dict) -> list[str]:
 
 
 def describe_dataset(path: str) -> str:
-    """Human-readable summary for ``inspect`` (reads only the manifest)."""
+    """Human-readable summary for ``inspect`` (reads only the manifest(s))."""
+    if manifest_kind(path) == KIND_BLEND:
+        from .blend import describe_blend
+
+        return describe_blend(path)
     m = read_manifest(path)
     tok = m["tokenizer"]
     lines = [f"dataset {path}",

@@ -37,10 +37,8 @@ def _train(argv: list[str]) -> int:
 
     install_signal_handlers(cfg.slurm.signals)  # early: an uncaught SIGUSR1 would kill the rank
     ctx = init_distributed(cfg.dist.backend, cfg.dist.timeout_s)
-    try:
-        status = train(cfg, ctx)
-    finally:
-        teardown()
+    status = train(cfg, ctx)  # an exception skips teardown's barrier: run_guarded aborts all ranks
+    teardown()
     requeue_if_requested(ctx.comm)  # after a preemption stop: MPI finalized, then scontrol requeue
     return status
 

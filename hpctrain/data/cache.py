@@ -27,7 +27,8 @@ import time
 
 import numpy as np
 
-from data_tools.format import TMP_PREFIX, DataError, SHARD_RE, open_shard_layout, sha256_file
+from data_tools.format import (CACHED_SHARD_RE, TMP_PREFIX, DataError, open_shard_layout,
+                               sha256_file)
 
 from .shards import check_token_range
 
@@ -112,7 +113,8 @@ class NodeCache:
             if name in self.index:  # left by an earlier run: checked again before first use
                 self.unverified[self.index[name]] = None
                 used += os.path.getsize(full)
-            elif name.startswith(TMP_PREFIX) or name in (STATE, ERROR) or SHARD_RE.match(name):
+            elif (name.startswith(TMP_PREFIX) or name in (STATE, ERROR)
+                  or CACHED_SHARD_RE.match(name)):
                 os.unlink(full)  # a crash's temp file, old state, or a shard of no interest
         if budget <= 0:  # auto: 90% of what the file system can hold for us
             st = os.statvfs(self.dir)
@@ -259,7 +261,9 @@ class NodeCache:
 
     def _stage(self, i: int) -> None:
         e = self.entries[i]
-        dst, src = self.path_of(i), os.path.join(self.data_path, e["file"])
+        # A blend's shards live in its components: data_manifest gives each a "src" path and a
+        # cache name "c<component>-<file>", so components never collide in one cache directory.
+        dst, src = self.path_of(i), e.get("src") or os.path.join(self.data_path, e["file"])
         if i in self.unverified:  # from an earlier run: trust it only after a full check
             del self.unverified[i]
             ok = os.path.getsize(dst) == e["bytes"] and sha256_file(dst) == e["sha256"]

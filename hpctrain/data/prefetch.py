@@ -67,10 +67,7 @@ class DataFeed:
             return
         self.started = True
         d = self.data
-        from .sampler import GlobalSampler
-
-        self._plan_sampler = GlobalSampler(d.sampler.n_samples, d.sampler.global_batch,
-                                           d.sampler.seed)  # the thread's own copy of the order
+        self._plan_sampler = d.sampler.copy()  # the thread's own copy of the order
         t = d.cfg.train
         self.cache.start(d.sampler.steps_done, t.stop_at_step or t.steps, self._needs, self.pinned)
 

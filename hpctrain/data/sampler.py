@@ -69,11 +69,19 @@ class GlobalSampler:
             self._order, self._order_epoch = self.epoch_order(epoch), epoch
         return self._order[pos:pos + self.global_batch].copy()
 
+    def copy(self) -> "GlobalSampler":
+        """A fresh sampler with the same order (for another thread, e.g. the cache planner)."""
+        return GlobalSampler(self.n_samples, self.global_batch, self.seed)
+
     def state_dict(self) -> dict:
         return {"seed": self.seed, "epoch": self.epoch, "position": self.position,
                 "n_samples": self.n_samples, "global_batch": self.global_batch}
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("kind", "shards") != "shards":
+            raise ValueError(f"sampler state was saved for a {state.get('kind')} dataset but "
+                             f"data.path is now a plain sharded dataset: the sample order cannot "
+                             f"be resumed")
         missing = [k for k in STATE_KEYS if k not in state]
         if missing:
             raise ValueError(f"sampler state is missing {missing}")

@@ -17,7 +17,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from data_tools.format import DataError, open_shard_layout, read_manifest, shards_of
+from data_tools.format import SPLITS, DataError, open_shard_layout, read_manifest, shards_of
 
 
 SCAN = 1 << 24
@@ -53,6 +53,8 @@ class TokenShards:
         if expected_vocab_size is not None and expected_vocab_size != self.vocab_size:
             raise DataError(mpath, f"dataset vocab_size {self.vocab_size} ({self.tokenizer}) does "
                                    f"not match the model's vocab_size {expected_vocab_size}")
+        if split not in SPLITS:
+            raise DataError(mpath, f"unknown split {split!r} (splits are {', '.join(SPLITS)})")
         entries = shards_of(self.manifest, split)
         if not entries:
             raise DataError(mpath, f"no shards for split '{split}' (val_fraction was "
@@ -149,6 +151,10 @@ class TokenShards:
         if self.cache is not None:  # cached copies may be evicted after this step: don't hold maps
             self._maps.clear()
         return torch.from_numpy(out)
+
+    def eval_indices(self, total: int) -> np.ndarray:
+        """A fixed evaluation set: ``total`` sample indices spread evenly over the split."""
+        return np.linspace(0, self.n_samples - 1, int(total)).astype(np.int64)
 
     def close(self) -> None:
         self._maps.clear()

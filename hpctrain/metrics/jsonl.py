@@ -3,12 +3,19 @@
 On resume from step S, records with step > S (written after the checkpoint by a run that was then
 stopped or killed) are dropped first, so the log reads as one uninterrupted run. The rewrite is
 atomic (temp file + rename). Each record is flushed as it is written so `tail -f` works.
+
+The same records also go to TensorBoard event files in `tensorboard/` next to the log, when the
+`tensorboard` package is installed and `HPCTRAIN_TENSORBOARD` is not 0 (see `tensorboard.py`). A
+failure there is reported once and turns TensorBoard off; it never stops training.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
+
+from hpctrain.metrics import tensorboard
 
 
 class MetricsLog:
@@ -16,11 +23,13 @@ class MetricsLog:
         self.path = Path(path)
         self.enabled = enabled
         self._f = None
+        self._tb = None
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._truncate_after(resume_step)
         self._f = open(self.path, "a", encoding="utf-8")
+        self._tb = tensorboard.open_writer(self.path.parent / "tensorboard", resume_step)
 
     def _truncate_after(self, step: int) -> None:
         if not self.path.exists():
@@ -42,11 +51,26 @@ class MetricsLog:
             return
         self._f.write(json.dumps(record, separators=(",", ":")) + "\n")
         self._f.flush()
+        if self._tb is not None:
+            try:
+                self._tb.write(record)
+            except Exception as e:  # a view of the log: never worth stopping training for
+                print(f"warning: TensorBoard logging off after an error: {e}", file=sys.stderr)
+                self._close_tb()
+
+    def _close_tb(self) -> None:
+        tb, self._tb = self._tb, None
+        if tb is not None:
+            try:
+                tb.close()
+            except Exception:
+                pass
 
     def close(self) -> None:
         if self._f is not None:
             self._f.close()
             self._f = None
+        self._close_tb()
 
 
 def read(path: str | Path) -> list[dict]:

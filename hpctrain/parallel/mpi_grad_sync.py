@@ -62,3 +62,17 @@ def use_mpi_grad_sync(ddp_model, group: dist.ProcessGroup, world_comm) -> "MPIHo
     state = MPIHookState(mpi_comm_for_group(group, world_comm))
     ddp_model.register_comm_hook(state, mpi_allreduce_hook)
     return state
+
+
+def use_powersgd(ddp_model, group: dist.ProcessGroup, rank: int):
+    """torch's PowerSGD DDP hook: rank-`rank` low-rank factors of each gradient matrix are
+    all-reduced instead of the matrix (error feedback keeps what the approximation dropped).
+    Plain all-reduce for the first 2 steps (warm start); vectors/biases are sent uncompressed.
+    The hook's error-feedback state is not checkpointed: a resume re-warms it (not bit-exact)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    state = powersgd.PowerSGDState(process_group=group, matrix_approximation_rank=rank,
+                                   start_powerSGD_iter=2, min_compression_rate=1.0,
+                                   use_error_feedback=True, warm_start=True, random_seed=0)
+    ddp_model.register_comm_hook(state, powersgd.powerSGD_hook)
+    return state

@@ -26,8 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hpctrain.config import Config
 from hpctrain.dist.mesh import Mesh
 from hpctrain.errors import ConfigError
-from hpctrain.parallel.mpi_grad_sync import use_mpi_grad_sync
-from hpctrain.errors import ConfigError
+from hpctrain.parallel.mpi_grad_sync import use_mpi_grad_sync, use_powersgd
 from hpctrain.parallel.activation import apply_activation_checkpointing
 from hpctrain.parallel.pipeline import PipelineSplit
 from hpctrain.parallel.tensor_parallel import apply_tensor_parallel
@@ -89,14 +88,19 @@ class ParallelModel:
             for root in roots:
                 fully_shard(root, mesh=mesh["dp"], mp_policy=mp)
         # Plain DDP for pure data parallelism (overlaps the all-reduce with backward); with TP or
-        # PP, gradients are averaged over dp by one flat all-reduce after backward instead.
-        self.ddp = self.dp > 1 and not self.fsdp and self.tp == 1 and self.pp == 1
-        self.manual_dp = self.dp > 1 and not self.fsdp and not self.ddp
+        # PP, gradients are averaged over dp by one flat all-reduce after backward instead. Under
+        # sync.mode = diloco the dp replicas train apart: no gradient sync over dp at all.
+        self.replicas_apart = cfg.sync.mode != "sync"
+        dp_sync = self.dp > 1 and not self.replicas_apart
+        self.ddp = dp_sync and not self.fsdp and self.tp == 1 and self.pp == 1
+        self.manual_dp = dp_sync and not self.fsdp and not self.ddp
         self.module = model
         self.forward_module = DDP(model, process_group=mesh.group("dp"),
                                   gradient_as_bucket_view=True) if self.ddp else roots[0]
         self.grad_sync_state = None
-        if self.ddp and _mpi_grad_sync(cfg.dist.grad_sync, next(model.parameters()).device):
+        if self.ddp and cfg.dist.grad_sync == "powersgd":
+            use_powersgd(self.forward_module, mesh.group("dp"), cfg.dist.powersgd_rank)
+        elif self.ddp and _mpi_grad_sync(cfg.dist.grad_sync, next(model.parameters()).device):
             self.grad_sync_state = use_mpi_grad_sync(self.forward_module, mesh.group("dp"),
                                                      mesh.world_comm)
         self.n_micro = t.grad_accum

@@ -12,19 +12,21 @@ import sys
 import numpy as np
 import torch
 
-from data_tools.format import DataError, read_manifest, shards_of
+from data_tools.blend import data_manifest
+from data_tools.format import DataError, shards_of
 from data_tools.verify import verify_dataset
 from hpctrain.config import Config
 from hpctrain.dist import DistContext
 from hpctrain.dist.mesh import Mesh
 from hpctrain.errors import ConfigError
-from hpctrain.data import GlobalSampler, TokenShards, split_for_rank
+from hpctrain.data import make_sampler, open_split, split_for_rank
 from hpctrain.data.prefetch import DataFeed
 
 
 def verify_everywhere(path: str, ctx: DistContext, checksums: bool) -> None:
-    """Each rank checks every world_size-th shard; all ranks raise the same first problem."""
-    manifest = read_manifest(path)
+    """Each rank checks every world_size-th shard (of every component, for a blend); all ranks
+    raise the same first problem."""
+    manifest = data_manifest(path)
     n = len(manifest["shards"])
     mine = list(range(ctx.rank, n, ctx.world_size))
     problems = verify_dataset(path, shard_indices=mine, checksums=checksums) if mine else []
@@ -40,21 +42,22 @@ class TrainData:
         self.dp_rank, self.dp_size = mesh.dp_rank, mesh.dp_size
         t, m = cfg.train, cfg.model
         # With the node cache, sha256 is checked as each shard is staged (once per node), not here.
-        self.feed = DataFeed.open(cfg, ctx, read_manifest(cfg.data.path))
+        self.manifest = data_manifest(cfg.data.path)  # a blend: its components' shards, flattened
+        self.feed = DataFeed.open(cfg, ctx, self.manifest)
         if not self.feed.cached:  # the cache checks sha256 + layout as it stages each shard
             verify_everywhere(cfg.data.path, ctx, checksums=cfg.data.verify == "checksum")
-        self.manifest = read_manifest(cfg.data.path)
         tok = self.manifest["tokenizer"]
         self.tokenizer_info = dict(tok)
         if tok["vocab_size"] > m.vocab_size:
             raise ConfigError(f"config key 'model.vocab_size': {m.vocab_size} is smaller than the "
                               f"dataset's vocab size {tok['vocab_size']} ({cfg.data.path})")
-        self.train = TokenShards(cfg.data.path, cfg.data.train_split, m.block_size, cache=self.feed.cache,
-                                 range_checked=self.cfg.data.verify == "checksum")
+        self.train = open_split(cfg.data.path, cfg.data.train_split, m.block_size,
+                                cache=self.feed.cache,
+                                range_checked=self.cfg.data.verify == "checksum")
         self.val = self._open_optional(cfg.data.val_split)
         self.micro_batch, self.grad_accum = t.micro_batch_size, t.grad_accum
         self.global_batch = self.micro_batch * self.grad_accum * self.dp_size
-        self.sampler = GlobalSampler(len(self.train), self.global_batch, t.seed)
+        self.sampler = make_sampler(self.train, self.global_batch, t.seed)  # or a blend's mixture
         self.feed.bind(self, ctx.node_comm)
 
     def _open_optional(self, split: str):
@@ -66,8 +69,11 @@ class TrainData:
                 print(f"warning: {self.cfg.data.path}: split '{split}' has no window of "
                       f"{self.cfg.model.block_size + 1} tokens; validation is off", file=sys.stderr)
             return None
-        return TokenShards(self.cfg.data.path, split, self.cfg.model.block_size, cache=self.feed.cache,
-                           range_checked=self.cfg.data.verify == "checksum")
+        val = open_split(self.cfg.data.path, split, self.cfg.model.block_size, optional=True,
+                         cache=self.feed.cache, range_checked=self.cfg.data.verify == "checksum")
+        for note in getattr(val, "notes", ()) if self.ctx.is_main else ():
+            print(f"warning: {note}", file=sys.stderr)
+        return val
 
     def _to_device(self, batch: torch.Tensor) -> torch.Tensor:
         if self.ctx.device.type == "cuda":
@@ -93,7 +99,7 @@ class TrainData:
         per_micro = total // (n_eval * self.dp_size)
         if per_micro == 0:
             return None
-        return np.linspace(0, len(self.val) - 1, per_micro * n_eval * self.dp_size).astype(np.int64)
+        return self.val.eval_indices(per_micro * n_eval * self.dp_size)
 
     def val_micro_batches(self) -> list[torch.Tensor] | None:
         """The same evaluation set every time: `eval_batches` micro-batches per rank spread evenly
@@ -106,7 +112,6 @@ class TrainData:
         per_micro = total // (n_eval * self.dp_size)
         if per_micro == 0:
             return None
-        total = per_micro * n_eval * self.dp_size
-        indices = np.linspace(0, len(self.val) - 1, total).astype(np.int64)
+        indices = self.val.eval_indices(per_micro * n_eval * self.dp_size)
         parts = split_for_rank(indices, self.dp_rank, self.dp_size, per_micro, n_eval)
         return [self._to_device(self.val.batch(p)) for p in parts]

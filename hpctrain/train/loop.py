@@ -27,10 +27,12 @@ from hpctrain.dist.preempt import PreemptionGuard
 from hpctrain.dist.mesh import Mesh, ParallelDims
 from hpctrain.dist.watchdog import guard as peer_watchdog
 from hpctrain.errors import ConfigError
-from hpctrain.metrics import MetricsLog, measure_peak_flops
+from hpctrain.metrics import MetricsLog, format_eta, measure_peak_flops
 from hpctrain.metrics.straggler import StragglerDetector
 from hpctrain.model import GPT, GPTConfig
 from hpctrain.parallel import parallelize
+from hpctrain.sync.compress import bytes_sent
+from hpctrain.sync.diloco import DiLoCo
 from hpctrain.train import rng
 from hpctrain.train.data import TrainData
 from hpctrain.train.guard import NonFiniteGuard, all_finite
@@ -56,6 +58,8 @@ class Trainer:
         self.par = parallelize(self.raw_model, self.mesh, cfg)  # layout-aware fwd/bwd, clip, state
         self.model = self.par.module  # this rank's parameters (a pipeline stage holds a subset)
         self.optimizer = build_optimizer(self.model, t)
+        # sync.mode = diloco: replicas take local steps; DiLoCo owns the global model and rounds
+        self.diloco = DiLoCo(self.model, self.mesh, cfg.sync, t.steps) if cfg.sync.mode == "diloco" else None
         self.ckpt = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep, ctx.rank, ctx.world_size,
                                       timeout_s=cfg.dist.timeout_s,
                                       full_checksums=cfg.checkpoint.full_checksums)
@@ -70,33 +74,54 @@ class Trainer:
 
     # ---- checkpoint state -------------------------------------------------------------------
     def _tensor_state(self) -> dict:
-        return self.par.checkpoint_state(self.optimizer)
+        state = self.par.checkpoint_state(self.optimizer)
+        return self.diloco.checkpoint_state(state) if self.diloco else state
+
+    def comm_bytes(self) -> int:
+        """Bytes this rank has sent to keep replicas in sync (gradients or pseudo-gradients)."""
+        if self.diloco:
+            return self.diloco.bytes_sent
+        n = sum(p.numel() for p in self.model.parameters())  # per-step gradient all-reduce (fp32)
+        return self.step * bytes_sent(n, self.mesh.dp_size, "none") if self.cfg.dist.grad_sync != "powersgd" else -1
 
     def save(self) -> None:
         t0 = time.perf_counter()
         rngs = self.ctx.comm.allgather(rng.capture())
+        state = self._tensor_state()  # first: DiLoCo finishes an in-flight average into its state
         extra = {"step": self.step, "sampler": self.data.sampler.state_dict(), "rng": rngs,
                  "world_size": self.ctx.world_size, "config": self.cfg.to_dict(),
-                 "tokenizer": self.data.tokenizer_info}
+                 "tokenizer": self.data.tokenizer_info,
+                 "sync": self.diloco.extra_state() if self.diloco else {"mode": self.cfg.sync.mode}}
         if not all_finite(self.model.parameters(), self.ctx.device):  # never save a broken state
             raise FloatingPointError(f"step {self.step}: non-finite weights; not saving a checkpoint")
         if self.cfg.checkpoint.async_save:  # returns after the copy to host memory
-            self.ckpt.save_async(self.step, self._tensor_state(), extra)
+            self.ckpt.save_async(self.step, state, extra)
             log(self.ctx, f"checkpoint: step {self.step} staged in {time.perf_counter() - t0:.2f}s, "
                           f"writing in the background")
             return
-        path = self.ckpt.save(self.step, self._tensor_state(), extra)
+        path = self.ckpt.save(self.step, state, extra)
         log(self.ctx, f"checkpoint: step {self.step} -> {path} ({time.perf_counter() - t0:.2f}s)")
 
     def maybe_resume(self) -> None:
         path = self.ckpt.latest()
         if path is None:
             return
-        saved_cfg = json.loads((path / "trainer_state.json").read_text())["config"]
-        _check_same_model(saved_cfg["model"], self.cfg.to_dict()["model"], path)
-        state = self._tensor_state()
+        saved = json.loads((path / "trainer_state.json").read_text())
+        _check_same_model(saved["config"]["model"], self.cfg.to_dict()["model"], path)
+        saved_mode = saved.get("sync", {}).get("mode", "sync")
+        if saved_mode == "diloco" and not self.diloco:
+            raise ConfigError(f"config key 'sync.mode': checkpoint {path} was written with sync.mode="
+                              f"'diloco' (one state per replica); resume it with sync.mode='diloco' "
+                              f"or export its global model with `hpctrain export`")
+        with_diloco = self.diloco is not None and saved_mode == "diloco"
+        if with_diloco:
+            self.diloco.load_extra_state(saved["sync"], path)
+        state = self._tensor_state() if with_diloco else self.par.checkpoint_state(self.optimizer)
         extra = self.ckpt.load(path, state)
-        self.par.load_checkpoint_state(self.optimizer, state)
+        self.par.load_checkpoint_state(self.optimizer, self.diloco.replica_state(state)
+                                       if with_diloco else state)
+        if self.diloco is not None and not with_diloco:
+            self.diloco.reset_from_model()  # continue a synchronous run with DiLoCo
         self.step = int(extra["step"])
         _check_same_global_batch(extra["sampler"], self.data.global_batch, self.cfg, path)
         self.data.sampler.load_state_dict(extra["sampler"])
@@ -163,10 +188,13 @@ class Trainer:
             loss, grad_norm = self.train_step()
             dt = time.perf_counter() - t0
             self.step += 1
+            if self.diloco:
+                self.diloco.after_step(self.step)  # ends a round (average + outer step) when due
             tok_s = tokens_per_step / dt
             rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                    "tokens_per_s": tok_s, "mfu": flops_per_token * tok_s / (peak * ctx.world_size),
-                   "step_time_s": dt, "epoch": self.data.sampler.state_dict()["epoch"]}
+                   "step_time_s": dt, "epoch": self.data.sampler.state_dict()["epoch"],
+                   "comm_bytes": self.comm_bytes()}
             if t.eval_interval and (self.step % t.eval_interval == 0 or self.step == t.steps):
                 val = self.evaluate()
                 if val is not None:
@@ -188,7 +216,7 @@ class Trainer:
                 eta = (time.perf_counter() - t_start) / (self.step - start_step) * (end - self.step)
                 val_txt = f" val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
                 log(ctx, f"step {self.step}/{end} loss {loss:.4f}{val_txt} lr {lr:.2e} "
-                         f"{tok_s:,.0f} tok/s mfu {rec['mfu']:.1%} eta {eta:.0f}s")
+                         f"{tok_s:,.0f} tok/s mfu {rec['mfu']:.1%} eta {format_eta(eta)}")
             if self.step % cfg.checkpoint.interval == 0 or self.step == end:
                 self.save()
                 last_saved = self.step
@@ -197,6 +225,8 @@ class Trainer:
         if last_saved != self.step:
             self.save()
         self.ckpt.wait()  # an async save still in flight: commit it (or raise its error) first
+        if self.diloco:
+            self.diloco.close()
         metrics.close()
         if self.preempt.stopped:
             return self.preempt.finish(self.step)  # requeue the Slurm job and/or exit 75
@@ -232,4 +262,8 @@ def _check_same_model(saved: dict, current: dict, path) -> None:
 
 def train(cfg: Config, ctx: DistContext) -> int:
     with peer_watchdog(ctx, cfg.dist.heartbeat_timeout_s):  # a lost rank ends the job, named
+        if cfg.sync.mode == "ps":
+            from hpctrain.train.ps_loop import train_ps
+
+            return train_ps(cfg, ctx)
         return Trainer(cfg, ctx).fit()

@@ -1,6 +1,6 @@
 """Optimizer and learning-rate schedule.
 
-Owns: AdamW with decoupled weight decay on matrices only (not biases, norms), and the warmup + cosine
+Owns: AdamW (or plain SGD, train.optimizer) with decoupled weight decay on matrices only (not biases, norms), and the warmup + cosine
 schedule as a pure function of the step, so resuming needs no scheduler state.
 """
 from __future__ import annotations
@@ -20,6 +20,8 @@ def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
             (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": t.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
+    if t.optimizer == "sgd":  # plain SGD (the correctness anchor for diloco/ps); decay on matrices
+        return torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum, foreach=True)
     # foreach: one fused multi-tensor update per group (the fused kernel is CUDA-only on this torch).
     fused = next(model.parameters()).is_cuda
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,

@@ -1,0 +1,118 @@
+"""Communication-light training next to synchronous DDP, at an equal token budget.
+
+Run:  python bench/localsgd.py [--data data/shakespeare_bytes] [--steps 300] [--ranks 2]
+                               [--plot docs/img/localsgd.png]
+
+Every mode trains the same GPT (configs/demo.toml's shape, block 128) from the same seed on the
+same global batch for the same number of steps, on real Shakespeare (byte tokens):
+  ddp            synchronous data parallelism, fp32 gradient all-reduce every step (reference)
+  diloco H       DiLoCo, H inner AdamW steps per round, outer Nesterov SGD (lr 0.7, momentum 0.9)
+  +overlap       the outer all-reduce of round k runs during round k+1 (applied one round late)
+  +int8          pseudo-gradients sent as int8 with a scale per 256 elements
+  ps             asynchronous SGD: `--ranks` workers + 1 server rank holding MPI windows
+Prints the final validation loss (and its ratio to DDP's) and the bytes moved per trained token
+(all ranks' sent bytes / tokens; DDP's ring all-reduce is the reference) for each mode.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def modes(h_small: int, h_large: int) -> dict[str, list[str]]:
+    diloco = ["--sync.mode=diloco", "--sync.outer_lr=0.7", "--sync.outer_momentum=0.9"]
+    return {
+        "ddp": [],
+        f"diloco H={h_small}": diloco + [f"--sync.inner_steps={h_small}"],
+        f"diloco H={h_large}": diloco + [f"--sync.inner_steps={h_large}"],
+        f"diloco H={h_large} overlap": diloco + [f"--sync.inner_steps={h_large}", "--sync.overlap=true"],
+        f"diloco H={h_large} int8": diloco + [f"--sync.inner_steps={h_large}", "--sync.compression=int8"],
+        "ps (async SGD)": ["--sync.mode=ps", "--sync.ps_servers=1", "--sync.staleness=2"],
+    }
+
+
+def train(name: str, extra: list[str], args, tmp: Path) -> dict:
+    run = tmp / name.replace(" ", "_").replace("=", "")
+    ranks = args.ranks + (1 if "ps" in name else 0)  # the parameter server is one more rank
+    cmd = [BIN / "mpiexec", "-n", str(ranks), sys.executable, "-m", "hpctrain", "train",
+           "--config", "configs/demo.toml", f"--run.dir={run}", f"--data.path={args.data}",
+           "--model.block_size=128", "--train.micro_batch_size=8", f"--train.steps={args.steps}",
+           "--train.stop_at_step=0", "--train.warmup_steps=20", f"--train.eval_interval={args.steps // 6}",
+           "--train.eval_batches=16", f"--checkpoint.interval={10**6}", "--data.verify=size",
+           "--dist.heartbeat_timeout_s=0", *extra]
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", HPCTRAIN_TENSORBOARD="0")
+    t0 = time.perf_counter()
+    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
+    if r.returncode:
+        sys.exit(f"{name} failed:\n{r.stderr[-3000:]}")
+    recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    val = {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
+    comm = max(r.get("comm_bytes", 0) for r in recs)
+    senders = args.ranks  # ddp/diloco: every rank sends comm_bytes; ps: every worker moves it
+    tokens = args.steps * args.ranks * 8 * 128
+    return {"val": val, "final": val[max(val)], "bytes_per_token": comm * senders / tokens,
+            "wall_s": time.perf_counter() - t0}
+
+
+def plot(results: dict, path: Path, tokens_per_step: int) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, res in results.items():
+        steps = sorted(res["val"])
+        ax.plot([s * tokens_per_step / 1e6 for s in steps], [res["val"][s] for s in steps],
+                marker="o", ms=3, label=f"{name} ({res['bytes_per_token']:.0f} B/token)")
+    ax.set_xlabel("tokens trained (M)")
+    ax.set_ylabel("validation loss (nats/byte)")
+    ax.set_title("Shakespeare bytes, equal token budget")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default="data/shakespeare_bytes", help="byte-level dataset (make demo builds it)")
+    ap.add_argument("--steps", type=int, default=300, help="optimizer steps per mode (equal token budget)")
+    ap.add_argument("--ranks", type=int, default=2, help="data-parallel ranks / DiLoCo replicas / PS workers")
+    ap.add_argument("--h", type=int, nargs=2, default=[10, 50], metavar=("SMALL", "LARGE"),
+                    help="DiLoCo inner steps per round")
+    ap.add_argument("--only", nargs="*", help="run only these modes (names as printed)")
+    ap.add_argument("--plot", default="", help="write the validation curves to this PNG")
+    args = ap.parse_args()
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, extra in modes(*args.h).items():
+            if args.only and name not in args.only:
+                continue
+            results[name] = train(name, extra, args, Path(tmp))
+            print(f"  done {name} in {results[name]['wall_s']:.0f}s", file=sys.stderr, flush=True)
+    ref = results.get("ddp")
+    print(f"{'mode':<24} {'val loss':>9} {'vs ddp':>8} {'bytes/token':>12} {'ddp/this':>9} {'wall s':>7}")
+    for name, res in results.items():
+        ratio = f"{res['final'] / ref['final']:.3f}" if ref else "-"
+        less = (f"{ref['bytes_per_token'] / res['bytes_per_token']:.0f}x"
+                if ref and res["bytes_per_token"] else "-")
+        print(f"{name:<24} {res['final']:>9.4f} {ratio:>8} {res['bytes_per_token']:>12.1f} {less:>9} "
+              f"{res['wall_s']:>7.0f}")
+    print(f"(target: DiLoCo val loss within 2% of ddp, i.e. ratio <= 1.02, with >= 50x fewer bytes/token)")
+    if args.plot:
+        plot(results, Path(args.plot), args.ranks * 8 * 128)
+        print(f"curves: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

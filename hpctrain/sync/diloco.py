@@ -1,0 +1,189 @@
+"""DiLoCo: H local steps per data-parallel replica, then an outer Nesterov-SGD step on the averaged
+pseudo-gradient (Douillard et al. 2023), optionally overlapped with the next round and fragmented.
+
+Owns: the global model (`anchor`, the parameters every replica starts a round from), the outer
+optimizer's momentum, the round schedule of each fragment, the in-flight/pending averages of the
+overlapped variant, and their checkpoint state. It must never touch gradients or the inner
+optimizer (the trainer steps those as usual) and never do the inner steps' collectives.
+
+Round of fragment f (parameters P_f), every H inner steps at its offset f * H // F:
+    delta    = anchor - local                    (pseudo-gradient: what the replica moved)
+    avg      = mean over replicas of delta       (compress.average, fp32 | bf16 | int8 on the wire)
+    m        = mu * m + avg;  anchor -= lr * (avg + mu * m)     (Nesterov; mu = 0: plain SGD)
+    local    = anchor                            (every replica starts the next round equal)
+With sync.overlap, `avg` of round k is computed in a background thread on its own process group
+while round k+1 runs, and applied at the end of round k+1 (a one-round delay). The last step of
+training (train.steps) flushes every fragment synchronously, so the final model holds all work.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from hpctrain.config import SyncConfig
+from hpctrain.dist.mesh import Mesh
+from hpctrain.errors import ConfigError
+from hpctrain.sync.compress import average, bytes_sent
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def split_fragments(sizes: list[int], n: int) -> list[list[int]]:
+    """Contiguous groups of parameter indices with about equal element counts: parameter i goes to
+    the group its cumulative midpoint falls in. Empty groups (one huge parameter) are dropped."""
+    total, acc, groups = max(1, sum(sizes)), 0, [[] for _ in range(n)]
+    for i, size in enumerate(sizes):
+        groups[min(n - 1, int((acc + size / 2) * n / total))].append(i)
+        acc += size
+    return [g for g in groups if g]
+
+
+def _dp_group(mesh: Mesh):
+    """A process group of my dp ranks used only by DiLoCo (a background thread may drive it)."""
+    dims, mine = mesh.dims, None
+    for pp in range(dims.pp):
+        for tp in range(dims.tp):
+            ranks = [dims.rank_of(pp, d, tp) for d in range(dims.dp)]
+            group = dist.new_group(ranks)
+            if mesh.rank in ranks:
+                mine = group
+    return mine
+
+
+class DiLoCo:
+    def __init__(self, module: nn.Module, mesh: Mesh, cfg: SyncConfig, total_steps: int):
+        self.module, self.cfg, self.total_steps = module, cfg, total_steps
+        self.replicas, self.replica = mesh.dp_size, mesh.dp_rank
+        self.params = list(module.parameters())  # tied weights once
+        self.group = _dp_group(mesh)
+        with torch.no_grad():
+            self.anchor = [p.detach().clone() for p in self.params]
+            self.momentum = [torch.zeros_like(p) for p in self.params]
+            self.pending = [torch.zeros_like(p) for p in self.params] if cfg.overlap else []
+        self.fragments = split_fragments([_local(p).numel() for p in self.params], cfg.fragments)
+        self.offsets = [f * cfg.inner_steps // len(self.fragments) for f in range(len(self.fragments))]
+        self.has_pending = [False] * len(self.fragments)
+        self.inflight: list[Future | None] = [None] * len(self.fragments)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="diloco") if cfg.overlap else None
+        self.bytes_sent = 0  # by this rank, cumulative (restored on resume)
+        self.syncs = 0
+
+    # ---- the schedule -----------------------------------------------------------------------
+    def due(self, step: int) -> list[int]:
+        """Fragments that end a round after inner step `step` (1-based count of steps done)."""
+        if step >= self.total_steps:
+            return list(range(len(self.fragments)))
+        return [f for f, off in enumerate(self.offsets) if step > 0 and step % self.cfg.inner_steps == off]
+
+    def after_step(self, step: int) -> None:
+        final = step >= self.total_steps
+        for f in self.due(step):
+            self._round(f, flush=final)
+
+    # ---- one round --------------------------------------------------------------------------
+    @torch.no_grad()
+    def _round(self, f: int, flush: bool) -> None:
+        idx = self.fragments[f]
+        delta = torch.cat([(_local(self.anchor[i]) - _local(self.params[i])).flatten().float()
+                           for i in idx])
+        self.bytes_sent += bytes_sent(delta.numel(), self.replicas, self.cfg.compression,
+                                      self.cfg.int8_block)
+        self.syncs += 1
+        if self.cfg.overlap:
+            self._resolve(f)
+            if self.has_pending[f]:  # round k-1's average, one round late
+                self._outer_step(idx, [_local(self.pending[i]) for i in idx])
+                self.has_pending[f] = False
+            if not flush:
+                self.inflight[f] = self.pool.submit(self._average, delta)
+        if flush or not self.cfg.overlap:
+            self._outer_step(idx, self._unflatten(idx, self._average(delta)))
+        for i in idx:  # the next round starts from the global model
+            _local(self.params[i]).copy_(_local(self.anchor[i]))
+
+    def _average(self, delta: torch.Tensor) -> torch.Tensor:
+        return average(delta, self.group, self.cfg.compression, self.cfg.int8_block)
+
+    def _unflatten(self, idx: list[int], flat: torch.Tensor) -> list[torch.Tensor]:
+        shapes = [_local(self.params[i]) for i in idx]
+        return [v.view_as(s) for v, s in zip(flat.split([s.numel() for s in shapes]), shapes)]
+
+    def _outer_step(self, idx: list[int], grads: list[torch.Tensor]) -> None:
+        lr, mu = self.cfg.outer_lr, self.cfg.outer_momentum
+        for i, g in zip(idx, grads):
+            a, m = _local(self.anchor[i]), _local(self.momentum[i])
+            g = g.to(a.dtype)
+            if mu:
+                m.mul_(mu).add_(g)
+                a.sub_(g.add(m, alpha=mu), alpha=lr)
+            else:
+                a.sub_(g, alpha=lr)
+
+    def _resolve(self, f: int) -> None:
+        """Wait for fragment f's in-flight average and park it in `pending` (applied next round)."""
+        future, self.inflight[f] = self.inflight[f], None
+        if future is not None:
+            idx = self.fragments[f]
+            for i, v in zip(idx, self._unflatten(idx, future.result())):
+                _local(self.pending[i]).copy_(v)
+            self.has_pending[f] = True
+
+    def close(self) -> None:
+        for f in range(len(self.fragments)):
+            self._resolve(f)
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+
+    # ---- checkpoint state -------------------------------------------------------------------
+    def checkpoint_state(self, inner: dict) -> dict:
+        """Wrap the layout's {"model", "optim"} state: "model" becomes the global model (what
+        export/sample read), "outer" the momentum and pending averages (same on all replicas),
+        and this replica's local weights + inner optimizer go under "replica.<dp index>"."""
+        for f in range(len(self.fragments)):
+            self._resolve(f)  # an in-flight average is part of the state: finish it first
+        names = dict(self.module.named_parameters(remove_duplicate=False))
+        pos = {id(p): i for i, p in enumerate(self.params)}
+        model, momentum, pending = {}, {}, {}
+        for key, value in inner["model"].items():
+            i = pos.get(id(names[key])) if key in names else None
+            if i is None:
+                model[key] = value
+                continue
+            model[key], momentum[key] = self.anchor[i], self.momentum[i]
+            if self.cfg.overlap:
+                pending[key] = self.pending[i]
+        outer = {"momentum": momentum, **({"pending": pending} if pending else {})}
+        return {"model": model, "outer": outer, "replica": {str(self.replica): inner}}
+
+    def replica_state(self, state: dict) -> dict:
+        return state["replica"][str(self.replica)]
+
+    def extra_state(self) -> dict:
+        return {"mode": "diloco", "replicas": self.replicas, "overlap": self.cfg.overlap,
+                "fragments": len(self.fragments), "has_pending": list(self.has_pending),
+                "bytes_sent": self.bytes_sent, "syncs": self.syncs}
+
+    def load_extra_state(self, saved: dict, path) -> None:
+        if saved.get("replicas") != self.replicas:
+            raise ConfigError(f"config key 'parallel.dp': {self.replicas} DiLoCo replicas, but checkpoint "
+                              f"{path} has {saved.get('replicas')}; resume with the same dp")
+        if saved.get("overlap") != self.cfg.overlap or saved.get("fragments") != len(self.fragments):
+            raise ConfigError(f"config keys 'sync.overlap' / 'sync.fragments' differ from checkpoint "
+                              f"{path} ({saved.get('overlap')} / {saved.get('fragments')}); keep them "
+                              f"for the run's lifetime")
+        self.has_pending = list(saved["has_pending"])
+        self.bytes_sent, self.syncs = int(saved["bytes_sent"]), int(saved["syncs"])
+
+    @torch.no_grad()
+    def reset_from_model(self) -> None:
+        """Start DiLoCo from the current weights (e.g. a checkpoint written with sync.mode='sync')."""
+        for a, p, m in zip(self.anchor, self.params, self.momentum):
+            _local(a).copy_(_local(p))
+            _local(m).zero_()
+        self.has_pending = [False] * len(self.fragments)

@@ -1,0 +1,83 @@
+"""Parameters held in MPI one-sided windows on server ranks (passive target RMA, MPI-3).
+
+Owns: the windows (the flat fp32 parameter vector, split evenly over the server ranks, and a
+per-worker step clock on the first server), and the worker-side operations on them: pull
+(`MPI_Get_accumulate` with `MPI_NO_OP`: an element-wise atomic read, so a pull never sees half an
+element of a concurrent update), push (`MPI_Accumulate` with `MPI_SUM`: element-wise atomic, so
+concurrent pushes from many workers all land), the step clock, and the bounded-staleness wait.
+There is no server-side loop: server ranks only keep the MPI progress engine turning (they wait
+in a barrier) while workers read and write their memory.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+
+class ParameterServer:
+    """Collective constructor over `comm`: the last `n_servers` ranks are servers."""
+
+    def __init__(self, comm, initial: np.ndarray, n_servers: int):
+        self.comm, self.n = comm, int(initial.size)
+        self.servers = list(range(comm.size - n_servers, comm.size))
+        self.n_workers = comm.size - n_servers
+        self.is_server = comm.rank in self.servers
+        self.bounds = [(self.n * s // n_servers, self.n * (s + 1) // n_servers) for s in range(n_servers)]
+        mine = None
+        if self.is_server:
+            lo, hi = self.bounds[self.servers.index(comm.rank)]
+            mine = np.ascontiguousarray(initial[lo:hi], dtype=np.float32).copy()
+        self.memory = mine  # kept alive for the window's lifetime
+        self.win = MPI.Win.Create(mine, disp_unit=4, comm=comm)
+        clocks = np.zeros(max(1, self.n_workers), dtype=np.int64) if comm.rank == self.servers[0] else None
+        self.clock_memory = clocks
+        self.clock_win = MPI.Win.Create(clocks, disp_unit=8, comm=comm)
+        self.bytes_moved = 0  # by this worker: pulled + pushed parameter bytes
+        self._scratch = np.empty(max(hi - lo for lo, hi in self.bounds), dtype=np.float32)
+
+    def pull(self, out: np.ndarray) -> None:
+        """Read the whole parameter vector into `out` (float32, length n)."""
+        self.win.Lock_all()
+        for server, (lo, hi) in zip(self.servers, self.bounds):
+            # NO_OP ignores the origin buffer; MPI still wants one that does not alias the result
+            self.win.Get_accumulate(self._scratch[:hi - lo], out[lo:hi], server,
+                                    target=(0, hi - lo, MPI.FLOAT), op=MPI.NO_OP)
+        self.win.Unlock_all()  # completes the reads
+        self.bytes_moved += 4 * self.n
+
+    def push(self, delta: np.ndarray) -> None:
+        """Add `delta` (float32, length n) to the parameters, atomically per element."""
+        self.win.Lock_all()
+        for server, (lo, hi) in zip(self.servers, self.bounds):
+            self.win.Accumulate(delta[lo:hi], server, target=(0, hi - lo, MPI.FLOAT), op=MPI.SUM)
+        self.win.Unlock_all()  # the update is complete at the target when this returns
+        self.bytes_moved += 4 * self.n
+
+    def set_clock(self, worker: int, steps_done: int) -> None:
+        value = np.array([steps_done], dtype=np.int64)
+        self.clock_win.Lock(self.servers[0], MPI.LOCK_SHARED)
+        self.clock_win.Accumulate([value, MPI.INT64_T], self.servers[0], target=(worker, 1, MPI.INT64_T), op=MPI.REPLACE)
+        self.clock_win.Unlock(self.servers[0])
+
+    def clocks(self) -> np.ndarray:
+        out = np.empty(self.n_workers, dtype=np.int64)
+        self.clock_win.Lock(self.servers[0], MPI.LOCK_SHARED)
+        self.clock_win.Get_accumulate([np.empty_like(out), MPI.INT64_T], [out, MPI.INT64_T], self.servers[0],
+                                      target=(0, self.n_workers, MPI.INT64_T), op=MPI.NO_OP)
+        self.clock_win.Unlock(self.servers[0])
+        return out
+
+    def wait_within(self, steps_done: int, bound: int, poll_s: float = 0.0005) -> int:
+        """Block until the slowest worker is at most `bound` steps behind `steps_done` (bound < 0:
+        never block). Returns the lag seen when it went on (this worker's staleness)."""
+        while True:
+            lag = steps_done - int(self.clocks().min())
+            if bound < 0 or lag <= bound:
+                return max(0, lag)
+            time.sleep(poll_s)
+
+    def free(self) -> None:
+        self.win.Free()
+        self.clock_win.Free()

@@ -1,0 +1,69 @@
+"""DiLoCo under a real mpiexec: the synchronous-SGD anchor, exact resume mid-round (overlapped,
+fragmented, int8), the global model in checkpoints, and one-line errors on a changed layout."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_cmd
+from tests.mpi.test_train import dataset, losses, train, write_config  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.mpi
+
+SGD = ["--train.optimizer=sgd", "--train.lr=0.05", "--train.min_lr=0.005", "--train.grad_clip=0",
+       "--train.steps=20", "--checkpoint.interval=100"]
+
+
+def test_h1_outer_lr1_no_momentum_equals_sync_sgd(tmp_path, dataset):
+    """Correctness anchor: with H = 1, outer lr 1, momentum 0, DiLoCo is synchronous DP SGD."""
+    cfg_a, run_a = write_config(tmp_path, dataset, "sync")
+    cfg_b, run_b = write_config(tmp_path, dataset, "diloco")
+    train(2, cfg_a, *SGD)
+    train(2, cfg_b, *SGD, "--sync.mode=diloco", "--sync.inner_steps=1", "--sync.outer_lr=1",
+          "--sync.outer_momentum=0")
+    a, b = losses(run_a), losses(run_b)
+    assert sorted(a) == sorted(b) == list(range(1, 21))
+    assert a[20] < a[1] - 0.5  # it learns
+    for step in a:
+        assert abs(a[step] - b[step]) <= 1e-5, (step, a[step], b[step])
+    va, vb = losses(run_a, "val_loss"), losses(run_b, "val_loss")
+    assert va.keys() == vb.keys() and all(abs(va[s] - vb[s]) <= 1e-5 for s in va)
+    # DiLoCo H=1 moves the same bytes as DDP (fp32 ring all-reduce, every step)
+    assert losses(run_a, "comm_bytes")[20] == losses(run_b, "comm_bytes")[20] > 0
+
+
+@pytest.mark.parametrize("variant", [
+    ["--sync.inner_steps=4"],
+    ["--sync.inner_steps=4", "--sync.overlap=true", "--sync.fragments=2", "--sync.compression=int8"],
+], ids=["plain", "overlap_fragments_int8"])
+def test_exact_resume_mid_round(tmp_path, dataset, variant):
+    common = ["--sync.mode=diloco", "--train.steps=20", *variant]
+    cfg_a, run_a = write_config(tmp_path, dataset, "straight")
+    cfg_b, run_b = write_config(tmp_path, dataset, "resumed")
+    train(2, cfg_a, *common)
+    train(2, cfg_b, *common, "--train.stop_at_step=10")  # 10 % 4 = 2: in the middle of a round
+    r = train(2, cfg_b, *common)
+    assert "resumed from" in r.stderr and "step_00000010" in r.stderr
+    a, b = losses(run_a), losses(run_b)
+    assert sorted(b) == list(range(1, 21))
+    for step in range(11, 21):
+        assert a[step] == b[step], f"step {step}: {a[step]!r} != {b[step]!r}"  # bit-identical
+    assert losses(run_a, "val_loss") == losses(run_b, "val_loss")
+    assert losses(run_a, "comm_bytes") == losses(run_b, "comm_bytes")
+
+
+def test_global_model_is_sampled_and_dp_change_is_refused(tmp_path, dataset):
+    cfg, run = write_config(tmp_path, dataset, "run")
+    common = ["--sync.mode=diloco", "--sync.inner_steps=5", "--train.steps=10"]
+    train(2, cfg, *common, "--train.stop_at_step=7")
+    state = json.loads(next((run / "checkpoints").glob("step_*/trainer_state.json")).read_text())
+    assert state["sync"]["mode"] == "diloco" and state["sync"]["replicas"] == 2
+    r = train(1, cfg, *common, check=False)  # one replica cannot take over two replicas' state
+    assert r.returncode != 0
+    assert "config key 'parallel.dp': 1 DiLoCo replicas" in r.stderr
+    r = train(2, cfg, "--train.steps=10", check=False)  # nor can synchronous DDP
+    assert r.returncode != 0 and "sync.mode='diloco'" in r.stderr
+    r = run_cmd([sys.executable, "-m", "hpctrain", "sample", "--checkpoint", run, "--tokens", "20",
+                 "--prompt", "ROMEO:"], check=True)
+    assert "ROMEO:" in r.stdout

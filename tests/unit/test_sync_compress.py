@@ -1,0 +1,74 @@
+"""Wire formats and averaging for DiLoCo pseudo-gradients; the fragment schedule."""
+import json
+import sys
+
+import pytest
+import torch
+
+from hpctrain.sync.compress import bytes_sent, dequantize_int8, quantize_int8
+from hpctrain.sync.diloco import split_fragments
+from tests.conftest import ROOT, mpirun
+
+
+@pytest.mark.parametrize("block", [1, 16, 256])
+def test_int8_roundtrip_error_is_at_most_half_a_step(block):
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * torch.logspace(-4, 1, 4096)
+    q, scale = quantize_int8(x, block)
+    assert q.dtype == torch.int8 and scale.numel() == 4096 // block
+    err = (dequantize_int8(q, scale, block) - x).abs().view(-1, block)
+    bound = (x.abs().view(-1, block).amax(1) / 127 / 2)[:, None]
+    assert (err <= bound * (1 + 1e-6) + 1e-12).all()
+    assert err.max() > 0  # it is lossy: the test would notice a silent fp32 path
+
+
+def test_int8_zero_block_and_extremes():
+    x = torch.zeros(8)
+    q, s = quantize_int8(x, 4)
+    assert (dequantize_int8(q, s, 4) == 0).all()
+    x = torch.tensor([1.0, -1.0, 0.5, 0.0])
+    q, s = quantize_int8(x, 4)
+    assert q.tolist() == [127, -127, 64, 0]
+
+
+def test_bytes_sent_ratios():
+    n = 1_000_000
+    assert bytes_sent(n, 1, "none") == 0
+    assert bytes_sent(n, 2, "none") == 4 * n  # ring all-reduce: 2 (p-1)/p x 4 bytes
+    assert bytes_sent(n, 2, "bf16") == 2 * n
+    assert bytes_sent(n, 2, "int8", 256) == n + 2 * (n // 2 // 256 + 1) * 4  # + fp32 scales
+    assert bytes_sent(n, 4, "int8", 0) < bytes_sent(n, 4, "none") / 3.9
+
+
+def test_split_fragments_balanced_and_contiguous():
+    assert split_fragments([10] * 8, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert split_fragments([100, 1, 1, 1], 2) == [[0], [1, 2, 3]]
+    assert split_fragments([5], 3) == [[0]]
+    groups = split_fragments([3, 7, 2, 9, 4, 4, 1, 8], 3)
+    assert [i for g in groups for i in g] == list(range(8))
+
+
+@pytest.mark.mpi
+def test_average_bounds_and_identical_results_on_three_ranks(tmp_path):
+    mpirun(3, [ROOT / "tests/mpi/scripts/compress_probe.py", tmp_path], check=True, timeout=120)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    xs = torch.tensor([r["x"] for r in ranks])
+    exact = xs.mean(0)
+    for key in ("none/0", "bf16/0", "int8/64", "int8/0"):
+        results = [torch.tensor(r[key]) for r in ranks]
+        assert all(torch.equal(results[0], y) for y in results[1:]), key  # replicas stay identical
+        err = (results[0] - exact).abs()
+        if key == "none/0":
+            assert err.max() < 1e-7
+        elif key == "bf16/0":
+            assert (err <= exact.abs() * 2 ** -8 + xs.abs().max(0).values * 2 ** -8).all()
+        else:  # two quantization stages: mean of the inputs' half-steps + the average's half-step
+            block = int(key.split("/")[1]) or 1001  # 0 = one scale per rank's chunk (ceil(3001/3))
+            n = exact.numel()
+            pad = (-n) % block
+
+            def half_steps(v):
+                v = torch.cat([v, torch.zeros(pad)]).view(-1, block)
+                return (v.abs().amax(1, keepdim=True) / 127 / 2).expand_as(v).reshape(-1)[:n]
+            bound = torch.stack([half_steps(x) for x in xs]).mean(0) + half_steps(exact)
+            assert (err <= bound * 1.001 + 1e-9).all(), key
+            assert err.max() > 0
