@@ -1,4 +1,5 @@
-"""Gradient all-reduce through MPI instead of Gloo, as a DDP communication hook (CPU training).
+"""DDP communication hooks: gradient all-reduce through MPI instead of Gloo (CPU training), and
+torch's PowerSGD low-rank compression (`dist.grad_sync = "powersgd"`, see docs/communication.md).
 
 On CPU clusters the MPI library is the fastest path between ranks: it knows the interconnect and uses
 shared memory inside a node, while Gloo goes through TCP sockets. Measured here (PLATFORM.md): an

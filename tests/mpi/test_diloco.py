@@ -67,3 +67,16 @@ def test_global_model_is_sampled_and_dp_change_is_refused(tmp_path, dataset):
     r = run_cmd([sys.executable, "-m", "hpctrain", "sample", "--checkpoint", run, "--tokens", "20",
                  "--prompt", "ROMEO:"], check=True)
     assert "ROMEO:" in r.stdout
+
+
+def test_powersgd_ddp_learns_and_differs_from_exact_ddp(tmp_path, dataset):
+    """PowerSGD is really on (losses leave plain DDP's after its 2 warm-up steps) and still learns."""
+    cfg_a, run_a = write_config(tmp_path, dataset, "ddp")
+    cfg_b, run_b = write_config(tmp_path, dataset, "powersgd")
+    train(2, cfg_a, "--train.steps=20")
+    train(2, cfg_b, "--train.steps=20", "--dist.grad_sync=powersgd", "--dist.powersgd_rank=2")
+    a, b = losses(run_a), losses(run_b)
+    assert abs(a[1] - b[1]) < 1e-5  # step 1: plain all-reduce in both
+    assert any(abs(a[s] - b[s]) > 1e-4 for s in range(4, 21))
+    assert b[20] < b[1] - 1.0 and abs(b[20] - a[20]) < 0.25 * a[20]
+    assert losses(run_b, "comm_bytes")[20] == -1  # not counted for PowerSGD

@@ -56,6 +56,15 @@ def test_roundtrip_through_toml(toml, tmp_path):
     (["--model.n_head=3"], "model.n_head"),
     (["--train.stop_at_step=11"], "train.stop_at_step"),
     (["train.steps=3"], "train.steps=3"),
+    (["--sync.mode=gossip"], "sync.mode"),
+    (["--sync.inner_steps=4", "--sync.fragments=5"], "sync.fragments"),
+    (["--sync.compression=int4"], "sync.compression"),
+    (["--sync.outer_momentum=1.0"], "sync.outer_momentum"),
+    (["--sync.staleness=-2"], "sync.staleness"),
+    (["--sync.mode=diloco", "--parallel.data_parallel=fsdp"], "parallel.data_parallel"),
+    (["--sync.mode=ps", "--parallel.tp=2"], "sync.mode"),
+    (["--train.optimizer=lion"], "train.optimizer"),
+    (["--dist.grad_sync=topk"], "dist.grad_sync"),
 ])
 def test_bad_input_names_the_key(toml, overrides, key):
     with pytest.raises(ConfigError) as e:
