@@ -16,8 +16,10 @@ Prints the final validation loss (and its ratio to DDP's) and the bytes moved pe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -41,7 +43,8 @@ def modes(h_small: int, h_large: int) -> dict[str, list[str]]:
 
 
 def train(name: str, extra: list[str], args, tmp: Path) -> dict:
-    run = tmp / name.replace(" ", "_").replace("=", "")
+    run = tmp / name.replace(" ", "_").replace("=", "").replace("(", "").replace(")", "")
+    shutil.rmtree(run, ignore_errors=True)
     ranks = args.ranks + (1 if "ps" in name else 0)  # the parameter server is one more rank
     cmd = [BIN / "mpiexec", "-n", str(ranks), sys.executable, "-m", "hpctrain", "train",
            "--config", "configs/demo.toml", f"--run.dir={run}", f"--data.path={args.data}",
@@ -92,9 +95,11 @@ def main() -> None:
                     help="DiLoCo inner steps per round")
     ap.add_argument("--only", nargs="*", help="run only these modes (names as printed)")
     ap.add_argument("--plot", default="", help="write the validation curves to this PNG")
+    ap.add_argument("--keep", default="", help="keep each mode's run directory under this folder "
+                                                "(default: a temporary folder, removed at the end)")
     args = ap.parse_args()
     results = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with (contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory()) as tmp:
         for name, extra in modes(*args.h).items():
             if args.only and name not in args.only:
                 continue

@@ -1,19 +1,31 @@
 """DiLoCo: H local steps per data-parallel replica, then an outer Nesterov-SGD step on the averaged
 pseudo-gradient (Douillard et al. 2023), optionally overlapped with the next round and fragmented.
 
-Owns: the global model (`anchor`, the parameters every replica starts a round from), the outer
-optimizer's momentum, the round schedule of each fragment, the in-flight/pending averages of the
-overlapped variant, and their checkpoint state. It must never touch gradients or the inner
-optimizer (the trainer steps those as usual) and never do the inner steps' collectives.
+Owns: the global model (`anchor`), the outer optimizer's momentum, the round schedule of each
+fragment, the in-flight/pending averages of the overlapped variant, each replica's round start
+point, and their checkpoint state. It must never touch gradients or the inner optimizer (the
+trainer steps those as usual) and never do the inner steps' collectives.
 
 Round of fragment f (parameters P_f), every H inner steps at its offset f * H // F:
-    delta    = anchor - local                    (pseudo-gradient: what the replica moved)
+    delta    = start - local                     (pseudo-gradient: what the replica moved)
     avg      = mean over replicas of delta       (compress.average, fp32 | bf16 | int8 on the wire)
     m        = mu * m + avg;  anchor -= lr * (avg + mu * m)     (Nesterov; mu = 0: plain SGD)
-    local    = anchor                            (every replica starts the next round equal)
+    local    = start = anchor                    (every replica starts the next round equal)
 With sync.overlap, `avg` of round k is computed in a background thread on its own process group
-while round k+1 runs, and applied at the end of round k+1 (a one-round delay). The last step of
-training (train.steps) flushes every fragment synchronously, so the final model holds all work.
+while round k+1 runs, and applied to the anchor at the end of round k+1 (one round late). So that
+round k+1 neither waits for it nor redoes round k's progress, each replica starts round k+1 from an
+eager estimate (after Kale, Douillard & Donchev 2025, "Eager updates"): the outer step taken with
+its *own* delta in place of the unknown average,
+    e_r      = start_r - anchor                  (how far replica r's last start was off the anchor)
+    start_r  = anchor - lr * (d_r + mu * (mu * m + d_r)),   d_r = delta_r - e_r / 2
+and round k+1's pseudo-gradient is measured from start_r. The estimate is affine in d_r and the
+e_r average to zero, so the replicas' start points average exactly to the anchor the real average
+produces. The e_r / 2 term keeps the replica-specific part from growing: a replica walks back some
+fraction c in [0, 1] of its offset during a round, so with d_r = delta_r its next offset would be
+lr (1 + mu) c e_r (x1.33 for the defaults, growing round after round when c ~ 1, which stalls
+training); with e_r / 2 taken out it is lr (1 + mu) (c - 1/2) e_r, at most 0.67 e_r. The last step
+of training (train.steps) flushes every fragment synchronously, so the final model holds all work
+and every replica ends equal to it.
 """
 from __future__ import annotations
 
@@ -66,6 +78,9 @@ class DiLoCo:
             self.anchor = [p.detach().clone() for p in self.params]
             self.momentum = [torch.zeros_like(p) for p in self.params]
             self.pending = [torch.zeros_like(p) for p in self.params] if cfg.overlap else []
+            # where this replica began the current round (eager start points differ per replica);
+            # without overlap every replica starts from the anchor itself
+            self.start = [p.detach().clone() for p in self.params] if cfg.overlap else self.anchor
         self.fragments = split_fragments([_local(p).numel() for p in self.params], cfg.fragments)
         self.offsets = [f * cfg.inner_steps // len(self.fragments) for f in range(len(self.fragments))]
         self.has_pending = [False] * len(self.fragments)
@@ -90,7 +105,7 @@ class DiLoCo:
     @torch.no_grad()
     def _round(self, f: int, flush: bool) -> None:
         idx = self.fragments[f]
-        delta = torch.cat([(_local(self.anchor[i]) - _local(self.params[i])).flatten().float()
+        delta = torch.cat([(_local(self.start[i]) - _local(self.params[i])).flatten().float()
                            for i in idx])
         self.bytes_sent += bytes_sent(delta.numel(), self.replicas, self.cfg.compression,
                                       self.cfg.int8_block)
@@ -102,10 +117,18 @@ class DiLoCo:
                 self.has_pending[f] = False
             if not flush:
                 self.inflight[f] = self.pool.submit(self._average, delta)
-        if flush or not self.cfg.overlap:
-            self._outer_step(idx, self._unflatten(idx, self._average(delta)))
+                # eager start of the next round: the outer step with this replica's own delta,
+                # less half of its previous start's offset from the anchor (module docstring)
+                for i, d in zip(idx, self._unflatten(idx, delta)):
+                    start, anchor = _local(self.start[i]), _local(self.anchor[i])
+                    start.copy_(self._outer_step_value(i, d - 0.5 * (start - anchor)))
+                    _local(self.params[i]).copy_(start)
+                return
+        self._outer_step(idx, self._unflatten(idx, self._average(delta)))
         for i in idx:  # the next round starts from the global model
             _local(self.params[i]).copy_(_local(self.anchor[i]))
+            if self.start is not self.anchor:
+                _local(self.start[i]).copy_(_local(self.anchor[i]))
 
     def _average(self, delta: torch.Tensor) -> torch.Tensor:
         return average(delta, self.group, self.cfg.compression, self.cfg.int8_block)
@@ -113,6 +136,13 @@ class DiLoCo:
     def _unflatten(self, idx: list[int], flat: torch.Tensor) -> list[torch.Tensor]:
         shapes = [_local(self.params[i]) for i in idx]
         return [v.view_as(s) for v, s in zip(flat.split([s.numel() for s in shapes]), shapes)]
+
+    def _outer_step_value(self, i: int, g: torch.Tensor) -> torch.Tensor:
+        """anchor_i after an outer step with pseudo-gradient g, without changing any state."""
+        lr, mu = self.cfg.outer_lr, self.cfg.outer_momentum
+        a, m = _local(self.anchor[i]), _local(self.momentum[i])
+        g = g.to(a.dtype)
+        return a - lr * (g + mu * (mu * m + g)) if mu else a - lr * g
 
     def _outer_step(self, idx: list[int], grads: list[torch.Tensor]) -> None:
         lr, mu = self.cfg.outer_lr, self.cfg.outer_momentum
@@ -144,12 +174,13 @@ class DiLoCo:
     def checkpoint_state(self, inner: dict) -> dict:
         """Wrap the layout's {"model", "optim"} state: "model" becomes the global model (what
         export/sample read), "outer" the momentum and pending averages (same on all replicas),
-        and this replica's local weights + inner optimizer go under "replica.<dp index>"."""
+        and this replica's local weights + inner optimizer (+ with overlap its round start point)
+        go under "replica.<dp index>"."""
         for f in range(len(self.fragments)):
             self._resolve(f)  # an in-flight average is part of the state: finish it first
         names = dict(self.module.named_parameters(remove_duplicate=False))
         pos = {id(p): i for i, p in enumerate(self.params)}
-        model, momentum, pending = {}, {}, {}
+        model, momentum, pending, start = {}, {}, {}, {}
         for key, value in inner["model"].items():
             i = pos.get(id(names[key])) if key in names else None
             if i is None:
@@ -157,9 +188,10 @@ class DiLoCo:
                 continue
             model[key], momentum[key] = self.anchor[i], self.momentum[i]
             if self.cfg.overlap:
-                pending[key] = self.pending[i]
+                pending[key], start[key] = self.pending[i], self.start[i]
         outer = {"momentum": momentum, **({"pending": pending} if pending else {})}
-        return {"model": model, "outer": outer, "replica": {str(self.replica): inner}}
+        replica = {**inner, **({"start": start} if start else {})}
+        return {"model": model, "outer": outer, "replica": {str(self.replica): replica}}
 
     def replica_state(self, state: dict) -> dict:
         return state["replica"][str(self.replica)]
@@ -183,7 +215,8 @@ class DiLoCo:
     @torch.no_grad()
     def reset_from_model(self) -> None:
         """Start DiLoCo from the current weights (e.g. a checkpoint written with sync.mode='sync')."""
-        for a, p, m in zip(self.anchor, self.params, self.momentum):
+        for a, p, m, s in zip(self.anchor, self.params, self.momentum, self.start):
             _local(a).copy_(_local(p))
+            _local(s).copy_(_local(p))
             _local(m).zero_()
         self.has_pending = [False] * len(self.fragments)
