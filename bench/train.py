@@ -2,8 +2,13 @@
 
 Run:  python bench/train.py [--data data/shakespeare_bytes] [--steps 30] [--precision fp32|bf16]
 
-Both sides: the same GPT, batch, precision and 2 ranks on this machine; each reports the median
-tokens/s of its timed steps. The runs alternate (A B A B) so drifting machine load hits both alike.
+Every side: the same GPT, batch, precision and 2 ranks on this machine; each reports the median
+tokens/s of its timed steps (compilation happens before them). Four variants, run in turn in every
+round so drifting machine load hits all alike:
+  hpctrain train, train.compile = true       hpctrain train, defaults (eager)
+  torchrun + DDP baseline, eager             torchrun + DDP baseline, torch.compile (nanoGPT)
+Ratios are against the eager baseline (what PyTorch's DDP tutorial gives) and, for the compiled
+hpctrain run, against the compiled baseline too.
 """
 from __future__ import annotations
 
@@ -29,20 +34,22 @@ def run(cmd, env=None) -> str:
     return r.stdout
 
 
-def ours(args, tmp: Path) -> float:
+def ours(args, tmp: Path, compile: bool) -> float:
     rundir = tmp / "run"
     shutil.rmtree(rundir, ignore_errors=True)
     run([BIN / "mpiexec", "-n", str(args.ranks), sys.executable, "-m", "hpctrain", "train",
          "--config", "configs/demo.toml", f"--run.dir={rundir}", f"--data.path={args.data}",
          f"--train.steps={args.steps + 5}", "--train.warmup_steps=2", f"--train.precision={args.precision}",
-         "--train.eval_interval=0", f"--checkpoint.interval={10**6}", "--data.verify=size"])
+         "--train.eval_interval=0", f"--checkpoint.interval={10**6}", "--data.verify=size",
+         f"--train.compile={str(compile).lower()}"])
     recs = [json.loads(l) for l in (rundir / "metrics.jsonl").read_text().splitlines()]
     return statistics.median(r["tokens_per_s"] for r in recs if r.get("step", 0) > 5)
 
 
-def baseline(args) -> float:
+def baseline(args, compile: bool) -> float:
     out = run([BIN / "torchrun", "--standalone", f"--nproc_per_node={args.ranks}", "bench/ddp_baseline.py",
-               "--data", args.data, "--steps", str(args.steps), "--precision", args.precision])
+               "--data", args.data, "--steps", str(args.steps), "--precision", args.precision,
+               *(["--compile"] if compile else [])])
     return json.loads(out.strip().splitlines()[-1])["tokens_per_s"]
 
 
@@ -54,16 +61,24 @@ def main() -> None:
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--rounds", type=int, default=2, help="A/B rounds")
     args = ap.parse_args()
-    a, b = [], []
+    names = {"ours_compiled": "hpctrain train, compile", "ours": "hpctrain train, eager",
+             "base": "torchrun + DDP, eager", "base_compiled": "torchrun + DDP, compile"}
+    runs: dict[str, list[float]] = {k: [] for k in names}
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(args.rounds):
-            a.append(ours(args, Path(tmp)))
-            b.append(baseline(args))
-    ma, mb = statistics.median(a), statistics.median(b)
-    print(f"config: configs/demo.toml model, {args.ranks} ranks, {args.precision}, {args.steps} timed steps x {args.rounds} rounds")
-    print(f"{'hpctrain train':<32}{ma:>12,.0f} tokens/s   runs: {', '.join(f'{x:,.0f}' for x in a)}")
-    print(f"{'torchrun + DDP baseline':<32}{mb:>12,.0f} tokens/s   runs: {', '.join(f'{x:,.0f}' for x in b)}")
-    print(f"{'ratio (ours / baseline)':<32}{ma / mb:>12.2f}x")
+            runs["ours_compiled"].append(ours(args, Path(tmp), True))
+            runs["base"].append(baseline(args, False))
+            runs["ours"].append(ours(args, Path(tmp), False))
+            runs["base_compiled"].append(baseline(args, True))
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    print(f"config: configs/demo.toml model, {args.ranks} ranks, {args.precision}, {args.steps} timed steps x "
+          f"{args.rounds} rounds")
+    for k, name in names.items():
+        print(f"{name:<28}{med[k]:>10,.0f} tokens/s  {med[k] / med['base']:>5.2f}x eager baseline   "
+              f"runs: {', '.join(f'{x:,.0f}' for x in runs[k])}")
+    print(f"ratio hpctrain (compile) / eager baseline      {med['ours_compiled'] / med['base']:.2f}x   (target >= 1.05x)")
+    print(f"ratio hpctrain (compile) / compiled baseline   {med['ours_compiled'] / med['base_compiled']:.2f}x")
+    print(f"ratio hpctrain (eager)   / eager baseline      {med['ours'] / med['base']:.2f}x")
 
 
 if __name__ == "__main__":

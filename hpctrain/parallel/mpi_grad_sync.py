@@ -8,7 +8,11 @@ in-place mpi4py Allreduce is ~2x faster than Gloo at 64 MiB and 3-6x at 1-16 MiB
 Owns: building an MPI communicator with exactly the ranks of a torch process group, and a DDP comm
 hook that reduces each gradient bucket with it. Numerics mirror DDP's default hook (divide by the
 group size, then sum), so fp32 losses are bit-identical to the Gloo path on 2 ranks (where a sum of
-two values has only one possible order). It must never be used for CUDA tensors (NCCL is faster there).
+two values has only one possible order). With `prescaled`, the caller has already divided the loss
+by the group size, so the gradients arrive divided and the hook saves a pass over every bucket (a
+tenth of the sync time at 32 MiB here); backward is linear in its incoming gradient, so for a
+power-of-two group size this gives exactly the same bits as dividing the gradients.
+It must never be used for CUDA tensors (NCCL is faster there).
 """
 import time
 
@@ -28,9 +32,10 @@ def mpi_comm_for_group(group: dist.ProcessGroup, world_comm):
 
 
 class MPIHookState:
-    def __init__(self, comm):
+    def __init__(self, comm, prescaled: bool = False):
         self.comm = comm
         self.size = comm.Get_size()
+        self.prescaled = prescaled  # the loss was divided by `size`: gradients arrive averaged-ready
         self.bytes_reduced = 0  # for metrics / bandwidth accounting
         self.wait_s = 0.0       # time spent inside Allreduce (waiting for peers + transfer)
 
@@ -49,7 +54,8 @@ def mpi_allreduce_hook(state: MPIHookState, bucket: dist.GradBucket) -> torch.fu
     fut: torch.futures.Future = torch.futures.Future()
     if buf.device.type != "cpu" or buf.dtype not in _MPI_DTYPES:
         raise TypeError(f"MPI gradient sync needs fp32/fp64 CPU gradients, got {buf.dtype} on {buf.device}")
-    buf.div_(state.size)
+    if not state.prescaled:
+        buf.div_(state.size)
     t0 = time.perf_counter()
     state.comm.Allreduce(MPI.IN_PLACE, buf.numpy(), op=MPI.SUM)
     state.wait_s += time.perf_counter() - t0
@@ -58,9 +64,11 @@ def mpi_allreduce_hook(state: MPIHookState, bucket: dist.GradBucket) -> torch.fu
     return fut
 
 
-def use_mpi_grad_sync(ddp_model, group: dist.ProcessGroup, world_comm) -> "MPIHookState":
-    """Register the MPI hook on a DDP model; returns the hook state (holds the communicator)."""
-    state = MPIHookState(mpi_comm_for_group(group, world_comm))
+def use_mpi_grad_sync(ddp_model, group: dist.ProcessGroup, world_comm,
+                      prescaled: bool = False) -> "MPIHookState":
+    """Register the MPI hook on a DDP model; returns the hook state (holds the communicator).
+    prescaled=True: the caller divides the loss by the group size before backward."""
+    state = MPIHookState(mpi_comm_for_group(group, world_comm), prescaled)
     ddp_model.register_comm_hook(state, mpi_allreduce_hook)
     return state
 

@@ -102,7 +102,11 @@ class ParallelModel:
             use_powersgd(self.forward_module, mesh.group("dp"), cfg.dist.powersgd_rank)
         elif self.ddp and _mpi_grad_sync(cfg.dist.grad_sync, next(model.parameters()).device):
             self.grad_sync_state = use_mpi_grad_sync(self.forward_module, mesh.group("dp"),
-                                                     mesh.world_comm)
+                                                     mesh.world_comm, prescaled=True)
+        # the MPI hook sums: the loss is divided by dp before backward instead (no pass over grads)
+        self.loss_divisor = self.dp if self.grad_sync_state is not None else 1
+        if t.compile:  # after DDP/FSDP wrapping, as torchtitan does (DDP graphs split at buckets)
+            self.forward_module = torch.compile(self.forward_module)
         self.n_micro = t.grad_accum
         self.device = next(model.parameters()).device
         self.schedule = None
@@ -201,7 +205,7 @@ class ParallelModel:
                         with autocast:
                             logits = self.forward_module(tokens[:, :-1])
                         loss = self._pp_loss(logits, tokens[:, 1:])
-                        (loss / n).backward()
+                        (loss / n / self.loss_divisor).backward()
                     total += _value(loss.detach())
         self._loss_hook = None
         self._finish_grads()

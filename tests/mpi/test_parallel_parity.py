@@ -56,9 +56,14 @@ LAYOUTS = {
     "pp2_tp2": (4, PP + ["--parallel.tp=2"]),
     "dp2_ac_selective": (2, ["--train.grad_accum=1", "--parallel.activation_checkpoint=selective",
                              "--parallel.ac_every=2"]),
+    # torch.compile (fused kernels round differently from eager, well inside the 1e-5 bound)
+    "dp2_compile": (2, ["--train.grad_accum=1", "--train.compile=true"]),
+    "fsdp2_compile": (2, ["--parallel.data_parallel=fsdp", "--train.grad_accum=1", "--train.compile=true"]),
+    "tp2_compile": (2, ["--parallel.tp=2", "--train.micro_batch_size=8", "--train.grad_accum=1",
+                        "--train.compile=true"]),
 }
 # The slowest on 2 cores (DTensor start-up, 4 oversubscribed ranks); still run in CI.
-SLOW = {"pp2_gpipe", "pp2_interleaved", "dp2_tp2", "fsdp2_tp2", "pp2_tp2"}
+SLOW = {"pp2_gpipe", "pp2_interleaved", "dp2_tp2", "fsdp2_tp2", "pp2_tp2", "fsdp2_compile", "tp2_compile"}
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +155,7 @@ def test_resume_with_another_global_batch_is_refused(tmp_path, dataset):
     (4, ["--parallel.tp=4", "--model.n_head=2"], "model.n_head=2"),
     (2, ["--parallel.pp=2", "--parallel.pp_schedule=interleaved", "--parallel.pp_virtual_stages=4"],
      "8 pipeline stages"),
+    (2, ["--parallel.pp=2", "--train.compile=true"], "config key 'train.compile'"),
 ])
 def test_bad_layout_is_one_line(tmp_path, dataset, n, overrides, expect):
     r, run = train(n, tmp_path, dataset, "bad", *overrides, check=False, timeout=120)
