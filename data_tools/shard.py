@@ -270,13 +270,14 @@ def shard_dataset(inputs, output, tokenizer="gpt2", shard_tokens=DEFAULT_SHARD_T
                    desc=f"tokenize (rank 0 of {size})")
 
     def tokenize(lo, hi):
-        eot = np.array([tok.eot_id], dtype=dtype)
         batch, nbytes = [], 0
 
         def run(batch):
             arrs = tok.encode_batch([t for _, t in batch], num_threads=threads)
             for (i, _), ids in zip(batch, arrs):
-                doc = np.concatenate([ids.astype(dtype), eot])
+                doc = np.empty(ids.size + 1, dtype)  # one copy: ids cast in place, then end-of-text
+                doc[:-1] = ids
+                doc[-1] = tok.eot_id
                 split = "val" if is_val[i] else "train"
                 if stream is not None:
                     stream.add(split, doc)
