@@ -103,6 +103,10 @@ class CheckpointConfig:
     async_save: bool = field(default=False, metadata={
         "help": "write checkpoints in the background (the step loop pays only a copy to host memory);"
                 " TOML may spell it `async`"})
+    async_cpu_share: float = field(default=0.1, metadata={
+        "help": "with async: the background writer's duty cycle (0-1]; it sleeps between chunks so "
+                "steps overlapping a write stay within ~this fraction of their time; the write "
+                "takes ~1/share as long; a stop or the end lifts the limit (1 = unpaced)"})
     full_checksums: bool = field(default=False, metadata={
         "help": "record sha256 of the tensor data files too (ranks hash their share in parallel); "
                 "`hpctrain ckpt verify --full` checks them"})
@@ -216,6 +220,7 @@ class Config:
         _check(0 <= t.warmup_steps <= t.steps, "train.warmup_steps", "must be in [0, train.steps]")
         _check(self.checkpoint.interval >= 1, "checkpoint.interval", "must be >= 1")
         _check(self.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
+        _check(0 < self.checkpoint.async_cpu_share <= 1, "checkpoint.async_cpu_share", "must be in (0, 1]")
         _check(t.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1")
         _check(t.inject_nan_at_step >= 0, "train.inject_nan_at_step", "must be >= 0")
         _check(t.straggler_window >= 2, "train.straggler_window", "must be >= 2")

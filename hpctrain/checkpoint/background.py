@@ -57,11 +57,46 @@ def stage(tensors: dict, buffers: dict) -> dict:
     return out
 
 
-class InFlight:
-    """Runs `fn` in a daemon thread; `result()` joins and returns its value or re-raises."""
+class Pacer:
+    """Duty cycle of the background writer: after each chunk it writes, the thread sleeps long
+    enough that its busy time stays `share` of the wall time. Busy time is mostly serialization
+    under the GIL (DCP writes each tensor through torch.save), which the training thread would
+    otherwise queue for: unpaced, a step overlapping the write took 1.36x as long here, at share
+    0.1 1.07x (bench/checkpoint.py, docs/benchmarks.md). `full_speed()` lifts the limit and cuts
+    a sleep short (nothing left to protect: exit, a stop, the next save)."""
 
-    def __init__(self, fn, name: str):
+    MIN_BUSY_S = 0.002  # shorter bursts are not worth a sleep
+
+    def __init__(self, share: float = 1.0, clock=time.perf_counter, sleep=None):
+        self.share = share
+        self._wake = threading.Event()  # full_speed() cuts a sleep short
+        self._clock, self._sleep = clock, sleep or self._wake.wait
+        self._since = clock()
+
+    def pace(self) -> None:
+        """Called by the writer after each chunk: sleeps (releasing the GIL) for
+        busy * (1 - share) / share, busy being the time since the end of the previous sleep."""
+        now = self._clock()
+        busy = now - self._since
+        if busy < self.MIN_BUSY_S:
+            return
+        if self.share < 1.0:
+            self._sleep(busy * (1.0 - self.share) / self.share)
+            now = self._clock()
+        self._since = now
+
+    def full_speed(self) -> None:
+        self.share = 1.0
+        self._wake.set()
+
+
+class InFlight:
+    """Runs `fn` in a daemon thread, paced by `pacer`; `result()` lets it
+    finish at full speed, joins, and returns its value or re-raises."""
+
+    def __init__(self, fn, name: str, pacer: Pacer | None = None):
         self._value = self._error = None
+        self._pacer = pacer
         self.duration_s = 0.0
         self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
         self._thread.start()
@@ -78,6 +113,8 @@ class InFlight:
         return not self._thread.is_alive()
 
     def result(self):
+        if self._pacer is not None:
+            self._pacer.full_speed()
         self._thread.join()
         if self._error is not None:
             raise self._error

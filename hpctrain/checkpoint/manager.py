@@ -61,11 +61,13 @@ def _failure(exc: BaseException, rank: int, io_error: OSError | None = None) -> 
 
 
 class _RecordingFileSystem(FileSystem):
-    """DCP's local FileSystem, remembering the first OSError a write stream raised on this rank."""
+    """DCP's local FileSystem, remembering the first OSError a write stream raised on this rank
+    (and pacing the writes of a background save)."""
 
-    def __init__(self):
+    def __init__(self, pacer: background.Pacer | None = None):
         super().__init__()
         self.first_error: OSError | None = None
+        self.pacer = pacer
 
     @contextmanager
     def create_stream(self, path, mode):
@@ -95,6 +97,8 @@ class _RecordingStream:
     def write(self, data):
         try:
             n = self._stream.write(data)
+            if self._fs.pacer is not None:
+                self._fs.pacer.pace()
             if not self._written:  # after the first chunk: a partial file (fault injection)
                 self._written = True
                 self._stream.flush()
@@ -147,12 +151,14 @@ class CheckpointManager:
     """
 
     def __init__(self, root: str | os.PathLike, keep: int, rank: int, world_size: int, *,
-                 full_checksums: bool = False, writer_threads: int = 1, timeout_s: float = 300.0):
+                 full_checksums: bool = False, writer_threads: int = 1, timeout_s: float = 300.0,
+                 async_cpu_share: float = 1.0):
         if keep < 1:
             raise CheckpointError(f"checkpoint keep={keep}: must be >= 1")
         self.root = Path(root)
         self.keep, self.rank, self.world_size = keep, rank, world_size
         self.full_checksums, self.writer_threads = full_checksums, writer_threads
+        self.async_cpu_share = async_cpu_share  # duty cycle of the background writer (Pacer)
         self._dist = dist.is_available() and dist.is_initialized()
         if self._dist and (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
             raise ValueError(f"CheckpointManager(rank={rank}, world_size={world_size}) but "
@@ -239,8 +245,10 @@ class CheckpointManager:
             raise
         if self._bg_group is None and self._dist:
             self._bg_group = dist.new_group(backend="gloo", timeout=self._timeout)
+        pacer = background.Pacer(self.async_cpu_share)
         self._inflight = background.InFlight(
-            lambda: self._write_and_commit(job, group=self._bg_group), name=f"checkpoint-{step}")
+            lambda: self._write_and_commit(job, group=self._bg_group, pacer=pacer),
+            name=f"checkpoint-{step}", pacer=pacer)
         self.last_save_s = time.perf_counter() - t0
 
     def wait(self) -> Path | None:
@@ -288,12 +296,12 @@ class CheckpointManager:
                                   f"{[s for _, s in steps]}")
         return job
 
-    def _write_and_commit(self, job: "_Job", group) -> Path:
+    def _write_and_commit(self, job: "_Job", group, pacer: background.Pacer | None = None) -> Path:
         """Phases 2-4 (any thread; collectives on `group`): DCP write, agreement, commit, retention."""
         tmp, prefix = job.tmp, job.prefix
         # 2. every rank writes its DCP shards; rank 0 the JSON files. Agree on success.
         digest, hashes = hashlib.sha256(job.values_json.encode()).hexdigest(), {}
-        fs = _RecordingFileSystem()
+        fs = _RecordingFileSystem(pacer)
         try:
             writer = dcp.FileSystemWriter(tmp, sync_files=True, thread_count=self.writer_threads)
             writer.fs = fs

@@ -57,15 +57,41 @@ def _mpi():
     return MPI
 
 
+def mpi_library() -> str:
+    """Which MPI this process runs on, in a few words ("MPICH 5.0.2", "Open MPI v5.0.11"): the
+    first thing to check when a cluster's mpi4py was built against another MPI than `srun` expects."""
+    text = _mpi().Get_library_version().replace("\0", "").strip()
+    first = text.splitlines()[0] if text else "unknown MPI"
+    if first.startswith("MPICH Version:"):
+        return "MPICH " + first.split(":", 1)[1].strip()
+    return first.split(",")[0].strip()
+
+
 def _node_comm(MPI, comm):
-    """Ranks sharing a node, from MPI shared-memory split (or a forced split for tests)."""
+    """Ranks sharing a node, from MPI shared-memory split (or a forced split for tests).
+
+    Some MPI + PMI pairs hand MPI no locality at all: Open MPI 5 under a Slurm whose pmix plugin
+    does not pass it (our test cluster) puts every rank alone in its "node", so every rank would
+    think it leads a node (node cache, threads per rank). That pattern (all splits of size 1 while
+    host names repeat) is detected, and ranks are grouped by host name instead, with a warning."""
     forced = os.environ.get("HPCTRAIN_RANKS_PER_NODE")
+    rank = comm.Get_rank()
     if forced:
         per_node = int(forced)
         if per_node < 1:
             raise ValueError(f"HPCTRAIN_RANKS_PER_NODE={forced}: must be >= 1")
-        return comm.Split(color=comm.Get_rank() // per_node, key=comm.Get_rank())
-    return comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        return comm.Split(color=rank // per_node, key=rank)
+    shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    hosts = comm.allgather(socket.gethostname())
+    if comm.Get_size() == 1 or comm.allreduce(shared.Get_size(), op=MPI.MAX) > 1 \
+            or len(set(hosts)) == len(hosts):
+        return shared
+    shared.Free()
+    if rank == 0:
+        print(f"[rank 0] warning: {mpi_library()} reports no shared-memory locality (each of "
+              f"{len(hosts)} ranks alone, on {len(set(hosts))} host name(s)); grouping node-local "
+              f"ranks by host name", flush=True)
+    return comm.Split(color=sorted(set(hosts)).index(hosts[rank]), key=rank)
 
 
 def _node_index(MPI, comm, node_comm) -> tuple[int, int]:

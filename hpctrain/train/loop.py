@@ -23,6 +23,7 @@ from hpctrain import config as config_mod
 from hpctrain.checkpoint import CheckpointManager
 from hpctrain.config import Config
 from hpctrain.dist import DistContext
+from hpctrain.dist.bootstrap import mpi_library
 from hpctrain.dist.preempt import PreemptionGuard
 from hpctrain.dist.mesh import Mesh, ParallelDims
 from hpctrain.dist.watchdog import guard as peer_watchdog
@@ -62,7 +63,8 @@ class Trainer:
         self.diloco = DiLoCo(self.model, self.mesh, cfg.sync, t.steps) if cfg.sync.mode == "diloco" else None
         self.ckpt = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep, ctx.rank, ctx.world_size,
                                       timeout_s=cfg.dist.timeout_s,
-                                      full_checksums=cfg.checkpoint.full_checksums)
+                                      full_checksums=cfg.checkpoint.full_checksums,
+                                      async_cpu_share=cfg.checkpoint.async_cpu_share)
         self.guard = NonFiniteGuard(t.max_bad_steps, t.inject_nan_at_step, ctx.rank, ctx.world_size)
         self.step_skipped = False
         self.preempt = PreemptionGuard(cfg.slurm, ctx.comm, ctx.rank)  # signals + wall-time guard
@@ -172,7 +174,8 @@ class Trainer:
         flops_per_token = self.flops_per_token
         log(ctx, f"training: {self.n_params / 1e6:.2f}M params, world {ctx.world_size} "
                  f"[{self.mesh.dims.describe()}] "
-                 f"({ctx.backend}, {ctx.threads} threads/rank), {tokens_per_step} tokens/step, "
+                 f"({ctx.backend}, {ctx.threads} threads/rank, {mpi_library()}), "
+                 f"{tokens_per_step} tokens/step, "
                  f"steps {self.step} -> {end} of {t.steps}")
         last_saved = self.step if self.step > 0 else -1
         if self.step == 0 and t.eval_interval:

@@ -78,7 +78,8 @@ class PSTrainer:
         self.ps = ParameterServer(ctx.comm, _flat(self.params), s.ps_servers)
         self.workers = ctx.comm.Split(0 if not self.is_server else 1, ctx.rank)
         self.ckpt = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep, ctx.rank, ctx.world_size,
-                                      timeout_s=cfg.dist.timeout_s)
+                                      timeout_s=cfg.dist.timeout_s,
+                                      async_cpu_share=cfg.checkpoint.async_cpu_share)
         self.step = 0
 
     # ---- checkpoints: every rank takes part; workers' optimizer states are kept per worker -------

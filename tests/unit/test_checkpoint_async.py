@@ -114,3 +114,79 @@ def test_fault_spec_is_validated(monkeypatch):
     monkeypatch.setenv(faults.ENV, "save.begin:1::explode")
     with pytest.raises(ValueError, match="kill or enospc"):
         faults.hit("save.begin")
+
+
+class FakeClock:
+    """Time that advances only when the writer 'works' (busy) or the pacer sleeps."""
+
+    def __init__(self):
+        self.now, self.slept = 0.0, []
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, s):
+        self.slept.append(s)
+        self.now += s
+
+
+@pytest.mark.parametrize("share", [0.1, 0.25, 0.5, 1.0])
+def test_pacer_keeps_the_writer_busy_for_its_share_of_the_wall_time(share):
+    from hpctrain.checkpoint.background import Pacer
+
+    clock = FakeClock()
+    pacer = Pacer(share, clock=clock, sleep=clock.sleep)
+    busy = 0.0
+    for chunk in [0.004, 0.010, 0.0005, 0.0005, 0.0005, 0.0005, 0.020, 0.003] * 5:
+        clock.now += chunk  # the writer works on a chunk, then reports it
+        busy += chunk
+        pacer.pace()
+    assert busy / clock.now == pytest.approx(share, rel=1e-9)
+    assert all(s > 0 for s in clock.slept) and (share < 1.0) == bool(clock.slept)
+    # bursts shorter than MIN_BUSY_S accumulate into one sleep instead of many tiny ones
+    assert len(clock.slept) <= (5 * 6 if share < 1.0 else 0)
+
+
+def test_full_speed_stops_the_sleeps():
+    from hpctrain.checkpoint.background import Pacer
+
+    clock = FakeClock()
+    pacer = Pacer(0.1, clock=clock, sleep=clock.sleep)
+    clock.now += 0.01
+    pacer.pace()
+    assert clock.slept == [pytest.approx(0.09)]
+    pacer.full_speed()
+    for _ in range(10):
+        clock.now += 0.01
+        pacer.pace()
+    assert len(clock.slept) == 1
+
+
+def test_a_heavily_paced_save_still_finishes_promptly_at_wait(world, tmp_path):
+    """share=0.001 would stretch the write ~1000x; wait() (exit, a stop, the next save) lifts the
+    limit, so the checkpoint is complete and committed when wait() returns."""
+    mgr = CheckpointManager(tmp_path, keep=2, rank=0, world_size=1, async_cpu_share=0.001)
+    model, opt = make(0)
+    before = snapshot(model)
+    mgr.save_async(1, state_of(model, opt), {"step": 1})
+    assert mgr.wait() == tmp_path / "step_00000001"
+    assert verify_checkpoint(tmp_path / "step_00000001") == []
+    loaded, _ = load_into_fresh(mgr, tmp_path / "step_00000001")
+    assert all(torch.equal(v, before[k]) for k, v in snapshot(loaded).items())
+
+
+def test_full_speed_cuts_a_long_sleep_short():
+    import threading
+    import time
+
+    from hpctrain.checkpoint.background import Pacer
+
+    pacer = Pacer(1e-6)  # real clock and sleep: 20 ms of work would earn a ~6 hour sleep
+    time.sleep(0.02)
+    writer = threading.Thread(target=pacer.pace)
+    writer.start()
+    writer.join(0.2)
+    assert writer.is_alive()  # sleeping
+    pacer.full_speed()
+    writer.join(30)
+    assert not writer.is_alive()

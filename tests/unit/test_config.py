@@ -65,6 +65,8 @@ def test_roundtrip_through_toml(toml, tmp_path):
     (["--sync.mode=ps", "--parallel.tp=2"], "sync.mode"),
     (["--train.optimizer=lion"], "train.optimizer"),
     (["--dist.grad_sync=topk"], "dist.grad_sync"),
+    (["--checkpoint.async_cpu_share=0"], "checkpoint.async_cpu_share"),
+    (["--checkpoint.async_cpu_share=1.5"], "checkpoint.async_cpu_share"),
 ])
 def test_bad_input_names_the_key(toml, overrides, key):
     with pytest.raises(ConfigError) as e:
