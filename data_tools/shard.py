@@ -1,9 +1,9 @@
 """``shard``: turn text/JSONL inputs into an hpctrain dataset (HDF5 shards + manifest.json).
 
 Owns: the shard pipeline — output-dir safety, planning (rank 0 enumerates documents and
-assigns splits), parallel tokenization of disjoint contiguous document ranges, cutting each
-split's token stream into shards, the MPI exchange (round by round, so memory stays bounded) that
-lets each shard be written by its owner rank, and writing the manifest LAST.
+assigns splits), tokenizing (1 rank: streaming; MPI: round by round, so memory stays bounded,
+each round's chunks handed out dynamically and gathered at the shard owners — see exchange.py),
+cutting each split's token stream into shards, and writing the manifest LAST.
 
 Must never: let the output bytes depend on the number of ranks (tests run 1, 2 and 3 ranks and
 compare bytes), write anything but temp files + os.replace into the output dir, write the
@@ -21,6 +21,7 @@ import numpy as np
 from . import documents
 from .format import (FORMAT_VERSION, MANIFEST_NAME, SHARD_RE, SPLITS, TMP_PREFIX, DataError, fsync_path,
                      read_manifest, shard_filename, token_dtype, write_manifest, write_shard)
+from .exchange import ChunkQueue, RoundExchange, round_chunks, round_cuts, starts_in
 from .mpiutil import SerialComm, agree, root_then_bcast, threads_per_rank
 from .tokenizers import get_tokenizer
 
@@ -31,12 +32,6 @@ BATCH_BYTES = 8 << 20  # text handed to the tokenizer per call
 BATCH_DOCS = 512
 TOKENIZER_FILE = "tokenizer.json"  # a trained tokenizer, copied beside the shards
 ROUND_BYTES = 64 << 20  # MPI: text each rank tokenizes per round (bounds memory, see docs/data.md)
-_TAG_TOKENS, _TAG_DOCS = 11, 12
-
-
-def _starts_in(starts: np.ndarray, a: int, b: int) -> np.ndarray:
-    """The (sorted) document starts that fall in [a, b)."""
-    return starts[np.searchsorted(starts, a, "left"):np.searchsorted(starts, b, "left")]
 
 
 def prepare_output(out: str) -> None:
@@ -111,106 +106,50 @@ class _StreamWriter:
         pos = 0
         while toks.size - pos >= self.S or (final and pos < toks.size):
             end = min(pos + self.S, toks.size)
-            offs = _starts_in(starts, pos, end) - pos
+            offs = starts_in(starts, pos, end) - pos
             self.emit(split, self.next_k[split], toks[pos:end], offs)
             self.next_k[split] += 1
             pos = end
         if pos < toks.size:  # keep the partial shard, starts re-based to it
             b = self.buf[split]
             b.pieces, b.n = [toks[pos:]], toks.size - pos
-            b.starts = (_starts_in(starts, pos, toks.size) - pos).tolist()
+            b.starts = (starts_in(starts, pos, toks.size) - pos).tolist()
 
     def finish(self):
         for s in SPLITS:
             self._flush(s, final=True)
 
 
-def round_cuts(length: np.ndarray, per_round: int) -> list[tuple[int, int]]:
-    """Cut documents into consecutive rounds of about ``per_round`` bytes of text (document i
-    joins round floor(bytes before i / per_round)).  Only bounds memory; never changes output."""
-    before = np.cumsum(length, dtype=np.int64) - length
-    rnd = before // max(1, int(per_round))
-    cuts = [0] + (np.flatnonzero(np.diff(rnd)) + 1).tolist() + [int(length.size)]
-    return [(a, b) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+def _tokenize_rounds(comm, table, rounds, tokenize, exchange, round_bytes, dtype, bar):
+    """MPI: each round's chunks go to whichever rank asks next (ChunkQueue); then the round's
+    tokens move to the shard owners (RoundExchange).  A rank holds at most ~2 x round_bytes of
+    a round's text, whatever the others do."""
+    size, cum = comm.Get_size(), np.concatenate([[0], np.cumsum(table.length, dtype=np.int64)])
+    queue = ChunkQueue(comm, len(rounds))
+    try:
+        for r, (a, b) in enumerate(rounds):
+            chunks = round_chunks(table.length, a, b, size)
+            nbytes = [int(cum[hi] - cum[lo]) for lo, hi in chunks]
+            held = {}
 
+            def work():
+                claims = queue.claims(r, nbytes, cap=2 * round_bytes + max(nbytes))
+                try:
+                    for c in claims:
+                        if bar is not None:  # rank 0 shows the whole job: text handed out so far
+                            bar.update(int(cum[chunks[c][0]]) - bar.n)
+                        bufs = {s: _Buffer() for s in SPLITS}
+                        tokenize(*chunks[c], lambda split, doc: bufs[split].add(doc))
+                        held[c] = {s: bufs[s].take(dtype) for s in SPLITS}
+                finally:
+                    claims.close()  # completes a claim still in flight before the epoch ends
 
-class _RoundExchange:
-    """World size > 1, one round at a time: every rank sends its slice of every shard the round
-    touches to the shard's owner (train shard k -> rank k % size, val shard k -> rank
-    (k + size // 2) % size); an owner keeps a shard's buffer only until it is full, then writes
-    it.  Messages between a pair of ranks are posted and received in the same (split, shard)
-    order within a round (and rounds end with Waitall), so MPI's non-overtaking rule matches
-    them without per-shard tags."""
-
-    def __init__(self, comm, emit, shard_tokens, dtype):
-        self.comm, self.emit, self.S, self.dtype = comm, emit, shard_tokens, dtype
-        self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.base = np.zeros(len(SPLITS), np.int64)  # tokens of each split before this round
-        self.open = {}  # (split, k) -> [buffer, [doc offset arrays], tokens filled]
-
-    def owner(self, si: int, k: int) -> int:
-        return (k + si * (self.size // 2)) % self.size
-
-    def round(self, bufs, final: bool) -> None:
-        from mpi4py import MPI
-
-        comm, rank, size, S = self.comm, self.rank, self.size, self.S
-        local = {s: bufs[s].take(self.dtype) for s in SPLITS}  # (tokens, local doc starts)
-        counts = np.array(comm.allgather([local[s][0].size for s in SPLITS]), dtype=np.int64)
-        starts = self.base + np.vstack([np.zeros((1, len(SPLITS)), np.int64),
-                                        np.cumsum(counts, axis=0)])
-        g0 = {s: int(starts[rank, si]) for si, s in enumerate(SPLITS)}
-        local = {s: (t, d + g0[s]) for s, (t, d) in local.items()}  # doc starts made global
-
-        def piece(r, si, k):  # [a, b) of shard k of split si held by rank r, global offsets
-            return max(k * S, int(starts[r, si])), min((k + 1) * S, int(starts[r + 1, si]))
-
-        plan = [(si, s, k) for si, s in enumerate(SPLITS) if starts[-1, si] > starts[0, si]
-                for k in range(int(starts[0, si]) // S, (int(starts[-1, si]) - 1) // S + 1)]
-        requests, first_err = [], None
-        for si, s, k in plan:
-            a, b = piece(rank, si, k)
-            if a < b and self.owner(si, k) != rank:
-                toks, gdocs = local[s]
-                requests.append(comm.Isend(toks[a - g0[s]:b - g0[s]], dest=self.owner(si, k),
-                                           tag=_TAG_TOKENS))
-                requests.append(comm.isend(_starts_in(gdocs, a, b) - k * S,
-                                           dest=self.owner(si, k), tag=_TAG_DOCS))
-        for si, s, k in plan:
-            if self.owner(si, k) != rank:
-                continue
-            slot = self.open.setdefault((s, k), [np.empty(S, dtype=self.dtype), [], 0])
-            out, lo = slot[0], k * S
-            for r in range(size):
-                a, b = piece(r, si, k)
-                if a >= b:
-                    continue
-                if r == rank:
-                    toks, gdocs = local[s]
-                    out[a - lo:b - lo] = toks[a - g0[s]:b - g0[s]]
-                    slot[1].append(_starts_in(gdocs, a, b) - lo)
-                else:
-                    comm.Recv(out[a - lo:b - lo], source=r, tag=_TAG_TOKENS)
-                    slot[1].append(comm.recv(source=r, tag=_TAG_DOCS))
-                slot[2] += b - a
-            if slot[2] == S:
-                first_err = self._write(s, k, first_err)
-        if final:  # the short last shard of each split
-            for s, k in sorted(self.open):
-                first_err = self._write(s, k, first_err)
-        MPI.Request.Waitall(requests)
-        self.base = starts[-1].copy()
-        if first_err is not None:
-            raise first_err
-
-    def _write(self, s, k, first_err):
-        out, offs, n = self.open.pop((s, k))
-        if first_err is None:  # after a failure keep receiving (senders must complete)
-            try:
-                self.emit(s, k, out[:n], np.concatenate(offs) if offs else np.zeros(0, np.int64))
-            except Exception as exc:  # noqa: BLE001 - re-raised after the exchange
-                return exc
-        return first_err
+            agree(comm, work)
+            agree(comm, exchange.round, held, len(chunks), r == len(rounds) - 1)
+            if bar is not None:
+                bar.update(int(cum[b]) - bar.n)
+    finally:
+        queue.close()
 
 
 def shard_dataset(inputs, output, tokenizer="gpt2", shard_tokens=DEFAULT_SHARD_TOKENS,
@@ -234,6 +173,7 @@ def shard_dataset(inputs, output, tokenizer="gpt2", shard_tokens=DEFAULT_SHARD_T
             raise err
     shard_tokens, val_fraction, seed = int(shard_tokens), float(val_fraction), int(seed)
     tok = agree(comm, get_tokenizer, tokenizer)
+    import h5py  # noqa: F401 - the shard writer's library: loaded in setup, not at the first write
     dtype = token_dtype(tok.vocab_size)
     table, is_val = root_then_bcast(comm, _plan, inputs, output, val_fraction, seed)
     report = None
@@ -248,8 +188,6 @@ def shard_dataset(inputs, output, tokenizer="gpt2", shard_tokens=DEFAULT_SHARD_T
     t_plan = time.perf_counter()
     # Rounds of ~ROUND_BYTES of text per rank bound memory (MPI); 1 rank streams in one round.
     rounds = round_cuts(table.length, round_bytes * size) if size > 1 else [(0, len(table))]
-    ranges = [(a + lo, a + hi) for a, b in rounds
-              for lo, hi in [documents.balanced_ranges(table.length[a:b], size)[rank]]]
     threads = threads_per_rank(comm)
     entries = []
 
@@ -258,18 +196,15 @@ def shard_dataset(inputs, output, tokenizer="gpt2", shard_tokens=DEFAULT_SHARD_T
         entries.append(write_shard(path, toks, offs, split=split, tokenizer=tok.name,
                                    vocab_size=tok.vocab_size, eot_id=tok.eot_id))
 
-    stream = _StreamWriter(emit, shard_tokens, dtype) if size == 1 else None
-    exchange = _RoundExchange(comm, emit, shard_tokens, dtype) if size > 1 else None
-    bufs = {s: _Buffer() for s in SPLITS}
     bar = None
     if rank == 0 and progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=int(sum(table.length[lo:hi].sum() for lo, hi in ranges)), unit="B",
-                   unit_scale=True, file=sys.stderr, disable=None,
-                   desc=f"tokenize (rank 0 of {size})")
+        bar = tqdm(total=int(table.length.sum()), unit="B", unit_scale=True, file=sys.stderr,
+                   disable=None, desc=f"tokenize ({size} rank{'s' if size > 1 else ''})")
 
-    def tokenize(lo, hi):
+    def tokenize(lo, hi, add):
+        """Documents [lo, hi) in order: add(split, tokens + end-of-text) for each."""
         batch, nbytes = [], 0
 
         def run(batch):
@@ -278,12 +213,8 @@ def shard_dataset(inputs, output, tokenizer="gpt2", shard_tokens=DEFAULT_SHARD_T
                 doc = np.empty(ids.size + 1, dtype)  # one copy: ids cast in place, then end-of-text
                 doc[:-1] = ids
                 doc[-1] = tok.eot_id
-                split = "val" if is_val[i] else "train"
-                if stream is not None:
-                    stream.add(split, doc)
-                else:
-                    bufs[split].add(doc)
-                if bar is not None:
+                add("val" if is_val[i] else "train", doc)
+                if bar is not None and size == 1:
                     bar.update(int(table.length[i]))
 
         for i, text in documents.iter_texts(table, lo, hi):
@@ -293,13 +224,14 @@ def shard_dataset(inputs, output, tokenizer="gpt2", shard_tokens=DEFAULT_SHARD_T
                 run(batch)
                 batch, nbytes = [], 0
         run(batch)
-        if stream is not None:
-            stream.finish()
 
-    for r, (lo, hi) in enumerate(ranges):
-        agree(comm, tokenize, lo, hi)
-        if exchange is not None:
-            agree(comm, exchange.round, bufs, r == len(ranges) - 1)
+    if size == 1:
+        stream = _StreamWriter(emit, shard_tokens, dtype)
+        tokenize(0, len(table), stream.add)
+        stream.finish()
+    else:
+        _tokenize_rounds(comm, table, rounds, tokenize, RoundExchange(comm, emit, shard_tokens, dtype),
+                         round_bytes, dtype, bar)
     if bar is not None:
         bar.close()
     gathered = comm.gather(entries, root=0)

@@ -73,3 +73,23 @@ def test_rounds_bound_memory_and_keep_bytes(tmp_path):
                    "--no-progress", *extra], timeout=180, check=True)
         outs[n] = tree_bytes(out)
     assert len(outs[1]) > 10 and outs[3] == outs[1]
+
+
+def test_chunk_queue_hands_each_chunk_to_one_rank_and_favours_fast_ranks(tmp_path):
+    """The dynamic work queue behind `shard` (MPI fetch-and-add on rank 0's window): every
+    chunk of every round goes to exactly one rank, in increasing order per rank; a slow rank
+    (10x slower per chunk) takes far fewer than its fair share; a rank stops claiming at the cap."""
+    import json
+
+    mpirun(3, ["tests/mpi/scripts/chunk_queue_probe.py", tmp_path], timeout=120, check=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    sizes, caps = ranks[0]["sizes"], ranks[0]["caps"]
+    for rnd, chunk_sizes in enumerate(sizes):
+        got = [r["got"][rnd] for r in ranks]
+        assert sorted(c for g in got for c in g) == list(range(len(chunk_sizes))), (rnd, got)
+        assert all(g == sorted(g) for g in got)
+        assert all(sum(chunk_sizes[c] for c in g[:-1]) < caps[rnd] for g in got if g)
+        if rnd < 2:  # uncapped rounds: the slow rank 0 gets well under a third
+            assert len(got[0]) < len(chunk_sizes) / 6, (rnd, [len(g) for g in got])
+        else:  # cap 12 of 30: no rank holds more than 12, so the slow one takes >= 6
+            assert max(len(g) for g in got) == 12 and len(got[0]) >= 6, got

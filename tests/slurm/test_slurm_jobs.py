@@ -234,3 +234,23 @@ def test_sweep_array_runs_points_in_separate_dirs(jobs, dataset, tmp_path):
     assert 'lr = 0.003' in cfg1 and "warmup_steps = 2" in cfg1
     log0 = (tmp_path / f"sweep-{jid}_0.out").read_text()
     assert f"slurm: job {jid}_0 (job " in log0
+
+
+def test_open_mpi_preprocess_gives_the_same_bytes(jobs, dataset, open_mpi, tmp_path):
+    """`shard` on 2 Open MPI ranks under `srun --mpi=pmix` (its dynamic work queue is MPI one-sided
+    fetch-and-add, osc/sm here): every file equal to the MPICH dataset's, byte for byte."""
+    from data_tools.corpora import shakespeare_files
+
+    out = tmp_path / "tiny"
+    jid = jobs.sbatch(f"--output={tmp_path}/pre-%j.out", "--chdir", tmp_path,
+                      ROOT / "slurm" / "preprocess.sbatch", *sorted(shakespeare_files())[:4], "--",
+                      out, "--tokenizer", "bytes", "--shard-tokens", "400000", "--val-fraction",
+                      "0.2", "--seed", "3",
+                      env={"HPCTRAIN_SRUN_MPI": "pmix", "MPI4PY_LIBMPI": str(open_mpi)})
+    (rec,) = jobs.wait(jid, timeout=120)
+    log = (tmp_path / f"pre-{jid}.out").read_text()
+    assert rec["JobState"] == "COMPLETED" and "2 rank(s)" in log, log
+    names = sorted(p.name for p in dataset.iterdir())
+    assert names == sorted(p.name for p in out.iterdir()) and "manifest.json" in names
+    for name in names:
+        assert (out / name).read_bytes() == (dataset / name).read_bytes(), name
