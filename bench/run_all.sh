@@ -12,7 +12,7 @@ if ! python -m data_tools verify "$DATA" >/dev/null 2>&1; then
 fi
 {
   echo "# hpctrain benchmarks, $(date -u +%F' '%H:%M) UTC, $(nproc) cores, $(python -c 'import torch; print("torch", torch.__version__)')"
-  echo; echo "## bench/train.py (tokens/s vs torchrun + DDP)"; python bench/train.py --steps 20 --rounds 2
+  echo; echo "## bench/train.py (tokens/s vs torchrun + DDP)"; python bench/train.py --steps 20 --rounds 4
   echo; echo "## bench/mfu.py (model FLOP/s vs measured matmul peak)"; python bench/mfu.py --steps 10
   echo; echo "## bench/allreduce.py (gradient sync busbw vs raw all-reduce)"; mpiexec -n 2 python bench/allreduce.py --mib 32 --reps 10
   echo; echo "## bench/loader.py (reader vs np.memmap, data wait)"; python bench/loader.py
