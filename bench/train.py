@@ -35,11 +35,24 @@ def run(cmd, env=None) -> str:
     return r.stdout
 
 
+# The models compared: (hpctrain overrides, baseline flags).  "demo" is configs/demo.toml as is
+# (0.8M parameters, 16 x 256 tokens per rank per step: matmul-bound); "wide" is bench/mfu.py's
+# 4 x 512 GPT (12.7M parameters) with 2 x 256 tokens per rank per step — the small per-device
+# batch of a model near its memory limit, where the optimizer step and the gradient all-reduce
+# are a real share of the step.
+MODELS = {
+    "demo": ([], []),
+    "wide": (["--model.n_embd=512", "--model.n_head=8", "--train.micro_batch_size=2"],
+             ["--n-embd", "512", "--n-head", "8", "--micro-batch", "2"]),
+}
+
+
 def ours(args, tmp: Path, compile: bool) -> float:
     rundir = tmp / "run"
     shutil.rmtree(rundir, ignore_errors=True)
     run([BIN / "mpiexec", "-n", str(args.ranks), sys.executable, "-m", "hpctrain", "train",
-         "--config", "configs/demo.toml", f"--run.dir={rundir}", f"--data.path={args.data}",
+         "--config", "configs/demo.toml", *MODELS[args.model][0], f"--run.dir={rundir}",
+         f"--data.path={args.data}",
          f"--train.steps={args.steps + 5}", "--train.warmup_steps=2", f"--train.precision={args.precision}",
          "--train.eval_interval=0", f"--checkpoint.interval={10**6}", "--data.verify=size",
          f"--train.compile={str(compile).lower()}"])
@@ -50,7 +63,7 @@ def ours(args, tmp: Path, compile: bool) -> float:
 def baseline(args, compile: bool) -> float:
     out = run([BIN / "torchrun", "--standalone", f"--nproc_per_node={args.ranks}", "bench/ddp_baseline.py",
                "--data", args.data, "--steps", str(args.steps), "--precision", args.precision,
-               *(["--compile"] if compile else [])])
+               *MODELS[args.model][1], *(["--compile"] if compile else [])])
     return json.loads(out.strip().splitlines()[-1])["tokens_per_s"]
 
 
@@ -62,6 +75,7 @@ def main() -> None:
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--rounds", type=int, default=4, help="A/B rounds")
     ap.add_argument("--compile", action="store_true", help="also compare both sides under torch.compile")
+    ap.add_argument("--model", default="demo", choices=sorted(MODELS), help="which model and batch (see MODELS)")
     args = ap.parse_args()
     names = {"ours": "hpctrain train, eager", "base": "torchrun + DDP, eager"}
     if args.compile:
@@ -78,7 +92,7 @@ def main() -> None:
         return statistics.median(x / y for x, y in zip(runs[a], runs[b]))
 
     med = {k: statistics.median(v) for k, v in runs.items()}
-    print(f"config: configs/demo.toml model, {args.ranks} ranks, {args.precision}, {args.steps} timed steps x "
+    print(f"model {args.model}: {' '.join(MODELS[args.model][0]) or 'configs/demo.toml'}, {args.ranks} ranks, {args.precision}, {args.steps} timed steps x "
           f"{args.rounds} rounds")
     for k, name in names.items():
         print(f"{name:<28}{med[k]:>10,.0f} tokens/s  {ratio(k, 'base'):>5.2f}x eager baseline   "
