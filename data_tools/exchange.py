@@ -97,9 +97,9 @@ class RoundExchange:
     """After each round, every rank sends its chunks' slices of every shard the round touches
     to the shard's owner (train shard k -> rank k % size, val shard k -> rank (k + size // 2) %
     size); an owner keeps a shard's buffer only until it is full, then hands it to ``emit``.
-    Between a pair of ranks, messages are posted and received in the same (split, shard, chunk)
-    order within a round (which ends with Waitall), so MPI's non-overtaking rule matches them
-    without per-shard tags."""
+    Between a pair of ranks, a round sends one token and one doc-offset message per shard, posted
+    and received in the same (split, shard) order (the round ends with Waitall), so MPI's
+    non-overtaking rule matches them without per-shard tags."""
 
     def __init__(self, comm, emit, shard_tokens, dtype):
         self.comm, self.emit, self.S, self.dtype = comm, emit, shard_tokens, dtype
@@ -114,6 +114,7 @@ class RoundExchange:
         """``held``: chunk index -> {split: (tokens, doc starts local to the chunk's tokens)}
         for the chunks of this round this rank tokenized."""
         from mpi4py import MPI
+        from mpi4py.util.dtlib import from_numpy_dtype
 
         comm, rank, S = self.comm, self.rank, self.S
         mine = sorted(held)
@@ -139,38 +140,55 @@ class RoundExchange:
 
         plan = [(si, s, k) for si, s in enumerate(SPLITS) if starts[-1, si] > starts[0, si]
                 for k in range(int(starts[0, si]) // S, (int(starts[-1, si]) - 1) // S + 1)]
-        requests, first_err = [], None
+        # One token message and one doc-offset message per (peer, shard): a rank's pieces of a
+        # shard are concatenated by the sender (in chunk order) and scattered straight into
+        # the owner's buffer by an indexed MPI datatype built from the allgathered counts.
+        requests, types, first_err = [], [], None
         for si, s, k in plan:
             dest = self.owner(si, k)
-            for c in mine if dest != rank else ():
-                a, b = piece(c, si, k)
-                if a < b:
-                    toks, docs = part(c, s, si, a, b)
-                    requests.append(comm.Isend(toks, dest=dest, tag=_TAG_TOKENS))
-                    requests.append(comm.isend(docs - k * S, dest=dest, tag=_TAG_DOCS))
+            if dest == rank:
+                continue
+            spans = [(c, *piece(c, si, k)) for c in mine]
+            parts = [part(c, s, si, a, b) for c, a, b in spans if a < b]
+            if parts:
+                toks = np.concatenate([t for t, _ in parts]) if len(parts) > 1 else parts[0][0]
+                requests.append(comm.Isend(toks, dest=dest, tag=_TAG_TOKENS))
+                requests.append(comm.isend(np.concatenate([d for _, d in parts]) - k * S, dest=dest,
+                                           tag=_TAG_DOCS))
         for si, s, k in plan:
             if self.owner(si, k) != rank:
                 continue
             slot = self.open.setdefault((s, k), [np.empty(S, dtype=self.dtype), [], 0])
             out, lo = slot[0], k * S
+            by_rank = {}
             for c in range(n_chunks):
                 a, b = piece(c, si, k)
-                if a >= b:
-                    continue
-                if holder[c] == rank:
-                    toks, docs = part(c, s, si, a, b)
-                    out[a - lo:b - lo] = toks
-                    slot[1].append(docs - lo)
+                if a < b:
+                    by_rank.setdefault(int(holder[c]), []).append((c, a, b))
+                    slot[2] += b - a
+            for c, a, b in by_rank.pop(rank, []):
+                toks, docs = part(c, s, si, a, b)
+                out[a - lo:b - lo] = toks
+                slot[1].append(docs - lo)
+            for src in sorted(by_rank):
+                spans = by_rank[src]
+                if len(spans) == 1:
+                    _, a, b = spans[0]
+                    comm.Recv(out[a - lo:b - lo], source=src, tag=_TAG_TOKENS)
                 else:
-                    comm.Recv(out[a - lo:b - lo], source=int(holder[c]), tag=_TAG_TOKENS)
-                    slot[1].append(comm.recv(source=int(holder[c]), tag=_TAG_DOCS))
-                slot[2] += b - a
+                    mpi_type = from_numpy_dtype(out.dtype).Create_indexed(
+                        [b - a for _, a, b in spans], [a - lo for _, a, b in spans]).Commit()
+                    types.append(mpi_type)
+                    comm.Recv([out, 1, mpi_type], source=src, tag=_TAG_TOKENS)
+                slot[1].append(comm.recv(source=src, tag=_TAG_DOCS))
             if slot[2] == S:
                 first_err = self._write(s, k, first_err)
         if final:  # the short last shard of each split
             for s, k in sorted(self.open):
                 first_err = self._write(s, k, first_err)
         MPI.Request.Waitall(requests)
+        for t in types:
+            t.Free()
         self.base = starts[-1].copy()
         if first_err is not None:
             raise first_err
@@ -179,7 +197,8 @@ class RoundExchange:
         out, offs, n = self.open.pop((s, k))
         if first_err is None:  # after a failure keep receiving (senders must complete)
             try:
-                self.emit(s, k, out[:n], np.concatenate(offs) if offs else np.zeros(0, np.int64))
+                # pieces arrive by rank, not in chunk order; offsets are unique, so sort them
+                self.emit(s, k, out[:n], np.sort(np.concatenate(offs)) if offs else np.zeros(0, np.int64))
             except Exception as exc:  # noqa: BLE001 - re-raised after the exchange
                 return exc
         return first_err

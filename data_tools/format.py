@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,10 +125,14 @@ def write_shard(final_path: str, tokens: np.ndarray, doc_offsets: np.ndarray, *,
             f.attrs["eot_id"] = np.int64(eot_id)
             f.attrs["n_tokens"] = np.int64(tokens.size)
             f.attrs["split"] = str(split)
-        fsync_path(tmp)
+        # Hash the file (from the page cache) while it is flushed to disk: both release the GIL.
+        with ThreadPoolExecutor(1) as pool:
+            digest = pool.submit(sha256_file, tmp)
+            fsync_path(tmp)
+            sha256 = digest.result()
         entry = {"file": os.path.basename(final_path), "split": split,
                  "n_tokens": int(tokens.size), "n_docs": int(doc_offsets.size),
-                 "bytes": os.path.getsize(tmp), "sha256": sha256_file(tmp)}
+                 "bytes": os.path.getsize(tmp), "sha256": sha256}
         os.replace(tmp, final_path)
     except BaseException:
         if os.path.exists(tmp):

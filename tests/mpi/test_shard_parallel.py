@@ -93,3 +93,24 @@ def test_chunk_queue_hands_each_chunk_to_one_rank_and_favours_fast_ranks(tmp_pat
             assert len(got[0]) < len(chunk_sizes) / 6, (rnd, [len(g) for g in got])
         else:  # cap 12 of 30: no rank holds more than 12, so the slow one takes >= 6
             assert max(len(g) for g in got) == 12 and len(got[0]) >= 6, got
+
+
+def test_many_small_documents_per_chunk_and_shard(tmp_path):
+    """One play's ~1,400 paragraphs as JSONL documents: every round is cut into many chunks, so
+    each rank sends an owner several non-adjacent pieces of one shard (received in one message
+    through an indexed MPI datatype); rounds and shards both cut through chunks."""
+    import json
+
+    paras = [p.strip() for p in open(PLAYS[0], encoding="utf-8").read().split("\n\n") if p.strip()]
+    assert len(paras) > 1000
+    docs = tmp_path / "hamlet.jsonl"
+    docs.write_text("".join(json.dumps({"text": p}) + "\n" for p in paras))
+    outs = {}
+    for n in (1, 2, 3):
+        out = tmp_path / f"n{n}"
+        mpirun(n, ["-m", "data_tools", "shard", "--input", docs, "--output", out, "--tokenizer",
+                   "gpt2", "--shard-tokens", "9000", "--val-fraction", "0.1", "--seed", "3",
+                   "--round-bytes", "40000", "--no-progress"], timeout=180, check=True)
+        outs[n] = tree_bytes(out)
+    assert sum(n.startswith("train_") for n in outs[1]) >= 5
+    assert outs[2] == outs[1] and outs[3] == outs[1]
