@@ -60,7 +60,8 @@ class PreemptionGuard:
                        + (f" or < {cfg.time_margin_s:.0f}s left" if self._time_guard else ""))
 
     # ---- per step ---------------------------------------------------------------------------
-    def _local_reason(self) -> int:
+    def local_reason(self) -> int:
+        """This rank's own reason to stop (SIGNAL, WALLTIME on rank 0, or NONE); not agreed."""
         got = signals.received()
         if got:
             self.detail = f"signal {signal.Signals(got[0]).name}"
@@ -77,11 +78,17 @@ class PreemptionGuard:
     def should_stop(self, step: int) -> bool:
         """True on every rank, at the same step, once any rank got a signal or rank 0 saw the wall
         time run short. One small MPI all-reduce per call."""
-        if self.cfg.debug_step_sleep_s > 0:
-            time.sleep(self.cfg.debug_step_sleep_s)
+        self.debug_sleep()
         from mpi4py import MPI
 
-        reason = self.comm.allreduce(self._local_reason(), op=MPI.MAX)
+        return self.agreed(self.comm.allreduce(self.local_reason(), op=MPI.MAX), step)
+
+    def debug_sleep(self) -> None:
+        if self.cfg.debug_step_sleep_s > 0:  # tests: slow steps down so a signal lands mid-run
+            time.sleep(self.cfg.debug_step_sleep_s)
+
+    def agreed(self, reason: int, step: int) -> bool:
+        """Record a reason every rank agreed on (by any means) and log it; True if it says stop."""
         if reason != NONE:
             self.reason = reason
             if not self.detail:

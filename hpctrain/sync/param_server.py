@@ -1,10 +1,12 @@
 """Parameters held in MPI one-sided windows on server ranks (passive target RMA, MPI-3).
 
 Owns: the windows (the flat fp32 parameter vector, split evenly over the server ranks, and a
-per-worker step clock on the first server), and the worker-side operations on them: pull
+per-worker step clock plus a stop flag on the first server), and the operations on them: pull
 (`MPI_Get_accumulate` with `MPI_NO_OP`: an element-wise atomic read, so a pull never sees half an
 element of a concurrent update), push (`MPI_Accumulate` with `MPI_SUM`: element-wise atomic, so
-concurrent pushes from many workers all land), the step clock, and the bounded-staleness wait.
+concurrent pushes from many workers all land), the step clock, the bounded-staleness wait, and
+the stop flag (raised by any rank with MPI_MAX, so the highest stop reason wins; a worker waiting
+for a straggler sees it too, so a stop never leaves a worker waiting on one that has stopped).
 There is no server-side loop: server ranks only keep the MPI progress engine turning (they wait
 in a barrier) while workers read and write their memory.
 """
@@ -31,7 +33,8 @@ class ParameterServer:
             mine = np.ascontiguousarray(initial[lo:hi], dtype=np.float32).copy()
         self.memory = mine  # kept alive for the window's lifetime
         self.win = MPI.Win.Create(mine, disp_unit=4, comm=comm)
-        clocks = np.zeros(max(1, self.n_workers), dtype=np.int64) if comm.rank == self.servers[0] else None
+        # [clock of worker 0, ..., clock of worker n-1, stop flag]
+        clocks = np.zeros(self.n_workers + 1, dtype=np.int64) if comm.rank == self.servers[0] else None
         self.clock_memory = clocks
         self.clock_win = MPI.Win.Create(clocks, disp_unit=8, comm=comm)
         self.bytes_moved = 0  # by this worker: pulled + pushed parameter bytes
@@ -61,21 +64,44 @@ class ParameterServer:
         self.clock_win.Accumulate([value, MPI.INT64_T], self.servers[0], target=(worker, 1, MPI.INT64_T), op=MPI.REPLACE)
         self.clock_win.Unlock(self.servers[0])
 
-    def clocks(self) -> np.ndarray:
-        out = np.empty(self.n_workers, dtype=np.int64)
+    def _read_clocks(self) -> np.ndarray:
+        """[every worker's clock..., the stop flag], read atomically per element."""
+        out = np.empty(self.n_workers + 1, dtype=np.int64)
         self.clock_win.Lock(self.servers[0], MPI.LOCK_SHARED)
         self.clock_win.Get_accumulate([np.empty_like(out), MPI.INT64_T], [out, MPI.INT64_T], self.servers[0],
-                                      target=(0, self.n_workers, MPI.INT64_T), op=MPI.NO_OP)
+                                      target=(0, out.size, MPI.INT64_T), op=MPI.NO_OP)
         self.clock_win.Unlock(self.servers[0])
         return out
 
-    def wait_within(self, steps_done: int, bound: int, poll_s: float = 0.0005) -> int:
+    def clocks(self) -> np.ndarray:
+        return self._read_clocks()[:-1]
+
+    def stop_flag(self) -> int:
+        return int(self._read_clocks()[-1])
+
+    def raise_stop(self, reason: int) -> None:
+        """Any rank: ask every worker to stop (the flag keeps the highest reason raised)."""
+        value = np.array([reason], dtype=np.int64)
+        self.clock_win.Lock(self.servers[0], MPI.LOCK_SHARED)
+        self.clock_win.Accumulate([value, MPI.INT64_T], self.servers[0],
+                                  target=(self.n_workers, 1, MPI.INT64_T), op=MPI.MAX)
+        self.clock_win.Unlock(self.servers[0])
+
+    def reset_clocks(self, steps_done: int) -> None:
+        """First server, on resume: every worker at ``steps_done``, no stop raised."""
+        self.clock_memory[:-1] = steps_done
+        self.clock_memory[-1] = 0
+
+    def wait_within(self, steps_done: int, bound: int, stop_aware: bool = False,
+                    poll_s: float = 0.0005) -> tuple[int, int]:
         """Block until the slowest worker is at most `bound` steps behind `steps_done` (bound < 0:
-        never block). Returns the lag seen when it went on (this worker's staleness)."""
+        never block), or (``stop_aware``) until the stop flag is raised. Returns (the lag seen
+        when it went on: this worker's staleness, the stop flag)."""
         while True:
-            lag = steps_done - int(self.clocks().min())
-            if bound < 0 or lag <= bound:
-                return max(0, lag)
+            state = self._read_clocks()
+            lag, stop = steps_done - int(state[:-1].min()), int(state[-1]) if stop_aware else 0
+            if bound < 0 or lag <= bound or stop:
+                return max(0, lag), stop
             time.sleep(poll_s)
 
     def free(self) -> None:

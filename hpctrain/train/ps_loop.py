@@ -3,8 +3,16 @@
 config -> data -> model (same init everywhere) -> parameters into the servers' MPI windows ->
 each worker loop { wait while > sync.staleness steps ahead of the slowest worker -> pull ->
 forward/backward of its share of the step's batch -> its own optimizer step -> push the change
-(new - pulled) -> advance its clock } -> at checkpoint steps all ranks meet, pull and save ->
-final validation on the pulled parameters -> teardown.
+(new - pulled) -> advance its clock -> stop flag? } -> at checkpoint steps (or an agreed stop)
+all ranks meet, pull and save -> final validation on the pulled parameters -> teardown.
+
+Preemption (a Slurm signal or the wall-time guard, see hpctrain/dist/preempt.py) cannot use the
+lockstep trainer's per-step all-reduce: workers are at different steps and servers sit in MPI
+waiting. Any rank with a reason raises the stop flag in the clock window; a worker sees it at its
+next step boundary (or while waiting for a straggler) and goes to the meeting; the servers check
+their own signals while they wait there. The meeting (one all-reduce MAX of (step, reason)) gives
+the stop step: the furthest worker's step, never past the next regular checkpoint; the others
+catch up to it, all save, and exit with EXIT_PREEMPTED like any run.
 
 Owns: the worker/server roles and the order above. Workers take the same data a data-parallel run
 would (step s, dp index = worker index), so 1 worker with staleness 0 is plain SGD. Layouts (tp/pp/
@@ -25,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from hpctrain.checkpoint import CheckpointManager
 from hpctrain.config import Config
 from hpctrain.dist import DistContext
+from hpctrain.dist.preempt import NONE, PreemptionGuard
 from hpctrain.errors import ConfigError
 from hpctrain.metrics import MetricsLog
 from hpctrain.model import GPT, GPTConfig
@@ -80,6 +89,8 @@ class PSTrainer:
         self.ckpt = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep, ctx.rank, ctx.world_size,
                                       timeout_s=cfg.dist.timeout_s,
                                       async_cpu_share=cfg.checkpoint.async_cpu_share)
+        self.preempt = PreemptionGuard(cfg.slurm, ctx.comm, ctx.rank)  # signals + wall-time guard
+        self._raised = NONE
         self.step = 0
 
     # ---- checkpoints: every rank takes part; workers' optimizer states are kept per worker -------
@@ -126,7 +137,7 @@ class PSTrainer:
             lo, hi = self.ps.bounds[self.ps.servers.index(self.ctx.rank)]
             self.ps.memory[:] = _flat(self.params)[lo:hi]
             if self.ps.clock_memory is not None:
-                self.ps.clock_memory[:] = int(extra["step"])
+                self.ps.reset_clocks(int(extra["step"]))
         self.step = int(extra["step"])
         self.data.sampler.load_state_dict(extra["sampler"])
         self.ps.bytes_moved = int(sync["bytes_moved"])
@@ -150,11 +161,19 @@ class PSTrainer:
             print(f"training (ps): {self.n_workers} workers, {cfg.sync.ps_servers} servers, "
                   f"staleness {cfg.sync.staleness}, steps {self.step} -> {end}", file=sys.stderr, flush=True)
         for save_at in saves:
-            if not self.is_server:
-                while self.step < save_at:
-                    metrics.write(self._worker_step())
-            self.step = save_at
+            step, stop = self._run_to(save_at, metrics) if not self.is_server else (-1, NONE)
+            step, stop = self._meet(step, stop)
+            stop = stop if step < end else NONE  # a stop raised at the last step: just finish
+            if stop != NONE and not self.is_server:
+                while self.step < step:  # catch up with the furthest worker (no stop checks now)
+                    metrics.write(self._worker_step(stop_aware=False))
+            self.step = step
+            self.preempt.agreed(stop, step)
             self._save()
+            if stop != NONE:
+                metrics.close()
+                self.ps.free()
+                return self.preempt.finish(self.step)  # requeue the Slurm job and/or exit 75
         val = self._evaluate()
         if val is not None:
             metrics.write({"step": self.step, "val_loss": val})
@@ -164,10 +183,50 @@ class PSTrainer:
         self.ps.free()
         return 0
 
-    def _worker_step(self) -> dict:
+    # ---- stopping early --------------------------------------------------------------------------
+    def _raise_if_mine(self) -> None:
+        """Raise the stop flag if this rank has a reason to stop (once per reason)."""
+        mine = self.preempt.local_reason()
+        if mine > self._raised:
+            self.ps.raise_stop(mine)
+            self._raised = mine
+
+    def _stop_flag(self) -> int:
+        self._raise_if_mine()
+        return self.ps.stop_flag()
+
+    def _run_to(self, save_at: int, metrics) -> tuple[int, int]:
+        """Worker: step up to `save_at` unless the stop flag goes up first. (step, flag)."""
+        while self.step < save_at:
+            rec = self._worker_step(stop_aware=True)
+            if rec is None:  # the flag went up while this worker waited for a straggler
+                break
+            metrics.write(rec)
+            self.preempt.debug_sleep()
+            if self._stop_flag() != NONE:
+                break
+        return self.step, self._stop_flag()
+
+    def _meet(self, step: int, stop: int) -> tuple[int, int]:
+        """All ranks: (the furthest worker's step, the highest stop reason). Non-blocking, so a
+        server (here for a whole checkpoint interval) raises the flag on its own signals, and
+        polling keeps the workers' one-sided operations on its windows progressing."""
+        from mpi4py import MPI
+
+        send, got = np.array([step, stop], dtype=np.int64), np.empty(2, dtype=np.int64)
+        req = self.ctx.comm.Iallreduce(send, got, op=MPI.MAX)
+        while not req.Test():
+            if self.is_server:
+                self._raise_if_mine()
+            time.sleep(0)  # yield the core: ranks may be oversubscribed
+        return int(got[0]), int(got[1])
+
+    def _worker_step(self, stop_aware: bool) -> dict | None:
         t, worker = self.cfg.train, self.ctx.rank
         t0 = time.perf_counter()
-        lag = self.ps.wait_within(self.step, self.cfg.sync.staleness)
+        lag, stop = self.ps.wait_within(self.step, self.cfg.sync.staleness, stop_aware=stop_aware)
+        if stop != NONE:
+            return None
         pulled = np.empty(self.ps.n, dtype=np.float32)
         self.ps.pull(pulled)
         _assign(self.params, pulled)

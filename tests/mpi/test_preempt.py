@@ -113,3 +113,82 @@ def test_usr1_to_one_rank_stops_all_at_one_step_then_resumes(tmp_path, data):
     assert f"at step {s}" in r.stderr
     a, b = losses(straight), losses(stopped)
     assert sorted(b) == list(range(1, 25)) and all(a[k] == b[k] for k in a), (a, b)
+
+
+def pmi_rank(pid):
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next(int(e.split(b"=", 1)[1]) for e in env if e.startswith(b"PMI_RANK="))
+
+
+def signal_rank_midrun(n, cfg, run, rank, *extra):
+    """Start `n` ranks, wait for 4 logged steps, SIGUSR1 to `rank` only; (exit status, stderr)."""
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([mpiexec_path(), "-n", str(n), sys.executable, "-m", "hpctrain", "train",
+                             "--config", str(cfg), "--slurm.debug_step_sleep_s=0.25", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            m = run / "metrics.jsonl"
+            if m.exists() and len(m.read_text().splitlines()) >= 4:
+                break
+            time.sleep(0.2)
+        pids = {pmi_rank(p): p for p in rank_pids(proc.pid)}
+        assert sorted(pids) == list(range(n)), pids
+        os.kill(pids[rank], signal.SIGUSR1)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, err
+
+
+PS = ["--sync.mode=ps", "--sync.ps_servers=1"]
+
+
+def test_ps_signal_to_the_server_stops_the_worker_and_resumes_exactly(tmp_path, data):
+    """sync.mode = "ps": the signal lands on the server, which never steps: it raises the stop
+    flag in its window while it waits; the worker stops at its next step, all save; resume is
+    bit-exact (1 worker, staleness 0 is deterministic)."""
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    for run in (straight, stopped):
+        (tmp_path / f"{run.name}.toml").write_text(CFG.format(run=run, data=data))
+    common = [*PS, "--sync.staleness=0"]
+    mpirun(2, ["-m", "hpctrain", "train", "--config", tmp_path / "straight.toml", *common],
+           timeout=300, check=True)
+    code, err = signal_rank_midrun(2, tmp_path / "stopped.toml", stopped, 1, *common)
+    assert code == 75, err[-3000:]
+    line = next(l for l in err.splitlines() if l.startswith("stopping at step"))
+    s = int(line.split()[3].rstrip(":"))
+    assert 4 <= s < 24 and "signal on another rank" in line, line
+    assert f"checkpoint: step {s} -> " in err and "Traceback" not in err
+    assert max(losses(stopped)) == s
+
+    r = mpirun(2, ["-m", "hpctrain", "train", "--config", tmp_path / "stopped.toml", *common],
+               timeout=300, check=True)
+    assert f"at step {s}" in r.stderr
+    a, b = losses(straight), losses(stopped)
+    assert sorted(b) == list(range(1, 25)) and all(a[k] == b[k] for k in a), (a, b)
+
+
+def test_ps_signal_to_one_worker_stops_every_worker_at_one_step(tmp_path, data):
+    """2 workers (bounded staleness 1, worker 1 slowed) + 1 server: USR1 to worker 1 only; both
+    workers meet at the furthest one's step, the checkpoint is written there, exit 75 on every
+    rank; the same command finishes the run."""
+    run = tmp_path / "ps2"
+    (tmp_path / "ps2.toml").write_text(CFG.format(run=run, data=data))
+    common = [*PS, "--sync.staleness=1", "--train.debug_delay_rank=1", "--train.debug_delay_s=0.05"]
+    code, err = signal_rank_midrun(3, tmp_path / "ps2.toml", run, 1, *common)
+    assert code == 75, err[-3000:]
+    stops = [l for l in err.splitlines() if l.startswith("stopping at step")]
+    assert len(stops) == 1, err[-3000:]
+    s = int(stops[0].split()[3].rstrip(":"))
+    assert 4 <= s < 24 and f"checkpoint: step {s} -> " in err and "Traceback" not in err
+    assert max(losses(run)) == s  # worker 0 caught up to (or was at) the agreed step
+    state = json.loads((run / "checkpoints" / f"step_{s:08d}" / "trainer_state.json").read_text())
+    assert state["step"] == s
+
+    r = mpirun(3, ["-m", "hpctrain", "train", "--config", tmp_path / "ps2.toml", *common],
+               timeout=300, check=True)
+    assert f"at step {s}" in r.stderr
+    assert sorted(losses(run)) == list(range(1, 25))
