@@ -1,8 +1,8 @@
 """The one source of truth for a run's settings: dataclasses, TOML loading, `--section.key=value` overrides.
 
-Owns: the schema (every key, its type, default and meaning), parsing, type coercion and validation of
-values that need no other context. Unknown keys, missing required keys and ill-typed values are
-`ConfigError`s naming the key. It must never import torch or touch the filesystem beyond reading the
+Owns: the schema (every key, its type, default and meaning), parsing and type coercion; the rules on
+values live in config_rules.py (`Config.validate`). Unknown keys, missing required keys and ill-typed
+values are `ConfigError`s naming the key. It must never import torch or touch the filesystem beyond reading the
 TOML file.
 """
 from __future__ import annotations
@@ -207,38 +207,9 @@ class Config:
     sync: SyncConfig = field(default_factory=SyncConfig)
 
     def validate(self) -> "Config":
-        m, t = self.model, self.train
-        _check(m.n_layer >= 1, "model.n_layer", "must be >= 1")
-        _check(m.n_head >= 1 and m.n_embd % m.n_head == 0, "model.n_head",
-               f"n_embd={m.n_embd} must be divisible by n_head={m.n_head}")
-        _check(m.block_size >= 1, "model.block_size", "must be >= 1")
-        _check(0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)")
-        _check(t.steps >= 1, "train.steps", "must be >= 1")
-        _check(0 <= t.stop_at_step <= t.steps, "train.stop_at_step", f"must be in [0, train.steps={t.steps}]")
-        _check(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
-        _check(t.grad_accum >= 1, "train.grad_accum", "must be >= 1")
-        _check(t.precision in ("fp32", "bf16"), "train.precision", f"{t.precision!r}: expected fp32 or bf16")
-        _check(0 <= t.warmup_steps <= t.steps, "train.warmup_steps", "must be in [0, train.steps]")
-        _check(self.checkpoint.interval >= 1, "checkpoint.interval", "must be >= 1")
-        _check(self.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
-        _check(0 < self.checkpoint.async_cpu_share <= 1, "checkpoint.async_cpu_share", "must be in (0, 1]")
-        _check(t.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1")
-        _check(t.inject_nan_at_step >= 0, "train.inject_nan_at_step", "must be >= 0")
-        _check(t.straggler_window >= 2, "train.straggler_window", "must be >= 2")
-        _check(t.debug_delay_s >= 0, "train.debug_delay_s", "must be >= 0")
-        _check(self.dist.heartbeat_timeout_s >= 0, "dist.heartbeat_timeout_s", "must be >= 0")
-        _check(self.data.verify in ("checksum", "size"), "data.verify", "expected checksum or size")
-        _check(self.data.cache_bytes >= 0, "data.cache_bytes", "must be >= 0 (0 = auto)")
-        _check(self.data.prefetch >= 0, "data.prefetch", "must be >= 0")
-        _check(self.dist.backend in ("auto", "nccl", "gloo"), "dist.backend", "expected auto, nccl or gloo")
-        _check(self.dist.grad_sync in ("auto", "mpi", "backend", "powersgd"), "dist.grad_sync",
-               f"{self.dist.grad_sync!r}: expected auto, mpi, backend or powersgd")
-        _check(self.dist.powersgd_rank >= 1, "dist.powersgd_rank", "must be >= 1")
-        _check(t.optimizer in ("adamw", "sgd"), "train.optimizer", f"{t.optimizer!r}: expected adamw or sgd")
-        _check(0.0 <= t.momentum < 1.0, "train.momentum", "must be in [0, 1)")
-        _validate_sync(self.sync, self.parallel)
-        _validate_parallel(self.parallel, m, t.compile)
-        _validate_slurm(self.slurm)
+        from hpctrain.config_rules import validate  # the rules on values, per key and across keys
+
+        validate(self)
         return self
 
     @property
@@ -249,71 +220,8 @@ class Config:
         return dataclasses.asdict(self)
 
 
-def _validate_slurm(sl: SlurmConfig) -> None:
-    _check(sl.requeue in ("auto", "true", "false"), "slurm.requeue", f"{sl.requeue!r}: expected auto, true or false")
-    from hpctrain.signals import parse  # standard library only
-
-    try:
-        parse(sl.signals)
-    except ValueError as e:
-        raise ConfigError(f"config key 'slurm.signals': {e} (expected e.g. USR1,TERM)") from None
-    _check(sl.time_margin_s >= 0, "slurm.time_margin_s", "must be >= 0")
-    _check(sl.time_check_s > 0, "slurm.time_check_s", "must be > 0")
-    _check(sl.debug_step_sleep_s >= 0, "slurm.debug_step_sleep_s", "must be >= 0")
-
-def _validate_sync(s: SyncConfig, p: ParallelConfig) -> None:
-    _check(s.mode in ("sync", "diloco", "ps"), "sync.mode", f"{s.mode!r}: expected sync, diloco or ps")
-    _check(s.inner_steps >= 1, "sync.inner_steps", "must be >= 1")
-    _check(s.outer_lr > 0, "sync.outer_lr", "must be > 0")
-    _check(0.0 <= s.outer_momentum < 1.0, "sync.outer_momentum", "must be in [0, 1)")
-    _check(1 <= s.fragments <= s.inner_steps, "sync.fragments", "must be in [1, sync.inner_steps]")
-    _check(s.compression in ("none", "bf16", "int8"), "sync.compression",
-           f"{s.compression!r}: expected none, bf16 or int8")
-    _check(s.int8_block >= 0, "sync.int8_block", "must be >= 0")
-    _check(s.ps_servers >= 1, "sync.ps_servers", "must be >= 1")
-    _check(s.staleness >= -1, "sync.staleness", "must be >= -1 (-1 = unbounded)")
-    if s.mode == "diloco":
-        _check(p.data_parallel == "ddp", "parallel.data_parallel",
-               "sync.mode = 'diloco' replicates over dp: use 'ddp' (FSDP inside a replica is not "
-               "supported yet)")
-    if s.mode == "ps":
-        _check(p.tp == 1 and p.pp == 1 and p.dp == 0, "sync.mode",
-               "'ps' runs one model copy per worker rank: leave parallel.dp/tp/pp at their defaults")
-
-
-def _validate_parallel(p: ParallelConfig, m: ModelConfig, compile: bool = False) -> None:
-    """Layout checks that need no world size (the mesh checks dp * tp * pp == world)."""
-    _check(p.dp >= 0, "parallel.dp", f"{p.dp}: must be >= 0 (0 = derived from the world size)")
-    _check(p.tp >= 1, "parallel.tp", f"{p.tp}: must be >= 1")
-    _check(p.pp >= 1, "parallel.pp", f"{p.pp}: must be >= 1")
-    _check(p.data_parallel in ("ddp", "fsdp"), "parallel.data_parallel",
-           f"{p.data_parallel!r}: expected ddp or fsdp")
-    _check(p.pp_schedule in ("gpipe", "1f1b", "interleaved"), "parallel.pp_schedule",
-           f"{p.pp_schedule!r}: expected gpipe, 1f1b or interleaved")
-    _check(p.pp_virtual_stages >= 1, "parallel.pp_virtual_stages", "must be >= 1")
-    _check(p.activation_checkpoint in ("none", "full", "selective"), "parallel.activation_checkpoint",
-           f"{p.activation_checkpoint!r}: expected none, full or selective")
-    _check(p.ac_every >= 1, "parallel.ac_every", "must be >= 1")
-    _check(not (compile and p.pp > 1), "train.compile",
-           "not supported with pipeline parallelism (parallel.pp > 1): the pipeline schedule runs "
-           "stage modules directly; set train.compile = false")
-    _check(m.n_head % p.tp == 0, "parallel.tp",
-           f"tp={p.tp} must divide model.n_head={m.n_head} (each rank holds n_head / tp heads)")
-    _check(m.block_size % p.tp == 0, "parallel.tp",
-           f"tp={p.tp} must divide model.block_size={m.block_size} (sequence parallelism)")
-    stages = p.pp * (p.pp_virtual_stages if p.pp_schedule == "interleaved" and p.pp > 1 else 1)
-    _check(stages <= m.n_layer, "parallel.pp",
-           f"pp={p.pp} x virtual stages gives {stages} pipeline stages but model.n_layer={m.n_layer}: "
-           f"every stage needs at least one block")
-
-
 # Spellings accepted for a key: TOML `async` is a Python keyword, so the field is `async_save`.
 ALIASES = {"checkpoint.async": "async_save"}
-
-
-def _check(ok: bool, key: str, msg: str) -> None:
-    if not ok:
-        raise ConfigError(f"config key '{key}': {msg}")
 
 
 def _sections() -> dict[str, type]:
