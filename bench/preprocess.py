@@ -48,18 +48,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def tile_corpus(dst: str, copies: int) -> list[str]:
-    from data_tools.corpora import shakespeare_files
-
-    files = []
-    for c in range(copies):
-        for f in shakespeare_files():
-            out = os.path.join(dst, f"c{c:02d}_{os.path.basename(f)}")
-            shutil.copyfile(f, out)
-            files.append(out)
-    return files
-
-
 def raw_worker(listfile: str, part: int, parts: int) -> None:
     """Subprocess: tokenize documents part::parts of the list, print tokens and seconds."""
     from data_tools.tokenizers import get_tokenizer
@@ -205,6 +193,7 @@ def paired(args, base, env, listfile, tmp) -> None:
 
 
 def main() -> None:
+    from data_tools.corpora import tile_shakespeare
     from data_tools.shard import DEFAULT_SHARD_TOKENS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -231,7 +220,7 @@ def main() -> None:
             files, what = expand_inputs([args.input]), args.input
         else:
             os.makedirs(os.path.join(tmp, "corpus"))
-            files = tile_corpus(os.path.join(tmp, "corpus"), args.copies)
+            files = tile_shakespeare(os.path.join(tmp, "corpus"), args.copies)
             what = f"Shakespeare x{args.copies}"
         listfile = os.path.join(tmp, "files.txt")
         with open(listfile, "w") as f:

@@ -37,6 +37,20 @@ def shakespeare_files() -> list[str]:
     return files
 
 
+def tile_shakespeare(dst: str, copies: int) -> list[str]:
+    """Copy the 42 plays ``copies`` times into ``dst`` (``c00_<play>``, ...; ~5.1 MB per copy):
+    a bigger real corpus for benchmarks and memory tests.  Returns the new files."""
+    import shutil
+
+    files = []
+    for c in range(copies):
+        for f in shakespeare_files():
+            out = os.path.join(dst, f"c{c:02d}_{os.path.basename(f)}")
+            shutil.copyfile(f, out)
+            files.append(out)
+    return files
+
+
 CORPORA = {"shakespeare": (shakespeare_files, shakespeare_dir)}
 
 

@@ -34,6 +34,14 @@ TOKENIZER_FILE = "tokenizer.json"  # a trained tokenizer, copied beside the shar
 ROUND_BYTES = 64 << 20  # MPI: text each rank tokenizes per round (bounds memory, see docs/data.md)
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MB."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2 ** 20 if sys.platform == "darwin" else peak / 2 ** 10  # bytes on macOS, else KiB
+
+
 def prepare_output(out: str) -> None:
     """Create ``out`` or clear a previous hpctrain dataset there; refuse anything else.
 
@@ -234,13 +242,13 @@ def shard_dataset(inputs, output, tokenizer="gpt2", shard_tokens=DEFAULT_SHARD_T
                          round_bytes, dtype, bar)
     if bar is not None:
         bar.close()
-    gathered = comm.gather(entries, root=0)
+    gathered = comm.gather((entries, peak_rss_mb()), root=0)
 
     def finish():
         if rank != 0:
             return None
         order = {s: i for i, s in enumerate(SPLITS)}
-        shards = sorted((e for part in gathered for e in part),
+        shards = sorted((e for part, _ in gathered for e in part),
                         key=lambda e: (order[e["split"]], e["file"]))
         manifest = {
             "format_version": FORMAT_VERSION,
@@ -280,5 +288,7 @@ def shard_dataset(inputs, output, tokenizer="gpt2", shard_tokens=DEFAULT_SHARD_T
             f"  val:   {nd['val']} docs, {nt['val']:,} tokens, {count['val']} shards\n"
             f"  tokenizer {tok.name} (vocab {tok.vocab_size}, {dtype.name}), {size} rank(s), "
             f"{dt:.2f} s total (setup {t_plan - t0:.2f} s); tokenize + write "
-            f"{dw:.2f} s = {total / max(dw, 1e-9):,.0f} tokens/s")
+            f"{dw:.2f} s = {total / max(dw, 1e-9):,.0f} tokens/s\n"
+            f"  peak memory {max(mb for _, mb in gathered):,.0f} MB (max RSS over ranks; see docs/data.md "
+            f"for the bound)")
     return manifest

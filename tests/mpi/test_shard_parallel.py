@@ -114,3 +114,24 @@ def test_many_small_documents_per_chunk_and_shard(tmp_path):
         outs[n] = tree_bytes(out)
     assert sum(n.startswith("train_") for n in outs[1]) >= 5
     assert outs[2] == outs[1] and outs[3] == outs[1]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_peak_memory_does_not_grow_with_the_corpus(tmp_path, ranks):
+    """3x the text (20 -> 61 MB, +12.7M GPT-2 tokens), same peak memory: 1 rank streams shards
+    as they fill, N ranks work in rounds of --round-bytes. Holding the extra tokens alone would
+    add 25 MB; the text, 41 MB."""
+    import re
+
+    from data_tools.corpora import tile_shakespeare
+
+    peak = {}
+    for copies in (4, 12):
+        src = tmp_path / f"c{copies}"
+        src.mkdir()
+        tile_shakespeare(str(src), copies)
+        r = mpirun(ranks, ["-m", "data_tools", "shard", "--input", src, "--output", tmp_path / f"o{copies}",
+                           "--tokenizer", "gpt2", "--shard-tokens", "500000", "--round-bytes", "1000000",
+                           "--val-fraction", "0.01", "--no-progress"], timeout=300, check=True)
+        peak[copies] = float(re.search(r"peak memory ([\d,]+) MB", r.stdout).group(1).replace(",", ""))
+    assert peak[12] - peak[4] < 8, peak
