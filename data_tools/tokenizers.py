@@ -109,29 +109,45 @@ class GPT2Tokenizer(Tokenizer):
         return self.enc.decode([int(i) for i in np.asarray(ids).ravel()])
 
 
+def _data_gym_bytes() -> dict[str, str]:
+    """GPT-2's byte <-> printable-character map ("data gym" encoding of encoder.json keys), as a
+    str.translate table from each character to the latin-1 character of its byte."""
+    printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
+    others = [b for b in range(256) if b not in printable]
+    table = {ord(chr(b)): chr(b) for b in printable}
+    table.update({256 + n: chr(b) for n, b in enumerate(others)})
+    return table
+
+
+def gpt2_mergeable_ranks() -> dict[bytes, int]:
+    """GPT-2's {token bytes: rank} from encoder.json, the files checked against their pinned
+    sha256. The same dict as tiktoken's data_gym_to_mergeable_bpe_ranks (tested), ~4x faster:
+    one str.translate per token instead of a Python generator, and vocab.bpe's merges are not
+    re-derived (their order equals the ranks in the genuine files, which the hashes pin)."""
+    import hashlib
+    import json
+
+    vocab_bpe, encoder_json = gpt2_files()
+    blobs = {}
+    for path, want in ((vocab_bpe, GPT2_VOCAB_BPE_SHA256), (encoder_json, GPT2_ENCODER_JSON_SHA256)):
+        with open(path, "rb") as f:
+            blobs[path] = f.read()
+        if hashlib.sha256(blobs[path]).hexdigest() != want:
+            raise DataError(path, f"not the genuine GPT-2 BPE file (sha256 mismatch); {GPT2_INSTALL}")
+    table = _data_gym_bytes()
+    ranks = {k.translate(table).encode("latin-1"): v for k, v in json.loads(blobs[encoder_json]).items()
+             if k not in (ENDOFTEXT, "<|startoftext|>")}
+    if len(ranks) != 50256 or sorted(ranks.values()) != list(range(50256)):
+        raise DataError(encoder_json, f"not the GPT-2 vocabulary (expected ranks 0..50255); {GPT2_INSTALL}")
+    return ranks
+
+
 @functools.lru_cache(maxsize=1)
 def _gpt2_encoding():
     import tiktoken
-    import tiktoken.load
 
-    vocab_bpe, encoder_json = gpt2_files()
-    # tiktoken copies even local files into a cache dir under /tmp unless the cache dir is "".
-    saved = os.environ.get("TIKTOKEN_CACHE_DIR")
-    os.environ["TIKTOKEN_CACHE_DIR"] = ""
-    try:
-        ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(
-            vocab_bpe_file=vocab_bpe, encoder_json_file=encoder_json,
-            vocab_bpe_hash=GPT2_VOCAB_BPE_SHA256, encoder_json_hash=GPT2_ENCODER_JSON_SHA256)
-    except ValueError as e:  # hash mismatch
-        raise DataError(vocab_bpe, f"not the genuine GPT-2 BPE files ({e}); {GPT2_INSTALL}") from None
-    finally:
-        if saved is None:
-            del os.environ["TIKTOKEN_CACHE_DIR"]
-        else:
-            os.environ["TIKTOKEN_CACHE_DIR"] = saved
-    enc = tiktoken.Encoding(name="gpt2", pat_str=GPT2_PAT_STR, mergeable_ranks=ranks,
-                            special_tokens={ENDOFTEXT: 50256}, explicit_n_vocab=50257)
-    return enc
+    return tiktoken.Encoding(name="gpt2", pat_str=GPT2_PAT_STR, mergeable_ranks=gpt2_mergeable_ranks(),
+                             special_tokens={ENDOFTEXT: 50256}, explicit_n_vocab=50257)
 
 
 class FileTokenizer(Tokenizer):

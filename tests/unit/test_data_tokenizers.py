@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from data_tools.corpora import shakespeare_dir, shakespeare_files
-from data_tools.tokenizers import ENDOFTEXT, get_tokenizer, gpt2_files
+from data_tools.tokenizers import (ENDOFTEXT, GPT2_ENCODER_JSON_SHA256, GPT2_VOCAB_BPE_SHA256,
+                                   get_tokenizer, gpt2_files, gpt2_mergeable_ranks)
 from data_tools.format import DataError
 
 
@@ -32,6 +33,29 @@ def test_gpt2_known_encodings():
     assert tok.eot_id not in tok.encode("a <|endoftext|> b").tolist()
     assert tok.decode([15496, 995, 50256]) == "Hello world" + ENDOFTEXT
     assert all(os.path.isfile(f) for f in gpt2_files())
+
+
+def test_gpt2_ranks_equal_tiktokens_own_conversion(monkeypatch):
+    """The fast encoder.json reading gives exactly tiktoken's data-gym ranks (which also checks
+    the merges in vocab.bpe against them)."""
+    import tiktoken.load
+
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")  # read the local files in place
+    vocab_bpe, encoder_json = gpt2_files()
+    ref = tiktoken.load.data_gym_to_mergeable_bpe_ranks(vocab_bpe, encoder_json, GPT2_VOCAB_BPE_SHA256,
+                                                        GPT2_ENCODER_JSON_SHA256)
+    assert gpt2_mergeable_ranks() == ref
+
+
+def test_gpt2_files_not_genuine_are_refused(tmp_path, monkeypatch):
+    import data_tools.tokenizers as T
+
+    vocab_bpe, encoder_json = gpt2_files()
+    fake = tmp_path / "encoder.json"
+    fake.write_bytes(open(encoder_json, "rb").read().replace(b'"the"', b'"teh"', 1))
+    monkeypatch.setattr(T, "gpt2_files", lambda: (vocab_bpe, str(fake)))
+    with pytest.raises(DataError, match="encoder.json: not the genuine GPT-2 BPE file"):
+        gpt2_mergeable_ranks()
 
 
 def test_gpt2_round_trips_shakespeare(hamlet):
