@@ -141,8 +141,9 @@ class RoundExchange:
         plan = [(si, s, k) for si, s in enumerate(SPLITS) if starts[-1, si] > starts[0, si]
                 for k in range(int(starts[0, si]) // S, (int(starts[-1, si]) - 1) // S + 1)]
         # One token message and one doc-offset message per (peer, shard): a rank's pieces of a
-        # shard are concatenated by the sender (in chunk order) and scattered straight into
-        # the owner's buffer by an indexed MPI datatype built from the allgathered counts.
+        # shard go out in chunk order as one message (an hindexed MPI datatype over the pieces
+        # where they lie) and land straight in the owner's buffer (an indexed datatype built
+        # from the allgathered counts).
         requests, types, first_err = [], [], None
         for si, s, k in plan:
             dest = self.owner(si, k)
@@ -150,9 +151,14 @@ class RoundExchange:
                 continue
             spans = [(c, *piece(c, si, k)) for c in mine]
             parts = [part(c, s, si, a, b) for c, a, b in spans if a < b]
+            if len(parts) == 1:
+                requests.append(comm.Isend(parts[0][0], dest=dest, tag=_TAG_TOKENS))
+            elif parts:  # the pieces in place (absolute addresses from MPI_BOTTOM): no send copy
+                mpi_type = from_numpy_dtype(self.dtype).Create_hindexed(
+                    [t.size for t, _ in parts], [MPI.Get_address(t) for t, _ in parts]).Commit()
+                types.append(mpi_type)
+                requests.append(comm.Isend([MPI.BOTTOM, 1, mpi_type], dest=dest, tag=_TAG_TOKENS))
             if parts:
-                toks = np.concatenate([t for t, _ in parts]) if len(parts) > 1 else parts[0][0]
-                requests.append(comm.Isend(toks, dest=dest, tag=_TAG_TOKENS))
                 requests.append(comm.isend(np.concatenate([d for _, d in parts]) - k * S, dest=dest,
                                            tag=_TAG_DOCS))
         for si, s, k in plan:
