@@ -21,8 +21,8 @@ Paired trials (--paired-trials, 0 skips them): this VM's per-core speed swings b
 within a second, so even bracketed sequential ratios scatter by +-15% per trial. A paired trial
 runs the sharder and a raw tiktoken loop AT THE SAME TIME on the same core (1 rank: both pinned to
 core 0; 2 ranks: rank c and a loop pinned to core c), so every speed swing hits both sides alike;
-the ratio is the shard's tokens/s over its tokenize + write window against the loop's tokens/s
-over the same window (a core shared 50/50 halves both). Whatever the shard leaves idle (waiting
+the ratio is the shard's tokens/s over its tokenize + write window (ending when its summary line
+arrives) against the loop's tokens/s over the same window (a core shared 50/50 halves both). Whatever the shard leaves idle (waiting
 on fsync or on the other rank) goes to the loop: the pairing can only count against the shard.
 For 2 ranks the reference is the mean of the two cores' loops: one raw process per core, with
 the other core busy too — so the pairing also takes out the VM's own 2-core scaling loss, which
@@ -73,19 +73,28 @@ def raw_rate(listfile: str, parts: int) -> tuple[float, int]:
 
 def shard_run(cmd: list[str], env: dict) -> tuple[float, float, int, tuple[float, float]]:
     """Run the sharder: (its tokenize + write rate, end-to-end rate, tokens, the monotonic-clock
-    window of its tokenize + write phase — it ends at the final log line, just before exit)."""
+    window of its tokenize + write phase). The phase ends when the sharder prints its summary
+    (flushed at once): the window is stamped when that line arrives, not at process exit, so
+    it leaves out Python's and MPI's teardown (up to ~0.1 s with mpiexec, when a paired loop
+    would have the core to itself)."""
     t0 = time.perf_counter()
     # A session of its own = an autogroup of its own (as mpiexec gives each rank), so a paired
     # loop and the shard split a core 50/50 whoever started them.
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800,
-                       start_new_session=True)
-    t_exit = time.perf_counter()
-    if r.returncode:
-        raise SystemExit(f"failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
-    m = re.search(r"tokenize \+ write ([\d.]+) s = ([\d,]+) tokens/s", r.stdout)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=ROOT, start_new_session=True)
+    lines, t_end = [], None
+    for line in proc.stdout:
+        if t_end is None and "tokenize + write" in line:
+            t_end = time.perf_counter()
+        lines.append(line)
+    proc.wait(timeout=1800)
+    t_exit, out = time.perf_counter(), "".join(lines)
+    if proc.returncode or t_end is None:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{out[-2000:]}")
+    m = re.search(r"tokenize \+ write ([\d.]+) s = ([\d,]+) tokens/s", out)
     rate, phase = float(m.group(2).replace(",", "")), float(m.group(1))
-    tokens = sum(int(x.replace(",", "")) for x in re.findall(r"docs, ([\d,]+) tokens", r.stdout))
-    return rate, tokens / (t_exit - t0), tokens, (t_exit - phase, t_exit)
+    tokens = sum(int(x.replace(",", "")) for x in re.findall(r"docs, ([\d,]+) tokens", out))
+    return rate, tokens / (t_exit - t0), tokens, (t_end - phase, t_end)
 
 
 def shard_rate(cmd: list[str], env: dict) -> tuple[float, float, int]:
