@@ -30,104 +30,12 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystem
 
 from hpctrain.checkpoint import background, faults, layout
+from hpctrain.checkpoint.dcp_io import RecordingFileSystem, describe, failure, no_zip_crc32
 from hpctrain.checkpoint.layout import CheckpointError
 from hpctrain.checkpoint.safe_load import SafeFileSystemReader, TensorOnlyLoadPlanner
 from hpctrain.checkpoint.state import check_json, merge_values, split_state
-
-# ----------------------------------------------------------------------------------------------
-# Failures: one line each, reported by the rank where they happened
-# ----------------------------------------------------------------------------------------------
-
-def _describe(exc: BaseException) -> str:
-    """One line for an exception; unwraps DCP's CheckpointException to the first rank's error."""
-    if isinstance(exc, CheckpointException) and exc.failures:
-        rank, (inner, _) = sorted(exc.failures.items())[0]
-        return _describe(inner)
-    text = str(exc) if isinstance(exc, (OSError, CheckpointError)) else f"{type(exc).__name__}: {exc}"
-    return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-
-
-def _failure(exc: BaseException, rank: int, io_error: OSError | None = None) -> tuple[int, str]:
-    """(priority, one line) for the agreement step. 0: this rank's own error; 1: DCP relaying
-    another rank's error (DCP pickles exceptions between ranks and loses their causes, so the rank
-    where it happened reports it best, e.g. the OSError torch.save turned into a RuntimeError)."""
-    if io_error is not None:
-        return 0, _describe(io_error)
-    relayed = isinstance(exc, CheckpointException) and exc.failures and rank not in exc.failures
-    return (1 if relayed else 0), _describe(exc)
-
-
-class _RecordingFileSystem(FileSystem):
-    """DCP's local FileSystem, remembering the first OSError a write stream raised on this rank
-    (and pacing the writes of a background save)."""
-
-    def __init__(self, pacer: background.Pacer | None = None):
-        super().__init__()
-        self.first_error: OSError | None = None
-        self.pacer = pacer
-
-    @contextmanager
-    def create_stream(self, path, mode):
-        try:
-            if "w" in mode:
-                faults.file_point("open", path)
-            with super().create_stream(path, mode) as stream:
-                yield _RecordingStream(stream, self, path) if "w" in mode else stream
-            if "w" in mode:
-                faults.file_point("closed", path)
-        except OSError as e:
-            self._record(e, path)
-            raise
-
-    def _record(self, e: OSError, path) -> None:
-        if self.first_error is None:
-            if e.filename is None:
-                e = OSError(e.errno, e.strerror, str(path))
-            self.first_error = e
-
-
-class _RecordingStream:
-    def __init__(self, stream, fs: _RecordingFileSystem, path):
-        self._stream, self._fs, self._path = stream, fs, path
-        self._written = False
-
-    def write(self, data):
-        try:
-            n = self._stream.write(data)
-            if self._fs.pacer is not None:
-                self._fs.pacer.pace()
-            if not self._written:  # after the first chunk: a partial file (fault injection)
-                self._written = True
-                self._stream.flush()
-                faults.file_point("write", self._path)
-            return n
-        except OSError as e:
-            self._fs._record(e, self._path)
-            raise
-
-    def __getattr__(self, name):
-        return getattr(self._stream, name)
-
-
-@contextmanager
-def _no_zip_crc32():
-    """DCP writes each tensor with torch.save, whose zip records carry a CRC32 computed at ~100 MB/s
-    per core: 6x slower than the disk here. Our COMMIT.json has sizes and sha256 (full_checksums),
-    so the CRC is redundant; files without it load the same (torch.load does not require it)."""
-    import torch.serialization as ser
-
-    if not hasattr(ser, "set_crc32_options"):
-        yield
-        return
-    before = ser.get_crc32_options()
-    ser.set_crc32_options(False)
-    try:
-        yield
-    finally:
-        ser.set_crc32_options(before)
 
 
 @dataclass
@@ -207,7 +115,7 @@ class CheckpointManager:
                 path, _ = layout.find_latest(self.root)
                 answer = ("ok", str(path) if path else None)
             except Exception as e:  # noqa: BLE001 - must reach the broadcast
-                answer = ("error", f"cannot scan checkpoints in {self.root}: {_describe(e)}")
+                answer = ("error", f"cannot scan checkpoints in {self.root}: {describe(e)}")
         status, value = self._bcast(answer)
         if status == "error":
             raise CheckpointError(value)
@@ -237,7 +145,7 @@ class CheckpointManager:
             job.tensors = background.stage(job.tensors, self._staging)
             faults.hit("save.staged")
         except Exception as e:  # noqa: BLE001 - agreed below
-            err = _failure(e, self.rank)
+            err = failure(e, self.rank)
         try:
             self._agree(err, job.prefix)
         except CheckpointError:
@@ -288,7 +196,7 @@ class CheckpointManager:
                 layout.fsync_dir(self.root)
                 faults.hit("save.tmp_created")
         except Exception as e:  # noqa: BLE001 - reported on every rank below
-            err = _failure(e, self.rank)
+            err = failure(e, self.rank)
         steps = self._gather((err, step))
         self._raise_first([e for e, _ in steps], job.prefix)
         if len({s for _, s in steps}) > 1:
@@ -301,12 +209,12 @@ class CheckpointManager:
         tmp, prefix = job.tmp, job.prefix
         # 2. every rank writes its DCP shards; rank 0 the JSON files. Agree on success.
         digest, hashes = hashlib.sha256(job.values_json.encode()).hexdigest(), {}
-        fs = _RecordingFileSystem(pacer)
+        fs = RecordingFileSystem(pacer)
         try:
             writer = dcp.FileSystemWriter(tmp, sync_files=True, thread_count=self.writer_threads)
             writer.fs = fs
             faults.hit("save.before_write")
-            with self._quiet(), _no_zip_crc32():
+            with self._quiet(), no_zip_crc32():
                 metadata = dcp.save(job.tensors, storage_writer=writer, no_dist=not self._dist,
                                     process_group=group)
             faults.hit("save.dcp_done")
@@ -319,7 +227,7 @@ class CheckpointManager:
                 faults.hit("save.nontensor")
             err = None
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
-            err = _failure(e, self.rank, fs.first_error)
+            err = failure(e, self.rank, fs.first_error)
         try:
             results = self._gather((err, digest, hashes), group)
             self._raise_first([e for e, _, _ in results], prefix)
@@ -343,7 +251,7 @@ class CheckpointManager:
                 layout.install(tmp, job.final)
                 faults.hit("commit.done")
             except Exception as e:  # noqa: BLE001
-                err = _describe(e)
+                err = describe(e)
                 self._discard(tmp)
         err = self._bcast(err, group)
         if err:
@@ -354,7 +262,7 @@ class CheckpointManager:
             try:
                 layout.prune(self.root, self.keep)
             except Exception as e:  # noqa: BLE001 - the new checkpoint is committed regardless
-                layout.warn(f"checkpoint retention in {self.root} failed: {_describe(e)}")
+                layout.warn(f"checkpoint retention in {self.root} failed: {describe(e)}")
         faults.hit("save.end")
         return job.final
 
@@ -374,7 +282,7 @@ class CheckpointManager:
                 values = json.loads((path / layout.NONTENSOR_FILE).read_bytes())
                 payload = ("ok", (metadata, extra, values))
             except Exception as e:  # noqa: BLE001
-                payload = ("error", _describe(e))
+                payload = ("error", describe(e))
         status, value = self._bcast(payload)
         if status == "error":
             raise CheckpointError(f"{prefix} failed: {value}")
@@ -384,7 +292,7 @@ class CheckpointManager:
         try:  # agree on the target state before entering DCP's collectives
             tensors, _ = split_state(state)
         except Exception as e:  # noqa: BLE001
-            err = _failure(e, self.rank)
+            err = failure(e, self.rank)
         self._agree(err, prefix)
         try:
             reader = SafeFileSystemReader(path, metadata=metadata)
@@ -393,7 +301,7 @@ class CheckpointManager:
                          no_dist=not self._dist)
             merge_values(state, values, str(path))
         except (Exception, CheckpointException) as e:  # noqa: BLE001
-            err = _failure(e, self.rank)
+            err = failure(e, self.rank)
         self._agree(err, prefix)
         self.last_load_s = time.perf_counter() - t0
         return extra

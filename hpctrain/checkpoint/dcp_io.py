@@ -1,0 +1,104 @@
+"""How DCP's writes reach the disk on this rank, and how a failure becomes one line.
+
+Owns: DCP's local FileSystem wrapped to remember the first OSError a write stream raised (the
+rank where a disk fills reports it, not DCP's relayed copy), pace a background save's writes and
+host the file-level fault-injection points; the zip CRC32 switched off while DCP writes (COMMIT.json
+carries sha256); the one-line description of any checkpoint failure.  Used by manager.py only.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from hpctrain.checkpoint import background, faults
+from hpctrain.checkpoint.layout import CheckpointError
+
+def describe(exc: BaseException) -> str:
+    """One line for an exception; unwraps DCP's CheckpointException to the first rank's error."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        rank, (inner, _) = sorted(exc.failures.items())[0]
+        return describe(inner)
+    text = str(exc) if isinstance(exc, (OSError, CheckpointError)) else f"{type(exc).__name__}: {exc}"
+    return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+
+
+def failure(exc: BaseException, rank: int, io_error: OSError | None = None) -> tuple[int, str]:
+    """(priority, one line) for the agreement step. 0: this rank's own error; 1: DCP relaying
+    another rank's error (DCP pickles exceptions between ranks and loses their causes, so the rank
+    where it happened reports it best, e.g. the OSError torch.save turned into a RuntimeError)."""
+    if io_error is not None:
+        return 0, describe(io_error)
+    relayed = isinstance(exc, CheckpointException) and exc.failures and rank not in exc.failures
+    return (1 if relayed else 0), describe(exc)
+
+
+class RecordingFileSystem(FileSystem):
+    """DCP's local FileSystem, remembering the first OSError a write stream raised on this rank
+    (and pacing the writes of a background save)."""
+
+    def __init__(self, pacer: background.Pacer | None = None):
+        super().__init__()
+        self.first_error: OSError | None = None
+        self.pacer = pacer
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        try:
+            if "w" in mode:
+                faults.file_point("open", path)
+            with super().create_stream(path, mode) as stream:
+                yield _RecordingStream(stream, self, path) if "w" in mode else stream
+            if "w" in mode:
+                faults.file_point("closed", path)
+        except OSError as e:
+            self._record(e, path)
+            raise
+
+    def _record(self, e: OSError, path) -> None:
+        if self.first_error is None:
+            if e.filename is None:
+                e = OSError(e.errno, e.strerror, str(path))
+            self.first_error = e
+
+
+class _RecordingStream:
+    def __init__(self, stream, fs: RecordingFileSystem, path):
+        self._stream, self._fs, self._path = stream, fs, path
+        self._written = False
+
+    def write(self, data):
+        try:
+            n = self._stream.write(data)
+            if self._fs.pacer is not None:
+                self._fs.pacer.pace()
+            if not self._written:  # after the first chunk: a partial file (fault injection)
+                self._written = True
+                self._stream.flush()
+                faults.file_point("write", self._path)
+            return n
+        except OSError as e:
+            self._fs._record(e, self._path)
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+@contextmanager
+def no_zip_crc32():
+    """DCP writes each tensor with torch.save, whose zip records carry a CRC32 computed at ~100 MB/s
+    per core: 6x slower than the disk here. Our COMMIT.json has sizes and sha256 (full_checksums),
+    so the CRC is redundant; files without it load the same (torch.load does not require it)."""
+    import torch.serialization as ser
+
+    if not hasattr(ser, "set_crc32_options"):
+        yield
+        return
+    before = ser.get_crc32_options()
+    ser.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        ser.set_crc32_options(before)
