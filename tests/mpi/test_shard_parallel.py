@@ -120,9 +120,9 @@ def test_many_small_documents_per_chunk_and_shard(tmp_path):
 def test_peak_memory_does_not_grow_with_the_corpus(tmp_path, ranks):
     """3x the text (30 -> 91 MB, +18.8M GPT-2 tokens), same peak memory: 1 rank streams shards
     as they fill, N ranks work in rounds of --round-bytes. Holding the extra tokens alone would
-    add 38 MB; the text, 61 MB. The smaller corpus is past the first ~25 MB of text, over which a
-    single rank's peak still creeps up by a few MB (malloc arenas of its two encode threads):
-    measured 4 vs 12 copies, that creep alone came within 1 MB of the bound once in CI."""
+    add 38 MB; the text, 61 MB. The smaller corpus is past the first ~25 MB of text, over which
+    the peak still creeps up while the heap settles (glibc malloc; more with two encode threads'
+    arenas): measured 4 vs 12 copies, that warm-up alone exceeded the bound by 1 MB once in CI."""
     import re
 
     from data_tools.corpora import tile_shakespeare
