@@ -38,6 +38,11 @@ _MAGIC = 0x68706374726E  # "hpctrn"
 COPY_BUF = 8 << 20
 
 
+class CacheUnavailable(DataError):
+    """The node's cache directory cannot be written or has no room for a shard: that node's ranks
+    read the parallel file system instead (a warning, not an error)."""
+
+
 def resolve_cache_dir(setting: str, node_rank: int) -> str | None:
     """The node's cache root for ``data.cache_dir`` (None = cache off)."""
     if setting == "auto":
@@ -85,11 +90,16 @@ class NodeCache:
         if self.leader:
             try:
                 self.budget = self._prepare(int(budget), n)
+            except OSError as e:  # full, read-only or not ours: fall back, do not fail
+                err = (CacheUnavailable, f"{self.dir}: {e.strerror or e}")
             except Exception as e:  # noqa: BLE001 - shared below so no rank hangs in the barrier
-                err = str(e) if isinstance(e, DataError) else f"{self.dir}: cache unusable ({e})"
+                err = (DataError, str(e) if isinstance(e, DataError) else f"{self.dir}: cache unusable ({e})")
+            if err and err[0] is CacheUnavailable and self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
         err = node_comm.bcast(err, root=0)
         if err:
-            raise DataError(err)
+            raise err[0](err[1])
         node_comm.Barrier()  # the leader has written a fresh state file
         self.state = np.memmap(os.path.join(self.dir, STATE), dtype=np.int64, mode="r+",
                                shape=(_HDR + self.n_local + n,))
@@ -116,9 +126,13 @@ class NodeCache:
             elif (name.startswith(TMP_PREFIX) or name in (STATE, ERROR)
                   or CACHED_SHARD_RE.match(name)):
                 os.unlink(full)  # a crash's temp file, old state, or a shard of no interest
+        st = os.statvfs(self.dir)
+        room = st.f_bavail * st.f_frsize + used
         if budget <= 0:  # auto: 90% of what the file system can hold for us
-            st = os.statvfs(self.dir)
-            budget = int(0.9 * (st.f_bavail * st.f_frsize + used))
+            budget = int(0.9 * room)
+        largest = max((e["bytes"] for e in self.entries), default=0)
+        if room < largest:
+            raise OSError(28, f"no room for a shard ({room} bytes free, the largest needs {largest})")
         self.used = used
         self.lru: dict[int, int] = {i: -1 for i in self.unverified}  # shard -> last step needed
         tmp = os.path.join(self.dir, f"{TMP_PREFIX}{os.getpid()}-{STATE}")

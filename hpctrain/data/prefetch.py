@@ -12,11 +12,13 @@ every rank once per step; ``open`` by every rank at start).
 """
 from __future__ import annotations
 
+import socket
+import sys
 import time
 
 import numpy as np
 
-from .cache import NodeCache, resolve_cache_dir
+from .cache import CacheUnavailable, NodeCache, resolve_cache_dir
 
 METRIC_SUMS = ("cache_hits", "cache_misses", "cache_copies", "cache_bytes_staged",
                "cache_evictions")
@@ -28,6 +30,7 @@ class DataFeed:
     def __init__(self, cache: NodeCache | None, device):
         self.cache, self.device = cache, device
         self.started = False
+        self.any_cached = cache is not None
         self.data_s = 0.0  # time spent producing micro-batches since the last metrics()
 
     @classmethod
@@ -36,10 +39,19 @@ class DataFeed:
         root = resolve_cache_dir(cfg.data.cache_dir, ctx.node_rank)
         cache = None
         if root is not None:
-            cache = NodeCache(root, cfg.data.path, manifest, ctx.node_comm,
-                              budget=cfg.data.cache_bytes, prefetch=cfg.data.prefetch,
-                              timeout_s=cfg.dist.timeout_s)
-        return cls(cache, ctx.device)
+            try:
+                cache = NodeCache(root, cfg.data.path, manifest, ctx.node_comm,
+                                  budget=cfg.data.cache_bytes, prefetch=cfg.data.prefetch,
+                                  timeout_s=cfg.dist.timeout_s)
+            except CacheUnavailable as e:
+                if ctx.local_rank == 0:
+                    print(f"warning: node {socket.gethostname()}: node cache unusable ({e}); its "
+                          f"ranks read {cfg.data.path} on the shared file system", file=sys.stderr,
+                          flush=True)
+        feed = cls(cache, ctx.device)
+        # metric keys are decided on rank 0, whose node may be the one without a cache
+        feed.any_cached = root is not None and bool(ctx.comm.allreduce(int(cache is not None)))
+        return feed
 
     @property
     def cached(self) -> bool:
@@ -99,6 +111,6 @@ class DataFeed:
             dist.all_reduce(mx, op=dist.ReduceOp.MAX)
             dist.all_reduce(sm, op=dist.ReduceOp.SUM)
         out = {"data_time_s": float(mx[0]), "data_wait_s": float(mx[1])}
-        if self.cache is not None:
+        if self.any_cached:
             out.update({k: int(v) for k, v in zip(METRIC_SUMS, sm.tolist())})
         return out

@@ -8,24 +8,27 @@ would start N one-rank worlds, is refused there). It must never import model, da
 
 Environment overrides (they win over discovery):
   MASTER_ADDR / MASTER_PORT   rendezvous address and port of rank 0's TCP store
-  HPCTRAIN_IFACE              network interface whose IPv4 address rank 0 advertises (e.g. ib0)
+  HPCTRAIN_IFACE              network interface whose IPv4 address rank 0 advertises (e.g. ib0);
+                              without it, a job spanning nodes uses the interface whose subnet
+                              reaches every node (never loopback: netif.py), and Gloo/NCCL bind
+                              there too (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME unless set)
   HPCTRAIN_RANKS_PER_NODE     split one machine's ranks into "nodes" of this many ranks (tests)
   HPCTRAIN_THREADS            intra-op threads per rank (else derived from cores per node / local ranks)
 """
 from __future__ import annotations
 
 import datetime
-import fcntl
 import gc
 import os
 import socket
-import struct
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from hpctrain.dist import slurm
+from hpctrain.dist import netif, slurm
+
+RENDEZVOUS_PROBE_S = 15.0  # a rank that cannot reach rank 0's store says so after this long
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,8 @@ class DistContext:
     master_port: int
     comm: object         # mpi4py MPI.Comm (COMM_WORLD)
     node_comm: object    # mpi4py communicator of this node's ranks
+    iface: str | None = None   # interface Gloo/NCCL use (None: their default, one-host jobs)
+    hosts: tuple = ()          # host name of every rank
 
     @property
     def is_main(self) -> bool:
@@ -105,26 +110,48 @@ def _node_index(MPI, comm, node_comm) -> tuple[int, int]:
     return node_rank, n_nodes
 
 
-def _iface_address(iface: str) -> str:
-    """IPv4 address of a network interface (Linux SIOCGIFADDR)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", iface[:15].encode()))
-        except OSError as e:
-            raise RuntimeError(f"HPCTRAIN_IFACE={iface}: no IPv4 address on this interface ({e})") from e
-    return socket.inet_ntoa(packed[20:24])
-
-
-def _rank0_address() -> str:
-    if os.environ.get("MASTER_ADDR"):
-        return os.environ["MASTER_ADDR"]
-    if os.environ.get("HPCTRAIN_IFACE"):
-        return _iface_address(os.environ["HPCTRAIN_IFACE"])
-    host = socket.gethostname()
+def _resolve_own_host() -> str:
     try:
-        return socket.gethostbyname(host)
+        return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+def _rendezvous(comm, rank: int, hosts: list[str]) -> tuple[str, str | None]:
+    """(address rank 0 advertises, this rank's interface for Gloo/NCCL or None).
+
+    One host: its resolved name (loopback is fine). Several: never a loopback address; rank 0
+    takes the interface whose subnet reaches every other node (see netif.py)."""
+    spans_hosts = len(set(hosts)) > 1
+    if os.environ.get("MASTER_ADDR"):
+        addr = os.environ["MASTER_ADDR"]
+    elif os.environ.get("HPCTRAIN_IFACE"):
+        addr = comm.bcast(netif.iface_address(os.environ["HPCTRAIN_IFACE"]) if rank == 0 else None, root=0)
+    elif not spans_hosts:
+        addr = comm.bcast(_resolve_own_host() if rank == 0 else None, root=0)
+    else:
+        mine = comm.allgather(netif.interfaces())
+        choice = None
+        if rank == 0:
+            nodes = {}
+            for host, ifaces in zip(hosts, mine):
+                nodes.setdefault(host, ifaces)
+            choice = netif.choose_rendezvous(nodes, hosts[0], _resolve_own_host()).address
+        addr = comm.bcast(choice, root=0)
+    if spans_hosts and netif.is_loopback(addr):
+        raise netif.RendezvousError(f"rendezvous address {addr} is a loopback address but the job "
+                                    f"spans {len(set(hosts))} nodes; {netif.FIX}")
+    if os.environ.get("HPCTRAIN_IFACE"):
+        return addr, os.environ["HPCTRAIN_IFACE"]
+    local = netif.local_interface_for(addr, netif.interfaces()) if spans_hosts else None
+    return addr, local.name if local else None
+
+
+def _use_interface(iface: str | None) -> None:
+    """Gloo and NCCL bind to the rendezvous network unless the user chose their interface."""
+    if iface:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
 
 
 def _threads_per_rank(local_size: int) -> int:
@@ -174,21 +201,29 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0) -> DistCon
 
     timeout = datetime.timedelta(seconds=timeout_s)
     # Rank 0 owns the TCP store; port 0 lets the OS pick a free port (no race), then it is broadcast.
-    addr = comm.bcast(_rank0_address() if rank == 0 else None, root=0)
+    hosts = comm.allgather(socket.gethostname())
+    addr, iface = _rendezvous(comm, rank, hosts)
+    _use_interface(iface)
     port = int(os.environ.get("MASTER_PORT", "0"))
     store = None
     if rank == 0:
         store = dist.TCPStore(addr, port, world, is_master=True, timeout=timeout, wait_for_workers=False)
         port = store.port
     port = comm.bcast(port, root=0)
+    # Rank 0 makes no MPI call until the process group is up: with transports that progress only
+    # inside MPI calls (MPICH over libfabric tcp across nodes), the other ranks would never receive
+    # the port. The barrier completes the broadcast everywhere first.
+    comm.Barrier()
     if rank != 0:
+        netif.probe(addr, port, RENDEZVOUS_PROBE_S, f"rank {rank} on {hosts[rank]}")
         store = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                             device_id=device if backend == "nccl" else None)
     return DistContext(rank=rank, world_size=world, local_rank=local_rank, local_size=local_size,
                        node_rank=node_rank, n_nodes=n_nodes, backend=backend, device=device,
                        threads=threads, master_addr=addr, master_port=port, comm=comm,
-                       node_comm=node_comm)
+                       node_comm=node_comm, iface=os.environ.get("GLOO_SOCKET_IFNAME", iface),
+                       hosts=tuple(hosts))
 
 
 def teardown() -> None:

@@ -80,6 +80,16 @@ class ParallelDims:
         return f"pp={self.pp} x dp={self.dp} ({kind}) x tp={self.tp}"
 
 
+def tp_group_hosts(hosts, tp: int) -> str:
+    """'node1 [0,1], node2 [2,3]': the host(s) of every tensor-parallel group (consecutive ranks)."""
+    groups = []
+    for first in range(0, len(hosts), tp):
+        ranks = range(first, min(first + tp, len(hosts)))
+        where = "+".join(sorted({hosts[r] for r in ranks}))
+        groups.append(f"{where} [{','.join(map(str, ranks))}]")
+    return ", ".join(groups)
+
+
 class Mesh:
     """Named 3-D device mesh (pp, dp, tp; axes of size 1 included) plus this rank's coordinates."""
 
@@ -93,6 +103,8 @@ class Mesh:
         if ctx.n_nodes > 1 and dims.tp > 1 and ctx.local_size % dims.tp and ctx.is_main:
             print(f"warning: parallel.tp={dims.tp} does not divide the {ctx.local_size} ranks per "
                   f"node: some tensor-parallel groups span nodes (slow)", file=sys.stderr)
+        if ctx.n_nodes > 1 and dims.tp > 1 and ctx.is_main and ctx.hosts:
+            print(f"tensor-parallel groups: {tp_group_hosts(ctx.hosts, dims.tp)}", file=sys.stderr)
 
     def __getitem__(self, axis: str) -> DeviceMesh:
         return self.device_mesh[axis]

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from hpctrain.errors import UserError
 
 EXIT_PEER_LOST = 3
+LOST_NODES_ENV = "HPCTRAIN_LOST_NODES_FILE"
 _LOST = "hpctrain/lost"
 
 
@@ -47,6 +48,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._reported = threading.Lock()
         self.verdict: str | None = None
+        self.hosts = tuple(getattr(ctx, "hosts", ()) or ())
         self._store = dist.TCPStore(ctx.master_addr, ctx.master_port, is_master=False,
                                     timeout=datetime.timedelta(seconds=max(self.timeout, 1.0)))
         self._store.add(f"hpctrain/hb/{self.rank}", 1)
@@ -61,7 +63,8 @@ class Watchdog:
             try:
                 self._store.add(f"hpctrain/hb/{self.rank}", 1)
                 if self._store.check([_LOST]):
-                    self._die(self._store.get(_LOST).decode())
+                    verdict = self._store.get(_LOST).decode()
+                    self._die(verdict, lost=int(verdict.split()[1]) if verdict.startswith("rank ") else None)
                 if self._store.check([f"hpctrain/done/{nbr}"]):
                     continue  # finished cleanly
                 value = self._store.add(f"hpctrain/hb/{nbr}", 0)
@@ -69,26 +72,45 @@ class Watchdog:
                 if self._stop.is_set():
                     return
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                self._die(f"rank 0 lost: its rendezvous store is unreachable ({first[:200]})")
+                self._die(f"rank 0{self._on(0)} lost: its rendezvous store is unreachable "
+                          f"({first[:200]})", lost=0)
             now = time.monotonic()
             if value != seen:
                 seen, since = value, now
             elif now - since > self.timeout:
-                msg = (f"rank {nbr} lost: no heartbeat for {now - since:.0f} s "
+                msg = (f"rank {nbr}{self._on(nbr)} lost: no heartbeat for {now - since:.0f} s "
                        f"(dist.heartbeat_timeout_s={self.timeout:g}): it died, hangs, or its node "
                        f"is unreachable")
                 try:
                     self._store.set(_LOST, msg)
                 except Exception:  # noqa: BLE001 - we report it ourselves regardless
                     pass
-                self._die(msg)
+                self._die(msg, lost=nbr)
 
-    def _die(self, msg: str) -> None:
+    def _on(self, rank: int) -> str:
+        return f" on {self.hosts[rank]}" if rank < len(self.hosts) else ""
+
+    def _record_lost_node(self, rank: int | None) -> None:
+        """Name the lost rank's node in $HPCTRAIN_LOST_NODES_FILE (set by slurm/train.sbatch, which
+        relaunches the training without that node). Every survivor writes the same line."""
+        path = os.environ.get(LOST_NODES_ENV)
+        if not path or rank is None or rank >= len(self.hosts):
+            return
+        try:
+            tmp = f"{path}.{self.rank}.tmp"
+            with open(tmp, "w") as f:
+                f.write(self.hosts[rank] + "\n")
+            os.replace(tmp, path)
+        except OSError:
+            pass
+
+    def _die(self, msg: str, lost: int | None = None) -> None:
         """Print the verdict (once per process), give the other ranks an interval or two to print
         theirs, then end the job."""
         if not self._reported.acquire(blocking=False):
             return
         self.verdict = msg
+        self._record_lost_node(lost)
         tag = f"[rank {self.rank}] " if self.rank else ""
         print(f"{tag}error: {msg}", file=sys.stderr, flush=True)
         time.sleep(min(3.0, 2 * self.interval + 0.5))

@@ -113,11 +113,23 @@ class LocalSlurm:
         p = self.prefix
         for d in ("etc", "state/ctld", "state/d", "log", "run"):
             (p / d).mkdir(parents=True, exist_ok=True)
+        self.conf.write_text(self._conf_text())
+
+    def _ctld_host(self) -> str:
+        return "localhost"
+
+    def _node_lines(self, mem_mib: int) -> str:
+        return (f"NodeName={NODE} NodeHostname=localhost NodeAddr=127.0.0.1 CPUs={self.cpus} "
+                f"RealMemory={mem_mib} State=UNKNOWN\n")
+
+    def _conf_text(self, per_node: str = "", extra: str = "") -> str:
+        """slurm.conf; `per_node` = "-%n" gives every slurmd its own pid/log/spool (several nodes)."""
+        p = self.prefix
         first_job_id = 1000 + int(time.time() * 10) % 60_000_000
         mem_kib = next(int(l.split()[1]) for l in open("/proc/meminfo") if l.startswith("MemTotal"))
-        self.conf.write_text(f"""\
+        return f"""\
 ClusterName=hpctrain-test
-SlurmctldHost=localhost
+SlurmctldHost={self._ctld_host()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/none
@@ -126,11 +138,11 @@ AuthInfo=cred_expire=10
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 StateSaveLocation={p}/state/ctld
-SlurmdSpoolDir={p}/state/d
+SlurmdSpoolDir={p}/state/d{per_node}
 SlurmctldPidFile={p}/run/slurmctld.pid
-SlurmdPidFile={p}/run/slurmd.pid
+SlurmdPidFile={p}/run/slurmd{per_node}.pid
 SlurmctldLogFile={p}/log/slurmctld.log
-SlurmdLogFile={p}/log/slurmd.log
+SlurmdLogFile={p}/log/slurmd{per_node}.log
 SlurmctldDebug=info
 SlurmdDebug=info
 MailProg=/bin/true
@@ -153,9 +165,8 @@ MinJobAge=600
 FirstJobId={first_job_id}
 KillWait=5
 OverTimeLimit=0
-NodeName={NODE} NodeHostname=localhost NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={int(mem_kib / 1024 * 0.9)} State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
-""")
+{extra}{self._node_lines(int(mem_kib / 1024 * 0.9))}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
 
     def run(self, *args, timeout=30, check=False) -> subprocess.CompletedProcess:
         r = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=timeout,
@@ -217,17 +228,34 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="a local single-node Slurm cluster (needs root)")
+    p = argparse.ArgumentParser(description="a local Slurm cluster (needs root): one node on localhost, "
+                                "or --nodes N virtual nodes (network namespaces, see vcluster.py)")
     p.add_argument("action", choices=["start", "stop"])
-    p.add_argument("--prefix", default="/tmp/hpctrain-slurm")
-    p.add_argument("--cpus", type=int, default=4)
+    p.add_argument("--prefix", default="/tmp/hpctrain-slurm", help="state, logs and conf go here")
+    p.add_argument("--cpus", type=int, default=None, help="CPUs per node (default 4, virtual: 2)")
+    p.add_argument("--nodes", type=int, default=0, help="virtual nodes (1-9); 0 = one node on localhost")
+    p.add_argument("--ubuntu-hosts", action=argparse.BooleanOptionalAction, default=True,
+                   help="virtual nodes: own host name resolves to 127.0.1.1, as Debian/Ubuntu write it")
     a = p.parse_args(argv)
-    c = LocalSlurm(a.prefix, a.cpus)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from tests.slurm.vcluster import VirtualCluster
+
+    virtual = a.nodes > 0 or (Path(a.prefix) / "run" / "vcluster.json").exists()
+    if virtual:
+        c = VirtualCluster(a.prefix, max(a.nodes, 1), a.cpus or 2, debian_hosts=a.ubuntu_hosts)
+    else:
+        c = LocalSlurm(a.prefix, a.cpus or 4)
     if a.action == "start":
         c.start()
         print(f"export SLURM_CONF={c.conf}")
+        if virtual:
+            print(f"# nodes {' '.join(f'{n}={c.address(n)}' for n in c.nodes)}; node-local scratch "
+                  f"{c.local} (SLURM_TMPDIR in jobs); stop: python {__file__} stop --prefix {a.prefix}")
     else:
         c.stop()
+        if virtual and c.leftovers():
+            print(f"left behind: {', '.join(c.leftovers())}", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from tests.conftest import BIN, ROOT
 from tests.slurm.cluster import ClusterUnavailable, LocalSlurm
+from tests.slurm.vcluster import VirtualCluster
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
             "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
@@ -105,6 +106,31 @@ def slurm_cluster(tmp_path_factory):
 @pytest.fixture(scope="session")
 def jobs(slurm_cluster):
     return Jobs(slurm_cluster)
+
+
+SMALL_SCRATCH_NODE = "node4"  # its node-local disk is a 64 KiB tmpfs: too small for any shard
+
+
+@pytest.fixture(scope="session")
+def vcluster(tmp_path_factory):
+    """Four virtual nodes (network namespaces, own host names resolving to 127.0.1.1, own scratch
+    disks); node4's scratch is full. Stopped at the end, and nothing of it may remain."""
+    prefix = tmp_path_factory.mktemp("vcluster")
+    cluster = VirtualCluster(prefix, n_nodes=4, cpus=2, scratch_kib={4: 64})
+    try:
+        cluster.start()
+    except ClusterUnavailable as e:
+        pytest.skip(f"no virtual multi-node cluster on this machine: {e}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+    assert not cluster.leftovers(), cluster.leftovers()
+
+
+@pytest.fixture(scope="session")
+def vjobs(vcluster):
+    return Jobs(vcluster)
 
 
 def metrics(run) -> list[dict]:

