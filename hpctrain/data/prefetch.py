@@ -30,7 +30,7 @@ class DataFeed:
     def __init__(self, cache: NodeCache | None, device):
         self.cache, self.device = cache, device
         self.started = False
-        self.any_cached = cache is not None
+        self.any_cached = self.all_cached = cache is not None
         self.data_s = 0.0  # time spent producing micro-batches since the last metrics()
 
     @classmethod
@@ -49,8 +49,10 @@ class DataFeed:
                           f"ranks read {cfg.data.path} on the shared file system", file=sys.stderr,
                           flush=True)
         feed = cls(cache, ctx.device)
-        # metric keys are decided on rank 0, whose node may be the one without a cache
-        feed.any_cached = root is not None and bool(ctx.comm.allreduce(int(cache is not None)))
+        # metric keys are decided on rank 0, whose node may be the one without a cache; a node
+        # without one makes every rank verify the shared copy (a world collective)
+        with_cache = ctx.comm.allreduce(int(cache is not None)) if root is not None else 0
+        feed.any_cached, feed.all_cached = with_cache > 0, with_cache == ctx.world_size
         return feed
 
     @property

@@ -44,7 +44,7 @@ class TrainData:
         # With the node cache, sha256 is checked as each shard is staged (once per node), not here.
         self.manifest = data_manifest(cfg.data.path)  # a blend: its components' shards, flattened
         self.feed = DataFeed.open(cfg, ctx, self.manifest)
-        if not self.feed.cached:  # the cache checks sha256 + layout as it stages each shard
+        if not self.feed.all_cached:  # the cache checks sha256 + layout as it stages each shard
             verify_everywhere(cfg.data.path, ctx, checksums=cfg.data.verify == "checksum")
         tok = self.manifest["tokenizer"]
         self.tokenizer_info = dict(tok)

@@ -175,6 +175,8 @@ class Trainer:
         log(ctx, f"training: {self.n_params / 1e6:.2f}M params, world {ctx.world_size} "
                  f"[{self.mesh.dims.describe()}] "
                  f"({ctx.backend}, {ctx.threads} threads/rank, {mpi_library()}), "
+                 f"{ctx.n_nodes} node(s), rendezvous {ctx.master_addr}:{ctx.master_port}"
+                 f"{f' via {ctx.iface}' if ctx.iface else ''}, "
                  f"{tokens_per_step} tokens/step, "
                  f"steps {self.step} -> {end} of {t.steps}")
         last_saved = self.step if self.step > 0 else -1
