@@ -63,6 +63,10 @@ class TrainConfig:
     steps: int = field(metadata={"help": "optimizer steps: the length of the LR schedule"})
     micro_batch_size: int = field(metadata={"help": "sequences per rank per forward/backward"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step (one all-reduce per step)"})
+    global_batch: int = field(default=0, metadata={
+        "help": "sequences per optimizer step over the whole job (0 = micro_batch_size x grad_accum x "
+                "dp); when set, grad_accum is derived from the data-parallel size at start, so the "
+                "same job resumes on another node count (elastic restart) with the same batch"})
     stop_at_step: int = field(default=0, metadata={
         "help": "checkpoint and exit cleanly at this step without changing the schedule (0 = run to `steps`)"})
     seed: int = field(default=1337, metadata={"help": "seed for init, data order and dropout"})

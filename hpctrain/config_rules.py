@@ -26,6 +26,10 @@ def validate(cfg: Config) -> None:
     _check(0 <= t.stop_at_step <= t.steps, "train.stop_at_step", f"must be in [0, train.steps={t.steps}]")
     _check(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
     _check(t.grad_accum >= 1, "train.grad_accum", "must be >= 1")
+    _check(t.global_batch >= 0, "train.global_batch", "must be >= 0 (0 = off)")
+    _check(t.global_batch == 0 or t.grad_accum == 1, "train.global_batch",
+           f"{t.global_batch} with train.grad_accum={t.grad_accum}: give one of them (with "
+           f"global_batch the accumulation is derived from the data-parallel size)")
     _check(t.precision in ("fp32", "bf16"), "train.precision", f"{t.precision!r}: expected fp32 or bf16")
     _check(0 <= t.warmup_steps <= t.steps, "train.warmup_steps", "must be in [0, train.steps]")
     _check(cfg.checkpoint.interval >= 1, "checkpoint.interval", "must be >= 1")
@@ -111,3 +115,18 @@ def _validate_parallel(p: ParallelConfig, m: ModelConfig, compile: bool = False)
 def _check(ok: bool, key: str, msg: str) -> None:
     if not ok:
         raise ConfigError(f"config key '{key}': {msg}")
+
+
+def resolve_grad_accum(t, dp: int) -> int:
+    """Micro-batches per step: train.grad_accum, or train.global_batch / (micro_batch_size x dp).
+    ConfigError naming the key, and the dp sizes that would work, when it does not divide."""
+    if t.global_batch <= 0:
+        return t.grad_accum
+    per_step = t.micro_batch_size * dp
+    if t.global_batch % per_step:
+        ok = [d for d in range(1, t.global_batch // t.micro_batch_size + 1)
+              if t.global_batch % (t.micro_batch_size * d) == 0]
+        raise ConfigError(f"config key 'train.global_batch': {t.global_batch} sequences per step do "
+                          f"not split over dp={dp} ranks x micro_batch_size {t.micro_batch_size}; "
+                          f"use a data-parallel size in {ok} or change train.global_batch")
+    return t.global_batch // per_step

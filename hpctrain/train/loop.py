@@ -11,6 +11,7 @@ position, RNG). It must never parse MPI/Slurm environment (bootstrap does), buil
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from hpctrain import config as config_mod
 from hpctrain.checkpoint import CheckpointManager
 from hpctrain.config import Config
+from hpctrain.config_rules import resolve_grad_accum
 from hpctrain.dist import DistContext
 from hpctrain.dist.bootstrap import mpi_library
 from hpctrain.dist.preempt import PreemptionGuard
@@ -50,6 +52,11 @@ class Trainer:
         self.cfg, self.ctx = cfg, ctx
         t = cfg.train
         self.mesh = Mesh(ParallelDims.from_config(ctx.world_size, cfg.parallel), ctx)
+        if cfg.train.global_batch:  # elastic: the accumulation follows the data-parallel size
+            cfg.train.grad_accum = resolve_grad_accum(cfg.train, self.mesh.dp_size)
+            log(ctx, f"train.global_batch {cfg.train.global_batch} = micro_batch "
+                     f"{cfg.train.micro_batch_size} x grad_accum {cfg.train.grad_accum} x dp "
+                     f"{self.mesh.dp_size}")
         self.data = TrainData(cfg, ctx, self.mesh)
         torch.manual_seed(t.seed)  # identical initial weights on every rank
         m = cfg.model
@@ -167,7 +174,9 @@ class Trainer:
         end = t.stop_at_step or t.steps
         if ctx.is_main:
             Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-            (Path(cfg.run.dir) / "config.toml").write_text(config_mod.to_toml(cfg))
+            saved = cfg if not cfg.train.global_batch else dataclasses.replace(  # as given, not derived
+                cfg, train=dataclasses.replace(cfg.train, grad_accum=1))
+            (Path(cfg.run.dir) / "config.toml").write_text(config_mod.to_toml(saved))
         metrics = MetricsLog(Path(cfg.run.dir) / "metrics.jsonl", ctx.is_main, resume_step=self.step)
         peak = self._peak_flops()
         tokens_per_step = self.data.global_batch * cfg.model.block_size

@@ -7,6 +7,7 @@ exit after a node loss and the shard bytes are asserted.
 """
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 import sys
@@ -21,6 +22,27 @@ from tests.slurm.test_slurm_jobs import STEPS, TINY, assert_same_curve, stop_ste
 from tests.slurm.vcluster import VirtualCluster, pids_in_netns
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+# The PyPI mpich wheel's UCX business card sometimes reaches Slurm 22.05's PMI2 server cut
+# (an external bug, docs/multinode.md): a job whose log shows exactly that is run again, at most
+# twice. Any other failure fails the test.
+PMI2_FLAKE = "mpi/pmi2: value not properly terminated"
+
+
+def retry_on_pmi2_flake(test):
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        base = kwargs["tmp_path"]
+        for attempt in range(3):
+            kwargs["tmp_path"] = base / f"try{attempt}"
+            kwargs["tmp_path"].mkdir()
+            try:
+                return test(*args, **kwargs)
+            except AssertionError as e:
+                logs = "".join(f.read_text() for f in kwargs["tmp_path"].glob("*.out"))
+                if PMI2_FLAKE not in str(e) + logs or attempt == 2:
+                    raise
+    return run
 
 TRAIN = ROOT / "slurm" / "train.sbatch"
 SLOW = "--slurm.debug_step_sleep_s=0.25"
@@ -133,6 +155,7 @@ def test_loopback_rendezvous_across_nodes_fails_fast_naming_the_fix(vjobs, datas
     assert "HPCTRAIN_IFACE" in r.stderr and "Traceback" not in r.stderr
 
 
+@retry_on_pmi2_flake
 def test_tp_stays_inside_a_node_and_matches_one_rank(vjobs, dataset, tmp_path):
     """2 nodes x 2 ranks, tp=2 (dp=2): the same global batch as 1 rank x grad_accum 2."""
     ref = one_node(tmp_path, dataset, "one", 1, "--train.grad_accum=2")
@@ -147,6 +170,7 @@ def test_tp_stays_inside_a_node_and_matches_one_rank(vjobs, dataset, tmp_path):
 
 
 @pytest.mark.parametrize("layout", ["ddp", "fsdp"])
+@retry_on_pmi2_flake
 def test_four_nodes_one_rank_each_match_one_rank(vjobs, dataset, tmp_path, layout):
     """node4's scratch disk is full: it warns and reads the shared copy; the other three stage
     every shard once each (cache_copies = 3 x shards)."""
@@ -163,6 +187,7 @@ def test_four_nodes_one_rank_each_match_one_rank(vjobs, dataset, tmp_path, layou
     assert_close_curve(run, ref)
 
 
+@retry_on_pmi2_flake
 def test_preempted_three_nodes_resume_with_the_losses_of_one_node(vjobs, dataset, tmp_path):
     """The acceptance run: train.sbatch on 3 nodes, USR1 mid-run -> checkpoint -> requeue ->
     resumed (wherever Slurm puts it) -> the curve of `mpiexec -n 3` on one node."""
@@ -182,6 +207,7 @@ def test_preempted_three_nodes_resume_with_the_losses_of_one_node(vjobs, dataset
     assert_close_curve(run, ref)
 
 
+@retry_on_pmi2_flake
 def test_preprocess_on_two_nodes_writes_the_same_bytes(vjobs, dataset, tmp_path):
     out = tmp_path / "tiny"
     jid = vjobs.sbatch(f"--output={tmp_path}/pre-%j.out", "--chdir", tmp_path, "--nodes=2",
@@ -206,6 +232,7 @@ heartbeat_timeout_s = 5
 """
 
 
+@retry_on_pmi2_flake
 def test_node_dies_survivors_name_it_and_training_resumes_on_the_rest(vcluster, vjobs, dataset, tmp_path):
     """Power loss on node3 of 3: the survivors name node3 within the heartbeat timeout, train.sbatch
     relaunches on node1+node2 (dp 3 -> 2, accumulation 2 -> 3, global batch 12) from the newest
