@@ -201,15 +201,20 @@ OverTimeLimit=0
         self.stop()
         raise RuntimeError(f"local Slurm node did not become idle (state {state!r}); slurmctld.log:\n{tail}")
 
-    def stop(self) -> None:
-        """Cancel our jobs, then stop slurmd and slurmctld (only the pids we started)."""
+    def _cancel_jobs(self, rounds: int) -> int | None:
+        """scancel everything and wait (rounds x 0.2 s) for an empty queue; slurmctld's pid."""
         ctld = self._pid("slurmctld")
         if ctld and _alive(ctld, "slurmctld"):
             self.run("scancel", "--partition=debug")
-            for _ in range(100):
+            for _ in range(rounds):
                 if not self.run("squeue", "-h").stdout.strip():
                     break
                 time.sleep(0.2)
+        return ctld
+
+    def stop(self) -> None:
+        """Cancel our jobs, then stop slurmd and slurmctld (only the pids we started)."""
+        ctld = self._cancel_jobs(rounds=100)
         for name, pid in (("slurmd", self._pid("slurmd")), ("tini", self._pid("tini")),
                           ("slurmctld", ctld)):
             if pid and _alive(pid, name):

@@ -158,3 +158,11 @@ def losses(run) -> dict:
 
 def last_step(run) -> int:
     return max(losses(run), default=0)
+
+
+def assert_same_files(got: Path, want: Path) -> None:
+    """Two datasets hold the same files, byte for byte (manifest included)."""
+    names = sorted(p.name for p in want.iterdir())
+    assert names == sorted(p.name for p in got.iterdir()) and "manifest.json" in names
+    for name in names:
+        assert (got / name).read_bytes() == (want / name).read_bytes(), name

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, mpirun, run_cmd
-from tests.slurm.conftest import SMALL_SCRATCH_NODE, last_step, losses, metrics
+from tests.slurm.conftest import SMALL_SCRATCH_NODE, assert_same_files, last_step, losses, metrics
 from tests.slurm.test_slurm_jobs import STEPS, TINY, assert_same_curve, stop_step
 from tests.slurm.vcluster import VirtualCluster, pids_in_netns
 
@@ -215,10 +215,7 @@ def test_preprocess_on_two_nodes_writes_the_same_bytes(vjobs, dataset, tmp_path)
     (rec,) = vjobs.wait(jid, timeout=180)
     log = (tmp_path / f"pre-{jid}.out").read_text()
     assert rec["JobState"] == "COMPLETED" and "2 rank(s)" in log, log
-    names = sorted(p.name for p in dataset.iterdir())
-    assert names == sorted(p.name for p in out.iterdir()) and "manifest.json" in names
-    for name in names:
-        assert (out / name).read_bytes() == (dataset / name).read_bytes(), name
+    assert_same_files(out, dataset)
 
 
 ELASTIC = """

@@ -245,13 +245,7 @@ class VirtualCluster(LocalSlurm):
         state = self._load_state()
         if not state:
             return
-        ctld = self._pid("slurmctld")
-        if ctld and _alive(ctld, "slurmctld"):
-            self.run("scancel", "--partition=debug")
-            for _ in range(25):
-                if not self.run("squeue", "-h").stdout.strip():
-                    break
-                time.sleep(0.2)
+        ctld = self._cancel_jobs(rounds=25)
         for ns in state["namespaces"]:
             self._kill_all_in(ns)
         if ctld and _alive(ctld, "slurmctld"):
