@@ -76,11 +76,20 @@ def iface_address(name: str) -> str:
                           f"{socket.gethostname()} (interfaces: {known})")
 
 
-def is_loopback(address: str) -> bool:
+def _as_ip(address: str):
+    """An IPv4/IPv6 address, or a host name (MASTER_ADDR may be one) resolved; None if neither."""
     try:
-        return ipaddress.ip_address(address).is_loopback
+        return ipaddress.ip_address(address)
     except ValueError:
-        return False
+        try:
+            return ipaddress.ip_address(socket.gethostbyname(address))
+        except (OSError, ValueError):
+            return None
+
+
+def is_loopback(address: str) -> bool:
+    ip = _as_ip(address)
+    return bool(ip and ip.is_loopback)
 
 
 def choose_rendezvous(nodes: dict[str, list[Iface]], rank0_host: str,
@@ -107,8 +116,8 @@ def choose_rendezvous(nodes: dict[str, list[Iface]], rank0_host: str,
 
 def local_interface_for(address: str, mine: list[Iface]) -> Iface | None:
     """This host's interface on the same subnet as `address` (None if none is)."""
-    ip = ipaddress.ip_address(address)
-    for iface in mine:
+    ip = _as_ip(address)
+    for iface in mine if ip is not None else ():
         if ip in iface.network:
             return iface
     return None

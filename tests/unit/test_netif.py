@@ -36,6 +36,8 @@ def test_each_rank_finds_its_own_interface_on_that_network():
     assert local_interface_for("10.0.0.1", ETH["n3"]).name == "ib0"
     assert local_interface_for("192.168.1.1", ETH["n3"]) is None
     assert is_loopback("127.0.1.1") and is_loopback("127.0.0.1") and not is_loopback("10.0.0.1")
+    assert is_loopback("localhost") and not is_loopback("no-such-host.invalid")  # MASTER_ADDR names
+    assert local_interface_for("no-such-host.invalid", ETH["n3"]) is None
 
 
 def test_this_hosts_interfaces_leave_loopback_out():
