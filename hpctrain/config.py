@@ -64,9 +64,11 @@ class TrainConfig:
     micro_batch_size: int = field(metadata={"help": "sequences per rank per forward/backward"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step (one all-reduce per step)"})
     global_batch: int = field(default=0, metadata={
-        "help": "sequences per optimizer step over the whole job (0 = micro_batch_size x grad_accum x "
-                "dp); when set, grad_accum is derived from the data-parallel size at start, so the "
-                "same job resumes on another node count (elastic restart) with the same batch"})
+        "help": "sequences per optimizer step over the whole job (0 = off: micro_batch_size x "
+                "grad_accum x dp); when set, leave grad_accum at 1: it is derived at start as "
+                "global_batch / (micro_batch_size x dp), so the same job resumes on another node "
+                "count (elastic restart) with the same batch; dp must divide "
+                "global_batch / micro_batch_size"})
     stop_at_step: int = field(default=0, metadata={
         "help": "checkpoint and exit cleanly at this step without changing the schedule (0 = run to `steps`)"})
     seed: int = field(default=1337, metadata={"help": "seed for init, data order and dropout"})

@@ -1,5 +1,6 @@
 """The rules a run's settings must follow: value ranges per key, and the cross-key rules that need
-no world size (the mesh checks dp x tp x pp against the world size at start-up).
+no world size (the mesh checks dp x tp x pp against the world size at start-up); once dp is known,
+`resolve_grad_accum` turns train.global_batch into the accumulation.
 
 Owns: every check `Config.validate` runs; each failure is one `ConfigError` naming the key.
 It must never import torch or look at anything but the config's values.
@@ -11,7 +12,8 @@ from typing import TYPE_CHECKING
 from hpctrain.errors import ConfigError
 
 if TYPE_CHECKING:
-    from hpctrain.config import Config, ModelConfig, ParallelConfig, SlurmConfig, SyncConfig
+    from hpctrain.config import (Config, ModelConfig, ParallelConfig, SlurmConfig, SyncConfig,
+                                 TrainConfig)
 
 
 def validate(cfg: Config) -> None:
@@ -30,6 +32,8 @@ def validate(cfg: Config) -> None:
     _check(t.global_batch == 0 or t.grad_accum == 1, "train.global_batch",
            f"{t.global_batch} with train.grad_accum={t.grad_accum}: give one of them (with "
            f"global_batch the accumulation is derived from the data-parallel size)")
+    _check(t.global_batch % max(t.micro_batch_size, 1) == 0, "train.global_batch",
+           f"{t.global_batch} is not a multiple of train.micro_batch_size={t.micro_batch_size}")
     _check(t.precision in ("fp32", "bf16"), "train.precision", f"{t.precision!r}: expected fp32 or bf16")
     _check(0 <= t.warmup_steps <= t.steps, "train.warmup_steps", "must be in [0, train.steps]")
     _check(cfg.checkpoint.interval >= 1, "checkpoint.interval", "must be >= 1")
@@ -117,16 +121,46 @@ def _check(ok: bool, key: str, msg: str) -> None:
         raise ConfigError(f"config key '{key}': {msg}")
 
 
-def resolve_grad_accum(t, dp: int) -> int:
-    """Micro-batches per step: train.grad_accum, or train.global_batch / (micro_batch_size x dp).
-    ConfigError naming the key, and the dp sizes that would work, when it does not divide."""
+def resolve_grad_accum(t: TrainConfig, dp: int) -> int:
+    """Micro-batches per optimizer step once the data-parallel size is known: train.grad_accum, or
+    with train.global_batch > 0, global_batch / (micro_batch_size x dp). A ConfigError naming the
+    key and the dp sizes that would work when it does not split evenly."""
     if t.global_batch <= 0:
         return t.grad_accum
     per_step = t.micro_batch_size * dp
-    if t.global_batch % per_step:
-        ok = [d for d in range(1, t.global_batch // t.micro_batch_size + 1)
-              if t.global_batch % (t.micro_batch_size * d) == 0]
+    if dp < 1 or t.global_batch % per_step:
+        n = t.global_batch // t.micro_batch_size  # validate() made it a multiple of micro_batch_size
+        ok = ", ".join(str(d) for d in _divisors(n))
         raise ConfigError(f"config key 'train.global_batch': {t.global_batch} sequences per step do "
                           f"not split over dp={dp} ranks x micro_batch_size {t.micro_batch_size}; "
-                          f"use a data-parallel size in {ok} or change train.global_batch")
+                          f"use a world whose dp divides {n} ({ok}) or change train.global_batch")
     return t.global_batch // per_step
+
+
+def global_batch_line(t: TrainConfig, dp: int) -> str:
+    """The start-up log line: 'train.global_batch 24 = micro_batch 4 x grad_accum 3 x dp 2'."""
+    return (f"train.global_batch {t.micro_batch_size * t.grad_accum * dp} = micro_batch "
+            f"{t.micro_batch_size} x grad_accum {t.grad_accum} x dp {dp}")
+
+
+def check_resume_batch(saved: int, t: TrainConfig, dp: int, where) -> None:
+    """A resume may change dp (another node count), never the global batch: the sampler's order
+    and the LR schedule are per optimizer step. `t.grad_accum` is the resolved one."""
+    now = t.micro_batch_size * t.grad_accum * dp
+    if saved == now:
+        return
+    if t.global_batch:
+        raise ConfigError(f"config key 'train.global_batch': {t.global_batch} differs from "
+                          f"checkpoint {where} ({saved} sequences per step); set "
+                          f"train.global_batch = {saved} to resume it")
+    hint = (f"set train.global_batch = {saved} (the accumulation then follows dp)"
+            if saved % t.micro_batch_size == 0 else
+            f"adjust micro_batch_size / grad_accum so the global batch stays {saved}")
+    raise ConfigError(f"config keys 'train.micro_batch_size' x 'train.grad_accum' x dp: global batch "
+                      f"{t.micro_batch_size} x {t.grad_accum} x {dp} = {now} differs from checkpoint "
+                      f"{where} ({saved} sequences per step); {hint}")
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))

@@ -117,7 +117,8 @@ class ParallelModel:
                 self.schedule = self.split.build_schedule(roots, p.pp_schedule, self.n_micro, self._pp_loss,
                                                           self.device, mesh.group("pp"))
             except ValueError as e:
-                raise ConfigError(f"config key 'train.grad_accum': {self.n_micro} micro-batches do not "
+                key = "train.global_batch" if t.global_batch else "train.grad_accum"  # derived or given
+                raise ConfigError(f"config key '{key}': {self.n_micro} micro-batches do not "
                                   f"fit parallel.pp_schedule={p.pp_schedule!r} with pp={self.pp} "
                                   f"({e})") from None
             self.tie_group = self._tie_group()

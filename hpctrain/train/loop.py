@@ -23,7 +23,7 @@ import torch.distributed as dist
 from hpctrain import config as config_mod
 from hpctrain.checkpoint import CheckpointManager
 from hpctrain.config import Config
-from hpctrain.config_rules import resolve_grad_accum
+from hpctrain.config_rules import check_resume_batch, global_batch_line, resolve_grad_accum
 from hpctrain.dist import DistContext
 from hpctrain.dist.bootstrap import mpi_library
 from hpctrain.dist.preempt import PreemptionGuard
@@ -52,11 +52,10 @@ class Trainer:
         self.cfg, self.ctx = cfg, ctx
         t = cfg.train
         self.mesh = Mesh(ParallelDims.from_config(ctx.world_size, cfg.parallel), ctx)
-        if cfg.train.global_batch:  # elastic: the accumulation follows the data-parallel size
-            cfg.train.grad_accum = resolve_grad_accum(cfg.train, self.mesh.dp_size)
-            log(ctx, f"train.global_batch {cfg.train.global_batch} = micro_batch "
-                     f"{cfg.train.micro_batch_size} x grad_accum {cfg.train.grad_accum} x dp "
-                     f"{self.mesh.dp_size}")
+        # The one place dp is known: with train.global_batch the accumulation follows it (elastic
+        # restart on another node count); data, pipeline micro-batches, prefetch and the resume
+        # check below all read the resolved train.grad_accum.
+        t.grad_accum = resolve_grad_accum(t, self.mesh.dp_size)
         self.data = TrainData(cfg, ctx, self.mesh)
         torch.manual_seed(t.seed)  # identical initial weights on every rank
         m = cfg.model
@@ -132,7 +131,7 @@ class Trainer:
         if self.diloco is not None and not with_diloco:
             self.diloco.reset_from_model()  # continue a synchronous run with DiLoCo
         self.step = int(extra["step"])
-        _check_same_global_batch(extra["sampler"], self.data.global_batch, self.cfg, path)
+        check_resume_batch(int(extra["sampler"]["global_batch"]), self.cfg.train, self.mesh.dp_size, path)
         self.data.sampler.load_state_dict(extra["sampler"])
         saved = extra["rng"]
         if extra["world_size"] == self.ctx.world_size:
@@ -172,22 +171,11 @@ class Trainer:
         cfg, ctx, t = self.cfg, self.ctx, self.cfg.train
         self.maybe_resume()
         end = t.stop_at_step or t.steps
-        if ctx.is_main:
-            Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-            saved = cfg if not cfg.train.global_batch else dataclasses.replace(  # as given, not derived
-                cfg, train=dataclasses.replace(cfg.train, grad_accum=1))
-            (Path(cfg.run.dir) / "config.toml").write_text(config_mod.to_toml(saved))
+        self._write_run_config()
         metrics = MetricsLog(Path(cfg.run.dir) / "metrics.jsonl", ctx.is_main, resume_step=self.step)
         peak = self._peak_flops()
         tokens_per_step = self.data.global_batch * cfg.model.block_size
-        flops_per_token = self.flops_per_token
-        log(ctx, f"training: {self.n_params / 1e6:.2f}M params, world {ctx.world_size} "
-                 f"[{self.mesh.dims.describe()}] "
-                 f"({ctx.backend}, {ctx.threads} threads/rank, {mpi_library()}), "
-                 f"{ctx.n_nodes} node(s), rendezvous {ctx.master_addr}:{ctx.master_port}"
-                 f"{f' via {ctx.iface}' if ctx.iface else ''}, "
-                 f"{tokens_per_step} tokens/step, "
-                 f"steps {self.step} -> {end} of {t.steps}")
+        self._log_start(tokens_per_step, end)
         last_saved = self.step if self.step > 0 else -1
         if self.step == 0 and t.eval_interval:
             val = self.evaluate()  # the starting point of the validation curve
@@ -205,26 +193,7 @@ class Trainer:
             if self.diloco:
                 self.diloco.after_step(self.step)  # ends a round (average + outer step) when due
             tok_s = tokens_per_step / dt
-            rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                   "tokens_per_s": tok_s, "mfu": flops_per_token * tok_s / (peak * ctx.world_size),
-                   "step_time_s": dt, "epoch": self.data.sampler.state_dict()["epoch"],
-                   "comm_bytes": self.comm_bytes()}
-            if t.eval_interval and (self.step % t.eval_interval == 0 or self.step == t.steps):
-                val = self.evaluate()
-                if val is not None:
-                    rec["val_loss"] = val
-            if self.step_skipped or self.guard.skipped:
-                rec.update(skipped=self.step_skipped, bad_steps=self.guard.skipped)
-                if self.step_skipped:
-                    log(ctx, f"step {self.step}: loss {loss} / grad norm {grad_norm}: not finite, "
-                             f"update skipped ({self.guard.in_a_row} in a row, "
-                             f"train.max_bad_steps={t.max_bad_steps})")
-            rec.update(self.data.step_metrics())  # data_time_s, data_wait_s, cache_* (all ranks)
-            sync = getattr(self.par, "grad_sync_state", None)
-            rec.update(self.stragglers.observe(dt, dt - (sync.take_wait() if sync else 0.0)))
-            warning = self.stragglers.warning(self.step, rec)
-            if warning:
-                log(ctx, warning)
+            rec = self._step_record(loss, grad_norm, lr, dt, tok_s, peak)
             metrics.write(rec)
             if ctx.is_main and (self.step % t.log_interval == 0 or self.step == end):
                 eta = (time.perf_counter() - t_start) / (self.step - start_step) * (end - self.step)
@@ -248,22 +217,59 @@ class Trainer:
             log(ctx, f"stopped at train.stop_at_step={t.stop_at_step}; rerun the same command to resume")
         return 0
 
+    def _step_record(self, loss: float, grad_norm: float, lr: float, dt: float, tok_s: float,
+                     peak: float) -> dict:
+        """The metrics of the step just taken (collective: validation, data and straggler stats)."""
+        ctx, t = self.ctx, self.cfg.train
+        rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+               "tokens_per_s": tok_s, "mfu": self.flops_per_token * tok_s / (peak * ctx.world_size),
+               "step_time_s": dt, "epoch": self.data.sampler.state_dict()["epoch"],
+               "comm_bytes": self.comm_bytes()}
+        if t.eval_interval and (self.step % t.eval_interval == 0 or self.step == t.steps):
+            val = self.evaluate()
+            if val is not None:
+                rec["val_loss"] = val
+        if self.step_skipped or self.guard.skipped:
+            rec.update(skipped=self.step_skipped, bad_steps=self.guard.skipped)
+            if self.step_skipped:
+                log(ctx, f"step {self.step}: loss {loss} / grad norm {grad_norm}: not finite, "
+                         f"update skipped ({self.guard.in_a_row} in a row, "
+                         f"train.max_bad_steps={t.max_bad_steps})")
+        rec.update(self.data.step_metrics())  # data_time_s, data_wait_s, cache_* (all ranks)
+        sync = getattr(self.par, "grad_sync_state", None)
+        rec.update(self.stragglers.observe(dt, dt - (sync.take_wait() if sync else 0.0)))
+        warning = self.stragglers.warning(self.step, rec)
+        if warning:
+            log(ctx, warning)
+        return rec
+
+    def _write_run_config(self) -> None:
+        """<run.dir>/config.toml: the config as given (train.grad_accum not the derived one)."""
+        cfg = self.cfg
+        if not self.ctx.is_main:
+            return
+        Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+        saved = cfg if not cfg.train.global_batch else dataclasses.replace(
+            cfg, train=dataclasses.replace(cfg.train, grad_accum=1))
+        (Path(cfg.run.dir) / "config.toml").write_text(config_mod.to_toml(saved))
+
+    def _log_start(self, tokens_per_step: int, end: int) -> None:
+        ctx, t = self.ctx, self.cfg.train
+        log(ctx, f"training: {self.n_params / 1e6:.2f}M params, world {ctx.world_size} "
+                 f"[{self.mesh.dims.describe()}] "
+                 f"({ctx.backend}, {ctx.threads} threads/rank, {mpi_library()}), "
+                 f"{ctx.n_nodes} node(s), rendezvous {ctx.master_addr}:{ctx.master_port}"
+                 f"{f' via {ctx.iface}' if ctx.iface else ''}, "
+                 f"{tokens_per_step} tokens/step, "
+                 f"steps {self.step} -> {end} of {t.steps}")
+        if t.global_batch:  # how the global batch splits on this world (elastic restarts)
+            log(ctx, global_batch_line(t, self.mesh.dp_size))
+
     def _peak_flops(self) -> float:
         dtype = torch.bfloat16 if self.cfg.train.precision == "bf16" else torch.float32
         peak = torch.tensor(measure_peak_flops(self.ctx.device, dtype), dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.AVG)
         return float(peak)
-
-
-def _check_same_global_batch(saved_sampler: dict, global_batch: int, cfg: Config, path) -> None:
-    """A reshard may change dp, but the global batch (micro_batch x grad_accum x dp) must stay."""
-    saved = int(saved_sampler["global_batch"])
-    if saved != global_batch:
-        t = cfg.train
-        raise ConfigError(f"config keys 'train.micro_batch_size' x 'train.grad_accum' x dp: global batch "
-                          f"{t.micro_batch_size} x {t.grad_accum} x {global_batch // (t.micro_batch_size * t.grad_accum)}"
-                          f" = {global_batch} differs from checkpoint {path} ({saved} sequences per "
-                          f"step); adjust micro_batch_size / grad_accum so the global batch stays {saved}")
 
 
 def _check_same_model(saved: dict, current: dict, path) -> None:

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from hpctrain.checkpoint import CheckpointManager
 from hpctrain.config import Config
+from hpctrain.config_rules import global_batch_line, resolve_grad_accum
 from hpctrain.dist import DistContext
 from hpctrain.dist.preempt import NONE, PreemptionGuard
 from hpctrain.errors import ConfigError
@@ -78,6 +79,7 @@ class PSTrainer:
         self.is_server = ctx.rank >= self.n_workers
         if cfg.data.cache_dir != "off":  # the cache's leader paces staging by lockstep steps
             cfg.data.cache_dir = "off"
+        t.grad_accum = resolve_grad_accum(t, self.n_workers)  # the workers are the dp ranks
         self.data = TrainData(cfg, ctx, WorkerLayout(0 if self.is_server else ctx.rank, self.n_workers))
         torch.manual_seed(t.seed)
         m = cfg.model
@@ -160,6 +162,8 @@ class PSTrainer:
         if self.ctx.is_main:
             print(f"training (ps): {self.n_workers} workers, {cfg.sync.ps_servers} servers, "
                   f"staleness {cfg.sync.staleness}, steps {self.step} -> {end}", file=sys.stderr, flush=True)
+            if t.global_batch:
+                print(global_batch_line(t, self.n_workers), file=sys.stderr, flush=True)
         for save_at in saves:
             step, stop = self._run_to(save_at, metrics) if not self.is_server else (-1, NONE)
             step, stop = self._meet(step, stop)

@@ -108,28 +108,6 @@ def test_help_lists_every_key():
                        text=True, timeout=120)
     assert r.returncode == 0
     for key in ("--run.dir", "--data.path", "--model.n_layer", "--train.stop_at_step",
-                "--train.precision", "--checkpoint.interval", "--checkpoint.keep", "--dist.timeout_s"):
+                "--train.precision", "--train.global_batch", "--checkpoint.interval", "--checkpoint.keep",
+                "--dist.timeout_s"):
         assert key in r.stdout
-
-
-def test_global_batch_derives_the_accumulation_from_dp():
-    from types import SimpleNamespace
-
-    from hpctrain.config_rules import resolve_grad_accum
-
-    t = SimpleNamespace(global_batch=12, micro_batch_size=2, grad_accum=1)
-    assert [resolve_grad_accum(t, dp) for dp in (1, 2, 3, 6)] == [6, 3, 2, 1]
-    with pytest.raises(ConfigError) as e:
-        resolve_grad_accum(t, 4)
-    assert "'train.global_batch'" in str(e.value) and "[1, 2, 3, 6]" in str(e.value)
-    assert resolve_grad_accum(SimpleNamespace(global_batch=0, micro_batch_size=2, grad_accum=5), 4) == 5
-
-
-def test_global_batch_with_grad_accum_is_refused(tmp_path):
-    cfg = tmp_path / "c.toml"
-    cfg.write_text(f'[run]\ndir = "{tmp_path}"\n[data]\npath = "x"\n[model]\nn_layer = 1\nn_head = 1\nn_embd = 8\nblock_size = 8\n'
-                   'vocab_size = 257\n[train]\nsteps = 10\nmicro_batch_size = 2\nglobal_batch = 8\n'
-                   'grad_accum = 2\n')
-    with pytest.raises(ConfigError) as e:
-        config.load(str(cfg), [])
-    assert "'train.global_batch'" in str(e.value)
