@@ -118,17 +118,18 @@ def test_many_small_documents_per_chunk_and_shard(tmp_path):
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_peak_memory_does_not_grow_with_the_corpus(tmp_path, ranks):
-    """3x the text (30 -> 91 MB, +18.8M GPT-2 tokens), same peak memory: 1 rank streams shards
+    """5x the text (30 -> 152 MB, +37.6M GPT-2 tokens), same peak memory: 1 rank streams shards
     as they fill, N ranks work in rounds of --round-bytes. Holding the extra tokens alone would
-    add 38 MB; the text, 61 MB. The smaller corpus is past the first ~25 MB of text, over which
-    the peak still creeps up while the heap settles (glibc malloc; more with two encode threads'
-    arenas): measured 4 vs 12 copies, that warm-up alone exceeded the bound by 1 MB once in CI."""
+    add 75 MB; the text, 122 MB. Past the first ~25 MB of text the peak still wanders by up to
+    ~10 MB from run to run while glibc's heap settles (more with two encode threads' arenas):
+    measured +1..+9 MB at 3x the text, which failed a bound of 8 MB in CI. Hence 5x the corpus
+    against a bound of 20 MB: noise passes, holding a fifth of the extra tokens does not."""
     import re
 
     from data_tools.corpora import tile_shakespeare
 
     peak = {}
-    for copies in (6, 18):
+    for copies in (6, 30):
         src = tmp_path / f"c{copies}"
         src.mkdir()
         tile_shakespeare(str(src), copies)
@@ -136,4 +137,4 @@ def test_peak_memory_does_not_grow_with_the_corpus(tmp_path, ranks):
                            "--tokenizer", "gpt2", "--shard-tokens", "500000", "--round-bytes", "1000000",
                            "--val-fraction", "0.01", "--no-progress"], timeout=300, check=True)
         peak[copies] = float(re.search(r"peak memory ([\d,]+) MB", r.stdout).group(1).replace(",", ""))
-    assert peak[18] - peak[6] < 8, peak
+    assert peak[30] - peak[6] < 20, peak
