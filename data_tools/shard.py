@@ -1,13 +1,14 @@
 """``shard``: turn text/JSONL inputs into an hpctrain dataset (HDF5 shards + manifest.json).
 
-Owns: the shard pipeline — output-dir safety, planning (rank 0 enumerates documents and
+Owns: the shard pipeline — output-dir safety (built beside --output, swapped in at the end:
+staging.py), planning (rank 0 enumerates documents and
 assigns splits), tokenizing (1 rank: streaming; MPI: round by round, so memory stays bounded,
 each round's chunks handed out dynamically and gathered at the shard owners — see exchange.py),
 cutting each split's token stream into shards, and writing the manifest LAST.
 
 Must never: let the output bytes depend on the number of ranks (tests run 1, 2 and 3 ranks and
-compare bytes), write anything but temp files + os.replace into the output dir, write the
-manifest before every shard is durable, or raise on one rank only (see mpiutil.agree).
+compare bytes), touch the output dir before the new dataset is complete, write the manifest
+before every shard is durable, or raise on one rank only (see mpiutil.agree).
 """
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ import time
 
 import numpy as np
 
-from . import documents
-from .format import (FORMAT_VERSION, MANIFEST_NAME, SHARD_RE, SPLITS, TMP_PREFIX, DataError, fsync_path,
-                     read_manifest, shard_filename, token_dtype, write_manifest, write_shard)
+from . import documents, staging
+from .format import (FORMAT_VERSION, SPLITS, TMP_PREFIX, DataError, fsync_path, shard_filename,
+                     token_dtype, write_manifest, write_shard)
 from .exchange import ChunkQueue, RoundExchange, round_chunks, round_cuts, starts_in
 from .mpiutil import SerialComm, agree, root_then_bcast, threads_per_rank
 from .tokenizers import get_tokenizer
@@ -42,38 +43,13 @@ def peak_rss_mb() -> float:
     return peak / 2 ** 20 if sys.platform == "darwin" else peak / 2 ** 10  # bytes on macOS, else KiB
 
 
-def prepare_output(out: str) -> None:
-    """Create ``out`` or clear a previous hpctrain dataset there; refuse anything else.
-
-    A directory is ours if every entry is manifest.json, a shard name or a temp file.  The old
-    manifest is removed FIRST, so an interrupted rewrite is visibly incomplete."""
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise DataError(out, "exists and is not a directory")
-    os.makedirs(out, exist_ok=True)
-    entries = sorted(os.listdir(out))
-    foreign = [e for e in entries
-               if not (e in (MANIFEST_NAME, TOKENIZER_FILE) or SHARD_RE.match(e)
-                       or e.startswith(TMP_PREFIX))]
-    if foreign:
-        raise DataError(out, f"not empty and not an hpctrain dataset (found {foreign[0]!r}); "
-                             f"refusing to overwrite — use a new or empty directory")
-    if MANIFEST_NAME in entries:
-        try:
-            read_manifest(out)
-        except DataError as e:
-            raise DataError(out, f"refusing to overwrite: {e}") from None
-        os.unlink(os.path.join(out, MANIFEST_NAME))
-        fsync_path(out)
-    for e in entries:
-        if e not in (MANIFEST_NAME, TOKENIZER_FILE):  # the tokenizer may be the one in use
-            os.unlink(os.path.join(out, e))
-    fsync_path(out)
-
-
 def _plan(inputs, out, val_fraction, seed):
-    prepare_output(out)
+    """Rank 0: refuse a bad --output before any work, list the documents, then open the staging
+    folder beside --output (nothing at --output changes until the final swap)."""
+    staging.check_output(out, TOKENIZER_FILE)
     table = documents.enumerate_documents(inputs)
     is_val = documents.assign_val(len(table), val_fraction, seed)
+    staging.begin(out, TOKENIZER_FILE)
     return table, is_val
 
 
@@ -184,6 +160,23 @@ def shard_dataset(inputs, output, tokenizer="gpt2", shard_tokens=DEFAULT_SHARD_T
     import h5py  # noqa: F401 - the shard writer's library: loaded in setup, not at the first write
     dtype = token_dtype(tok.vocab_size)
     table, is_val = root_then_bcast(comm, _plan, inputs, output, val_fraction, seed)
+    stage = staging.staging_dir(output)
+    try:
+        manifest, gathered, t_plan = _build(comm, tok, dtype, table, is_val, stage, output, shard_tokens,
+                                            val_fraction, seed, progress, log, round_bytes, filter,
+                                            min_chars)
+    except BaseException:
+        staging.abandon(stage)  # every rank: the destination was never touched
+        raise
+    if rank == 0:
+        _summary(log, manifest, gathered, output, tok, dtype, size, t0, t_plan)
+    return manifest
+
+
+def _build(comm, tok, dtype, table, is_val, output, final, shard_tokens, val_fraction, seed,
+           progress, log, round_bytes, filter, min_chars):
+    """Tokenize into the staging folder ``output``, write its manifest, swap it in at ``final``."""
+    rank, size = comm.Get_rank(), comm.Get_size()
     report = None
     if filter:  # drop bad/short/duplicate documents, then number and split the kept ones
         from .validate import describe_report, filter_documents, subset
@@ -269,26 +262,27 @@ def shard_dataset(inputs, output, tokenizer="gpt2", shard_tokens=DEFAULT_SHARD_T
             shutil.copyfile(tok.path, tmp)
             os.replace(tmp, dst)
             manifest["tokenizer"].update(file=TOKENIZER_FILE, sha256=tok.sha256)
-        elif os.path.exists(os.path.join(output, TOKENIZER_FILE)):  # a previous dataset's
-            os.unlink(os.path.join(output, TOKENIZER_FILE))
         fsync_path(output)  # the shard renames are durable before the manifest appears
         write_manifest(output, manifest)
+        staging.commit(output, final)
         return manifest
 
-    manifest = comm.bcast(agree(comm, finish), root=0)
-    if rank == 0:
-        t_end = time.perf_counter()
-        dt, dw = t_end - t0, t_end - t_plan
-        nt = manifest["n_tokens"]
-        total = nt["train"] + nt["val"]
-        count = {s: sum(1 for e in manifest["shards"] if e["split"] == s) for s in SPLITS}
-        nd = manifest["n_documents"]
-        log(f"sharded {nd['train'] + nd['val']} documents -> {output}\n"
-            f"  train: {nd['train']} docs, {nt['train']:,} tokens, {count['train']} shards\n"
-            f"  val:   {nd['val']} docs, {nt['val']:,} tokens, {count['val']} shards\n"
-            f"  tokenizer {tok.name} (vocab {tok.vocab_size}, {dtype.name}), {size} rank(s), "
-            f"{dt:.2f} s total (setup {t_plan - t0:.2f} s); tokenize + write "
-            f"{dw:.2f} s = {total / max(dw, 1e-9):,.0f} tokens/s\n"
-            f"  peak memory {max(mb for _, mb in gathered):,.0f} MB (max RSS over ranks; see docs/data.md "
-            f"for the bound)")
-    return manifest
+    return comm.bcast(agree(comm, finish), root=0), gathered, t_plan
+
+
+def _summary(log, manifest, gathered, output, tok, dtype, size, t0, t_plan):
+    """The closing lines on rank 0: counts, throughput, peak memory."""
+    t_end = time.perf_counter()
+    dt, dw = t_end - t0, t_end - t_plan
+    nt = manifest["n_tokens"]
+    total = nt["train"] + nt["val"]
+    count = {s: sum(1 for e in manifest["shards"] if e["split"] == s) for s in SPLITS}
+    nd = manifest["n_documents"]
+    log(f"sharded {nd['train'] + nd['val']} documents -> {output}\n"
+        f"  train: {nd['train']} docs, {nt['train']:,} tokens, {count['train']} shards\n"
+        f"  val:   {nd['val']} docs, {nt['val']:,} tokens, {count['val']} shards\n"
+        f"  tokenizer {tok.name} (vocab {tok.vocab_size}, {dtype.name}), {size} rank(s), "
+        f"{dt:.2f} s total (setup {t_plan - t0:.2f} s); tokenize + write "
+        f"{dw:.2f} s = {total / max(dw, 1e-9):,.0f} tokens/s\n"
+        f"  peak memory {max(mb for _, mb in gathered):,.0f} MB (max RSS over ranks; see docs/data.md "
+        f"for the bound)")

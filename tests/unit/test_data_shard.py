@@ -172,3 +172,64 @@ def test_cli_help_explains_options(capsys):
     text = capsys.readouterr().out
     for opt in ("--input", "--output", "--tokenizer", "--shard-tokens", "--val-fraction", "--seed"):
         assert opt in text
+
+
+def _tree(root):
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("bad", ["misspelled", "latin1", "empty_input_dir"])
+def test_failed_rewrite_leaves_the_old_dataset_byte_for_byte(tmp_path, corpus, bad):
+    """The new dataset is built beside --output and swapped in only when complete: a failure at
+    any point before that leaves the old shards and manifest as they were, and no staging folder."""
+    inputs, _ = corpus
+    out = tmp_path / "ds"
+    shard_dataset(inputs, str(out), tokenizer="bytes", shard_tokens=32, val_fraction=0, **QUIET)
+    before, siblings = _tree(out), sorted(os.listdir(tmp_path))
+    assert len(before) > 3
+    src = tmp_path / bad
+    if bad == "latin1":
+        src.write_bytes("caf\xe9".encode("latin-1"))
+    elif bad == "empty_input_dir":
+        src.mkdir()
+    with pytest.raises(DataError, match=bad):
+        shard_dataset([inputs[0], str(src)], str(out), tokenizer="bytes", **QUIET)
+    assert _tree(out) == before
+    assert sorted(set(os.listdir(tmp_path)) - {bad}) == siblings  # no staging folder left
+
+
+def test_shard_files_without_a_manifest_are_refused_not_emptied(tmp_path, corpus):
+    inputs, _ = corpus
+    out = tmp_path / "orphans"
+    siblings = sorted(os.listdir(tmp_path) + ["orphans"])
+    out.mkdir()
+    (out / "train_00000.h5").write_bytes(b"somebody's only copy")
+    with pytest.raises(DataError, match=r"orphans: holds shard files .* but no manifest\.json"):
+        shard_dataset(inputs, str(out), tokenizer="bytes", **QUIET)
+    assert (out / "train_00000.h5").read_bytes() == b"somebody's only copy"
+    assert sorted(os.listdir(tmp_path)) == siblings
+
+
+def test_interrupted_write_never_touches_the_old_dataset(tmp_path, corpus, monkeypatch):
+    """A failure while the new shards are written (a full disk, a kill): old dataset intact."""
+    import data_tools.shard as shard_mod
+
+    inputs, _ = corpus
+    out = tmp_path / "ds"
+    shard_dataset(inputs, str(out), tokenizer="bytes", shard_tokens=32, val_fraction=0, **QUIET)
+    before, siblings = _tree(out), sorted(os.listdir(tmp_path))
+    calls = []
+
+    def full_disk(path, *a, **k):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device", path)
+        return real_write(path, *a, **k)
+
+    real_write = shard_mod.write_shard
+    monkeypatch.setattr(shard_mod, "write_shard", full_disk)
+    with pytest.raises(OSError):
+        shard_dataset(inputs, str(out), tokenizer="bytes", shard_tokens=16, val_fraction=0, **QUIET)
+    assert calls and all(".ds.hpctrain-partial" in c for c in calls)
+    assert _tree(out) == before
+    assert sorted(os.listdir(tmp_path)) == siblings
