@@ -113,9 +113,11 @@ class CheckpointConfig:
         "help": "with async: the background writer's duty cycle (0-1]; it sleeps between chunks so "
                 "steps overlapping a write stay within ~this fraction of their time; the write "
                 "takes ~1/share as long; a stop or the end lifts the limit (1 = unpaced)"})
-    full_checksums: bool = field(default=False, metadata={
-        "help": "record sha256 of the tensor data files too (ranks hash their share in parallel); "
-                "`hpctrain ckpt verify --full` checks them"})
+    full_checksums: bool = field(default=True, metadata={
+        "help": "record an xxh3-128 checksum of every tensor data file (each rank hashes what it "
+                "writes, while writing); loading checks them (ranks in parallel) and a mismatch "
+                "falls back to the previous checkpoint; `hpctrain ckpt verify` checks them. false: "
+                "sizes only for data files"})
 
 
 @dataclass

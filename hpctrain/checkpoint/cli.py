@@ -5,8 +5,9 @@ checkpoint directories, and printing their status. It must never modify a checkp
 unpickle anything (it goes through layout.check_checkpoint and safe_load).
 
     ckpt list RUN_DIR [--full]      every step_* directory: step, status, commit time, size, problem
-    ckpt verify DIR [--full]        exit 0 if DIR (or every checkpoint under it) is committed and
-                                    intact, else 1 with one line per problem
+    ckpt verify DIR [--quick]       exit 0 if DIR (or every checkpoint under it) is committed and
+                                    intact (every file against its checksum; --quick: sizes and
+                                    the small files only), else 1 with one line per problem
 """
 from __future__ import annotations
 
@@ -70,15 +71,15 @@ def cmd_verify(args) -> int:
                                   f"root or a run directory)")
     bad = 0
     for t in targets:
-        problems = layout.verify_checkpoint(t, full=args.full)
+        problems = layout.verify_checkpoint(t, full=not args.quick)
         if problems:
             bad += 1
             for problem in problems:
                 print(f"{t}: {problem}")
         else:
             commit = layout.read_commit(t)
-            how = "all files sha256-checked" if args.full and commit.get("checksums") == "full" \
-                else "sizes + small-file sha256" + ("" if not args.full else
+            how = "every file checksummed" if not args.quick and commit.get("checksums") == "full" \
+                else "sizes + small-file sha256" + ("" if args.quick else
                                                    " (no data checksums recorded)")
             print(f"{t}: intact (step {commit['step']}, world size {commit['world_size']}, {how})")
     return 1 if bad else 0
@@ -92,7 +93,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--full", action="store_true", help="also check data-file checksums")
     p = sub.add_parser("verify", help="check one checkpoint (or all under a root); exit 1 if bad")
     p.add_argument("dir", help="step_N directory, checkpoint root or run directory")
-    p.add_argument("--full", action="store_true", help="also check data-file checksums if recorded")
+    p.add_argument("--quick", action="store_true",
+                   help="sizes and small-file checksums only (skip re-reading the tensor data)")
+    p.add_argument("--full", action="store_true", help=argparse.SUPPRESS)  # the default now
     args = parser.parse_args(argv)
     return {"list": cmd_list, "verify": cmd_verify}[args.cmd](args)
 

@@ -2,18 +2,20 @@
 
 Owns: DCP's local FileSystem wrapped to remember the first OSError a write stream raised (the
 rank where a disk fills reports it, not DCP's relayed copy), pace a background save's writes and
-host the file-level fault-injection points; the zip CRC32 switched off while DCP writes (COMMIT.json
-carries sha256); the one-line description of any checkpoint failure.  Used by manager.py only.
+host the file-level fault-injection points, and checksum (xxh3-128) every byte a stream writes as it
+goes; the zip CRC32 switched off while DCP writes (COMMIT.json carries the checksums); the one-line description of any checkpoint failure.  Used by manager.py only.
 """
 from __future__ import annotations
 
+import os
+import threading
 from contextlib import contextmanager
 
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from hpctrain.checkpoint import background, faults
-from hpctrain.checkpoint.layout import CheckpointError
+from hpctrain.checkpoint.layout import DATA_HASH, CheckpointError, new_hasher
 
 def describe(exc: BaseException) -> str:
     """One line for an exception; unwraps DCP's CheckpointException to the first rank's error."""
@@ -38,10 +40,23 @@ class RecordingFileSystem(FileSystem):
     """DCP's local FileSystem, remembering the first OSError a write stream raised on this rank
     (and pacing the writes of a background save)."""
 
-    def __init__(self, pacer: background.Pacer | None = None):
+    def __init__(self, pacer: background.Pacer | None = None, hash_writes: bool = False):
         super().__init__()
         self.first_error: OSError | None = None
         self.pacer = pacer
+        self.hash_writes = hash_writes
+        self._hashers: dict[str, object] = {}  # file name -> checksum of what this rank wrote
+        self._lock = threading.Lock()  # DCP may write several files from several threads
+
+    def hasher_for(self, path):
+        if not self.hash_writes:
+            return None
+        with self._lock:
+            return self._hashers.setdefault(os.path.basename(str(path)), new_hasher(DATA_HASH))
+
+    def digests(self) -> dict[str, str]:
+        """xxh3-128 of every file this rank wrote, computed from the bytes as they were written."""
+        return {name: h.hexdigest() for name, h in self._hashers.items()}
 
     @contextmanager
     def create_stream(self, path, mode):
@@ -67,10 +82,13 @@ class _RecordingStream:
     def __init__(self, stream, fs: RecordingFileSystem, path):
         self._stream, self._fs, self._path = stream, fs, path
         self._written = False
+        self._hasher = fs.hasher_for(path)
 
     def write(self, data):
         try:
             n = self._stream.write(data)
+            if self._hasher is not None:  # a buffered stream takes all of `data` (or raises)
+                self._hasher.update(data)
             if self._fs.pacer is not None:
                 self._fs.pacer.pace()
             if not self._written:  # after the first chunk: a partial file (fault injection)

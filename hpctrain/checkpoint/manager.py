@@ -53,13 +53,14 @@ class _Job:
 class CheckpointManager:
     """Collective checkpointing of DCP state dicts into `root/step_NNNNNNNN/`.
 
-    `keep`: how many committed checkpoints retention keeps (>= 1). `full_checksums`: also record
-    (and let `verify_checkpoint(full=True)` check) sha256 of the tensor data files; the ranks hash
-    their share in parallel after writing. `writer_threads`: DCP writer threads per rank.
+    `keep`: how many committed checkpoints retention keeps (>= 1). `full_checksums` (default):
+    also record an xxh3-128 of every tensor data file, hashed by the rank that writes it while it
+    writes; `load` re-checks them (ranks in parallel) and fails naming the file on a mismatch.
+    `writer_threads`: DCP writer threads per rank.
     """
 
     def __init__(self, root: str | os.PathLike, keep: int, rank: int, world_size: int, *,
-                 full_checksums: bool = False, writer_threads: int = 1, timeout_s: float = 300.0,
+                 full_checksums: bool = True, writer_threads: int = 1, timeout_s: float = 300.0,
                  async_cpu_share: float = 1.0):
         if keep < 1:
             raise CheckpointError(f"checkpoint keep={keep}: must be >= 1")
@@ -107,19 +108,42 @@ class CheckpointManager:
         self._raise_first(self._gather(err), prefix)
 
     # -- API ---------------------------------------------------------------------------------------
-    def latest(self) -> Path | None:
-        """Newest committed and intact checkpoint (rank 0 decides, all ranks get the same answer)."""
+    def latest(self, skip=()) -> Path | None:
+        """Newest committed and intact checkpoint not in ``skip`` (rank 0 decides, all ranks get
+        the same answer); None for a run directory without checkpoints, NoIntactCheckpoint where
+        every one is unusable."""
         answer = None
         if self.rank == 0:
             try:
-                path, _ = layout.find_latest(self.root)
+                path, _ = layout.find_latest(self.root, skip)
                 answer = ("ok", str(path) if path else None)
+            except layout.NoIntactCheckpoint as e:
+                answer = ("none intact", str(e))
             except Exception as e:  # noqa: BLE001 - must reach the broadcast
                 answer = ("error", f"cannot scan checkpoints in {self.root}: {describe(e)}")
         status, value = self._bcast(answer)
+        if status == "none intact":
+            raise layout.NoIntactCheckpoint(value)
         if status == "error":
             raise CheckpointError(value)
         return Path(value) if value else None
+
+    def resume_newest(self, resume_from) -> Path | None:
+        """Collective. ``resume_from(path)`` on the newest intact checkpoint; one that fails while
+        loading (CheckpointError: a bad pickle, a checksum mismatch) is skipped with one warning
+        line and the next older one is tried. Returns the path used, or None (no checkpoints)."""
+        skipped = []
+        while (path := self.latest(skip=skipped)) is not None:
+            try:
+                resume_from(path)
+                return path
+            except layout.NoIntactCheckpoint:
+                raise
+            except CheckpointError as e:
+                if self.rank == 0:
+                    layout.warn(f"skipping checkpoint {path}: {e}")
+                skipped.append(path)
+        return None
 
     def save(self, step: int, state: dict, extra: dict) -> Path:
         """Collective. Writes `state` (tensors via DCP; JSON-able leaves as JSON) and rank 0's
@@ -209,7 +233,7 @@ class CheckpointManager:
         tmp, prefix = job.tmp, job.prefix
         # 2. every rank writes its DCP shards; rank 0 the JSON files. Agree on success.
         digest, hashes = hashlib.sha256(job.values_json.encode()).hexdigest(), {}
-        fs = RecordingFileSystem(pacer)
+        fs = RecordingFileSystem(pacer, hash_writes=self.full_checksums)
         try:
             writer = dcp.FileSystemWriter(tmp, sync_files=True, thread_count=self.writer_threads)
             writer.fs = fs
@@ -218,8 +242,9 @@ class CheckpointManager:
                 metadata = dcp.save(job.tensors, storage_writer=writer, no_dist=not self._dist,
                                     process_group=group)
             faults.hit("save.dcp_done")
-            if self.full_checksums:
-                hashes = self._hash_my_share(tmp, metadata)
+            if self.full_checksums:  # what this rank wrote, hashed as it was written
+                data_files = {str(info.relative_path) for info in metadata.storage_data.values()}
+                hashes = {f: d for f, d in fs.digests().items() if f in data_files}
             if self.rank == 0:
                 layout.write_json_durably(tmp / layout.TRAINER_STATE_FILE, job.extra)
                 faults.hit("save.trainer_state")
@@ -275,21 +300,22 @@ class CheckpointManager:
         payload = None
         if self.rank == 0:
             try:
-                problems, _, metadata = layout.check_checkpoint(path)
+                problems, commit, metadata = layout.check_checkpoint(path)
                 if problems:
                     raise CheckpointError("; ".join(problems))
                 extra = json.loads((path / layout.TRAINER_STATE_FILE).read_bytes())
                 values = json.loads((path / layout.NONTENSOR_FILE).read_bytes())
-                payload = ("ok", (metadata, extra, values))
+                payload = ("ok", (metadata, extra, values, commit["files"]))
             except Exception as e:  # noqa: BLE001
                 payload = ("error", describe(e))
         status, value = self._bcast(payload)
         if status == "error":
             raise CheckpointError(f"{prefix} failed: {value}")
-        metadata, extra, values = value
+        metadata, extra, values, files = value
 
         err = None
-        try:  # agree on the target state before entering DCP's collectives
+        try:  # checksums of the data files (ranks in parallel), the target state: agreed
+            self._check_my_share(path, files)  # before entering DCP's collectives
             tensors, _ = split_state(state)
         except Exception as e:  # noqa: BLE001
             err = failure(e, self.rank)
@@ -307,11 +333,14 @@ class CheckpointManager:
         return extra
 
     # -- helpers -----------------------------------------------------------------------------------
-    def _hash_my_share(self, tmp: Path, metadata) -> dict[str, str]:
-        """sha256 of every world_size-th data file, so the ranks checksum in parallel."""
-        files = sorted({str(info.relative_path) for info in metadata.storage_data.values()})
-        mine = files[self.rank::self.world_size]
-        return {f: layout.sha256_file(tmp / f) for f in mine}
+    def _check_my_share(self, path: Path, files: dict) -> None:
+        """Every world_size-th data file with a recorded checksum, hashed again: a flipped byte
+        in tensor data fails the load (naming the file) instead of training on it."""
+        data = sorted(rel for rel, entry in files.items()
+                      if rel not in layout.SMALL_FILES and layout.recorded_hash(entry))
+        for rel in data[self.rank::self.world_size]:
+            if (bad := layout.hash_problem(path, rel, files[rel])) is not None:
+                raise CheckpointError(bad)
 
     @contextmanager
     def _quiet(self):

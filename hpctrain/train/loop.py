@@ -111,9 +111,10 @@ class Trainer:
         log(self.ctx, f"checkpoint: step {self.step} -> {path} ({time.perf_counter() - t0:.2f}s)")
 
     def maybe_resume(self) -> None:
-        path = self.ckpt.latest()
-        if path is None:
-            return
+        """Resume from the newest checkpoint that loads (older ones are tried when it does not)."""
+        self.ckpt.resume_newest(self._resume_from)
+
+    def _resume_from(self, path: Path) -> None:
         saved = json.loads((path / "trainer_state.json").read_text())
         _check_same_model(saved["config"]["model"], self.cfg.to_dict()["model"], path)
         saved_mode = saved.get("sync", {}).get("mode", "sync")

@@ -121,9 +121,10 @@ class PSTrainer:
         self.ctx.comm.Barrier()  # nobody pushes before everybody has read the saved parameters
 
     def _resume(self) -> None:
-        path = self.ckpt.latest()
-        if path is None:
-            return
+        """Resume from the newest checkpoint that loads (older ones are tried when it does not)."""
+        self.ckpt.resume_newest(self._resume_from)
+
+    def _resume_from(self, path) -> None:
         state = self._state()
         extra = self.ckpt.load(path, state)
         sync = extra.get("sync", {})

@@ -50,10 +50,10 @@ def test_ckpt_list_and_verify(saved, tmp_path):
     assert lines[1].split()[:3] == ["20", "committed", "checkpoint"]
     assert lines[2].split()[:3] == ["10", "committed", "checkpoint"]
     assert lines[-1] == f"latest: {run / 'checkpoints' / 'step_00000020'}"
-    r = hpctrain("ckpt", "verify", run / "checkpoints" / "step_00000020", "--full", check=True)
-    assert "intact (step 20, world size 1, all files sha256-checked)" in r.stdout
+    r = hpctrain("ckpt", "verify", run / "checkpoints" / "step_00000020", check=True)
+    assert "intact (step 20, world size 1, every file checksummed)" in r.stdout
 
-    # a flipped byte in a data file: only --full sees it; a truncated one: always
+    # a flipped byte in a data file: the default check sees it, --quick not; a truncated one: always
     import shutil
     bad = tmp_path / "checkpoints"
     shutil.copytree(run / "checkpoints", bad)
@@ -61,9 +61,9 @@ def test_ckpt_list_and_verify(saved, tmp_path):
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 1
     shard.write_bytes(bytes(data))
-    assert hpctrain("ckpt", "verify", bad / "step_00000020").returncode == 0
-    r = hpctrain("ckpt", "verify", bad / "step_00000020", "--full")
-    assert r.returncode == 1 and "__0_0.distcp does not match its sha256" in r.stdout
+    assert hpctrain("ckpt", "verify", bad / "step_00000020", "--quick").returncode == 0
+    r = hpctrain("ckpt", "verify", bad / "step_00000020")
+    assert r.returncode == 1 and "__0_0.distcp does not match its xxh3_128" in r.stdout
     shard.write_bytes(bytes(data[:100]))
     r = hpctrain("ckpt", "verify", bad)  # a root: every checkpoint in it
     assert r.returncode == 1

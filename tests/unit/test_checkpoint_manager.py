@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from hpctrain.checkpoint import (CheckpointError, CheckpointManager, list_checkpoints,
                                  verify_checkpoint)
+from hpctrain.checkpoint.layout import NoIntactCheckpoint
 
 
 @pytest.fixture(scope="module")
@@ -186,17 +187,73 @@ def test_corrupt_newest_is_skipped_with_warning(world, tmp_path, capsys, corrupt
         load_fresh(m, newest)
 
 
-def test_full_checksums_catch_a_flipped_byte(world, tmp_path):
-    m = mgr(world, tmp_path, full_checksums=True)
+def test_default_checksums_are_hashed_while_writing_and_catch_a_flipped_byte(world, tmp_path, capsys):
+    import xxhash
+
+    from hpctrain.checkpoint.cli import main as ckpt_main
+
+    m = mgr(world, tmp_path)  # full checksums are the default
     save_model(m, 5)
     p = tmp_path / "step_00000005"
     commit = json.loads((p / "COMMIT.json").read_text())
-    assert commit["checksums"] == "full" and "sha256" in commit["files"]["__0_0.distcp"]
+    entry = commit["files"]["__0_0.distcp"]
+    assert commit["checksums"] == "full"
+    # the digest computed from the bytes as they were written is the file's digest
+    assert entry["xxh3_128"] == xxhash.xxh3_128((p / "__0_0.distcp").read_bytes()).hexdigest()
+    assert ckpt_main(["verify", str(p)]) == 0
     data = bytearray((p / "__0_0.distcp").read_bytes())
     data[len(data) // 2] ^= 0xFF
     (p / "__0_0.distcp").write_bytes(bytes(data))
     assert verify_checkpoint(p) == []  # quick check: sizes only for data files
-    assert verify_checkpoint(p, full=True) == ["__0_0.distcp does not match its sha256 in COMMIT.json"]
+    assert verify_checkpoint(p, full=True) == ["__0_0.distcp does not match its xxh3_128 in COMMIT.json"]
+    capsys.readouterr()
+    assert ckpt_main(["verify", str(p)]) == 1
+    assert capsys.readouterr().out == f"{p}: __0_0.distcp does not match its xxh3_128 in COMMIT.json\n"
+    assert ckpt_main(["verify", "--quick", str(p)]) == 0
+    with pytest.raises(CheckpointError, match=r"failed: __0_0\.distcp does not match its xxh3_128"):
+        load_fresh(m, p)
+
+
+def _flip_middle_byte(p: Path) -> None:
+    data = bytearray((p / "__0_0.distcp").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (p / "__0_0.distcp").write_bytes(bytes(data))
+
+
+def test_every_checkpoint_unusable_refuses_instead_of_starting_over(world, tmp_path, capsys):
+    m = mgr(world, tmp_path)
+    for step in (10, 20):
+        save_model(m, step)
+        (tmp_path / f"step_{step:08d}" / ".metadata").unlink()
+    with pytest.raises(NoIntactCheckpoint) as info:
+        m.latest()
+    msg = str(info.value)
+    assert msg.startswith(f"{tmp_path}: 2 checkpoint(s) (step_00000020, step_00000010), none intact")
+    assert "new run.dir" in msg and "\n" not in msg
+    assert sorted(os.listdir(tmp_path)) == ["step_00000010", "step_00000020"]  # nothing removed
+    assert mgr(world, tmp_path / "fresh").latest() is None  # an empty run dir starts at step 0
+
+
+def test_a_checkpoint_that_fails_while_loading_falls_back_to_the_previous(world, tmp_path, capsys):
+    """Sizes and small files intact, a flipped byte in the tensor data: the quick scan passes,
+    the load's checksum check fails, the manager goes on to the previous checkpoint."""
+    m = mgr(world, tmp_path)
+    older = save_model(m, 10, seed=1)
+    save_model(m, 20, seed=2)
+    newest = tmp_path / "step_00000020"
+    _flip_middle_byte(newest)
+    loaded = {}
+
+    def resume_from(path):
+        loaded[path] = load_fresh(m, path)
+
+    assert m.resume_newest(resume_from) == tmp_path / "step_00000010"
+    assert list(loaded) == [tmp_path / "step_00000010"]
+    model, opt, extra = loaded[tmp_path / "step_00000010"]
+    assert extra["step"] == 10
+    assert_same_state(older, state_of(model, opt))
+    err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("warning:")]
+    assert len(err) == 1 and err[0].startswith(f"warning: skipping checkpoint {newest}: "), err
 
 
 class _FullDisk:

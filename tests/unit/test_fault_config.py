@@ -22,7 +22,7 @@ def build(**sections):
 
 def test_defaults_and_async_spellings():
     c = build()
-    assert (c.checkpoint.async_save, c.checkpoint.full_checksums) == (False, False)
+    assert (c.checkpoint.async_save, c.checkpoint.full_checksums) == (False, True)
     assert (c.dist.heartbeat_timeout_s, c.train.max_bad_steps, c.train.inject_nan_at_step) == (60.0, 5, 0)
     assert build(checkpoint={"async": True}).checkpoint.async_save is True
     assert build(checkpoint={"async_save": True}).checkpoint.async_save is True
