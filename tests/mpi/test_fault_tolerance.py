@@ -188,6 +188,40 @@ def test_fault_points_are_all_covered():
     assert len(KILL_POINTS) + len(ASYNC_KILL_POINTS) >= 20
 
 
+# ---- damaged checkpoints: fall back, or refuse ------------------------------------------------
+def test_flipped_byte_in_newest_checkpoint_resumes_from_the_previous(tmp_path, dataset, baseline):
+    """One byte flipped in the middle of a .distcp of step 4 (sizes unchanged): `ckpt verify`
+    names the file, training warns, resumes from step 2 and ends on the uninterrupted curve.
+    Then every checkpoint made unusable: training refuses in one line, metrics.jsonl untouched."""
+    cfg, run = config(tmp_path, dataset)
+    train(2, cfg, "--train.steps=4", "--checkpoint.keep=2")
+    ckpts = run / "checkpoints"
+    shard = ckpts / "step_00000004" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    r = subprocess.run([sys.executable, "-m", "hpctrain", "ckpt", "verify", str(ckpts)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert r.stdout.splitlines()[0] == f"{ckpts / 'step_00000004'}: __1_0.distcp does not match " \
+                                       f"its xxh3_128 in COMMIT.json", r.stdout
+    rc, out = train(2, cfg)
+    warnings = [l for l in out.splitlines() if l.startswith("warning: skipping checkpoint")]
+    assert len(warnings) == 1 and "step_00000004" in warnings[0] and "__1_0.distcp" in warnings[0], out
+    assert re.search(r"resumed from \S+step_00000002 at step 2", out), out[-3000:]
+    assert losses(run) == baseline
+
+    history = (run / "metrics.jsonl").read_bytes()
+    for d in ckpts.iterdir():
+        (d / ".metadata").unlink()
+    rc, out = train(2, cfg, check=False)
+    assert rc != 0
+    errors = [l for l in out.splitlines() if "none intact" in l]
+    assert len(errors) == 1 and str(ckpts) in errors[0] and "new run.dir" in errors[0], out[-3000:]
+    assert "Traceback" not in out
+    assert (run / "metrics.jsonl").read_bytes() == history
+
+
 # ---- a rank lost mid-training -----------------------------------------------------------------
 def _descendants(pid: int) -> list[int]:
     out = []
