@@ -8,7 +8,8 @@ rank's own clock: no clock sync needed) is declared lost: the watcher publishes 
 rank prints it as one line (`error: rank 3 lost: no heartbeat for 10 s ...`) within one interval,
 and the job ends through MPI Abort (non-zero exit) — also when the main thread is stuck in a gloo or
 NCCL collective that would otherwise wait for `dist.timeout_s`. The store is hosted by rank 0, so
-losing contact with the store means losing rank 0, and is reported as such.
+losing contact with the store means losing rank 0, and is reported as such: every store call has a
+deadline of `timeout_s` (a frozen rank 0 keeps its socket open and never answers).
 
 `guard()` wraps the main thread: a collective that fails because a peer vanished ("connection
 closed by peer", a timeout) waits for the verdict rather than printing a traceback, and if none
@@ -56,24 +57,39 @@ class Watchdog:
         self._thread.start()
 
     # -- the thread ------------------------------------------------------------------------------
+    def _store_round(self, nbr: int):
+        """One interval's store traffic: bump my counter; (verdict or None, neighbour's counter or
+        None when it finished cleanly)."""
+        self._store.add(f"hpctrain/hb/{self.rank}", 1)
+        verdict = self._store.get(_LOST).decode() if self._store.check([_LOST]) else None
+        if self._store.check([f"hpctrain/done/{nbr}"]):
+            return verdict, None
+        return verdict, self._store.add(f"hpctrain/hb/{nbr}", 0)
+
     def _run(self) -> None:
         nbr = (self.rank + 1) % self.world
         seen, since = None, time.monotonic()
+        caller = _DeadlineCaller()
         while not self._stop.wait(self.interval):
-            try:
-                self._store.add(f"hpctrain/hb/{self.rank}", 1)
-                if self._store.check([_LOST]):
-                    verdict = self._store.get(_LOST).decode()
-                    self._die(verdict, lost=int(verdict.split()[1]) if verdict.startswith("rank ") else None)
-                if self._store.check([f"hpctrain/done/{nbr}"]):
-                    continue  # finished cleanly
-                value = self._store.add(f"hpctrain/hb/{nbr}", 0)
+            try:  # a frozen rank 0 (SIGSTOP, a hung node) keeps the store's socket open and never
+                # answers: the call gets a deadline instead of waiting forever
+                verdict, value = caller.call(lambda: self._store_round(nbr), self.timeout)
+            except TimeoutError:
+                if self._stop.is_set():
+                    return
+                self._die(f"rank 0{self._on(0)} lost: its rendezvous store has not answered for "
+                          f"{self.timeout:g} s (dist.heartbeat_timeout_s): rank 0 hangs, was "
+                          f"stopped, or its node is unreachable", lost=0)
             except Exception as e:  # noqa: BLE001 - the store (on rank 0) is unreachable
                 if self._stop.is_set():
                     return
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 self._die(f"rank 0{self._on(0)} lost: its rendezvous store is unreachable "
                           f"({first[:200]})", lost=0)
+            if verdict is not None:
+                self._die(verdict, lost=int(verdict.split()[1]) if verdict.startswith("rank ") else None)
+            if value is None:
+                continue  # the neighbour finished cleanly
             now = time.monotonic()
             if value != seen:
                 seen, since = value, now
@@ -82,7 +98,7 @@ class Watchdog:
                        f"(dist.heartbeat_timeout_s={self.timeout:g}): it died, hangs, or its node "
                        f"is unreachable")
                 try:
-                    self._store.set(_LOST, msg)
+                    caller.call(lambda: self._store.set(_LOST, msg), self.interval * 2)
                 except Exception:  # noqa: BLE001 - we report it ourselves regardless
                     pass
                 self._die(msg, lost=nbr)
@@ -139,6 +155,34 @@ class Watchdog:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise PeerLostError(f"collective failed ({type(exc).__name__}: {first[:300]}); no peer "
                             f"was found silent for dist.heartbeat_timeout_s={self.timeout:g}") from None
+
+
+class _DeadlineCaller:
+    """Runs blocking calls on one daemon thread and gives up waiting after a deadline (the call
+    itself may stay stuck: a process that gives up ends soon after)."""
+
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+
+    def call(self, fn, timeout: float):
+        if self._thread is not None and self._thread.is_alive():
+            raise TimeoutError("the previous call has not returned")
+        box: dict = {}
+
+        def run():
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box["error"] = e
+
+        self._thread = threading.Thread(target=run, name="hpctrain-watchdog-store", daemon=True)
+        self._thread.start()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"no answer within {timeout:g} s")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
 
 
 def _is_comm_error(exc: BaseException) -> bool:

@@ -246,11 +246,12 @@ def _rank_pid(launcher: int, rank: int) -> int:
     raise AssertionError(f"rank {rank} not found under {launcher}")
 
 
-@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
-def test_lost_rank_ends_job_with_its_name(tmp_path, dataset, sig):
+@pytest.mark.parametrize("sig, lost", [("SIGKILL", 1), ("SIGSTOP", 1), ("SIGSTOP", 0)])
+def test_lost_rank_ends_job_with_its_name(tmp_path, dataset, sig, lost):
     """Rank 1 of 3 dies (SIGKILL; mpiexec told not to clean up, as srun without --kill-on-bad-exit)
-    or hangs (SIGSTOP) mid-training: the surviving ranks exit non-zero within the heartbeat bound,
-    naming rank 1."""
+    or hangs (SIGSTOP) mid-training, or rank 0 hangs (it hosts the heartbeat store, which then
+    keeps its socket open and never answers): the surviving ranks exit non-zero within the
+    heartbeat bound, naming the lost rank and its host."""
     cfg, run = config(tmp_path, dataset)
     proc = launch(3, cfg, "--train.steps=100000", "--checkpoint.interval=100000",
                   "--dist.heartbeat_timeout_s=5", "--train.log_interval=5",
@@ -261,7 +262,7 @@ def test_lost_rank_ends_job_with_its_name(tmp_path, dataset, sig):
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         assert time.monotonic() - t0 < 120, "training did not start"
         time.sleep(0.2)
-    os.kill(_rank_pid(proc.pid, 1), getattr(signal, sig))
+    os.kill(_rank_pid(proc.pid, lost), getattr(signal, sig))
     t_fault = time.monotonic()
     rc, out = finish(proc, timeout=60)
     elapsed = time.monotonic() - t_fault
@@ -269,7 +270,9 @@ def test_lost_rank_ends_job_with_its_name(tmp_path, dataset, sig):
     assert elapsed < 5 + 3 * 0.5 + 3 + 5, elapsed  # timeout + 3 intervals + grace + launcher slack
     errors = [line for line in out.splitlines() if "error:" in line]
     host = socket.gethostname()
-    assert all(f"rank 1 on {host} lost: no heartbeat" in e for e in errors), out[-3000:]
+    verdict = f"rank {lost} on {host} lost: " + ("no heartbeat" if lost else "its rendezvous store "
+                                                                           "has not answered")
+    assert all(verdict in e for e in errors), out[-3000:]
     assert "Traceback" not in out
     if sig == "SIGSTOP":  # a hung rank: only the heartbeat can see it
         assert elapsed > 4 and errors, (elapsed, out[-3000:])
