@@ -37,6 +37,7 @@ from hpctrain.parallel import parallelize
 from hpctrain.sync.compress import bytes_sent
 from hpctrain.sync.diloco import DiLoCo
 from hpctrain.train import rng
+from hpctrain.train import run_lock
 from hpctrain.train.data import TrainData
 from hpctrain.train.guard import NonFiniteGuard, all_finite
 from hpctrain.train.optim import build_optimizer, lr_at, set_lr
@@ -282,7 +283,8 @@ def _check_same_model(saved: dict, current: dict, path) -> None:
 
 
 def train(cfg: Config, ctx: DistContext) -> int:
-    with peer_watchdog(ctx, cfg.dist.heartbeat_timeout_s):  # a lost rank ends the job, named
+    with peer_watchdog(ctx, cfg.dist.heartbeat_timeout_s), run_lock.hold(cfg.run.dir, ctx):
+        # a lost rank ends the job, named; one job per run.dir
         if cfg.sync.mode == "ps":
             from hpctrain.train.ps_loop import train_ps
 

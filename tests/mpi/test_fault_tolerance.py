@@ -222,6 +222,45 @@ def test_flipped_byte_in_newest_checkpoint_resumes_from_the_previous(tmp_path, d
     assert (run / "metrics.jsonl").read_bytes() == history
 
 
+# ---- one job per run directory ----------------------------------------------------------------
+def _wait_for_steps(proc, run, n, timeout=120):
+    metrics, t0 = run / "metrics.jsonl", time.monotonic()
+    while not (metrics.exists() and metrics.read_text().count("\n") >= n):
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() - t0 < timeout, "training did not start"
+        time.sleep(0.2)
+
+
+def test_second_job_on_a_run_dir_is_refused_and_the_first_is_unharmed(tmp_path, dataset):
+    """A resubmitted job while the first still trains: the second exits at once with one line
+    naming the holder; the first finishes with every step in metrics.jsonl and an intact
+    checkpoint. A SIGKILLed job's lock (same host, process gone) is taken over with a warning."""
+    cfg, run = config(tmp_path, dataset)
+    slow = ["--train.steps=30", "--checkpoint.interval=10", "--slurm.debug_step_sleep_s=0.1"]
+    first = launch(2, cfg, *slow)
+    _wait_for_steps(first, run, 2)
+    t0 = time.monotonic()
+    rc, out = train(2, cfg, *slow, check=False)
+    assert rc != 0 and time.monotonic() - t0 < 30, out[-3000:]
+    errors = [l for l in out.splitlines() if "another job trains here" in l]
+    assert len(errors) == 1 and str(run) in errors[0] and f"on {socket.gethostname()}" in errors[0], out
+    assert "Traceback" not in out
+    rc, out = finish(first)
+    assert rc == 0, out[-3000:]
+    assert sorted(losses(run)) == list(range(1, 31))
+    assert [i.step for i in list_checkpoints(run / "checkpoints") if i.status == "committed"] == [30]
+    assert not (run / ".hpctrain.lock").exists()  # released at the end
+
+    killed = launch(2, cfg, "--train.steps=60", *slow[1:])
+    _wait_for_steps(killed, run, 33)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.communicate()
+    assert (run / ".hpctrain.lock").exists()
+    rc, out = train(2, cfg, "--train.steps=40", "--checkpoint.interval=10")
+    assert re.search(r"warning: run dir \S+: took over the lock of pid \d+ on .*has exited", out), out
+    assert sorted(losses(run)) == list(range(1, 41))
+
+
 # ---- a rank lost mid-training -----------------------------------------------------------------
 def _descendants(pid: int) -> list[int]:
     out = []
