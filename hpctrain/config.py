@@ -189,7 +189,7 @@ class SlurmConfig:
     requeue: str = field(default="auto", metadata={
         "help": "after a stop on a signal or the wall-time guard (checkpoint saved): auto (scontrol "
                 "requeue when in a batch job that allows requeue) | true | false (exit status 75)"})
-    signals: str = field(default="USR1,TERM", metadata={
+    signals: str = field(default="USR1,TERM,INT", metadata={
         "help": "comma-separated signals that mean: checkpoint at the next step boundary and stop "
                 "(all ranks agree on the step; '' = none)"})
     time_margin_s: float = field(default=300.0, metadata={

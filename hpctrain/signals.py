@@ -1,6 +1,6 @@
 """Preemption signals as a flag: handlers that only record which signal arrived.
 
-Owns: installing the handlers for the configured stop signals (`slurm.signals`, USR1,TERM by
+Owns: installing the handlers for the configured stop signals (`slurm.signals`, USR1,TERM,INT by
 default) and the list of signals received. It lives outside hpctrain/dist (whose package imports
 torch) and imports only the standard library, so `python -m hpctrain` can catch SIGUSR1 before the
 seconds-long torch import: an uncaught SIGUSR1 kills a starting rank (its default action), and a

@@ -261,6 +261,22 @@ def test_second_job_on_a_run_dir_is_refused_and_the_first_is_unharmed(tmp_path, 
     assert sorted(losses(run)) == list(range(1, 41))
 
 
+def test_ctrl_c_stops_with_a_checkpoint_and_resumes_exactly(tmp_path, dataset, baseline):
+    """SIGINT to mpiexec (Ctrl-C in a terminal): hydra passes it to the ranks, which stop at a
+    step boundary with a checkpoint (exit 75), no KeyboardInterrupt traceback; rerun resumes."""
+    cfg, run = config(tmp_path, dataset)
+    proc = launch(2, cfg, "--slurm.debug_step_sleep_s=0.5")
+    _wait_for_steps(proc, run, 2)
+    os.kill(proc.pid, signal.SIGINT)
+    rc, out = finish(proc, timeout=60)
+    assert rc == 75 and "signal SIGINT; saving a checkpoint" in out, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out
+    stopped = int(re.search(r"stopping at step (\d+)", out).group(1))
+    assert stopped < 6
+    rc, out = train(2, cfg)
+    assert f"at step {stopped}" in out and losses(run) == baseline
+
+
 # ---- a rank lost mid-training -----------------------------------------------------------------
 def _descendants(pid: int) -> list[int]:
     out = []

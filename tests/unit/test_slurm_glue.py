@@ -56,7 +56,7 @@ def test_requeue_not_allowed_outside_slurm():
 
 def test_slurm_config_section():
     cfg = config.from_dict(BASE)
-    assert (cfg.slurm.requeue, cfg.slurm.signals, cfg.slurm.time_margin_s) == ("auto", "USR1,TERM", 300.0)
+    assert (cfg.slurm.requeue, cfg.slurm.signals, cfg.slurm.time_margin_s) == ("auto", "USR1,TERM,INT", 300.0)
     cfg = config.from_dict({**BASE, "slurm": {"requeue": False, "signals": "usr2, SIGTERM"}})
     assert (cfg.slurm.requeue, cfg.slurm.signals) == ("false", "usr2, SIGTERM")  # TOML bool accepted
     with pytest.raises(ConfigError, match="slurm.requeue"):
