@@ -34,14 +34,7 @@ class MetricsLog:
     def _truncate_after(self, step: int) -> None:
         if not self.path.exists():
             return
-        kept = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line torn by a kill -9 mid-write
-            if rec.get("step", 0) <= step:
-                kept.append(line)
+        kept = [line for line, rec in _records(self.path) if rec.get("step", 0) <= step]
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
         os.replace(tmp, self.path)
@@ -73,5 +66,18 @@ class MetricsLog:
         self._close_tb()
 
 
+def _records(path: Path):
+    """(line, record) of every intact line: a line torn by a kill -9 mid-write, or bytes that are
+    not UTF-8 (a damaged block on a parallel file system), is skipped, never fatal."""
+    for raw in Path(path).read_bytes().splitlines():
+        try:
+            line = raw.decode("utf-8")
+            rec = json.loads(line)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        if isinstance(rec, dict):
+            yield line, rec
+
+
 def read(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [rec for _, rec in _records(Path(path))]

@@ -155,3 +155,20 @@ def test_write_error_turns_tensorboard_off(tmp_path, monkeypatch, capfd):
 ])
 def test_format_eta(seconds, text):
     assert format_eta(seconds) == text
+
+
+def test_torn_lines_and_non_utf8_bytes_never_block_resume_or_plot(tmp_path):
+    """A kill -9 mid-write tears the last line; a damaged block puts bytes that are not UTF-8 in the
+    log: resume keeps every intact record up to the checkpoint's step, `read` (plot) skips the rest."""
+    from hpctrain.metrics.jsonl import MetricsLog, read
+
+    path = tmp_path / "metrics.jsonl"
+    good = [json.dumps({"step": s, "loss": 5.0 - s}) for s in (1, 2, 3, 4)]
+    path.write_bytes("\n".join(good[:2]).encode() + b"\n\xff\xfe garbage \x80\n"
+                     + "\n".join(good[2:]).encode() + b'\n{"step": 5, "lo')
+    assert [r["step"] for r in read(path)] == [1, 2, 3, 4]
+    log = MetricsLog(path, enabled=True, resume_step=3)
+    log.write({"step": 4, "loss": 0.5})
+    log.close()
+    assert [(r["step"], r["loss"]) for r in read(path)] == [(1, 4.0), (2, 3.0), (3, 2.0), (4, 0.5)]
+    assert path.read_bytes().decode("utf-8")  # the rewrite dropped the bad bytes
