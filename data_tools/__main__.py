@@ -8,6 +8,7 @@ traceback for an expected DataError.  Exit codes: 0 ok, 1 data problem, 2 usage 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 
@@ -194,6 +195,15 @@ def main(argv=None) -> int:
         if comm is None or comm.Get_rank() == 0:
             print(e, file=sys.stderr)
         return 1
+    except OSError as e:  # a missing, truncated or unreadable file, a full or read-only disk
+        if os.environ.get("HPCTRAIN_DEBUG"):
+            traceback.print_exc()
+        rank = comm.Get_rank() if comm is not None else 0
+        tag = f"[rank {rank}] " if rank else ""
+        print(f"{tag}{_describe_os_error(e)}", file=sys.stderr, flush=True)
+        if comm is not None and comm.Get_size() > 1:
+            comm.Abort(1)  # the others may wait in a collective
+        return 1
     except Exception:
         if comm is not None and comm.Get_size() > 1:
             traceback.print_exc()
@@ -201,6 +211,15 @@ def main(argv=None) -> int:
             comm.Abort(1)
         raise
     return 0
+
+
+def _describe_os_error(e: OSError) -> str:
+    """One line: the file, what went wrong (h5py's message without its error stack), what to do."""
+    what = (e.strerror or str(e)).strip().splitlines()[0] if (e.strerror or str(e)).strip() else type(e).__name__
+    if e.filename and str(e.filename) not in what:
+        what = f"{e.filename}: {what}"
+    return (f"{what} (check the path, free space and permissions; `python -m data_tools verify "
+            f"DIR` checks a dataset's files; HPCTRAIN_DEBUG=1 shows the traceback)")
 
 
 if __name__ == "__main__":

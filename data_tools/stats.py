@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from .format import DOC_OFFSETS_DSET, SPLITS, read_manifest, shards_of
+from .format import DOC_OFFSETS_DSET, SPLITS, DataError, check_shard_size, read_manifest, shards_of
 
 
 def doc_lengths(path: str, split: str) -> np.ndarray:
@@ -21,8 +21,14 @@ def doc_lengths(path: str, split: str) -> np.ndarray:
     m = read_manifest(path)
     starts, base = [], 0
     for e in shards_of(m, split):
-        with h5py.File(os.path.join(path, e["file"]), "r") as f:
-            starts.append(f[DOC_OFFSETS_DSET][()] + base)
+        shard = os.path.join(path, e["file"])
+        check_shard_size(shard, e)  # missing or truncated: named, before h5py's error stack
+        try:
+            with h5py.File(shard, "r") as f:
+                starts.append(f[DOC_OFFSETS_DSET][()] + base)
+        except (OSError, KeyError) as err:
+            raise DataError(shard, f"not a readable shard ({str(err).splitlines()[0]}); "
+                                   f"`python -m data_tools verify {path}` checks every file") from None
         base += e["n_tokens"]
     if not starts:
         return np.zeros(0, np.int64)

@@ -33,8 +33,20 @@ def _world():
     return comm.Get_rank(), comm.Get_size(), comm
 
 
+def _environment_error(exc: BaseException) -> str | None:
+    """One line for an OSError that names a file (a full, read-only or missing disk: the user's
+    environment, not a bug); None for anything else."""
+    if not isinstance(exc, OSError) or not exc.filename or os.environ.get("HPCTRAIN_DEBUG"):
+        return None
+    return (f"{exc.filename}: {exc.strerror or exc} (check free space, permissions and the path; "
+            f"HPCTRAIN_DEBUG=1 shows the traceback)")
+
+
 def _report_and_abort(exc: BaseException) -> None:
     rank, size, comm = _world()
+    env_line = _environment_error(exc)
+    if env_line is not None:
+        exc = UserError(env_line)
     user = isinstance(exc, UserError)
     code = EXIT_USER_ERROR if user else EXIT_BUG
     if comm is None and rank != 0 and user:
