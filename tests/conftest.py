@@ -41,3 +41,25 @@ def mpirun(n, args, **kw):
 @pytest.fixture(scope="session")
 def root():
     return ROOT
+
+
+# The smallest training config a subprocess test needs (byte tokenizer, 2 steps by default):
+# TINY_TRAIN.format(run=..., data=..., steps=...).
+TINY_TRAIN = """
+[run]
+dir = "{run}"
+[data]
+path = "{data}"
+[model]
+n_layer = 1
+n_head = 2
+n_embd = 32
+block_size = 32
+vocab_size = 257
+[train]
+steps = {steps}
+warmup_steps = 0
+micro_batch_size = 2
+eval_interval = 0
+log_interval = 1
+"""

@@ -14,26 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cmd
+from tests.conftest import TINY_TRAIN, run_cmd
 
-TRAIN = """
-[run]
-dir = "{run}"
-[data]
-path = "{data}"
-[model]
-n_layer = 1
-n_head = 2
-n_embd = 32
-block_size = 32
-vocab_size = 257
-[train]
-steps = 2
-micro_batch_size = 2
-warmup_steps = 0
-eval_interval = 0
-log_interval = 1
-"""
 
 
 def checksums(root: Path) -> dict[str, str]:
@@ -126,14 +108,14 @@ def shard_onto_a_read_only_disk(tmp, ds, mounts):
 def train_into_a_read_only_run_dir(tmp, ds, mounts):
     disk = mounts.tmpfs(tmp / "ro-run", "1m", readonly=True)
     cfg = tmp / "ro.toml"
-    cfg.write_text(TRAIN.format(run=disk / "run", data=ds))
+    cfg.write_text(TINY_TRAIN.format(run=disk / "run", data=ds, steps=2))
     return ["hpctrain", "train", "--config", cfg], disk, str(disk / "run")
 
 
 def train_onto_a_full_disk(tmp, ds, mounts):
     disk = mounts.tmpfs(tmp / "full-run", "16k")
     cfg = tmp / "full.toml"
-    cfg.write_text(TRAIN.format(run=disk / "run", data=ds))
+    cfg.write_text(TINY_TRAIN.format(run=disk / "run", data=ds, steps=2))
     return ["hpctrain", "train", "--config", cfg], tmp / "full-run-before", str(disk / "run")
 
 

@@ -12,7 +12,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, TINY_TRAIN
 
 
 def _source_modules() -> set[str]:
@@ -53,24 +53,7 @@ def test_wheel_holds_every_module_and_trains_outside_the_checkout(tmp_path):
 
     _run([py, "-m", "data_tools", "shard", "--input", sorted(shakespeare_files())[0], "--output",
           work / "ds", "--tokenizer", "bytes", "--val-fraction", "0.1", "--no-progress"], cwd=work)
-    (work / "tiny.toml").write_text(f"""
-[run]
-dir = "{work / 'run'}"
-[data]
-path = "{work / 'ds'}"
-[model]
-n_layer = 1
-n_head = 2
-n_embd = 32
-block_size = 32
-vocab_size = 257
-[train]
-steps = 3
-warmup_steps = 0
-micro_batch_size = 2
-eval_interval = 0
-log_interval = 1
-""")
+    (work / "tiny.toml").write_text(TINY_TRAIN.format(run=work / "run", data=work / "ds", steps=3))
     # the mpich wheel's libmpi lies beside the test venv's prefix, not the new one's: the
     # documented switch names it (a real install has mpich in the same venv)
     libmpi = next(Path(sys.prefix, "lib").glob("libmpi.so.[0-9]*"), None)
