@@ -49,7 +49,7 @@ def _plan(inputs, out, val_fraction, seed):
     staging.check_output(out, TOKENIZER_FILE)
     table = documents.enumerate_documents(inputs)
     is_val = documents.assign_val(len(table), val_fraction, seed)
-    staging.begin(out, TOKENIZER_FILE)
+    staging.begin(out)
     return table, is_val
 
 

@@ -52,10 +52,9 @@ def check_output(output: str, tokenizer_file: str) -> None:
             raise DataError(output, f"refusing to overwrite: {e}") from None
 
 
-def begin(output: str, tokenizer_file: str) -> str:
-    """Check ``output`` and create an empty staging folder beside it (a stale one from a killed
-    run is removed: the name is ours).  Returns the staging path."""
-    check_output(output, tokenizer_file)
+def begin(output: str) -> str:
+    """Create an empty staging folder beside ``output`` (checked by `check_output` first; a stale
+    staging folder from a killed run is removed: the name is ours).  Returns its path."""
     staging = staging_dir(output)
     shutil.rmtree(staging, ignore_errors=True)
     try:
