@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from contextlib import contextmanager
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -46,6 +47,7 @@ class RecordingFileSystem(FileSystem):
         self.pacer = pacer
         self.hash_writes = hash_writes
         self._hashers: dict[str, object] = {}  # file name -> checksum of what this rank wrote
+        self.hash_seconds = 0.0  # time spent hashing on this rank (bench/checkpoint.py reports it)
         self._lock = threading.Lock()  # DCP may write several files from several threads
 
     def hasher_for(self, path):
@@ -88,7 +90,9 @@ class _RecordingStream:
         try:
             n = self._stream.write(data)
             if self._hasher is not None:  # a buffered stream takes all of `data` (or raises)
+                t0 = time.perf_counter()
                 self._hasher.update(data)
+                self._fs.hash_seconds += time.perf_counter() - t0
             if self._fs.pacer is not None:
                 self._fs.pacer.pace()
             if not self._written:  # after the first chunk: a partial file (fault injection)

@@ -74,7 +74,7 @@ class CheckpointManager:
                              f"torch.distributed says {dist.get_rank()}/{dist.get_world_size()}")
         if not self._dist and world_size != 1:
             raise ValueError("CheckpointManager with world_size > 1 needs torch.distributed initialized")
-        self.last_save_s = self.last_load_s = self.last_write_s = 0.0
+        self.last_save_s = self.last_load_s = self.last_write_s = self.last_hash_s = 0.0
         self._timeout = datetime.timedelta(seconds=timeout_s)  # of the background group
         self._bg_group = None                                   # made by the first save_async
         self._inflight: background.InFlight | None = None
@@ -242,6 +242,7 @@ class CheckpointManager:
                 metadata = dcp.save(job.tensors, storage_writer=writer, no_dist=not self._dist,
                                     process_group=group)
             faults.hit("save.dcp_done")
+            self.last_hash_s = fs.hash_seconds
             if self.full_checksums:  # what this rank wrote, hashed as it was written
                 data_files = {str(info.relative_path) for info in metadata.storage_data.values()}
                 hashes = {f: d for f, d in fs.digests().items() if f in data_files}

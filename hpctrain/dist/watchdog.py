@@ -4,9 +4,9 @@ Owns the heartbeat protocol. Every rank runs one daemon thread that, every `inte
 its counter `hpctrain/hb/<rank>` in the rendezvous TCPStore (its own client connection, not the
 process group's), watches ONE neighbour's counter (rank + 1 mod world: O(1) store traffic per rank),
 and reads one verdict key. A neighbour whose counter has not moved for `timeout_s` (seconds of this
-rank's own clock: no clock sync needed) is declared lost: the watcher publishes the verdict, every
-rank prints it as one line (`error: rank 3 lost: no heartbeat for 10 s ...`) within one interval,
-and the job ends through MPI Abort (non-zero exit) — also when the main thread is stuck in a gloo or
+rank's own clock: no clock sync needed) is declared lost: the watcher publishes the verdict and
+prints it as one line (`error: rank 3 lost: no heartbeat for 10 s ...`), every rank learns it within
+one interval, and the job ends through MPI Abort (non-zero exit) — also when the main thread is stuck in a gloo or
 NCCL collective that would otherwise wait for `dist.timeout_s`. The store is hosted by rank 0, so
 losing contact with the store means losing rank 0, and is reported as such: every store call has a
 deadline of `timeout_s` (a frozen rank 0 keeps its socket open and never answers).
@@ -79,15 +79,17 @@ class Watchdog:
                     return
                 self._die(f"rank 0{self._on(0)} lost: its rendezvous store has not answered for "
                           f"{self.timeout:g} s (dist.heartbeat_timeout_s): rank 0 hangs, was "
-                          f"stopped, or its node is unreachable", lost=0)
+                          f"stopped, or its node is unreachable",
+                          lost=0, speak_after=min(self.rank - 1, 2))  # rank 1 speaks first
             except Exception as e:  # noqa: BLE001 - the store (on rank 0) is unreachable
                 if self._stop.is_set():
                     return
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 self._die(f"rank 0{self._on(0)} lost: its rendezvous store is unreachable "
-                          f"({first[:200]})", lost=0)
+                          f"({first[:200]})", lost=0, speak_after=min(self.rank - 1, 2))
             if verdict is not None:
-                self._die(verdict, lost=int(verdict.split()[1]) if verdict.startswith("rank ") else None)
+                lost = int(verdict.split()[1]) if verdict.startswith("rank ") else None
+                self._die(verdict, lost=lost, speak_after=1)  # its publisher speaks first
             if value is None:
                 continue  # the neighbour finished cleanly
             now = time.monotonic()
@@ -120,16 +122,20 @@ class Watchdog:
         except OSError:
             pass
 
-    def _die(self, msg: str, lost: int | None = None) -> None:
-        """Print the verdict (once per process), give the other ranks an interval or two to print
-        theirs, then end the job."""
+    def _die(self, msg: str, lost: int | None = None, speak_after: int = 0) -> None:
+        """Print the verdict, then end the job. The rank that saw the loss first-hand speaks at once
+        and aborts the job after a grace for its line to get out; the others (`speak_after` > 0:
+        their place in line) wait longer than that grace first, so the user reads one line; they
+        print theirs only if that Abort did not end them."""
         if not self._reported.acquire(blocking=False):
             return
         self.verdict = msg
         self._record_lost_node(lost)
+        grace = min(3.0, 2 * self.interval + 0.5)
+        time.sleep(speak_after * (grace + 1.5))
         tag = f"[rank {self.rank}] " if self.rank else ""
         print(f"{tag}error: {msg}", file=sys.stderr, flush=True)
-        time.sleep(min(3.0, 2 * self.interval + 0.5))
+        time.sleep(grace)
         try:
             if self.comm is not None:
                 self.comm.Abort(EXIT_PEER_LOST)
@@ -150,8 +156,8 @@ class Watchdog:
         """A collective failed on the main thread: let the watchdog name the lost rank (it ends
         the process); if it does not within the bound, raise a one-line PeerLostError."""
         deadline = time.monotonic() + self.timeout + 3 * self.interval
-        while time.monotonic() < deadline and self._thread.is_alive():
-            time.sleep(0.1)
+        while self._thread.is_alive() and (time.monotonic() < deadline or self.verdict is not None):
+            time.sleep(0.1)  # once the thread has a verdict, it ends the process itself
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise PeerLostError(f"collective failed ({type(exc).__name__}: {first[:300]}); no peer "
                             f"was found silent for dist.heartbeat_timeout_s={self.timeout:g}") from None
