@@ -44,8 +44,12 @@ def main(argv: list[str]) -> int:
     from hpctrain.dist import init_distributed, teardown
     from hpctrain.model import GPT, GPTConfig
 
-    init_distributed("gloo", timeout_s=120)
+    ctx = init_distributed("gloo", timeout_s=120)
     try:
+        if ctx.world_size > 1:
+            from hpctrain.errors import UserError
+            raise UserError(f"sample runs as one process but was started as {ctx.world_size} ranks: "
+                            f"run `python -m hpctrain sample ...` without mpiexec/srun")
         path = _resolve(Path(args.checkpoint))
         mgr = CheckpointManager(path.parent, keep=1, rank=0, world_size=1)
         extra = json.loads((path / "trainer_state.json").read_text())
