@@ -27,6 +27,14 @@ def _resolve(path: Path):
     return latest
 
 
+def _print_real_words(text: str, dataset: str) -> None:
+    from hpctrain.sample_words import MIN_LETTERS, real_word_fraction, training_vocabulary
+
+    fraction, n = real_word_fraction(text, training_vocabulary(dataset))
+    print(f"# real words: {fraction:.0%} of {n} sampled words (letters only, >= {MIN_LETTERS}) are in "
+          f"the training text of {dataset}")
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hpctrain sample",
                                      description="Generate text from a trained checkpoint.")
@@ -37,6 +45,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=50, help="sample from the k most likely tokens (0 = all)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--real-words", metavar="DATASET", default=None,
+                        help="also print the fraction of sampled words (letters only, >= 3 letters) "
+                             "found in DATASET's training text: how much of the sample is real words")
     args = parser.parse_args(argv)
 
     from data_tools.tokenizers import get_tokenizer
@@ -68,6 +79,8 @@ def main(argv: list[str]) -> int:
                              temperature=args.temperature, top_k=args.top_k or None, generator=gen)
         print(f"# checkpoint {path} (step {extra['step']})")
         print(tok.decode(out[0].tolist()))
+        if args.real_words:  # the generated part only: the prompt's words would count as real
+            _print_real_words(tok.decode(out[0][len(ids):].tolist()), args.real_words)
     finally:
         teardown()
     return 0

@@ -15,19 +15,22 @@ if ! python -m data_tools verify "$DATA" >/dev/null 2>&1; then
 fi
 python -m data_tools inspect "$DATA"
 
-echo "== 2/4 train on $NP ranks, stopping at step 200 (a checkpoint is committed there)"
+echo "== 2/4 train on $NP ranks, stopping at step 900 (a checkpoint is committed there)"
 rm -rf "$RUN"
-mpiexec -n "$NP" python -m hpctrain train --config configs/demo.toml --train.stop_at_step=200
+mpiexec -n "$NP" python -m hpctrain train --config configs/demo.toml --train.stop_at_step=900
 
 echo "== 3/4 resume: the same command without the stop resumes from the newest checkpoint"
 mpiexec -n "$NP" python -m hpctrain train --config configs/demo.toml
 
 echo "== 4/4 sample from the final checkpoint"
-python -m hpctrain sample --checkpoint "$RUN" --prompt "ROMEO:" --tokens 300 --seed 1
+python -m hpctrain sample --checkpoint "$RUN" --prompt "ROMEO:" --tokens 400 --seed 1 \
+    --real-words "$DATA" | tee "$RUN/sample.txt"
 python -m hpctrain plot "$RUN" >/dev/null && echo "loss curve: $RUN/metrics.png"
 python - <<'PY'
 import json
 recs = [json.loads(l) for l in open("runs/demo/metrics.jsonl")]
 vals = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
 print("validation loss by step:", ", ".join(f"{s}: {v:.3f}" for s, v in vals))
+print(f"final validation loss: {vals[-1][1]:.3f} nats per character on held-out plays")
 PY
+grep "^# real words" "$RUN/sample.txt"

@@ -150,6 +150,26 @@ def test_sample_prints_text(tmp_path, dataset):
     assert (w, h) == (1100, 700)
 
 
+def test_demo_recipe_runs_and_counts_real_words(tmp_path, dataset, root):
+    """configs/demo.toml (the recipe `make demo` trains) for a few steps on 2 ranks, then the
+    demo's sample with its real-word count: the config cannot rot unnoticed."""
+    run = tmp_path / "demo"
+    train(2, root / "configs" / "demo.toml", f"--run.dir={run}", f"--data.path={dataset}",
+          "--train.steps=3", "--train.warmup_steps=1", "--train.eval_interval=3",
+          "--train.eval_batches=1",
+          "--checkpoint.interval=3")
+    assert set(losses(run, "val_loss")) == {0, 3}
+    r = run_cmd([sys.executable, "-m", "hpctrain", "sample", "--checkpoint", run, "--prompt",
+                 "ROMEO:", "--tokens", "200", "--seed", "1", "--real-words", dataset],
+                timeout=120, check=True)
+    header, rest = r.stdout.split("\n", 1)
+    sample, line = rest.rstrip("\n").rsplit("\n", 1)
+    assert header.startswith("# checkpoint") and sample.startswith("ROMEO:"), r.stdout
+    from hpctrain.sample_words import real_word_fraction, training_vocabulary
+    fraction, n = real_word_fraction(sample[len("ROMEO:"):], training_vocabulary(str(dataset)))
+    assert line.startswith(f"# real words: {fraction:.0%} of {n} sampled words"), (line, fraction, n)
+
+
 def _corrupt_truncate(shard: Path):
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
