@@ -121,7 +121,7 @@ def wait_bench(args) -> None:
         cmd = [os.path.join(os.path.dirname(py), "mpiexec"), "-n", "2", py, "-m", "hpctrain",
                "train", "--config", "configs/demo.toml", f"--run.dir={run}",
                f"--data.path={data}", f"--data.cache_dir={cache}", f"--train.steps={args.train_steps}",
-               "--train.eval_interval=0", "--checkpoint.interval=100000"]
+               "--train.warmup_steps=0", "--train.eval_interval=0", "--checkpoint.interval=100000"]
         subprocess.run(cmd, check=True, cwd=ROOT, env=env, timeout=1200, capture_output=True)
         recs = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
         recs = [r for r in recs if "loss" in r and r["step"] > 1]

@@ -3,7 +3,7 @@
 Run:  python bench/localsgd.py [--data data/shakespeare_bytes] [--steps 300] [--ranks 2]
                                [--plot docs/img/localsgd.png]
 
-Every mode trains the same GPT (configs/demo.toml's shape, block 128) from the same seed on the
+Every mode trains the same GPT (configs/demo.toml with 128 wide, block 128: the 0.8M model of docs/benchmarks.md) from the same seed on the
 same global batch for the same number of steps, on real Shakespeare (byte tokens):
   ddp            synchronous data parallelism, fp32 gradient all-reduce every step (reference)
   diloco H       DiLoCo, H inner AdamW steps per round, outer Nesterov SGD (lr 0.7, momentum 0.5)
@@ -49,7 +49,7 @@ def train(name: str, extra: list[str], args, tmp: Path) -> dict:
     ranks = args.ranks + (1 if "ps" in name else 0)  # the parameter server is one more rank
     cmd = [BIN / "mpiexec", "-n", str(ranks), sys.executable, "-m", "hpctrain", "train",
            "--config", "configs/demo.toml", f"--run.dir={run}", f"--data.path={args.data}",
-           "--model.block_size=128", "--train.micro_batch_size=8", f"--train.steps={args.steps}",
+           "--model.n_embd=128", "--model.block_size=128", "--train.micro_batch_size=8", f"--train.steps={args.steps}",
            "--train.stop_at_step=0", "--train.warmup_steps=20", f"--train.eval_interval={max(1, args.steps // 20)}",
            "--train.eval_batches=16", f"--checkpoint.interval={10**6}", "--data.verify=size",
            "--dist.heartbeat_timeout_s=0", *extra]
