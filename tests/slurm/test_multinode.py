@@ -25,26 +25,38 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 # The one test that launches with `srun --mpi=pmi2` (relaunching inside the allocation needs srun):
 # the PyPI mpich wheel's PMI-1 lines sometimes exceed what Slurm 22.05's server reads (an external
-# bug, docs/multinode.md); a job whose log shows exactly that is run again, at most twice. Any
-# other failure fails the test.
+# bug, docs/multinode.md); a job whose log shows that and what it does to MPICH is run again, up to
+# 3 tries, and skipped (named) when every try hit it. Any other failure fails the test.
 PMI2_FLAKE = "mpi/pmi2: value not properly terminated"
+# What the wheel's MPICH does when a cut PMI line garbled its address exchange (docs/multinode.md,
+# "Known"): MPI_Init fails or hangs, or its UCX transport aborts a rank on a dead peer before our
+# heartbeat can name it. Only these, next to a cut line, count as the environment's fault.
+WHEEL_MPI_FAILURES = ("internal_Init_thread", "failed to unpack address", "cma_ep.c")
 
 
-def retry_on_pmi2_flake(test):
+def _wheel_mpi_failure(logs: str) -> bool:
+    hung_in_init = "timed out waiting for step 12" in logs and "\ntraining: " not in logs
+    return PMI2_FLAKE in logs and (hung_in_init or any(m in logs for m in WHEEL_MPI_FAILURES))
+
+
+def retry_on_pmi2_flake(test, tries: int = 3):
     @functools.wraps(test)
     def run(*args, **kwargs):
         base = kwargs["tmp_path"]
-        for attempt in range(3):
+        for attempt in range(tries):
             kwargs["tmp_path"] = base / f"try{attempt}"
             kwargs["tmp_path"].mkdir()
             try:
                 return test(*args, **kwargs)
             except AssertionError as e:
-                logs = "".join(f.read_text() for f in kwargs["tmp_path"].glob("*.out"))
-                if PMI2_FLAKE not in str(e) + logs or attempt == 2:
-                    raise
+                logs = str(e) + "".join(f.read_text() for f in kwargs["tmp_path"].glob("*.out"))
+                if not _wheel_mpi_failure(logs):
+                    raise  # a failure of ours: no retry, no excuse
                 kwargs["vjobs"].cluster._cancel_jobs(150)  # a cut PMI line can leave it hanging
+        pytest.skip(f"srun --mpi=pmi2 with the PyPI mpich wheel garbled the PMI exchange in all "
+                    f"{tries} tries (docs/multinode.md, Known); logs under {base}")
     return run
+
 
 TRAIN = ROOT / "slurm" / "train.sbatch"
 SLOW = "--slurm.debug_step_sleep_s=0.25"
