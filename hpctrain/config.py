@@ -72,7 +72,14 @@ class TrainConfig:
     stop_at_step: int = field(default=0, metadata={
         "help": "checkpoint and exit cleanly at this step without changing the schedule (0 = run to `steps`)"})
     seed: int = field(default=1337, metadata={"help": "seed for init, data order and dropout"})
-    precision: str = field(default="fp32", metadata={"help": "fp32 | bf16 (autocast; master weights stay fp32)"})
+    precision: str = field(default="fp32", metadata={
+        "help": "fp32 | bf16 | fp16 (autocast; master weights stay fp32). fp16 is for GPUs without "
+                "bf16 (V100, T4): dynamic loss scaling, overflow steps skipped and counted"})
+    loss_scale_init: float = field(default=65536.0, metadata={
+        "help": "fp16: the initial loss scale (torch.amp.GradScaler init_scale); it halves on every "
+                "overflow and doubles after loss_scale_growth_interval clean steps"})
+    loss_scale_growth_interval: int = field(default=2000, metadata={
+        "help": "fp16: clean steps before the loss scale doubles"})
     compile: bool = field(default=False, metadata={
         "help": "torch.compile the model (fuses elementwise ops: ~15% more tokens/s on CPU here, "
                 "docs/benchmarks.md); costs 10-30 s of compilation at start; not with parallel.pp > 1"})

@@ -34,7 +34,12 @@ def validate(cfg: Config) -> None:
            f"global_batch the accumulation is derived from the data-parallel size)")
     _check(t.global_batch % max(t.micro_batch_size, 1) == 0, "train.global_batch",
            f"{t.global_batch} is not a multiple of train.micro_batch_size={t.micro_batch_size}")
-    _check(t.precision in ("fp32", "bf16"), "train.precision", f"{t.precision!r}: expected fp32 or bf16")
+    _check(t.precision in ("fp32", "bf16", "fp16"), "train.precision",
+           f"{t.precision!r}: expected fp32, bf16 or fp16")
+    _check(t.precision != "fp16" or cfg.sync.mode != "ps", "train.precision",
+           "fp16 needs loss scaling, which sync.mode='ps' workers do not do: use fp32 or bf16 there")
+    _check(t.loss_scale_init > 0, "train.loss_scale_init", "must be > 0")
+    _check(t.loss_scale_growth_interval >= 1, "train.loss_scale_growth_interval", "must be >= 1")
     _check(0 <= t.warmup_steps <= t.steps, "train.warmup_steps", "must be in [0, train.steps]")
     _check(cfg.checkpoint.interval >= 1, "checkpoint.interval", "must be >= 1")
     _check(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")

@@ -11,22 +11,32 @@ import time
 import torch
 
 
-def measure_peak_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, reps: int = 8,
-                       trials: int = 3) -> float:
-    """FLOP/s of an n x n matmul: the best of `trials` timings of `reps` products (a shared machine
-    slows single timings down at random; the best is the closest to what the hardware can do)."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(2):
+def _timed_products(a: torch.Tensor, b: torch.Tensor, reps: int) -> float:
+    if a.device.type == "cuda":
+        torch.cuda.synchronize(a.device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
         a @ b
-    best = float("inf")
-    for _ in range(trials):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
+    if a.device.type == "cuda":
+        torch.cuda.synchronize(a.device)
+    return time.perf_counter() - t0
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, reps: int = 8,
+                       trials: int = 3, budget_s: float | None = 0.25) -> float:
+    """FLOP/s of an n x n matmul: the best of `trials` timings of `reps` products (a shared machine
+    slows single timings down at random; the best is the closest to what the hardware can do).
+    `budget_s` bounds one trial: where a product is slow (fp16 on a CPU without fp16 units takes
+    seconds at n=1024) n is halved and reps reduced, so start-up never waits a minute for a metric."""
+    while True:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        one = _timed_products(a, b, 1)  # also the warm-up
+        if budget_s is None or one * reps <= budget_s or n <= 128:
+            break
+        if one <= budget_s:
+            reps = max(1, int(budget_s / one))
+            break
+        n //= 2
+    best = min(_timed_products(a, b, reps) for _ in range(trials))
     return 2.0 * n**3 * reps / best

@@ -81,8 +81,9 @@ class ParallelModel:
         apply_activation_checkpointing(model, p.activation_checkpoint, p.ac_every)
         roots = self.split.make_views() if self.split else [model]
         if self.fsdp:
-            mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                  if t.precision == "bf16" else MixedPrecisionPolicy())
+            half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
+            mp = (MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
+                  if half is not None else MixedPrecisionPolicy())
             for block in model.blocks.values():
                 fully_shard(block, mesh=mesh["dp"], mp_policy=mp)
             for root in roots:
@@ -111,7 +112,7 @@ class ParallelModel:
         self.device = next(model.parameters()).device
         self.schedule = None
         self.tie_group = None
-        self._loss_hook = None
+        self._loss_hook, self._loss_scale = None, 1.0
         if self.split:
             try:
                 self.schedule = self.split.build_schedule(roots, p.pp_schedule, self.n_micro, self._pp_loss,
@@ -141,7 +142,8 @@ class ParallelModel:
 
     def _pp_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = lm_loss(logits, targets)
-        return self._loss_hook(loss) if self._loss_hook is not None else loss
+        loss = self._loss_hook(loss) if self._loss_hook is not None else loss
+        return loss * self._loss_scale if self._loss_scale != 1.0 else loss
 
     def _loss_context(self):
         return loss_parallel() if self.tp > 1 else contextlib.nullcontext()
@@ -183,12 +185,14 @@ class ParallelModel:
     def train(self) -> None:
         self.module.train()
 
-    def forward_backward(self, micro_batches: list[torch.Tensor], autocast, loss_hook=None) -> torch.Tensor:
+    def forward_backward(self, micro_batches: list[torch.Tensor], autocast, loss_hook=None,
+                         loss_scale: float = 1.0) -> torch.Tensor:
         """Forward + backward of one optimizer step's micro-batches ([mb, T+1] token tensors); leaves
-        averaged gradients in `.grad`. Returns the global mean loss (same value on every rank).
-        `loss_hook(loss) -> loss`, if given, sees each micro-batch loss before backward."""
+        averaged gradients in `.grad`, times `loss_scale` (fp16 loss scaling). Returns the global
+        mean loss (same value on every rank, unscaled). `loss_hook(loss) -> loss`, if given, sees
+        each micro-batch loss before backward."""
         n = len(micro_batches)
-        self._loss_hook = loss_hook
+        self._loss_hook, self._loss_scale = loss_hook, loss_scale
         total = torch.zeros((), device=self.device)
         if self.schedule is not None:
             x = torch.cat([b[:, :-1] for b in micro_batches])
@@ -198,7 +202,7 @@ class ParallelModel:
                 self.schedule.step(*((x,) if self.split.has_first else ()),
                                    **(dict(target=y, losses=losses) if self.split.has_last else {}))
             for loss in losses:
-                total += _value(loss.detach())
+                total += _value(loss.detach()) / loss_scale  # a power of two: exact
         else:
             with self._loss_context():
                 for i, tokens in enumerate(micro_batches):
@@ -207,8 +211,8 @@ class ParallelModel:
                             logits = self.forward_module(tokens[:, :-1])
                         loss = self._pp_loss(logits, tokens[:, 1:])
                         (loss / n / self.loss_divisor).backward()
-                    total += _value(loss.detach())
-        self._loss_hook = None
+                    total += _value(loss.detach()) / loss_scale
+        self._loss_hook, self._loss_scale = None, 1.0
         self._finish_grads()
         return self._global_mean(total, n)
 

@@ -40,6 +40,7 @@ from hpctrain.train import rng
 from hpctrain.train import run_lock
 from hpctrain.train.data import TrainData
 from hpctrain.train.guard import NonFiniteGuard, all_finite
+from hpctrain.train.loss_scaling import LossScaling
 from hpctrain.train.optim import build_optimizer, lr_at, set_lr
 
 
@@ -75,8 +76,11 @@ class Trainer:
         self.guard = NonFiniteGuard(t.max_bad_steps, t.inject_nan_at_step, ctx.rank, ctx.world_size)
         self.step_skipped = False
         self.preempt = PreemptionGuard(cfg.slurm, ctx.comm, ctx.rank)  # signals + wall-time guard
-        self.autocast = (torch.autocast(ctx.device.type, dtype=torch.bfloat16)
-                         if t.precision == "bf16" else contextlib.nullcontext())
+        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
+        self.autocast = (torch.autocast(ctx.device.type, dtype=half) if half is not None
+                         else contextlib.nullcontext())
+        self.loss_scaling = LossScaling(ctx.device, t.loss_scale_init, t.loss_scale_growth_interval,
+                                        enabled=t.precision == "fp16")
         self.step = 0
         self.stragglers = StragglerDetector(ctx.comm, window=t.straggler_window)
         rng.seed_rank(t.seed, ctx.rank)
@@ -99,7 +103,7 @@ class Trainer:
         state = self._tensor_state()  # first: DiLoCo finishes an in-flight average into its state
         extra = {"step": self.step, "sampler": self.data.sampler.state_dict(), "rng": rngs,
                  "world_size": self.ctx.world_size, "config": self.cfg.to_dict(),
-                 "tokenizer": self.data.tokenizer_info,
+                 "tokenizer": self.data.tokenizer_info, "loss_scaling": self.loss_scaling.state_dict(),
                  "sync": self.diloco.extra_state() if self.diloco else {"mode": self.cfg.sync.mode}}
         if not all_finite(self.model.parameters(), self.ctx.device):  # never save a broken state
             raise FloatingPointError(f"step {self.step}: non-finite weights; not saving a checkpoint")
@@ -135,6 +139,7 @@ class Trainer:
         self.step = int(extra["step"])
         check_resume_batch(int(extra["sampler"]["global_batch"]), self.cfg.train, self.mesh.dp_size, path)
         self.data.sampler.load_state_dict(extra["sampler"])
+        self.loss_scaling.load_state_dict(extra.get("loss_scaling", {}))
         saved = extra["rng"]
         if extra["world_size"] == self.ctx.world_size:
             rng.restore(saved[self.ctx.rank])
@@ -152,12 +157,15 @@ class Trainer:
         # forward/backward of every micro-batch (DDP/FSDP/TP loop or pipeline schedule); the loss is
         # the mean over the global batch; test-only NaN injection via the hook
         loss_avg = self.par.forward_backward(micro_batches, self.autocast,
-                                             loss_hook=lambda loss: self.guard.poison(self.step + 1, loss))
+                                             loss_hook=lambda loss: self.guard.poison(self.step + 1, loss),
+                                             loss_scale=self.loss_scaling.factor)
+        overflow = self.loss_scaling.unscale_(self.optimizer)  # fp16: agreed by every rank
         grad_norm = self.par.clip_grad_norm_(t.grad_clip)  # global norm over shards and stages
-        # a NaN/Inf loss or grad norm on any rank: every rank skips the update (collective)
-        self.step_skipped = self.guard.should_skip(self.step + 1, loss_avg, grad_norm)
-        if not self.step_skipped:
-            self.optimizer.step()
+        # a NaN/Inf loss or grad norm on any rank: every rank skips the update (collective); an fp16
+        # overflow is the loss scale's business (skipped, counted apart), not a bad step
+        self.step_skipped = self.guard.should_skip(self.step + 1, loss_avg,
+                                                   0.0 if overflow else grad_norm)
+        self.loss_scaling.step(self.optimizer, skip=self.step_skipped)
         self.optimizer.zero_grad(set_to_none=True)
         return loss_avg.item(), float(grad_norm)
 
@@ -231,6 +239,9 @@ class Trainer:
             val = self.evaluate()
             if val is not None:
                 rec["val_loss"] = val
+        if self.loss_scaling.enabled:
+            rec.update(loss_scale=self.loss_scaling.factor, overflow=self.loss_scaling.last_overflowed,
+                       overflow_steps=self.loss_scaling.overflow_steps)
         if self.step_skipped or self.guard.skipped:
             rec.update(skipped=self.step_skipped, bad_steps=self.guard.skipped)
             if self.step_skipped:
@@ -268,7 +279,8 @@ class Trainer:
             log(ctx, global_batch_line(t, self.mesh.dp_size))
 
     def _peak_flops(self) -> float:
-        dtype = torch.bfloat16 if self.cfg.train.precision == "bf16" else torch.float32
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.train.precision,
+                                                                     torch.float32)
         peak = torch.tensor(measure_peak_flops(self.ctx.device, dtype), dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.AVG)
         return float(peak)
