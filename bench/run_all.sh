@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make bench`: every benchmark in one go, each printing ours next to its reference; the combined
 # output is written to bench/report.txt (copy the numbers into docs/benchmarks.md with the date).
-# Needs the demo's byte-level dataset (built here if missing). ~9 minutes on 2 cores.
+# Needs the demo's byte-level dataset (built here if missing). ~12 minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=data/shakespeare_bytes
@@ -14,6 +14,7 @@ fi
   echo "# hpctrain benchmarks, $(date -u +%F' '%H:%M) UTC, $(nproc) cores, $(python -c 'import torch; print("torch", torch.__version__)')"
   echo; echo "## bench/train.py (tokens/s vs torchrun + DDP)"; python bench/train.py --steps 20 --rounds 4
   echo; python bench/train.py --model wide --steps 10 --rounds 3
+  echo; echo "## bench/recipe.py (time to nanoGPT's CPU-recipe loss vs torchrun + DDP)"; python bench/recipe.py --pairs 1
   echo; echo "## bench/mfu.py (model FLOP/s vs measured matmul peak)"; python bench/mfu.py --steps 10
   echo; echo "## bench/allreduce.py (gradient sync busbw vs raw all-reduce)"; mpiexec -n 2 python bench/allreduce.py --mib 32 --reps 10
   echo; echo "## bench/loader.py (reader vs np.memmap, data wait)"; python bench/loader.py

@@ -84,5 +84,27 @@ def main(argv: list[str] | None = None) -> int:
     return run_guarded(COMMANDS[argv[0]], argv[1:])
 
 
+def exit_without_teardown(status: int) -> None:
+    """End a finished `train` process at once: flush, finalize MPI, os._exit. Everything the run
+    wrote is committed and closed by now (checkpoint, metrics, TensorBoard, process group); what
+    os._exit skips is the interpreter freeing every module and object one by one, which takes
+    0.8 s after torch.distributed has been imported (measured here) on every rank of every job."""
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if "mpi4py.MPI" in sys.modules:
+        from mpi4py import MPI
+
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            MPI.Finalize()
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if sys.argv[1:2] == ["train"] and isinstance(status, int):
+        exit_without_teardown(status)
+    sys.exit(status)

@@ -34,8 +34,8 @@ def validate(cfg: Config) -> None:
            f"global_batch the accumulation is derived from the data-parallel size)")
     _check(t.global_batch % max(t.micro_batch_size, 1) == 0, "train.global_batch",
            f"{t.global_batch} is not a multiple of train.micro_batch_size={t.micro_batch_size}")
-    _check(t.precision in ("fp32", "bf16", "fp16"), "train.precision",
-           f"{t.precision!r}: expected fp32, bf16 or fp16")
+    _check(t.precision in ("fp32", "bf16", "fp16", "auto"), "train.precision",
+           f"{t.precision!r}: expected fp32, bf16, fp16 or auto")
     _check(t.precision != "fp16" or cfg.sync.mode != "ps", "train.precision",
            "fp16 needs loss scaling, which sync.mode='ps' workers do not do: use fp32 or bf16 there")
     _check(t.loss_scale_init > 0, "train.loss_scale_init", "must be > 0")

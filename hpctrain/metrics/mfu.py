@@ -23,7 +23,7 @@ def _timed_products(a: torch.Tensor, b: torch.Tensor, reps: int) -> float:
 
 
 def measure_peak_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, reps: int = 8,
-                       trials: int = 3, budget_s: float | None = 0.25) -> float:
+                       trials: int = 3, budget_s: float | None = 0.1) -> float:
     """FLOP/s of an n x n matmul: the best of `trials` timings of `reps` products (a shared machine
     slows single timings down at random; the best is the closest to what the hardware can do).
     `budget_s` bounds one trial: where a product is slow (fp16 on a CPU without fp16 units takes

@@ -36,13 +36,17 @@ class NonFiniteGuard:
             return loss * float("nan")
         return loss
 
-    def should_skip(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | float) -> bool:
-        """Collective over the default group. True if any rank saw a non-finite loss or grad norm
-        for this step; raises TrainingDivergedError after max_bad_steps such steps in a row."""
+    def should_skip(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | float,
+                    agreed: bool = False) -> bool:
+        """True if any rank saw a non-finite loss or grad norm for this step; raises
+        TrainingDivergedError after max_bad_steps such steps in a row. Collective over the default
+        group unless `agreed`: the loss and the norm are already the same on every rank (the
+        all-reduced mean loss and the global norm of synchronized gradients, where a NaN on any
+        rank reaches all), so every rank decides alike without a vote."""
         loss = loss.detach().float().reshape(())
         norm = torch.as_tensor(grad_norm, dtype=torch.float32, device=loss.device).reshape(())
         flag = (~torch.isfinite(loss) | ~torch.isfinite(norm)).float()
-        if dist.is_available() and dist.is_initialized():
+        if not agreed and dist.is_available() and dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() == 0:
             self.in_a_row = 0

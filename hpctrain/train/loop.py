@@ -42,6 +42,7 @@ from hpctrain.train.data import TrainData
 from hpctrain.train.guard import NonFiniteGuard, all_finite
 from hpctrain.train.loss_scaling import LossScaling
 from hpctrain.train.optim import build_optimizer, lr_at, set_lr
+from hpctrain.train.precision import resolve_precision
 
 
 def log(ctx: DistContext, msg: str) -> None:
@@ -58,6 +59,10 @@ class Trainer:
         # restart on another node count); data, pipeline micro-batches, prefetch and the resume
         # check below all read the resolved train.grad_accum.
         t.grad_accum = resolve_grad_accum(t, self.mesh.dp_size)
+        # and the one place the device is known: "auto" becomes bf16 or fp32 (measured, job-wide)
+        self.precision_given = t.precision
+        t.precision = resolve_precision(t.precision, ctx.device, t.micro_batch_size * cfg.model.block_size,
+                                        cfg.model.n_embd)
         self.data = TrainData(cfg, ctx, self.mesh)
         torch.manual_seed(t.seed)  # identical initial weights on every rank
         m = cfg.model
@@ -82,6 +87,7 @@ class Trainer:
         self.loss_scaling = LossScaling(ctx.device, t.loss_scale_init, t.loss_scale_growth_interval,
                                         enabled=t.precision == "fp16")
         self.step = 0
+        self._n_params: int | None = None
         self.stragglers = StragglerDetector(ctx.comm, window=t.straggler_window)
         rng.seed_rank(t.seed, ctx.rank)
 
@@ -94,7 +100,9 @@ class Trainer:
         """Bytes this rank has sent to keep replicas in sync (gradients or pseudo-gradients)."""
         if self.diloco:
             return self.diloco.bytes_sent
-        n = sum(p.numel() for p in self.model.parameters())  # per-step gradient all-reduce (fp32)
+        if self._n_params is None:
+            self._n_params = sum(p.numel() for p in self.model.parameters())
+        n = self._n_params  # per-step gradient all-reduce (fp32)
         return self.step * bytes_sent(n, self.mesh.dp_size, "none") if self.cfg.dist.grad_sync != "powersgd" else -1
 
     def save(self) -> None:
@@ -161,10 +169,13 @@ class Trainer:
                                              loss_scale=self.loss_scaling.factor)
         overflow = self.loss_scaling.unscale_(self.optimizer)  # fp16: agreed by every rank
         grad_norm = self.par.clip_grad_norm_(t.grad_clip)  # global norm over shards and stages
-        # a NaN/Inf loss or grad norm on any rank: every rank skips the update (collective); an fp16
-        # overflow is the loss scale's business (skipped, counted apart), not a bad step
+        # a NaN/Inf loss or grad norm on any rank: every rank skips the update; the loss is the
+        # global mean and, where gradients are synchronized every step (all but DiLoCo's inner
+        # steps), so is the norm: no vote needed then. An fp16 overflow is the loss scale's
+        # business (skipped, counted apart), not a bad step
         self.step_skipped = self.guard.should_skip(self.step + 1, loss_avg,
-                                                   0.0 if overflow else grad_norm)
+                                                   0.0 if overflow else grad_norm,
+                                                   agreed=self.diloco is None)
         self.loss_scaling.step(self.optimizer, skip=self.step_skipped)
         self.optimizer.zero_grad(set_to_none=True)
         return loss_avg.item(), float(grad_norm)
@@ -257,13 +268,16 @@ class Trainer:
         return rec
 
     def _write_run_config(self) -> None:
-        """<run.dir>/config.toml: the config as given (train.grad_accum not the derived one)."""
+        """<run.dir>/config.toml: the config as given (train.grad_accum and train.precision not
+        the resolved ones)."""
         cfg = self.cfg
         if not self.ctx.is_main:
             return
         Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-        saved = cfg if not cfg.train.global_batch else dataclasses.replace(
-            cfg, train=dataclasses.replace(cfg.train, grad_accum=1))
+        given = dataclasses.replace(cfg.train, precision=self.precision_given)
+        if cfg.train.global_batch:
+            given = dataclasses.replace(given, grad_accum=1)
+        saved = dataclasses.replace(cfg, train=given)
         (Path(cfg.run.dir) / "config.toml").write_text(config_mod.to_toml(saved))
 
     def _log_start(self, tokens_per_step: int, end: int) -> None:
@@ -273,7 +287,8 @@ class Trainer:
                  f"({ctx.backend}, {ctx.threads} threads/rank, {mpi_library()}), "
                  f"{ctx.n_nodes} node(s), rendezvous {ctx.master_addr}:{ctx.master_port}"
                  f"{f' via {ctx.iface}' if ctx.iface else ''}, "
-                 f"{tokens_per_step} tokens/step, "
+                 f"{tokens_per_step} tokens/step, {t.precision}"
+                 f"{' (auto)' if self.precision_given == 'auto' else ''}, "
                  f"steps {self.step} -> {end} of {t.steps}")
         if t.global_batch:  # how the global batch splits on this world (elastic restarts)
             log(ctx, global_batch_line(t, self.mesh.dp_size))
