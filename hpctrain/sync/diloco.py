@@ -98,6 +98,9 @@ class DiLoCo:
 
     def after_step(self, step: int) -> None:
         final = step >= self.total_steps
+        if final:  # the last rounds average on this thread: no average may still be running on the
+            for f in range(len(self.fragments)):  # pool's thread over the same group (gloo would
+                self._resolve(f)  # match the two threads' collectives differently on each rank)
         for f in self.due(step):
             self._round(f, flush=final)
 
