@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hpctrain.errors import UserError
+from data_tools.errors import UserError
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"

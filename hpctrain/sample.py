@@ -65,7 +65,7 @@ def main(argv: list[str]) -> int:
         mgr = CheckpointManager(path.parent, keep=1, rank=0, world_size=1)
         extra = json.loads((path / "trainer_state.json").read_text())
         m = extra["config"]["model"]
-        model = GPT(GPTConfig(m["n_layer"], m["n_head"], m["n_embd"], m["block_size"], m["vocab_size"]))
+        model = GPT(GPTConfig(**m))  # the [model] section saved with the checkpoint
         state = {"model": model.state_dict()}
         mgr.load(path, state)  # loads only the keys present: the model, not the optimizer
         model.load_state_dict(state["model"])

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpctrain.checkpoint import faults
-from hpctrain.errors import UserError
+from hpctrain.errors import CheckpointError, NoIntactCheckpoint  # noqa: F401 - re-exported
 
 FORMAT = "hpctrain-checkpoint"
 FORMAT_VERSION = 1
@@ -39,10 +39,6 @@ SMALL_FILES = (TRAINER_STATE_FILE, NONTENSOR_FILE, DCP_METADATA_FILE)
 _NAME_RE = re.compile(r"^step_(\d+)(\.tmp|\.old|\.deleting)?$")
 _KINDS = {None: "checkpoint", ".tmp": "tmp", ".old": "aside", ".deleting": "trash"}
 _HASH_CHUNK = 8 << 20
-
-
-class CheckpointError(UserError):
-    """A checkpoint could not be saved, found or loaded; the message starts with what and where."""
 
 
 def step_dir_name(step: int) -> str:
@@ -200,7 +196,7 @@ def check_checkpoint(ckpt: Path, full: bool = False):
     """(problems, commit, dcp_metadata). Quick by default: sizes of all files, sha256 of the small
     ones, a safe parse of `.metadata` (every storage file it names is listed and long enough).
     `full` also checks the checksums of data files when COMMIT.json recorded them."""
-    from hpctrain.checkpoint.safe_load import read_metadata  # safe_load imports CheckpointError
+    from hpctrain.checkpoint.safe_load import read_metadata  # here: layout itself needs no torch
 
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
@@ -323,10 +319,6 @@ def _safe_list(path: Path) -> list[str]:
 
 def warn(msg: str) -> None:
     print(f"warning: {msg}", file=sys.stderr, flush=True)
-
-
-class NoIntactCheckpoint(CheckpointError):
-    """The run directory holds checkpoints and none of them can be resumed from."""
 
 
 def find_latest(root: Path, skip=()):

@@ -28,11 +28,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from hpctrain.checkpoint.layout import CheckpointError
-
-
-class UnsafeCheckpointError(CheckpointError):
-    """A checkpoint file asked to unpickle something outside the allow-list."""
+from hpctrain.errors import CheckpointError, UnsafeCheckpointError  # noqa: F401 - re-exported
 
 
 _DCP_META = "torch.distributed.checkpoint.metadata"

@@ -118,9 +118,6 @@ class Mesh:
     def group(self, axis: str) -> dist.ProcessGroup:
         return self.device_mesh[axis].get_group()
 
-    def coords(self) -> dict[str, int]:
-        return {axis: self.coord(axis) for axis in AXES}
-
     @property
     def dp_rank(self) -> int:
         return self.coord("dp")

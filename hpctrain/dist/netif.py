@@ -20,15 +20,11 @@ import struct
 import time
 from dataclasses import dataclass
 
-from hpctrain.errors import UserError
+from hpctrain.errors import RendezvousError  # noqa: F401 - re-exported
 
 _SIOCGIFFLAGS, _SIOCGIFADDR, _SIOCGIFNETMASK = 0x8913, 0x8915, 0x891B
 _IFF_UP, _IFF_LOOPBACK = 0x1, 0x8
 FIX = "set HPCTRAIN_IFACE to the interface the nodes share (e.g. ib0, eth0) or MASTER_ADDR"
-
-
-class RendezvousError(UserError):
-    """No address that every node can reach, or rank 0's address is not reachable."""
 
 
 @dataclass(frozen=True)

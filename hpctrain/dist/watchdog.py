@@ -29,15 +29,11 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from hpctrain.errors import UserError
+from hpctrain.errors import PeerLostError  # noqa: F401 - re-exported
 
 EXIT_PEER_LOST = 3
 LOST_NODES_ENV = "HPCTRAIN_LOST_NODES_FILE"
 _LOST = "hpctrain/lost"
-
-
-class PeerLostError(UserError):
-    """A peer rank is gone or a collective failed because of it."""
 
 
 class Watchdog:

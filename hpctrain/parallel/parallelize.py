@@ -309,6 +309,3 @@ def grad_sync_context(model: nn.Module, sync: bool):
         return model.no_sync()
     return contextlib.nullcontext()
 
-
-def unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, DDP) else model

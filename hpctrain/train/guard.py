@@ -14,11 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hpctrain.errors import UserError
-
-
-class TrainingDivergedError(UserError):
-    """Too many non-finite steps in a row."""
+from hpctrain.errors import TrainingDivergedError  # noqa: F401 - re-exported
 
 
 class NonFiniteGuard:

@@ -66,7 +66,7 @@ class Trainer:
         self.data = TrainData(cfg, ctx, self.mesh)
         torch.manual_seed(t.seed)  # identical initial weights on every rank
         m = cfg.model
-        self.model_cfg = GPTConfig(m.n_layer, m.n_head, m.n_embd, m.block_size, m.vocab_size, m.dropout)
+        self.model_cfg = GPTConfig(**dataclasses.asdict(m))  # [model] holds exactly GPTConfig's fields
         self.raw_model = GPT(self.model_cfg).to(ctx.device)
         self.n_params, self.flops_per_token = self.raw_model.num_params(), self.raw_model.flops_per_token()
         self.par = parallelize(self.raw_model, self.mesh, cfg)  # layout-aware fwd/bwd, clip, state

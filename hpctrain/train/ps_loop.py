@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -83,7 +83,7 @@ class PSTrainer:
         self.data = TrainData(cfg, ctx, WorkerLayout(0 if self.is_server else ctx.rank, self.n_workers))
         torch.manual_seed(t.seed)
         m = cfg.model
-        self.model = GPT(GPTConfig(m.n_layer, m.n_head, m.n_embd, m.block_size, m.vocab_size, m.dropout))
+        self.model = GPT(GPTConfig(**asdict(m)))
         self.params = list(self.model.parameters())
         self.optimizer = build_optimizer(self.model, t)
         self.ps = ParameterServer(ctx.comm, _flat(self.params), s.ps_servers)

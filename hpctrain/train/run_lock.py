@@ -21,15 +21,11 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from hpctrain.errors import UserError
+from hpctrain.errors import RunDirBusy, UserError  # noqa: F401 - re-exported
 
 LOCK_NAME = ".hpctrain.lock"
 RENEW_S = 10.0
 LEASE_S = 60.0
-
-
-class RunDirBusy(UserError):
-    """Another job trains in this run directory."""
 
 
 def _me() -> dict:
