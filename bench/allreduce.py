@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hpctrain.dist import init_distributed, teardown
+from hpctrain.distributed import init_distributed, teardown
 from hpctrain.parallel.mpi_grad_sync import use_mpi_grad_sync
 
 

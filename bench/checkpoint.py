@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from hpctrain.checkpoint import CheckpointManager
-from hpctrain.dist import init_distributed, teardown
+from hpctrain.distributed import init_distributed, teardown
 from hpctrain.model import GPT, GPTConfig
 
 

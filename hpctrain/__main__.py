@@ -7,7 +7,7 @@ import sys
 from hpctrain import signals
 
 signals.install(signals.EARLY)  # before torch loads: a forwarded preemption USR1 must not kill us
-from hpctrain.dist import run_guarded  # noqa: E402
+from hpctrain.distributed import run_guarded  # noqa: E402
 
 TRAIN_EPILOG = """\
 Every config key can be given in the TOML file or overridden on the command line as
@@ -31,8 +31,8 @@ def _train(argv: list[str]) -> int:
     args, overrides = parser.parse_known_args(argv)
     cfg = config.load(args.config, overrides)  # config errors surface before MPI starts
 
-    from hpctrain.dist import init_distributed, teardown
-    from hpctrain.dist.preempt import install_signal_handlers, requeue_if_requested
+    from hpctrain.distributed import init_distributed, teardown
+    from hpctrain.distributed.preempt import install_signal_handlers, requeue_if_requested
     from hpctrain.train.loop import train
 
     install_signal_handlers(cfg.slurm.signals)  # early: an uncaught SIGUSR1 would kill the rank

@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
 
     from data_tools.tokenizers import get_tokenizer
     from hpctrain.checkpoint import CheckpointManager
-    from hpctrain.dist import init_distributed, teardown
+    from hpctrain.distributed import init_distributed, teardown
     from hpctrain.model import GPT, GPTConfig
 
     ctx = init_distributed("gloo", timeout_s=120)

@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpctrain.config import Config
-from hpctrain.dist.mesh import Mesh
+from hpctrain.distributed.mesh import Mesh
 from hpctrain.errors import ConfigError
 from hpctrain.parallel.mpi_grad_sync import use_mpi_grad_sync, use_powersgd
 from hpctrain.parallel.activation import apply_activation_checkpointing

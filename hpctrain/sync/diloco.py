@@ -37,7 +37,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from hpctrain.config import SyncConfig
-from hpctrain.dist.mesh import Mesh
+from hpctrain.distributed.mesh import Mesh
 from hpctrain.errors import ConfigError
 from hpctrain.sync.compress import average, bytes_sent
 

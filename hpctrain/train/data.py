@@ -16,8 +16,8 @@ from data_tools.blend import data_manifest
 from data_tools.format import DataError, shards_of
 from data_tools.verify import verify_dataset
 from hpctrain.config import Config
-from hpctrain.dist import DistContext
-from hpctrain.dist.mesh import Mesh
+from hpctrain.distributed import DistContext
+from hpctrain.distributed.mesh import Mesh
 from hpctrain.errors import ConfigError
 from hpctrain.data import make_sampler, open_split, split_for_rank
 from hpctrain.data.prefetch import DataFeed

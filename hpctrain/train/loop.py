@@ -24,11 +24,11 @@ from hpctrain import config as config_mod
 from hpctrain.checkpoint import CheckpointManager
 from hpctrain.config import Config
 from hpctrain.config_rules import check_resume_batch, global_batch_line, resolve_grad_accum
-from hpctrain.dist import DistContext
-from hpctrain.dist.bootstrap import mpi_library
-from hpctrain.dist.preempt import PreemptionGuard
-from hpctrain.dist.mesh import Mesh, ParallelDims
-from hpctrain.dist.watchdog import guard as peer_watchdog
+from hpctrain.distributed import DistContext
+from hpctrain.distributed.bootstrap import mpi_library
+from hpctrain.distributed.preempt import PreemptionGuard
+from hpctrain.distributed.mesh import Mesh, ParallelDims
+from hpctrain.distributed.watchdog import guard as peer_watchdog
 from hpctrain.errors import ConfigError
 from hpctrain.metrics import MetricsLog, format_eta, measure_peak_flops
 from hpctrain.metrics.straggler import StragglerDetector

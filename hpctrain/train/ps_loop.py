@@ -6,7 +6,7 @@ forward/backward of its share of the step's batch -> its own optimizer step -> p
 (new - pulled) -> advance its clock -> stop flag? } -> at checkpoint steps (or an agreed stop)
 all ranks meet, pull and save -> final validation on the pulled parameters -> teardown.
 
-Preemption (a Slurm signal or the wall-time guard, see hpctrain/dist/preempt.py) cannot use the
+Preemption (a Slurm signal or the wall-time guard, see hpctrain/distributed/preempt.py) cannot use the
 lockstep trainer's per-step all-reduce: workers are at different steps and servers sit in MPI
 waiting. Any rank with a reason raises the stop flag in the clock window; a worker sees it at its
 next step boundary (or while waiting for a straggler) and goes to the meeting; the servers check
@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from hpctrain.checkpoint import CheckpointManager
 from hpctrain.config import Config
 from hpctrain.config_rules import global_batch_line, resolve_grad_accum
-from hpctrain.dist import DistContext
-from hpctrain.dist.preempt import NONE, PreemptionGuard
+from hpctrain.distributed import DistContext
+from hpctrain.distributed.preempt import NONE, PreemptionGuard
 from hpctrain.errors import ConfigError
 from hpctrain.metrics import MetricsLog
 from hpctrain.model import GPT, GPTConfig

@@ -31,7 +31,7 @@ from hpctrain.checkpoint.safe_load import (SafeFileSystemReader, TensorOnlyLoadP
 def world():
     created = False
     if not dist.is_initialized():
-        from hpctrain.dist.bootstrap import init_distributed
+        from hpctrain.distributed.bootstrap import init_distributed
 
         init_distributed(backend="gloo", timeout_s=60)
         created = True

@@ -73,5 +73,5 @@ def test_model_file_imports_nothing_distributed():
     tree = ast.parse(src.read_text())
     mods = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     mods += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-    assert not [m for m in mods if "distributed" in m or m.startswith(("hpctrain.dist", "mpi4py",
+    assert not [m for m in mods if "distributed" in m or m.startswith(("hpctrain.distributed", "mpi4py",
                                                                          "hpctrain.checkpoint"))]

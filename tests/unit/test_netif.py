@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from hpctrain.dist.mesh import tp_group_hosts
-from hpctrain.dist.netif import (Iface, RendezvousError, choose_rendezvous, interfaces,
+from hpctrain.distributed.mesh import tp_group_hosts
+from hpctrain.distributed.netif import (Iface, RendezvousError, choose_rendezvous, interfaces,
                                  is_loopback, local_interface_for, probe)
 
 ETH = {"n1": [Iface("eth0", "192.168.1.1", 24), Iface("ib0", "10.0.0.1", 16)],

@@ -2,7 +2,7 @@
 import pytest
 
 from hpctrain import config
-from hpctrain.dist.mesh import ParallelDims
+from hpctrain.distributed.mesh import ParallelDims
 from hpctrain.errors import ConfigError
 from hpctrain.parallel.pipeline import layer_costs, split_stages, stages_of_rank
 

@@ -6,7 +6,7 @@ import signal
 import pytest
 
 from hpctrain import config, signals
-from hpctrain.dist import slurm
+from hpctrain.distributed import slurm
 from hpctrain.errors import ConfigError, UserError
 
 BASE = {"run": {"dir": "r"}, "data": {"path": "d"},

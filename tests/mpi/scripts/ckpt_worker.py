@@ -25,8 +25,8 @@ from torch.distributed.checkpoint import filesystem as dcp_fs
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hpctrain.checkpoint import CheckpointError, CheckpointManager
-from hpctrain.dist.abort import run_guarded
-from hpctrain.dist.bootstrap import init_distributed, teardown
+from hpctrain.distributed.abort import run_guarded
+from hpctrain.distributed.bootstrap import init_distributed, teardown
 
 
 def build(seed: int, steps: int, rank: int):

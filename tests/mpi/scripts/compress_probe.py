@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from hpctrain.dist import init_distributed, teardown
+from hpctrain.distributed import init_distributed, teardown
 from hpctrain.sync.compress import average
 
 

@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 
 from hpctrain.config import ParallelConfig, SyncConfig
-from hpctrain.dist import init_distributed, teardown
-from hpctrain.dist.mesh import Mesh, ParallelDims
+from hpctrain.distributed import init_distributed, teardown
+from hpctrain.distributed.mesh import Mesh, ParallelDims
 from hpctrain.sync.diloco import DiLoCo
 
 

@@ -9,7 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from hpctrain.dist import init_distributed, run_guarded, teardown
+from hpctrain.distributed import init_distributed, run_guarded, teardown
 
 
 def main():

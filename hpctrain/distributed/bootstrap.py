@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hpctrain.dist import netif, slurm
+from hpctrain.distributed import netif, slurm
 
 RENDEZVOUS_PROBE_S = 15.0  # a rank that cannot reach rank 0's store says so after this long
 

@@ -21,7 +21,7 @@ import sys
 import time
 
 from hpctrain import signals
-from hpctrain.dist import slurm
+from hpctrain.distributed import slurm
 
 EXIT_PREEMPTED = 75
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from hpctrain.dist.bootstrap import DistContext
+from hpctrain.distributed.bootstrap import DistContext
 from hpctrain.errors import ConfigError
 
 AXES = ("pp", "dp", "tp")

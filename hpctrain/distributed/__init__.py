@@ -1,5 +1,5 @@
 """Launch layer: MPI -> torch.distributed bootstrap, abort-on-error, teardown."""
-from hpctrain.dist.abort import run_guarded
-from hpctrain.dist.bootstrap import DistContext, choose_backend, init_distributed, teardown
+from hpctrain.distributed.abort import run_guarded
+from hpctrain.distributed.bootstrap import DistContext, choose_backend, init_distributed, teardown
 
 __all__ = ["DistContext", "choose_backend", "init_distributed", "run_guarded", "teardown"]
