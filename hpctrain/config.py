@@ -100,14 +100,9 @@ class TrainConfig:
     log_interval: int = field(default=10, metadata={"help": "print a progress line every N steps (rank 0)"})
     straggler_window: int = field(default=10, metadata={
         "help": "flag a rank whose busy time exceeds 1.25x the median in this many consecutive steps"})
-    debug_delay_rank: int = field(default=-1, metadata={
-        "help": "TEST ONLY: this rank sleeps debug_delay_s in every step (-1 = off)"})
-    debug_delay_s: float = field(default=0.0, metadata={"help": "TEST ONLY: see debug_delay_rank"})
     max_bad_steps: int = field(default=5, metadata={
         "help": "a non-finite loss or grad norm skips the step; this many in a row stops the run "
                 "(the last checkpoint stays the newest)"})
-    inject_nan_at_step: int = field(default=0, metadata={
-        "help": "TEST ONLY: make the loss NaN on the last rank at this step (0 = never)"})
 
 
 @dataclass
@@ -206,8 +201,19 @@ class SlurmConfig:
                 "(0 = off)"})
     time_check_s: float = field(default=60.0, metadata={
         "help": "how often rank 0 asks Slurm for the remaining wall time (seconds)"})
-    debug_step_sleep_s: float = field(default=0.0, metadata={
-        "help": "testing only: sleep this long every step so a tiny model runs long enough to be "
+
+
+@dataclass
+class DebugConfig:
+    """Test-only fault and timing injections: what the tests use to make a failure happen on cue.
+    Not for training runs; every default is off."""
+    delay_rank: int = field(default=-1, metadata={
+        "help": "TEST ONLY: this rank sleeps debug.delay_s in every step: a straggler on cue (-1 = off)"})
+    delay_s: float = field(default=0.0, metadata={"help": "TEST ONLY: see debug.delay_rank"})
+    inject_nan_at_step: int = field(default=0, metadata={
+        "help": "TEST ONLY: make the loss NaN on the last rank at this step (0 = never)"})
+    step_sleep_s: float = field(default=0.0, metadata={
+        "help": "TEST ONLY: every rank sleeps this long every step, so a tiny model runs long enough to be "
                 "preempted (0 = off)"})
 
 
@@ -222,6 +228,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
     def validate(self) -> "Config":
         from hpctrain.config_rules import validate  # the rules on values, per key and across keys
@@ -239,6 +246,10 @@ class Config:
 
 # Spellings accepted for a key: TOML `async` is a Python keyword, so the field is `async_save`.
 ALIASES = {"checkpoint.async": "async_save"}
+# keys that moved to another section: named in the error (run dirs written before the move hold them)
+MOVED = {"train.debug_delay_rank": "debug.delay_rank", "train.debug_delay_s": "debug.delay_s",
+         "train.inject_nan_at_step": "debug.inject_nan_at_step",
+         "slurm.debug_step_sleep_s": "debug.step_sleep_s"}
 
 
 def _sections() -> dict[str, type]:
@@ -293,7 +304,9 @@ def from_dict(raw: dict, source: str = "config") -> Config:
         for key, value in values.items():
             key = ALIASES.get(f"{name}.{key}", key)
             if key not in known:
-                raise ConfigError(f"unknown config key '{name}.{key}' in {source}")
+                moved = MOVED.get(f"{name}.{key}")
+                hint = f": it is now '{moved}' (the [debug] section)" if moved else ""
+                raise ConfigError(f"unknown config key '{name}.{key}' in {source}{hint}")
             kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
         for key, f in known.items():
             if key not in kwargs and f.default is REQUIRED and f.default_factory is REQUIRED:

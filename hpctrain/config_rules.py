@@ -45,9 +45,10 @@ def validate(cfg: Config) -> None:
     _check(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
     _check(0 < cfg.checkpoint.async_cpu_share <= 1, "checkpoint.async_cpu_share", "must be in (0, 1]")
     _check(t.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1")
-    _check(t.inject_nan_at_step >= 0, "train.inject_nan_at_step", "must be >= 0")
+    _check(cfg.debug.inject_nan_at_step >= 0, "debug.inject_nan_at_step", "must be >= 0")
     _check(t.straggler_window >= 2, "train.straggler_window", "must be >= 2")
-    _check(t.debug_delay_s >= 0, "train.debug_delay_s", "must be >= 0")
+    _check(cfg.debug.delay_s >= 0, "debug.delay_s", "must be >= 0")
+    _check(cfg.debug.step_sleep_s >= 0, "debug.step_sleep_s", "must be >= 0")
     _check(cfg.dist.heartbeat_timeout_s >= 0, "dist.heartbeat_timeout_s", "must be >= 0")
     _check(cfg.data.verify in ("checksum", "size"), "data.verify", "expected checksum or size")
     _check(cfg.data.cache_bytes >= 0, "data.cache_bytes", "must be >= 0 (0 = auto)")
@@ -73,7 +74,6 @@ def _validate_slurm(sl: SlurmConfig) -> None:
         raise ConfigError(f"config key 'slurm.signals': {e} (expected e.g. USR1,TERM)") from None
     _check(sl.time_margin_s >= 0, "slurm.time_margin_s", "must be >= 0")
     _check(sl.time_check_s > 0, "slurm.time_check_s", "must be > 0")
-    _check(sl.debug_step_sleep_s >= 0, "slurm.debug_step_sleep_s", "must be >= 0")
 
 def _validate_sync(s: SyncConfig, p: ParallelConfig) -> None:
     _check(s.mode in ("sync", "diloco", "ps"), "sync.mode", f"{s.mode!r}: expected sync, diloco or ps")

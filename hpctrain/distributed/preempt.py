@@ -44,8 +44,9 @@ class PreemptionGuard:
 
     cfg: the `slurm` config section; comm: the mpi4py world communicator (all ranks call both)."""
 
-    def __init__(self, cfg, comm, rank: int):
+    def __init__(self, cfg, comm, rank: int, step_sleep_s: float = 0.0):
         self.cfg, self.comm, self.rank = cfg, comm, rank
+        self.step_sleep_s = step_sleep_s  # debug.step_sleep_s (tests)
         self.job = slurm.SlurmJob.from_env()
         self.reason = NONE
         self.detail = ""
@@ -84,8 +85,8 @@ class PreemptionGuard:
         return self.agreed(self.comm.allreduce(self.local_reason(), op=MPI.MAX), step)
 
     def debug_sleep(self) -> None:
-        if self.cfg.debug_step_sleep_s > 0:  # tests: slow steps down so a signal lands mid-run
-            time.sleep(self.cfg.debug_step_sleep_s)
+        if self.step_sleep_s > 0:  # tests: slow steps down so a signal lands mid-run
+            time.sleep(self.step_sleep_s)
 
     def agreed(self, reason: int, step: int) -> bool:
         """Record a reason every rank agreed on (by any means) and log it; True if it says stop."""

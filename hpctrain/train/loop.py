@@ -78,9 +78,10 @@ class Trainer:
                                       timeout_s=cfg.dist.timeout_s,
                                       full_checksums=cfg.checkpoint.full_checksums,
                                       async_cpu_share=cfg.checkpoint.async_cpu_share)
-        self.guard = NonFiniteGuard(t.max_bad_steps, t.inject_nan_at_step, ctx.rank, ctx.world_size)
+        self.guard = NonFiniteGuard(t.max_bad_steps, cfg.debug.inject_nan_at_step, ctx.rank, ctx.world_size)
         self.step_skipped = False
-        self.preempt = PreemptionGuard(cfg.slurm, ctx.comm, ctx.rank)  # signals + wall-time guard
+        self.preempt = PreemptionGuard(cfg.slurm, ctx.comm, ctx.rank,  # signals + wall-time guard
+                                       step_sleep_s=cfg.debug.step_sleep_s)
         half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
         self.autocast = (torch.autocast(ctx.device.type, dtype=half) if half is not None
                          else contextlib.nullcontext())
@@ -159,8 +160,9 @@ class Trainer:
     def train_step(self) -> tuple[float, float]:
         t = self.cfg.train
         micro_batches = self.data.next_train_micro_batches()
-        if t.debug_delay_s and self.ctx.rank == t.debug_delay_rank:
-            time.sleep(t.debug_delay_s)  # test-only straggler
+        debug = self.cfg.debug
+        if debug.delay_s and self.ctx.rank == debug.delay_rank:
+            time.sleep(debug.delay_s)  # test-only straggler
         self.par.train()
         # forward/backward of every micro-batch (DDP/FSDP/TP loop or pipeline schedule); the loss is
         # the mean over the global batch; test-only NaN injection via the hook

@@ -91,7 +91,8 @@ class PSTrainer:
         self.ckpt = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep, ctx.rank, ctx.world_size,
                                       timeout_s=cfg.dist.timeout_s,
                                       async_cpu_share=cfg.checkpoint.async_cpu_share)
-        self.preempt = PreemptionGuard(cfg.slurm, ctx.comm, ctx.rank)  # signals + wall-time guard
+        self.preempt = PreemptionGuard(cfg.slurm, ctx.comm, ctx.rank,  # signals + wall-time guard
+                                       step_sleep_s=cfg.debug.step_sleep_s)
         self._raised = NONE
         self.step = 0
 
@@ -236,8 +237,8 @@ class PSTrainer:
         self.ps.pull(pulled)
         _assign(self.params, pulled)
         batches = self.data.next_train_micro_batches()
-        if t.debug_delay_s and worker == t.debug_delay_rank:
-            time.sleep(t.debug_delay_s)  # test-only straggler
+        if self.cfg.debug.delay_s and worker == self.cfg.debug.delay_rank:
+            time.sleep(self.cfg.debug.delay_s)  # test-only straggler
         lr = lr_at(self.step, t)
         set_lr(self.optimizer, lr)
         self.model.train()

@@ -34,7 +34,7 @@ def test_two_workers_bounded_staleness_learn_and_resume(tmp_path, dataset):
     servers' parameters saved in its checkpoint."""
     cfg, run = write_config(tmp_path, dataset, "ps2")
     common = ["--sync.mode=ps", "--sync.staleness=1", "--train.steps=30", "--checkpoint.interval=10",
-              "--train.debug_delay_rank=1", "--train.debug_delay_s=0.02"]
+              "--debug.delay_rank=1", "--debug.delay_s=0.02"]
     train(3, cfg, *common, "--train.stop_at_step=10")
     state = json.loads(next((run / "checkpoints").glob("step_*/trainer_state.json")).read_text())
     assert state["sync"] == {"mode": "ps", "workers": 2, "bytes_moved": state["sync"]["bytes_moved"]}

@@ -86,7 +86,7 @@ def signal_rank_midrun(n, cfg, run, rank, *extra):
     """Start `n` ranks, wait for 4 logged steps, SIGUSR1 to `rank` only; (exit status, stderr)."""
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([mpiexec_path(), "-n", str(n), sys.executable, "-m", "hpctrain", "train",
-                             "--config", str(cfg), "--slurm.debug_step_sleep_s=0.25", *extra],
+                             "--config", str(cfg), "--debug.step_sleep_s=0.25", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + 180
@@ -143,7 +143,7 @@ def test_ps_signal_to_one_worker_stops_every_worker_at_one_step(tmp_path, data):
     rank; the same command finishes the run."""
     run = tmp_path / "ps2"
     (tmp_path / "ps2.toml").write_text(CFG.format(run=run, data=data))
-    common = [*PS, "--sync.staleness=1", "--train.debug_delay_rank=1", "--train.debug_delay_s=0.05"]
+    common = [*PS, "--sync.staleness=1", "--debug.delay_rank=1", "--debug.delay_s=0.05"]
     code, err = signal_rank_midrun(3, tmp_path / "ps2.toml", run, 1, *common)
     assert code == 75, err[-3000:]
     stops = [l for l in err.splitlines() if l.startswith("stopping at step")]

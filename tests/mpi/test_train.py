@@ -289,7 +289,7 @@ def test_mpi_grad_sync_bit_identical_to_gloo(tmp_path, dataset, ranks):
 def test_straggler_detector_flags_the_slow_rank(tmp_path, dataset):
     cfg, run = write_config(tmp_path, dataset)
     r = train(2, cfg, "--train.steps=14", "--train.eval_interval=0", "--train.straggler_window=5",
-              "--train.debug_delay_rank=1", "--train.debug_delay_s=0.15", "--dist.grad_sync=mpi")
+              "--debug.delay_rank=1", "--debug.delay_s=0.15", "--dist.grad_sync=mpi")
     assert "warning: rank 1 is a straggler" in r.stderr
     recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
     busy = [r["rank_busy_s"] for r in recs]

@@ -59,7 +59,7 @@ def retry_on_pmi2_flake(test, tries: int = 3):
 
 
 TRAIN = ROOT / "slurm" / "train.sbatch"
-SLOW = "--slurm.debug_step_sleep_s=0.25"
+SLOW = "--debug.step_sleep_s=0.25"
 
 
 def shard_args(out):

@@ -1,7 +1,7 @@
 """The sbatch templates on a real local Slurm cluster: preprocess, train, preempt -> checkpoint ->
 requeue -> resume, --no-requeue + resubmit, the wall-time guard, a sweep array.
 
-A tiny GPT on Shakespeare bytes; `slurm.debug_step_sleep_s` stretches steps so that a signal lands
+A tiny GPT on Shakespeare bytes; `debug.step_sleep_s` stretches steps so that a signal lands
 mid-run. Every loss curve is compared step for step with one uninterrupted `mpiexec -n 2` run.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ keep = 2
 [slurm]
 time_check_s = 1
 """
-SLOW = "--slurm.debug_step_sleep_s=0.25"   # 40 steps take >= 10 s: time to send a signal
+SLOW = "--debug.step_sleep_s=0.25"   # 40 steps take >= 10 s: time to send a signal
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +202,7 @@ def test_walltime_guard_checkpoints_before_the_limit(jobs, dataset, tmp_path):
     (The template's --signal=B:USR1@300 is replaced by an ignored SIGURG, so only the guard acts.)"""
     cfg, run = write_config(tmp_path, dataset, "walltime")
     jid, out = submit_train(jobs, tmp_path, cfg, "--train.steps=100000", "--train.eval_interval=0",
-                            "--slurm.debug_step_sleep_s=0.02", "--slurm.time_margin_s=100",
+                            "--debug.step_sleep_s=0.02", "--slurm.time_margin_s=100",
                             sbatch_args=["--time=2", "--no-requeue", "--signal=B:URG@1"])
     (rec,) = jobs.wait(jid, timeout=180)
     log = out.read_text()

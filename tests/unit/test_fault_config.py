@@ -23,7 +23,7 @@ def build(**sections):
 def test_defaults_and_async_spellings():
     c = build()
     assert (c.checkpoint.async_save, c.checkpoint.full_checksums) == (False, True)
-    assert (c.dist.heartbeat_timeout_s, c.train.max_bad_steps, c.train.inject_nan_at_step) == (60.0, 5, 0)
+    assert (c.dist.heartbeat_timeout_s, c.train.max_bad_steps, c.debug.inject_nan_at_step) == (60.0, 5, 0)
     assert build(checkpoint={"async": True}).checkpoint.async_save is True
     assert build(checkpoint={"async_save": True}).checkpoint.async_save is True
     over = config.parse_overrides(["--checkpoint.async=true"])
@@ -31,17 +31,23 @@ def test_defaults_and_async_spellings():
 
 
 @pytest.mark.parametrize("section, key, value", [
-    ("train", "max_bad_steps", 0), ("train", "inject_nan_at_step", -1),
+    ("train", "max_bad_steps", 0), ("debug", "inject_nan_at_step", -1), ("debug", "delay_s", -0.5),
     ("dist", "heartbeat_timeout_s", -1.0)])
 def test_bad_values_name_the_key(section, key, value):
     with pytest.raises(ConfigError, match=f"config key '{section}.{key}'"):
         build(**{section: {key: value}})
 
 
+def test_a_moved_test_only_key_names_its_new_place():
+    with pytest.raises(ConfigError, match=r"'train.inject_nan_at_step'.*'debug.inject_nan_at_step'"):
+        build(train={"inject_nan_at_step": 3})
+    assert build(debug={"inject_nan_at_step": 3}).debug.inject_nan_at_step == 3
+
+
 def test_help_lists_the_keys():
     text = config.describe()
     for key in ("--checkpoint.async_save", "--checkpoint.full_checksums", "--dist.heartbeat_timeout_s",
-                "--train.max_bad_steps", "--train.inject_nan_at_step"):
+                "--train.max_bad_steps", "--debug.inject_nan_at_step"):
         assert key in text
     assert "TEST ONLY" in text
 
