@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import typing
+from typing import Literal
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +35,7 @@ class DataConfig:
                                        "datasets made by `data_tools blend` (has manifest.json)"})
     train_split: str = field(default="train", metadata={"help": "split used for training"})
     val_split: str = field(default="val", metadata={"help": "split used for validation loss"})
-    verify: str = field(default="checksum", metadata={
+    verify: Literal["checksum", "size"] = field(default="checksum", metadata={
         "help": "check shards at start: 'checksum' (sha256, spread over ranks) or 'size' (fast); "
                 "with the node cache, each shard's sha256 is checked once per node as it is staged"})
     cache_dir: str = field(default="auto", metadata={
@@ -72,7 +73,7 @@ class TrainConfig:
     stop_at_step: int = field(default=0, metadata={
         "help": "checkpoint and exit cleanly at this step without changing the schedule (0 = run to `steps`)"})
     seed: int = field(default=1337, metadata={"help": "seed for init, data order and dropout"})
-    precision: str = field(default="fp32", metadata={
+    precision: Literal["fp32", "bf16", "fp16", "auto"] = field(default="fp32", metadata={
         "help": "fp32 | bf16 | fp16 | auto (autocast; master weights stay fp32). fp16 is for GPUs "
                 "without bf16 (V100, T4): dynamic loss scaling, overflow steps skipped and counted. "
                 "auto: bf16 on GPUs that have it; on CPUs bf16 where a matmul of the model's shape "
@@ -91,7 +92,7 @@ class TrainConfig:
     weight_decay: float = field(default=0.1, metadata={"help": "AdamW decoupled weight decay (matrices only)"})
     beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
     beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
-    optimizer: str = field(default="adamw", metadata={
+    optimizer: Literal["adamw", "sgd"] = field(default="adamw", metadata={
         "help": "adamw | sgd (plain SGD with train.momentum; the inner optimizer under sync.mode)"})
     momentum: float = field(default=0.0, metadata={"help": "with optimizer = 'sgd': momentum (0 = none)"})
     grad_clip: float = field(default=1.0, metadata={"help": "clip global grad norm to this (0 = off)"})
@@ -126,9 +127,9 @@ class CheckpointConfig:
 
 @dataclass
 class DistConfig:
-    backend: str = field(default="auto", metadata={"help": "auto (nccl if CUDA, else gloo) | nccl | gloo"})
+    backend: Literal["auto", "nccl", "gloo"] = field(default="auto", metadata={"help": "auto (nccl if CUDA, else gloo) | nccl | gloo"})
     timeout_s: float = field(default=300.0, metadata={"help": "collective timeout in seconds"})
-    grad_sync: str = field(default="auto", metadata={
+    grad_sync: Literal["auto", "mpi", "backend", "powersgd"] = field(default="auto", metadata={
         "help": "DDP gradient all-reduce: auto (mpi on CPU, the backend on GPU) | mpi | backend | "
                 "powersgd (torch's low-rank PowerSGD DDP hook, rank dist.powersgd_rank)"})
     powersgd_rank: int = field(default=4, metadata={
@@ -145,14 +146,14 @@ class ParallelConfig:
     tp: int = field(default=1, metadata={
         "help": "tensor-parallel size (innermost mesh axis: keep it <= GPUs per node); divides n_head"})
     pp: int = field(default=1, metadata={"help": "pipeline-parallel stages (outermost mesh axis)"})
-    data_parallel: str = field(default="ddp", metadata={
+    data_parallel: Literal["ddp", "fsdp"] = field(default="ddp", metadata={
         "help": "ddp (replicated weights, all-reduce) | fsdp (FSDP2 fully_shard: sharded weights, "
                 "grads and optimizer state over dp)"})
-    pp_schedule: str = field(default="1f1b", metadata={
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved"] = field(default="1f1b", metadata={
         "help": "gpipe | 1f1b | interleaved (micro-batches per step = train.grad_accum)"})
     pp_virtual_stages: int = field(default=2, metadata={
         "help": "model chunks per pipeline rank with pp_schedule = 'interleaved'"})
-    activation_checkpoint: str = field(default="none", metadata={
+    activation_checkpoint: Literal["none", "full", "selective"] = field(default="none", metadata={
         "help": "none | full (recompute every block in backward) | selective (every ac_every-th block)"})
     ac_every: int = field(default=2, metadata={
         "help": "with activation_checkpoint = 'selective': checkpoint blocks 0, N, 2N, ..."})
@@ -160,7 +161,7 @@ class ParallelConfig:
 
 @dataclass
 class SyncConfig:
-    mode: str = field(default="sync", metadata={
+    mode: Literal["sync", "diloco", "ps"] = field(default="sync", metadata={
         "help": "sync (all-reduce gradients every step) | diloco (each dp replica takes inner_steps "
                 "local steps, then the averaged pseudo-gradient feeds an outer Nesterov SGD) | ps "
                 "(asynchronous SGD against parameter-server ranks holding MPI one-sided windows)"})
@@ -177,7 +178,7 @@ class SyncConfig:
     fragments: int = field(default=1, metadata={
         "help": "diloco: split the parameters into this many fragments synced at staggered steps "
                 "(spreads the traffic over the round, as in Streaming DiLoCo)"})
-    compression: str = field(default="none", metadata={
+    compression: Literal["none", "bf16", "int8"] = field(default="none", metadata={
         "help": "diloco: pseudo-gradient wire format none (fp32) | bf16 | int8 (scaled per block)"})
     int8_block: int = field(default=256, metadata={
         "help": "with compression = 'int8': elements per scale (0 = one scale per tensor chunk)"})
@@ -190,7 +191,7 @@ class SyncConfig:
 
 @dataclass
 class SlurmConfig:
-    requeue: str = field(default="auto", metadata={
+    requeue: Literal["auto", "true", "false"] = field(default="auto", metadata={
         "help": "after a stop on a signal or the wall-time guard (checkpoint saved): auto (scontrol "
                 "requeue when in a batch job that allows requeue) | true | false (exit status 75)"})
     signals: str = field(default="USR1,TERM,INT", metadata={
@@ -283,9 +284,21 @@ def _coerce(key: str, value, typ: type):
     elif typ is str:
         if isinstance(value, str):
             return value
-        if isinstance(value, bool):  # TOML `requeue = true` for a true|false|auto key
-            return "true" if value else "false"
-    raise ConfigError(f"config key '{key}': expected {typ.__name__}, got {value!r}")
+    elif _choices(typ):
+        text = ("true" if value else "false") if isinstance(value, bool) else value  # `requeue = true`
+        if isinstance(text, str) and text in _choices(typ):
+            return text
+        raise ConfigError(f"config key '{key}': {value!r}: expected one of {', '.join(_choices(typ))}")
+    raise ConfigError(f"config key '{key}': expected {_type_name(typ)}, got {value!r}")
+
+
+def _choices(typ) -> tuple[str, ...]:
+    """The allowed values of a Literal[...] field (the one declaration --help and parsing read)."""
+    return typing.get_args(typ) if typing.get_origin(typ) is Literal else ()
+
+
+def _type_name(typ) -> str:
+    return "|".join(_choices(typ)) if _choices(typ) else typ.__name__
 
 
 def from_dict(raw: dict, source: str = "config") -> Config:
@@ -383,5 +396,5 @@ def describe() -> str:
                 default = repr(f.default_factory())
             else:
                 default = "required"
-            out.append(f"  --{section}.{f.name}={hints[f.name].__name__:<6} [{default}] {f.metadata.get('help', '')}")
+            out.append(f"  --{section}.{f.name}={_type_name(hints[f.name]):<6} [{default}] {f.metadata.get('help', '')}")
     return "\n".join(out)

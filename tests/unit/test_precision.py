@@ -21,8 +21,9 @@ def test_auto_on_cpu_follows_the_measured_speedup(speedup, chosen, monkeypatch):
 
 
 def test_the_measurement_is_a_positive_ratio_of_real_products():
-    s = precision.bf16_speedup(64, 32, 128)
-    assert 0.01 < s < 100
+    import math  # the value depends on the chip and the load (CI shares its cores): only its form
+    s = precision.bf16_speedup(384, 128, 512)
+    assert math.isfinite(s) and s > 0
 
 
 def test_auto_is_a_valid_config_value_and_others_are_named(root):
