@@ -237,7 +237,9 @@ def test_second_job_on_a_run_dir_is_refused_and_the_first_is_unharmed(tmp_path, 
     checkpoint. A SIGKILLed job's lock (same host, process gone) is taken over with a warning."""
     cfg, run = config(tmp_path, dataset)
     slow = ["--train.steps=30", "--checkpoint.interval=10", "--debug.step_sleep_s=0.1"]
-    first = launch(2, cfg, *slow)
+    # the first job must outlast the second's start-up (~2 s idle, more on a loaded CI machine):
+    # 28 more steps of >= 0.4 s
+    first = launch(2, cfg, *slow[:-1], "--debug.step_sleep_s=0.4")
     _wait_for_steps(first, run, 2)
     t0 = time.monotonic()
     rc, out = train(2, cfg, *slow, check=False)
