@@ -11,7 +11,8 @@ import time
 import torch
 
 
-def _timed_products(a: torch.Tensor, b: torch.Tensor, reps: int) -> float:
+def timed_products(a: torch.Tensor, b: torch.Tensor, reps: int) -> float:
+    """Seconds for `reps` products a @ b (synchronized on CUDA)."""
     if a.device.type == "cuda":
         torch.cuda.synchronize(a.device)
     t0 = time.perf_counter()
@@ -31,12 +32,12 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, 
     while True:
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
-        one = _timed_products(a, b, 1)  # also the warm-up
+        one = timed_products(a, b, 1)  # also the warm-up
         if budget_s is None or one * reps <= budget_s or n <= 128:
             break
         if one <= budget_s:
             reps = max(1, int(budget_s / one))
             break
         n //= 2
-    best = min(_timed_products(a, b, reps) for _ in range(trials))
+    best = min(timed_products(a, b, reps) for _ in range(trials))
     return 2.0 * n**3 * reps / best

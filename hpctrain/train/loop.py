@@ -88,7 +88,7 @@ class Trainer:
         self.loss_scaling = LossScaling(ctx.device, t.loss_scale_init, t.loss_scale_growth_interval,
                                         enabled=t.precision == "fp16")
         self.step = 0
-        self._n_params: int | None = None
+        self._local_numel: int | None = None
         self.stragglers = StragglerDetector(ctx.comm, window=t.straggler_window)
         rng.seed_rank(t.seed, ctx.rank)
 
@@ -101,9 +101,9 @@ class Trainer:
         """Bytes this rank has sent to keep replicas in sync (gradients or pseudo-gradients)."""
         if self.diloco:
             return self.diloco.bytes_sent
-        if self._n_params is None:
-            self._n_params = sum(p.numel() for p in self.model.parameters())
-        n = self._n_params  # per-step gradient all-reduce (fp32)
+        if self._local_numel is None:
+            self._local_numel = sum(p.numel() for p in self.model.parameters())
+        n = self._local_numel  # per-step gradient all-reduce (fp32)
         return self.step * bytes_sent(n, self.mesh.dp_size, "none") if self.cfg.dist.grad_sync != "powersgd" else -1
 
     def save(self) -> None:

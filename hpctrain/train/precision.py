@@ -12,28 +12,20 @@ fp32 (docs/benchmarks.md), and there auto keeps fp32.
 """
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
+
+from hpctrain.metrics.mfu import timed_products
 
 MIN_SPEEDUP = 1.3
 
 
 def _best_time(a: torch.Tensor, b: torch.Tensor, budget_s: float = 0.03, trials: int = 3) -> float:
     """Seconds per product: the best of `trials` timings of enough products to fill `budget_s`."""
-    a @ b  # warm-up (oneDNN builds its kernel on first use)
-    t0 = time.perf_counter()
-    a @ b
-    one = max(time.perf_counter() - t0, 1e-6)
+    timed_products(a, b, 1)  # warm-up (oneDNN builds its kernel on first use)
+    one = max(timed_products(a, b, 1), 1e-6)
     reps = max(1, min(200, int(budget_s / one)))
-    best = float("inf")
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return best
+    return min(timed_products(a, b, reps) for _ in range(trials)) / reps
 
 
 def bf16_speedup(rows: int, inner: int, cols: int) -> float:
