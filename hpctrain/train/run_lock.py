@@ -34,13 +34,19 @@ def _me() -> dict:
 
 
 def _pid_gone(pid) -> bool:
+    """True when the process has exited: no such pid, or a zombie (killed, not yet reaped by its
+    parent; a SIGKILLed rank whose launcher died too may stay one for a while)."""
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:
         return True
     except (OSError, TypeError, ValueError):
         return False
-    return False
+    try:
+        stat = Path(f"/proc/{int(pid)}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X")
 
 
 def _abandoned(owner: dict, age: float, me: dict) -> str | None:

@@ -255,8 +255,15 @@ def test_second_job_on_a_run_dir_is_refused_and_the_first_is_unharmed(tmp_path, 
 
     killed = launch(2, cfg, "--train.steps=60", *slow[1:])
     _wait_for_steps(killed, run, 33)
+    ranks = _descendants(killed.pid)
     os.killpg(killed.pid, signal.SIGKILL)
+    for pid in ranks:  # in case the launcher put a rank in a process group of its own
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     killed.communicate()
+    _wait_until_exited(ranks)  # SIGKILL is asynchronous: a rank may still be exiting
     assert (run / ".hpctrain.lock").exists()
     rc, out = train(2, cfg, "--train.steps=40", "--checkpoint.interval=10")
     assert re.search(r"warning: run dir \S+: took over the lock of pid \d+ on .*has exited", out), out
@@ -289,6 +296,18 @@ def _descendants(pid: int) -> list[int]:
     except (FileNotFoundError, ProcessLookupError):
         pass
     return out
+
+
+def _wait_until_exited(pids, timeout=30):
+    def running(pid):
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+        except OSError:
+            return False
+    t0 = time.monotonic()
+    while any(running(p) for p in pids):
+        assert time.monotonic() - t0 < timeout, [p for p in pids if running(p)]
+        time.sleep(0.1)
 
 
 def _rank_pid(launcher: int, rank: int) -> int:
