@@ -80,8 +80,9 @@ def _validate_sync(s: SyncConfig, p: ParallelConfig) -> None:
                "sync.mode = 'diloco' replicates over dp: use 'ddp' (FSDP inside a replica is not "
                "supported yet)")
     if s.mode == "ps":
-        _check(p.tp == 1 and p.pp == 1 and p.dp == 0, "sync.mode",
-               "'ps' runs one model copy per worker rank: leave parallel.dp/tp/pp at their defaults")
+        _check(p.tp == 1 and p.pp == 1 and p.dp == 0 and p.data_parallel == "ddp", "sync.mode",
+               "'ps' runs one model copy per worker rank: leave parallel.dp/tp/pp and "
+               "parallel.data_parallel at their defaults")
 
 
 def _validate_parallel(p: ParallelConfig, m: ModelConfig, compile: bool = False) -> None:

@@ -40,8 +40,8 @@ def load_model_state(ckpt: Path) -> tuple[dict, dict]:
     problems = layout.verify_checkpoint(ckpt)
     if problems:
         raise UserError(f"{ckpt}: not an intact checkpoint: {problems[0]}")
-    extra = json.loads((ckpt / layout.TRAINER_STATE_FILE).read_text())
-    model_cfg = extra.get("config", {}).get("model")
+    trainer = layout.read_trainer_state(ckpt).get("trainer", {})
+    model_cfg = trainer.get("config", {}).get("model")
     if not model_cfg:
         raise UserError(f"{ckpt / layout.TRAINER_STATE_FILE}: no config.model (not a training checkpoint)")
     md = read_metadata(ckpt / layout.DCP_METADATA_FILE)
@@ -95,7 +95,7 @@ def export_hf(checkpoint: str | Path, output: str | Path) -> Path:
     ckpt = find_checkpoint(checkpoint)
     sd, model_cfg = load_model_state(ckpt)
     tensors, config = to_hf_gpt2(sd, model_cfg)
-    tok = json.loads((ckpt / layout.TRAINER_STATE_FILE).read_text()).get("tokenizer") or {}
+    tok = layout.read_trainer_state(ckpt).get("trainer", {}).get("tokenizer") or {}
     if isinstance(tok.get("eot_id"), int):
         config["bos_token_id"] = config["eos_token_id"] = tok["eot_id"]
     out = Path(output)

@@ -7,7 +7,6 @@ goes through the checkpoint manager (verified, never unpickled).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
@@ -51,7 +50,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     from data_tools.tokenizers import get_tokenizer
-    from hpctrain.checkpoint import CheckpointManager
+    from hpctrain.checkpoint import CheckpointManager, layout
     from hpctrain.distributed import init_distributed, teardown
     from hpctrain.model import GPT, GPTConfig
 
@@ -63,21 +62,21 @@ def main(argv: list[str]) -> int:
                             f"run `python -m hpctrain sample ...` without mpiexec/srun")
         path = _resolve(Path(args.checkpoint))
         mgr = CheckpointManager(path.parent, keep=1, rank=0, world_size=1)
-        extra = json.loads((path / "trainer_state.json").read_text())
-        m = extra["config"]["model"]
+        saved = layout.read_trainer_state(path)["trainer"]
+        m = saved["config"]["model"]
         model = GPT(GPTConfig(**m))  # the [model] section saved with the checkpoint
         state = {"model": model.state_dict()}
         mgr.load(path, state)  # loads only the keys present: the model, not the optimizer
         model.load_state_dict(state["model"])
         model.eval()
-        tok = get_tokenizer(extra["tokenizer"]["name"])
+        tok = get_tokenizer(saved["tokenizer"]["name"])
         ids = tok.encode(args.prompt)
         if len(ids) == 0:
-            ids = [extra["tokenizer"]["eot_id"]]
+            ids = [saved["tokenizer"]["eot_id"]]
         gen = torch.Generator().manual_seed(args.seed)
         out = model.generate(torch.tensor([list(ids)], dtype=torch.long), args.tokens,
                              temperature=args.temperature, top_k=args.top_k or None, generator=gen)
-        print(f"# checkpoint {path} (step {extra['step']})")
+        print(f"# checkpoint {path} (step {saved['step']})")
         print(tok.decode(out[0].tolist()))
         if args.real_words:  # the generated part only: the prompt's words would count as real
             _print_real_words(tok.decode(out[0][len(ids):].tolist()), args.real_words)

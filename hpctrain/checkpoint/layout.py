@@ -30,7 +30,7 @@ from hpctrain.errors import CheckpointError, NoIntactCheckpoint  # noqa: F401 - 
 FORMAT = "hpctrain-checkpoint"
 FORMAT_VERSION = 1
 COMMIT_FILE = "COMMIT.json"
-TRAINER_STATE_FILE = "trainer_state.json"   # the trainer's `extra` dict, verbatim
+TRAINER_STATE_FILE = "trainer_state.json"   # the JSON state, {name: ...} (upgrade_trainer_state)
 NONTENSOR_FILE = "state_nontensor.json"     # non-tensor leaves of the DCP state (optimizer hparams)
 DCP_METADATA_FILE = ".metadata"
 # Always checksummed (small); *.distcp files only with full checksums.
@@ -39,6 +39,31 @@ SMALL_FILES = (TRAINER_STATE_FILE, NONTENSOR_FILE, DCP_METADATA_FILE)
 _NAME_RE = re.compile(r"^step_(\d+)(\.tmp|\.old|\.deleting)?$")
 _KINDS = {None: "checkpoint", ".tmp": "tmp", ".old": "aside", ".deleting": "trash"}
 _HASH_CHUNK = 8 << 20
+
+
+# Before the checkpoint was assembled from Stateful objects, the trainer's entries sat at the top.
+_TRAINER_KEYS = ("step", "world_size", "config", "tokenizer")
+
+
+def upgrade_trainer_state(state: dict) -> dict:
+    """trainer_state.json as {name: JSON state}, whichever version wrote it: older checkpoints
+    kept step / world_size / config / tokenizer at the top level, now under "trainer"."""
+    if "trainer" in state or "step" not in state:
+        return state
+    out = {k: v for k, v in state.items() if k not in _TRAINER_KEYS}
+    out["trainer"] = {k: state[k] for k in _TRAINER_KEYS if k in state}
+    return out
+
+
+def read_trainer_state(ckpt: Path) -> dict:
+    """The checkpoint's JSON state, {name: ...}; CheckpointError when it is not a JSON object."""
+    try:
+        state = json.loads((Path(ckpt) / TRAINER_STATE_FILE).read_bytes())
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"{Path(ckpt) / TRAINER_STATE_FILE} unreadable ({e})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{Path(ckpt) / TRAINER_STATE_FILE} is not a JSON object")
+    return upgrade_trainer_state(state)
 
 
 def step_dir_name(step: int) -> str:

@@ -35,7 +35,7 @@ from hpctrain.checkpoint import background, faults, layout
 from hpctrain.checkpoint.dcp_io import RecordingFileSystem, describe, failure, no_zip_crc32
 from hpctrain.checkpoint.layout import CheckpointError
 from hpctrain.checkpoint.safe_load import SafeFileSystemReader, TensorOnlyLoadPlanner
-from hpctrain.checkpoint.state import check_json, merge_values, split_state
+from hpctrain.checkpoint.state import check_json, json_part, merge_values, overlay, split_state
 
 
 @dataclass
@@ -196,6 +196,41 @@ class CheckpointManager:
     def poll(self) -> bool:
         """True if no async save is in flight or the in-flight one has finished (never blocks)."""
         return self._inflight is None or self._inflight.done()
+
+    # -- Stateful objects (torch.distributed.checkpoint.stateful.Stateful) ------------------------
+    def save_states(self, step: int, states: dict, background: bool = False) -> Path | None:
+        """Collective. Checkpoint `step` of {name: object with state_dict()/load_state_dict()}:
+        tensors to DCP as "<name>.<key>", the rest (rank 0's) to trainer_state.json under <name>.
+        `background`: `save_async` (returns None once staged) instead of `save`."""
+        tree = {name: obj.state_dict() for name, obj in states.items()}
+        tensors, _ = split_state(tree)
+        if background:
+            return self.save_async(step, tensors, json_part(tree))
+        return self.save(step, tensors, json_part(tree))
+
+    def read_trainer_state(self, path: str | os.PathLike) -> dict:
+        """Collective. Checkpoint `path`'s JSON state, {name: ...} (rank 0 reads, all get it);
+        lets objects check that they can load it before any tensor is read."""
+        answer = None
+        if self.rank == 0:
+            try:
+                answer = ("ok", layout.read_trainer_state(Path(path)))
+            except Exception as e:  # noqa: BLE001 - must reach the broadcast
+                answer = ("error", describe(e))
+        status, value = self._bcast(answer)
+        if status == "error":
+            raise CheckpointError(f"checkpoint load from {path} failed: {value}")
+        return value
+
+    def load_states(self, path: str | os.PathLike, states: dict) -> None:
+        """Collective. Load checkpoint `path` into {name: Stateful}: each object's current
+        state_dict() names the tensors to read (resharded by DCP, in place), and it gets them
+        back with its saved JSON state in load_state_dict()."""
+        tree = {name: obj.state_dict() for name, obj in states.items()}
+        tensors, _ = split_state(tree)  # shares the tensors: loading into it loads into `tree`
+        saved = layout.upgrade_trainer_state(self.load(path, tensors))
+        for name, obj in states.items():
+            obj.load_state_dict(overlay(saved.get(name), tree[name]))
 
     def _prepare(self, step: int, state: dict, extra: dict) -> "_Job":
         """Phase 1 (main thread, default group): validate on every rank, rank 0 creates a fresh

@@ -1,5 +1,7 @@
 """What is saved: a DCP state dict split into tensors (for torch.distributed.checkpoint) and
-JSON-able non-tensor leaves (optimizer hyper-parameters, parameter names), and the trainer's `extra`.
+JSON-able non-tensor leaves (optimizer hyper-parameters, parameter names), and the trainer's JSON
+state. With `CheckpointManager.save_states` the whole checkpoint is {name: Stateful.state_dict()}:
+tensor leaves go to DCP under the name, the rest (rank 0's) to trainer_state.json under the name.
 
 Owns the rule that checkpoint contents are tensors or JSON, so loading never needs pickle. It must
 never accept an arbitrary object as a leaf (those would need pickling) and never copy tensors: the
@@ -109,3 +111,40 @@ def check_json(obj, where="extra"):
     elif not isinstance(obj, _JSON_SCALARS):
         raise CheckpointError(f"{where} is a {type(obj).__name__}, not JSON-able "
                               f"(encode tensors/RNG states as lists or base64 first)")
+
+
+# ---- a checkpoint from Stateful objects ----------------------------------------------------------
+def json_part(tree):
+    """`tree` without its tensor leaves (dicts left empty by that are dropped): what goes into
+    trainer_state.json. Lists without tensors (e.g. every rank's RNG state) stay lists."""
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            part = json_part(v)
+            if not (_is_tensor(v) or (isinstance(v, dict) and not part)):
+                out[k] = part
+        return out
+    if isinstance(tree, list) and _holds_tensor(tree):  # DCP keyed it "0", "1", ...
+        return json_part({str(i): v for i, v in enumerate(tree)})
+    return tree
+
+
+def _holds_tensor(v) -> bool:
+    if isinstance(v, dict):
+        return any(_holds_tensor(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_holds_tensor(x) for x in v)
+    return _is_tensor(v)
+
+
+def overlay(saved, current):
+    """`current` (tensors already loaded in place) with its non-tensor leaves taken from `saved`,
+    the checkpoint's JSON part; what an object's load_state_dict receives."""
+    if isinstance(current, dict):
+        saved = saved if isinstance(saved, dict) else {}
+        out = {k: overlay(saved.get(k), v) for k, v in current.items()}
+        out.update({k: v for k, v in saved.items() if k not in current})
+        return out
+    if _is_tensor(current) or saved is None:
+        return current
+    return _from_json(saved)

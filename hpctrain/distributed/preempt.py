@@ -76,13 +76,18 @@ class PreemptionGuard:
                 return WALLTIME
         return NONE
 
-    def should_stop(self, step: int) -> bool:
-        """True on every rank, at the same step, once any rank got a signal or rank 0 saw the wall
-        time run short. One small MPI all-reduce per call."""
+    def vote(self, step: int) -> int:
+        """The stop reason every rank gets, at the same step, once any rank got a signal or rank 0
+        saw the wall time run short (NONE: go on). One small MPI all-reduce per call."""
         self.debug_sleep()
         from mpi4py import MPI
 
-        return self.agreed(self.comm.allreduce(self.local_reason(), op=MPI.MAX), step)
+        reason = self.comm.allreduce(self.local_reason(), op=MPI.MAX)
+        self.agreed(reason, step)
+        return reason
+
+    def should_stop(self, step: int) -> bool:
+        return self.vote(step) != NONE
 
     def debug_sleep(self) -> None:
         if self.step_sleep_s > 0:  # tests: slow steps down so a signal lands mid-run

@@ -180,6 +180,8 @@ class ParallelModel:
         """Mean loss over the global batch from this rank's sum over `count` micro-batches (pipeline
         ranks without the last stage hold 0 and are summed away over pp)."""
         loss = (local_sum / count).to(torch.float32)
+        if self.cfg.sync.mode == "ps":  # workers at different steps: the loss stays this worker's
+            return loss
         if self.pp > 1:
             dist.all_reduce(loss, group=self.mesh.group("pp"))
         if self.dp > 1 and self.grad_sync_state is not None:
@@ -269,6 +271,11 @@ class ParallelModel:
         return self._global_mean(total, len(batches)).item()
 
     # ---- checkpoint state -----------------------------------------------------------------
+    def renames_tied(self) -> bool:
+        """This rank holds the last pipeline stage but not the first: its copy of the tied weight is
+        lm_head.weight, saved under tok_emb.weight (train/states.OptimState)."""
+        return self._renames_tied()
+
     def _renames_tied(self) -> bool:
         return self.split is not None and self.split.has_last and not self.split.has_first
 

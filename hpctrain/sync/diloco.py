@@ -40,6 +40,7 @@ from hpctrain.config import SyncConfig
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.errors import ConfigError
 from hpctrain.sync.compress import average, bytes_sent
+from hpctrain.sync.strategy import SyncStrategy
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -68,7 +69,11 @@ def _dp_group(mesh: Mesh):
     return mine
 
 
-class DiLoCo:
+class DiLoCo(SyncStrategy):
+    """The sync strategy of sync.mode = "diloco" (hooks: hpctrain/sync/strategy.py)."""
+    mode = "diloco"
+    global_each_step = False  # inner steps: replicas differ; a non-finite step is voted on
+
     def __init__(self, module: nn.Module, mesh: Mesh, cfg: SyncConfig, total_steps: int):
         self.module, self.cfg, self.total_steps = module, cfg, total_steps
         self.replicas, self.replica = mesh.dp_size, mesh.dp_rank
@@ -88,6 +93,8 @@ class DiLoCo:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="diloco") if cfg.overlap else None
         self.bytes_sent = 0  # by this rank, cumulative (restored on resume)
         self.syncs = 0
+        self._local = None  # (ModelState, OptimState) of this replica, from checkpoint_states
+        self._from_synchronous = False
 
     # ---- the schedule -----------------------------------------------------------------------
     def due(self, step: int) -> list[int]:
@@ -97,6 +104,7 @@ class DiLoCo:
         return [f for f, off in enumerate(self.offsets) if step > 0 and step % self.cfg.inner_steps == off]
 
     def after_step(self, step: int) -> None:
+        """Ends a round (average + outer step) for each fragment due after inner step `step`."""
         final = step >= self.total_steps
         if final:  # the last rounds average on this thread: no average may still be running on the
             for f in range(len(self.fragments)):  # pool's thread over the same group (gloo would
@@ -167,6 +175,9 @@ class DiLoCo:
                 _local(self.pending[i]).copy_(v)
             self.has_pending[f] = True
 
+    def comm_bytes(self, step: int) -> int:
+        return self.bytes_sent
+
     def close(self) -> None:
         for f in range(len(self.fragments)):
             self._resolve(f)
@@ -174,46 +185,65 @@ class DiLoCo:
             self.pool.shutdown(wait=True)
 
     # ---- checkpoint state -------------------------------------------------------------------
-    def checkpoint_state(self, inner: dict) -> dict:
-        """Wrap the layout's {"model", "optim"} state: "model" becomes the global model (what
-        export/sample read), "outer" the momentum and pending averages (same on all replicas),
-        and this replica's local weights + inner optimizer (+ with overlap its round start point)
-        go under "replica.<dp index>"."""
-        for f in range(len(self.fragments)):
-            self._resolve(f)  # an in-flight average is part of the state: finish it first
+    def checkpoint_states(self, model, optim, saved: dict | None = None) -> dict:
+        """The checkpoint's entries: "model" is the global model (what export/sample read) and
+        "sync" this object: outer momentum and pending averages (same on all replicas), and this
+        replica's local weights + inner optimizer (+ with overlap its round start point) under
+        "replica.<dp index>". `saved`: the "sync" entry of a checkpoint about to be loaded; one
+        written with sync.mode='sync' loads as it was saved and DiLoCo starts from it."""
+        self._local = (model, optim)
+        if saved is not None and saved.get("mode", "sync") != "diloco":
+            self._from_synchronous = True
+            return {"model": model, "optim": optim}
+        if saved is not None:
+            self._check_saved(saved)
+        return {"model": _GlobalModel(self), "sync": self}
+
+    def _check_saved(self, saved: dict) -> None:
+        if saved.get("replicas") != self.replicas:
+            raise ConfigError(f"config key 'parallel.dp': {self.replicas} DiLoCo replicas, but the "
+                              f"checkpoint has {saved.get('replicas')}; resume with the same dp")
+        if saved.get("overlap") != self.cfg.overlap or saved.get("fragments") != len(self.fragments):
+            raise ConfigError(f"config keys 'sync.overlap' / 'sync.fragments' differ from the "
+                              f"checkpoint ({saved.get('overlap')} / {saved.get('fragments')}); keep "
+                              f"them for the run's lifetime")
+
+    def _by_name(self, tensors: list[torch.Tensor], model_state: dict) -> dict:
+        """{fqn: tensors[i]} for the parameters among `model_state`'s keys (tied weights once)."""
         names = dict(self.module.named_parameters(remove_duplicate=False))
         pos = {id(p): i for i, p in enumerate(self.params)}
-        model, momentum, pending, start = {}, {}, {}, {}
-        for key, value in inner["model"].items():
-            i = pos.get(id(names[key])) if key in names else None
-            if i is None:
-                model[key] = value
-                continue
-            model[key], momentum[key] = self.anchor[i], self.momentum[i]
-            if self.cfg.overlap:
-                pending[key], start[key] = self.pending[i], self.start[i]
-        outer = {"momentum": momentum, **({"pending": pending} if pending else {})}
-        replica = {**inner, **({"start": start} if start else {})}
-        return {"model": model, "outer": outer, "replica": {str(self.replica): replica}}
+        return {k: tensors[pos[id(names[k])]] for k in model_state
+                if k in names and id(names[k]) in pos}
 
-    def replica_state(self, state: dict) -> dict:
-        return state["replica"][str(self.replica)]
-
-    def extra_state(self) -> dict:
+    def state_dict(self) -> dict:
+        for f in range(len(self.fragments)):
+            self._resolve(f)  # an in-flight average is part of the state: finish it first
+        model, optim = self._local
+        local = model.state_dict()
+        replica = {"model": local, "optim": optim.state_dict()}
+        outer = {"momentum": self._by_name(self.momentum, local)}
+        if self.cfg.overlap:
+            outer["pending"] = self._by_name(self.pending, local)
+            replica["start"] = self._by_name(self.start, local)
         return {"mode": "diloco", "replicas": self.replicas, "overlap": self.cfg.overlap,
                 "fragments": len(self.fragments), "has_pending": list(self.has_pending),
-                "bytes_sent": self.bytes_sent, "syncs": self.syncs}
+                "bytes_sent": self.bytes_sent, "syncs": self.syncs,
+                "outer": outer, "replica": {str(self.replica): replica}}
 
-    def load_extra_state(self, saved: dict, path) -> None:
-        if saved.get("replicas") != self.replicas:
-            raise ConfigError(f"config key 'parallel.dp': {self.replicas} DiLoCo replicas, but checkpoint "
-                              f"{path} has {saved.get('replicas')}; resume with the same dp")
-        if saved.get("overlap") != self.cfg.overlap or saved.get("fragments") != len(self.fragments):
-            raise ConfigError(f"config keys 'sync.overlap' / 'sync.fragments' differ from checkpoint "
-                              f"{path} ({saved.get('overlap')} / {saved.get('fragments')}); keep them "
-                              f"for the run's lifetime")
-        self.has_pending = list(saved["has_pending"])
-        self.bytes_sent, self.syncs = int(saved["bytes_sent"]), int(saved["syncs"])
+    def load_state_dict(self, state: dict) -> None:
+        """Tensors (anchor, momentum, pending, start) were loaded in place; the local model and
+        inner optimizer go through their own objects."""
+        model, optim = self._local
+        replica = state["replica"][str(self.replica)]
+        model.load_state_dict(replica["model"])
+        optim.load_state_dict(replica["optim"])
+        self.has_pending = list(state["has_pending"])
+        self.bytes_sent, self.syncs = int(state["bytes_sent"]), int(state["syncs"])
+
+    def after_load(self, step: int) -> None:
+        if self._from_synchronous:  # continue a synchronous run with DiLoCo
+            self.reset_from_model()
+            self._from_synchronous = False
 
     @torch.no_grad()
     def reset_from_model(self) -> None:
@@ -223,3 +253,17 @@ class DiLoCo:
             _local(s).copy_(_local(p))
             _local(m).zero_()
         self.has_pending = [False] * len(self.fragments)
+
+
+class _GlobalModel:
+    """The checkpoint's "model" entry under DiLoCo: the anchor, keyed like the local model."""
+
+    def __init__(self, diloco: DiLoCo):
+        self.diloco = diloco
+
+    def state_dict(self) -> dict:
+        local = self.diloco._local[0].state_dict()
+        return {**local, **self.diloco._by_name(self.diloco.anchor, local)}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass  # loaded in place into the anchor

@@ -1,18 +1,20 @@
-"""The training loop. It reads like the algorithm:
+"""The training loop, one for every sync mode. It reads like the algorithm:
 
-config -> bootstrap -> mesh -> data -> model, parallelized from outside -> resume if a committed
-checkpoint exists -> loop { batch -> forward/backward over micro-batches -> clip -> step -> metrics ->
-maybe validate -> maybe checkpoint -> maybe stop } -> final checkpoint -> teardown.
+config -> bootstrap -> mesh -> data -> model, parallelized from outside -> sync strategy -> resume
+if a committed checkpoint exists -> per checkpoint interval { per step { strategy.before_step ->
+batch -> forward/backward over micro-batches -> clip -> optimizer step -> strategy.after_step ->
+metrics -> maybe validate -> stop? } -> strategy.meet (where every rank stops) -> checkpoint ->
+stop? } -> final validation where steps were not collective -> teardown.
 
-Owns: the order of those steps and the trainer state that goes into a checkpoint (step, sampler
-position, RNG). It must never parse MPI/Slurm environment (bootstrap does), build parallel wrappers
-(parallelize does) or write checkpoint files itself (the checkpoint manager does).
+Owns: the order of those steps and the trainer's checkpoint entry (step, world size, config,
+tokenizer). It must never parse MPI/Slurm environment (bootstrap does), build parallel wrappers
+(parallelize does), know what a sync mode does between steps (hpctrain/sync/strategy.py) or write
+checkpoint files itself (the checkpoint manager does).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -26,7 +28,7 @@ from hpctrain.config import Config
 from hpctrain.config_rules import check_resume_batch, global_batch_line, resolve_grad_accum
 from hpctrain.distributed import DistContext
 from hpctrain.distributed.bootstrap import mpi_library
-from hpctrain.distributed.preempt import PreemptionGuard
+from hpctrain.distributed.preempt import NONE, PreemptionGuard
 from hpctrain.distributed.mesh import Mesh, ParallelDims
 from hpctrain.distributed.watchdog import guard as peer_watchdog
 from hpctrain.errors import ConfigError
@@ -34,8 +36,10 @@ from hpctrain.metrics import MetricsLog, format_eta, measure_peak_flops
 from hpctrain.metrics.straggler import StragglerDetector
 from hpctrain.model import GPT, GPTConfig
 from hpctrain.parallel import parallelize
-from hpctrain.sync.compress import bytes_sent
 from hpctrain.sync.diloco import DiLoCo
+from hpctrain.sync.ps_strategy import ParameterServerSGD, data_config, worker_position
+from hpctrain.sync.strategy import SyncStrategy
+from hpctrain.sync.synchronous import Synchronous
 from hpctrain.train import rng
 from hpctrain.train import run_lock
 from hpctrain.train.data import TrainData
@@ -43,6 +47,7 @@ from hpctrain.train.guard import NonFiniteGuard, all_finite
 from hpctrain.train.loss_scaling import LossScaling
 from hpctrain.train.optim import build_optimizer, lr_at, set_lr
 from hpctrain.train.precision import resolve_precision
+from hpctrain.train.states import ModelState, OptimState, RNGStates
 
 
 def log(ctx: DistContext, msg: str) -> None:
@@ -55,15 +60,17 @@ class Trainer:
         self.cfg, self.ctx = cfg, ctx
         t = cfg.train
         self.mesh = Mesh(ParallelDims.from_config(ctx.world_size, cfg.parallel), ctx)
+        # where this rank reads in the data order: its dp coordinate (ps: its worker index)
+        self.position = worker_position(cfg, ctx) if cfg.sync.mode == "ps" else self.mesh
         # The one place dp is known: with train.global_batch the accumulation follows it (elastic
         # restart on another node count); data, pipeline micro-batches, prefetch and the resume
         # check below all read the resolved train.grad_accum.
-        t.grad_accum = resolve_grad_accum(t, self.mesh.dp_size)
+        t.grad_accum = resolve_grad_accum(t, self.position.dp_size)
         # and the one place the device is known: "auto" becomes bf16 or fp32 (measured, job-wide)
         self.precision_given = t.precision
         t.precision = resolve_precision(t.precision, ctx.device, t.micro_batch_size * cfg.model.block_size,
                                         cfg.model.n_embd)
-        self.data = TrainData(cfg, ctx, self.mesh)
+        self.data = TrainData(data_config(cfg) if cfg.sync.mode == "ps" else cfg, ctx, self.position)
         torch.manual_seed(t.seed)  # identical initial weights on every rank
         m = cfg.model
         self.model_cfg = GPTConfig(**dataclasses.asdict(m))  # [model] holds exactly GPTConfig's fields
@@ -72,88 +79,70 @@ class Trainer:
         self.par = parallelize(self.raw_model, self.mesh, cfg)  # layout-aware fwd/bwd, clip, state
         self.model = self.par.module  # this rank's parameters (a pipeline stage holds a subset)
         self.optimizer = build_optimizer(self.model, t)
-        # sync.mode = diloco: replicas take local steps; DiLoCo owns the global model and rounds
-        self.diloco = DiLoCo(self.model, self.mesh, cfg.sync, t.steps) if cfg.sync.mode == "diloco" else None
         self.ckpt = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep, ctx.rank, ctx.world_size,
                                       timeout_s=cfg.dist.timeout_s,
                                       full_checksums=cfg.checkpoint.full_checksums,
                                       async_cpu_share=cfg.checkpoint.async_cpu_share)
-        self.guard = NonFiniteGuard(t.max_bad_steps, cfg.debug.inject_nan_at_step, ctx.rank, ctx.world_size)
-        self.step_skipped = False
         self.preempt = PreemptionGuard(cfg.slurm, ctx.comm, ctx.rank,  # signals + wall-time guard
                                        step_sleep_s=cfg.debug.step_sleep_s)
+        self.sync = self._sync_strategy()  # what happens between steps and what a checkpoint holds
+        self.guard = NonFiniteGuard(t.max_bad_steps, cfg.debug.inject_nan_at_step, ctx.rank, ctx.world_size)
+        self.step_skipped = False
         half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
         self.autocast = (torch.autocast(ctx.device.type, dtype=half) if half is not None
                          else contextlib.nullcontext())
         self.loss_scaling = LossScaling(ctx.device, t.loss_scale_init, t.loss_scale_growth_interval,
                                         enabled=t.precision == "fp16")
         self.step = 0
-        self._local_numel: int | None = None
         self.stragglers = StragglerDetector(ctx.comm, window=t.straggler_window)
         rng.seed_rank(t.seed, ctx.rank)
 
     # ---- checkpoint state -------------------------------------------------------------------
-    def _tensor_state(self) -> dict:
-        state = self.par.checkpoint_state(self.optimizer)
-        return self.diloco.checkpoint_state(state) if self.diloco else state
+    def state_dict(self) -> dict:
+        """The checkpoint's "trainer" entry (the trainer is one of its Stateful objects)."""
+        return {"step": self.step, "world_size": self.ctx.world_size, "config": self.cfg.to_dict(),
+                "tokenizer": self.data.tokenizer_info}
 
-    def comm_bytes(self) -> int:
-        """Bytes this rank has sent to keep replicas in sync (gradients or pseudo-gradients)."""
-        if self.diloco:
-            return self.diloco.bytes_sent
-        if self._local_numel is None:
-            self._local_numel = sum(p.numel() for p in self.model.parameters())
-        n = self._local_numel  # per-step gradient all-reduce (fp32)
-        return self.step * bytes_sent(n, self.mesh.dp_size, "none") if self.cfg.dist.grad_sync != "powersgd" else -1
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+
+    def checkpoint_states(self, saved: dict | None = None) -> dict:
+        """{name: Stateful} of a checkpoint of this run; `saved`, the JSON state of one about to be
+        loaded, lets the sync strategy refuse (or adapt to) a checkpoint of another mode."""
+        model, optim = ModelState(self.model), OptimState(self.model, self.optimizer,
+                                                          self.par.renames_tied())
+        states = self.sync.checkpoint_states(model, optim, None if saved is None else saved.get("sync", {}))
+        return {**states, "trainer": self, "sampler": self.data.sampler,
+                "rng": RNGStates(self.ctx.comm, self.cfg.train.seed, lambda: self.step),
+                "loss_scaling": self.loss_scaling}
 
     def save(self) -> None:
         t0 = time.perf_counter()
-        rngs = self.ctx.comm.allgather(rng.capture())
-        state = self._tensor_state()  # first: DiLoCo finishes an in-flight average into its state
-        extra = {"step": self.step, "sampler": self.data.sampler.state_dict(), "rng": rngs,
-                 "world_size": self.ctx.world_size, "config": self.cfg.to_dict(),
-                 "tokenizer": self.data.tokenizer_info, "loss_scaling": self.loss_scaling.state_dict(),
-                 "sync": self.diloco.extra_state() if self.diloco else {"mode": self.cfg.sync.mode}}
+        background = self.cfg.checkpoint.async_save
+        self.sync.before_save()  # ps: the servers' parameters into the model
+        states = self.checkpoint_states()
         if not all_finite(self.model.parameters(), self.ctx.device):  # never save a broken state
             raise FloatingPointError(f"step {self.step}: non-finite weights; not saving a checkpoint")
-        if self.cfg.checkpoint.async_save:  # returns after the copy to host memory
-            self.ckpt.save_async(self.step, state, extra)
+        self.sync.before_save()
+        path = self.ckpt.save_states(self.step, states, background=background)
+        self.sync.after_save()
+        if background:  # returned after the copy to host memory
             log(self.ctx, f"checkpoint: step {self.step} staged in {time.perf_counter() - t0:.2f}s, "
                           f"writing in the background")
-            return
-        path = self.ckpt.save(self.step, state, extra)
-        log(self.ctx, f"checkpoint: step {self.step} -> {path} ({time.perf_counter() - t0:.2f}s)")
+        else:
+            log(self.ctx, f"checkpoint: step {self.step} -> {path} ({time.perf_counter() - t0:.2f}s)")
 
     def maybe_resume(self) -> None:
         """Resume from the newest checkpoint that loads (older ones are tried when it does not)."""
         self.ckpt.resume_newest(self._resume_from)
 
     def _resume_from(self, path: Path) -> None:
-        saved = json.loads((path / "trainer_state.json").read_text())
-        _check_same_model(saved["config"]["model"], self.cfg.to_dict()["model"], path)
-        saved_mode = saved.get("sync", {}).get("mode", "sync")
-        if saved_mode == "diloco" and not self.diloco:
-            raise ConfigError(f"config key 'sync.mode': checkpoint {path} was written with sync.mode="
-                              f"'diloco' (one state per replica); resume it with sync.mode='diloco' "
-                              f"or export its global model with `hpctrain export`")
-        with_diloco = self.diloco is not None and saved_mode == "diloco"
-        if with_diloco:
-            self.diloco.load_extra_state(saved["sync"], path)
-        state = self._tensor_state() if with_diloco else self.par.checkpoint_state(self.optimizer)
-        extra = self.ckpt.load(path, state)
-        self.par.load_checkpoint_state(self.optimizer, self.diloco.replica_state(state)
-                                       if with_diloco else state)
-        if self.diloco is not None and not with_diloco:
-            self.diloco.reset_from_model()  # continue a synchronous run with DiLoCo
-        self.step = int(extra["step"])
-        check_resume_batch(int(extra["sampler"]["global_batch"]), self.cfg.train, self.mesh.dp_size, path)
-        self.data.sampler.load_state_dict(extra["sampler"])
-        self.loss_scaling.load_state_dict(extra.get("loss_scaling", {}))
-        saved = extra["rng"]
-        if extra["world_size"] == self.ctx.world_size:
-            rng.restore(saved[self.ctx.rank])
-        else:  # another world size: fresh but deterministic dropout streams
-            rng.seed_rank(self.cfg.train.seed + self.step, self.ctx.rank)
+        saved = self.ckpt.read_trainer_state(path)
+        _check_same_model(saved["trainer"]["config"]["model"], self.cfg.to_dict()["model"], path)
+        states = self.checkpoint_states(saved)  # the sync strategy refuses another mode's first
+        check_resume_batch(int(saved["sampler"]["global_batch"]), self.cfg.train, self.position.dp_size, path)
+        self.ckpt.load_states(path, states)
+        self.sync.after_load(self.step)
         log(self.ctx, f"resumed from {path} at step {self.step}")
 
     # ---- one optimizer step -----------------------------------------------------------------
@@ -177,17 +166,18 @@ class Trainer:
         # business (skipped, counted apart), not a bad step
         self.step_skipped = self.guard.should_skip(self.step + 1, loss_avg,
                                                    0.0 if overflow else grad_norm,
-                                                   agreed=self.diloco is None)
+                                                   agreed=self.sync.global_each_step)
         self.loss_scaling.step(self.optimizer, skip=self.step_skipped)
         self.optimizer.zero_grad(set_to_none=True)
         return loss_avg.item(), float(grad_norm)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        batches = self.data.val_micro_batches()
+        """Mean validation loss over every replica (None: no validation split, or a ps server)."""
+        batches = self.data.val_micro_batches() if self.sync.trains else None
         if batches is None:
             return None
-        return self.par.eval_loss(batches, self.autocast)
+        return self.sync.mean_over_replicas(self.par.eval_loss(batches, self.autocast))
 
     # ---- the loop ---------------------------------------------------------------------------
     def fit(self) -> int:
@@ -196,43 +186,25 @@ class Trainer:
         end = t.stop_at_step or t.steps
         self._write_run_config()
         metrics = MetricsLog(Path(cfg.run.dir) / "metrics.jsonl", ctx.is_main, resume_step=self.step)
-        peak = self._peak_flops()
-        tokens_per_step = self.data.global_batch * cfg.model.block_size
-        self._log_start(tokens_per_step, end)
-        last_saved = self.step if self.step > 0 else -1
-        if self.step == 0 and t.eval_interval:
-            val = self.evaluate()  # the starting point of the validation curve
-            if val is not None:
-                metrics.write({"step": 0, "val_loss": val})
-                log(ctx, f"step 0 val {val:.4f}")
-        start_step, t_start = self.step, time.perf_counter()
-        while self.step < end:
-            lr = lr_at(self.step, t)
-            set_lr(self.optimizer, lr)
-            t0 = time.perf_counter()
-            loss, grad_norm = self.train_step()
-            dt = time.perf_counter() - t0
-            self.step += 1
-            if self.diloco:
-                self.diloco.after_step(self.step)  # ends a round (average + outer step) when due
-            tok_s = tokens_per_step / dt
-            rec = self._step_record(loss, grad_norm, lr, dt, tok_s, peak)
-            metrics.write(rec)
-            if ctx.is_main and (self.step % t.log_interval == 0 or self.step == end):
-                eta = (time.perf_counter() - t_start) / (self.step - start_step) * (end - self.step)
-                val_txt = f" val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
-                log(ctx, f"step {self.step}/{end} loss {loss:.4f}{val_txt} lr {lr:.2e} "
-                         f"{tok_s:,.0f} tok/s mfu {rec['mfu']:.1%} eta {format_eta(eta)}")
-            if self.step % cfg.checkpoint.interval == 0 or self.step == end:
-                self.save()
-                last_saved = self.step
-            if self.step < end and self.preempt.should_stop(self.step):
-                break  # all ranks agreed to stop at this step: the checkpoint below is saved now
-        if last_saved != self.step:
+        self.peak = self._peak_flops()
+        self._log_start(end)
+        if self.step == 0 and t.eval_interval and self.sync.collective_steps:
+            self._validate(metrics)  # the starting point of the validation curve
+        self.t_start, self.start_step = time.perf_counter(), self.step
+        stop = NONE
+        while self.step < end and stop == NONE:
+            interval = cfg.checkpoint.interval
+            until = min(end, (self.step // interval + 1) * interval)  # the next checkpoint step
+            stop = self._run_until(until, end, metrics)
+            step, stop = self.sync.meet(self.preempt, self.step, stop, end)
+            while self.sync.trains and self.step < step:  # catch up with the furthest worker (ps)
+                metrics.write(self._one_step(end, stop_aware=False))
+            self.step = max(self.step, step)
             self.save()
         self.ckpt.wait()  # an async save still in flight: commit it (or raise its error) first
-        if self.diloco:
-            self.diloco.close()
+        if not self.sync.collective_steps and not self.preempt.stopped:
+            self._validate(metrics)  # ps: the final parameters (pulled by the save)
+        self.sync.close()
         metrics.close()
         if self.preempt.stopped:
             return self.preempt.finish(self.step)  # requeue the Slurm job and/or exit 75
@@ -240,15 +212,56 @@ class Trainer:
             log(ctx, f"stopped at train.stop_at_step={t.stop_at_step}; rerun the same command to resume")
         return 0
 
-    def _step_record(self, loss: float, grad_norm: float, lr: float, dt: float, tok_s: float,
-                     peak: float) -> dict:
-        """The metrics of the step just taken (collective: validation, data and straggler stats)."""
+    def _run_until(self, until: int, end: int, metrics: MetricsLog) -> int:
+        """Train up to step `until` unless a stop comes first; the agreed stop reason (NONE)."""
+        while self.sync.trains and self.step < until:
+            rec = self._one_step(end)
+            if rec is None:  # ps: the stop flag went up while this worker waited for a straggler
+                return NONE  # (the meeting reads it)
+            metrics.write(rec)
+            if self.step < end:
+                stop = self.sync.stop_reason(self.preempt, self.step)
+                if stop != NONE:
+                    return stop
+        return NONE
+
+    def _one_step(self, end: int, stop_aware: bool = True) -> dict | None:
+        """One optimizer step with the strategy's hooks around it; its metrics record."""
+        if not self.sync.before_step(self.step, stop_aware):
+            return None
+        lr = lr_at(self.step, self.cfg.train)
+        set_lr(self.optimizer, lr)
+        t0 = time.perf_counter()
+        loss, grad_norm = self.train_step()
+        dt = time.perf_counter() - t0
+        self.step += 1
+        self.sync.after_step(self.step)  # DiLoCo: ends a round when due; ps: pushes the update
+        rec = self._step_record(loss, grad_norm, lr, dt)
+        if self.ctx.is_main and (self.step % self.cfg.train.log_interval == 0 or self.step == end):
+            done = max(1, self.step - self.start_step)
+            eta = (time.perf_counter() - self.t_start) / done * (end - self.step)
+            val_txt = f" val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
+            log(self.ctx, f"step {self.step}/{end} loss {loss:.4f}{val_txt} lr {lr:.2e} "
+                          f"{rec['tokens_per_s']:,.0f} tok/s mfu {rec['mfu']:.1%} eta {format_eta(eta)}")
+        return rec
+
+    def _validate(self, metrics: MetricsLog) -> None:
+        val = self.evaluate()
+        if val is not None:
+            metrics.write({"step": self.step, "val_loss": val})
+            log(self.ctx, f"step {self.step} val {val:.4f}")
+
+    def _step_record(self, loss: float, grad_norm: float, lr: float, dt: float) -> dict:
+        """The metrics of the step just taken. Where steps are collective (every rank steps
+        together) also validation, data and straggler statistics, which are collectives."""
         ctx, t = self.ctx, self.cfg.train
+        tok_s = self.data.global_batch * self.cfg.model.block_size / dt
         rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-               "tokens_per_s": tok_s, "mfu": self.flops_per_token * tok_s / (peak * ctx.world_size),
+               "tokens_per_s": tok_s, "mfu": self.flops_per_token * tok_s / (self.peak * ctx.world_size),
                "step_time_s": dt, "epoch": self.data.sampler.state_dict()["epoch"],
-               "comm_bytes": self.comm_bytes()}
-        if t.eval_interval and (self.step % t.eval_interval == 0 or self.step == t.steps):
+               "comm_bytes": self.sync.comm_bytes(self.step), **self.sync.step_metrics()}
+        collective = self.sync.collective_steps
+        if collective and t.eval_interval and (self.step % t.eval_interval == 0 or self.step == t.steps):
             val = self.evaluate()
             if val is not None:
                 rec["val_loss"] = val
@@ -261,6 +274,8 @@ class Trainer:
                 log(ctx, f"step {self.step}: loss {loss} / grad norm {grad_norm}: not finite, "
                          f"update skipped ({self.guard.in_a_row} in a row, "
                          f"train.max_bad_steps={t.max_bad_steps})")
+        if not collective:
+            return rec
         rec.update(self.data.step_metrics())  # data_time_s, data_wait_s, cache_* (all ranks)
         sync = getattr(self.par, "grad_sync_state", None)
         rec.update(self.stragglers.observe(dt, dt - (sync.take_wait() if sync else 0.0)))
@@ -268,6 +283,16 @@ class Trainer:
         if warning:
             log(ctx, warning)
         return rec
+
+    def _sync_strategy(self) -> SyncStrategy:
+        """sync.mode = sync: the layout averages gradients every step; diloco: replicas take local
+        steps and DiLoCo owns the global model and rounds; ps: workers push to parameter servers."""
+        if self.cfg.sync.mode == "diloco":
+            return DiLoCo(self.model, self.mesh, self.cfg.sync, self.cfg.train.steps)
+        if self.cfg.sync.mode == "ps":
+            return ParameterServerSGD(self.cfg, self.ctx, self.model)
+        local_numel = sum(p.numel() for p in self.model.parameters())
+        return Synchronous(local_numel, self.mesh.dp_size, self.cfg.dist.grad_sync)
 
     def _write_run_config(self) -> None:
         """<run.dir>/config.toml: the config as given (train.grad_accum and train.precision not
@@ -282,8 +307,9 @@ class Trainer:
         saved = dataclasses.replace(cfg, train=given)
         (Path(cfg.run.dir) / "config.toml").write_text(config_mod.to_toml(saved))
 
-    def _log_start(self, tokens_per_step: int, end: int) -> None:
+    def _log_start(self, end: int) -> None:
         ctx, t = self.ctx, self.cfg.train
+        tokens_per_step = self.data.global_batch * self.cfg.model.block_size
         log(ctx, f"training: {self.n_params / 1e6:.2f}M params, world {ctx.world_size} "
                  f"[{self.mesh.dims.describe()}] "
                  f"({ctx.backend}, {ctx.threads} threads/rank, {mpi_library()}), "
@@ -291,9 +317,9 @@ class Trainer:
                  f"{f' via {ctx.iface}' if ctx.iface else ''}, "
                  f"{tokens_per_step} tokens/step, {t.precision}"
                  f"{' (auto)' if self.precision_given == 'auto' else ''}, "
-                 f"steps {self.step} -> {end} of {t.steps}")
+                 f"steps {self.step} -> {end} of {t.steps}{self.sync.describe()}")
         if t.global_batch:  # how the global batch splits on this world (elastic restarts)
-            log(ctx, global_batch_line(t, self.mesh.dp_size))
+            log(ctx, global_batch_line(t, self.position.dp_size))
 
     def _peak_flops(self) -> float:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.train.precision,
@@ -314,8 +340,4 @@ def _check_same_model(saved: dict, current: dict, path) -> None:
 def train(cfg: Config, ctx: DistContext) -> int:
     with peer_watchdog(ctx, cfg.dist.heartbeat_timeout_s), run_lock.hold(cfg.run.dir, ctx):
         # a lost rank ends the job, named; one job per run.dir
-        if cfg.sync.mode == "ps":
-            from hpctrain.train.ps_loop import train_ps
-
-            return train_ps(cfg, ctx)
         return Trainer(cfg, ctx).fit()

@@ -152,7 +152,7 @@ def test_ps_signal_to_one_worker_stops_every_worker_at_one_step(tmp_path, data):
     assert 4 <= s < 24 and f"checkpoint: step {s} -> " in err and "Traceback" not in err
     assert max(losses(run)) == s  # worker 0 caught up to (or was at) the agreed step
     state = json.loads((run / "checkpoints" / f"step_{s:08d}" / "trainer_state.json").read_text())
-    assert state["step"] == s
+    assert state["trainer"]["step"] == s
 
     r = mpirun(3, ["-m", "hpctrain", "train", "--config", tmp_path / "ps2.toml", *common],
                timeout=300, check=True)

@@ -365,3 +365,53 @@ def test_load_requires_every_entry(world, tmp_path):
 
 def test_latest_on_missing_root_is_none(world, tmp_path):
     assert mgr(world, tmp_path / "nope").latest() is None
+
+
+# ---- a checkpoint from Stateful objects ------------------------------------------------------------
+class _Counter:
+    """A JSON-only Stateful (like the trainer's step, the sampler, the RNG states)."""
+
+    def __init__(self, n=0, history=None):
+        self.n, self.history = n, history or []
+
+    def state_dict(self):
+        return {"n": self.n, "history": self.history}
+
+    def load_state_dict(self, state):
+        self.n, self.history = state["n"], state["history"]
+
+
+def test_save_states_round_trip_and_file_format(world, tmp_path):
+    """Tensors go to DCP under "<name>.", everything else (rank 0's) to trainer_state.json under
+    <name>; load_states hands each object its own tensors (loaded in place) and JSON back."""
+    from hpctrain.train.states import ModelState, OptimState
+
+    model, opt = make(1)
+    counter = _Counter(7, [{"rank": 0, "cpu": "abc"}, {"rank": 1, "cpu": "def"}])
+    mgr = CheckpointManager(tmp_path, keep=2, rank=0, world_size=1)
+    path = mgr.save_states(5, {"model": ModelState(model), "optim": OptimState(model, opt),
+                               "counter": counter})
+    saved = json.loads((path / "trainer_state.json").read_text())
+    assert saved == {"counter": {"n": 7, "history": counter.history}}  # no empty model/optim
+    model2, opt2 = make(2)
+    counter2 = _Counter()
+    assert not torch.equal(model2[0].weight, model[0].weight)
+    mgr.load_states(path, {"model": ModelState(model2), "optim": OptimState(model2, opt2),
+                           "counter": counter2})
+    assert (counter2.n, counter2.history) == (7, counter.history)
+    assert_same_state(state_of(model, opt), state_of(model2, opt2))
+
+
+def test_checkpoints_written_before_stateful_objects_read_the_same(tmp_path):
+    """trainer_state.json of older checkpoints kept the trainer's entries at the top level."""
+    from hpctrain.checkpoint import layout
+
+    old = {"step": 3, "world_size": 2, "config": {"model": {"n_layer": 2}}, "tokenizer": {"name": "bytes"},
+           "sampler": {"epoch": 0}, "rng": [], "sync": {"mode": "sync"}}
+    (tmp_path / "trainer_state.json").write_text(json.dumps(old))
+    assert layout.read_trainer_state(tmp_path) == {
+        "trainer": {"step": 3, "world_size": 2, "config": {"model": {"n_layer": 2}},
+                    "tokenizer": {"name": "bytes"}},
+        "sampler": {"epoch": 0}, "rng": [], "sync": {"mode": "sync"}}
+    new = {"trainer": {"step": 3}, "sampler": {"epoch": 0}}
+    assert layout.upgrade_trainer_state(new) == new

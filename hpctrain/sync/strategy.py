@@ -1,0 +1,82 @@
+"""What a sync mode is to the trainer: a strategy object with a few hooks, called by the one
+training loop (hpctrain/train/loop.py) at fixed points:
+
+    before_step(step, stop_aware) -> bool    may wait / pull; False: a stop came up meanwhile
+    after_step(step)                         DiLoCo: end a round; ps: push the update
+    stop_reason(preempt, step) -> int        per step: has the job been asked to stop?
+    meet(preempt, step, stop, end) -> (step, stop)   at a checkpoint step: where every rank stops
+    before_save() / after_save()             around a checkpoint (ps: pull the servers' model)
+    checkpoint_states(model, optim, saved)   the checkpoint's entries in this mode
+    state_dict() / load_state_dict(), after_load()   its own "sync" entry
+    step_metrics() / comm_bytes(step), mean_over_replicas(value), describe(), close()
+
+and three facts: `trains` (False on a ps server rank), `global_each_step` (the loss and grad norm
+are the same on every rank after a step, so a non-finite one needs no vote) and `collective_steps`
+(all ranks step together, so per-step collectives are allowed: the stop vote, validation, data and
+straggler statistics).
+
+Owns: the defaults of those hooks, which are the synchronous case. It must never touch the
+optimizer or the data order.
+"""
+from __future__ import annotations
+
+from hpctrain.errors import ConfigError
+
+
+def refuse_other_mode(saved: dict, mode: str, how: str) -> None:
+    """ConfigError naming sync.mode when a checkpoint's "sync" entry is of another mode."""
+    saved_mode = saved.get("mode", "sync")
+    if saved_mode != mode:
+        raise ConfigError(f"config key 'sync.mode': the checkpoint was written with sync.mode="
+                          f"'{saved_mode}'; {how}")
+
+
+class SyncStrategy:
+    mode = "sync"
+    trains = True
+    global_each_step = True
+    collective_steps = True
+
+    def before_step(self, step: int, stop_aware: bool = True) -> bool:
+        return True
+
+    def after_step(self, step: int) -> None:
+        pass
+
+    def stop_reason(self, preempt, step: int) -> int:
+        """One small all-reduce: every rank gets the same answer at the same step."""
+        return preempt.vote(step)
+
+    def meet(self, preempt, step: int, stop: int, end: int) -> tuple[int, int]:
+        return step, stop  # every rank is at `step` and agreed on `stop` already
+
+    def before_save(self) -> None:
+        pass
+
+    def after_save(self) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"mode": self.mode}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def after_load(self, step: int) -> None:
+        pass
+
+    def step_metrics(self) -> dict:
+        return {}
+
+    def comm_bytes(self, step: int) -> int:
+        return 0
+
+    def mean_over_replicas(self, value: float) -> float:
+        return value  # the layout's losses are global means already
+
+    def describe(self) -> str:
+        """What the start-up line says about this mode ("" for plain synchronous training)."""
+        return ""
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,27 @@
+"""sync.mode = "sync": the layout averages gradients over data-parallel ranks every step, so this
+strategy has nothing to do between steps; it says what a checkpoint holds and what was sent.
+"""
+from __future__ import annotations
+
+from hpctrain.sync.compress import bytes_sent
+from hpctrain.sync.strategy import SyncStrategy, refuse_other_mode
+
+
+class Synchronous(SyncStrategy):
+    mode = "sync"
+
+    def __init__(self, local_numel: int, dp_size: int, grad_sync: str):
+        self.local_numel, self.dp_size, self.grad_sync = local_numel, dp_size, grad_sync
+
+    def checkpoint_states(self, model, optim, saved: dict | None = None) -> dict:
+        if saved is not None:
+            refuse_other_mode(saved, self.mode, "resume it with that mode, or export its global "
+                                                "model with `hpctrain export`")
+        return {"model": model, "optim": optim, "sync": self}
+
+    def comm_bytes(self, step: int) -> int:
+        """Bytes this rank has sent: one fp32 gradient all-reduce per step (-1: PowerSGD, which
+        depends on its rank and error feedback)."""
+        if self.grad_sync == "powersgd":
+            return -1
+        return step * bytes_sent(self.local_numel, self.dp_size, "none")

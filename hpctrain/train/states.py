@@ -1,0 +1,80 @@
+"""What a training checkpoint holds, as objects with state_dict() / load_state_dict()
+(torch.distributed.checkpoint.stateful.Stateful), handed to CheckpointManager.save_states as one
+dict {name: object}. The names are the checkpoint's top-level keys:
+
+    model    this rank's parameters under layout-free FQNs (ModelState; DiLoCo: the global model)
+    optim    the optimizer's tensors, "state.<fqn>.<name>" on every layout (OptimState)
+    trainer  step, world size, config, tokenizer (the trainer itself)
+    sampler  the data order's position        rng  every rank's dropout stream (RNGStates)
+    loss_scaling  fp16's scaler                sync  the sync strategy's own state (DiLoCo, ps)
+
+Owns: turning live objects into those entries and back. It must never write files (the manager
+does) or decide what a mode saves (the strategy's checkpoint_states does).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+from hpctrain.train import rng
+
+# Optimizer state keyed "state.<fqn>.<name>": the same keys on every layout and pipeline stage.
+_SD_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+_TIED_LAST, _TIED_FIRST = "state.lm_head.weight.", "state.tok_emb.weight."
+
+
+class ModelState:
+    """The parameters this rank holds (a pipeline stage: a subset), DTensor shards included."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def state_dict(self) -> dict:
+        return get_model_state_dict(self.module, options=_SD_OPTIONS)
+
+    def load_state_dict(self, state: dict) -> None:
+        set_model_state_dict(self.module, state, options=_SD_OPTIONS)
+
+
+class OptimState:
+    """The optimizer's tensors. Hyper-parameters are not saved: they come from the config (lr from
+    the step). The tied weight's state is saved under its first name, tok_emb.weight, as in an
+    unsplit model: a last pipeline stage without the first (`renames_tied`) renames it."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, renames_tied: bool = False):
+        self.module, self.optimizer, self.renames_tied = module, optimizer, renames_tied
+
+    def _rename(self, key: str, old: str, new: str) -> str:
+        return new + key[len(old):] if self.renames_tied and key.startswith(old) else key
+
+    def state_dict(self) -> dict:
+        state = get_optimizer_state_dict(self.module, self.optimizer, options=_SD_OPTIONS)
+        return {self._rename(k, _TIED_LAST, _TIED_FIRST): v for k, v in state.items()
+                if isinstance(v, torch.Tensor)}
+
+    def load_state_dict(self, state: dict) -> None:
+        current = get_optimizer_state_dict(self.module, self.optimizer, options=_SD_OPTIONS)
+        optim = {k: v for k, v in current.items() if not isinstance(v, torch.Tensor)}
+        optim.update({self._rename(k, _TIED_FIRST, _TIED_LAST): v for k, v in state.items()})
+        set_optimizer_state_dict(self.module, self.optimizer, optim, options=_SD_OPTIONS)
+
+
+class RNGStates:
+    """Every rank's random state (dropout), gathered so that rank 0 saves them all. Restored per
+    rank on the same world size; on another, each rank's stream is seeded afresh from
+    (seed + step, rank): deterministic, not the uninterrupted run's."""
+
+    def __init__(self, comm, seed: int, step_of_resume):
+        self.comm, self.seed, self.step_of_resume = comm, seed, step_of_resume
+
+    def state_dict(self) -> list:
+        return self.comm.allgather(rng.capture())
+
+    def load_state_dict(self, saved: list) -> None:
+        if len(saved) == self.comm.Get_size():
+            rng.restore(saved[self.comm.Get_rank()])
+        else:
+            rng.seed_rank(self.seed + self.step_of_resume(), self.comm.Get_rank())
