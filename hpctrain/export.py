@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from hpctrain.checkpoint import CheckpointManager, layout
+from hpctrain.checkpoint import CheckpointManager, directory, disk_format
 from hpctrain.checkpoint.cli import is_checkpoint_dir, resolve_root
 from hpctrain.checkpoint.safe_load import read_metadata
 from hpctrain.errors import UserError
@@ -29,7 +29,7 @@ def find_checkpoint(path: str | Path) -> Path:
     p = Path(path)
     if p.is_dir() and is_checkpoint_dir(p):
         return p
-    found, _ = layout.find_latest(resolve_root(p))
+    found, _ = directory.find_latest(resolve_root(p))
     if found is None:
         raise UserError(f"{p}: no committed checkpoint found")
     return found
@@ -37,14 +37,14 @@ def find_checkpoint(path: str | Path) -> Path:
 
 def load_model_state(ckpt: Path) -> tuple[dict, dict]:
     """(our model's tensors by FQN, the model config) from a committed checkpoint."""
-    problems = layout.verify_checkpoint(ckpt)
+    problems = disk_format.verify_checkpoint(ckpt)
     if problems:
         raise UserError(f"{ckpt}: not an intact checkpoint: {problems[0]}")
-    trainer = layout.read_trainer_state(ckpt).get("trainer", {})
+    trainer = disk_format.read_trainer_state(ckpt).get("trainer", {})
     model_cfg = trainer.get("config", {}).get("model")
     if not model_cfg:
-        raise UserError(f"{ckpt / layout.TRAINER_STATE_FILE}: no config.model (not a training checkpoint)")
-    md = read_metadata(ckpt / layout.DCP_METADATA_FILE)
+        raise UserError(f"{ckpt / disk_format.TRAINER_STATE_FILE}: no config.model (not a training checkpoint)")
+    md = read_metadata(ckpt / disk_format.DCP_METADATA_FILE)
     state = {"model": {}}
     for fqn, meta in md.state_dict_metadata.items():
         if fqn.startswith("model.") and hasattr(meta, "size"):
@@ -95,14 +95,14 @@ def export_hf(checkpoint: str | Path, output: str | Path) -> Path:
     ckpt = find_checkpoint(checkpoint)
     sd, model_cfg = load_model_state(ckpt)
     tensors, config = to_hf_gpt2(sd, model_cfg)
-    tok = layout.read_trainer_state(ckpt).get("trainer", {}).get("tokenizer") or {}
+    tok = disk_format.read_trainer_state(ckpt).get("trainer", {}).get("tokenizer") or {}
     if isinstance(tok.get("eot_id"), int):
         config["bos_token_id"] = config["eos_token_id"] = tok["eot_id"]
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    print(f"exported {ckpt} (step {json.loads((ckpt / layout.COMMIT_FILE).read_text())['step']}) "
+    print(f"exported {ckpt} (step {json.loads((ckpt / disk_format.COMMIT_FILE).read_text())['step']}) "
           f"-> {out} (Hugging Face GPT-2: config.json, model.safetensors)")
     return out
 

@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     from data_tools.tokenizers import get_tokenizer
-    from hpctrain.checkpoint import CheckpointManager, layout
+    from hpctrain.checkpoint import CheckpointManager, disk_format
     from hpctrain.distributed import init_distributed, teardown
     from hpctrain.model import GPT, GPTConfig
 
@@ -62,7 +62,7 @@ def main(argv: list[str]) -> int:
                             f"run `python -m hpctrain sample ...` without mpiexec/srun")
         path = _resolve(Path(args.checkpoint))
         mgr = CheckpointManager(path.parent, keep=1, rank=0, world_size=1)
-        saved = layout.read_trainer_state(path)["trainer"]
+        saved = disk_format.read_trainer_state(path)["trainer"]
         m = saved["config"]["model"]
         model = GPT(GPTConfig(**m))  # the [model] section saved with the checkpoint
         state = {"model": model.state_dict()}

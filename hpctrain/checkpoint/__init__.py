@@ -1,8 +1,9 @@
 """Checkpoints: atomic, collective save/load of torch.distributed.checkpoint (DCP) state dicts.
 
 Public API (everything else in this package is internal):
-  CheckpointManager(root, keep, rank, world_size)  .latest() .save(step, state, extra) .load(path, state)
-                                                    .save_async(step, state, extra) .wait() .poll()
+  CheckpointManager(root, keep, rank, world_size)  .save_states(step, {name: Stateful}) .load_states(path, ...)
+      .latest() .resume_newest(fn) .read_trainer_state(path) .wait() .poll()
+      .save(step, tensors, json_state) .save_async(...) .load(path, tensors)   (the layer underneath)
   list_checkpoints(root) -> [CheckpointInfo]        verify_checkpoint(path) -> [problem, ...]
   CheckpointError                                   (a UserError: shown as one line)
 
@@ -10,8 +11,9 @@ This package must never import model, data or training code, and never unpickle 
 (safe_load.py). Format and protocol: docs/checkpoints.md. `python -m hpctrain ckpt list|verify` is
 cli.py; test-only fault injection points are faults.py.
 """
-from hpctrain.checkpoint.layout import (CheckpointError, CheckpointInfo, list_checkpoints,
-                                        verify_checkpoint)
+from hpctrain.checkpoint.directory import CheckpointInfo, list_checkpoints
+from hpctrain.checkpoint.disk_format import verify_checkpoint
+from hpctrain.errors import CheckpointError
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.checkpoint.safe_load import UnsafeCheckpointError
 

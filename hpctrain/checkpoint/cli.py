@@ -2,7 +2,7 @@
 
 Owns turning a user-given path (a run directory, a checkpoint root, or one `step_N` directory) into
 checkpoint directories, and printing their status. It must never modify a checkpoint and never
-unpickle anything (it goes through layout.check_checkpoint and safe_load).
+unpickle anything (it goes through disk_format.check_checkpoint and safe_load).
 
     ckpt list RUN_DIR [--full]      every step_* directory: step, status, commit time, size, problem
     ckpt verify DIR [--quick]       exit 0 if DIR (or every checkpoint under it) is committed and
@@ -15,8 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from hpctrain.checkpoint import layout
-from hpctrain.checkpoint.layout import CheckpointError
+from hpctrain.checkpoint import directory, disk_format
+from hpctrain.checkpoint.disk_format import CheckpointError
 
 
 def resolve_root(path: str | Path) -> Path:
@@ -30,7 +30,7 @@ def resolve_root(path: str | Path) -> Path:
 
 
 def is_checkpoint_dir(p: Path) -> bool:
-    return (p / layout.COMMIT_FILE).exists() or layout.parse_dir_name(p.name) is not None
+    return (p / disk_format.COMMIT_FILE).exists() or disk_format.parse_dir_name(p.name) is not None
 
 
 def _size(n: int) -> str:
@@ -43,7 +43,7 @@ def _size(n: int) -> str:
 
 def cmd_list(args) -> int:
     root = resolve_root(args.dir)
-    infos = layout.list_checkpoints(root, full=args.full)
+    infos = directory.list_checkpoints(root, full=args.full)
     if not infos:
         print(f"{root}: no checkpoints")
         return 0
@@ -53,7 +53,7 @@ def cmd_list(args) -> int:
               f"{_size(i.size_bytes):>10}  {i.path}")
         for problem in i.problems if i.status != "committed" else []:
             print(f"{'':>12}{problem}")
-    latest, _ = layout.find_latest(root)
+    latest, _ = directory.find_latest(root)
     print(f"latest: {latest if latest else 'none (nothing to resume from)'}")
     return 0
 
@@ -65,19 +65,19 @@ def cmd_verify(args) -> int:
     if is_checkpoint_dir(p):
         targets = [p]
     else:
-        targets = [path for _, kind, path in layout.scan(resolve_root(p)) if kind == "checkpoint"]
+        targets = [path for _, kind, path in directory.scan(resolve_root(p)) if kind == "checkpoint"]
         if not targets:
             raise CheckpointError(f"{p}: no checkpoints (expected a step_N directory, a checkpoint "
                                   f"root or a run directory)")
     bad = 0
     for t in targets:
-        problems = layout.verify_checkpoint(t, full=not args.quick)
+        problems = disk_format.verify_checkpoint(t, full=not args.quick)
         if problems:
             bad += 1
             for problem in problems:
                 print(f"{t}: {problem}")
         else:
-            commit = layout.read_commit(t)
+            commit = disk_format.read_commit(t)
             how = "every file checksummed" if not args.quick and commit.get("checksums") == "full" \
                 else "sizes + small-file sha256" + ("" if args.quick else
                                                    " (no data checksums recorded)")

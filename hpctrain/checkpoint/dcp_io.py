@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from hpctrain.checkpoint import background, faults
-from hpctrain.checkpoint.layout import DATA_HASH, CheckpointError, new_hasher
+from hpctrain.checkpoint.disk_format import DATA_HASH, CheckpointError, new_hasher
 
 def describe(exc: BaseException) -> str:
     """One line for an exception; unwraps DCP's CheckpointException to the first rank's error."""

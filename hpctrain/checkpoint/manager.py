@@ -31,9 +31,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from hpctrain.checkpoint import background, faults, layout
+from hpctrain.checkpoint import background, directory, disk_format, faults
 from hpctrain.checkpoint.dcp_io import RecordingFileSystem, describe, failure, no_zip_crc32
-from hpctrain.checkpoint.layout import CheckpointError
+from hpctrain.errors import CheckpointError, NoIntactCheckpoint
 from hpctrain.checkpoint.safe_load import SafeFileSystemReader, TensorOnlyLoadPlanner
 from hpctrain.checkpoint.state import check_json, json_part, merge_values, overlay, split_state
 
@@ -45,7 +45,7 @@ class _Job:
     final: Path
     tmp: Path
     prefix: str
-    extra: dict
+    json_state: dict
     tensors: dict = field(default_factory=dict)
     values_json: str = ""
 
@@ -115,15 +115,15 @@ class CheckpointManager:
         answer = None
         if self.rank == 0:
             try:
-                path, _ = layout.find_latest(self.root, skip)
+                path, _ = directory.find_latest(self.root, skip)
                 answer = ("ok", str(path) if path else None)
-            except layout.NoIntactCheckpoint as e:
+            except NoIntactCheckpoint as e:
                 answer = ("none intact", str(e))
             except Exception as e:  # noqa: BLE001 - must reach the broadcast
                 answer = ("error", f"cannot scan checkpoints in {self.root}: {describe(e)}")
         status, value = self._bcast(answer)
         if status == "none intact":
-            raise layout.NoIntactCheckpoint(value)
+            raise NoIntactCheckpoint(value)
         if status == "error":
             raise CheckpointError(value)
         return Path(value) if value else None
@@ -137,33 +137,33 @@ class CheckpointManager:
             try:
                 resume_from(path)
                 return path
-            except layout.NoIntactCheckpoint:
+            except NoIntactCheckpoint:
                 raise
             except CheckpointError as e:
                 if self.rank == 0:
-                    layout.warn(f"skipping checkpoint {path}: {e}")
+                    directory.warn(f"skipping checkpoint {path}: {e}")
                 skipped.append(path)
         return None
 
-    def save(self, step: int, state: dict, extra: dict) -> Path:
+    def save(self, step: int, state: dict, json_state: dict) -> Path:
         """Collective. Writes `state` (tensors via DCP; JSON-able leaves as JSON) and rank 0's
-        `extra` (JSON trainer state) as checkpoint `step`; returns its path once committed.
+        `json_state` (the JSON part: trainer_state.json) as checkpoint `step`; returns its path once committed.
         An async save still in flight is finished (and its error raised) first."""
         self.wait()
         t0 = time.perf_counter()
-        job = self._prepare(step, state, extra)
+        job = self._prepare(step, state, json_state)
         path = self._write_and_commit(job, group=None)
         self.last_save_s = self.last_write_s = time.perf_counter() - t0
         return path
 
-    def save_async(self, step: int, state: dict, extra: dict) -> None:
+    def save_async(self, step: int, state: dict, json_state: dict) -> None:
         """Collective. Like `save`, but returns once the tensors are copied to host memory; a
         background thread writes and commits them, with its collectives on a separate gloo group.
         At most one save is in flight: this first waits for the previous one (raising its error on
         every rank). Call `wait()` before exiting; `poll()` reports completion without blocking."""
         self.wait()
         t0 = time.perf_counter()
-        job = self._prepare(step, state, extra)
+        job = self._prepare(step, state, json_state)
         err = None
         try:
             job.tensors = background.stage(job.tensors, self._staging)
@@ -214,7 +214,7 @@ class CheckpointManager:
         answer = None
         if self.rank == 0:
             try:
-                answer = ("ok", layout.read_trainer_state(Path(path)))
+                answer = ("ok", disk_format.read_trainer_state(Path(path)))
             except Exception as e:  # noqa: BLE001 - must reach the broadcast
                 answer = ("error", describe(e))
         status, value = self._bcast(answer)
@@ -228,16 +228,16 @@ class CheckpointManager:
         back with its saved JSON state in load_state_dict()."""
         tree = {name: obj.state_dict() for name, obj in states.items()}
         tensors, _ = split_state(tree)  # shares the tensors: loading into it loads into `tree`
-        saved = layout.upgrade_trainer_state(self.load(path, tensors))
+        saved = disk_format.upgrade_trainer_state(self.load(path, tensors))
         for name, obj in states.items():
             obj.load_state_dict(overlay(saved.get(name), tree[name]))
 
-    def _prepare(self, step: int, state: dict, extra: dict) -> "_Job":
+    def _prepare(self, step: int, state: dict, json_state: dict) -> "_Job":
         """Phase 1 (main thread, default group): validate on every rank, rank 0 creates a fresh
         step_N.tmp; agree before anyone writes."""
         faults.hit("save.begin")
-        final = self.root / layout.step_dir_name(step if isinstance(step, int) else 0)
-        job = _Job(step, final, layout.tmp_path(final), f"checkpoint save to {final}", extra)
+        final = self.root / disk_format.step_dir_name(step if isinstance(step, int) else 0)
+        job = _Job(step, final, disk_format.tmp_path(final), f"checkpoint save to {final}", json_state)
         err = None
         try:
             if not isinstance(step, int) or step < 0:
@@ -246,13 +246,13 @@ class CheckpointManager:
             # one [path, value] per line: readable, and identical bytes on every rank
             job.values_json = "[\n" + ",\n".join(json.dumps(v, sort_keys=True) for v in values) + "\n]\n"
             if self.rank == 0:
-                check_json(extra)
-                job.extra = json.loads(json.dumps(extra))  # a snapshot: the caller may mutate it
+                check_json(json_state)
+                job.json_state = json.loads(json.dumps(json_state))  # a snapshot: the caller may mutate it
                 self.root.mkdir(parents=True, exist_ok=True)
                 if job.tmp.exists():
                     shutil.rmtree(job.tmp)
                 job.tmp.mkdir()
-                layout.fsync_dir(self.root)
+                disk_format.fsync_dir(self.root)
                 faults.hit("save.tmp_created")
         except Exception as e:  # noqa: BLE001 - reported on every rank below
             err = failure(e, self.rank)
@@ -282,9 +282,9 @@ class CheckpointManager:
                 data_files = {str(info.relative_path) for info in metadata.storage_data.values()}
                 hashes = {f: d for f, d in fs.digests().items() if f in data_files}
             if self.rank == 0:
-                layout.write_json_durably(tmp / layout.TRAINER_STATE_FILE, job.extra)
+                disk_format.write_json_durably(tmp / disk_format.TRAINER_STATE_FILE, job.json_state)
                 faults.hit("save.trainer_state")
-                layout.write_bytes_durably(tmp / layout.NONTENSOR_FILE, job.values_json.encode())
+                disk_format.write_bytes_durably(tmp / disk_format.NONTENSOR_FILE, job.values_json.encode())
                 faults.hit("save.nontensor")
             err = None
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
@@ -305,11 +305,11 @@ class CheckpointManager:
         if self.rank == 0:
             try:
                 data_sha = {k: v for _, _, h in results for k, v in h.items()}
-                layout.write_commit(tmp, job.step, self.world_size, data_sha)
+                disk_format.write_commit(tmp, job.step, self.world_size, data_sha)
                 faults.hit("commit.marker_written")
-                layout.fsync_dir(tmp)
+                disk_format.fsync_dir(tmp)
                 faults.hit("commit.before_rename")
-                layout.install(tmp, job.final)
+                directory.install(tmp, job.final)
                 faults.hit("commit.done")
             except Exception as e:  # noqa: BLE001
                 err = describe(e)
@@ -321,33 +321,33 @@ class CheckpointManager:
         # 4. retention (rank 0; a failure here is a warning: the new checkpoint is committed).
         if self.rank == 0:
             try:
-                layout.prune(self.root, self.keep)
+                directory.prune(self.root, self.keep)
             except Exception as e:  # noqa: BLE001 - the new checkpoint is committed regardless
-                layout.warn(f"checkpoint retention in {self.root} failed: {describe(e)}")
+                directory.warn(f"checkpoint retention in {self.root} failed: {describe(e)}")
         faults.hit("save.end")
         return job.final
 
     def load(self, path: str | os.PathLike, state: dict) -> dict:
         """Collective. Loads checkpoint `path` into `state` in place (tensors via DCP, resharded to
-        this job's layout; non-tensor leaves from JSON) and returns the saved `extra` dict."""
+        this job's layout; non-tensor leaves from JSON) and returns the saved JSON state (trainer_state.json)."""
         t0 = time.perf_counter()
         path = Path(path)
         prefix = f"checkpoint load from {path}"
         payload = None
         if self.rank == 0:
             try:
-                problems, commit, metadata = layout.check_checkpoint(path)
+                problems, commit, metadata = disk_format.check_checkpoint(path)
                 if problems:
                     raise CheckpointError("; ".join(problems))
-                extra = json.loads((path / layout.TRAINER_STATE_FILE).read_bytes())
-                values = json.loads((path / layout.NONTENSOR_FILE).read_bytes())
-                payload = ("ok", (metadata, extra, values, commit["files"]))
+                json_state = json.loads((path / disk_format.TRAINER_STATE_FILE).read_bytes())
+                values = json.loads((path / disk_format.NONTENSOR_FILE).read_bytes())
+                payload = ("ok", (metadata, json_state, values, commit["files"]))
             except Exception as e:  # noqa: BLE001
                 payload = ("error", describe(e))
         status, value = self._bcast(payload)
         if status == "error":
             raise CheckpointError(f"{prefix} failed: {value}")
-        metadata, extra, values, files = value
+        metadata, json_state, values, files = value
 
         err = None
         try:  # checksums of the data files (ranks in parallel), the target state: agreed
@@ -366,16 +366,16 @@ class CheckpointManager:
             err = failure(e, self.rank)
         self._agree(err, prefix)
         self.last_load_s = time.perf_counter() - t0
-        return extra
+        return json_state
 
     # -- helpers -----------------------------------------------------------------------------------
     def _check_my_share(self, path: Path, files: dict) -> None:
         """Every world_size-th data file with a recorded checksum, hashed again: a flipped byte
         in tensor data fails the load (naming the file) instead of training on it."""
         data = sorted(rel for rel, entry in files.items()
-                      if rel not in layout.SMALL_FILES and layout.recorded_hash(entry))
+                      if rel not in disk_format.SMALL_FILES and disk_format.recorded_hash(entry))
         for rel in data[self.rank::self.world_size]:
-            if (bad := layout.hash_problem(path, rel, files[rel])) is not None:
+            if (bad := disk_format.hash_problem(path, rel, files[rel])) is not None:
                 raise CheckpointError(bad)
 
     @contextmanager

@@ -13,7 +13,7 @@ import json
 
 import torch
 
-from hpctrain.checkpoint.layout import CheckpointError
+from hpctrain.checkpoint.disk_format import CheckpointError
 
 try:  # legacy sharded tensors are tensor leaves for DCP too
     from torch.distributed._shard.sharded_tensor import ShardedTensor as _ShardedTensor
@@ -42,7 +42,7 @@ def _json_value(v, where: str):
     raise CheckpointError(
         f"state entry {where} is a {type(v).__name__}: checkpoint state may hold only tensors "
         f"and JSON values (None, bool, int, float, str, lists/tuples of them); put other trainer "
-        f"state in `extra`, JSON-encoded")
+        f"state in `json_state`, JSON-encoded")
 
 
 def _from_json(v):
@@ -99,7 +99,7 @@ def merge_values(state: dict, saved: list, source: str) -> None:
         parent[path[-1]] = _from_json(have[key])
 
 
-def check_json(obj, where="extra"):
+def check_json(obj, where="trainer state"):
     if isinstance(obj, dict):
         for k, v in obj.items():
             if not isinstance(k, str):

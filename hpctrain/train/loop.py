@@ -37,7 +37,6 @@ from hpctrain.metrics.straggler import StragglerDetector
 from hpctrain.model import GPT, GPTConfig
 from hpctrain.parallel import parallelize
 from hpctrain.sync.diloco import DiLoCo
-from hpctrain.sync.ps_strategy import ParameterServerSGD, data_config, worker_position
 from hpctrain.sync.strategy import SyncStrategy
 from hpctrain.sync.synchronous import Synchronous
 from hpctrain.train import rng
@@ -61,7 +60,9 @@ class Trainer:
         t = cfg.train
         self.mesh = Mesh(ParallelDims.from_config(ctx.world_size, cfg.parallel), ctx)
         # where this rank reads in the data order: its dp coordinate (ps: its worker index)
-        self.position = worker_position(cfg, ctx) if cfg.sync.mode == "ps" else self.mesh
+        if cfg.sync.mode == "ps":  # imported here: MPI windows (mpi4py) only where ps runs
+            from hpctrain.sync import ps_strategy
+        self.position = ps_strategy.worker_position(cfg, ctx) if cfg.sync.mode == "ps" else self.mesh
         # The one place dp is known: with train.global_batch the accumulation follows it (elastic
         # restart on another node count); data, pipeline micro-batches, prefetch and the resume
         # check below all read the resolved train.grad_accum.
@@ -70,7 +71,7 @@ class Trainer:
         self.precision_given = t.precision
         t.precision = resolve_precision(t.precision, ctx.device, t.micro_batch_size * cfg.model.block_size,
                                         cfg.model.n_embd)
-        self.data = TrainData(data_config(cfg) if cfg.sync.mode == "ps" else cfg, ctx, self.position)
+        self.data = TrainData(ps_strategy.data_config(cfg) if cfg.sync.mode == "ps" else cfg, ctx, self.position)
         torch.manual_seed(t.seed)  # identical initial weights on every rank
         m = cfg.model
         self.model_cfg = GPTConfig(**dataclasses.asdict(m))  # [model] holds exactly GPTConfig's fields
@@ -290,6 +291,8 @@ class Trainer:
         if self.cfg.sync.mode == "diloco":
             return DiLoCo(self.model, self.mesh, self.cfg.sync, self.cfg.train.steps)
         if self.cfg.sync.mode == "ps":
+            from hpctrain.sync.ps_strategy import ParameterServerSGD
+
             return ParameterServerSGD(self.cfg, self.ctx, self.model)
         local_numel = sum(p.numel() for p in self.model.parameters())
         return Synchronous(local_numel, self.mesh.dp_size, self.cfg.dist.grad_sync)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.checkpoint import layout, list_checkpoints, verify_checkpoint
+from hpctrain.checkpoint import disk_format, list_checkpoints, verify_checkpoint
 from tests.conftest import BIN, mpiexec_path
 
 pytestmark = pytest.mark.mpi
@@ -162,7 +162,7 @@ def _kill_and_resume(tmp_path, dataset, baseline, point, rank, *overrides):
     got = losses(run)
     assert got == baseline, f"{point}: resumed curve differs\n{got}\n{baseline}"
     assert [i.step for i in list_checkpoints(ckpts) if i.status == "committed"] == [6]
-    assert verify_checkpoint(ckpts / layout.step_dir_name(6), full=True) == []
+    assert verify_checkpoint(ckpts / disk_format.step_dir_name(6), full=True) == []
 
 
 def _params(points, fast):

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from hpctrain.checkpoint import (CheckpointError, CheckpointManager, list_checkpoints,
                                  verify_checkpoint)
-from hpctrain.checkpoint.layout import NoIntactCheckpoint
+from hpctrain.errors import NoIntactCheckpoint
 
 
 @pytest.fixture(scope="module")
@@ -340,7 +340,7 @@ def test_aside_copy_from_a_crashed_resave_is_found(world, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["step_00000010", "step_00000020"]
 
 
-def test_bad_state_and_extra_are_refused_before_writing(world, tmp_path):
+def test_bad_state_and_json_state_are_refused_before_writing(world, tmp_path):
     m = mgr(world, tmp_path)
     model, opt = make(0, steps=1)
     state = state_of(model, opt)
@@ -349,7 +349,7 @@ def test_bad_state_and_extra_are_refused_before_writing(world, tmp_path):
                                               r"object: checkpoint state may hold only tensors"):
         m.save(1, state, {})
     del state["optim"]["param_groups"][0]["sched"]
-    with pytest.raises(CheckpointError, match=r"extra\['rng'\] is a Tensor, not JSON-able"):
+    with pytest.raises(CheckpointError, match=r"trainer state\['rng'\] is a Tensor, not JSON-able"):
         m.save(1, state, {"rng": torch.get_rng_state()})
     assert os.listdir(tmp_path) == []
 
@@ -404,14 +404,14 @@ def test_save_states_round_trip_and_file_format(world, tmp_path):
 
 def test_checkpoints_written_before_stateful_objects_read_the_same(tmp_path):
     """trainer_state.json of older checkpoints kept the trainer's entries at the top level."""
-    from hpctrain.checkpoint import layout
+    from hpctrain.checkpoint import disk_format
 
     old = {"step": 3, "world_size": 2, "config": {"model": {"n_layer": 2}}, "tokenizer": {"name": "bytes"},
            "sampler": {"epoch": 0}, "rng": [], "sync": {"mode": "sync"}}
     (tmp_path / "trainer_state.json").write_text(json.dumps(old))
-    assert layout.read_trainer_state(tmp_path) == {
+    assert disk_format.read_trainer_state(tmp_path) == {
         "trainer": {"step": 3, "world_size": 2, "config": {"model": {"n_layer": 2}},
                     "tokenizer": {"name": "bytes"}},
         "sampler": {"epoch": 0}, "rng": [], "sync": {"mode": "sync"}}
     new = {"trainer": {"step": 3}, "sampler": {"epoch": 0}}
-    assert layout.upgrade_trainer_state(new) == new
+    assert disk_format.upgrade_trainer_state(new) == new

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from hpctrain.checkpoint import CheckpointError, CheckpointManager, UnsafeCheckpointError
-from hpctrain.checkpoint import layout
+from hpctrain.checkpoint import disk_format
 from hpctrain.checkpoint.safe_load import (SafeFileSystemReader, TensorOnlyLoadPlanner,
                                            read_metadata)
 
@@ -73,7 +73,7 @@ def test_allow_list_reads_real_metadata(world, tmp_path):
 def _commit_again(path: Path):
     """An attacker who can write the files can also rewrite COMMIT.json to match."""
     commit = json.loads((path / "COMMIT.json").read_text())
-    layout.write_commit(path, commit["step"], commit["world_size"], {})
+    disk_format.write_commit(path, commit["step"], commit["world_size"], {})
 
 
 def test_crafted_metadata_is_refused_and_never_runs(world, tmp_path, capsys):

@@ -1,0 +1,169 @@
+"""The checkpoints of one run directory: listing them, choosing the newest intact one, installing a
+new one (renaming a re-saved step's old copy aside only then) and retention (rename to `.deleting`,
+then delete). One process (rank 0 in a job, or a user's shell); no collectives.
+
+It must never delete a committed checkpoint other than through `remove_checkpoint` (retention and
+re-saves), and never trust a directory name alone (disk_format.check_checkpoint decides).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpctrain.checkpoint import faults
+from hpctrain.checkpoint.disk_format import (COMMIT_FILE, aside_path, check_checkpoint, fsync_dir, list_files, parse_dir_name, step_dir_name, verify_checkpoint)
+from hpctrain.errors import NoIntactCheckpoint
+
+
+@dataclass
+class CheckpointInfo:
+    path: Path
+    step: int
+    kind: str                 # "checkpoint" | "tmp" | "aside" | "trash" (see parse_dir_name)
+    status: str               # "committed" | "incomplete" | "corrupt"
+    problems: list[str] = field(default_factory=list)
+    time: str | None = None   # commit time (UTC, ISO 8601)
+    size_bytes: int = 0
+
+
+def scan(root: Path) -> list[tuple[int, str, Path]]:
+    """(step, kind, path) of every step_* entry in root, newest first; for one step a real
+    checkpoint sorts before its aside copy. Missing root -> []."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    order = {"checkpoint": 0, "aside": 1, "tmp": 2, "trash": 3}
+    found = [(*parsed, Path(root) / n) for n in names if (parsed := parse_dir_name(n))]
+    return sorted(found, key=lambda e: (-e[0], order[e[1]]))
+
+
+def list_checkpoints(root: str | os.PathLike, full: bool = False) -> list[CheckpointInfo]:
+    """Every step_* directory under root with its status, newest first (for `hpctrain ckpt list`)."""
+    out = []
+    for step, kind, path in scan(Path(root)):
+        size = sum(os.stat(path / rel).st_size for rel in _safe_list(path))
+        if kind in ("tmp", "trash"):
+            why = "save in progress or interrupted" if kind == "tmp" else "deletion interrupted"
+            out.append(CheckpointInfo(path, step, kind, "incomplete", [why], None, size))
+            continue
+        problems, commit, _ = check_checkpoint(path, full)
+        if commit is None:
+            status = "incomplete" if not (path / COMMIT_FILE).exists() else "corrupt"
+        else:
+            status = "corrupt" if problems else "committed"
+        out.append(CheckpointInfo(path, step, kind, status, problems,
+                                  commit.get("time") if commit else None, size))
+    return out
+
+
+def _safe_list(path: Path) -> list[str]:
+    try:
+        return list_files(path)
+    except OSError:
+        return []
+
+
+def warn(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
+def find_latest(root: Path, skip=()):
+    """(path, dcp_metadata) of the newest committed and intact checkpoint not in ``skip`` (ones
+    that failed while loading), or (None, None) when root holds no checkpoint at all. Skipped
+    candidates get a one-line warning; `.tmp` dirs are ignored silently. Checkpoints that exist
+    but are all unusable raise NoIntactCheckpoint: training must not silently start over."""
+    skip = {Path(p) for p in skip}
+    seen = []
+    for step, kind, path in scan(root):
+        if kind in ("tmp", "trash"):
+            continue
+        seen.append(path)
+        if path in skip:
+            continue
+        problems, _, metadata = check_checkpoint(path)
+        if not problems:
+            return path, metadata
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        warn(f"skipping checkpoint {path}: {problems[0]}{more}")
+    if seen:
+        names = ", ".join(p.name for p in seen[:3]) + (f" (+{len(seen) - 3} more)" if len(seen) > 3 else "")
+        raise NoIntactCheckpoint(
+            f"{root}: {len(seen)} checkpoint(s) ({names}), none intact (see the lines above, or "
+            f"`hpctrain ckpt list {root}`); refusing to start over from step 0 in a run directory "
+            f"with history: repair or move them aside, or use a new run.dir to start afresh")
+    return None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# Removal and replacement (rank 0 only)
+# ----------------------------------------------------------------------------------------------
+
+def remove_checkpoint(path: Path) -> None:
+    """Rename to `step_N.deleting` (one atomic step out of the candidate set), then delete; a crash
+    mid-delete leaves only a `.deleting` dir, which the next retention pass removes."""
+    parsed = parse_dir_name(path.name)
+    trash = path.with_name(f"{step_dir_name(parsed[0])}.deleting") if parsed else None
+    if trash is None or trash == path:
+        shutil.rmtree(path)
+        return
+    if trash.exists():
+        shutil.rmtree(trash)
+    os.rename(path, trash)
+    fsync_dir(path.parent)
+    faults.hit("retention.renamed")
+    shutil.rmtree(trash)
+
+
+def install(tmp: Path, final: Path) -> None:
+    """Atomically publish `tmp` as `final`. If `final` exists (re-saving a step), it is first renamed
+    aside, so that at every moment an intact copy of this step exists under a name `find_latest`
+    considers; the aside copy is removed only after the new one is in place and the rename durable."""
+    root = final.parent
+    aside = aside_path(final)
+    if final.exists():
+        if aside.exists():  # left by an earlier crash: keep whichever of the two is intact
+            if verify_checkpoint(final):
+                remove_checkpoint(final)
+            else:
+                remove_checkpoint(aside)
+        if final.exists():
+            os.rename(final, aside)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if aside.exists() and not final.exists():
+            os.rename(aside, final)
+        raise
+    faults.hit("commit.renamed")
+    fsync_dir(root)
+    if aside.exists():
+        remove_checkpoint(aside)
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """Keep the newest `keep` intact checkpoints; remove older intact ones, every `.tmp` and
+    `.deleting` dir, and aside copies whose step has an intact checkpoint. Corrupt or marker-less
+    `step_*` dirs are left for a human (never chosen by `find_latest`). Returns what was removed."""
+    removed = []
+    entries = scan(root)
+    intact = [(s, p) for s, k, p in entries if k == "checkpoint" and not verify_checkpoint(p)]
+    intact_steps = {s for s, _ in intact}
+    doomed = [p for _, p in intact[keep:]]
+    doomed += [p for s, k, p in entries if k in ("tmp", "trash")]
+    doomed += [p for s, k, p in entries if k == "aside" and s in intact_steps]
+    for p in doomed:
+        try:
+            if p.name.endswith((".tmp", ".deleting")):
+                shutil.rmtree(p)
+            else:
+                remove_checkpoint(p)
+            removed.append(p)
+        except OSError as e:
+            warn(f"could not remove old checkpoint {p}: {e}")
+    if removed:
+        fsync_dir(root)
+    return removed
