@@ -33,7 +33,7 @@ from hpctrain.errors import ConfigError
 from hpctrain.metrics import MetricsLog, format_eta, measure_peak_flops
 from hpctrain.metrics.straggler import StragglerDetector
 from hpctrain.model import GPT, GPTConfig
-from hpctrain.parallel import parallelize
+from hpctrain.parallel import build_runner, checkpoint_state, load_checkpoint_state, parallelize
 from hpctrain.sync.compress import bytes_sent
 from hpctrain.sync.diloco import DiLoCo
 from hpctrain.train import rng
@@ -69,8 +69,9 @@ class Trainer:
         self.model_cfg = GPTConfig(**dataclasses.asdict(m))  # [model] holds exactly GPTConfig's fields
         self.raw_model = GPT(self.model_cfg).to(ctx.device)
         self.n_params, self.flops_per_token = self.raw_model.num_params(), self.raw_model.flops_per_token()
-        self.par = parallelize(self.raw_model, self.mesh, cfg)  # layout-aware fwd/bwd, clip, state
-        self.model = self.par.module  # this rank's parameters (a pipeline stage holds a subset)
+        self.layout = parallelize(self.raw_model, self.mesh, cfg)  # the modules in this job's layout
+        self.model = self.layout.module  # this rank's parameters (a pipeline stage holds a subset)
+        self.runner = build_runner(self.layout, cfg)  # layout-aware fwd/bwd, clip, eval
         self.optimizer = build_optimizer(self.model, t)
         # sync.mode = diloco: replicas take local steps; DiLoCo owns the global model and rounds
         self.diloco = DiLoCo(self.model, self.mesh, cfg.sync, t.steps) if cfg.sync.mode == "diloco" else None
@@ -94,7 +95,7 @@ class Trainer:
 
     # ---- checkpoint state -------------------------------------------------------------------
     def _tensor_state(self) -> dict:
-        state = self.par.checkpoint_state(self.optimizer)
+        state = checkpoint_state(self.layout, self.optimizer)
         return self.diloco.checkpoint_state(state) if self.diloco else state
 
     def comm_bytes(self) -> int:
@@ -139,10 +140,10 @@ class Trainer:
         with_diloco = self.diloco is not None and saved_mode == "diloco"
         if with_diloco:
             self.diloco.load_extra_state(saved["sync"], path)
-        state = self._tensor_state() if with_diloco else self.par.checkpoint_state(self.optimizer)
+        state = self._tensor_state() if with_diloco else checkpoint_state(self.layout, self.optimizer)
         extra = self.ckpt.load(path, state)
-        self.par.load_checkpoint_state(self.optimizer, self.diloco.replica_state(state)
-                                       if with_diloco else state)
+        load_checkpoint_state(self.layout, self.optimizer, self.diloco.replica_state(state)
+                              if with_diloco else state)
         if self.diloco is not None and not with_diloco:
             self.diloco.reset_from_model()  # continue a synchronous run with DiLoCo
         self.step = int(extra["step"])
@@ -163,14 +164,13 @@ class Trainer:
         debug = self.cfg.debug
         if debug.delay_s and self.ctx.rank == debug.delay_rank:
             time.sleep(debug.delay_s)  # test-only straggler
-        self.par.train()
-        # forward/backward of every micro-batch (DDP/FSDP/TP loop or pipeline schedule); the loss is
-        # the mean over the global batch; test-only NaN injection via the hook
-        loss_avg = self.par.forward_backward(micro_batches, self.autocast,
-                                             loss_hook=lambda loss: self.guard.poison(self.step + 1, loss),
-                                             loss_scale=self.loss_scaling.factor)
+        # forward/backward of every micro-batch in training mode (DDP/FSDP/TP loop or pipeline
+        # schedule); the loss is the mean over the global batch; test-only NaN injection via the hook
+        loss_avg = self.runner.forward_backward(micro_batches, self.autocast,
+                                                loss_hook=lambda loss: self.guard.poison(self.step + 1, loss),
+                                                loss_scale=self.loss_scaling.factor)
         overflow = self.loss_scaling.unscale_(self.optimizer)  # fp16: agreed by every rank
-        grad_norm = self.par.clip_grad_norm_(t.grad_clip)  # global norm over shards and stages
+        grad_norm = self.runner.clip_grad_norm_(t.grad_clip)  # global norm over shards and stages
         # a NaN/Inf loss or grad norm on any rank: every rank skips the update; the loss is the
         # global mean and, where gradients are synchronized every step (all but DiLoCo's inner
         # steps), so is the norm: no vote needed then. An fp16 overflow is the loss scale's
@@ -187,7 +187,7 @@ class Trainer:
         batches = self.data.val_micro_batches()
         if batches is None:
             return None
-        return self.par.eval_loss(batches, self.autocast)
+        return self.runner.eval_loss(batches, self.autocast)
 
     # ---- the loop ---------------------------------------------------------------------------
     def fit(self) -> int:
@@ -262,7 +262,7 @@ class Trainer:
                          f"update skipped ({self.guard.in_a_row} in a row, "
                          f"train.max_bad_steps={t.max_bad_steps})")
         rec.update(self.data.step_metrics())  # data_time_s, data_wait_s, cache_* (all ranks)
-        sync = getattr(self.par, "grad_sync_state", None)
+        sync = self.layout.mpi_grad_sync
         rec.update(self.stragglers.observe(dt, dt - (sync.take_wait() if sync else 0.0)))
         warning = self.stragglers.warning(self.step, rec)
         if warning:

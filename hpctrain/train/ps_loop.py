@@ -38,7 +38,7 @@ from hpctrain.distributed.preempt import NONE, PreemptionGuard
 from hpctrain.errors import ConfigError
 from hpctrain.metrics import MetricsLog
 from hpctrain.model import GPT, GPTConfig
-from hpctrain.parallel.parallelize import lm_loss
+from hpctrain.parallel import lm_loss
 from hpctrain.sync.param_server import ParameterServer
 from hpctrain.train.data import TrainData
 from hpctrain.train.optim import build_optimizer, lr_at, set_lr
