@@ -57,7 +57,7 @@ def main() -> None:
     def ddp(mpi: bool) -> DDP:
         torch.manual_seed(0)
         model = DDP(nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(8)]),
-                    gradient_as_bucket_view=True)  # as hpctrain's ParallelModel
+                    gradient_as_bucket_view=True)  # as hpctrain's apply_ddp
         if mpi:  # as the trainer: the loss is divided by the group size, the hook only sums
             use_mpi_grad_sync(model, dist.group.WORLD, ctx.comm, prescaled=True)
         return model

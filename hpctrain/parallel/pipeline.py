@@ -8,8 +8,9 @@ not owned (the ModuleDict keys "0".."L-1", hence the FQNs, survive) and setting 
 None off the first stage and norm_f / lm_head off the last, which the model's forward allows.
 
 The tied embedding / head weight lives on both the first stage (tok_emb) and the last (lm_head);
-both start from the same initial value and `tie_grads` sums their gradients over the pp axis after
-backward, so both copies take the identical optimizer step (exactly the unsplit model's update).
+both start from the same initial value and the pipeline runner (runner.py) sums their gradients over
+the pp axis after backward, so both copies take the identical optimizer step (exactly the unsplit
+model's update).
 """
 from __future__ import annotations
 

@@ -20,7 +20,6 @@ off (workers are at different steps); the final model is evaluated and saved lik
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -64,12 +63,6 @@ def worker_position(cfg: Config, ctx: DistContext) -> WorkerPosition:
         raise ConfigError(f"config key 'sync.ps_servers': {cfg.sync.ps_servers} servers leave no "
                           f"worker among {ctx.world_size} ranks (run more ranks)")
     return WorkerPosition(ctx.rank if ctx.rank < workers else 0, workers)
-
-
-def data_config(cfg: Config) -> Config:
-    """The data section ps workers read with: no node-local cache (its leader paces staging by
-    lockstep steps). A copy: the run's config is saved as given."""
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, cache_dir="off"))
 
 
 class ParameterServerSGD(SyncStrategy):

@@ -35,10 +35,8 @@ from hpctrain.errors import ConfigError
 from hpctrain.metrics import MetricsLog, format_eta, measure_peak_flops
 from hpctrain.metrics.straggler import StragglerDetector
 from hpctrain.model import GPT, GPTConfig
-from hpctrain.parallel import parallelize
-from hpctrain.sync.diloco import DiLoCo
-from hpctrain.sync.strategy import SyncStrategy
-from hpctrain.sync.synchronous import Synchronous
+from hpctrain.parallel import build_runner, parallelize
+from hpctrain.sync import modes
 from hpctrain.train import rng
 from hpctrain.train import run_lock
 from hpctrain.train.data import TrainData
@@ -59,10 +57,7 @@ class Trainer:
         self.cfg, self.ctx = cfg, ctx
         t = cfg.train
         self.mesh = Mesh(ParallelDims.from_config(ctx.world_size, cfg.parallel), ctx)
-        # where this rank reads in the data order: its dp coordinate (ps: its worker index)
-        if cfg.sync.mode == "ps":  # imported here: MPI windows (mpi4py) only where ps runs
-            from hpctrain.sync import ps_strategy
-        self.position = ps_strategy.worker_position(cfg, ctx) if cfg.sync.mode == "ps" else self.mesh
+        self.position = modes.data_position(cfg, ctx, self.mesh)  # where this rank reads the data
         # The one place dp is known: with train.global_batch the accumulation follows it (elastic
         # restart on another node count); data, pipeline micro-batches, prefetch and the resume
         # check below all read the resolved train.grad_accum.
@@ -71,14 +66,14 @@ class Trainer:
         self.precision_given = t.precision
         t.precision = resolve_precision(t.precision, ctx.device, t.micro_batch_size * cfg.model.block_size,
                                         cfg.model.n_embd)
-        self.data = TrainData(ps_strategy.data_config(cfg) if cfg.sync.mode == "ps" else cfg, ctx, self.position)
+        self.data = TrainData(modes.data_config(cfg), ctx, self.position)
         torch.manual_seed(t.seed)  # identical initial weights on every rank
         m = cfg.model
         self.model_cfg = GPTConfig(**dataclasses.asdict(m))  # [model] holds exactly GPTConfig's fields
         self.raw_model = GPT(self.model_cfg).to(ctx.device)
         self.n_params, self.flops_per_token = self.raw_model.num_params(), self.raw_model.flops_per_token()
-        self.par = parallelize(self.raw_model, self.mesh, cfg)  # layout-aware fwd/bwd, clip, state
-        self.model = self.par.module  # this rank's parameters (a pipeline stage holds a subset)
+        self.layout = parallelize(self.raw_model, self.mesh, cfg)  # the modules in this job's layout
+        self.model = self.layout.module  # this rank's parameters (a pipeline stage holds a subset)
         self.optimizer = build_optimizer(self.model, t)
         self.ckpt = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep, ctx.rank, ctx.world_size,
                                       timeout_s=cfg.dist.timeout_s,
@@ -86,7 +81,11 @@ class Trainer:
                                       async_cpu_share=cfg.checkpoint.async_cpu_share)
         self.preempt = PreemptionGuard(cfg.slurm, ctx.comm, ctx.rank,  # signals + wall-time guard
                                        step_sleep_s=cfg.debug.step_sleep_s)
-        self.sync = self._sync_strategy()  # what happens between steps and what a checkpoint holds
+        # what happens between steps and what a checkpoint holds (hpctrain/sync/strategy.py)
+        self.sync = modes.build_strategy(cfg, ctx, self.mesh, self.model)
+        # forward/backward, clip and eval in this layout; losses averaged over dp where replicas
+        # step together (every mode but ps)
+        self.runner = build_runner(self.layout, cfg, mean_over_dp=self.sync.collective_steps)
         self.guard = NonFiniteGuard(t.max_bad_steps, cfg.debug.inject_nan_at_step, ctx.rank, ctx.world_size)
         self.step_skipped = False
         half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
@@ -111,7 +110,7 @@ class Trainer:
         """{name: Stateful} of a checkpoint of this run; `saved`, the JSON state of one about to be
         loaded, lets the sync strategy refuse (or adapt to) a checkpoint of another mode."""
         model, optim = ModelState(self.model), OptimState(self.model, self.optimizer,
-                                                          self.par.renames_tied())
+                                                          self.layout.tied_weight_is_head_copy)
         states = self.sync.checkpoint_states(model, optim, None if saved is None else saved.get("sync", {}))
         return {**states, "trainer": self, "sampler": self.data.sampler,
                 "rng": RNGStates(self.ctx.comm, self.cfg.train.seed, lambda: self.step),
@@ -124,7 +123,6 @@ class Trainer:
         states = self.checkpoint_states()
         if not all_finite(self.model.parameters(), self.ctx.device):  # never save a broken state
             raise FloatingPointError(f"step {self.step}: non-finite weights; not saving a checkpoint")
-        self.sync.before_save()
         path = self.ckpt.save_states(self.step, states, background=background)
         self.sync.after_save()
         if background:  # returned after the copy to host memory
@@ -153,14 +151,13 @@ class Trainer:
         debug = self.cfg.debug
         if debug.delay_s and self.ctx.rank == debug.delay_rank:
             time.sleep(debug.delay_s)  # test-only straggler
-        self.par.train()
-        # forward/backward of every micro-batch (DDP/FSDP/TP loop or pipeline schedule); the loss is
-        # the mean over the global batch; test-only NaN injection via the hook
-        loss_avg = self.par.forward_backward(micro_batches, self.autocast,
-                                             loss_hook=lambda loss: self.guard.poison(self.step + 1, loss),
-                                             loss_scale=self.loss_scaling.factor)
+        # forward/backward of every micro-batch in training mode (DDP/FSDP/TP loop or pipeline
+        # schedule); the loss is the mean over the global batch; test-only NaN injection via the hook
+        loss_avg = self.runner.forward_backward(micro_batches, self.autocast,
+                                                loss_hook=lambda loss: self.guard.poison(self.step + 1, loss),
+                                                loss_scale=self.loss_scaling.factor)
         overflow = self.loss_scaling.unscale_(self.optimizer)  # fp16: agreed by every rank
-        grad_norm = self.par.clip_grad_norm_(t.grad_clip)  # global norm over shards and stages
+        grad_norm = self.runner.clip_grad_norm_(t.grad_clip)  # global norm over shards and stages
         # a NaN/Inf loss or grad norm on any rank: every rank skips the update; the loss is the
         # global mean and, where gradients are synchronized every step (all but DiLoCo's inner
         # steps), so is the norm: no vote needed then. An fp16 overflow is the loss scale's
@@ -178,7 +175,7 @@ class Trainer:
         batches = self.data.val_micro_batches() if self.sync.trains else None
         if batches is None:
             return None
-        return self.sync.mean_over_replicas(self.par.eval_loss(batches, self.autocast))
+        return self.sync.mean_over_replicas(self.runner.eval_loss(batches, self.autocast))
 
     # ---- the loop ---------------------------------------------------------------------------
     def fit(self) -> int:
@@ -278,24 +275,12 @@ class Trainer:
         if not collective:
             return rec
         rec.update(self.data.step_metrics())  # data_time_s, data_wait_s, cache_* (all ranks)
-        sync = getattr(self.par, "grad_sync_state", None)
+        sync = self.layout.mpi_grad_sync
         rec.update(self.stragglers.observe(dt, dt - (sync.take_wait() if sync else 0.0)))
         warning = self.stragglers.warning(self.step, rec)
         if warning:
             log(ctx, warning)
         return rec
-
-    def _sync_strategy(self) -> SyncStrategy:
-        """sync.mode = sync: the layout averages gradients every step; diloco: replicas take local
-        steps and DiLoCo owns the global model and rounds; ps: workers push to parameter servers."""
-        if self.cfg.sync.mode == "diloco":
-            return DiLoCo(self.model, self.mesh, self.cfg.sync, self.cfg.train.steps)
-        if self.cfg.sync.mode == "ps":
-            from hpctrain.sync.ps_strategy import ParameterServerSGD
-
-            return ParameterServerSGD(self.cfg, self.ctx, self.model)
-        local_numel = sum(p.numel() for p in self.model.parameters())
-        return Synchronous(local_numel, self.mesh.dp_size, self.cfg.dist.grad_sync)
 
     def _write_run_config(self) -> None:
         """<run.dir>/config.toml: the config as given (train.grad_accum and train.precision not

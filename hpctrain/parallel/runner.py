@@ -1,0 +1,269 @@
+"""Step runners: the layout-aware parts of a training step, called by the loop without knowing the
+layout. `build_runner(layout, cfg)` picks one per kind of `Layout`:
+
+  PlainRunner     a loop over micro-batches with gradient sync on the last one (DDP, FSDP, TP, the
+                  flat dp all-reduce after backward, one rank)
+  PipelineRunner  a torch.distributed.pipelining schedule over this rank's stages
+
+Both offer `forward_backward` (forward + backward of one optimizer step's micro-batches), `eval_loss`
+and `clip_grad_norm_`; the base class holds what they share: the loss (fp16 scaling, the loss hook,
+`loss_parallel` under TP), the global-mean loss reduction, the gradient norm and the gradient
+reductions no wrapper does (the dp average after backward).
+
+Owns: running forward / backward / evaluation on a Layout and the gradient reductions above. It must
+never apply a layout (parallelize.py does), touch the optimizer or its state, or import
+torch.distributed.pipelining itself (the pipeline split does, only where pp > 1).
+
+Losses returned are the mean over the global batch, identical on every rank and every layout.
+"""
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from hpctrain.config import Config
+from hpctrain.errors import ConfigError
+from hpctrain.parallel.parallelize import Layout
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard, sharing storage (in-place collectives on it update the DTensor)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _value(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy (fp32). Vocab-sharded DTensor logits need `loss_parallel()`."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+class StepRunner(ABC):
+    """What every layout's step shares; subclasses run the micro-batches (`_forward_backward_sum`,
+    `_eval_sum`) and add their own reductions over pipeline stages."""
+
+    def __init__(self, layout: Layout, mean_over_dp: bool = True):
+        self.layout, self.mean_over_dp = layout, mean_over_dp
+        self.device = next(layout.module.parameters()).device
+        self._loss_hook, self._loss_scale = None, 1.0
+        # Parameters counted in the grad norm: the tied weight's second copy (last stage) is skipped.
+        skip = {id(layout.module.lm_head.weight)} if layout.tied_weight_is_head_copy else set()
+        self._norm_params = [q for q in layout.module.parameters() if id(q) not in skip]
+
+    # ---- the loss -------------------------------------------------------------------------
+    def _scaled_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss that backward sees: after the loss hook, times the loss scale."""
+        loss = lm_loss(logits, targets)
+        loss = self._loss_hook(loss) if self._loss_hook is not None else loss
+        return loss * self._loss_scale if self._loss_scale != 1.0 else loss
+
+    def _loss_context(self):
+        return loss_parallel() if self.layout.mesh.tp_size > 1 else contextlib.nullcontext()
+
+    def _replica_mean(self, local_sum: torch.Tensor, count: int) -> torch.Tensor:
+        """Mean loss of this dp replica from this rank's sum over `count` micro-batches."""
+        return (local_sum / count).to(torch.float32)
+
+    def _global_mean(self, local_sum: torch.Tensor, count: int) -> torch.Tensor:
+        """Mean loss over the global batch: the replica means averaged over dp (unless the
+        replicas step apart: sync.mode = ps, where the loss stays this worker's)."""
+        loss = self._replica_mean(local_sum, count)
+        if not self.mean_over_dp:
+            return loss
+        dp, sync = self.layout.mesh.dp_size, self.layout.mpi_grad_sync
+        if dp > 1 and sync is not None:
+            # CPU with the MPI gradient hook: its communicator over the same dp ranks (3 us over
+            # shared memory; Gloo's TCP takes 360 us, every step). Sum, then divide: as Gloo's AVG
+            from mpi4py import MPI
+
+            sync.comm.Allreduce(MPI.IN_PLACE, loss.numpy(), op=MPI.SUM)
+            loss /= dp
+        elif dp > 1:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.layout.mesh.group("dp"))
+        return loss
+
+    # ---- gradients ------------------------------------------------------------------------
+    def _finish_grads(self) -> None:
+        """The dp average when neither DDP nor FSDP does it (TP or PP with replicated weights)."""
+        if self.layout.dp_reduce != "after_backward":
+            return
+        grads = [_local(q.grad) for q in self.layout.module.parameters() if q.grad is not None]
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.layout.mesh.group("dp"))
+        for g, v in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(v.view_as(g))
+
+    def _replica_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """L2 norm of this replica's gradients (DTensor shards are combined over their mesh)."""
+        return _value(torch.nn.utils.get_total_norm(grads, 2.0))
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Global L2 norm of all gradients (every shard, every stage, the tied weight once); clips
+        to `max_norm` when it is > 0. Returns the norm before clipping."""
+        norm = self._replica_grad_norm([q.grad for q in self._norm_params if q.grad is not None])
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(list(self.layout.module.parameters()), max_norm, norm)
+        return float(norm)
+
+    # ---- the step and evaluation ----------------------------------------------------------
+    def forward_backward(self, micro_batches: list[torch.Tensor], autocast, loss_hook=None,
+                         loss_scale: float = 1.0) -> torch.Tensor:
+        """Forward + backward of one optimizer step's micro-batches ([mb, T+1] token tensors) in
+        training mode; leaves averaged gradients in `.grad`, times `loss_scale` (fp16 loss
+        scaling). Returns the global mean loss (same value on every rank, unscaled).
+        `loss_hook(loss) -> loss`, if given, sees each micro-batch loss before backward."""
+        self.layout.module.train()
+        self._loss_hook, self._loss_scale = loss_hook, loss_scale
+        try:
+            total = self._forward_backward_sum(micro_batches, autocast, loss_scale)
+        finally:
+            self._loss_hook, self._loss_scale = None, 1.0
+        self._finish_grads()
+        return self._global_mean(total, len(micro_batches))
+
+    @torch.no_grad()
+    def eval_loss(self, batches: list[torch.Tensor], autocast) -> float:
+        """Mean loss over every rank's `batches` (equal-sized micro-batches), forward only."""
+        self.layout.module.eval()
+        with self._loss_context():
+            total = self._eval_sum(batches, autocast)
+        return self._global_mean(total, len(batches)).item()
+
+    @abstractmethod
+    def _forward_backward_sum(self, micro_batches: list[torch.Tensor], autocast,
+                              loss_scale: float) -> torch.Tensor:
+        """Run forward + backward; return this rank's sum of the unscaled micro-batch losses."""
+
+    @abstractmethod
+    def _eval_sum(self, batches: list[torch.Tensor], autocast) -> torch.Tensor:
+        """Run forward only; return this rank's sum of the batch losses."""
+
+
+class PlainRunner(StepRunner):
+    """One forward module, micro-batches in a loop; the dp gradient sync runs on the last one."""
+
+    def __init__(self, layout: Layout, mean_over_dp: bool = True):
+        super().__init__(layout, mean_over_dp)
+        (self.forward_module,) = layout.forward_modules
+        # the MPI hook sums: the loss is divided by dp before backward instead (no pass over grads)
+        self._loss_divisor = layout.mesh.dp_size if layout.mpi_grad_sync is not None else 1
+
+    def _sync_context(self, last: bool):
+        if self.layout.dp_reduce == "ddp" and not last:
+            return self.forward_module.no_sync()
+        if self.layout.dp_reduce == "fsdp":
+            self.forward_module.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    def _forward_backward_sum(self, micro_batches, autocast, loss_scale):
+        n = len(micro_batches)
+        total = torch.zeros((), device=self.device)
+        with self._loss_context():
+            for i, tokens in enumerate(micro_batches):
+                with self._sync_context(i == n - 1):
+                    with autocast:
+                        logits = self.forward_module(tokens[:, :-1])
+                    loss = self._scaled_loss(logits, tokens[:, 1:])
+                    (loss / n / self._loss_divisor).backward()
+                total += _value(loss.detach()) / loss_scale  # a power of two: exact
+        return total
+
+    def _eval_sum(self, batches, autocast):
+        total = torch.zeros((), device=self.device)
+        for tokens in batches:
+            with autocast:
+                logits = self.forward_module(tokens[:, :-1])
+            total += _value(lm_loss(logits, tokens[:, 1:]))
+        return total
+
+
+class PipelineRunner(StepRunner):
+    """A pipeline schedule over this rank's stage views; ranks without the last stage hold no loss
+    (0, summed away over pp). The tied embedding / head gradient is summed over its two stages."""
+
+    def __init__(self, layout: Layout, schedule: str, n_micro: int):
+        super().__init__(layout)
+        self.n_micro = n_micro
+        self.schedule = layout.split.build_schedule(list(layout.forward_modules), schedule, n_micro,
+                                                    self._scaled_loss, self.device,
+                                                    layout.mesh.group("pp"))
+
+    def _schedule_inputs(self, micro_batches: list[torch.Tensor]) -> tuple[tuple, dict, list]:
+        """(args, kwargs, losses) for schedule.step / eval: the first stage gets the inputs, the
+        last the targets and a list that the schedule fills with one loss per micro-batch."""
+        split, losses = self.layout.split, []
+        x = torch.cat([b[:, :-1] for b in micro_batches])
+        y = torch.cat([b[:, 1:] for b in micro_batches])
+        return ((x,) if split.has_first else (),
+                dict(target=y, losses=losses) if split.has_last else {}, losses)
+
+    def _forward_backward_sum(self, micro_batches, autocast, loss_scale):
+        total = torch.zeros((), device=self.device)
+        args, kwargs, losses = self._schedule_inputs(micro_batches)
+        with self._loss_context(), autocast:
+            self.schedule.step(*args, **kwargs)
+        for loss in losses:
+            total += _value(loss.detach()) / loss_scale  # a power of two: exact
+        return total
+
+    def _eval_sum(self, batches, autocast):
+        """The schedule runs n_micro micro-batches at a time; the last group is padded."""
+        total = torch.zeros((), device=self.device)
+        for start in range(0, len(batches), self.n_micro):
+            group = batches[start:start + self.n_micro]
+            real = len(group)
+            args, kwargs, losses = self._schedule_inputs(group + [group[-1]] * (self.n_micro - real))
+            with autocast:
+                self.schedule.eval(*args, **kwargs)
+            for loss in losses[:real]:
+                total += _value(loss)
+        return total
+
+    def _replica_mean(self, local_sum, count):
+        loss = super()._replica_mean(local_sum, count)
+        dist.all_reduce(loss, group=self.layout.mesh.group("pp"))
+        return loss
+
+    def _replica_grad_norm(self, grads):
+        norm = super()._replica_grad_norm(grads)
+        sq = norm.to(torch.float64) ** 2
+        dist.all_reduce(sq, group=self.layout.mesh.group("pp"))
+        return sq.sqrt().to(norm.dtype)
+
+    def _finish_grads(self) -> None:
+        self._sum_tied_weight_grads()
+        super()._finish_grads()
+
+    def _sum_tied_weight_grads(self) -> None:
+        """Both copies of the tied embedding / head weight get the sum of their gradients, so both
+        take the unsplit model's optimizer step."""
+        weight = self.layout.split.tied_weight()
+        if weight is None:
+            return
+        if isinstance(weight, DTensor) and weight.grad.placements != weight.placements:
+            # e.g. the vocab-parallel embedding's grad may come back replicated: match the head's
+            weight.grad = weight.grad.redistribute(weight.device_mesh, weight.placements)
+        dist.all_reduce(_local(weight.grad), group=self.layout.tie_group)
+
+
+def build_runner(layout: Layout, cfg: Config, mean_over_dp: bool = True) -> StepRunner:
+    """The runner for `layout`: a pipeline schedule where it is split into stages, else a loop.
+    `mean_over_dp=False`: reported losses stay this replica's (replicas that never step together)."""
+    if layout.split is None:
+        return PlainRunner(layout, mean_over_dp)
+    p, t = cfg.parallel, cfg.train
+    try:
+        return PipelineRunner(layout, p.pp_schedule, t.grad_accum)
+    except ValueError as e:
+        key = "train.global_batch" if t.global_batch else "train.grad_accum"  # derived or given
+        raise ConfigError(f"config key '{key}': {t.grad_accum} micro-batches do not fit "
+                          f"parallel.pp_schedule={p.pp_schedule!r} with pp={layout.mesh.pp_size} "
+                          f"({e})") from None
