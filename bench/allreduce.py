@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpctrain.distributed import init_distributed, teardown
-from hpctrain.parallel.mpi_grad_sync import use_mpi_grad_sync
+from hpctrain.parallel.mpi_grad_allreduce import use_mpi_grad_allreduce
 
 
 def timed(fn) -> float:
@@ -59,7 +59,7 @@ def main() -> None:
         model = DDP(nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(8)]),
                     gradient_as_bucket_view=True)  # as hpctrain's apply_ddp
         if mpi:  # as the trainer: the loss is divided by the group size, the hook only sums
-            use_mpi_grad_sync(model, dist.group.WORLD, ctx.comm, prescaled=True)
+            use_mpi_grad_allreduce(model, dist.group.WORLD, ctx.comm, prescaled=True)
         return model
 
     def backward(model: DDP, sync: bool, divisor: int):

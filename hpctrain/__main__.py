@@ -7,7 +7,7 @@ import sys
 from hpctrain import signals
 
 signals.install(signals.EARLY)  # before torch loads: a forwarded preemption USR1 must not kill us
-from hpctrain.distributed import run_guarded  # noqa: E402
+from hpctrain.distributed import run_or_abort  # noqa: E402
 
 TRAIN_EPILOG = """\
 Every config key can be given in the TOML file or overridden on the command line as
@@ -37,7 +37,7 @@ def _train(argv: list[str]) -> int:
 
     install_signal_handlers(cfg.slurm.signals)  # early: an uncaught SIGUSR1 would kill the rank
     ctx = init_distributed(cfg.dist.backend, cfg.dist.timeout_s)
-    status = train(cfg, ctx)  # an exception skips teardown's barrier: run_guarded aborts all ranks
+    status = train(cfg, ctx)  # an exception skips teardown's barrier: run_or_abort aborts all ranks
     teardown()
     requeue_if_requested(ctx.comm)  # after a preemption stop: MPI finalized, then scontrol requeue
     return status
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
               "  export  --checkpoint DIR --format hf --output OUT: Hugging Face GPT-2 folder",
               file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    return run_guarded(COMMANDS[argv[0]], argv[1:])
+    return run_or_abort(COMMANDS[argv[0]], argv[1:])
 
 
 def exit_without_teardown(status: int) -> None:

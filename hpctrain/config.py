@@ -129,11 +129,11 @@ class CheckpointConfig:
 class DistConfig:
     backend: Literal["auto", "nccl", "gloo"] = field(default="auto", metadata={"help": "auto (nccl if CUDA, else gloo) | nccl | gloo"})
     timeout_s: float = field(default=300.0, metadata={"help": "collective timeout in seconds"})
-    grad_sync: Literal["auto", "mpi", "backend", "powersgd"] = field(default="auto", metadata={
+    grad_allreduce: Literal["auto", "mpi", "backend", "powersgd"] = field(default="auto", metadata={
         "help": "DDP gradient all-reduce: auto (mpi on CPU, the backend on GPU) | mpi | backend | "
                 "powersgd (torch's low-rank PowerSGD DDP hook, rank dist.powersgd_rank)"})
     powersgd_rank: int = field(default=4, metadata={
-        "help": "with grad_sync = 'powersgd': rank of the low-rank gradient approximation"})
+        "help": "with grad_allreduce = 'powersgd': rank of the low-rank gradient approximation"})
     heartbeat_timeout_s: float = field(default=60.0, metadata={
         "help": "a rank silent this long (dead, hung, unreachable) ends the job with an error naming "
                 "it (0 = off)"})
@@ -250,7 +250,14 @@ ALIASES = {"checkpoint.async": "async_save"}
 # keys that moved to another section: named in the error (run dirs written before the move hold them)
 MOVED = {"train.debug_delay_rank": "debug.delay_rank", "train.debug_delay_s": "debug.delay_s",
          "train.inject_nan_at_step": "debug.inject_nan_at_step",
-         "slurm.debug_step_sleep_s": "debug.step_sleep_s"}
+         "slurm.debug_step_sleep_s": "debug.step_sleep_s",
+         "dist.grad_sync": "dist.grad_allreduce"}  # 'sync' is the [sync] section's word
+
+
+def _moved_hint(moved: str | None) -> str:
+    if moved is None:
+        return ""
+    return f": it is now '{moved}'" + (" (the [debug] section)" if moved.startswith("debug.") else "")
 
 
 def _sections() -> dict[str, type]:
@@ -301,12 +308,13 @@ def _type_name(typ) -> str:
     return "|".join(_choices(typ)) if _choices(typ) else typ.__name__
 
 
-def from_dict(raw: dict, source: str = "config") -> Config:
+def from_dict(raw: dict, source: str = "config", cli_keys: frozenset = frozenset()) -> Config:
     sections = _sections()
     built = {}
     for name in raw:
         if name not in sections:
-            raise ConfigError(f"unknown config section '{name}' in {source} (known: {', '.join(sections)})")
+            where = "on the command line" if any(k.startswith(f"{name}.") for k in cli_keys) else f"in {source}"
+            raise ConfigError(f"unknown config section '{name}' {where} (known: {', '.join(sections)})")
     for name, cls in sections.items():
         values = raw.get(name, {})
         if not isinstance(values, dict):
@@ -318,8 +326,9 @@ def from_dict(raw: dict, source: str = "config") -> Config:
             key = ALIASES.get(f"{name}.{key}", key)
             if key not in known:
                 moved = MOVED.get(f"{name}.{key}")
-                hint = f": it is now '{moved}' (the [debug] section)" if moved else ""
-                raise ConfigError(f"unknown config key '{name}.{key}' in {source}{hint}")
+                hint = _moved_hint(moved)
+                where = "on the command line" if f"{name}.{key}" in cli_keys else f"in {source}"
+                raise ConfigError(f"unknown config key '{name}.{key}' {where}{hint}")
             kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
         for key, f in known.items():
             if key not in kwargs and f.default is REQUIRED and f.default_factory is REQUIRED:
@@ -361,12 +370,14 @@ def load(path: str | Path | None, overrides: list[str] | None = None) -> Config:
             raise ConfigError(f"{path}: config file not found") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: invalid TOML ({e})") from None
+    cli_keys = set()
     for section, values in parse_overrides(overrides or []).items():
         raw.setdefault(section, {})
         if not isinstance(raw[section], dict):
             raise ConfigError(f"config key '{section}': not a table")
         raw[section].update(values)
-    return from_dict(raw, source)
+        cli_keys.update(f"{section}.{key}" for key in values)
+    return from_dict(raw, source, frozenset(cli_keys))
 
 
 def to_toml(cfg: Config) -> str:

@@ -4,8 +4,8 @@ Owns: installing the handlers for the configured stop signals (`slurm.signals`, 
 default) and the list of signals received. It lives outside hpctrain/distributed (whose package imports
 torch) and imports only the standard library, so `python -m hpctrain` can catch SIGUSR1 before the
 seconds-long torch import: an uncaught SIGUSR1 kills a starting rank (its default action), and a
-batch script forwards USR1 whenever Slurm sends it. It must never act on a signal: the preemption
-guard (hpctrain/distributed/preempt.py) reads `received()` at step boundaries.
+batch script forwards USR1 whenever Slurm sends it. It must never act on a signal: preemption
+(hpctrain/distributed/preempt.py) reads `received()` at step boundaries.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Abort-on-error for MPI jobs: an exception on any rank ends every rank within seconds.
 
 Without this, one rank raising leaves the others blocked in a collective until its timeout
-(PLATFORM.md). `run_guarded(fn)` runs the entry point; on an exception it prints one line (user
+(PLATFORM.md). `run_or_abort(fn)` runs the entry point; on an exception it prints one line (user
 errors) or a rank-tagged traceback (bugs) and calls MPI Abort, which the launcher (mpiexec, srun)
 turns into the end of the whole job. It must never swallow an error.
 """
@@ -76,7 +76,7 @@ def _thread_hook(args) -> None:
     _report_and_abort(args.exc_value)
 
 
-def run_guarded(fn, *args, **kwargs) -> int:
+def run_or_abort(fn, *args, **kwargs) -> int:
     """Run an entry point; any exception (on any thread) aborts the whole MPI job."""
     threading.excepthook = _thread_hook
     try:

@@ -7,7 +7,7 @@ rank starts a collective that another skips), and what happens after the final c
 whether to requeue the Slurm job (`slurm.requeue`), requeue it once MPI is finalized, and exit with
 EXIT_PREEMPTED.
 
-It must never save checkpoints itself (the loop calls the checkpoint manager when `should_stop` says
+It must never save checkpoints itself (the loop calls the checkpoint manager when `vote` says
 so), call torch.distributed collectives, or act on a signal anywhere but at a step boundary.
 
 Exit status: EXIT_PREEMPTED = 75 (EX_TEMPFAIL from sysexits.h) means "stopped early on a signal or
@@ -39,8 +39,9 @@ def _log(rank: int, msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-class PreemptionGuard:
-    """`should_stop(step)` once per step on every rank; `finish(step)` after the final checkpoint.
+class Preemption:
+    """`vote(step)` once per step on every rank (or the ps stop flag: hpctrain/sync/ps_strategy.py);
+    `finish(step)` after the final checkpoint.
 
     cfg: the `slurm` config section; comm: the mpi4py world communicator (all ranks call both)."""
 
@@ -86,8 +87,6 @@ class PreemptionGuard:
         self.agreed(reason, step)
         return reason
 
-    def should_stop(self, step: int) -> bool:
-        return self.vote(step) != NONE
 
     def debug_sleep(self) -> None:
         if self.step_sleep_s > 0:  # tests: slow steps down so a signal lands mid-run

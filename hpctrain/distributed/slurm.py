@@ -4,7 +4,7 @@ Owns: reading `SLURM_*` variables (job id, array task, node list, restart count,
 controller for the remaining wall time and whether the job may be requeued (`squeue`, `scontrol show
 job`), `scontrol requeue`, and refusing a launch that `srun` started without an MPI plugin (every task
 would train alone). It must never import torch, model, data or checkpoint code, and it never decides
-*when* to stop: that is the preemption guard's job (preempt.py). Outside Slurm every function here
+*when* to stop: that is preempt.py's job. Outside Slurm every function here
 answers "not in Slurm" and does nothing.
 """
 from __future__ import annotations

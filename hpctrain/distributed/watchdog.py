@@ -11,7 +11,7 @@ NCCL collective that would otherwise wait for `dist.timeout_s`. The store is hos
 losing contact with the store means losing rank 0, and is reported as such: every store call has a
 deadline of `timeout_s` (a frozen rank 0 keeps its socket open and never answers).
 
-`guard()` wraps the main thread: a collective that fails because a peer vanished ("connection
+`watch_peers()` wraps the main thread: a collective that fails because a peer vanished ("connection
 closed by peer", a timeout) waits for the verdict rather than printing a traceback, and if none
 comes within the timeout becomes a one-line PeerLostError naming the failed collective.
 
@@ -197,7 +197,7 @@ def _is_comm_error(exc: BaseException) -> bool:
 
 
 @contextmanager
-def guard(ctx, timeout_s: float):
+def watch_peers(ctx, timeout_s: float):
     """Run the body under a heartbeat watchdog (no-op for one rank or timeout 0)."""
     if timeout_s <= 0 or ctx.world_size == 1:
         yield None

@@ -22,7 +22,7 @@ from hpctrain.config import Config, DistConfig
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.errors import ConfigError
 from hpctrain.parallel.activation import apply_activation_checkpointing
-from hpctrain.parallel.mpi_grad_sync import MPIHookState, use_mpi_grad_sync, use_powersgd
+from hpctrain.parallel.mpi_grad_allreduce import MPIHookState, use_mpi_grad_allreduce, use_powersgd
 from hpctrain.parallel.tensor_parallel import apply_tensor_parallel
 
 if TYPE_CHECKING:  # imported where pp > 1: torch.distributed.pipelining pulls in dynamo (0.4 s)
@@ -48,7 +48,7 @@ class Layout:
     dp_reduce: DpReduce
     split: PipelineSplit | None = None
     tie_group: dist.ProcessGroup | None = None  # {first stage, last stage} at my (dp, tp)
-    mpi_grad_sync: MPIHookState | None = None   # DDP's MPI hook: its communicator, wait time
+    mpi_grad_allreduce: MPIHookState | None = None   # DDP's MPI hook: its communicator, wait time
 
     @property
     def tied_weight_is_head_copy(self) -> bool:
@@ -90,26 +90,26 @@ def apply_fsdp(model: nn.Module, roots: tuple[nn.Module, ...], mesh: Mesh, preci
         fully_shard(root, mesh=mesh["dp"], mp_policy=mp)
 
 
-def _mpi_grad_sync(mode: str, device: torch.device) -> bool:
-    """dist.grad_sync: "mpi" (and "auto" on CPU) all-reduces DDP gradients with MPI, ~2x faster
+def _mpi_grad_allreduce(mode: str, device: torch.device) -> bool:
+    """dist.grad_allreduce: "mpi" (and "auto" on CPU) all-reduces DDP gradients with MPI, ~2x faster
     than Gloo here (docs/benchmarks.md). Trade-off: a rank SIGKILLed while its peers sit in
     MPI_Allreduce makes MPICH end the job at once (non-zero exit, its own "BAD TERMINATION ... RANK
     r" notice) instead of our heartbeat verdict line; "backend" keeps Gloo for the verdict."""
     if mode == "mpi" and device.type != "cpu":
-        raise ConfigError("config key 'dist.grad_sync': 'mpi' reduces CPU gradients only; use "
+        raise ConfigError("config key 'dist.grad_allreduce': 'mpi' reduces CPU gradients only; use "
                           "'backend' (NCCL) on GPUs")
     return mode == "mpi" or (mode == "auto" and device.type == "cpu")
 
 
 def apply_ddp(model: nn.Module, mesh: Mesh, dist_cfg: DistConfig) -> tuple[DDP, MPIHookState | None]:
-    """DDP over dp (overlaps the all-reduce with backward) with the gradient hook dist.grad_sync
+    """DDP over dp (overlaps the all-reduce with backward) with the gradient hook dist.grad_allreduce
     asks for; returns the wrapper and, for the MPI hook, its state. The MPI hook expects the loss
     divided by dp before backward (`prescaled`: it sums, saving a pass over the gradients)."""
     ddp = DDP(model, process_group=mesh.group("dp"), gradient_as_bucket_view=True)
-    if dist_cfg.grad_sync == "powersgd":
+    if dist_cfg.grad_allreduce == "powersgd":
         use_powersgd(ddp, mesh.group("dp"), dist_cfg.powersgd_rank)
-    elif _mpi_grad_sync(dist_cfg.grad_sync, next(model.parameters()).device):
-        return ddp, use_mpi_grad_sync(ddp, mesh.group("dp"), mesh.world_comm, prescaled=True)
+    elif _mpi_grad_allreduce(dist_cfg.grad_allreduce, next(model.parameters()).device):
+        return ddp, use_mpi_grad_allreduce(ddp, mesh.group("dp"), mesh.world_comm, prescaled=True)
     return ddp, None
 
 
@@ -132,13 +132,13 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Layout:
         apply_tensor_parallel(model, mesh["tp"])
     apply_activation_checkpointing(model, p.activation_checkpoint, p.ac_every)
     roots = tuple(split.make_views()) if split else (model,)
-    dp_reduce, mpi_grad_sync = dp_reduction(mesh, cfg), None
+    dp_reduce, mpi_grad_allreduce = dp_reduction(mesh, cfg), None
     if dp_reduce == "fsdp":
         apply_fsdp(model, roots, mesh, cfg.train.precision)
     elif dp_reduce == "ddp":
-        ddp, mpi_grad_sync = apply_ddp(model, mesh, cfg.dist)
+        ddp, mpi_grad_allreduce = apply_ddp(model, mesh, cfg.dist)
         roots = (ddp,)
     if cfg.train.compile:  # after DDP/FSDP wrapping, as torchtitan does (DDP graphs split at buckets)
         roots = (torch.compile(roots[0]),)  # (config: never with pp > 1)
     return Layout(module=model, forward_modules=roots, mesh=mesh, dp_reduce=dp_reduce, split=split,
-                  tie_group=tied_weight_group(mesh) if split else None, mpi_grad_sync=mpi_grad_sync)
+                  tie_group=tied_weight_group(mesh) if split else None, mpi_grad_allreduce=mpi_grad_allreduce)

@@ -78,7 +78,7 @@ class StepRunner(ABC):
         loss = self._replica_mean(local_sum, count)
         if not self.mean_over_dp:
             return loss
-        dp, sync = self.layout.mesh.dp_size, self.layout.mpi_grad_sync
+        dp, sync = self.layout.mesh.dp_size, self.layout.mpi_grad_allreduce
         if dp > 1 and sync is not None:
             # CPU with the MPI gradient hook: its communicator over the same dp ranks (3 us over
             # shared memory; Gloo's TCP takes 360 us, every step). Sum, then divide: as Gloo's AVG
@@ -154,7 +154,7 @@ class PlainRunner(StepRunner):
         super().__init__(layout, mean_over_dp)
         (self.forward_module,) = layout.forward_modules
         # the MPI hook sums: the loss is divided by dp before backward instead (no pass over grads)
-        self._loss_divisor = layout.mesh.dp_size if layout.mpi_grad_sync is not None else 1
+        self._loss_divisor = layout.mesh.dp_size if layout.mpi_grad_allreduce is not None else 1
 
     def _sync_context(self, last: bool):
         if self.layout.dp_reduce == "ddp" and not last:

@@ -10,8 +10,8 @@ from hpctrain.sync.strategy import SyncStrategy, refuse_other_mode
 class Synchronous(SyncStrategy):
     mode = "sync"
 
-    def __init__(self, local_numel: int, dp_size: int, grad_sync: str):
-        self.local_numel, self.dp_size, self.grad_sync = local_numel, dp_size, grad_sync
+    def __init__(self, local_numel: int, dp_size: int, grad_allreduce: str):
+        self.local_numel, self.dp_size, self.grad_allreduce = local_numel, dp_size, grad_allreduce
 
     def checkpoint_states(self, model, optim, saved: dict | None = None) -> dict:
         if saved is not None:
@@ -22,6 +22,6 @@ class Synchronous(SyncStrategy):
     def comm_bytes(self, step: int) -> int:
         """Bytes this rank has sent: one fp32 gradient all-reduce per step (-1: PowerSGD, which
         depends on its rank and error feedback)."""
-        if self.grad_sync == "powersgd":
+        if self.grad_allreduce == "powersgd":
             return -1
         return step * bytes_sent(self.local_numel, self.dp_size, "none")

@@ -28,9 +28,9 @@ from hpctrain.config import Config
 from hpctrain.config_rules import check_resume_batch, global_batch_line, resolve_grad_accum
 from hpctrain.distributed import DistContext
 from hpctrain.distributed.bootstrap import mpi_library
-from hpctrain.distributed.preempt import NONE, PreemptionGuard
+from hpctrain.distributed.preempt import NONE, Preemption
 from hpctrain.distributed.mesh import Mesh, ParallelDims
-from hpctrain.distributed.watchdog import guard as peer_watchdog
+from hpctrain.distributed.watchdog import watch_peers
 from hpctrain.errors import ConfigError
 from hpctrain.metrics import MetricsLog, format_eta, measure_peak_flops
 from hpctrain.metrics.straggler import StragglerDetector
@@ -40,7 +40,7 @@ from hpctrain.sync import modes
 from hpctrain.train import rng
 from hpctrain.train import run_lock
 from hpctrain.train.data import TrainData
-from hpctrain.train.guard import NonFiniteGuard, all_finite
+from hpctrain.train.bad_steps import BadStepPolicy, all_finite
 from hpctrain.train.loss_scaling import LossScaling
 from hpctrain.train.optim import build_optimizer, lr_at, set_lr
 from hpctrain.train.precision import resolve_precision
@@ -79,14 +79,14 @@ class Trainer:
                                       timeout_s=cfg.dist.timeout_s,
                                       full_checksums=cfg.checkpoint.full_checksums,
                                       async_cpu_share=cfg.checkpoint.async_cpu_share)
-        self.preempt = PreemptionGuard(cfg.slurm, ctx.comm, ctx.rank,  # signals + wall-time guard
+        self.preempt = Preemption(cfg.slurm, ctx.comm, ctx.rank,  # signals + wall-time guard
                                        step_sleep_s=cfg.debug.step_sleep_s)
         # what happens between steps and what a checkpoint holds (hpctrain/sync/strategy.py)
         self.sync = modes.build_strategy(cfg, ctx, self.mesh, self.model)
         # forward/backward, clip and eval in this layout; losses averaged over dp where replicas
         # step together (every mode but ps)
         self.runner = build_runner(self.layout, cfg, mean_over_dp=self.sync.collective_steps)
-        self.guard = NonFiniteGuard(t.max_bad_steps, cfg.debug.inject_nan_at_step, ctx.rank, ctx.world_size)
+        self.bad_steps = BadStepPolicy(t.max_bad_steps, cfg.debug.inject_nan_at_step, ctx.rank, ctx.world_size)
         self.step_skipped = False
         half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
         self.autocast = (torch.autocast(ctx.device.type, dtype=half) if half is not None
@@ -154,7 +154,7 @@ class Trainer:
         # forward/backward of every micro-batch in training mode (DDP/FSDP/TP loop or pipeline
         # schedule); the loss is the mean over the global batch; test-only NaN injection via the hook
         loss_avg = self.runner.forward_backward(micro_batches, self.autocast,
-                                                loss_hook=lambda loss: self.guard.poison(self.step + 1, loss),
+                                                loss_hook=lambda loss: self.bad_steps.poison(self.step + 1, loss),
                                                 loss_scale=self.loss_scaling.factor)
         overflow = self.loss_scaling.unscale_(self.optimizer)  # fp16: agreed by every rank
         grad_norm = self.runner.clip_grad_norm_(t.grad_clip)  # global norm over shards and stages
@@ -162,7 +162,7 @@ class Trainer:
         # global mean and, where gradients are synchronized every step (all but DiLoCo's inner
         # steps), so is the norm: no vote needed then. An fp16 overflow is the loss scale's
         # business (skipped, counted apart), not a bad step
-        self.step_skipped = self.guard.should_skip(self.step + 1, loss_avg,
+        self.step_skipped = self.bad_steps.should_skip(self.step + 1, loss_avg,
                                                    0.0 if overflow else grad_norm,
                                                    agreed=self.sync.global_each_step)
         self.loss_scaling.step(self.optimizer, skip=self.step_skipped)
@@ -266,16 +266,16 @@ class Trainer:
         if self.loss_scaling.enabled:
             rec.update(loss_scale=self.loss_scaling.factor, overflow=self.loss_scaling.last_overflowed,
                        overflow_steps=self.loss_scaling.overflow_steps)
-        if self.step_skipped or self.guard.skipped:
-            rec.update(skipped=self.step_skipped, bad_steps=self.guard.skipped)
+        if self.step_skipped or self.bad_steps.skipped:
+            rec.update(skipped=self.step_skipped, bad_steps=self.bad_steps.skipped)
             if self.step_skipped:
                 log(ctx, f"step {self.step}: loss {loss} / grad norm {grad_norm}: not finite, "
-                         f"update skipped ({self.guard.in_a_row} in a row, "
+                         f"update skipped ({self.bad_steps.in_a_row} in a row, "
                          f"train.max_bad_steps={t.max_bad_steps})")
         if not collective:
             return rec
         rec.update(self.data.step_metrics())  # data_time_s, data_wait_s, cache_* (all ranks)
-        sync = self.layout.mpi_grad_sync
+        sync = self.layout.mpi_grad_allreduce
         rec.update(self.stragglers.observe(dt, dt - (sync.take_wait() if sync else 0.0)))
         warning = self.stragglers.warning(self.step, rec)
         if warning:
@@ -326,6 +326,6 @@ def _check_same_model(saved: dict, current: dict, path) -> None:
 
 
 def train(cfg: Config, ctx: DistContext) -> int:
-    with peer_watchdog(ctx, cfg.dist.heartbeat_timeout_s), run_lock.hold(cfg.run.dir, ctx):
+    with watch_peers(ctx, cfg.dist.heartbeat_timeout_s), run_lock.hold(cfg.run.dir, ctx):
         # a lost rank ends the job, named; one job per run.dir
         return Trainer(cfg, ctx).fit()

@@ -74,7 +74,7 @@ def test_powersgd_ddp_learns_and_differs_from_exact_ddp(tmp_path, dataset):
     cfg_a, run_a = write_config(tmp_path, dataset, "ddp")
     cfg_b, run_b = write_config(tmp_path, dataset, "powersgd")
     train(2, cfg_a, "--train.steps=20")
-    train(2, cfg_b, "--train.steps=20", "--dist.grad_sync=powersgd", "--dist.powersgd_rank=2")
+    train(2, cfg_b, "--train.steps=20", "--dist.grad_allreduce=powersgd", "--dist.powersgd_rank=2")
     a, b = losses(run_a), losses(run_b)
     assert abs(a[1] - b[1]) < 1e-5  # step 1: plain all-reduce in both
     assert any(abs(a[s] - b[s]) > 1e-4 for s in range(4, 21))

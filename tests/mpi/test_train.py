@@ -269,13 +269,13 @@ def test_config_error_under_mpiexec_is_one_line(tmp_path, dataset):
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_mpi_grad_sync_bit_identical_to_gloo(tmp_path, dataset, ranks):
+def test_mpi_grad_allreduce_bit_identical_to_gloo(tmp_path, dataset, ranks):
     """The MPI all-reduce hook (default on CPU) gives exactly the Gloo path's fp32 losses on 2
     ranks; on 3 (the loss pre-divided by 3, sums in another order) the same to rounding."""
     runs = {}
     for mode in ("mpi", "backend"):
         cfg, run = write_config(tmp_path, dataset, mode)
-        train(ranks, cfg, f"--dist.grad_sync={mode}", "--train.steps=20", "--train.grad_accum=2",
+        train(ranks, cfg, f"--dist.grad_allreduce={mode}", "--train.steps=20", "--train.grad_accum=2",
               "--train.micro_batch_size=4" if ranks == 2 else "--train.micro_batch_size=2")
         runs[mode] = losses(run)
     assert sorted(runs["mpi"]) == list(range(1, 21))
@@ -289,7 +289,7 @@ def test_mpi_grad_sync_bit_identical_to_gloo(tmp_path, dataset, ranks):
 def test_straggler_detector_flags_the_slow_rank(tmp_path, dataset):
     cfg, run = write_config(tmp_path, dataset)
     r = train(2, cfg, "--train.steps=14", "--train.eval_interval=0", "--train.straggler_window=5",
-              "--debug.delay_rank=1", "--debug.delay_s=0.15", "--dist.grad_sync=mpi")
+              "--debug.delay_rank=1", "--debug.delay_s=0.15", "--dist.grad_allreduce=mpi")
     assert "warning: rank 1 is a straggler" in r.stderr
     recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
     busy = [r["rank_busy_s"] for r in recs]

@@ -64,7 +64,7 @@ def test_roundtrip_through_toml(toml, tmp_path):
     (["--sync.mode=diloco", "--parallel.data_parallel=fsdp"], "parallel.data_parallel"),
     (["--sync.mode=ps", "--parallel.tp=2"], "sync.mode"),
     (["--train.optimizer=lion"], "train.optimizer"),
-    (["--dist.grad_sync=topk"], "dist.grad_sync"),
+    (["--dist.grad_allreduce=topk"], "dist.grad_allreduce"),
     (["--checkpoint.async_cpu_share=0"], "checkpoint.async_cpu_share"),
     (["--checkpoint.async_cpu_share=1.5"], "checkpoint.async_cpu_share"),
 ])
@@ -100,7 +100,7 @@ def test_cli_reports_one_line_and_exit_2(toml):
     r = subprocess.run([sys.executable, "-m", "hpctrain", "train", "--config", str(toml),
                         "--train.nope=1"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
-    assert r.stderr.strip() == f"error: unknown config key 'train.nope' in {toml}"
+    assert r.stderr.strip() == "error: unknown config key 'train.nope' on the command line"
 
 
 def test_help_lists_every_key():
@@ -111,3 +111,17 @@ def test_help_lists_every_key():
                 "--train.precision", "--train.global_batch", "--checkpoint.interval", "--checkpoint.keep",
                 "--dist.timeout_s"):
         assert key in r.stdout
+
+
+def test_an_unknown_override_is_named_as_a_command_line_key(toml):
+    """A typo on the command line is not blamed on the TOML file; a renamed key names its new name."""
+    with pytest.raises(ConfigError) as e:
+        config.load(toml, ["--train.lrr=1"])
+    assert str(e.value) == "unknown config key 'train.lrr' on the command line"
+    with pytest.raises(ConfigError) as e:
+        config.load(toml, ["--dist.grad_sync=mpi"])
+    assert str(e.value) == ("unknown config key 'dist.grad_sync' on the command line: it is now "
+                            "'dist.grad_allreduce'")
+    toml.write_text(toml.read_text().replace("[train]", "[train]\nlrr = 1", 1))
+    with pytest.raises(ConfigError, match=f"unknown config key 'train.lrr' in {toml}$"):
+        config.load(toml, [])

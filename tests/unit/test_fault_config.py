@@ -1,5 +1,5 @@
-"""Config keys of issue 6 (async checkpoints, heartbeat, NaN guard): the `async` spelling, defaults,
-validation naming the key, and --help listing them; the NaN guard's counting in one process."""
+"""Config keys of issue 6 (async checkpoints, heartbeat, bad-step policy): the `async` spelling, defaults,
+validation naming the key, and --help listing them; the bad-step policy's counting in one process."""
 from __future__ import annotations
 
 import pytest
@@ -52,10 +52,10 @@ def test_help_lists_the_keys():
     assert "TEST ONLY" in text
 
 
-def test_guard_skips_counts_and_stops():
-    from hpctrain.train.guard import NonFiniteGuard, TrainingDivergedError
+def test_bad_step_policy_skips_counts_and_stops():
+    from hpctrain.train.bad_steps import BadStepPolicy, TrainingDivergedError
 
-    g = NonFiniteGuard(max_bad_steps=2, inject_nan_at_step=3, rank=0, world_size=1)
+    g = BadStepPolicy(max_bad_steps=2, inject_nan_at_step=3, rank=0, world_size=1)
     one = torch.tensor(1.0)
     assert torch.isnan(g.poison(3, one)) and g.poison(4, one) == one
     assert g.should_skip(1, one, 0.5) is False

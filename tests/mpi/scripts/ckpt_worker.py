@@ -25,7 +25,7 @@ from torch.distributed.checkpoint import filesystem as dcp_fs
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hpctrain.checkpoint import CheckpointError, CheckpointManager
-from hpctrain.distributed.abort import run_guarded
+from hpctrain.distributed.abort import run_or_abort
 from hpctrain.distributed.bootstrap import init_distributed, teardown
 
 
@@ -142,4 +142,4 @@ def main(mode: str, root: str, report: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_guarded(main, *sys.argv[1:4]))
+    sys.exit(run_or_abort(main, *sys.argv[1:4]))

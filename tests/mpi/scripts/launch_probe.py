@@ -9,7 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from hpctrain.distributed import init_distributed, run_guarded, teardown
+from hpctrain.distributed import init_distributed, run_or_abort, teardown
 
 
 def main():
@@ -31,4 +31,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(run_guarded(main))
+    sys.exit(run_or_abort(main))

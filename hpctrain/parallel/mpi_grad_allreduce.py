@@ -1,5 +1,5 @@
 """DDP communication hooks: gradient all-reduce through MPI instead of Gloo (CPU training), and
-torch's PowerSGD low-rank compression (`dist.grad_sync = "powersgd"`, see docs/communication.md).
+torch's PowerSGD low-rank compression (`dist.grad_allreduce = "powersgd"`, see docs/communication.md).
 
 On CPU clusters the MPI library is the fastest path between ranks: it knows the interconnect and uses
 shared memory inside a node, while Gloo goes through TCP sockets. Measured here (PLATFORM.md): an
@@ -64,7 +64,7 @@ def mpi_allreduce_hook(state: MPIHookState, bucket: dist.GradBucket) -> torch.fu
     return fut
 
 
-def use_mpi_grad_sync(ddp_model, group: dist.ProcessGroup, world_comm,
+def use_mpi_grad_allreduce(ddp_model, group: dist.ProcessGroup, world_comm,
                       prescaled: bool = False) -> "MPIHookState":
     """Register the MPI hook on a DDP model; returns the hook state (holds the communicator).
     prescaled=True: the caller divides the loss by the group size before backward."""

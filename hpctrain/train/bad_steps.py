@@ -1,4 +1,4 @@
-"""The non-finite step guard: a NaN/Inf loss or gradient norm skips the optimizer step on every rank.
+"""The bad-step policy: a NaN/Inf loss or gradient norm skips the optimizer step on every rank.
 
 Owns the decision "is this step's update usable", agreed by all ranks with one MAX all-reduce of a
 flag over the whole world (robust for any layout: under TP/PP/FSDP ranks may see different partial
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from hpctrain.errors import TrainingDivergedError  # noqa: F401 - re-exported
 
 
-class NonFiniteGuard:
+class BadStepPolicy:
     def __init__(self, max_bad_steps: int, inject_nan_at_step: int, rank: int, world_size: int):
         self.max_bad = max_bad_steps
         self.inject_at = inject_nan_at_step
