@@ -96,7 +96,6 @@ class Mesh:
     def __init__(self, dims: ParallelDims, ctx: DistContext):
         self.dims = dims
         self.rank = ctx.rank
-        self.world_comm = ctx.comm  # mpi4py COMM_WORLD, for MPI-based collectives over mesh groups
         self.world_comm = ctx.comm  # mpi4py COMM_WORLD, for MPI-backed collectives (grad sync)
         self.device_mesh: DeviceMesh = init_device_mesh(
             ctx.device.type, dims.axis_sizes, mesh_dim_names=dims.axis_names)
