@@ -161,10 +161,12 @@ class ParallelConfig:
 
 @dataclass
 class SyncConfig:
-    mode: Literal["sync", "diloco", "ps"] = field(default="sync", metadata={
+    mode: Literal["sync", "diloco", "async_diloco", "ps"] = field(default="sync", metadata={
         "help": "sync (all-reduce gradients every step) | diloco (each dp replica takes inner_steps "
-                "local steps, then the averaged pseudo-gradient feeds an outer Nesterov SGD) | ps "
-                "(asynchronous SGD against parameter-server ranks holding MPI one-sided windows)"})
+                "local steps, then the averaged pseudo-gradient feeds an outer Nesterov SGD) | "
+                "async_diloco (each replica pushes its pseudo-gradient to the global model on "
+                "server ranks as soon as its round ends and goes on: no replica waits for another) "
+                "| ps (asynchronous SGD against parameter-server ranks holding MPI one-sided windows)"})
     inner_steps: int = field(default=16, metadata={
         "help": "diloco: local optimizer steps per round (H). The paper uses 500 at scale; 16 keeps "
                 "runs of ~10^3 steps within ~1-2% of DDP (16x fewer bytes; 63x with int8)"})
@@ -182,8 +184,21 @@ class SyncConfig:
         "help": "diloco: pseudo-gradient wire format none (fp32) | bf16 | int8 (scaled per block)"})
     int8_block: int = field(default=256, metadata={
         "help": "with compression = 'int8': elements per scale (0 = one scale per tensor chunk)"})
+    outer_optimizer: Literal["delayed_nesterov", "nesterov", "sgd"] = field(
+        default="delayed_nesterov", metadata={
+            "help": "async_diloco: the global model's update per arrival: delayed_nesterov (plain "
+                    "SGD on every arrival, momentum once per sync.nesterov_delay arrivals; Liu et al. "
+                    "2024) | nesterov (momentum on every arrival: the naive baseline) | sgd"})
+    nesterov_delay: int = field(default=0, metadata={
+        "help": "async_diloco with delayed_nesterov: arrivals per momentum update (0 = the number "
+                "of replicas)"})
+    local_steps: Literal["fixed", "dynamic"] = field(default="fixed", metadata={
+        "help": "async_diloco: fixed (every replica takes sync.inner_steps per round) | dynamic "
+                "(a replica's steps per round follow its measured step time relative to the "
+                "fastest replica, in [1, inner_steps], so rounds end at about the same time)"})
     ps_servers: int = field(default=1, metadata={
-        "help": "ps: ranks that hold the parameters (the last ones); the others are workers"})
+        "help": "ps / async_diloco: ranks that hold the parameters (the last ones); the others "
+                "are workers (replicas)"})
     staleness: int = field(default=-1, metadata={
         "help": "ps: a worker may run at most this many steps ahead of the slowest one "
                 "(0 = lockstep, -1 = unbounded)"})
@@ -213,6 +228,9 @@ class DebugConfig:
     delay_s: float = field(default=0.0, metadata={"help": "TEST ONLY: see debug.delay_rank"})
     inject_nan_at_step: int = field(default=0, metadata={
         "help": "TEST ONLY: make the loss NaN on the last rank at this step (0 = never)"})
+    slow_factor: float = field(default=1.0, metadata={
+        "help": "TEST ONLY: debug.delay_rank computes this many times slower (it sleeps "
+                "(factor - 1) x its measured step time every step): an uneven cluster on cue"})
     step_sleep_s: float = field(default=0.0, metadata={
         "help": "TEST ONLY: every rank sleeps this long every step, so a tiny model runs long enough to be "
                 "preempted (0 = off)"})

@@ -34,8 +34,10 @@ def validate(cfg: Config) -> None:
            f"global_batch the accumulation is derived from the data-parallel size)")
     _check(t.global_batch % max(t.micro_batch_size, 1) == 0, "train.global_batch",
            f"{t.global_batch} is not a multiple of train.micro_batch_size={t.micro_batch_size}")
-    _check(t.precision != "fp16" or cfg.sync.mode != "ps", "train.precision",
-           "fp16 needs loss scaling, which sync.mode='ps' workers do not do: use fp32 or bf16 there")
+    _check(t.precision != "fp16" or cfg.sync.mode not in ("ps", "async_diloco"), "train.precision",
+           f"fp16 needs loss scaling agreed by every rank each step, which sync.mode="
+           f"'{cfg.sync.mode}' workers do not do: use fp32 or bf16 there")
+    _check(cfg.debug.slow_factor >= 1.0, "debug.slow_factor", "must be >= 1")
     _check(t.loss_scale_init > 0, "train.loss_scale_init", "must be > 0")
     _check(t.loss_scale_growth_interval >= 1, "train.loss_scale_growth_interval", "must be >= 1")
     _check(0 <= t.warmup_steps <= t.steps, "train.warmup_steps", "must be in [0, train.steps]")
@@ -79,6 +81,12 @@ def _validate_sync(s: SyncConfig, p: ParallelConfig) -> None:
         _check(p.data_parallel == "ddp", "parallel.data_parallel",
                "sync.mode = 'diloco' replicates over dp: use 'ddp' (FSDP inside a replica is not "
                "supported yet)")
+    _check(s.nesterov_delay >= 0, "sync.nesterov_delay", "must be >= 0 (0 = the number of replicas)")
+    if s.mode == "async_diloco":
+        _check(p.tp == 1 and p.pp == 1 and p.dp == 0 and p.data_parallel == "ddp", "sync.mode",
+               "'async_diloco' runs one replica per worker rank for now (tp / pp inside a replica "
+               "are not supported yet): leave parallel.dp/tp/pp and parallel.data_parallel at their "
+               "defaults")
     if s.mode == "ps":
         _check(p.tp == 1 and p.pp == 1 and p.dp == 0 and p.data_parallel == "ddp", "sync.mode",
                "'ps' runs one model copy per worker rank: leave parallel.dp/tp/pp and "

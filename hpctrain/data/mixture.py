@@ -141,6 +141,10 @@ class MixtureSampler:
     def indices_at(self, k: int) -> np.ndarray:
         return self.stream(int(k) * self.global_batch, (int(k) + 1) * self.global_batch)
 
+    def seek(self, k: int) -> None:
+        """Position the stream before step ``k``'s batch (see GlobalSampler.seek)."""
+        self.samples = int(k) * self.global_batch
+
     def copy(self) -> "MixtureSampler":
         """A fresh sampler with the same order (for another thread, e.g. the cache planner)."""
         return MixtureSampler(self.sizes, self.parts, self.global_batch, self.seed, self.blend_seed)

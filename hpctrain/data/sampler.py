@@ -69,6 +69,14 @@ class GlobalSampler:
             self._order, self._order_epoch = self.epoch_order(epoch), epoch
         return self._order[pos:pos + self.global_batch].copy()
 
+    def seek(self, k: int) -> None:
+        """Position the sampler before step ``k``'s batch (what ``k`` calls of next_indices from a
+        fresh sampler leave), e.g. where batches are claimed out of order by asynchronous replicas."""
+        epoch, pos = divmod(int(k), self.steps_per_epoch)
+        if pos == 0 and epoch > 0:  # next_indices moves to the next epoch lazily
+            epoch, pos = epoch - 1, self.steps_per_epoch
+        self.epoch, self.position = epoch, pos * self.global_batch
+
     def copy(self) -> "GlobalSampler":
         """A fresh sampler with the same order (for another thread, e.g. the cache planner)."""
         return GlobalSampler(self.n_samples, self.global_batch, self.seed)

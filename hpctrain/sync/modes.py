@@ -17,8 +17,14 @@ from hpctrain.sync.strategy import SyncStrategy
 
 
 def data_position(cfg: Config, ctx: DistContext, mesh: Mesh):
-    """An object with dp_rank / dp_size: the mesh's dp coordinate, or a ps worker's index among
-    the workers (server ranks read no batches)."""
+    """An object with dp_rank / dp_size: the mesh's dp coordinate, a ps worker's index among the
+    workers, or (async_diloco) 0 of 1: a replica trains whole batches it claims (servers read
+    no batches)."""
+    if cfg.sync.mode == "async_diloco":  # every replica takes whole claimed batches
+        from hpctrain.sync.asynchronous import WorkerPosition, count_workers
+
+        count_workers(cfg, ctx)
+        return WorkerPosition(0, 1)
     if cfg.sync.mode != "ps":
         return mesh
     from hpctrain.sync.ps_strategy import worker_position
@@ -27,9 +33,9 @@ def data_position(cfg: Config, ctx: DistContext, mesh: Mesh):
 
 
 def data_config(cfg: Config) -> Config:
-    """The config the data is read with: ps workers read without the node-local cache (its
-    leader paces staging by lockstep steps). A copy: the run's config is saved as given."""
-    if cfg.sync.mode != "ps":
+    """The config the data is read with: asynchronous workers read without the node-local cache
+    (its leader paces staging by lockstep steps). A copy: the run's config is saved as given."""
+    if cfg.sync.mode not in ("ps", "async_diloco"):
         return cfg
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, cache_dir="off"))
 
@@ -45,6 +51,10 @@ def build_strategy(cfg: Config, ctx: DistContext, mesh: Mesh, model: nn.Module) 
         from hpctrain.sync.ps_strategy import ParameterServerSGD
 
         return ParameterServerSGD(cfg, ctx, model)
+    if cfg.sync.mode == "async_diloco":
+        from hpctrain.sync.async_diloco import AsyncDiLoCo
+
+        return AsyncDiLoCo(cfg, ctx, model)
     from hpctrain.sync.synchronous import Synchronous
 
     local_numel = sum(p.numel() for p in model.parameters())

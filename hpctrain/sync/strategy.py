@@ -10,10 +10,13 @@ training loop (hpctrain/train/loop.py) at fixed points:
     state_dict() / load_state_dict(), after_load()   its own "sync" entry
     step_metrics() / comm_bytes(step), mean_over_replicas(value), describe(), close()
 
-and three facts: `trains` (False on a ps server rank), `global_each_step` (the loss and grad norm
-are the same on every rank after a step, so a non-finite one needs no vote) and `collective_steps`
+and four facts: `trains` (False on a server rank), `global_each_step` (the loss and grad norm
+are the same on every rank after a step, so a non-finite one needs no vote), `collective_steps`
 (all ranks step together, so per-step collectives are allowed: the stop vote, validation, data and
-straggler statistics).
+straggler statistics) and `every_worker_steps` (every worker trains every step index: after a stop
+the others catch up with the furthest; False where a step's batch is claimed by one replica).
+The step counter itself advances through next_step(step) (async_diloco: the claimed batch + 1), and
+batch_index(step) names the batch a step trains (None: the sampler's next one).
 
 Owns: the defaults of those hooks, which are the synchronous case. It must never touch the
 optimizer or the data order.
@@ -36,9 +39,16 @@ class SyncStrategy:
     trains = True
     global_each_step = True
     collective_steps = True
+    every_worker_steps = True
 
-    def before_step(self, step: int, stop_aware: bool = True) -> bool:
+    def before_step(self, step: int, stop_aware: bool = True, until: int | None = None) -> bool:
         return True
+
+    def batch_index(self, step: int) -> int | None:
+        return None
+
+    def next_step(self, step: int) -> int:
+        return step + 1
 
     def after_step(self, step: int) -> None:
         pass

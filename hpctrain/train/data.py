@@ -80,9 +80,15 @@ class TrainData:
             return batch.pin_memory().to(self.ctx.device, non_blocking=True)
         return batch
 
-    def next_train_micro_batches(self) -> list[torch.Tensor]:
+    def next_train_micro_batches(self, at: int | None = None) -> list[torch.Tensor]:
+        """This rank's micro-batches of the next step, or of step `at` (a batch claimed out of
+        order; the sampler is left after it)."""
         t0 = self.feed.begin_step()
-        indices = self.sampler.next_indices()
+        if at is None:
+            indices = self.sampler.next_indices()
+        else:
+            indices = self.sampler.indices_at(at)
+            self.sampler.seek(at + 1)
         parts = split_for_rank(indices, self.dp_rank, self.dp_size, self.micro_batch, self.grad_accum)
         out = [self._to_device(self.train.batch(p)) for p in parts]
         self.feed.end_step(t0)

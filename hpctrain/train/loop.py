@@ -119,7 +119,8 @@ class Trainer:
     def save(self) -> None:
         t0 = time.perf_counter()
         background = self.cfg.checkpoint.async_save
-        self.sync.before_save()  # ps: the servers' parameters into the model
+        self.sync.before_save()  # ps, async_diloco: the servers' parameters into the model
+        self.data.sampler.seek(self.step)  # where batches are claimed out of order, the agreed step
         states = self.checkpoint_states()
         if not all_finite(self.model.parameters(), self.ctx.device):  # never save a broken state
             raise FloatingPointError(f"step {self.step}: non-finite weights; not saving a checkpoint")
@@ -147,7 +148,8 @@ class Trainer:
     # ---- one optimizer step -----------------------------------------------------------------
     def train_step(self) -> tuple[float, float]:
         t = self.cfg.train
-        micro_batches = self.data.next_train_micro_batches()
+        t0 = time.perf_counter()
+        micro_batches = self.data.next_train_micro_batches(self.sync.batch_index(self.step))
         debug = self.cfg.debug
         if debug.delay_s and self.ctx.rank == debug.delay_rank:
             time.sleep(debug.delay_s)  # test-only straggler
@@ -167,7 +169,10 @@ class Trainer:
                                                    agreed=self.sync.global_each_step)
         self.loss_scaling.step(self.optimizer, skip=self.step_skipped)
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_avg.item(), float(grad_norm)
+        loss = loss_avg.item()
+        if debug.slow_factor > 1 and self.ctx.rank == debug.delay_rank:  # test-only: k x slower
+            time.sleep((debug.slow_factor - 1.0) * (time.perf_counter() - t0))
+        return loss, float(grad_norm)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -183,7 +188,7 @@ class Trainer:
         self.maybe_resume()
         end = t.stop_at_step or t.steps
         self._write_run_config()
-        metrics = MetricsLog(Path(cfg.run.dir) / "metrics.jsonl", ctx.is_main, resume_step=self.step)
+        metrics = self._metrics_log()
         self.peak = self._peak_flops()
         self._log_start(end)
         if self.step == 0 and t.eval_interval and self.sync.collective_steps:
@@ -195,8 +200,8 @@ class Trainer:
             until = min(end, (self.step // interval + 1) * interval)  # the next checkpoint step
             stop = self._run_until(until, end, metrics)
             step, stop = self.sync.meet(self.preempt, self.step, stop, end)
-            while self.sync.trains and self.step < step:  # catch up with the furthest worker (ps)
-                metrics.write(self._one_step(end, stop_aware=False))
+            while self.sync.trains and self.sync.every_worker_steps and self.step < step:
+                metrics.write(self._one_step(end, stop_aware=False))  # ps: catch up with the furthest
             self.step = max(self.step, step)
             self.save()
         self.ckpt.wait()  # an async save still in flight: commit it (or raise its error) first
@@ -213,9 +218,9 @@ class Trainer:
     def _run_until(self, until: int, end: int, metrics: MetricsLog) -> int:
         """Train up to step `until` unless a stop comes first; the agreed stop reason (NONE)."""
         while self.sync.trains and self.step < until:
-            rec = self._one_step(end)
-            if rec is None:  # ps: the stop flag went up while this worker waited for a straggler
-                return NONE  # (the meeting reads it)
+            rec = self._one_step(end, until=until)
+            if rec is None:  # asynchronous: the stop flag is up (the meeting reads it), or the
+                return NONE  # next batch is past the checkpoint step
             metrics.write(rec)
             if self.step < end:
                 stop = self.sync.stop_reason(self.preempt, self.step)
@@ -223,16 +228,16 @@ class Trainer:
                     return stop
         return NONE
 
-    def _one_step(self, end: int, stop_aware: bool = True) -> dict | None:
+    def _one_step(self, end: int, stop_aware: bool = True, until: int | None = None) -> dict | None:
         """One optimizer step with the strategy's hooks around it; its metrics record."""
-        if not self.sync.before_step(self.step, stop_aware):
+        if not self.sync.before_step(self.step, stop_aware, until):
             return None
         lr = lr_at(self.step, self.cfg.train)
         set_lr(self.optimizer, lr)
         t0 = time.perf_counter()
         loss, grad_norm = self.train_step()
         dt = time.perf_counter() - t0
-        self.step += 1
+        self.step = self.sync.next_step(self.step)
         self.sync.after_step(self.step)  # DiLoCo: ends a round when due; ps: pushes the update
         rec = self._step_record(loss, grad_norm, lr, dt)
         if self.ctx.is_main and (self.step % self.cfg.train.log_interval == 0 or self.step == end):
@@ -242,6 +247,14 @@ class Trainer:
             log(self.ctx, f"step {self.step}/{end} loss {loss:.4f}{val_txt} lr {lr:.2e} "
                           f"{rec['tokens_per_s']:,.0f} tok/s mfu {rec['mfu']:.1%} eta {format_eta(eta)}")
         return rec
+
+    def _metrics_log(self) -> MetricsLog:
+        """metrics.jsonl from rank 0; where workers step apart, each other worker writes its own
+        metrics.rank<r>.jsonl (no per-step collective gathers them)."""
+        run, ctx = Path(self.cfg.run.dir), self.ctx
+        if ctx.is_main or self.sync.collective_steps:
+            return MetricsLog(run / "metrics.jsonl", ctx.is_main, resume_step=self.step)
+        return MetricsLog(run / f"metrics.rank{ctx.rank}.jsonl", self.sync.trains, resume_step=self.step)
 
     def _validate(self, metrics: MetricsLog) -> None:
         val = self.evaluate()

@@ -61,3 +61,14 @@ def test_state_round_trip_resumes_exactly():
 def test_batch_too_big_for_data():
     with pytest.raises(ValueError, match="global_batch 64 is larger than the dataset's 50 samples"):
         GlobalSampler(50, 64, seed=0)
+def test_seek_leaves_the_sampler_where_k_steps_would():
+    """seek(k) = k calls of next_indices from a fresh sampler, epoch boundaries included."""
+    from hpctrain.data.sampler import GlobalSampler
+
+    for k in (0, 1, 4, 5, 6, 11):
+        walked, jumped = GlobalSampler(23, 4, seed=3), GlobalSampler(23, 4, seed=3)
+        for _ in range(k):
+            walked.next_indices()
+        jumped.seek(k)
+        assert jumped.state_dict() == walked.state_dict(), k
+        assert np.array_equal(jumped.next_indices(), walked.next_indices()), k

@@ -1,0 +1,105 @@
+"""What the asynchronous modes (ps, async_diloco) share: worker ranks that never step together and
+server ranks that hold MPI one-sided windows.
+
+Preemption (a Slurm signal or the wall-time guard, see hpctrain/distributed/preempt.py) cannot use
+the per-step all-reduce of lockstep training: workers are at different steps and servers sit in MPI.
+Any rank with a reason raises the stop flag in a window; a worker sees it at its next step boundary
+(or while waiting) and goes to the meeting; the servers check their own signals while they wait
+there. The meeting (one non-blocking all-reduce MAX of (step, reason), polled) gives the step where
+every rank stops: the furthest worker's, never past the next regular checkpoint.
+
+Owns: the worker/server split, the stop flag protocol and the meeting. Subclasses own `flags`
+(an object with raise_stop(reason) / stop_flag()) and what happens around a step.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hpctrain.config import Config
+from hpctrain.distributed import DistContext
+from hpctrain.distributed.preempt import NONE
+from hpctrain.errors import ConfigError
+from hpctrain.sync.strategy import SyncStrategy
+
+
+@dataclass(frozen=True)
+class WorkerPosition:
+    """Where a rank sits in the data order (servers read no batches)."""
+    dp_rank: int
+    dp_size: int
+
+
+def count_workers(cfg: Config, ctx: DistContext) -> int:
+    workers = ctx.world_size - cfg.sync.ps_servers
+    if workers < 1:
+        raise ConfigError(f"config key 'sync.ps_servers': {cfg.sync.ps_servers} servers leave no "
+                          f"worker among {ctx.world_size} ranks (run more ranks)")
+    return workers
+
+
+def flat(params) -> np.ndarray:
+    """The parameters as one fp32 host vector (a copy)."""
+    return torch.cat([p.detach().reshape(-1).float().cpu() for p in params]).numpy()
+
+
+def assign(params, vector: np.ndarray) -> None:
+    """Copy a flat host vector into the parameters (vector_to_parameters would alias them)."""
+    src, at = torch.from_numpy(vector), 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(src[at:at + p.numel()].view_as(p))
+            at += p.numel()
+
+
+class AsynchronousStrategy(SyncStrategy):
+    global_each_step = True  # each worker decides about its own update alone: no vote
+    collective_steps = False
+
+    def __init__(self, ctx: DistContext, n_workers: int):
+        self.ctx, self.n_workers = ctx, n_workers
+        self.trains = ctx.rank < n_workers
+        self.workers = ctx.comm.Split(0 if self.trains else 1, ctx.rank)
+        self._raised = NONE
+        self.flags = None  # set by the subclass: raise_stop(reason) / stop_flag()
+
+    def _raise_if_mine(self, preempt) -> None:
+        """Raise the stop flag if this rank has a reason to stop (once per reason)."""
+        mine = preempt.local_reason()
+        if mine > self._raised:
+            self.flags.raise_stop(mine)
+            self._raised = mine
+
+    def stop_reason(self, preempt, step: int) -> int:
+        preempt.debug_sleep()
+        self._raise_if_mine(preempt)
+        return self.flags.stop_flag()
+
+    def meet(self, preempt, step: int, stop: int, end: int) -> tuple[int, int]:
+        """All ranks: (the furthest worker's step, the highest stop reason; none at the last
+        step: that just finishes). Non-blocking, so a server (here for a whole checkpoint
+        interval) raises the flag on its own signals, and polling keeps the workers' one-sided
+        operations on its windows progressing."""
+        from mpi4py import MPI
+
+        if not self.trains:
+            step, stop = -1, NONE
+        elif stop == NONE:
+            self._raise_if_mine(preempt)
+            stop = self.flags.stop_flag()
+        send, got = np.array([step, stop], dtype=np.int64), np.empty(2, dtype=np.int64)
+        req = self.ctx.comm.Iallreduce(send, got, op=MPI.MAX)
+        while not req.Test():
+            if not self.trains:
+                self._raise_if_mine(preempt)
+            time.sleep(0)  # yield the core: ranks may be oversubscribed
+        step, stop = int(got[0]), int(got[1])
+        stop = stop if step < end else NONE
+        preempt.agreed(stop, step)
+        return step, stop
+
+    def mean_over_replicas(self, value: float) -> float:
+        return self.workers.allreduce(value) / self.workers.size

@@ -1,0 +1,129 @@
+"""The global model of sync.mode = "async_diloco" in MPI one-sided windows on the server ranks.
+
+Owns: the windows and the operations on them. Each server holds one slice of the flat fp32 vector
+three times over, [theta | momentum | accumulator] (the outer optimizer's state lives with the
+model), and the first server also the control words [batches claimed, arrivals, stop flag, each
+replica's step time in ns]. Operations:
+  claim()            the next global batch index (MPI_Fetch_and_op: each index goes to one replica)
+  arrive(g, apply)   lock every server exclusively, in server order (so arrivals apply one after
+                     another, in the same order on every slice), count the arrival, read the three
+                     slices, `apply` the outer update, write them back; returns the new theta
+  pull / read_all    theta (and the outer state) for checkpoints; restore() on resume
+  raise_stop / stop_flag, set_step_time / step_times
+There is no server-side loop: server ranks only keep MPI's progress engine turning (they wait in
+the trainer's meeting) while replicas read and write their memory.
+"""
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+CLAIMS, ARRIVALS, STOP, TIMES = 0, 1, 2, 3
+
+
+class GlobalModelWindows:
+    """Collective constructor over `comm`: the last `n_servers` ranks are servers."""
+
+    def __init__(self, comm, initial: np.ndarray, n_servers: int, n_replicas: int):
+        self.comm, self.n = comm, int(initial.size)
+        self.servers = list(range(comm.size - n_servers, comm.size))
+        self.bounds = [(self.n * s // n_servers, self.n * (s + 1) // n_servers) for s in range(n_servers)]
+        self.memory = None
+        if comm.rank in self.servers:
+            lo, hi = self.bounds[self.servers.index(comm.rank)]
+            self.memory = np.zeros(3 * (hi - lo), dtype=np.float32)
+            self.memory[:hi - lo] = initial[lo:hi]
+        self.win = MPI.Win.Create(self.memory, disp_unit=4, comm=comm)
+        first = comm.rank == self.servers[0]
+        self.control_memory = np.zeros(TIMES + n_replicas, dtype=np.int64) if first else None
+        self.control = MPI.Win.Create(self.control_memory, disp_unit=8, comm=comm)
+        self.n_replicas = n_replicas
+        self.bytes_moved = 0  # by this rank: model-sized reads and writes
+
+    # ---- control words ------------------------------------------------------------------------
+    def _fetch_add(self, index: int, value: int, op=MPI.SUM) -> int:
+        one, old = np.array([value], dtype=np.int64), np.empty(1, dtype=np.int64)
+        self.control.Lock(self.servers[0], MPI.LOCK_SHARED)
+        self.control.Fetch_and_op([one, MPI.INT64_T], [old, MPI.INT64_T], self.servers[0], index, op)
+        self.control.Unlock(self.servers[0])
+        return int(old[0])
+
+    def read_control(self) -> np.ndarray:
+        out = np.empty(TIMES + self.n_replicas, dtype=np.int64)
+        self.control.Lock(self.servers[0], MPI.LOCK_SHARED)
+        self.control.Get_accumulate([np.empty_like(out), MPI.INT64_T], [out, MPI.INT64_T],
+                                    self.servers[0], target=(0, out.size, MPI.INT64_T), op=MPI.NO_OP)
+        self.control.Unlock(self.servers[0])
+        return out
+
+    def claim(self) -> int:
+        return self._fetch_add(CLAIMS, 1)
+
+    def raise_stop(self, reason: int) -> None:
+        self._fetch_add(STOP, reason, MPI.MAX)
+
+    def stop_flag(self) -> int:
+        return self._fetch_add(STOP, 0, MPI.NO_OP)
+
+    def set_step_time(self, replica: int, seconds: float) -> None:
+        self._fetch_add(TIMES + replica, int(seconds * 1e9), MPI.REPLACE)
+
+    def step_times(self) -> np.ndarray:
+        return self.read_control()[TIMES:] / 1e9
+
+    # ---- the model ------------------------------------------------------------------------------
+    def arrive(self, g: np.ndarray, apply) -> tuple[int, np.ndarray]:
+        """Apply pseudo-gradient `g` (flat fp32): `apply(theta, momentum, acc, g, arrival)` on
+        every slice, under exclusive locks. (this arrival's 1-based number, the new theta)."""
+        theta = np.empty(self.n, dtype=np.float32)
+        for server in self.servers:
+            self.win.Lock(server, MPI.LOCK_EXCLUSIVE)
+        try:
+            arrival = self._fetch_add(ARRIVALS, 1) + 1
+            for server, (lo, hi) in zip(self.servers, self.bounds):
+                n = hi - lo
+                state = np.empty(3 * n, dtype=np.float32)
+                self.win.Get([state, MPI.FLOAT], server, target=(0, 3 * n, MPI.FLOAT))
+                self.win.Flush(server)
+                apply(state[:n], state[n:2 * n], state[2 * n:], g[lo:hi], arrival)
+                self.win.Put([state, MPI.FLOAT], server, target=(0, 3 * n, MPI.FLOAT))
+                theta[lo:hi] = state[:n]
+        finally:
+            for server in reversed(self.servers):
+                self.win.Unlock(server)
+        self.bytes_moved += 2 * 3 * 4 * self.n
+        return arrival, theta
+
+    def read_all(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(theta, momentum, accumulator), each flat; every replica must be between arrivals."""
+        out = np.empty((3, self.n), dtype=np.float32)
+        for server, (lo, hi) in zip(self.servers, self.bounds):
+            n = hi - lo
+            state = np.empty(3 * n, dtype=np.float32)
+            self.win.Lock(server, MPI.LOCK_SHARED)
+            self.win.Get([state, MPI.FLOAT], server, target=(0, 3 * n, MPI.FLOAT))
+            self.win.Unlock(server)
+            out[:, lo:hi] = state.reshape(3, n)
+        return out[0], out[1], out[2]
+
+    def restore(self, theta, momentum, acc, claims: int, arrivals: int, step_times_ns) -> None:
+        """Server ranks, on resume (nobody accesses the windows meanwhile)."""
+        if self.memory is not None:
+            lo, hi = self.bounds[self.servers.index(self.comm.rank)]
+            n = hi - lo
+            for i, v in enumerate((theta, momentum, acc)):
+                self.memory[i * n:(i + 1) * n] = v[lo:hi]
+        self.set_position(claims, arrivals)
+        if self.control_memory is not None:
+            self.control_memory[TIMES:] = step_times_ns
+
+    def set_position(self, claims: int, arrivals: int | None = None) -> None:
+        """First server, while nobody claims: the claim counter at an agreed step."""
+        if self.control_memory is not None:
+            self.control_memory[CLAIMS] = claims
+            if arrivals is not None:
+                self.control_memory[ARRIVALS] = arrivals
+
+    def free(self) -> None:
+        self.win.Free()
+        self.control.Free()

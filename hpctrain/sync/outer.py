@@ -1,0 +1,54 @@
+"""The global model's update when one replica's pseudo-gradient arrives (sync.mode = "async_diloco").
+
+Pure numpy on one slice of the flat parameter vector; the caller holds the slice's exclusive
+window lock, so arrivals apply one after another. With R replicas an arrival counts as 1/R of a
+synchronous round (what makes sync.outer_lr mean what it means for DiLoCo), g = start - local:
+
+    sgd               theta -= lr * g / R
+    nesterov          m = mu * m + g / R;  theta -= lr * (g / R + mu * m)      (on every arrival)
+    delayed_nesterov  theta -= lr * g / R;  acc += g                          (every arrival)
+                      every N-th arrival:  m = mu * m + acc / N;  theta -= lr * mu * m;  acc = 0
+
+Naive Nesterov amplifies stale pseudo-gradients (each gets the momentum of every arrival after it);
+delayed Nesterov applies the momentum once per N arrivals from their mean, as Liu et al. (2024,
+"Asynchronous Local-SGD Training for Language Modeling") propose. With N = R replicas of equal speed,
+a round of R arrivals moves theta by lr * (mean g + mu * m), m = mu * m + mean g: synchronous
+DiLoCo's Nesterov step (up to staleness). Owns only this arithmetic: no MPI, no torch.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+KINDS = ("sgd", "nesterov", "delayed_nesterov")
+
+
+def apply_arrival(kind: str, theta: np.ndarray, momentum: np.ndarray, acc: np.ndarray,
+                  g: np.ndarray, arrival: int, *, lr: float, mu: float, replicas: int,
+                  delay: int) -> None:
+    """Update theta (and momentum / acc) in place for the `arrival`-th arrival (1-based)."""
+    share = g / replicas
+    if kind == "sgd":
+        theta -= lr * share
+    elif kind == "nesterov":
+        momentum *= mu
+        momentum += share
+        theta -= lr * (share + mu * momentum)
+    elif kind == "delayed_nesterov":
+        theta -= lr * share
+        acc += g
+        if arrival % delay == 0:
+            momentum *= mu
+            momentum += acc / delay
+            theta -= lr * mu * momentum
+            acc[:] = 0.0
+    else:
+        raise ValueError(f"outer optimizer {kind!r}: expected one of {', '.join(KINDS)}")
+
+
+def dynamic_local_steps(inner_steps: int, my_step_s: float, fastest_step_s: float) -> int:
+    """Local steps for a replica whose steps take `my_step_s` when the fastest takes
+    `fastest_step_s`: the fastest does inner_steps, a k times slower one inner_steps / k (at
+    least 1), so every round takes about the same wall time."""
+    if my_step_s <= 0 or fastest_step_s <= 0:
+        return inner_steps
+    return max(1, min(inner_steps, round(inner_steps * fastest_step_s / my_step_s)))

@@ -1,0 +1,80 @@
+"""Asynchronous Local-SGD (sync.mode = "async_diloco") under a real mpiexec: replicas + 1 server."""
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.mpi.test_preempt import CFG, data, signal_rank_midrun  # noqa: F401 (fixture)
+from tests.mpi.test_train import dataset, losses, train, write_config  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.mpi
+
+ASYNC = ["--sync.mode=async_diloco", "--sync.ps_servers=1"]
+
+
+def records(run, rank=0):
+    name = "metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl"
+    return [json.loads(line) for line in (Path(run) / name).read_text().splitlines()]
+
+
+def test_one_replica_one_local_step_sgd_equals_plain_sgd(tmp_path, dataset):
+    """1 replica, H = 1, SGD inner, outer SGD with lr 1 and no momentum: the global model is the
+    replica's model after every step, so the run is plain SGD (losses within 1e-5)."""
+    sgd = ["--train.optimizer=sgd", "--train.lr=0.05", "--train.min_lr=0.005", "--train.grad_clip=0",
+           "--train.steps=20", "--checkpoint.interval=100"]
+    cfg_a, run_a = write_config(tmp_path, dataset, "plain")
+    cfg_b, run_b = write_config(tmp_path, dataset, "async")
+    train(1, cfg_a, *sgd)
+    r = train(2, cfg_b, *sgd, *ASYNC, "--sync.inner_steps=1", "--sync.outer_optimizer=sgd",
+              "--sync.outer_lr=1", "--sync.outer_momentum=0")
+    assert "async_diloco: 1 replicas, 1 servers" in r.stderr
+    a, b = losses(run_a), losses(run_b)
+    assert sorted(a) == sorted(b) == list(range(1, 21)) and a[20] < a[1] - 0.5
+    assert max(abs(a[s] - b[s]) for s in a) <= 1e-5, (a, b)
+    va, vb = losses(run_a, "val_loss"), losses(run_b, "val_loss")
+    assert abs(va[20] - vb[20]) <= 1e-5
+    assert [rec["arrival"] for rec in records(run_b) if "arrival" in rec] == list(range(1, 21))
+
+
+def test_a_2x_slower_replica_takes_half_the_local_steps_and_every_batch_once(tmp_path, dataset):
+    """2 replicas + 1 server, replica 1 computes 2x slower (debug.slow_factor), dynamic local
+    steps: replica 1 settles at about half of replica 0's steps per round; the fast replica trains
+    more batches; every batch index is trained exactly once, across a stop and resume."""
+    cfg, run = write_config(tmp_path, dataset, "uneven")
+    common = [*ASYNC, "--sync.local_steps=dynamic", "--sync.inner_steps=8", "--train.steps=60",
+              "--checkpoint.interval=30", "--debug.delay_rank=1", "--debug.slow_factor=2",
+              "--train.eval_interval=0"]
+    train(3, cfg, *common, "--train.stop_at_step=30")
+    r = train(3, cfg, *common)
+    assert "resumed from" in r.stderr and "at step 30" in r.stderr
+    fast, slow = records(run, 0), records(run, 1)
+    fast_steps = [rec["step"] for rec in fast if "loss" in rec]
+    slow_steps = [rec["step"] for rec in slow if "loss" in rec]
+    assert sorted(fast_steps + slow_steps) == list(range(1, 61))  # each batch once, none lost
+    assert len(fast_steps) > len(slow_steps)
+    planned = [rec["next_local_steps"] for rec in slow if "next_local_steps" in rec]
+    assert planned and all(2 <= n <= 6 for n in planned[1:]), planned  # ~8 / 2
+    assert all(rec["next_local_steps"] >= 6 for rec in fast if "next_local_steps" in rec)
+    stale = [rec["staleness"] for rec in fast + slow if "staleness" in rec]
+    assert max(stale) >= 1  # the other replica's arrivals in between: asynchronous
+    assert losses(run, "val_loss")[60] < 4.0  # from ~5.5 (uniform over 257 bytes)
+
+
+def test_usr1_to_one_replica_stops_every_rank_then_resumes(tmp_path, data):
+    """USR1 to replica 1 only: both replicas and the server stop at one step with a checkpoint
+    (exit 75 on every rank); the same command finishes the run with every batch trained once."""
+    run = tmp_path / "async"
+    (tmp_path / "async.toml").write_text(CFG.format(run=run, data=data))
+    code, err = signal_rank_midrun(3, tmp_path / "async.toml", run, 1, *ASYNC, "--sync.inner_steps=4")
+    assert code == 75, err[-3000:]
+    stops = [line for line in err.splitlines() if line.startswith("stopping at step")]
+    assert len(stops) == 1 and "Traceback" not in err, err[-3000:]
+    s = int(stops[0].split()[3].rstrip(":"))
+    assert f"checkpoint: step {s} -> " in err
+    done = [rec["step"] for r in (0, 1) for rec in records(run, r) if "loss" in rec]
+    assert sorted(done) == list(range(1, s + 1))
+    r = train(3, tmp_path / "async.toml", *ASYNC, "--sync.inner_steps=4")
+    assert f"at step {s}" in r.stderr
+    done = [rec["step"] for r in (0, 1) for rec in records(run, r) if "loss" in rec]
+    total = int(CFG.split("steps = ")[1].split()[0])
+    assert sorted(done) == list(range(1, total + 1)), sorted(done)
