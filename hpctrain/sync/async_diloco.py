@@ -27,16 +27,15 @@ import torch
 
 from hpctrain.config import Config
 from hpctrain.distributed import DistContext
-from hpctrain.errors import ConfigError
 from hpctrain.sync.asynchronous import AsynchronousStrategy, assign, count_workers, flat
 from hpctrain.sync.global_model import GlobalModelWindows
 from hpctrain.sync.outer import apply_arrival, dynamic_local_steps
-from hpctrain.sync.strategy import refuse_other_mode
 
 
 class AsyncDiLoCo(AsynchronousStrategy):
     mode = "async_diloco"
     every_worker_steps = False  # a step's batch is trained by the replica that claimed it
+    count_key = "replicas"
 
     def __init__(self, cfg: Config, ctx: DistContext, model: torch.nn.Module):
         super().__init__(ctx, count_workers(cfg, ctx))
@@ -88,12 +87,15 @@ class AsyncDiLoCo(AsynchronousStrategy):
         def apply(theta, momentum, acc, g_slice, arrival):
             apply_arrival(self.kind, theta, momentum, acc, g_slice, arrival, **self.outer)
 
+        t0 = time.perf_counter()
         arrival, theta = self.windows.arrive(g, apply)
-        assign(self.params, theta)
+        arrive_s = time.perf_counter() - t0
+        assign(self.params, theta)  # the replica goes on from the global model
         self.start = theta
         step_s = self.round_compute_s / self.round_steps
         self.pending = {"arrival": arrival, "replica": self.replica, "local_steps": self.round_steps,
-                        "staleness": arrival - 1 - self.last_arrival, "round_step_s": step_s}
+                        "staleness": arrival - 1 - self.last_arrival, "round_step_s": step_s,
+                        "arrive_s": arrive_s}
         self.last_arrival = arrival
         self.windows.set_step_time(self.replica, step_s)
         if self.dynamic:
@@ -140,16 +142,6 @@ class AsyncDiLoCo(AsynchronousStrategy):
         if self.trains and not self._finished:
             assign(self.params, self._stash)  # back to this replica's own weights
         self.ctx.comm.Barrier()  # nobody claims or arrives before every rank has saved
-
-    def checkpoint_states(self, model, optim, saved: dict | None = None) -> dict:
-        if saved is not None:
-            refuse_other_mode(saved, self.mode, "use a new run.dir")
-            if saved.get("replicas") != self.n_workers:
-                raise ConfigError(f"config key 'sync.ps_servers': the checkpoint has "
-                                  f"{saved.get('replicas')} replicas, now {self.n_workers}; resume "
-                                  f"with the same number of ranks and servers")
-        self._optim = optim
-        return {"model": model, "sync": self}
 
     def state_dict(self) -> dict:
         n = len(self.start)

@@ -23,7 +23,7 @@ from hpctrain.config import Config
 from hpctrain.distributed import DistContext
 from hpctrain.distributed.preempt import NONE
 from hpctrain.errors import ConfigError
-from hpctrain.sync.strategy import SyncStrategy
+from hpctrain.sync.strategy import SyncStrategy, refuse_other_mode
 
 
 @dataclass(frozen=True)
@@ -95,11 +95,25 @@ class AsynchronousStrategy(SyncStrategy):
         while not req.Test():
             if not self.trains:
                 self._raise_if_mine(preempt)
-            time.sleep(0)  # yield the core: ranks may be oversubscribed
+            time.sleep(0.0005)  # leave the core to the replicas still training (servers idle here)
         step, stop = int(got[0]), int(got[1])
         stop = stop if step < end else NONE
         preempt.agreed(stop, step)
         return step, stop
+
+    count_key = "workers"  # the checkpoint's "sync" entry: how many workers wrote it
+
+    def checkpoint_states(self, model, optim, saved: dict | None = None) -> dict:
+        """{"model": the global model, "sync": this strategy (per-worker state inside)}; a
+        checkpoint of another mode or another number of workers is refused, naming the key."""
+        if saved is not None:
+            refuse_other_mode(saved, self.mode, "use a new run.dir")
+            if saved.get(self.count_key) != self.n_workers:
+                raise ConfigError(f"config key 'sync.ps_servers': the checkpoint was written with "
+                                  f"{saved.get(self.count_key)} {self.count_key}, now {self.n_workers}; "
+                                  f"resume with the same ranks and servers, or use a new run.dir")
+        self._optim = optim
+        return {"model": model, "sync": self}
 
     def mean_over_replicas(self, value: float) -> float:
         return self.workers.allreduce(value) / self.workers.size

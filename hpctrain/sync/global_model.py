@@ -28,15 +28,25 @@ class GlobalModelWindows:
         self.comm, self.n = comm, int(initial.size)
         self.servers = list(range(comm.size - n_servers, comm.size))
         self.bounds = [(self.n * s // n_servers, self.n * (s + 1) // n_servers) for s in range(n_servers)]
-        self.memory = None
+        # MPI_Win_allocate, not MPI_Win_create on our own array: on one node MPICH then serves
+        # Get/Put straight from shared memory, without the target's progress engine (an arrival
+        # of 0.8M parameters: 5 ms instead of 2.4 s with a server that polls every 0.5 ms)
+        mine = 0
         if comm.rank in self.servers:
             lo, hi = self.bounds[self.servers.index(comm.rank)]
-            self.memory = np.zeros(3 * (hi - lo), dtype=np.float32)
-            self.memory[:hi - lo] = initial[lo:hi]
-        self.win = MPI.Win.Create(self.memory, disp_unit=4, comm=comm)
+            mine = hi - lo
+        self.win = MPI.Win.Allocate(4 * 3 * mine, disp_unit=4, comm=comm)
+        self.memory = np.frombuffer(self.win.tomemory(), dtype=np.float32) if mine else None
+        if mine:
+            self.memory[:] = 0.0
+            self.memory[:mine] = initial[lo:hi]
         first = comm.rank == self.servers[0]
-        self.control_memory = np.zeros(TIMES + n_replicas, dtype=np.int64) if first else None
-        self.control = MPI.Win.Create(self.control_memory, disp_unit=8, comm=comm)
+        words = TIMES + n_replicas
+        self.control = MPI.Win.Allocate(8 * words if first else 0, disp_unit=8, comm=comm)
+        self.control_memory = np.frombuffer(self.control.tomemory(), dtype=np.int64) if first else None
+        if first:
+            self.control_memory[:] = 0
+        comm.Barrier()  # initialized before anyone reads
         self.n_replicas = n_replicas
         self.bytes_moved = 0  # by this rank: model-sized reads and writes
 

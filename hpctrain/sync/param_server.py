@@ -27,16 +27,24 @@ class ParameterServer:
         self.n_workers = comm.size - n_servers
         self.is_server = comm.rank in self.servers
         self.bounds = [(self.n * s // n_servers, self.n * (s + 1) // n_servers) for s in range(n_servers)]
-        mine = None
+        # MPI_Win_allocate (not MPI_Win_create on our own array): on one node MPICH serves the
+        # one-sided operations from shared memory, without the server's progress engine
+        mine = 0
         if self.is_server:
             lo, hi = self.bounds[self.servers.index(comm.rank)]
-            mine = np.ascontiguousarray(initial[lo:hi], dtype=np.float32).copy()
-        self.memory = mine  # kept alive for the window's lifetime
-        self.win = MPI.Win.Create(mine, disp_unit=4, comm=comm)
+            mine = hi - lo
+        self.win = MPI.Win.Allocate(4 * mine, disp_unit=4, comm=comm)
+        self.memory = np.frombuffer(self.win.tomemory(), dtype=np.float32) if mine else None
+        if mine:
+            self.memory[:] = initial[lo:hi]
         # [clock of worker 0, ..., clock of worker n-1, stop flag]
-        clocks = np.zeros(self.n_workers + 1, dtype=np.int64) if comm.rank == self.servers[0] else None
-        self.clock_memory = clocks
-        self.clock_win = MPI.Win.Create(clocks, disp_unit=8, comm=comm)
+        first = comm.rank == self.servers[0]
+        words = self.n_workers + 1
+        self.clock_win = MPI.Win.Allocate(8 * words if first else 0, disp_unit=8, comm=comm)
+        self.clock_memory = np.frombuffer(self.clock_win.tomemory(), dtype=np.int64) if first else None
+        if first:
+            self.clock_memory[:] = 0
+        comm.Barrier()  # initialized before anyone reads
         self.bytes_moved = 0  # by this worker: pulled + pushed parameter bytes
         self._scratch = np.empty(max(hi - lo for lo, hi in self.bounds), dtype=np.float32)
 

@@ -26,7 +26,6 @@ from hpctrain.errors import ConfigError
 from hpctrain.sync.asynchronous import (AsynchronousStrategy, WorkerPosition, assign, count_workers,
                                         flat)
 from hpctrain.sync.param_server import ParameterServer
-from hpctrain.sync.strategy import refuse_other_mode
 
 
 def worker_position(cfg: Config, ctx: DistContext) -> WorkerPosition:
@@ -83,16 +82,6 @@ class ParameterServerSGD(AsynchronousStrategy):
 
     def after_save(self) -> None:
         self.ctx.comm.Barrier()  # nobody pushes before everybody has read the saved parameters
-
-    def checkpoint_states(self, model, optim, saved: dict | None = None) -> dict:
-        if saved is not None:
-            refuse_other_mode(saved, self.mode, "use a new run.dir")
-            if saved.get("workers") != self.n_workers:
-                raise ConfigError(f"config key 'sync.ps_servers': the checkpoint was written with "
-                                  f"{saved.get('workers')} workers, now {self.n_workers}; use a new "
-                                  f"run.dir")
-        self._optim = optim
-        return {"model": model, "sync": self}
 
     def state_dict(self) -> dict:
         state = {"mode": self.mode, "workers": self.n_workers, "bytes_moved": self.ps.bytes_moved}

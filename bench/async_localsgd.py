@@ -1,0 +1,182 @@
+"""Asynchronous Local-SGD on an uneven cluster: one replica 2x slower, equal token budget.
+
+Run:  python bench/async_localsgd.py [--data data/shakespeare_bytes] [--steps 240] [--plot PNG]
+
+Two replicas train the demo GPT (128 wide, block 128, 0.8M parameters) on byte-level Shakespeare;
+rank 1 computes `--slow`x slower (debug.slow_factor: it sleeps (k - 1) x its own step's compute
+time, a test-only knob). Every mode trains the same number of tokens (`--steps` synchronous steps
+of 2 x 8 sequences; the asynchronous modes claim 2 x --steps batches of 8 sequences):
+  ddp              synchronous data parallelism (both ranks wait for the slow one every step)
+  sync DiLoCo      H inner AdamW steps, then the averaged pseudo-gradient (Nesterov 0.7 / 0.5);
+                   the fast replica waits for the slow one every round
+  async naive      async_diloco, Nesterov applied on every arrival          (+1 server rank)
+  async DN         async_diloco, delayed Nesterov (momentum once per 2 arrivals)
+  async DN+DyLU    async_diloco, delayed Nesterov + dynamic local steps
+Each run saves checkpoints at 8 points; afterwards each checkpoint's global model is scored on the
+same held-out windows, giving validation loss against wall time (from launch to the checkpoint's
+commit). Prints the final loss, the wall time, and the wall time at which each mode first reaches
+synchronous DiLoCo's final loss; then the equal-speed check (sync DiLoCo vs async DN+DyLU at slow 1).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+BIN = Path(sys.executable).parent
+
+from hpctrain.checkpoint import directory  # noqa: E402
+from hpctrain.export import load_model_state  # noqa: E402
+from hpctrain.model import GPT, GPTConfig  # noqa: E402
+
+ASYNC = ["--sync.mode=async_diloco", "--sync.ps_servers=1"]
+
+
+def modes(h: int) -> dict[str, tuple[int, list[str]]]:
+    """name -> (ranks, overrides)."""
+    return {
+        "ddp": (2, []),
+        "sync DiLoCo": (2, ["--sync.mode=diloco", f"--sync.inner_steps={h}"]),
+        "async naive": (3, ASYNC + [f"--sync.inner_steps={h}", "--sync.outer_optimizer=nesterov"]),
+        "async DN": (3, ASYNC + [f"--sync.inner_steps={h}", "--sync.outer_optimizer=delayed_nesterov"]),
+        "async DN+DyLU": (3, ASYNC + [f"--sync.inner_steps={h}", "--sync.outer_optimizer=delayed_nesterov",
+                                      "--sync.local_steps=dynamic"]),
+    }
+
+
+def train(name: str, ranks: int, extra: list[str], args, tmp: Path, slow: float) -> dict:
+    run = tmp / f"{name.replace(' ', '_').replace('+', '_')}_{slow:g}"
+    shutil.rmtree(run, ignore_errors=True)
+    asynchronous = ranks == 3
+    steps = args.steps * 2 if asynchronous else args.steps  # batches of 8 sequences vs 2 x 8
+    cmd = [BIN / "mpiexec", "-n", str(ranks), sys.executable, "-m", "hpctrain", "train",
+           "--config", "configs/demo.toml", f"--run.dir={run}", f"--data.path={args.data}",
+           "--model.n_embd=128", "--model.block_size=128", "--train.micro_batch_size=8",
+           "--train.grad_accum=1", f"--train.steps={steps}", "--train.stop_at_step=0",
+           "--train.warmup_steps=20", "--train.eval_interval=0", f"--checkpoint.interval={steps // 8}",
+           "--checkpoint.keep=100", "--data.verify=size", "--data.cache_dir=off",
+           "--dist.heartbeat_timeout_s=0", "--debug.delay_rank=1", f"--debug.slow_factor={slow}", *extra]
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", HPCTRAIN_TENSORBOARD="0")
+    t0 = time.time()
+    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env, cwd=ROOT, timeout=3600)
+    wall = time.time() - t0
+    if r.returncode:
+        sys.exit(f"{name} failed:\n{r.stderr[-3000:]}")
+    return {"run": run, "t0": t0, "wall_s": wall}
+
+
+@torch.no_grad()
+def score(run: Path, t0: float, val: torch.Tensor) -> list[tuple[float, float]]:
+    """[(seconds from launch to the checkpoint's commit, held-out loss of its global model)]."""
+    out = []
+    for info in directory.list_checkpoints(run / "checkpoints"):
+        if info.status != "committed":
+            continue
+        state, model_cfg = load_model_state(info.path)
+        model = GPT(GPTConfig(**model_cfg))
+        model.load_state_dict(state)
+        model.eval()
+        total = sum(F.cross_entropy(model(c[:, :-1]).flatten(0, 1), c[:, 1:].flatten(), reduction="sum").item()
+                    for c in val.split(128))
+        when = json.loads((info.path / "COMMIT.json").read_text())["unix_time"] - t0
+        out.append((when, total / (val.shape[0] * (val.shape[1] - 1))))
+    return sorted(out)
+
+
+def held_out(data: str, windows: int, block: int = 128) -> torch.Tensor:
+    from hpctrain.data import open_split
+
+    val = open_split(data, "val", block)
+    idx = np.linspace(0, len(val) - 1, windows).astype(np.int64)
+    return torch.as_tensor(val.batch(idx), dtype=torch.long)
+
+
+def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
+    """Wall time at which the curve first reaches `target` (linear between checkpoints)."""
+    prev = None
+    for t, loss in curve:
+        if loss <= target:
+            if prev is None or prev[1] == loss:
+                return t
+            (t_a, l_a) = prev
+            return t_a + (t - t_a) * (l_a - target) / (l_a - loss)
+        prev = (t, loss)
+    return None
+
+
+def plot(curves: dict, path: Path, slow: float) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, curve in curves.items():
+        ax.plot([t for t, _ in curve], [v for _, v in curve], marker="o", ms=3, label=name)
+    ax.set_xlabel("wall time from launch (s)")
+    ax.set_ylabel("held-out loss (nats/byte)")
+    ax.set_title(f"2 replicas, one {slow:g}x slower, equal tokens")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default="data/shakespeare_bytes", help="byte-level dataset (make demo builds it)")
+    ap.add_argument("--steps", type=int, default=240, help="synchronous steps of 2 x 8 sequences (token budget)")
+    ap.add_argument("--h", type=int, default=16, help="inner steps per round (the fastest replica's)")
+    ap.add_argument("--slow", type=float, default=2.0, help="how many times slower rank 1 computes")
+    ap.add_argument("--windows", type=int, default=512, help="held-out windows scored per checkpoint")
+    ap.add_argument("--only", nargs="*", help="run only these modes (names as printed)")
+    ap.add_argument("--plot", default="", help="write loss against wall time to this PNG")
+    ap.add_argument("--no-equal-speed", action="store_true", help="skip the equal-speed check")
+    args = ap.parse_args()
+    val = held_out(args.data, args.windows)
+    curves, walls = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (ranks, extra) in modes(args.h).items():
+            if args.only and name not in args.only:
+                continue
+            res = train(name, ranks, extra, args, Path(tmp), args.slow)
+            curves[name], walls[name] = score(res["run"], res["t0"], val), res["wall_s"]
+            print(f"  done {name} in {res['wall_s']:.0f}s", file=sys.stderr, flush=True)
+        equal = {}
+        if not args.no_equal_speed:
+            for name in ("sync DiLoCo", "async DN+DyLU"):
+                ranks, extra = modes(args.h)[name]
+                res = train(name, ranks, extra, args, Path(tmp), 1.0)
+                equal[name] = score(res["run"], res["t0"], val)[-1][1]
+    target = curves["sync DiLoCo"][-1][1] if "sync DiLoCo" in curves else None
+    print(f"{'mode':<16} {'final loss':>10} {'wall s':>8} {'s to sync-DiLoCo loss':>22}")
+    for name, curve in curves.items():
+        reach = time_to(curve, target) if target is not None else None
+        print(f"{name:<16} {curve[-1][1]:>10.4f} {walls[name]:>8.1f} "
+              f"{f'{reach:.1f}' if reach is not None else 'not reached':>22}")
+    if equal:
+        a, b = equal["async DN+DyLU"], equal["sync DiLoCo"]
+        print(f"equal speeds: async DN+DyLU {a:.4f} vs sync DiLoCo {b:.4f} ({(a / b - 1) * 100:+.1f}%, target within 2%)")
+    if args.plot:
+        plot(curves, Path(args.plot), args.slow)
+        print(f"curves: {args.plot}")
+    if target is not None and "async DN+DyLU" in curves:
+        reach = time_to(curves["async DN+DyLU"], target)
+        ratio = reach / time_to(curves["sync DiLoCo"], target) if reach is not None else float("inf")
+        print(f"time to sync-DiLoCo loss, async+DN+DyLU / sync DiLoCo: {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
