@@ -39,9 +39,12 @@ def test_one_replica_one_local_step_sgd_equals_plain_sgd(tmp_path, dataset):
 def test_a_2x_slower_replica_takes_half_the_local_steps_and_every_batch_once(tmp_path, dataset):
     """2 replicas + 1 server, replica 1 computes 2x slower (debug.slow_factor), dynamic local
     steps: replica 1 settles at about half of replica 0's steps per round; the fast replica trains
-    more batches; every batch index is trained exactly once, across a stop and resume."""
+    more batches; every batch index is trained exactly once, across a stop and resume. Outer SGD:
+    its global model is steady run to run (delayed Nesterov with dynamic steps is not yet: final
+    val 3.3-5.6 over 14 runs of this size, see docs/communication.md)."""
     cfg, run = write_config(tmp_path, dataset, "uneven")
     common = [*ASYNC, "--sync.local_steps=dynamic", "--sync.inner_steps=8", "--train.steps=60",
+              "--sync.outer_optimizer=sgd",
               "--checkpoint.interval=30", "--debug.delay_rank=1", "--debug.slow_factor=2",
               "--train.eval_interval=0"]
     train(3, cfg, *common, "--train.stop_at_step=30")
@@ -59,9 +62,7 @@ def test_a_2x_slower_replica_takes_half_the_local_steps_and_every_batch_once(tmp
     assert max(stale) >= 1  # the other replica's arrivals in between: asynchronous
     late = [rec["loss"] for rec in fast + slow if rec.get("step", 0) > 50 and "loss" in rec]
     assert sum(late) / len(late) < 4.0  # both replicas learn, from ~5.5 (uniform over 257 bytes)
-    # the global model after the last (partial) rounds: learned, though less steadily than the
-    # replicas over so few arrivals (3.4-4.4 seen here, once 5.2)
-    assert losses(run, "val_loss")[60] < 5.5
+    assert losses(run, "val_loss")[60] < 3.8  # the global model holds their work (3.45 seen)
 
 
 def test_usr1_to_one_replica_stops_every_rank_then_resumes(tmp_path, data):
