@@ -83,10 +83,10 @@ def _validate_sync(s: SyncConfig, p: ParallelConfig) -> None:
                "supported yet)")
     _check(s.nesterov_delay >= 0, "sync.nesterov_delay", "must be >= 0 (0 = the number of replicas)")
     if s.mode == "async_diloco":
-        _check(p.tp == 1 and p.pp == 1 and p.dp == 0 and p.data_parallel == "ddp", "sync.mode",
-               "'async_diloco' runs one replica per worker rank for now (tp / pp inside a replica "
-               "are not supported yet): leave parallel.dp/tp/pp and parallel.data_parallel at their "
-               "defaults")
+        _check(p.dp == 0 and p.data_parallel == "ddp", "sync.mode",
+               "'async_diloco' counts replicas from the ranks left after sync.ps_servers (tp x pp "
+               "each; FSDP inside a replica is not supported): leave parallel.dp and "
+               "parallel.data_parallel at their defaults")
     if s.mode == "ps":
         _check(p.tp == 1 and p.pp == 1 and p.dp == 0 and p.data_parallel == "ddp", "sync.mode",
                "'ps' runs one model copy per worker rank: leave parallel.dp/tp/pp and "

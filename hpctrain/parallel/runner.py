@@ -189,8 +189,8 @@ class PipelineRunner(StepRunner):
     """A pipeline schedule over this rank's stage views; ranks without the last stage hold no loss
     (0, summed away over pp). The tied embedding / head gradient is summed over its two stages."""
 
-    def __init__(self, layout: Layout, schedule: str, n_micro: int):
-        super().__init__(layout)
+    def __init__(self, layout: Layout, schedule: str, n_micro: int, mean_over_dp: bool = True):
+        super().__init__(layout, mean_over_dp)
         self.n_micro = n_micro
         self.schedule = layout.split.build_schedule(list(layout.forward_modules), schedule, n_micro,
                                                     self._scaled_loss, self.device,
@@ -261,7 +261,7 @@ def build_runner(layout: Layout, cfg: Config, mean_over_dp: bool = True) -> Step
         return PlainRunner(layout, mean_over_dp)
     p, t = cfg.parallel, cfg.train
     try:
-        return PipelineRunner(layout, p.pp_schedule, t.grad_accum)
+        return PipelineRunner(layout, p.pp_schedule, t.grad_accum, mean_over_dp)
     except ValueError as e:
         key = "train.global_batch" if t.global_batch else "train.grad_accum"  # derived or given
         raise ConfigError(f"config key '{key}': {t.grad_accum} micro-batches do not fit "

@@ -16,8 +16,16 @@ The step counter is global: a replica that trained batch k is at step k + 1 (the
 follows global progress); checkpoints come at the regular steps, when the claim counter reaches
 them: every replica finishes the batches it claimed and meets the others there.
 
+A replica may itself be tensor / pipeline parallel (parallel.tp, parallel.pp): the mesh's dp axis
+then counts the replicas and, last, the servers (sync.ps_servers ranks, tp x pp per server group).
+Each position (pp, tp) in a replica holds its part of the model, so each position has its own
+windows, served by the server ranks at that position. The replica's first rank (its leader) claims
+batches, reads the stop flag, takes the arrival lock (every part sees the arrivals in one order)
+and decides the next round's steps; the others get them from it (one broadcast inside the
+replica, which steps together anyway).
+
 Owns: the round (local steps, start point, arrival, dynamic step count), its metrics and its
-checkpoint entry. Not yet: tp / pp inside a replica (config_rules refuses), compressed pushes.
+checkpoint entry. Not yet: compressed pushes (an arrival moves the fp32 state).
 """
 from __future__ import annotations
 
@@ -27,7 +35,9 @@ import torch
 
 from hpctrain.config import Config
 from hpctrain.distributed import DistContext
-from hpctrain.sync.asynchronous import AsynchronousStrategy, assign, count_workers, flat
+from hpctrain.distributed.mesh import Mesh
+from hpctrain.errors import ConfigError
+from hpctrain.sync.asynchronous import AsynchronousStrategy, assign, flat, local_part
 from hpctrain.sync.global_model import GlobalModelWindows
 from hpctrain.sync.outer import apply_arrival, dynamic_local_steps
 
@@ -37,17 +47,28 @@ class AsyncDiLoCo(AsynchronousStrategy):
     every_worker_steps = False  # a step's batch is trained by the replica that claimed it
     count_key = "replicas"
 
-    def __init__(self, cfg: Config, ctx: DistContext, model: torch.nn.Module):
-        super().__init__(ctx, count_workers(cfg, ctx))
+    def __init__(self, cfg: Config, ctx: DistContext, mesh: Mesh, model: torch.nn.Module):
         s = cfg.sync
+        self.positions = mesh.tp_size * mesh.pp_size  # ranks per replica
+        server_groups = _server_groups(s.ps_servers, self.positions, mesh.dp_size)
+        replicas = mesh.dp_size - server_groups
+        super().__init__(ctx, replicas, trains=mesh.dp_rank < replicas)
         self.kind, self.inner_steps, self.dynamic = s.outer_optimizer, s.inner_steps, s.local_steps == "dynamic"
         self.outer = dict(lr=s.outer_lr, mu=s.outer_momentum, replicas=self.n_workers,
                           delay=s.nesterov_delay or self.n_workers)
         self.params = list(model.parameters())
-        self.windows = GlobalModelWindows(ctx.comm, flat(self.params), s.ps_servers, self.n_workers)
+        self.position = mesh.coord("pp") * mesh.tp_size + mesh.coord("tp")
+        self.leader = self.position == 0
+        self.team = ctx.comm.Split(mesh.dp_rank, self.position)  # the ranks of my replica
+        part = ctx.comm.Split(self.position, mesh.dp_rank)  # my position in every replica, then its servers
+        self.windows = GlobalModelWindows(part, flat(self.params), server_groups, self.n_workers,
+                                          control_comm=ctx.comm, control_host=mesh.dims.rank_of(0, replicas, 0))
         self.flags = self.windows
         self.start = flat(self.params)
-        self.replica = ctx.rank if self.trains else -1
+        self.replica = mesh.dp_rank if self.trains else -1
+        # checkpoint keys of what differs by position (each rank's part of the model)
+        part = "" if self.positions == 1 else f"_{self.position}"
+        self.state_key, self.outer_key = f"{self.replica}{part}", f"outer{part}"
         self.steps_this_round, self.round_steps = self.inner_steps, 0
         self.claimed, self.last_arrival, self.arrivals_seen = -1, 0, 0
         self.round_compute_s, self._t0 = 0.0, 0.0
@@ -56,17 +77,35 @@ class AsyncDiLoCo(AsynchronousStrategy):
         self._arrivals, self._finished, self._step_at_meeting = 0, False, 0
         self._step_times = [0] * self.n_workers
 
+    @property
+    def writes_metrics(self) -> bool:
+        return self.trains and self.leader
+
+    def _from_leader(self, value):
+        """The leader's `value` on every rank of the replica (itself when it is one rank)."""
+        return value if self.positions == 1 else self.team.bcast(value, root=0)
+
     # ---- a replica's step ---------------------------------------------------------------------
     def before_step(self, step: int, stop_aware: bool = True, until: int | None = None) -> bool:
         """Claim the next batch; False when the claim is at or past `until` (a checkpoint step:
         time to meet) or the stop flag is up."""
-        if stop_aware and self.flags.stop_flag():
+        claimed = None
+        if self.leader:
+            stopped = stop_aware and self.flags.stop_flag()
+            claimed = None if stopped else self.windows.claim()
+        claimed = self._from_leader(claimed)
+        if claimed is None:
             return False
-        self.claimed = self.windows.claim()
+        self.claimed = claimed
         if until is not None and self.claimed >= until:
             return False
         self._t0 = time.perf_counter()
         return True
+
+    def stop_reason(self, preempt, step: int) -> int:
+        preempt.debug_sleep()
+        self._raise_if_mine(preempt)
+        return self._from_leader(self.flags.stop_flag() if self.leader else None)
 
     def batch_index(self, step: int) -> int | None:
         return self.claimed
@@ -88,7 +127,14 @@ class AsyncDiLoCo(AsynchronousStrategy):
             apply_arrival(self.kind, theta, momentum, acc, g_slice, arrival, **self.outer)
 
         t0 = time.perf_counter()
-        arrival, theta = self.windows.arrive(g, apply)
+        if self.positions == 1:
+            arrival, theta = self.windows.arrive(g, apply)
+        else:  # every part of the model, in the order the leader's lock gives
+            arrival, theta = self.windows.arrive(
+                g, apply, self._from_leader(self.windows.begin_arrival() if self.leader else None))
+            self.team.Barrier()
+            if self.leader:
+                self.windows.end_arrival()
         arrive_s = time.perf_counter() - t0
         assign(self.params, theta)  # the replica goes on from the global model
         self.start = theta
@@ -97,10 +143,12 @@ class AsyncDiLoCo(AsynchronousStrategy):
                         "staleness": arrival - 1 - self.last_arrival, "round_step_s": step_s,
                         "arrive_s": arrive_s}
         self.last_arrival = arrival
-        self.windows.set_step_time(self.replica, step_s)
-        if self.dynamic:
-            times = self.windows.step_times()
-            self.steps_this_round = dynamic_local_steps(self.inner_steps, step_s, float(times[times > 0].min()))
+        if self.leader:
+            self.windows.set_step_time(self.replica, step_s)
+            if self.dynamic:
+                times = self.windows.step_times()
+                self.steps_this_round = dynamic_local_steps(self.inner_steps, step_s, float(times[times > 0].min()))
+        self.steps_this_round = self._from_leader(self.steps_this_round)
         self.pending["next_local_steps"] = self.steps_this_round
         self.round_steps, self.round_compute_s = 0, 0.0
 
@@ -111,17 +159,21 @@ class AsyncDiLoCo(AsynchronousStrategy):
         return self.windows.bytes_moved
 
     def describe(self) -> str:
-        return (f", async_diloco: {self.n_workers} replicas, {self.ctx.world_size - self.n_workers} "
-                f"servers, {self.kind}, {'dynamic' if self.dynamic else 'fixed'} local steps "
+        return (f", async_diloco: {self.n_workers} replicas of {self.positions} rank(s), "
+                f"{self.ctx.world_size - self.n_workers * self.positions} servers, {self.kind}, {'dynamic' if self.dynamic else 'fixed'} local steps "
                 f"(<= {self.inner_steps})")
 
     # ---- the end of training, checkpoints --------------------------------------------------------
     def meet(self, preempt, step: int, stop: int, end: int) -> tuple[int, int]:
         step, stop = super().meet(preempt, step, stop, end)
         self._finished, self._step_at_meeting = step >= end, step
+        self.pending = {}
         if self._finished and self.trains and self.round_steps > 0:
             self._arrive()  # the last, partial round: the global model holds all work
         return step, stop
+
+    def meeting_metrics(self) -> dict:
+        return dict(self.pending)
 
     def before_save(self) -> None:
         """Collective, every replica between arrivals: the global model into the model (what
@@ -147,23 +199,23 @@ class AsyncDiLoCo(AsynchronousStrategy):
         n = len(self.start)
         state = {"mode": self.mode, "replicas": self.n_workers, "outer_optimizer": self.kind,
                  "arrivals": self._arrivals, "step_times_ns": self._step_times,
-                 "outer": self._outer or {"momentum": torch.zeros(n), "acc": torch.zeros(n)}}
+                 self.outer_key: self._outer or {"momentum": torch.zeros(n), "acc": torch.zeros(n)}}
         if self.trains:
             local = self._stash if self._stash is not None else flat(self.params)
             counters = [self.round_steps, self.steps_this_round, self.last_arrival, self.windows.bytes_moved]
-            state["replica"] = {str(self.replica): {
+            state["replica"] = {self.state_key: {
                 "local": torch.from_numpy(local.copy()), "start": torch.from_numpy(self.start.copy()),
-                "optim": self._optim.state_dict(), "counters": torch.tensor(counters, dtype=torch.int64),
+                "optim": _local_optim_state(self._optim), "counters": torch.tensor(counters, dtype=torch.int64),
                 "round_compute_s": torch.tensor([self.round_compute_s], dtype=torch.float64)}}
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self._outer, self._arrivals = state["outer"], int(state["arrivals"])
+        self._outer, self._arrivals = state[self.outer_key], int(state["arrivals"])
         self._step_times = [int(v) for v in state["step_times_ns"]]
         if not self.trains:
             return
-        mine = state["replica"][str(self.replica)]
-        self._optim.load_state_dict(mine["optim"])
+        mine = state["replica"][self.state_key]
+        _load_local_optim_state(self._optim, mine["optim"])
         assign(self.params, mine["local"].numpy())
         self.start = mine["start"].numpy().copy()
         self.round_steps, self.steps_this_round, self.last_arrival, self.windows.bytes_moved = (
@@ -180,3 +232,35 @@ class AsyncDiLoCo(AsynchronousStrategy):
 
     def close(self) -> None:
         self.windows.free()
+
+
+def _server_groups(ps_servers: int, positions: int, dp_size: int) -> int:
+    """Server ranks come in groups of one per position of a replica (tp x pp ranks); how many
+    groups, checked against the dp axis (replicas + server groups)."""
+    if ps_servers % positions:
+        raise ConfigError(f"config key 'sync.ps_servers': {ps_servers} server ranks for replicas of "
+                          f"{positions} ranks (parallel.tp x parallel.pp): use a multiple of {positions}")
+    if ps_servers // positions >= dp_size:
+        raise ConfigError(f"config key 'sync.ps_servers': {ps_servers} servers leave no replica among "
+                          f"{dp_size * positions} ranks (run more ranks)")
+    return ps_servers // positions
+
+
+def _local_optim_state(optim) -> dict:
+    """The inner optimizer's tensors (an OptimState) with this rank's shards as plain tensors: a
+    replica's state is its own, under its own key (a DTensor would be read as one tensor over
+    the replicas)."""
+    return {k: local_part(v) for k, v in optim.state_dict().items()}
+
+
+def _load_local_optim_state(optim, saved: dict) -> None:
+    """Back from _local_optim_state: shards of tensor-parallel parameters become DTensors again."""
+    from torch.distributed.tensor import DTensor
+
+    def restore(now, v):
+        if not isinstance(now, DTensor):
+            return v
+        return DTensor.from_local(v, now.device_mesh, now.placements, run_check=False,
+                                  shape=now.shape, stride=now.stride())  # uneven shards too
+
+    optim.load_state_dict({k: restore(now, saved[k]) for k, now in optim.state_dict().items()})

@@ -41,27 +41,35 @@ def count_workers(cfg: Config, ctx: DistContext) -> int:
     return workers
 
 
+def local_part(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter (a tensor-parallel DTensor's local shard)."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
 def flat(params) -> np.ndarray:
-    """The parameters as one fp32 host vector (a copy)."""
-    return torch.cat([p.detach().reshape(-1).float().cpu() for p in params]).numpy()
+    """This rank's part of the parameters as one fp32 host vector (a copy)."""
+    return torch.cat([local_part(p).detach().reshape(-1).float().cpu() for p in params]).numpy()
 
 
 def assign(params, vector: np.ndarray) -> None:
-    """Copy a flat host vector into the parameters (vector_to_parameters would alias them)."""
+    """Copy a flat host vector into this rank's part of the parameters (vector_to_parameters
+    would alias them)."""
     src, at = torch.from_numpy(vector), 0
     with torch.no_grad():
         for p in params:
-            p.copy_(src[at:at + p.numel()].view_as(p))
-            at += p.numel()
+            local = local_part(p)
+            local.copy_(src[at:at + local.numel()].view_as(local))
+            at += local.numel()
 
 
 class AsynchronousStrategy(SyncStrategy):
     global_each_step = True  # each worker decides about its own update alone: no vote
     collective_steps = False
 
-    def __init__(self, ctx: DistContext, n_workers: int):
+    def __init__(self, ctx: DistContext, n_workers: int, trains: bool | None = None):
+        """`trains`: whether this rank is a worker (default: the first `n_workers` ranks are)."""
         self.ctx, self.n_workers = ctx, n_workers
-        self.trains = ctx.rank < n_workers
+        self.trains = ctx.rank < n_workers if trains is None else trains
         self.workers = ctx.comm.Split(0 if self.trains else 1, ctx.rank)
         self._raised = NONE
         self.flags = None  # set by the subclass: raise_stop(reason) / stop_flag()

@@ -22,9 +22,14 @@ CLAIMS, ARRIVALS, STOP, TIMES = 0, 1, 2, 3
 
 
 class GlobalModelWindows:
-    """Collective constructor over `comm`: the last `n_servers` ranks are servers."""
+    """Collective constructor over `comm`: the last `n_servers` ranks are servers of this rank's
+    part of the model. The control words live on rank `control_host` of `control_comm` (default:
+    `comm` and its first server). With tensor / pipeline parallel replicas every position in a
+    replica has its own `comm` (the same position in every replica, then its servers) and all
+    share one control_comm (the world)."""
 
-    def __init__(self, comm, initial: np.ndarray, n_servers: int, n_replicas: int):
+    def __init__(self, comm, initial: np.ndarray, n_servers: int, n_replicas: int,
+                 control_comm=None, control_host: int | None = None):
         self.comm, self.n = comm, int(initial.size)
         self.servers = list(range(comm.size - n_servers, comm.size))
         self.bounds = [(self.n * s // n_servers, self.n * (s + 1) // n_servers) for s in range(n_servers)]
@@ -40,30 +45,34 @@ class GlobalModelWindows:
         if mine:
             self.memory[:] = 0.0
             self.memory[:mine] = initial[lo:hi]
-        first = comm.rank == self.servers[0]
+        self.control_comm = control_comm if control_comm is not None else comm
+        self.host = self.servers[0] if control_host is None else control_host
+        first = self.control_comm.rank == self.host
         words = TIMES + n_replicas
-        self.control = MPI.Win.Allocate(8 * words if first else 0, disp_unit=8, comm=comm)
+        self.control = MPI.Win.Allocate(8 * words if first else 0, disp_unit=8, comm=self.control_comm)
         self.control_memory = np.frombuffer(self.control.tomemory(), dtype=np.int64) if first else None
         if first:
             self.control_memory[:] = 0
-        comm.Barrier()  # initialized before anyone reads
+        # one word whose exclusive lock orders the arrivals of replicas made of several ranks
+        self.mutex = MPI.Win.Allocate(8 if first else 0, disp_unit=8, comm=self.control_comm)
+        self.control_comm.Barrier()  # initialized before anyone reads
         self.n_replicas = n_replicas
         self.bytes_moved = 0  # by this rank: model-sized reads and writes
 
     # ---- control words ------------------------------------------------------------------------
     def _fetch_add(self, index: int, value: int, op=MPI.SUM) -> int:
         one, old = np.array([value], dtype=np.int64), np.empty(1, dtype=np.int64)
-        self.control.Lock(self.servers[0], MPI.LOCK_SHARED)
-        self.control.Fetch_and_op([one, MPI.INT64_T], [old, MPI.INT64_T], self.servers[0], index, op)
-        self.control.Unlock(self.servers[0])
+        self.control.Lock(self.host, MPI.LOCK_SHARED)
+        self.control.Fetch_and_op([one, MPI.INT64_T], [old, MPI.INT64_T], self.host, index, op)
+        self.control.Unlock(self.host)
         return int(old[0])
 
     def read_control(self) -> np.ndarray:
         out = np.empty(TIMES + self.n_replicas, dtype=np.int64)
-        self.control.Lock(self.servers[0], MPI.LOCK_SHARED)
+        self.control.Lock(self.host, MPI.LOCK_SHARED)
         self.control.Get_accumulate([np.empty_like(out), MPI.INT64_T], [out, MPI.INT64_T],
-                                    self.servers[0], target=(0, out.size, MPI.INT64_T), op=MPI.NO_OP)
-        self.control.Unlock(self.servers[0])
+                                    self.host, target=(0, out.size, MPI.INT64_T), op=MPI.NO_OP)
+        self.control.Unlock(self.host)
         return out
 
     def claim(self) -> int:
@@ -82,17 +91,33 @@ class GlobalModelWindows:
         return self.read_control()[TIMES:] / 1e9
 
     # ---- the model ------------------------------------------------------------------------------
-    def arrive(self, g: np.ndarray, apply) -> tuple[int, np.ndarray]:
+    def begin_arrival(self) -> int:
+        """A replica's leader, when its replica has several ranks: hold the arrival lock (so every
+        part of the model sees the arrivals in one order) and count the arrival; its number."""
+        self.mutex.Lock(self.host, MPI.LOCK_EXCLUSIVE)
+        word = np.empty(1, dtype=np.int64)  # an operation in the epoch: the lock is really held
+        self.mutex.Fetch_and_op([word, MPI.INT64_T], [word, MPI.INT64_T], self.host, 0, MPI.NO_OP)
+        self.mutex.Flush(self.host)
+        return self._fetch_add(ARRIVALS, 1) + 1
+
+    def end_arrival(self) -> None:
+        self.mutex.Unlock(self.host)
+
+    def arrive(self, g: np.ndarray, apply, arrival: int | None = None) -> tuple[int, np.ndarray]:
         """Apply pseudo-gradient `g` (flat fp32): `apply(theta, momentum, acc, g, arrival)` on
-        every slice, under exclusive locks. (this arrival's 1-based number, the new theta)."""
+        every slice, under exclusive locks. (this arrival's 1-based number, the new theta).
+        `arrival`: the number begin_arrival() gave the replica (else it is counted here)."""
         theta = np.empty(self.n, dtype=np.float32)
+        states = []  # the Put buffers stay alive until Unlock completes the Puts
         for server in self.servers:
             self.win.Lock(server, MPI.LOCK_EXCLUSIVE)
         try:
-            arrival = self._fetch_add(ARRIVALS, 1) + 1
+            if arrival is None:
+                arrival = self._fetch_add(ARRIVALS, 1) + 1
             for server, (lo, hi) in zip(self.servers, self.bounds):
                 n = hi - lo
                 state = np.empty(3 * n, dtype=np.float32)
+                states.append(state)
                 self.win.Get([state, MPI.FLOAT], server, target=(0, 3 * n, MPI.FLOAT))
                 self.win.Flush(server)
                 apply(state[:n], state[n:2 * n], state[2 * n:], g[lo:hi], arrival)
@@ -137,3 +162,4 @@ class GlobalModelWindows:
     def free(self) -> None:
         self.win.Free()
         self.control.Free()
+        self.mutex.Free()

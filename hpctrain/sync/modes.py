@@ -54,7 +54,7 @@ def build_strategy(cfg: Config, ctx: DistContext, mesh: Mesh, model: nn.Module) 
     if cfg.sync.mode == "async_diloco":
         from hpctrain.sync.async_diloco import AsyncDiLoCo
 
-        return AsyncDiLoCo(cfg, ctx, model)
+        return AsyncDiLoCo(cfg, ctx, mesh, model)
     from hpctrain.sync.synchronous import Synchronous
 
     local_numel = sum(p.numel() for p in model.parameters())

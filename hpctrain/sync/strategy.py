@@ -41,6 +41,12 @@ class SyncStrategy:
     collective_steps = True
     every_worker_steps = True
 
+    @property
+    def writes_metrics(self) -> bool:
+        """Whether this rank writes its own metrics file where steps are not collective (one
+        per worker: a replica of several ranks writes one)."""
+        return self.trains
+
     def before_step(self, step: int, stop_aware: bool = True, until: int | None = None) -> bool:
         return True
 
@@ -76,6 +82,11 @@ class SyncStrategy:
         pass
 
     def step_metrics(self) -> dict:
+        return {}
+
+    def meeting_metrics(self) -> dict:
+        """What happened at the meeting just held (async_diloco: the last round's arrival), for
+        this rank's metrics; {} for nothing."""
         return {}
 
     def comm_bytes(self, step: int) -> int:

@@ -200,6 +200,8 @@ class Trainer:
             until = min(end, (self.step // interval + 1) * interval)  # the next checkpoint step
             stop = self._run_until(until, end, metrics)
             step, stop = self.sync.meet(self.preempt, self.step, stop, end)
+            if self.sync.meeting_metrics():  # async_diloco: the last, partial round's arrival
+                metrics.write({"step": max(self.step, step), **self.sync.meeting_metrics()})
             while self.sync.trains and self.sync.every_worker_steps and self.step < step:
                 metrics.write(self._one_step(end, stop_aware=False))  # ps: catch up with the furthest
             self.step = max(self.step, step)
@@ -254,7 +256,7 @@ class Trainer:
         run, ctx = Path(self.cfg.run.dir), self.ctx
         if ctx.is_main or self.sync.collective_steps:
             return MetricsLog(run / "metrics.jsonl", ctx.is_main, resume_step=self.step)
-        return MetricsLog(run / f"metrics.rank{ctx.rank}.jsonl", self.sync.trains, resume_step=self.step)
+        return MetricsLog(run / f"metrics.rank{ctx.rank}.jsonl", self.sync.writes_metrics, resume_step=self.step)
 
     def _validate(self, metrics: MetricsLog) -> None:
         val = self.evaluate()
