@@ -1,11 +1,17 @@
 """Per-rank step timing and straggler detection.
 
 Each step every rank contributes two numbers: its step time and its *busy* time (step time minus the
-time it spent blocked in the gradient all-reduce, measured by the MPI gradient hook). A slow rank
-(thermal throttling, a noisy neighbour, a bad node) makes every other rank wait for it inside the
-all-reduce, so their busy time drops while its own stays high: the rank with the highest busy time,
-consistently, is the straggler. Owns: gathering those numbers (one small MPI allgather per step),
-the compact record that goes into metrics.jsonl, and the warning. Never changes training.
+time it spent waiting for its peers, hpctrain/metrics/wait_clock.py: DDP's gradient reduction with
+any comm hook, from the last bucket handed over to the end of backward; blocking reductions such as
+the loss mean, which is where DiLoCo's replicas wait for each other between rounds). A slow rank
+(thermal throttling, a noisy neighbour, a bad node) makes every other rank wait for it, so their
+busy time drops while its own stays high: the rank with the highest busy time, consistently, is the
+straggler. Where the layout's collectives run inside forward/backward (FSDP, TP, PP) the waiting
+cannot be told apart on the host: busy time is then the step's wall time, the same on every rank
+(they all wait for the slowest), the record says `"rank_busy_measure": "wall"` and nobody is
+flagged. Owns: gathering those numbers (one small MPI allgather per step; under DiLoCo too, next to
+the per-step loss all-reduce), the compact record that goes into metrics.jsonl, and the warning.
+Never changes training.
 """
 from __future__ import annotations
 
@@ -19,12 +25,16 @@ class StragglerDetector:
         self.history: deque[list[float]] = deque(maxlen=window)
         self.flagged: int | None = None
 
-    def observe(self, step_s: float, busy_s: float) -> dict:
-        """Collective. Returns the compact per-rank record for this step (same on every rank)."""
+    def observe(self, step_s: float, busy_s: float, wall: bool = False) -> dict:
+        """Collective. Returns the compact per-rank record for this step (same on every rank).
+        `wall`: busy_s is the step's wall time (waits not measurable on this layout)."""
         rows = self.comm.allgather((round(step_s, 5), round(busy_s, 5)))
         busy = [b for _, b in rows]
-        self.history.append(busy)
         rec = {"rank_busy_s": busy, "rank_step_s_max": max(s for s, _ in rows)}
+        if wall:  # every rank's wall time: nothing to tell a straggler by
+            rec["rank_busy_measure"] = "wall"
+            return rec
+        self.history.append(busy)
         slow = self._straggler()
         if slow is not None:
             rec["straggler"] = slow
@@ -53,4 +63,4 @@ class StragglerDetector:
         busy = rec["rank_busy_s"]
         return (f"warning: rank {slow} is a straggler: busy {busy[slow]:.3f}s per step vs median "
                 f"{statistics.median(busy):.3f}s over the last {self.window} steps (step {step}); "
-                f"the other ranks wait for it in every gradient all-reduce")
+                f"the other ranks wait for it at every step's reduction")

@@ -1,5 +1,9 @@
-"""DDP communication hooks: gradient all-reduce through MPI instead of Gloo (CPU training), and
-torch's PowerSGD low-rank compression (`dist.grad_allreduce = "powersgd"`, see docs/communication.md).
+"""DDP communication hooks: gradient all-reduce through MPI instead of Gloo (CPU training), torch's
+PowerSGD low-rank compression (`dist.grad_allreduce = "powersgd"`, see docs/communication.md) and
+DDP's own all-reduce as a hook (`"backend"`: DDP's arithmetic, as without a hook). Every hook is
+registered wrapped (`register_timed_hook`) so that the step's WaitClock learns when this rank has
+handed each gradient bucket over: what follows until the end of backward is waiting for peers
+(hpctrain/metrics/wait_clock.py, the straggler detector's busy time).
 
 On CPU clusters the MPI library is the fastest path between ranks: it knows the interconnect and uses
 shared memory inside a node, while Gloo goes through TCP sockets. Measured here (PLATFORM.md): an
@@ -12,12 +16,13 @@ two values has only one possible order). With `prescaled`, the caller has alread
 by the group size, so the gradients arrive divided and the hook saves a pass over every bucket (a
 tenth of the sync time at 32 MiB here); backward is linear in its incoming gradient, so for a
 power-of-two group size this gives exactly the same bits as dividing the gradients.
-It must never be used for CUDA tensors (NCCL is faster there).
+The MPI hook must never be used for CUDA tensors (NCCL is faster there).
 """
-import time
+import contextlib
 
 import torch
 import torch.distributed as dist
+from hpctrain.metrics.wait_clock import WaitClock
 
 # dtypes MPI can reduce natively through mpi4py's buffer protocol (numpy views of the bucket)
 _MPI_DTYPES = (torch.float32, torch.float64)
@@ -32,17 +37,31 @@ def mpi_comm_for_group(group: dist.ProcessGroup, world_comm):
 
 
 class MPIHookState:
-    def __init__(self, comm, prescaled: bool = False):
+    def __init__(self, comm, prescaled: bool = False, clock: WaitClock | None = None):
         self.comm = comm
         self.size = comm.Get_size()
         self.prescaled = prescaled  # the loss was divided by `size`: gradients arrive averaged-ready
         self.bytes_reduced = 0  # for metrics / bandwidth accounting
-        self.wait_s = 0.0       # time spent inside Allreduce (waiting for peers + transfer)
+        self.clock = clock      # the blocking Allreduce is waiting (peers + transfer)
 
-    def take_wait(self) -> float:
-        """Seconds spent in gradient all-reduce since the last call (per step: straggler metrics)."""
-        w, self.wait_s = self.wait_s, 0.0
-        return w
+    def blocked(self):
+        return self.clock.blocked() if self.clock is not None else contextlib.nullcontext()
+
+
+def register_timed_hook(ddp_model, state, hook, clock: WaitClock | None) -> None:
+    """Register `hook` on a DDP model; with a clock, wrapped so that each call marks the moment
+    this rank has handed the bucket over (the hook has returned its future)."""
+    if clock is None:
+        ddp_model.register_comm_hook(state, hook)
+        return
+
+    def hand_over_and_mark(state, bucket):  # DDP requires the parameter name `bucket`
+        future = hook(state, bucket)
+        clock.handed_over()
+        return future
+
+    hand_over_and_mark.__qualname__ = f"timed_{getattr(hook, '__qualname__', 'hook')}"
+    ddp_model.register_comm_hook(state, hand_over_and_mark)
 
 
 # (no `from __future__ import annotations`: DDP checks these annotations at registration)
@@ -56,24 +75,39 @@ def mpi_allreduce_hook(state: MPIHookState, bucket: dist.GradBucket) -> torch.fu
         raise TypeError(f"MPI gradient sync needs fp32/fp64 CPU gradients, got {buf.dtype} on {buf.device}")
     if not state.prescaled:
         buf.div_(state.size)
-    t0 = time.perf_counter()
-    state.comm.Allreduce(MPI.IN_PLACE, buf.numpy(), op=MPI.SUM)
-    state.wait_s += time.perf_counter() - t0
+    with state.blocked():
+        state.comm.Allreduce(MPI.IN_PLACE, buf.numpy(), op=MPI.SUM)
     state.bytes_reduced += buf.numel() * buf.element_size()
     fut.set_result(buf)
     return fut
 
 
-def use_mpi_grad_allreduce(ddp_model, group: dist.ProcessGroup, world_comm,
-                      prescaled: bool = False) -> "MPIHookState":
+def use_mpi_grad_allreduce(ddp_model, group: dist.ProcessGroup, world_comm, prescaled: bool = False,
+                           clock: WaitClock | None = None) -> "MPIHookState":
     """Register the MPI hook on a DDP model; returns the hook state (holds the communicator).
     prescaled=True: the caller divides the loss by the group size before backward."""
-    state = MPIHookState(mpi_comm_for_group(group, world_comm), prescaled)
-    ddp_model.register_comm_hook(state, mpi_allreduce_hook)
+    state = MPIHookState(mpi_comm_for_group(group, world_comm), prescaled, clock)
+    register_timed_hook(ddp_model, state, mpi_allreduce_hook, clock)
     return state
 
 
-def use_powersgd(ddp_model, group: dist.ProcessGroup, rank: int):
+def backend_allreduce_hook(group: dist.ProcessGroup,
+                           bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's built-in reduction as a hook: times the reciprocal of the group size (as DDP's reducer
+    does; torch's reference `allreduce_hook` divides, which rounds differently for 3 ranks), then a
+    sum over the process group's backend (Gloo, NCCL), asynchronous."""
+    buf = bucket.buffer()
+    buf.mul_(1.0 / group.size())
+    return dist.all_reduce(buf, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def use_backend_allreduce(ddp_model, group: dist.ProcessGroup, clock: WaitClock | None) -> None:
+    """DDP's own gradient all-reduce as a hook that the clock can time (the same losses bit for
+    bit as DDP without a hook: Gloo, 2 and 3 ranks, measured)."""
+    register_timed_hook(ddp_model, group, backend_allreduce_hook, clock)
+
+
+def use_powersgd(ddp_model, group: dist.ProcessGroup, rank: int, clock: WaitClock | None = None):
     """torch's PowerSGD DDP hook: rank-`rank` low-rank factors of each gradient matrix are
     all-reduced instead of the matrix (error feedback keeps what the approximation dropped).
     Plain all-reduce for the first 2 steps (warm start); vectors/biases are sent uncompressed.
@@ -83,5 +117,5 @@ def use_powersgd(ddp_model, group: dist.ProcessGroup, rank: int):
     state = powersgd.PowerSGDState(process_group=group, matrix_approximation_rank=rank,
                                    start_powerSGD_iter=2, min_compression_rate=1.0,
                                    use_error_feedback=True, warm_start=True, random_seed=0)
-    ddp_model.register_comm_hook(state, powersgd.powerSGD_hook)
+    register_timed_hook(ddp_model, state, powersgd.powerSGD_hook, clock)
     return state

@@ -9,7 +9,7 @@ write checkpoint state (state.py does), or edit the model's code or parameter na
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -21,8 +21,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hpctrain.config import Config, DistConfig
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.errors import ConfigError
+from hpctrain.metrics.wait_clock import WaitClock
 from hpctrain.parallel.activation import apply_activation_checkpointing
-from hpctrain.parallel.mpi_grad_allreduce import MPIHookState, use_mpi_grad_allreduce, use_powersgd
+from hpctrain.parallel.mpi_grad_allreduce import (MPIHookState, use_backend_allreduce,
+                                                  use_mpi_grad_allreduce, use_powersgd)
 from hpctrain.parallel.tensor_parallel import apply_tensor_parallel
 
 if TYPE_CHECKING:  # imported where pp > 1: torch.distributed.pipelining pulls in dynamo (0.4 s)
@@ -40,7 +42,9 @@ class Layout:
 
     `module`: what the optimizer and checkpoints see (all parameters this rank holds, original
     FQNs). `forward_modules`: what runs forward: one module (the model, or its DDP / compiled
-    wrapper), or one view per pipeline stage this rank holds (`split` is set then)."""
+    wrapper), or one view per pipeline stage this rank holds (`split` is set then).
+    `wait_clock`: this rank's time waiting for peers in a step (DDP's hooks and the runner's
+    reductions mark it)."""
 
     module: nn.Module
     forward_modules: tuple[nn.Module, ...]
@@ -48,7 +52,16 @@ class Layout:
     dp_reduce: DpReduce
     split: PipelineSplit | None = None
     tie_group: dist.ProcessGroup | None = None  # {first stage, last stage} at my (dp, tp)
-    mpi_grad_allreduce: MPIHookState | None = None   # DDP's MPI hook: its communicator, wait time
+    mpi_grad_allreduce: MPIHookState | None = None   # DDP's MPI hook: its communicator
+    wait_clock: WaitClock = field(default_factory=lambda: WaitClock(torch.device("cpu")))
+
+    @property
+    def waits_measured(self) -> bool:
+        """Whether `wait_clock` sees every wait of a step: no collective runs inside forward or
+        backward except DDP's (timed through its hook). FSDP's all-gathers / reduce-scatters, TP's
+        all-reduces and the pipeline's sends and receives run inside autograd, where waiting for a
+        peer cannot be told from compute on the host; there busy time is the step's wall time."""
+        return self.dp_reduce != "fsdp" and self.mesh.tp_size == 1 and self.mesh.pp_size == 1
 
     @property
     def tied_weight_is_head_copy(self) -> bool:
@@ -101,15 +114,20 @@ def _mpi_grad_allreduce(mode: str, device: torch.device) -> bool:
     return mode == "mpi" or (mode == "auto" and device.type == "cpu")
 
 
-def apply_ddp(model: nn.Module, mesh: Mesh, dist_cfg: DistConfig) -> tuple[DDP, MPIHookState | None]:
+def apply_ddp(model: nn.Module, mesh: Mesh, dist_cfg: DistConfig,
+              clock: WaitClock | None = None) -> tuple[DDP, MPIHookState | None]:
     """DDP over dp (overlaps the all-reduce with backward) with the gradient hook dist.grad_allreduce
-    asks for; returns the wrapper and, for the MPI hook, its state. The MPI hook expects the loss
-    divided by dp before backward (`prescaled`: it sums, saving a pass over the gradients)."""
-    ddp = DDP(model, process_group=mesh.group("dp"), gradient_as_bucket_view=True)
+    asks for, timed by `clock`; returns the wrapper and, for the MPI hook, its state. The MPI hook
+    expects the loss divided by dp before backward (`prescaled`: it sums, saving a pass over the
+    gradients). "backend" registers torch's reference all-reduce hook (DDP's own arithmetic)."""
+    group = mesh.group("dp")
+    ddp = DDP(model, process_group=group, gradient_as_bucket_view=True)
     if dist_cfg.grad_allreduce == "powersgd":
-        use_powersgd(ddp, mesh.group("dp"), dist_cfg.powersgd_rank)
+        use_powersgd(ddp, group, dist_cfg.powersgd_rank, clock)
     elif _mpi_grad_allreduce(dist_cfg.grad_allreduce, next(model.parameters()).device):
-        return ddp, use_mpi_grad_allreduce(ddp, mesh.group("dp"), mesh.world_comm, prescaled=True)
+        return ddp, use_mpi_grad_allreduce(ddp, group, mesh.world_comm, prescaled=True, clock=clock)
+    else:
+        use_backend_allreduce(ddp, group, clock)
     return ddp, None
 
 
@@ -133,12 +151,14 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Layout:
     apply_activation_checkpointing(model, p.activation_checkpoint, p.ac_every)
     roots = tuple(split.make_views()) if split else (model,)
     dp_reduce, mpi_grad_allreduce = dp_reduction(mesh, cfg), None
+    clock = WaitClock(next(model.parameters()).device)
     if dp_reduce == "fsdp":
         apply_fsdp(model, roots, mesh, cfg.train.precision)
     elif dp_reduce == "ddp":
-        ddp, mpi_grad_allreduce = apply_ddp(model, mesh, cfg.dist)
+        ddp, mpi_grad_allreduce = apply_ddp(model, mesh, cfg.dist, clock)
         roots = (ddp,)
     if cfg.train.compile:  # after DDP/FSDP wrapping, as torchtitan does (DDP graphs split at buckets)
         roots = (torch.compile(roots[0]),)  # (config: never with pp > 1)
     return Layout(module=model, forward_modules=roots, mesh=mesh, dp_reduce=dp_reduce, split=split,
-                  tie_group=tied_weight_group(mesh) if split else None, mpi_grad_allreduce=mpi_grad_allreduce)
+                  tie_group=tied_weight_group(mesh) if split else None,
+                  mpi_grad_allreduce=mpi_grad_allreduce, wait_clock=clock)

@@ -10,6 +10,9 @@ and `clip_grad_norm_`; the base class holds what they share: the loss (fp16 scal
 `loss_parallel` under TP), the global-mean loss reduction, the gradient norm and the gradient
 reductions no wrapper does (the dp average after backward).
 
+The reductions the runner itself runs, and the end of each backward (where DDP waits for its
+gradient buckets), are marked on the layout's WaitClock: the straggler detector's waiting time.
+
 Owns: running forward / backward / evaluation on a Layout and the gradient reductions above. It must
 never apply a layout (parallelize.py does), touch the optimizer or its state, or import
 torch.distributed.pipelining itself (the pipeline split does, only where pp > 1).
@@ -84,10 +87,12 @@ class StepRunner(ABC):
             # shared memory; Gloo's TCP takes 360 us, every step). Sum, then divide: as Gloo's AVG
             from mpi4py import MPI
 
-            sync.comm.Allreduce(MPI.IN_PLACE, loss.numpy(), op=MPI.SUM)
+            with self.layout.wait_clock.blocked():
+                sync.comm.Allreduce(MPI.IN_PLACE, loss.numpy(), op=MPI.SUM)
             loss /= dp
-        elif dp > 1:
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.layout.mesh.group("dp"))
+        elif dp > 1:  # (DiLoCo's inner steps: where a faster replica waits for a slower one)
+            with self.layout.wait_clock.blocked():
+                dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.layout.mesh.group("dp"))
         return loss
 
     # ---- gradients ------------------------------------------------------------------------
@@ -97,7 +102,8 @@ class StepRunner(ABC):
             return
         grads = [_local(q.grad) for q in self.layout.module.parameters() if q.grad is not None]
         flat = torch.cat([g.flatten() for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.layout.mesh.group("dp"))
+        with self.layout.wait_clock.blocked():
+            dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.layout.mesh.group("dp"))
         for g, v in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(v.view_as(g))
 
@@ -173,6 +179,7 @@ class PlainRunner(StepRunner):
                         logits = self.forward_module(tokens[:, :-1])
                     loss = self._scaled_loss(logits, tokens[:, 1:])
                     (loss / n / self._loss_divisor).backward()
+                self.layout.wait_clock.backward_done()  # DDP has waited for its buckets
                 total += _value(loss.detach()) / loss_scale  # a power of two: exact
         return total
 

@@ -236,12 +236,15 @@ class Trainer:
             return None
         lr = lr_at(self.step, self.cfg.train)
         set_lr(self.optimizer, lr)
+        clock = self.layout.wait_clock  # this rank's waiting for peers inside the step
+        clock.begin()
         t0 = time.perf_counter()
         loss, grad_norm = self.train_step()
         dt = time.perf_counter() - t0
+        wait = clock.take()  # before validation, DiLoCo's round and the metrics collectives
         self.step = self.sync.next_step(self.step)
         self.sync.after_step(self.step)  # DiLoCo: ends a round when due; ps: pushes the update
-        rec = self._step_record(loss, grad_norm, lr, dt)
+        rec = self._step_record(loss, grad_norm, lr, dt, wait)
         if self.ctx.is_main and (self.step % self.cfg.train.log_interval == 0 or self.step == end):
             done = max(1, self.step - self.start_step)
             eta = (time.perf_counter() - self.t_start) / done * (end - self.step)
@@ -264,9 +267,10 @@ class Trainer:
             metrics.write({"step": self.step, "val_loss": val})
             log(self.ctx, f"step {self.step} val {val:.4f}")
 
-    def _step_record(self, loss: float, grad_norm: float, lr: float, dt: float) -> dict:
-        """The metrics of the step just taken. Where steps are collective (every rank steps
-        together) also validation, data and straggler statistics, which are collectives."""
+    def _step_record(self, loss: float, grad_norm: float, lr: float, dt: float, wait: float) -> dict:
+        """The metrics of the step just taken (`wait`: of its `dt` seconds, those spent waiting for
+        peers). Where steps are collective (every rank steps together) also validation, data and
+        straggler statistics, which are collectives."""
         ctx, t = self.ctx, self.cfg.train
         tok_s = self.data.global_batch * self.cfg.model.block_size / dt
         rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
@@ -290,8 +294,8 @@ class Trainer:
         if not collective:
             return rec
         rec.update(self.data.step_metrics())  # data_time_s, data_wait_s, cache_* (all ranks)
-        sync = self.layout.mpi_grad_allreduce
-        rec.update(self.stragglers.observe(dt, dt - (sync.take_wait() if sync else 0.0)))
+        measured = self.layout.waits_measured  # FSDP / TP / PP: busy is the wall time
+        rec.update(self.stragglers.observe(dt, dt - wait if measured else dt, wall=not measured))
         warning = self.stragglers.warning(self.step, rec)
         if warning:
             log(ctx, warning)

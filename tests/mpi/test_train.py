@@ -301,3 +301,41 @@ def test_straggler_detector_flags_the_slow_rank(tmp_path, dataset):
     cfg2, run2 = write_config(tmp_path, dataset, "even")
     r = train(2, cfg2, "--train.steps=14", "--train.eval_interval=0", "--train.straggler_window=5")
     assert "is a straggler" not in r.stderr
+
+
+def _step_records(run):
+    return [json.loads(l) for l in (Path(run) / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
+
+
+DELAY = ["--train.steps=12", "--train.eval_interval=0", "--train.straggler_window=5",
+         "--debug.delay_rank=1", "--debug.delay_s=0.15"]
+
+
+@pytest.mark.parametrize("path", [["--dist.grad_allreduce=backend"], ["--dist.grad_allreduce=powersgd"],
+                                  ["--sync.mode=diloco", "--sync.inner_steps=4"]],
+                         ids=["gloo_ddp", "powersgd", "diloco"])
+def test_straggler_found_by_its_own_compute_time(tmp_path, dataset, path):
+    """Rank 1 sleeps 0.15 s per step; rank 0 waits for it in the reduction (DDP's Gloo all-reduce
+    or PowerSGD hook, from its last bucket to the end of backward; DiLoCo's per-step loss mean).
+    Busy time is each rank's own work: rank 1's holds the delay, rank 0's does not."""
+    cfg, run = write_config(tmp_path, dataset)
+    r = train(2, cfg, *DELAY, *path)
+    assert "warning: rank 1 is a straggler" in r.stderr
+    recs = _step_records(run)
+    gaps = sorted(rec["rank_busy_s"][1] - rec["rank_busy_s"][0] for rec in recs)
+    assert 0.1 < gaps[len(gaps) // 2] < 0.2, gaps  # the median gap is the delay
+    # rank 0's step time (step_time_s is rank 0's) holds the delay, its busy time does not
+    waited = sorted(rec["step_time_s"] - rec["rank_busy_s"][0] for rec in recs)
+    assert waited[len(waited) // 2] > 0.1, waited
+    assert recs[-1]["straggler"] == 1 and {rec.get("straggler") for rec in recs} <= {None, 1}
+    assert not any("rank_busy_measure" in rec for rec in recs)
+
+
+def test_straggler_busy_is_wall_time_under_fsdp(tmp_path, dataset):
+    """FSDP's collectives run inside forward/backward: waiting is not told from compute there, so
+    the record says busy is wall time and nobody is flagged (rather than a wrong rank)."""
+    cfg, run = write_config(tmp_path, dataset)
+    r = train(2, cfg, *DELAY, "--parallel.data_parallel=fsdp")
+    assert "is a straggler" not in r.stderr
+    recs = _step_records(run)
+    assert all(rec["rank_busy_measure"] == "wall" and "straggler" not in rec for rec in recs)
