@@ -49,6 +49,15 @@ class SlurmJob:
                    step_tasks=int(steps) if steps and steps.isdigit() else None)
 
     @property
+    def slurm_id(self) -> str:
+        """The id to give scontrol / squeue for this job: `<array job>_<task>` for an array task.
+        An array task's own SLURM_JOB_ID may equal the array's job id, which names the whole
+        array: `scontrol requeue` of it would requeue every task."""
+        if self.array_job_id and self.array_task_id:
+            return f"{self.array_job_id}_{self.array_task_id}"
+        return self.job_id
+
+    @property
     def name(self) -> str:
         """`123` or, for an array task, `120_3 (job 123)`."""
         if self.array_job_id and self.array_task_id:
@@ -116,13 +125,13 @@ def remaining_seconds(job: SlurmJob | None, env: dict | None = None) -> float | 
     end = env.get("SLURM_JOB_END_TIME", "")
     if end.isdigit() and int(end) > 0:
         return int(end) - time.time()
-    out = _run(["squeue", "-h", "-j", job.job_id, "-o", "%L"])
+    out = _run(["squeue", "-h", "-j", job.slurm_id, "-o", "%L"])
     return parse_duration(out.splitlines()[0]) if out and out.strip() else None
 
 
 def job_fields(job: SlurmJob) -> dict[str, str]:
     """`scontrol show job -o ID` as a dict (empty when the controller cannot be asked)."""
-    out = _run(["scontrol", "show", "job", "-o", job.job_id]) or ""
+    out = _run(["scontrol", "show", "job", "-o", job.slurm_id]) or ""
     fields = {}
     for token in out.split():
         key, sep, value = token.partition("=")
@@ -137,7 +146,7 @@ def requeue_allowed(job: SlurmJob | None) -> tuple[bool, str]:
         return False, "not running inside a Slurm job"
     f = job_fields(job)
     if not f:
-        return False, f"cannot read job {job.job_id} from the controller (scontrol show job)"
+        return False, f"cannot read job {job.slurm_id} from the controller (scontrol show job)"
     if f.get("BatchFlag") != "1":
         return False, f"job {job.job_id} is not a batch job (srun/salloc)"
     if f.get("Requeue") != "1":
@@ -145,12 +154,22 @@ def requeue_allowed(job: SlurmJob | None) -> tuple[bool, str]:
     return True, ""
 
 
+def requeue_decision(mode: str, job: SlurmJob | None) -> tuple[bool, str]:
+    """`slurm.requeue` (auto | true | false) for this job: (requeue it, why not)."""
+    if mode == "false":
+        return False, "slurm.requeue=false"
+    if mode == "auto":
+        return requeue_allowed(job)
+    return job is not None, "not running inside a Slurm job"
+
+
 def requeue(job: SlurmJob) -> tuple[bool, str]:
-    """`scontrol requeue JOBID` (Slurm then ends this run and starts the job again): (ok, error)."""
+    """`scontrol requeue JOBID` (Slurm then ends this run and starts the job again; an array task
+    alone): (ok, error)."""
     if shutil.which("scontrol") is None:
         return False, "scontrol not found"
     try:
-        r = subprocess.run(["scontrol", "requeue", job.job_id], capture_output=True, text=True,
+        r = subprocess.run(["scontrol", "requeue", job.slurm_id], capture_output=True, text=True,
                            timeout=SLURM_CMD_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as e:
         return False, str(e)

@@ -1,0 +1,177 @@
+"""The study on the shared file system: an Optuna journal file, trials claimed under a lock, and
+each worker's claim on the trial it trains.
+
+Owns: opening (or creating) the study in `tune.journal` (JournalStorage + JournalFileBackend:
+append-only, locked with link/O_EXCL files, no database server), the sampler and pruner
+built from [tune], handing out trials so that the study holds exactly `tune.n_trials` of them
+whatever the number of concurrent workers (an ask lock beside the journal), and the worker's claim
+file `<study dir>/workers/<worker>.json` that brings a requeued worker back to its own trial. It must
+never launch training or decide a trial's outcome (trial_run.py does).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+import uuid
+import warnings
+from pathlib import Path
+
+from hpctrain.errors import UserError
+from hpctrain.tune.space import TuneConfig
+
+ASK_LOCK_STALE_S = 120.0  # a lock file older than this was left by a killed worker: taken over
+
+
+def import_optuna():
+    try:
+        import optuna
+    except ImportError:
+        raise UserError("hpctrain tune needs optuna: pip install 'hpctrain[tune]' (the tested "
+                        "pin is in requirements/constraints.txt)") from None
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # our own one line per trial instead
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # constant_liar
+    return optuna
+
+
+def storage(journal: str | Path):
+    optuna = import_optuna()
+    from optuna.storages.journal import JournalFileBackend
+
+    return optuna.storages.JournalStorage(JournalFileBackend(str(journal)))
+
+
+def sampler(tune: TuneConfig, seed: int):
+    """TPE; constant_liar: trials still running count as bad guesses, so concurrent workers do
+    not all sample the same promising point."""
+    optuna = import_optuna()
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=tune.sampler_startup_trials,
+                                      constant_liar=True)
+
+
+def pruner(tune: TuneConfig):
+    optuna = import_optuna()
+    if tune.pruner == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=tune.prune_startup_trials,
+                                           n_warmup_steps=tune.prune_warmup_steps)
+    if tune.pruner == "successive_halving":
+        return optuna.pruners.SuccessiveHalvingPruner(
+            min_resource=tune.min_resource or "auto", reduction_factor=tune.reduction_factor)
+    return optuna.pruners.NopPruner()
+
+
+def open_study(tune: TuneConfig, base: dict | None = None):
+    """The study in tune.journal, created on first use (by whichever worker comes first). `base`
+    (the base config's path, text and overrides) is stored with it for `tune status`."""
+    optuna = import_optuna()
+    journal = Path(tune.journal)
+    journal.parent.mkdir(parents=True, exist_ok=True)
+    study = optuna.create_study(study_name=tune.study_name, storage=storage(journal),
+                                direction="minimize", sampler=sampler(tune, tune.seed),
+                                pruner=pruner(tune), load_if_exists=True)
+    if base is not None and "base" not in study.user_attrs:
+        study.set_user_attr("base", base)
+    return study
+
+
+def load_study(journal: str | Path, study_name: str | None = None):
+    """An existing study (read-only use: `tune status`), or one error naming the journal."""
+    optuna = import_optuna()
+    if not Path(journal).is_file():
+        raise UserError(f"{journal}: no study journal there (the [tune] journal of a search)")
+    st = storage(journal)
+    names = [s.study_name for s in optuna.get_all_study_summaries(st)]
+    if not names or (study_name is not None and study_name not in names):
+        raise UserError(f"{journal}: no study {study_name or ''} in it (studies: {names})")
+    return optuna.load_study(study_name=study_name or names[0], storage=st)
+
+
+def trial_by_number(study, number: int):
+    """A live Trial object for a trial that already exists (a requeued worker's own trial): its
+    reports, pruning decisions and final value go to the same trial number."""
+    optuna = import_optuna()
+    trial_id = study._storage.get_trial_id_from_study_id_trial_number(study._study_id, number)
+    return optuna.trial.Trial(study, trial_id)
+
+
+def ask_new(study, tune: TuneConfig):
+    """The next trial with its parameters sampled, or None when the study has its n_trials. Under
+    the ask lock, so concurrent workers never make more than n_trials (enqueued WAITING ones are
+    handed out first and count once started)."""
+    optuna = import_optuna()
+    with ask_lock(Path(tune.journal)):
+        started = [t for t in study.get_trials(deepcopy=False)
+                   if t.state != optuna.trial.TrialState.WAITING]
+        if len(started) >= tune.n_trials:
+            return None
+        study.sampler = sampler(tune, tune.seed + len(started))  # reproducible per trial number
+        trial = study.ask()
+        for p in tune.params:
+            p.suggest(trial)
+        return trial
+
+
+@contextlib.contextmanager
+def ask_lock(journal: Path, stale_s: float = ASK_LOCK_STALE_S):
+    """An O_EXCL lock file beside the journal (no flock: often off on Lustre). A lock older than
+    stale_s belonged to a killed worker (asking takes well under a second) and is taken over."""
+    lock = journal.with_name(journal.name + ".ask.lock")
+    wait = 0.01
+    while True:
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            _take_over_if_stale(lock, stale_s)
+            time.sleep(wait)
+            wait = min(wait * 2, 0.5)
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{socket.gethostname()} {os.getpid()}\n")
+        break
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            lock.unlink()
+
+
+def _take_over_if_stale(lock: Path, stale_s: float) -> None:
+    try:
+        if time.time() - lock.stat().st_mtime < stale_s:
+            return
+        aside = lock.with_name(f"{lock.name}.{uuid.uuid4().hex}.stale")
+        os.rename(lock, aside)  # only one of several workers taking it over wins the rename
+        aside.unlink()
+    except FileNotFoundError:
+        pass
+
+
+# ---- the worker's claim on its trial ------------------------------------------------------------
+def claim_path(tune: TuneConfig, worker: str) -> Path:
+    return tune.study_dir / "workers" / f"{worker}.json"
+
+
+def write_claim(tune: TuneConfig, worker: str, number: int) -> None:
+    path = claim_path(tune, worker)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"trial": number, "worker": worker, "since": time.time()}) + "\n")
+    os.replace(tmp, path)
+
+
+def read_claim(tune: TuneConfig, worker: str) -> int | None:
+    path = claim_path(tune, worker)
+    try:
+        return int(json.loads(path.read_text())["trial"])
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"{path}: damaged worker claim (expected {{\"trial\": N}}): remove it "
+                        f"to let this worker ask for a new trial") from None
+
+
+def drop_claim(tune: TuneConfig, worker: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        claim_path(tune, worker).unlink()
