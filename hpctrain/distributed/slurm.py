@@ -2,7 +2,8 @@
 
 Owns: reading `SLURM_*` variables (job id, array task, node list, restart count, tasks), asking the
 controller for the remaining wall time and whether the job may be requeued (`squeue`, `scontrol show
-job`), `scontrol requeue`, and refusing a launch that `srun` started without an MPI plugin (every task
+job`), `scontrol requeue` (an array task by `<array job>_<task>`), whether a job has ended, and
+refusing a launch that `srun` started without an MPI plugin (every task
 would train alone). It must never import torch, model, data or checkpoint code, and it never decides
 *when* to stop: that is preempt.py's job. Outside Slurm every function here
 answers "not in Slurm" and does nothing.
@@ -152,6 +153,27 @@ def requeue_allowed(job: SlurmJob | None) -> tuple[bool, str]:
     if f.get("Requeue") != "1":
         return False, f"job {job.job_id} does not allow requeue (submitted with --no-requeue)"
     return True, ""
+
+
+ENDED_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
+                          "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"})
+
+
+def job_ended(slurm_id: str) -> bool | None:
+    """Whether job `123` (or array task `120_3`) has ended for good: True when the controller says
+    it is in an end state or no longer knows it; False while it is queued, running or requeued;
+    None when the controller cannot be asked."""
+    if shutil.which("scontrol") is None:
+        return None
+    try:
+        r = subprocess.run(["scontrol", "show", "job", "-o", slurm_id], capture_output=True,
+                           text=True, timeout=SLURM_CMD_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if r.returncode != 0:
+        return True if "Invalid job id" in r.stderr else None
+    states = re.findall(r"\bJobState=(\S+)", r.stdout)
+    return all(s in ENDED_STATES for s in states) if states else None
 
 
 def requeue_decision(mode: str, job: SlurmJob | None) -> tuple[bool, str]:

@@ -2,8 +2,8 @@
 
 Owns: the worker's name (`<array job>_<task>` in a Slurm array, the job id in a plain job, `local`
 or --worker outside Slurm) and its loop: take back the trial this worker claimed before it was
-preempted, else ask the study for a new one; train it (trial_run.py); tell the outcome; stop when
-the study holds tune.n_trials trials. On a preemption (a stop signal to this worker, or a trial's
+preempted, else a new one from the study, else (the budget spent) one whose worker's Slurm job
+has ended; train it (trial_run.py); tell the outcome; stop when there is none. On a preemption (a stop signal to this worker, or a trial's
 training exiting 75) the trial stays RUNNING and claimed, this worker requeues its own array task
 (`slurm.requeue`, as training does) and exits 75; requeued, it resumes that same trial from its
 checkpoint. It must never sample values itself (study.py) or watch a training (trial_run.py).
@@ -11,6 +11,7 @@ checkpoint. It must never sample values itself (study.py) or watch a training (t
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
@@ -63,7 +64,9 @@ def search(config_path: str, overrides: list[str], launch_prefix: list[str],
     log(f"worker {worker}: study '{tune.study_name}' in {tune.journal}, {tune.n_trials} trials, "
         f"pruner {tune.pruner}; space: {'; '.join(p.describe() for p in tune.params)}")
     while not signals.received():
-        trial = _claimed_trial(study, tune, worker) or study_mod.ask_new(study, tune)
+        # its own trial; a new one; once the budget is spent, one whose worker has gone
+        trial = (_claimed_trial(study, tune, worker) or study_mod.ask_new(study, tune)
+                 or _orphan(study, tune, worker))
         if trial is None:
             log(f"worker {worker}: the study has its {tune.n_trials} trials; done")
             return 0
@@ -99,6 +102,22 @@ def _claimed_trial(study, tune, worker: str):
     return study_mod.trial_by_number(study, number)
 
 
+def _orphan(study, tune, worker: str):
+    """A RUNNING trial whose worker was a Slurm job that has ended (a task stopped with exit 75
+    and not requeued, then the array submitted again): this worker resumes it."""
+    number = study_mod.adopt_orphan(study, tune, worker, _slurm_job_ended)
+    if number is None:
+        return None
+    log(f"worker {worker}: taking over trial {number}, whose worker's Slurm job has ended")
+    return study_mod.trial_by_number(study, number)
+
+
+def _slurm_job_ended(name: str) -> bool:
+    from hpctrain.distributed import slurm
+
+    return bool(re.fullmatch(r"\d+(_\d+)?", name)) and slurm.job_ended(name) is True
+
+
 def _requeue(cfg) -> int:
     """After a preemption: requeue this Slurm job (an array task alone) per slurm.requeue; 75."""
     from hpctrain.distributed import slurm
@@ -109,6 +128,7 @@ def _requeue(cfg) -> int:
         log(f"requeueing Slurm job {job.slurm_id}")
         ok, why = slurm.requeue(job)
     if not ok:
-        log(f"not requeued ({why}): run the same command again to resume (exit status "
-            f"{EXIT_PREEMPTED})")
+        log(f"not requeued ({why}): the trial stays RUNNING; run the same command again, or "
+            f"submit the array again: a worker takes over the trial of a task that has ended "
+            f"(exit status {EXIT_PREEMPTED})")
     return EXIT_PREEMPTED

@@ -5,8 +5,9 @@ Owns: opening (or creating) the study in `tune.journal` (JournalStorage + Journa
 append-only, locked with link/O_EXCL files, no database server), the sampler and pruner
 built from [tune], handing out trials so that the study holds exactly `tune.n_trials` of them
 whatever the number of concurrent workers (an ask lock beside the journal), and the worker's claim
-file `<study dir>/workers/<worker>.json` that brings a requeued worker back to its own trial. It must
-never launch training or decide a trial's outcome (trial_run.py does).
+file `<study dir>/workers/<worker>.json` that brings a requeued worker back to its own trial (or
+hands the trial of a worker that is gone to a new one). It must never launch training, ask Slurm
+anything, or decide a trial's outcome (trial_run.py does).
 """
 from __future__ import annotations
 
@@ -170,6 +171,27 @@ def read_claim(tune: TuneConfig, worker: str) -> int | None:
     except (ValueError, KeyError, TypeError):
         raise UserError(f"{path}: damaged worker claim (expected {{\"trial\": N}}): remove it "
                         f"to let this worker ask for a new trial") from None
+
+
+def adopt_orphan(study, tune: TuneConfig, worker: str, gone) -> int | None:
+    """Take over a RUNNING trial whose worker is gone for good (`gone(name)` is True: e.g. its
+    Slurm task ended with exit 75 under --no-requeue and the array was submitted again): its claim
+    becomes this worker's. Under the ask lock, so one worker adopts each orphan."""
+    from optuna.trial import TrialState
+
+    running = {t.number for t in study.get_trials(deepcopy=False) if t.state == TrialState.RUNNING}
+    with ask_lock(Path(tune.journal)):
+        for path in sorted(claim_path(tune, worker).parent.glob("*.json")):
+            name = path.stem
+            try:
+                number = read_claim(tune, name)
+            except UserError:
+                continue
+            if name == worker or number not in running or not gone(name):
+                continue
+            os.replace(path, claim_path(tune, worker))
+            return number
+    return None
 
 
 def drop_claim(tune: TuneConfig, worker: str) -> None:

@@ -1,8 +1,9 @@
-"""slurm/tune.sbatch on the local Slurm cluster: two array tasks are two search workers sharing one
+"""slurm/tune.sbatch on the local Slurm cluster. Two array tasks are two search workers sharing one
 study; the task that carries the array's own job id is preempted mid-trial (`scancel
 --signal=USR1 --batch <array>_<task>`) while the other trains: only that task is requeued, and it
 resumes the same trial from its checkpoint; a trial whose training crashes is FAIL and the study
-goes on. Trials train under `srun --mpi=pmi2`, one job step each."""
+goes on. A task stopped without requeue leaves its trial to the next array submitted. Trials train
+under `srun --mpi=pmi2`, one job step each."""
 from __future__ import annotations
 
 import json
@@ -73,4 +74,31 @@ def test_array_tasks_share_a_study_and_a_preempted_task_resumes_its_trial(jobs, 
     assert re.search(rf"resumed from \S+step_0*{stopped[0]} at step {stopped[0]}\b", log), log
     assert f"worker {me}: resuming its trial {preempted}" in logs[carrier]
     assert f"requeueing Slurm job {me}" in logs[carrier]
+    assert not list((tune.study_dir / "workers").iterdir())
+
+
+def test_a_resubmitted_array_takes_over_a_trial_left_by_a_task_not_requeued(jobs, tmp_path):
+    """--no-requeue: the preempted task ends (exit 75) with its trial RUNNING; a new array (new
+    task ids) trains the remaining trial, then resumes the orphaned one from its checkpoint."""
+    data = make_dataset(tmp_path / "data")
+    cfg, tune = write_study(tmp_path, data, POINTS[:2], sleep=0.2)
+    submit = ("--chdir", tmp_path, "--array=0-0", ROOT / "slurm" / "tune.sbatch", cfg)
+    first = jobs.sbatch(f"--output={tmp_path}/tune-%A_%a.out", "--no-requeue", *submit)
+    me = f"{first}_0"
+    jobs.wait_for(lambda: claimed(tune, me) == 0 and last_step(tune.trial_dir(0)) >= 4,
+                  f"task {me} 4 steps into trial 0", timeout=180, job_id=first)
+    jobs.scancel("--signal=USR1", "--batch", me)
+    (rec,) = jobs.wait(first, timeout=120)
+    assert (rec["JobState"], rec["ExitCode"], rec["Restarts"]) == ("FAILED", "75:0", "0")
+    assert [(t.number, t.state.name) for t in trials(tune)] == [(0, "RUNNING"), (1, "WAITING")]
+
+    second = jobs.sbatch(f"--output={tmp_path}/tune-%A_%a.out", *submit)
+    (rec,) = jobs.wait(second, timeout=180)
+    log = (tmp_path / f"tune-{second}_0.out").read_text()
+    assert rec["JobState"] == "COMPLETED", log
+    done = trials(tune)
+    assert [(t.number, t.state.name, t.user_attrs["launches"]) for t in done] == [
+        (0, "COMPLETE", 2), (1, "COMPLETE", 1)], log
+    assert f"worker {second}_0: taking over trial 0" in log
+    assert sorted(losses(tune.trial_dir(0))) == list(range(1, STEPS + 1))
     assert not list((tune.study_dir / "workers").iterdir())

@@ -1,8 +1,6 @@
 """The [tune] section: parsing, one-line errors naming the key, sampled values within bounds, the
-overrides a trial trains with, the ask budget under concurrency, and the best configuration."""
+overrides a trial trains with, and the best configuration."""
 from __future__ import annotations
-
-import threading
 
 import pytest
 
@@ -110,31 +108,6 @@ def test_sampled_values_stay_within_bounds_and_train_as_overrides():
     assert seen["train.warmup_steps"] == {0, 5, 10} and seen["train.micro_batch_size"] == {1, 2, 4}
     lrs = sorted(seen["train.lr"])
     assert lrs[0] < 1e-3 < lrs[-1]  # log-uniform: a decade each side of the middle is reached
-
-
-def test_ask_never_exceeds_the_budget_under_concurrent_workers(tmp_path):
-    pytest.importorskip("optuna")
-    from hpctrain.tune import study as study_mod
-
-    t = parse({"n_trials": 7, "journal": str(tmp_path / "s.journal"), "params": PARAMS})
-    got, lock = [], threading.Lock()
-
-    def worker():
-        study = study_mod.open_study(t)  # each with its own storage object, as separate workers
-        while (trial := study_mod.ask_new(study, t)) is not None:
-            with lock:
-                got.append(trial.number)
-            study.tell(trial.number, 1.0)
-
-    threads = [threading.Thread(target=worker) for _ in range(3)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert sorted(got) == list(range(7))
-    study = study_mod.load_study(tmp_path / "s.journal")
-    assert [tr.number for tr in study.trials] == list(range(7))
-    assert not (tmp_path / "s.journal.ask.lock").exists()
 
 
 def test_best_configuration_is_a_training_toml(tmp_path):
