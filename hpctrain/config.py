@@ -337,7 +337,7 @@ def from_dict(raw: dict, source: str = "config", cli_keys: frozenset = frozenset
     if "tune" in raw:
         from hpctrain.tune.space import parse  # no torch, no optuna: only the schema
 
-        parse(raw["tune"], source, run_dir=str(raw.get("run", {}).get("dir", "")))
+        parse(raw["tune"], source, str(raw.get("run", {}).get("dir", "")), cli_keys)
     for name in raw:
         if name in OTHER_SECTIONS:
             continue

@@ -91,9 +91,10 @@ class TuneConfig:
         return self.study_dir / f"trial_{number}"
 
 
-def parse(raw, source: str = "config", run_dir: str = "") -> TuneConfig:
+def parse(raw, source: str = "config", run_dir: str = "", cli_keys: frozenset = frozenset()
+          ) -> TuneConfig:
     """The [tune] table (with any --tune.key=value overrides merged) -> TuneConfig, or one
-    ConfigError naming the key."""
+    ConfigError naming the key (and where it was given)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"config key 'tune': expected a [tune] table in {source}")
     from hpctrain.config import _coerce  # the one type coercion of every config key
@@ -105,7 +106,8 @@ def parse(raw, source: str = "config", run_dir: str = "") -> TuneConfig:
         if key == "params":
             continue
         if key not in known:
-            raise ConfigError(f"unknown config key 'tune.{key}' in {source} (known: params, "
+            where = "on the command line" if f"tune.{key}" in cli_keys else f"in {source}"
+            raise ConfigError(f"unknown config key 'tune.{key}' {where} (known: params, "
                               f"{', '.join(sorted(known))})")
         kwargs[key] = _coerce(f"tune.{key}", value, hints[key])
     kwargs["params"] = _parse_params(raw.get("params"), source)

@@ -62,6 +62,8 @@ def run_trial(trial, launch: Launch, run_dir: Path, stop_requested) -> TrialResu
         config.load(launch.config, overrides)
     except ConfigError as e:
         return TrialResult(FAIL, None, 0, str(e))
+    if stop_requested():  # preempted before the launch: a process signalled while it starts dies
+        return TrialResult(PREEMPTED, None, last_step(run_dir / "metrics.jsonl"))
     run_dir.mkdir(parents=True, exist_ok=True)
     trial.set_user_attr("run_dir", str(run_dir))
     trial.set_user_attr("launches", int(trial.user_attrs.get("launches", 0)) + 1)
