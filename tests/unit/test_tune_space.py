@@ -131,3 +131,24 @@ def test_best_configuration_is_a_training_toml(tmp_path):
     assert (best.train.lr, best.train.steps) == (5e-3, 30)
     assert best.run.dir == str(tmp_path / "best")
     assert [r["state"] for r in status.rows(study)] == ["COMPLETE"] * 3
+
+
+def test_the_example_search_config_loads():
+    from hpctrain.tune.search import load
+    from tests.conftest import ROOT
+
+    cfg, tune, overrides = load(str(ROOT / "configs" / "demo_tune.toml"), ["--tune.n_trials=4"])
+    assert (tune.n_trials, tune.pruner, len(tune.params), overrides) == (4, "median", 4, [])
+    assert tune.journal.endswith("runs/demo_tune/study.journal") and cfg.train.steps == 400
+
+
+def test_pruners_and_sampler_from_the_section():
+    optuna = pytest.importorskip("optuna")
+    from hpctrain.tune import study as study_mod
+
+    kinds = {name: type(study_mod.pruner(parse({"pruner": name, "params": PARAMS})))
+             for name in ("median", "successive_halving", "none")}
+    assert kinds == {"median": optuna.pruners.MedianPruner,
+                     "successive_halving": optuna.pruners.SuccessiveHalvingPruner,
+                     "none": optuna.pruners.NopPruner}
+    assert isinstance(study_mod.sampler(parse({"params": PARAMS}), 3), optuna.samplers.TPESampler)
