@@ -39,7 +39,9 @@ def load(config_path: str, overrides: list[str]):
     tune = space.parse(raw["tune"], source, run_dir=cfg.run.dir)
     space.check_base(cfg, tune, source)
     tune = dataclasses.replace(tune, journal=str(Path(tune.journal).resolve()))
-    train_overrides = [o for o in overrides if not o.startswith("--tune.")]
+    train_overrides = [f"--{section}.{key}={value}"  # every trial's; --tune.* are the study's
+                       for section, values in config.parse_overrides(overrides).items()
+                       if section != "tune" for key, value in values.items()]
     return cfg, tune, train_overrides
 
 

@@ -15,6 +15,11 @@ from hpctrain.tune.study import load_study
 from hpctrain.tune.trial_run import last_step
 
 
+# overrides that belong to the worker's job, not to the configuration (tune.sbatch gives each
+# array task its own node-local cache directory): left out of the best configuration
+PER_JOB = ("--data.cache_dir=",)
+
+
 def rows(study) -> list[dict]:
     out = []
     for t in study.get_trials(deepcopy=False):
@@ -53,8 +58,8 @@ def best_toml(study, journal: Path) -> str | None:
     base = study.user_attrs.get("base", {})
     raw = config.tomllib.loads(base.get("toml", ""))
     raw.pop("tune", None)
-    extra = [*base.get("overrides", []), *space.overrides(best.params),
-             f"--run.dir={journal.parent / 'best'}"]
+    given = [o for o in base.get("overrides", []) if not o.startswith(PER_JOB)]
+    extra = [*given, *space.overrides(best.params), f"--run.dir={journal.parent / 'best'}"]
     for section, values in config.parse_overrides(extra).items():
         raw.setdefault(section, {}).update(values)
     cfg = config.from_dict(raw, f"the best trial of {journal}")

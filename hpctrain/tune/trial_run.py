@@ -72,8 +72,23 @@ def run_trial(trial, launch: Launch, run_dir: Path, stop_requested) -> TrialResu
         log.write(f"[tune] trial {trial.number}: {' '.join(args)}\n".encode())
         log.flush()
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        rc, asked = _watch(proc, trial, run_dir / "metrics.jsonl", stop_requested)
+        try:
+            rc, asked = _watch(proc, trial, run_dir / "metrics.jsonl", stop_requested)
+        finally:
+            _stop_if_running(proc)  # the worker failed (journal unreadable, ...): no orphan
     return _outcome(rc, asked, run_dir / "metrics.jsonl")
+
+
+def _stop_if_running(proc, grace_s: float = 60.0) -> None:
+    """TERM (training checkpoints and exits, like a preemption), then KILL after grace_s."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _watch(proc, trial, metrics: Path, stop_requested) -> tuple[int, str | None]:

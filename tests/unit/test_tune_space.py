@@ -119,7 +119,7 @@ def test_best_configuration_is_a_training_toml(tmp_path):
         f"{k} = {v!r}".replace("'", '"') for k, v in d.items()) for s, d in BASE.items()))
     t = parse({"journal": str(tmp_path / "s.journal"), "params": PARAMS})
     study = study_mod.open_study(t, {"config": str(base_toml), "toml": base_toml.read_text(),
-                                     "overrides": ["--train.steps=30"]})
+                                     "overrides": ["--train.steps=30", "--data.cache_dir=/tmp/c_1"]})
     dist = {p.key: p for p in t.params}
     for lr, value in ((1e-3, 2.0), (5e-3, 1.5), (2e-3, 3.0)):
         study.add_trial(optuna.trial.create_trial(
@@ -129,7 +129,7 @@ def test_best_configuration_is_a_training_toml(tmp_path):
     status.status(str(tmp_path / "s.journal"), toml_out=str(out))
     best = config.load(out)
     assert (best.train.lr, best.train.steps) == (5e-3, 30)
-    assert best.run.dir == str(tmp_path / "best")
+    assert best.run.dir == str(tmp_path / "best") and best.data.cache_dir == "auto"
     assert [r["state"] for r in status.rows(study)] == ["COMPLETE"] * 3
 
 
@@ -137,9 +137,11 @@ def test_the_example_search_config_loads():
     from hpctrain.tune.search import load
     from tests.conftest import ROOT
 
-    cfg, tune, overrides = load(str(ROOT / "configs" / "demo_tune.toml"), ["--tune.n_trials=4"])
-    assert (tune.n_trials, tune.pruner, len(tune.params), overrides) == (4, "median", 4, [])
-    assert tune.journal.endswith("runs/demo_tune/study.journal") and cfg.train.steps == 400
+    cfg, tune, overrides = load(str(ROOT / "configs" / "demo_tune.toml"),
+                                ["--tune.n_trials", "4", "--train.steps", "200", "--data.verify=size"])
+    assert (tune.n_trials, tune.pruner, len(tune.params)) == (4, "median", 4)
+    assert overrides == ["--train.steps=200", "--data.verify=size"]  # for every trial
+    assert tune.journal.endswith("runs/demo_tune/study.journal") and cfg.train.steps == 200
 
 
 def test_pruners_and_sampler_from_the_section():
