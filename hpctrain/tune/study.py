@@ -2,7 +2,7 @@
 each worker's claim on the trial it trains.
 
 Owns: opening (or creating) the study in `tune.journal` (JournalStorage + JournalFileBackend:
-append-only, locked with link/O_EXCL files, no database server), the sampler and pruner
+append-only, locked with an O_EXCL file: locks.py, no database server), the sampler and pruner
 built from [tune], handing out trials so that the study holds exactly `tune.n_trials` of them
 whatever the number of concurrent workers (an ask lock beside the journal), and the worker's claim
 file `<study dir>/workers/<worker>.json` that brings a requeued worker back to its own trial (or
@@ -14,16 +14,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import time
-import uuid
 import warnings
 from pathlib import Path
 
 from hpctrain.errors import UserError
+from hpctrain.tune import locks
 from hpctrain.tune.space import TuneConfig
-
-ASK_LOCK_STALE_S = 120.0  # a lock file older than this was left by a killed worker: taken over
 
 
 def import_optuna():
@@ -41,7 +38,10 @@ def storage(journal: str | Path):
     optuna = import_optuna()
     from optuna.storages.journal import JournalFileBackend
 
-    return optuna.storages.JournalStorage(JournalFileBackend(str(journal)))
+    # Optuna's own lock file, with our takeover of a lock left by a killed worker (Optuna 4.1
+    # would wait for it for ever)
+    return optuna.storages.JournalStorage(JournalFileBackend(str(journal),
+                                                             lock_obj=locks.JournalLock(journal)))
 
 
 def sampler(tune: TuneConfig, seed: int):
@@ -114,39 +114,9 @@ def ask_new(study, tune: TuneConfig):
         return trial
 
 
-@contextlib.contextmanager
-def ask_lock(journal: Path, stale_s: float = ASK_LOCK_STALE_S):
-    """An O_EXCL lock file beside the journal (no flock: often off on Lustre). A lock older than
-    stale_s belonged to a killed worker (asking takes well under a second) and is taken over."""
-    lock = journal.with_name(journal.name + ".ask.lock")
-    wait = 0.01
-    while True:
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            _take_over_if_stale(lock, stale_s)
-            time.sleep(wait)
-            wait = min(wait * 2, 0.5)
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(f"{socket.gethostname()} {os.getpid()}\n")
-        break
-    try:
-        yield
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            lock.unlink()
-
-
-def _take_over_if_stale(lock: Path, stale_s: float) -> None:
-    try:
-        if time.time() - lock.stat().st_mtime < stale_s:
-            return
-        aside = lock.with_name(f"{lock.name}.{uuid.uuid4().hex}.stale")
-        os.rename(lock, aside)  # only one of several workers taking it over wins the rename
-        aside.unlink()
-    except FileNotFoundError:
-        pass
+def ask_lock(journal: Path):
+    """Held while a trial is created or a claim taken over: `<journal>.ask.lock`."""
+    return locks.held(journal.with_name(journal.name + ".ask.lock"), locks.ASK_STALE_S)
 
 
 # ---- the worker's claim on its trial ------------------------------------------------------------

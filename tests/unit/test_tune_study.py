@@ -3,7 +3,9 @@ whose worker's Slurm job has ended handed to exactly one new worker, which Slurm
 ended."""
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 import pytest
 
@@ -36,6 +38,20 @@ def test_ask_never_exceeds_the_budget_under_concurrent_workers(tmp_path):
     study = study_mod.load_study(tmp_path / "s.journal")
     assert [tr.number for tr in study.trials] == list(range(7))
     assert not (tmp_path / "s.journal.ask.lock").exists()
+
+
+def test_locks_left_by_a_killed_worker_are_taken_over(tmp_path):
+    """Optuna's symlink lock on the journal and our ask lock, both an hour old: no hang."""
+    tune = space.parse({"n_trials": 1, "journal": str(tmp_path / "s.journal"), "params": PARAMS})
+    (tmp_path / "s.journal").touch()
+    os.symlink(tmp_path / "s.journal", tmp_path / "s.journal.lock")
+    (tmp_path / "s.journal.ask.lock").write_text("node7 4242\n")
+    old = time.time() - 3600
+    for name in ("s.journal.lock", "s.journal.ask.lock"):
+        os.utime(tmp_path / name, (old, old), follow_symlinks=False)
+    study = study_mod.open_study(tune)
+    assert study_mod.ask_new(study, tune).number == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.journal"]
 
 
 def test_a_trial_whose_worker_is_gone_goes_to_one_new_worker(tmp_path):
