@@ -66,6 +66,7 @@ def search(config_path: str, overrides: list[str], launch_prefix: list[str],
     log(f"worker {worker}: study '{tune.study_name}' in {tune.journal}, {tune.n_trials} trials, "
         f"pruner {tune.pruner}; space: {'; '.join(p.describe() for p in tune.params)}")
     while not signals.received():
+        study_mod.check_claim_free(tune, worker)
         # its own trial; a new one; once the budget is spent, one whose worker has gone
         trial = (_claimed_trial(study, tune, worker) or study_mod.ask_new(study, tune)
                  or _orphan(study, tune, worker))

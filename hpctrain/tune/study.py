@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import time
 import warnings
 from pathlib import Path
@@ -128,8 +129,30 @@ def write_claim(tune: TuneConfig, worker: str, number: int) -> None:
     path = claim_path(tune, worker)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"trial": number, "worker": worker, "since": time.time()}) + "\n")
+    tmp.write_text(json.dumps({"trial": number, "worker": worker, "since": time.time(),
+                               "host": socket.gethostname(), "pid": os.getpid()}) + "\n")
     os.replace(tmp, path)
+
+
+def check_claim_free(tune: TuneConfig, worker: str) -> None:
+    """Refuse a worker name that a live process on this host is using (two `tune search` without
+    --worker outside Slurm would both be 'local' and train the same claimed trial)."""
+    path = claim_path(tune, worker)
+    try:
+        claim = json.loads(path.read_text())
+        host, pid = claim["host"], int(claim["pid"])
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return
+    if host != socket.gethostname() or pid == os.getpid():
+        return
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return  # the previous worker of this name is gone: its trial is ours to resume
+    except PermissionError:
+        pass
+    raise UserError(f"{path}: worker name '{worker}' is in use by process {pid} on this host: "
+                    f"give each concurrent worker its own --worker NAME")
 
 
 def read_claim(tune: TuneConfig, worker: str) -> int | None:

@@ -40,6 +40,28 @@ def test_ask_never_exceeds_the_budget_under_concurrent_workers(tmp_path):
     assert not (tmp_path / "s.journal.ask.lock").exists()
 
 
+def test_a_worker_name_in_use_by_a_live_process_is_refused(tmp_path):
+    import subprocess
+    import sys
+
+    from hpctrain.errors import UserError
+
+    tune = space.parse({"journal": str(tmp_path / "s.journal"), "params": PARAMS})
+    study_mod.write_claim(tune, "local", 3)
+    study_mod.check_claim_free(tune, "local")  # this process's own claim
+    claim = tmp_path / "workers" / "local.json"
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        claim.write_text(claim.read_text().replace(f'"pid": {os.getpid()}', f'"pid": {other.pid}'))
+        with pytest.raises(UserError, match=rf"worker name 'local' is in use by process {other.pid}"):
+            study_mod.check_claim_free(tune, "local")
+    finally:
+        other.kill()
+        other.wait()
+    study_mod.check_claim_free(tune, "local")  # that process is gone: its trial is ours
+    assert study_mod.read_claim(tune, "local") == 3
+
+
 def test_locks_left_by_a_killed_worker_are_taken_over(tmp_path):
     """Optuna's symlink lock on the journal and our ask lock, both an hour old: no hang."""
     tune = space.parse({"n_trials": 1, "journal": str(tmp_path / "s.journal"), "params": PARAMS})
