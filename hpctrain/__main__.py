@@ -67,18 +67,27 @@ def _export(argv: list[str]) -> int:
     return export_main(argv)
 
 
-COMMANDS = {"train": _train, "sample": _sample, "plot": _plot, "ckpt": _ckpt, "export": _export}
+def _tune(argv: list[str]) -> int:
+    from hpctrain.tune.cli import main as tune_main
+
+    return tune_main(argv)
+
+
+COMMANDS = {"train": _train, "sample": _sample, "plot": _plot, "ckpt": _ckpt, "export": _export,
+            "tune": _tune}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: python -m hpctrain {train,sample,plot,ckpt,export} [-h] ...\n\n"
+        print("usage: python -m hpctrain {train,sample,plot,ckpt,export,tune} [-h] ...\n\n"
               "  train   train a GPT (mpiexec/srun for several ranks); resumes automatically\n"
               "  sample  generate text from a checkpoint\n"
               "  plot    PNG of loss, val loss, lr, tokens/s and MFU of a run\n"
               "  ckpt    list RUN_DIR | verify DIR: checkpoint status and integrity\n"
-              "  export  --checkpoint DIR --format hf --output OUT: Hugging Face GPT-2 folder",
+              "  export  --checkpoint DIR --format hf --output OUT: Hugging Face GPT-2 folder\n"
+              "  tune    search CONFIG.toml | status JOURNAL: Bayesian search (Optuna) over Slurm "
+              "arrays",
               file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return run_or_abort(COMMANDS[argv[0]], argv[1:])

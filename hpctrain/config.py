@@ -326,13 +326,25 @@ def _type_name(typ) -> str:
     return "|".join(_choices(typ)) if _choices(typ) else typ.__name__
 
 
+# Sections of a training TOML that are not training settings: [tune] is `hpctrain tune`'s search
+# space (hpctrain/tune/space.py); `from_dict` checks it and leaves it out of the Config.
+OTHER_SECTIONS = ("tune",)
+
+
 def from_dict(raw: dict, source: str = "config", cli_keys: frozenset = frozenset()) -> Config:
     sections = _sections()
     built = {}
+    if "tune" in raw:
+        from hpctrain.tune.space import parse  # no torch, no optuna: only the schema
+
+        parse(raw["tune"], source, str(raw.get("run", {}).get("dir", "")), cli_keys)
     for name in raw:
+        if name in OTHER_SECTIONS:
+            continue
         if name not in sections:
             where = "on the command line" if any(k.startswith(f"{name}.") for k in cli_keys) else f"in {source}"
-            raise ConfigError(f"unknown config section '{name}' {where} (known: {', '.join(sections)})")
+            known = ", ".join([*sections, *OTHER_SECTIONS])
+            raise ConfigError(f"unknown config section '{name}' {where} (known: {known})")
     for name, cls in sections.items():
         values = raw.get(name, {})
         if not isinstance(values, dict):
@@ -377,6 +389,12 @@ def parse_overrides(args: list[str]) -> dict:
 
 
 def load(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    return from_dict(*read_raw(path, overrides))
+
+
+def read_raw(path: str | Path | None, overrides: list[str] | None = None
+             ) -> tuple[dict, str, frozenset]:
+    """(the TOML with the overrides merged in, its name for errors, the keys given as overrides)."""
     raw: dict = {}
     source = "overrides"
     if path is not None:
@@ -395,7 +413,7 @@ def load(path: str | Path | None, overrides: list[str] | None = None) -> Config:
             raise ConfigError(f"config key '{section}': not a table")
         raw[section].update(values)
         cli_keys.update(f"{section}.{key}" for key in values)
-    return from_dict(raw, source, frozenset(cli_keys))
+    return raw, source, frozenset(cli_keys)
 
 
 def to_toml(cfg: Config) -> str:

@@ -114,17 +114,11 @@ class Preemption:
         segments behind that break the next run of the same job step (MPICH over srun/PMI2)."""
         why = ""
         if self.rank == 0:
-            mode = self.cfg.requeue
-            if mode == "false":
-                ok, why = False, "slurm.requeue=false"
-            elif mode == "auto":
-                ok, why = slurm.requeue_allowed(self.job)
-            else:
-                ok, why = self.job is not None, "not running inside a Slurm job"
+            ok, why = slurm.requeue_decision(self.cfg.requeue, self.job)
         ok, why = self.comm.bcast((ok, why) if self.rank == 0 else None, root=0)
         if ok:
             _pending_requeue.append(self.job)
-            _log(self.rank, f"requeueing Slurm job {self.job.job_id} once all ranks have exited: "
+            _log(self.rank, f"requeueing Slurm job {self.job.slurm_id} once all ranks have exited: "
                             f"its next run resumes from step {step}")
         else:
             _log(self.rank, f"stopped at step {step} with a committed checkpoint; not requeued "
@@ -151,9 +145,9 @@ def requeue_if_requested(comm) -> None:
     time.sleep(0.5)  # let the other ranks' MPI_Finalize finish before Slurm signals them
     ok, err = slurm.requeue(_pending_requeue[0])
     if ok:
-        _log(0, f"requeued Slurm job {_pending_requeue[0].job_id}")
+        _log(0, f"requeued Slurm job {_pending_requeue[0].slurm_id}")
     else:
-        _log(0, f"error: scontrol requeue {_pending_requeue[0].job_id} failed ({err}): the "
+        _log(0, f"error: scontrol requeue {_pending_requeue[0].slurm_id} failed ({err}): the "
                 f"checkpoint is committed, submit the job again to resume")
 
 

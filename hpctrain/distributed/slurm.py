@@ -2,7 +2,8 @@
 
 Owns: reading `SLURM_*` variables (job id, array task, node list, restart count, tasks), asking the
 controller for the remaining wall time and whether the job may be requeued (`squeue`, `scontrol show
-job`), `scontrol requeue`, and refusing a launch that `srun` started without an MPI plugin (every task
+job`), `scontrol requeue` (an array task by `<array job>_<task>`), whether a job has ended, and
+refusing a launch that `srun` started without an MPI plugin (every task
 would train alone). It must never import torch, model, data or checkpoint code, and it never decides
 *when* to stop: that is preempt.py's job. Outside Slurm every function here
 answers "not in Slurm" and does nothing.
@@ -47,6 +48,15 @@ class SlurmJob:
                    n_nodes=int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1),
                    restart_count=int(env.get("SLURM_RESTART_COUNT") or 0),
                    step_tasks=int(steps) if steps and steps.isdigit() else None)
+
+    @property
+    def slurm_id(self) -> str:
+        """The id to give scontrol / squeue for this job: `<array job>_<task>` for an array task.
+        An array task's own SLURM_JOB_ID may equal the array's job id, which names the whole
+        array: `scontrol requeue` of it would requeue every task."""
+        if self.array_job_id and self.array_task_id:
+            return f"{self.array_job_id}_{self.array_task_id}"
+        return self.job_id
 
     @property
     def name(self) -> str:
@@ -116,13 +126,13 @@ def remaining_seconds(job: SlurmJob | None, env: dict | None = None) -> float | 
     end = env.get("SLURM_JOB_END_TIME", "")
     if end.isdigit() and int(end) > 0:
         return int(end) - time.time()
-    out = _run(["squeue", "-h", "-j", job.job_id, "-o", "%L"])
+    out = _run(["squeue", "-h", "-j", job.slurm_id, "-o", "%L"])
     return parse_duration(out.splitlines()[0]) if out and out.strip() else None
 
 
 def job_fields(job: SlurmJob) -> dict[str, str]:
     """`scontrol show job -o ID` as a dict (empty when the controller cannot be asked)."""
-    out = _run(["scontrol", "show", "job", "-o", job.job_id]) or ""
+    out = _run(["scontrol", "show", "job", "-o", job.slurm_id]) or ""
     fields = {}
     for token in out.split():
         key, sep, value = token.partition("=")
@@ -137,7 +147,7 @@ def requeue_allowed(job: SlurmJob | None) -> tuple[bool, str]:
         return False, "not running inside a Slurm job"
     f = job_fields(job)
     if not f:
-        return False, f"cannot read job {job.job_id} from the controller (scontrol show job)"
+        return False, f"cannot read job {job.slurm_id} from the controller (scontrol show job)"
     if f.get("BatchFlag") != "1":
         return False, f"job {job.job_id} is not a batch job (srun/salloc)"
     if f.get("Requeue") != "1":
@@ -145,12 +155,43 @@ def requeue_allowed(job: SlurmJob | None) -> tuple[bool, str]:
     return True, ""
 
 
+ENDED_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
+                          "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"})
+
+
+def job_ended(slurm_id: str) -> bool | None:
+    """Whether job `123` (or array task `120_3`) has ended for good: True when the controller says
+    it is in an end state or no longer knows it; False while it is queued, running or requeued;
+    None when the controller cannot be asked."""
+    if shutil.which("scontrol") is None:
+        return None
+    try:
+        r = subprocess.run(["scontrol", "show", "job", "-o", slurm_id], capture_output=True,
+                           text=True, timeout=SLURM_CMD_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if r.returncode != 0:
+        return True if "Invalid job id" in r.stderr else None
+    states = re.findall(r"\bJobState=(\S+)", r.stdout)
+    return all(s in ENDED_STATES for s in states) if states else None
+
+
+def requeue_decision(mode: str, job: SlurmJob | None) -> tuple[bool, str]:
+    """`slurm.requeue` (auto | true | false) for this job: (requeue it, why not)."""
+    if mode == "false":
+        return False, "slurm.requeue=false"
+    if mode == "auto":
+        return requeue_allowed(job)
+    return job is not None, "not running inside a Slurm job"
+
+
 def requeue(job: SlurmJob) -> tuple[bool, str]:
-    """`scontrol requeue JOBID` (Slurm then ends this run and starts the job again): (ok, error)."""
+    """`scontrol requeue JOBID` (Slurm then ends this run and starts the job again; an array task
+    alone): (ok, error)."""
     if shutil.which("scontrol") is None:
         return False, "scontrol not found"
     try:
-        r = subprocess.run(["scontrol", "requeue", job.job_id], capture_output=True, text=True,
+        r = subprocess.run(["scontrol", "requeue", job.slurm_id], capture_output=True, text=True,
                            timeout=SLURM_CMD_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as e:
         return False, str(e)

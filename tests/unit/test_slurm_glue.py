@@ -84,3 +84,27 @@ def test_signals_are_recorded_not_fatal():
             signal.signal(s, h)
         signals._installed.clear()
         signals._received.clear()
+
+
+def test_an_array_task_is_named_array_underscore_task(monkeypatch):
+    """`scontrol requeue` / `show job` / `squeue` get `<array>_<task>`: the task that carries the
+    array's own job id (SLURM_JOB_ID == SLURM_ARRAY_JOB_ID) would otherwise name the whole array."""
+    carrier = slurm.SlurmJob.from_env({"SLURM_JOB_ID": "40", "SLURM_ARRAY_JOB_ID": "40",
+                                       "SLURM_ARRAY_TASK_ID": "1"})
+    other = slurm.SlurmJob.from_env({"SLURM_JOB_ID": "41", "SLURM_ARRAY_JOB_ID": "40",
+                                     "SLURM_ARRAY_TASK_ID": "0"})
+    plain = slurm.SlurmJob.from_env({"SLURM_JOB_ID": "42"})
+    assert (carrier.slurm_id, other.slurm_id, plain.slurm_id) == ("40_1", "40_0", "42")
+    calls = []
+
+    class Done:
+        returncode, stdout, stderr = 0, "JobId=40 BatchFlag=1 Requeue=1\n", ""
+
+    monkeypatch.setattr(slurm.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(slurm.subprocess, "run", lambda args, **kw: calls.append(args) or Done())
+    assert slurm.requeue(carrier) == (True, "JobId=40 BatchFlag=1 Requeue=1")
+    assert slurm.requeue_decision("auto", carrier) == (True, "")
+    assert slurm.requeue_decision("false", carrier) == (False, "slurm.requeue=false")
+    slurm.remaining_seconds(carrier, {})
+    assert calls == [["scontrol", "requeue", "40_1"], ["scontrol", "show", "job", "-o", "40_1"],
+                     ["squeue", "-h", "-j", "40_1", "-o", "%L"]]

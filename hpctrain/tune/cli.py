@@ -1,0 +1,50 @@
+"""`python -m hpctrain tune search|status`: argument parsing only (docs/tuning.md)."""
+from __future__ import annotations
+
+import argparse
+import shlex
+
+SEARCH_EPILOG = """\
+The [tune] section of CONFIG.toml gives the study and the search space:
+{keys}
+  tune.params.<section>.<key> = {{ log_uniform = [lo, hi] }} | {{ uniform = [lo, hi] }} |
+                                {{ int = [lo, hi], step = k }} | {{ choice = [a, b, ...] }}
+
+Each worker asks the study (an Optuna journal file) for a trial, trains it in <journal dir>/trial_<n>
+with `--launch PREFIX python -m hpctrain train --config CONFIG.toml [overrides] <the trial's values>`,
+reports its validation losses, stops it when pruned, and goes on until the study has tune.n_trials
+trials. Run any number at once (slurm/tune.sbatch: one per array task). Preempted (USR1/TERM, or the
+training exits 75), a worker keeps its trial, requeues its own Slurm task and exits 75; requeued, it
+resumes that trial from its checkpoint.
+"""
+
+
+def main(argv: list[str]) -> int:
+    from hpctrain.tune import space
+
+    parser = argparse.ArgumentParser(prog="hpctrain tune", description="Bayesian hyperparameter "
+                                     "search (Optuna) over Slurm job arrays.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("search", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       help="one search worker: ask, train, report, prune, tell; repeat",
+                       epilog=SEARCH_EPILOG.format(keys=space.describe()))
+    s.add_argument("config", help="training TOML with a [tune] section")
+    s.add_argument("--launch", default="", help="command prefix that starts a trial's ranks, e.g. "
+                   "'srun --mpi=pmi2 --kill-on-bad-exit=1' or 'mpiexec -n 4' (default: one rank, "
+                   "no launcher)")
+    s.add_argument("--worker", help="this worker's name, which keeps its trial across a restart "
+                   "(default: <array job>_<task> in Slurm, else 'local')")
+    st = sub.add_parser("status", help="the table of trials and the best configuration as TOML")
+    st.add_argument("journal", help="the study's journal file ([tune] journal)")
+    st.add_argument("--study", help="study name (default: the journal's only study)")
+    st.add_argument("--toml", help="write the best configuration here instead of printing it")
+    args, overrides = parser.parse_known_args(argv)
+    if args.command == "status":
+        if overrides:
+            parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+        from hpctrain.tune.status import status
+
+        return status(args.journal, args.study, args.toml)
+    from hpctrain.tune.search import search
+
+    return search(args.config, overrides, shlex.split(args.launch), args.worker)

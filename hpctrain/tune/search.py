@@ -1,0 +1,137 @@
+"""The search worker: `python -m hpctrain tune search CONFIG.toml`, one per Slurm array task.
+
+Owns: the worker's name (`<array job>_<task>` in a Slurm array, the job id in a plain job, `local`
+or --worker outside Slurm) and its loop: take back the trial this worker claimed before it was
+preempted, else a new one from the study, else (the budget spent) one whose worker's Slurm job
+has ended; train it (trial_run.py); tell the outcome; stop when there is none. On a preemption (a stop signal to this worker, or a trial's
+training exiting 75) the trial stays RUNNING and claimed, this worker requeues its own array task
+(`slurm.requeue`, as training does) and exits 75; requeued, it resumes that same trial from its
+checkpoint. It must never sample values itself (study.py) or watch a training (trial_run.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from pathlib import Path
+
+from hpctrain import signals
+from hpctrain.errors import ConfigError
+from hpctrain.tune import space, study as study_mod
+from hpctrain.tune.trial_run import PREEMPTED, EXIT_PREEMPTED, Launch, finish, run_trial
+
+STOP_SIGNALS = "USR1,TERM,INT"  # Slurm's preemption / time-limit signals, Ctrl-C
+
+
+def log(msg: str) -> None:
+    print(f"[tune] {msg}", file=sys.stderr, flush=True)
+
+
+def load(config_path: str, overrides: list[str]):
+    """(training Config, TuneConfig with an absolute journal, the overrides for training)."""
+    from hpctrain import config
+
+    raw, source, cli_keys = config.read_raw(config_path, overrides)
+    if "tune" not in raw:
+        raise ConfigError(f"missing config section 'tune' in {source}: give the search space "
+                          f"(docs/tuning.md)")
+    cfg = config.from_dict(raw, source, cli_keys)
+    tune = space.parse(raw["tune"], source, run_dir=cfg.run.dir)
+    space.check_base(cfg, tune, source)
+    tune = dataclasses.replace(tune, journal=str(Path(tune.journal).resolve()))
+    train_overrides = [f"--{section}.{key}={value}"  # every trial's; --tune.* are the study's
+                       for section, values in config.parse_overrides(overrides).items()
+                       if section != "tune" for key, value in values.items()]
+    return cfg, tune, train_overrides
+
+
+def worker_name(given: str | None) -> str:
+    from hpctrain.distributed.slurm import SlurmJob
+
+    if given:
+        return given
+    job = SlurmJob.from_env()
+    return job.slurm_id if job is not None else "local"
+
+
+def search(config_path: str, overrides: list[str], launch_prefix: list[str],
+           worker: str | None = None) -> int:
+    cfg, tune, train_overrides = load(config_path, overrides)
+    signals.install(STOP_SIGNALS)
+    worker = worker_name(worker)
+    path = str(Path(config_path).resolve())
+    study = study_mod.open_study(tune, {"config": path, "toml": Path(path).read_text(),
+                                        "overrides": train_overrides})
+    launch = Launch(launch_prefix, path, train_overrides)
+    log(f"worker {worker}: study '{tune.study_name}' in {tune.journal}, {tune.n_trials} trials, "
+        f"pruner {tune.pruner}; space: {'; '.join(p.describe() for p in tune.params)}")
+    while not signals.received():
+        study_mod.check_claim_free(tune, worker)
+        # its own trial; a new one; once the budget is spent, one whose worker has gone
+        trial = (_claimed_trial(study, tune, worker) or study_mod.ask_new(study, tune)
+                 or _orphan(study, tune, worker))
+        if trial is None:
+            log(f"worker {worker}: the study has its {tune.n_trials} trials; done")
+            return 0
+        study_mod.write_claim(tune, worker, trial.number)
+        result = run_trial(trial, launch, tune.trial_dir(trial.number),
+                           lambda: bool(signals.received()))
+        if result.outcome == PREEMPTED:
+            log(f"trial {trial.number}: preempted at step {result.steps}; it stays with worker "
+                f"{worker} and resumes from its checkpoint")
+            return _requeue(cfg)
+        finish(study, trial, result)
+        study_mod.drop_claim(tune, worker)
+        value = "" if result.value is None else f" val_loss {result.value:.4f}"
+        error = f" ({result.detail})" if result.detail else ""
+        log(f"trial {trial.number}: {result.outcome}{value} after {result.steps} steps "
+            f"{' '.join(space.overrides(trial.params))}{error}")
+    return _requeue(cfg)
+
+
+def _claimed_trial(study, tune, worker: str):
+    """The trial this worker was training when it was preempted, if it is still RUNNING."""
+    from optuna.trial import TrialState
+
+    number = study_mod.read_claim(tune, worker)
+    if number is None:
+        return None
+    frozen = next((t for t in study.get_trials(deepcopy=False) if t.number == number), None)
+    if frozen is None or frozen.state != TrialState.RUNNING:
+        study_mod.drop_claim(tune, worker)  # told already (the worker stopped right after)
+        return None
+    log(f"worker {worker}: resuming its trial {number} "
+        f"({' '.join(space.overrides(frozen.params))})")
+    return study_mod.trial_by_number(study, number)
+
+
+def _orphan(study, tune, worker: str):
+    """A RUNNING trial whose worker was a Slurm job that has ended (a task stopped with exit 75
+    and not requeued, then the array submitted again): this worker resumes it."""
+    number = study_mod.adopt_orphan(study, tune, worker, _slurm_job_ended)
+    if number is None:
+        return None
+    log(f"worker {worker}: taking over trial {number}, whose worker's Slurm job has ended")
+    return study_mod.trial_by_number(study, number)
+
+
+def _slurm_job_ended(name: str) -> bool:
+    from hpctrain.distributed import slurm
+
+    return bool(re.fullmatch(r"\d+(_\d+)?", name)) and slurm.job_ended(name) is True
+
+
+def _requeue(cfg) -> int:
+    """After a preemption: requeue this Slurm job (an array task alone) per slurm.requeue; 75."""
+    from hpctrain.distributed import slurm
+
+    job = slurm.SlurmJob.from_env()
+    ok, why = slurm.requeue_decision(cfg.slurm.requeue, job)
+    if ok:
+        log(f"requeueing Slurm job {job.slurm_id}")
+        ok, why = slurm.requeue(job)
+    if not ok:
+        log(f"not requeued ({why}): the trial stays RUNNING; run the same command again, or "
+            f"submit the array again: a worker takes over the trial of a task that has ended "
+            f"(exit status {EXIT_PREEMPTED})")
+    return EXIT_PREEMPTED

@@ -1,0 +1,192 @@
+"""The study on the shared file system: an Optuna journal file, trials claimed under a lock, and
+each worker's claim on the trial it trains.
+
+Owns: opening (or creating) the study in `tune.journal` (JournalStorage + JournalFileBackend:
+append-only, locked with an O_EXCL file: locks.py, no database server), the sampler and pruner
+built from [tune], handing out trials so that the study holds exactly `tune.n_trials` of them
+whatever the number of concurrent workers (an ask lock beside the journal), and the worker's claim
+file `<study dir>/workers/<worker>.json` that brings a requeued worker back to its own trial (or
+hands the trial of a worker that is gone to a new one). It must never launch training, ask Slurm
+anything, or decide a trial's outcome (trial_run.py does).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+import warnings
+from pathlib import Path
+
+from hpctrain.errors import UserError
+from hpctrain.tune import locks
+from hpctrain.tune.space import TuneConfig
+
+
+def import_optuna():
+    try:
+        import optuna
+    except ImportError:
+        raise UserError("hpctrain tune needs optuna: pip install 'hpctrain[tune]' (the tested "
+                        "pin is in requirements/constraints.txt)") from None
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # our own one line per trial instead
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # constant_liar
+    return optuna
+
+
+def storage(journal: str | Path):
+    optuna = import_optuna()
+    from optuna.storages.journal import JournalFileBackend
+
+    # Optuna's own lock file, with our takeover of a lock left by a killed worker (Optuna 4.1
+    # would wait for it for ever)
+    return optuna.storages.JournalStorage(JournalFileBackend(str(journal),
+                                                             lock_obj=locks.JournalLock(journal)))
+
+
+def sampler(tune: TuneConfig, seed: int):
+    """TPE; constant_liar: trials still running count as bad guesses, so concurrent workers do
+    not all sample the same promising point."""
+    optuna = import_optuna()
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=tune.sampler_startup_trials,
+                                      constant_liar=True)
+
+
+def pruner(tune: TuneConfig):
+    optuna = import_optuna()
+    if tune.pruner == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=tune.prune_startup_trials,
+                                           n_warmup_steps=tune.prune_warmup_steps)
+    if tune.pruner == "successive_halving":
+        return optuna.pruners.SuccessiveHalvingPruner(
+            min_resource=tune.min_resource or "auto", reduction_factor=tune.reduction_factor)
+    return optuna.pruners.NopPruner()
+
+
+def open_study(tune: TuneConfig, base: dict | None = None):
+    """The study in tune.journal, created on first use (by whichever worker comes first). `base`
+    (the base config's path, text and overrides) is stored with it for `tune status`."""
+    optuna = import_optuna()
+    journal = Path(tune.journal)
+    journal.parent.mkdir(parents=True, exist_ok=True)
+    study = optuna.create_study(study_name=tune.study_name, storage=storage(journal),
+                                direction="minimize", sampler=sampler(tune, tune.seed),
+                                pruner=pruner(tune), load_if_exists=True)
+    if base is not None and "base" not in study.user_attrs:
+        study.set_user_attr("base", base)
+    return study
+
+
+def load_study(journal: str | Path, study_name: str | None = None):
+    """An existing study (read-only use: `tune status`), or one error naming the journal."""
+    optuna = import_optuna()
+    if not Path(journal).is_file():
+        raise UserError(f"{journal}: no study journal there (the [tune] journal of a search)")
+    st = storage(journal)
+    names = [s.study_name for s in optuna.get_all_study_summaries(st)]
+    if not names or (study_name is not None and study_name not in names):
+        raise UserError(f"{journal}: no study {study_name or ''} in it (studies: {names})")
+    return optuna.load_study(study_name=study_name or names[0], storage=st)
+
+
+def trial_by_number(study, number: int):
+    """A live Trial object for a trial that already exists (a requeued worker's own trial): its
+    reports, pruning decisions and final value go to the same trial number."""
+    optuna = import_optuna()
+    trial_id = study._storage.get_trial_id_from_study_id_trial_number(study._study_id, number)
+    return optuna.trial.Trial(study, trial_id)
+
+
+def ask_new(study, tune: TuneConfig):
+    """The next trial with its parameters sampled, or None when the study has its n_trials. Under
+    the ask lock, so concurrent workers never make more than n_trials (enqueued WAITING ones are
+    handed out first and count once started)."""
+    optuna = import_optuna()
+    with ask_lock(Path(tune.journal)):
+        started = [t for t in study.get_trials(deepcopy=False)
+                   if t.state != optuna.trial.TrialState.WAITING]
+        if len(started) >= tune.n_trials:
+            return None
+        study.sampler = sampler(tune, tune.seed + len(started))  # reproducible per trial number
+        trial = study.ask()
+        for p in tune.params:
+            p.suggest(trial)
+        return trial
+
+
+def ask_lock(journal: Path):
+    """Held while a trial is created or a claim taken over: `<journal>.ask.lock`."""
+    return locks.held(journal.with_name(journal.name + ".ask.lock"), locks.ASK_STALE_S)
+
+
+# ---- the worker's claim on its trial ------------------------------------------------------------
+def claim_path(tune: TuneConfig, worker: str) -> Path:
+    return tune.study_dir / "workers" / f"{worker}.json"
+
+
+def write_claim(tune: TuneConfig, worker: str, number: int) -> None:
+    path = claim_path(tune, worker)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"trial": number, "worker": worker, "since": time.time(),
+                               "host": socket.gethostname(), "pid": os.getpid()}) + "\n")
+    os.replace(tmp, path)
+
+
+def check_claim_free(tune: TuneConfig, worker: str) -> None:
+    """Refuse a worker name that a live process on this host is using (two `tune search` without
+    --worker outside Slurm would both be 'local' and train the same claimed trial)."""
+    path = claim_path(tune, worker)
+    try:
+        claim = json.loads(path.read_text())
+        host, pid = claim["host"], int(claim["pid"])
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return
+    if host != socket.gethostname() or pid == os.getpid():
+        return
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return  # the previous worker of this name is gone: its trial is ours to resume
+    except PermissionError:
+        pass
+    raise UserError(f"{path}: worker name '{worker}' is in use by process {pid} on this host: "
+                    f"give each concurrent worker its own --worker NAME")
+
+
+def read_claim(tune: TuneConfig, worker: str) -> int | None:
+    path = claim_path(tune, worker)
+    try:
+        return int(json.loads(path.read_text())["trial"])
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"{path}: damaged worker claim (expected {{\"trial\": N}}): remove it "
+                        f"to let this worker ask for a new trial") from None
+
+
+def adopt_orphan(study, tune: TuneConfig, worker: str, gone) -> int | None:
+    """Take over a RUNNING trial whose worker is gone for good (`gone(name)` is True: e.g. its
+    Slurm task ended with exit 75 under --no-requeue and the array was submitted again): its claim
+    becomes this worker's. Under the ask lock, so one worker adopts each orphan."""
+    from optuna.trial import TrialState
+
+    running = {t.number for t in study.get_trials(deepcopy=False) if t.state == TrialState.RUNNING}
+    with ask_lock(Path(tune.journal)):
+        for path in sorted(claim_path(tune, worker).parent.glob("*.json")):
+            name = path.stem
+            try:
+                number = read_claim(tune, name)
+            except UserError:
+                continue
+            if name == worker or number not in running or not gone(name):
+                continue
+            os.replace(path, claim_path(tune, worker))
+            return number
+    return None
+
+
+def drop_claim(tune: TuneConfig, worker: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        claim_path(tune, worker).unlink()

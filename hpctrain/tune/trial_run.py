@@ -1,0 +1,176 @@
+"""One trial's training: launched the way slurm/train.sbatch launches, watched, reported, pruned.
+
+Owns: the trial's `hpctrain train` command (the worker's launch prefix, e.g. `srun --mpi=pmi2`,
+then the base config, its overrides, the trial's values, its run directory), the trial's log
+(<run dir>/train.log), reporting every new validation loss of <run dir>/metrics.jsonl to the trial,
+stopping a pruned trial with USR1 (training commits a checkpoint at the next step and exits 75),
+passing a preemption on to the training the same way, and the trial's outcome told to the study.
+It must never ask for trials, requeue, or read Slurm's environment (search.py does).
+"""
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpctrain.errors import ConfigError
+from hpctrain.tune import space
+
+EXIT_PREEMPTED = 75  # hpctrain/distributed/preempt.py: stopped early, checkpoint committed
+POLL_S = 0.5
+
+COMPLETE, PRUNED, FAIL, PREEMPTED = "COMPLETE", "PRUNED", "FAIL", "PREEMPTED"
+
+
+@dataclass
+class TrialResult:
+    outcome: str           # COMPLETE | PRUNED | FAIL | PREEMPTED (left RUNNING for its worker)
+    value: float | None    # the metric at the last step (COMPLETE)
+    steps: int             # optimizer steps in the run's metrics.jsonl
+    detail: str = ""       # why it failed
+
+
+@dataclass
+class Launch:
+    """How every trial's training starts: `prefix` (e.g. ['srun', '--mpi=pmi2']; [] = one rank
+    here), the base config and the overrides given to `tune search` (no --tune.* ones)."""
+
+    prefix: list[str]
+    config: str
+    overrides: list[str]
+
+    def train_overrides(self, params: dict, run_dir: Path) -> list[str]:
+        return [*self.overrides, *space.overrides(params), f"--run.dir={run_dir}",
+                "--slurm.requeue=false"]  # a stopped trial exits 75: the worker decides on requeue
+
+    def command(self, overrides: list[str]) -> list[str]:
+        return [*self.prefix, sys.executable, "-m", "hpctrain", "train", "--config", self.config,
+                *overrides]
+
+
+def run_trial(trial, launch: Launch, run_dir: Path, stop_requested) -> TrialResult:
+    """Train the trial to its end, its pruning or a preemption (`stop_requested()` turns true)."""
+    from hpctrain import config
+
+    overrides = launch.train_overrides(trial.params, run_dir)
+    try:  # a point whose values break a config rule fails here, without a launch
+        config.load(launch.config, overrides)
+    except ConfigError as e:
+        return TrialResult(FAIL, None, 0, str(e))
+    if stop_requested():  # preempted before the launch: a process signalled while it starts dies
+        return TrialResult(PREEMPTED, None, last_step(run_dir / "metrics.jsonl"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    trial.set_user_attr("run_dir", str(run_dir))
+    trial.set_user_attr("launches", int(trial.user_attrs.get("launches", 0)) + 1)
+    args = launch.command(overrides)
+    with open(run_dir / "train.log", "ab") as log:
+        log.write(f"[tune] trial {trial.number}: {' '.join(args)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            rc, asked = _watch(proc, trial, run_dir / "metrics.jsonl", stop_requested)
+        finally:
+            _stop_if_running(proc)  # the worker failed (journal unreadable, ...): no orphan
+    return _outcome(rc, asked, run_dir / "metrics.jsonl")
+
+
+def _stop_if_running(proc, grace_s: float = 60.0) -> None:
+    """TERM (training checkpoints and exits, like a preemption), then KILL after grace_s."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _watch(proc, trial, metrics: Path, stop_requested) -> tuple[int, str | None]:
+    """Report new validation losses while the training runs; USR1 to it when the trial is pruned
+    or the worker is preempted. (exit status, what we asked: None | 'prune' | 'preempt')."""
+    reported = set(trial.storage.get_trial(trial._trial_id).intermediate_values)  # resumed: kept
+    asked, signalled = None, False
+    while True:
+        rc = proc.poll()
+        new = _report_new(trial, metrics, reported)
+        if rc is not None:
+            return rc, asked
+        if asked is None and stop_requested():
+            asked = "preempt"
+        elif asked is None and new and trial.should_prune():
+            asked = "prune"
+        if asked is not None and not signalled:
+            proc.send_signal(signal.SIGUSR1)  # srun / mpiexec pass it on to every rank
+            signalled = True
+        time.sleep(POLL_S)
+
+
+def _report_new(trial, metrics: Path, reported: set) -> bool:
+    """trial.report each validation loss not reported yet (a resumed trial's earlier ones were)."""
+    new = False
+    for step, val in _val_losses(metrics).items():
+        if step > 0 and step not in reported and math.isfinite(val):
+            trial.report(val, step)
+            reported.add(step)
+            new = True
+    return new
+
+
+def _outcome(rc: int, asked: str | None, metrics: Path) -> TrialResult:
+    steps = last_step(metrics)
+    if rc == 0:
+        vals = _val_losses(metrics)
+        value = vals.get(steps)
+        if value is None or not math.isfinite(value):
+            return TrialResult(FAIL, None, steps, f"no finite val_loss at step {steps} in {metrics}")
+        return TrialResult(COMPLETE, value, steps)
+    if asked == "prune":  # 75 (stopped with a checkpoint), or killed by USR1 before it was caught
+        return TrialResult(PRUNED, None, steps)
+    if rc == EXIT_PREEMPTED or asked == "preempt":
+        return TrialResult(PREEMPTED, None, steps)
+    return TrialResult(FAIL, None, steps, f"training exit status {rc} (see {metrics.parent}/train.log)")
+
+
+def finish(study, trial, result: TrialResult) -> None:
+    """Tell the study a finished outcome (a PREEMPTED trial stays RUNNING for its worker)."""
+    from optuna.trial import TrialState
+
+    trial.set_user_attr("steps", result.steps)
+    if result.detail:
+        trial.set_user_attr("error", result.detail)
+    if result.outcome == COMPLETE:
+        study.tell(trial.number, result.value)
+    elif result.outcome in (PRUNED, FAIL):
+        study.tell(trial.number, state=TrialState[result.outcome])
+
+
+def _records(metrics: Path) -> list[dict]:
+    """metrics.jsonl's intact records (a line being written, or torn by a kill, is skipped)."""
+    try:
+        lines = metrics.read_bytes().splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            out.append(rec)
+    return out
+
+
+def _val_losses(metrics: Path) -> dict[int, float]:
+    return {r["step"]: float(r["val_loss"]) for r in _records(metrics)
+            if isinstance(r.get("val_loss"), (int, float))}
+
+
+def last_step(metrics: Path) -> int:
+    return max((r["step"] for r in _records(metrics) if "loss" in r), default=0)
