@@ -88,15 +88,10 @@ class AsyncDiLoCo(AsynchronousStrategy):
     # ---- a replica's step ---------------------------------------------------------------------
     def before_step(self, step: int, stop_aware: bool = True, until: int | None = None) -> bool:
         """Claim the next batch; False when the claim is at or past `until` (a checkpoint step:
-        time to meet) or the stop flag is up."""
-        claimed = None
-        if self.leader:
-            stopped = stop_aware and self.flags.stop_flag()
-            claimed = None if stopped else self.windows.claim()
-        claimed = self._from_leader(claimed)
-        if claimed is None:
-            return False
-        self.claimed = claimed
+        time to meet). The stop flag is not read here: stop_reason() read it after the previous
+        step, and the meeting before the first (one remote operation less per step: ~2 ms across
+        nodes)."""
+        self.claimed = self._from_leader(self.windows.claim() if self.leader else None)
         if until is not None and self.claimed >= until:
             return False
         self._t0 = time.perf_counter()
