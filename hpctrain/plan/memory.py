@@ -22,9 +22,10 @@ Owns the memory model of OUR code, per pipeline rank (the largest is what must f
   keeps whole. Korthikanti et al. 2022 count s b h (34 + 5 a s / h) for Megatron's blocks.
   A checkpointed block keeps its fp32 input (4 s b h / t) and recomputes one block in backward.
   The head keeps its logits (2|4 b s V / t) and log-softmax (4 b s V / t), +8 b s V / t in backward.
-- peak = model state + working copies + max(activations of the micro-batches in flight + the
-  head's gradient + the loss's transient, all gradients); with grad_accum > 1 (or a pipeline)
-  gradients live through the forward passes, so they add.
+- peak = parameters + optimizer state + working copies + the highest activations + gradients of
+  a step: with grad_accum > 1, micro-batches in flight (pipeline) or DDP (gradients are views of
+  its buckets, allocated once) all gradients live through the forward passes and add; otherwise
+  a backward sweep (`backward_sweep`) frees each block's activations as its gradients appear.
 - setup (train/loop.py): GPT(...) is built whole in fp32 on every rank, then moved to the
   device and only then split: 4 bytes x all parameters per rank, on the host and on the GPU.
 It must never format output (report.py) or count communication (comm.py).
@@ -180,6 +181,38 @@ def rank_memory(shape: ModelShape, job: Job, stage: Stage) -> RankMemory:
     return out
 
 
+def _kept_per_block(shape: ModelShape, job: Job, stage: Stage) -> list[tuple[int, bool]]:
+    """(stored bytes, checkpointed?) of each of the stage's blocks for one micro-batch."""
+    full = layer_activation_bytes(shape, job.micro_batch, job.tp, job.half)
+    ckpt = checkpointed_layer_bytes(shape, job.micro_batch, job.tp)
+    mode = job.activation_checkpoint
+    out = []
+    for i in stage.block_ids:
+        wrapped = mode == "full" or (mode == "selective" and i % job.ac_every == 0)
+        out.append((ckpt if wrapped else full, wrapped))
+    return out
+
+
+def backward_sweep(shape: ModelShape, job: Job, stage: Stage) -> int:
+    """Highest activations + gradients over one backward when gradients start at zero: at the
+    loss (all activations, the head's gradient, the loss's transient), then at each block from the
+    last (the activations of the blocks before it, its recomputation if checkpointed, and the
+    gradients of it and the blocks after it)."""
+    blocks = _kept_per_block(shape, job, stage)
+    full = layer_activation_bytes(shape, job.micro_batch, job.tp, job.half)
+    block_grad = 4 * shape.block_params_tp(job.tp)
+    head_grad, head = 0, 0
+    if stage.has_last:
+        head_grad = 4 * shape.embedding_params_tp(job.tp)
+        head = sum(head_bytes(shape, job.micro_batch, job.tp, job.half))
+    high = sum(b for b, _ in blocks) + head + head_grad
+    for i in range(len(blocks) - 1, -1, -1):
+        here = (sum(b for b, _ in blocks[:i + 1]) + (full if blocks[i][1] else 0) + head_grad
+                + block_grad * (len(blocks) - i))
+        high = max(high, here)
+    return high
+
+
 def _peak(shape: ModelShape, job: Job, stage: Stage, p: dict) -> int:
     grads = p["gradients (fp32)"]
     state = p["parameters (fp32)"] + p["AdamW m, v (fp32)"] + p.get("DiLoCo anchor + momentum", 0)
@@ -187,12 +220,15 @@ def _peak(shape: ModelShape, job: Job, stage: Stage, p: dict) -> int:
             + p.get("FSDP unsharded grad (transient)", 0)
             + p.get("FSDP accumulated grads (grad_accum > 1)", 0))
     acts = p["activations"]
-    if job.grad_accum > 1 and job.data_parallel != "fsdp":
-        during = acts + grads
-    else:  # backward starts with the head's (tied weight's) gradient, ends with all of them
+    ddp_buckets = (job.data_parallel == "ddp" and job.dp_size > 1 and job.sync_mode == "sync"
+                   and job.tp == 1 and job.pp == 1)  # gradient_as_bucket_view: grads never freed
+    if job.data_parallel == "fsdp" and job.dp_size > 1:  # gradients reduce-scattered per block
         head_grad = 4 * shape.embedding_params_tp(job.tp) if stage.has_last else 0
-        shard = job.dp_size if job.data_parallel == "fsdp" else 1
-        during = max(acts + head_grad // shard, grads)
+        during = acts + head_grad // job.dp_size + grads
+    elif ddp_buckets or job.grad_accum > 1 or stage.in_flight > 1:
+        during = acts + grads  # gradients live through the forward passes
+    else:
+        during = backward_sweep(shape, job, stage)
     step_end = grads + p.get("DiLoCo round delta + average (transient)", 0)
     return state + max(work + during, step_end)
 
