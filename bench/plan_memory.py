@@ -64,6 +64,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--top", type=int, default=0, help="also print the N ops that allocate "
+                        "most (net) during the steps on rank 0")
     args, overrides = parser.parse_known_args()
     from hpctrain import config
     from hpctrain.distributed import init_distributed, teardown
@@ -88,6 +90,14 @@ def main() -> int:
     setups = ctx.comm.gather(setup)
     if ctx.is_main:
         from hpctrain.plan.report import fmt_bytes
+
+        if args.top:
+            net = {}
+            for ev in prof.events():
+                if ev.time_range.start >= mark:
+                    net[ev.name] = net.get(ev.name, 0) + ev.self_cpu_memory_usage
+            for name, b in sorted(net.items(), key=lambda kv: -abs(kv[1]))[:args.top]:
+                print(f"  net {fmt_bytes(b):>10}  {name}")
 
         plan = predicted(dataclasses.replace(cfg), ctx.world_size)
         print(f"measured peak RSS - RSS before the Trainer, per rank: "

@@ -14,7 +14,7 @@ from hpctrain.plan.shape import ModelShape
 
 
 def fmt_bytes(n: float) -> str:
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    for unit, size in (("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n) >= size:
             return f"{n / size:.3g} {unit}"
     return f"{int(n)} B"
