@@ -20,6 +20,10 @@ def fmt_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def fmt_params(n: int) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+
 @dataclass
 class Plan:
     shape: ModelShape
@@ -62,10 +66,10 @@ def check_budgets(p: Plan) -> list[str]:
     if host > j.node_memory:
         out.append(f"setup: {j.gpus_per_node} ranks x the whole fp32 model = {fmt_bytes(host)} of "
                    f"host memory per node > --node-memory {fmt_bytes(j.node_memory)}")
-    sampler = p.sampler["per rank (peak at an epoch change)"] * j.gpus_per_node \
-        + p.sampler["node leader (cache planner copy)"]
+    per_rank = p.sampler["per rank (peak at an epoch change)"]
+    sampler = per_rank * j.gpus_per_node + p.sampler["node leader (cache planner copy)"]
     if sampler > 0.1 * j.node_memory:
-        out.append(f"sampler: {j.gpus_per_node} ranks x {fmt_bytes(p.sampler['per rank (peak at an epoch change)'])} "
+        out.append(f"sampler: {j.gpus_per_node} ranks x {fmt_bytes(per_rank)} "
                    f"permutation (+ the cache planner's copy) = {fmt_bytes(sampler)} per node, "
                    f"> 10% of --node-memory {fmt_bytes(j.node_memory)}")
     c = p.cache
@@ -95,18 +99,20 @@ def _table(head: tuple, rows: list) -> list[str]:
 
 def _memory_lines(p: Plan) -> list[str]:
     m, j = p.mem, p.job
+    state = m.parts["parameters (fp32)"] * 4 + m.parts.get("16-bit weight copies (autocast)", 0)
+    zero = "ZeRO paper: 16 B/param (2 + 2 + 12)" + (" / dp" if j.data_parallel == "fsdp" else "")
+    ours = "our model state: 4 + 4 + 8 B/param" + (" (+2 B per matmul weight, 16-bit copy)" if j.half else "")
     rows = [(k, fmt_bytes(v)) for k, v in m.parts.items()]
-    rows += [("**peak (model)**", f"**{fmt_bytes(m.peak)}**"), ("GPU budget (--gpu-memory)", fmt_bytes(j.gpu_memory)),
-             ("ZeRO paper: 16 B/param (2 + 2 + 12)" + (" / dp" if j.data_parallel == "fsdp" else ""),
-              fmt_bytes(m.zero_paper)),
-             ("our model state: 4 + 4 + 8 B/param" + (" (+2 B/matmul param 16-bit copy)" if j.half else ""),
-              fmt_bytes(m.parts["parameters (fp32)"] * 4 + m.parts.get("16-bit weight copies (autocast)", 0)))]
+    rows += [("**peak (model)**", f"**{fmt_bytes(m.peak)}**"),
+             ("GPU budget (--gpu-memory)", fmt_bytes(j.gpu_memory)),
+             (zero, fmt_bytes(m.zero_paper)), (ours, fmt_bytes(state))]
     acts = [(k, fmt_bytes(v)) for k, v in m.activations_by_mode.items()]
-    formula = memory.activation_formula(j.half)
-    return ([f"## Memory per rank (pipeline rank {m.stage.pp_rank}: {len(m.stage.block_ids)} blocks, "
-             f"{m.stage.in_flight} micro-batch(es) in flight, {m.local_params:,} parameters before FSDP)", ""]
-            + _table(("what", "bytes"), rows) + ["", f"Activations by checkpointing mode ({formula}, "
-                                                     "plus the head; one block recomputed when any is checkpointed):", ""]
+    st = m.stage
+    title = (f"## Memory per rank (pipeline rank {st.pp_rank}: {len(st.block_ids)} blocks, "
+             f"{st.in_flight} micro-batch(es) in flight, {m.local_params:,} parameters before FSDP)")
+    note = (f"Activations by checkpointing mode ({memory.activation_formula(j.half)}, plus the head; "
+            "one block recomputed when any is checkpointed):")
+    return ([title, ""] + _table(("what", "bytes"), rows) + ["", note, ""]
             + _table(("activation_checkpoint", "activations"), acts))
 
 
@@ -114,7 +120,7 @@ def render(p: Plan) -> str:
     s, j = p.shape, p.job
     tokens_step = j.global_batch * s.block_size
     lines = [f"# Plan: {s.n_layer} x {s.n_embd} ({s.n_head} heads, vocab {s.vocab_size}, block "
-             f"{s.block_size}), {s.num_params() / 1e9:.3g}B parameters; {j.nodes} nodes x "
+             f"{s.block_size}), {fmt_params(s.num_params())} parameters; {j.nodes} nodes x "
              f"{j.gpus_per_node} = {j.world} ranks", "",
              f"Layout: dp {j.dp_size} ({j.data_parallel}) x tp {j.tp} x pp {j.pp} ({j.pp_schedule}), "
              f"micro_batch {j.micro_batch} x grad_accum {j.grad_accum} -> global batch "
@@ -148,7 +154,7 @@ def summary_row(p: Plan) -> tuple:
     layout = (f"{j.data_parallel} dp{j.dp_size} tp{j.tp} pp{j.pp} mb{j.micro_batch}x{j.grad_accum} "
               f"ac={j.activation_checkpoint}")
     dp = next(b for a, _, b, _ in p.comm if a == "dp")
-    return (f"{p.shape.num_params() / 1e9:.3g}B", f"{j.nodes} x {j.gpus_per_node}", layout,
+    return (fmt_params(p.shape.num_params()), f"{j.nodes} x {j.gpus_per_node}", layout,
             fmt_bytes(m.peak), fmt_bytes(p.setup["per rank (host, then GPU)"]),
             fmt_bytes(p.sampler["per rank (kept)"]), f"{p.checkpoint['files']:,}", fmt_bytes(dp),
             p.warnings[0] if p.warnings else "-")
