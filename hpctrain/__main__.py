@@ -1,4 +1,4 @@
-"""`python -m hpctrain train|sample|plot|ckpt|export` (console script `hpctrain`): thin dispatch only."""
+"""`python -m hpctrain train|sample|plot|ckpt|export|tune|plan` (console script `hpctrain`): thin dispatch only."""
 from __future__ import annotations
 
 import argparse
@@ -67,6 +67,12 @@ def _export(argv: list[str]) -> int:
     return export_main(argv)
 
 
+def _plan(argv: list[str]) -> int:
+    from hpctrain.plan.cli import main as plan_main
+
+    return plan_main(argv)
+
+
 def _tune(argv: list[str]) -> int:
     from hpctrain.tune.cli import main as tune_main
 
@@ -74,20 +80,22 @@ def _tune(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": _train, "sample": _sample, "plot": _plot, "ckpt": _ckpt, "export": _export,
-            "tune": _tune}
+            "tune": _tune, "plan": _plan}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: python -m hpctrain {train,sample,plot,ckpt,export,tune} [-h] ...\n\n"
+        print("usage: python -m hpctrain {train,sample,plot,ckpt,export,tune,plan} [-h] ...\n\n"
               "  train   train a GPT (mpiexec/srun for several ranks); resumes automatically\n"
               "  sample  generate text from a checkpoint\n"
               "  plot    PNG of loss, val loss, lr, tokens/s and MFU of a run\n"
               "  ckpt    list RUN_DIR | verify DIR: checkpoint status and integrity\n"
               "  export  --checkpoint DIR --format hf --output OUT: Hugging Face GPT-2 folder\n"
               "  tune    search CONFIG.toml | status JOURNAL: Bayesian search (Optuna) over Slurm "
-              "arrays",
+              "arrays\n"
+              "  plan    per-rank memory, communication, checkpoint and data figures of a model "
+              "and layout at scale",
               file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return run_or_abort(COMMANDS[argv[0]], argv[1:])

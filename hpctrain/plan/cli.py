@@ -1,0 +1,143 @@
+"""`python -m hpctrain plan`: the command line of the scale planner.
+
+Owns: the options (every one explained in --help), reading a training TOML's [model], [parallel],
+[train], [sync], [data] and [checkpoint] keys as defaults, sizes like "80GB" / "1e12", and turning
+a bad value into one line naming the option. It must never compute a figure (report.py does).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import sys
+
+from hpctrain.plan.layout import Job
+from hpctrain.plan.report import SUMMARY_HEAD, make_plan, render, summary_row
+from hpctrain.plan.shape import PRESETS, ModelShape
+
+_UNITS = {"": 1, "k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12, "p": 10 ** 15,
+          "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12, "pb": 10 ** 15,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "b": 1}
+
+
+def size(text: str) -> int:
+    """'80GB' -> 80e9, '80GiB' -> 80 * 2^30, '1e12' -> 10^12 (an argparse type)."""
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
+    if not m or m.group(2) not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number with an optional unit "
+                                         f"(1e12, 80GB, 80GiB, 3.84TB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+MODEL_KEYS = ("n_layer", "n_embd", "n_head", "vocab_size", "block_size")
+# option -> (config section, key) read from --config
+FROM_CONFIG = {"dp": ("parallel", "dp"), "tp": ("parallel", "tp"), "pp": ("parallel", "pp"),
+               "data_parallel": ("parallel", "data_parallel"), "pp_schedule": ("parallel", "pp_schedule"),
+               "pp_virtual_stages": ("parallel", "pp_virtual_stages"),
+               "activation_checkpoint": ("parallel", "activation_checkpoint"),
+               "ac_every": ("parallel", "ac_every"), "micro_batch": ("train", "micro_batch_size"),
+               "grad_accum": ("train", "grad_accum"), "precision": ("train", "precision"),
+               "sync_mode": ("sync", "mode"), "inner_steps": ("sync", "inner_steps"),
+               "compression": ("sync", "compression"), "overlap": ("sync", "overlap"),
+               "cache_bytes": ("data", "cache_bytes"), "prefetch": ("data", "prefetch"),
+               "checkpoint_keep": ("checkpoint", "keep")}
+HELP = {
+    "nodes": "nodes in the job", "gpus_per_node": "GPUs (= ranks) per node",
+    "tokens": "training corpus size in tokens (1e12, 15e12)",
+    "gpu_memory": "memory per GPU (80GB; 'GiB' units too)", "node_memory": "host RAM per node",
+    "node_disk": "node-local disk per node (where the node cache lives)",
+    "cache_bytes": "data.cache_bytes: node cache budget (0 = 90%% of --node-disk)",
+    "prefetch": "data.prefetch: steps ahead the node leader stages shards",
+    "shard_tokens": "tokens per shard (data_tools shard --shard-tokens)",
+    "dp": "parallel.dp (0 = world / (tp x pp))", "tp": "parallel.tp (tensor parallel, in node)",
+    "pp": "parallel.pp (pipeline stages)", "data_parallel": "parallel.data_parallel: ddp | fsdp",
+    "pp_schedule": "parallel.pp_schedule: gpipe | 1f1b | interleaved",
+    "pp_virtual_stages": "parallel.pp_virtual_stages (interleaved only)",
+    "micro_batch": "train.micro_batch_size: sequences per rank per forward",
+    "grad_accum": "train.grad_accum: micro-batches per optimizer step",
+    "activation_checkpoint": "parallel.activation_checkpoint: none | full | selective",
+    "ac_every": "parallel.ac_every: selective checkpoints blocks 0, N, 2N, ...",
+    "precision": "train.precision: fp32 | bf16 | fp16 (auto = bf16 on GPUs)",
+    "sync_mode": "sync.mode: sync | diloco", "inner_steps": "sync.inner_steps (diloco: steps per round)",
+    "compression": "sync.compression (diloco wire format): none | bf16 | int8",
+    "overlap": "sync.overlap (diloco: start point + pending average kept)",
+    "checkpoint_keep": "checkpoint.keep: committed checkpoints kept on the PFS",
+    "pfs_files_limit": "warn above this many files per checkpoint directory",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hpctrain plan", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Per-rank memory, communication, checkpoint and data-pipeline figures of a GPT "
+                    "shape and parallel layout on a cluster (arithmetic over this code's layouts; "
+                    "docs/scale.md). Sizes take units: 80GB, 80GiB, 1e12.",
+        epilog="Precedence: --preset or --config give the defaults, explicit options override them. "
+               "Warnings name the budget option that is exceeded.")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="model shape: 1b (24 x 2048), 7b "
+                   "(32 x 4096), 70b (80 x 8192); vocab 50304, block 2048")
+    p.add_argument("--config", help="a training TOML: its [model], [parallel], [train], [sync], "
+                   "[data] and [checkpoint] keys (train.precision auto counts as bf16)")
+    for key in MODEL_KEYS:
+        p.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int, help=f"model.{key}")
+    p.add_argument("--summary", action="store_true", help="print one Markdown table row (with its "
+                   "header) instead of the full report")
+    defaults = Job()
+    for f in dataclasses.fields(Job):
+        typ = size if f.name in ("tokens", "gpu_memory", "node_memory", "node_disk", "cache_bytes",
+                                 "shard_tokens") else type(f.default)
+        if typ is bool:
+            typ = _boolean
+        p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=typ, default=None,
+                       help=f"{HELP[f.name]} (default {_show(f.name, getattr(defaults, f.name))})")
+    return p
+
+
+def _show(name: str, value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _boolean(text: str) -> bool:
+    if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected true or false")
+    return text.lower() in ("true", "1", "yes")
+
+
+def shape_and_job(args: argparse.Namespace) -> tuple[ModelShape, Job]:
+    model, job = {}, {}
+    if args.preset:
+        model = dataclasses.asdict(PRESETS[args.preset])
+    if args.config:
+        from hpctrain import config
+
+        cfg = config.load(args.config)  # a training config: its errors name the key
+        model = {k: getattr(cfg.model, k) for k in (*MODEL_KEYS, "dropout")}
+        for opt, (section, key) in FROM_CONFIG.items():
+            job[opt] = getattr(getattr(cfg, section), key)
+        job["precision"] = "bf16" if job["precision"] == "auto" else job["precision"]
+    for key in MODEL_KEYS:
+        if getattr(args, key) is not None:
+            model[key] = getattr(args, key)
+    missing = [k for k in MODEL_KEYS if k not in model]
+    if missing:
+        raise ValueError(f"--{missing[0].replace('_', '-')} is required (or --preset / --config)")
+    for f in dataclasses.fields(Job):
+        if getattr(args, f.name) is not None:
+            job[f.name] = getattr(args, f.name)
+    return ModelShape(**model), Job(**job)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        shape, job = shape_and_job(args)
+        plan = make_plan(shape, job)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.summary:
+        print("| " + " | ".join(SUMMARY_HEAD) + " |\n|" + "---|" * len(SUMMARY_HEAD))
+        print("| " + " | ".join(str(c) for c in summary_row(plan)) + " |")
+    else:
+        print(render(plan), end="")
+    return 0

@@ -1,0 +1,103 @@
+"""Bytes one rank sends per optimizer step, per link kind, for our layouts.
+
+Owns the communication model (ring collectives: an all-reduce of M bytes over p ranks sends
+2 (p-1)/p M per rank, an all-gather or reduce-scatter of a full M sends (p-1)/p M):
+- TP with sequence parallelism (parallel/tensor_parallel.py), per block and micro-batch: forward
+  all-gathers of the attention and MLP inputs (LayerNorm output: fp32 under autocast) and
+  reduce-scatters of the wo / proj outputs (16-bit under autocast); backward the mirror images;
+  a checkpointed block repeats its forward ones. Ends: the embedding's reduce-scatter and the
+  head's all-gather (fp32), forward and backward.
+- DP (parallel/parallelize.py): DDP or the flat after-backward all-reduce of fp32 gradients once
+  per step; FSDP all-gathers parameters (16-bit under autocast) in forward and again in backward
+  for every micro-batch and reduce-scatters fp32 gradients once per step; DiLoCo averages the
+  pseudo-gradient once per round of inner_steps (sync/compress.py bytes_sent, on the wire fp32,
+  bf16 or int8 + a scale per block), nothing in between.
+- PP (parallel/pipeline.py): each micro-batch's fp32 residual stream (b, s / tp, h) to the next
+  stage and its gradient back, per model chunk; the tied embedding / head gradient all-reduced
+  between the first and last stage once per step.
+A link is "intra-node" when the group fits in one node (ranks are numbered TP innermost, then dp,
+then pp: distributed/mesh.py), else "inter-node". It must never compute memory.
+"""
+from __future__ import annotations
+
+import math
+
+from hpctrain.plan.layout import Job
+from hpctrain.plan.shape import ModelShape
+
+WIRE_BYTES = {"none": 4, "bf16": 2, "int8": 1}  # sync/compress.py
+
+
+def ring_share(p: int) -> float:
+    return (p - 1) / p if p > 1 else 0.0
+
+
+def diloco_round_bytes(n: int, p: int, kind: str, block: int = 256) -> int:
+    """sync/compress.bytes_sent: fp32 ring all-reduce, or a two-phase compressed average."""
+    if p <= 1:
+        return 0
+    if kind == "none":
+        return int(2 * (p - 1) / p * n * WIRE_BYTES["none"])
+    chunk = math.ceil(n / p)
+    if kind == "int8":
+        block = min(block, chunk) if block else chunk
+        chunk = math.ceil(chunk / block) * block
+    per_chunk = chunk * WIRE_BYTES[kind] + (chunk // block * 4 if kind == "int8" else 0)
+    return 2 * (p - 1) * per_chunk
+
+
+def tp_bytes(shape: ModelShape, job: Job, n_blocks: int, n_ckpt: int, ends: int) -> int:
+    """Per step: `n_blocks` blocks (of which `n_ckpt` checkpointed) and `ends` (embedding on the
+    first stage, head on the last) on one tp rank."""
+    if job.tp == 1:
+        return 0
+    act = shape.block_size * job.micro_batch * shape.n_embd  # elements of a full (b, s, h)
+    w = 2 if job.half else 4
+    fwd = 2 * 4 + 2 * w   # 2 all-gathers of fp32 norm outputs, 2 reduce-scatters of 16-bit outputs
+    bwd = 2 * 4 + 2 * w
+    per_micro = act * (n_blocks * (fwd + bwd) + n_ckpt * fwd + ends * (4 + 4))
+    return int(ring_share(job.tp) * per_micro * job.grad_accum)
+
+
+def dp_bytes(shape: ModelShape, job: Job, n_local: int) -> tuple[int, str]:
+    """(bytes per step, what moves) over the dp group for `n_local` parameters (after TP / PP)."""
+    p = job.dp_size
+    if p == 1:
+        return 0, "none (dp = 1)"
+    if job.sync_mode == "diloco":
+        per_round = diloco_round_bytes(n_local, p, job.compression)
+        return per_round // job.inner_steps, (f"DiLoCo: {per_round / 1e9:.3g} GB per round of "
+                                               f"{job.inner_steps} steps ({job.compression})")
+    if job.data_parallel == "fsdp":
+        gather = ring_share(p) * n_local * (2 if job.half else 4) * 2 * job.grad_accum
+        scatter = ring_share(p) * n_local * 4
+        return int(gather + scatter), "FSDP all-gather (fwd + bwd per micro-batch) + reduce-scatter"
+    return int(2 * ring_share(p) * n_local * 4), "all-reduce of fp32 gradients"
+
+
+def pp_bytes(shape: ModelShape, job: Job, has_first: bool, has_last: bool) -> int:
+    if job.pp == 1:
+        return 0
+    act = shape.block_size * job.micro_batch * shape.n_embd // job.tp * 4
+    boundaries = job.virtual * 2 - (1 if has_first else 0) - (1 if has_last else 0)
+    tied = 4 * shape.embedding_params_tp(job.tp) if (has_first or has_last) else 0  # 2-rank all-reduce
+    # each boundary this rank borders: send activations one way, gradients the other
+    return act * job.grad_accum * boundaries + tied
+
+
+def link(group_span: int, job: Job) -> str:
+    return "intra-node" if group_span <= job.gpus_per_node else "inter-node"
+
+
+def comm_per_step(shape: ModelShape, job: Job, blocks: int, ckpt_blocks: int, has_first: bool,
+                  has_last: bool, n_local: int) -> list[tuple[str, str, int, str]]:
+    """Rows (axis, link kind, bytes sent per step by this rank, what moves)."""
+    ends = int(has_first) + int(has_last)
+    dp, what = dp_bytes(shape, job, n_local)
+    return [
+        ("tp", link(job.tp, job), tp_bytes(shape, job, blocks, ckpt_blocks, ends),
+         "sequence-parallel all-gathers + reduce-scatters per block"),
+        ("dp", link(job.tp * job.dp_size, job), dp, what),
+        ("pp", link(job.tp * job.dp_size * 2, job) if job.pp > 1 else "-",
+         pp_bytes(shape, job, has_first, has_last), "activations forward, gradients back"),
+    ]

@@ -1,0 +1,95 @@
+"""The job the planner describes: cluster, parallel layout, batch, precision, sync mode, budgets.
+
+Owns: `Job` (everything `hpctrain plan` is asked about besides the model shape) and its checks,
+which mirror what `train` refuses (dp x tp x pp = world, tp divides n_head and block_size, no
+more pipeline stages than blocks), each one line naming the option. It must never compute bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hpctrain.plan.shape import ModelShape
+
+GB = 10 ** 9
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Job:
+    nodes: int = 8
+    gpus_per_node: int = 8              # ranks per node
+    tokens: float = 1e12                # training corpus size (tokens)
+    gpu_memory: int = 80 * GB           # per GPU (rank)
+    node_memory: int = 1024 * GB        # host RAM per node
+    node_disk: int = 3_840 * GB         # node-local disk (the cache's file system)
+    cache_bytes: int = 0                # data.cache_bytes: 0 = 90% of node_disk
+    prefetch: int = 4                   # data.prefetch
+    shard_tokens: int = 100_000_000     # data_tools shard --shard-tokens
+    dp: int = 0                         # 0 = world / (tp * pp)
+    tp: int = 1
+    pp: int = 1
+    data_parallel: str = "ddp"          # ddp | fsdp
+    pp_schedule: str = "1f1b"           # gpipe | 1f1b | interleaved
+    pp_virtual_stages: int = 2
+    micro_batch: int = 1
+    grad_accum: int = 1
+    activation_checkpoint: str = "none"  # none | full | selective
+    ac_every: int = 2
+    precision: str = "bf16"             # fp32 | bf16 | fp16
+    sync_mode: str = "sync"             # sync | diloco
+    inner_steps: int = 16
+    compression: str = "none"           # none | bf16 | int8 (diloco)
+    overlap: bool = False               # diloco
+    checkpoint_keep: int = 3
+    pfs_files_limit: int = 1000         # files per checkpoint directory before we warn
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp or self.world // (self.tp * self.pp)
+
+    @property
+    def virtual(self) -> int:
+        return self.pp_virtual_stages if self.pp_schedule == "interleaved" else 1
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.grad_accum * self.dp_size
+
+    @property
+    def cache_budget(self) -> int:
+        return self.cache_bytes or int(0.9 * self.node_disk)
+
+    @property
+    def half(self) -> bool:
+        return self.precision in ("bf16", "fp16")
+
+    def check(self, shape: ModelShape) -> "Job":
+        choices = {"data_parallel": ("ddp", "fsdp"), "pp_schedule": ("gpipe", "1f1b", "interleaved"),
+                   "activation_checkpoint": ("none", "full", "selective"),
+                   "precision": ("fp32", "bf16", "fp16"), "sync_mode": ("sync", "diloco"),
+                   "compression": ("none", "bf16", "int8")}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"--{key.replace('_', '-')} {getattr(self, key)!r}: expected one of "
+                                 f"{', '.join(allowed)}")
+        for key in ("nodes", "gpus_per_node", "tp", "pp", "micro_batch", "grad_accum",
+                    "inner_steps", "ac_every", "pp_virtual_stages", "shard_tokens"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
+        if self.dp_size * self.tp * self.pp != self.world:
+            raise ValueError(f"--dp/--tp/--pp: dp={self.dp_size} x tp={self.tp} x pp={self.pp} does not "
+                             f"match the world size {self.world} (nodes x gpus per node)")
+        if shape.n_head % self.tp or shape.block_size % self.tp:
+            raise ValueError(f"--tp {self.tp} must divide n_head {shape.n_head} and block_size "
+                             f"{shape.block_size}")
+        if self.pp * self.virtual > shape.n_layer:
+            raise ValueError(f"--pp {self.pp} x {self.virtual} virtual stages > n_layer {shape.n_layer}")
+        if self.sync_mode == "diloco" and self.data_parallel == "fsdp":
+            raise ValueError("--sync-mode diloco: replicas train apart; use --data-parallel ddp")
+        if self.tokens < shape.block_size + 1:
+            raise ValueError(f"--tokens {self.tokens:g} holds no window of block_size+1 tokens")
+        return self

@@ -1,0 +1,244 @@
+"""Bytes one rank holds while training: model state, activations, working copies, setup.
+
+Owns the memory model of OUR code, per pipeline rank (the largest is what must fit):
+- model state (train/optim.py, parallel/parallelize.py, train/precision.py): fp32 parameters,
+  fp32 gradients and fused AdamW's fp32 m and v: 4 + 4 + 8 = 16 bytes per parameter in every
+  precision (autocast keeps master weights fp32), divided by dp under FSDP. Under bf16 / fp16
+  autocast adds a 16-bit copy of each Linear weight, alive from forward to the end of backward
+  (+2 bytes per matmul parameter); FSDP instead holds the all-gathered 16-bit (fp32) parameters
+  of the root (embeddings, never resharded) and of ~2 blocks (current + prefetched).
+  The ZeRO paper's figure (2 fp16 param + 2 fp16 grad + 12 fp32 param, m, v = 16 B) is printed
+  beside it: the same total, another split (our gradients are fp32).
+- FSDP with grad_accum > 1: gradients are reduced on the last micro-batch only, so the unsharded
+  fp32 gradients of the whole model accumulate on every rank (4 bytes per local parameter).
+- DiLoCo (sync/diloco.py): fp32 anchor + outer momentum (+ start point and pending average with
+  sync.overlap), and a round's flat fp32 delta + its average.
+- activations per layer, bytes, for s tokens, b sequences, h = n_embd, a heads, t = tp (state the
+  formula: `activation_formula`): our blocks with flash / memory-efficient SDPA (no a s^2 scores)
+  and dropout 0 store s b h (A / t + 8) + (4 a + 16) s b / t (SDPA's fp32 logsumexp, LayerNorm
+  mean and rstd), A = 32 under 16-bit autocast (fp32
+  residual and LayerNorm inputs, three separate 16-bit casts of the q/k/v input), 56 in fp32;
+  the "+ 8" is the all-gathered (sequence-parallel) input of q/k/v and fc, which torch's DTensor
+  keeps whole. Korthikanti et al. 2022 count s b h (34 + 5 a s / h) for Megatron's blocks.
+  A checkpointed block keeps its fp32 input (4 s b h / t) and recomputes one block in backward.
+  The head keeps its logits (2|4 b s V / t) and log-softmax (4 b s V / t), +8 b s V / t in backward.
+- peak = parameters + optimizer state + working copies + the highest activations + gradients of
+  a step: with grad_accum > 1, micro-batches in flight (pipeline) or DDP (gradients are views of
+  its buckets, allocated once) all gradients live through the forward passes and add; otherwise
+  a backward sweep (`backward_sweep`) frees each block's activations as its gradients appear.
+- setup (train/loop.py): GPT(...) is built whole in fp32 on every rank, then moved to the
+  device and only then split: 4 bytes x all parameters per rank, on the host and on the GPU.
+It must never format output (report.py) or count communication (comm.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hpctrain.plan.layout import Job
+from hpctrain.plan.shape import ModelShape
+
+ADAM_BYTES = 8  # fused AdamW: exp_avg + exp_avg_sq, fp32
+ZERO_PAPER = {"param (16-bit)": 2, "grad (16-bit)": 2, "fp32 param, m, v": 12}
+
+
+@dataclass(frozen=True)
+class Stage:
+    """What one pipeline rank holds (parallel/pipeline.py's split)."""
+    pp_rank: int
+    block_ids: tuple[int, ...]
+    has_first: bool
+    has_last: bool
+    in_flight: int  # micro-batches (interleaved: model chunks) whose activations it holds at once
+
+
+def pipeline_stages(shape: ModelShape, job: Job) -> list[Stage]:
+    """Every pipeline rank's blocks and in-flight micro-batches (1F1B: pp - r, GPipe: all,
+    interleaved: Megatron's warm-up count + 1 chunks)."""
+    m = job.grad_accum
+    if job.pp == 1:
+        return [Stage(0, tuple(range(shape.n_layer)), True, True, 1)]
+    from hpctrain.parallel.pipeline import layer_costs, split_stages, stages_of_rank  # torch
+
+    n_stages = job.pp * job.virtual
+    bounds = split_stages(n_stages, *layer_costs(shape.n_layer, shape.n_embd, shape.block_size,
+                                                 shape.vocab_size))
+    out = []
+    for r in range(job.pp):
+        ids = stages_of_rank(r, job.pp, job.virtual)
+        if job.pp_schedule == "gpipe":
+            flight = m
+        elif job.pp_schedule == "1f1b":
+            flight = min(job.pp - r, m)
+        else:
+            flight = min((job.pp - r - 1) * 2 + (job.virtual - 1) * job.pp + 1, m * job.virtual)
+        out.append(Stage(r, tuple(b for s in ids for b in bounds[s]), 0 in ids,
+                         n_stages - 1 in ids, flight))
+    return out
+
+
+def activation_formula(half: bool) -> str:
+    a = 32 if half else 56
+    return f"s*b*h*({a}/t + 8) + (4*a + 16)*s*b/t bytes per layer"
+
+
+def layer_activation_bytes(shape: ModelShape, micro_batch: int, tp: int, half: bool) -> int:
+    """One block's stored activations for one micro-batch (see the module docstring)."""
+    s, b, h, a = shape.block_size, micro_batch, shape.n_embd, shape.n_head
+    sharded = 32 if half else 56
+    return s * b * h * sharded // tp + 8 * s * b * h + (4 * a + 16) * s * b // tp
+
+
+def checkpointed_layer_bytes(shape: ModelShape, micro_batch: int, tp: int) -> int:
+    """A checkpoint-wrapped block keeps only its fp32 input (sequence-sharded under tp)."""
+    return 4 * shape.block_size * micro_batch * shape.n_embd // tp
+
+
+def head_bytes(shape: ModelShape, micro_batch: int, tp: int, half: bool) -> tuple[int, int]:
+    """(stored, transient in backward) of norm_f + lm_head + loss for one micro-batch."""
+    s, b, h, v = shape.block_size, micro_batch, shape.n_embd, shape.vocab_size
+    logits = (2 if half else 4) * s * b * v // tp
+    stored = 4 * s * b * h // tp + (2 if half else 4) * s * b * h + logits + 4 * s * b * v // tp
+    return stored, 8 * s * b * v // tp
+
+
+def stage_activations(shape: ModelShape, job: Job, stage: Stage, mode: str) -> int:
+    """Peak activation bytes of `stage` with activation checkpointing `mode`."""
+    b, t, half = job.micro_batch, job.tp, job.half
+    full = layer_activation_bytes(shape, b, t, half)
+    ckpt = checkpointed_layer_bytes(shape, b, t)
+    wrapped = [i for i in stage.block_ids if mode == "full" or (mode == "selective" and i % job.ac_every == 0)]
+    kept = (len(stage.block_ids) - len(wrapped)) * full + len(wrapped) * ckpt
+    per_chunk = kept // job.virtual if job.pp > 1 else kept
+    stored = stage.in_flight * per_chunk
+    if stage.has_last:
+        head_stored, head_transient = head_bytes(shape, b, t, half)
+        stored += head_stored + head_transient
+    return stored + (full if wrapped else 0)  # one block recomputed in backward
+
+
+@dataclass
+class RankMemory:
+    """Bytes on the largest pipeline rank (and its index); `parts` in report order."""
+    stage: Stage
+    local_params: int            # parameters this rank holds before FSDP sharding
+    parts: dict = field(default_factory=dict)
+    activations_by_mode: dict = field(default_factory=dict)
+    peak: int = 0
+    zero_paper: int = 0
+
+
+def local_params(shape: ModelShape, job: Job, stage: Stage) -> tuple[int, int]:
+    """(parameters, Linear weights autocast casts) this rank holds after TP and PP."""
+    t = job.tp
+    n = len(stage.block_ids) * shape.block_params_tp(t)
+    mm = len(stage.block_ids) * shape.block_matmul_params_tp(t)
+    if stage.has_first:
+        n += shape.embedding_params_tp(t) + shape.position_params_tp(t)
+    if stage.has_last:
+        n += shape.norm_f_params
+        mm += shape.embedding_params_tp(t)  # lm_head (tied; a second copy on the last stage)
+        if not stage.has_first:
+            n += shape.embedding_params_tp(t)
+    return n, mm
+
+
+def _fsdp_buffers(shape: ModelShape, job: Job, stage: Stage) -> tuple[int, int]:
+    """(all-gathered parameters held, unsharded gradient transient) under FSDP."""
+    t, pbytes = job.tp, 2 if job.half else 4
+    root = 0
+    if stage.has_first:
+        root += shape.embedding_params_tp(t) + shape.position_params_tp(t)
+    if stage.has_last:
+        root += shape.norm_f_params + (0 if stage.has_first else shape.embedding_params_tp(t))
+    block = shape.block_params_tp(t)
+    gathered = (root + 2 * block) * pbytes
+    grad_bytes = pbytes + (4 if job.half else 0)  # a 16-bit gradient, cast to fp32 to reduce
+    return gathered, max(2 * block, root) * grad_bytes
+
+
+def rank_memory(shape: ModelShape, job: Job, stage: Stage) -> RankMemory:
+    n, mm = local_params(shape, job, stage)
+    shard = job.dp_size if job.data_parallel == "fsdp" else 1
+    fsdp = shard > 1
+    parts = {"parameters (fp32)": 4 * n // shard, "gradients (fp32)": 4 * n // shard,
+             "AdamW m, v (fp32)": ADAM_BYTES * n // shard}
+    if fsdp:
+        gathered, grad_transient = _fsdp_buffers(shape, job, stage)
+        parts["FSDP all-gathered params"] = gathered
+        parts["FSDP unsharded grad (transient)"] = grad_transient
+        if job.grad_accum > 1:
+            parts["FSDP accumulated grads (grad_accum > 1)"] = 4 * n
+    elif job.half:
+        parts["16-bit weight copies (autocast)"] = 2 * mm
+    if job.sync_mode == "diloco":
+        parts["DiLoCo anchor + momentum"] = 8 * n * (2 if job.overlap else 1)
+        parts["DiLoCo round delta + average (transient)"] = 8 * n
+    by_mode = {m: stage_activations(shape, job, stage, m) for m in ("none", "selective", "full")}
+    parts["activations"] = by_mode[job.activation_checkpoint]
+    out = RankMemory(stage, n, parts, by_mode)
+    out.peak = _peak(shape, job, stage, parts)
+    out.zero_paper = 16 * n // shard
+    return out
+
+
+def _kept_per_block(shape: ModelShape, job: Job, stage: Stage) -> list[tuple[int, bool]]:
+    """(stored bytes, checkpointed?) of each of the stage's blocks for one micro-batch."""
+    full = layer_activation_bytes(shape, job.micro_batch, job.tp, job.half)
+    ckpt = checkpointed_layer_bytes(shape, job.micro_batch, job.tp)
+    mode = job.activation_checkpoint
+    out = []
+    for i in stage.block_ids:
+        wrapped = mode == "full" or (mode == "selective" and i % job.ac_every == 0)
+        out.append((ckpt if wrapped else full, wrapped))
+    return out
+
+
+def backward_sweep(shape: ModelShape, job: Job, stage: Stage) -> int:
+    """Highest activations + gradients over one backward when gradients start at zero: at the
+    loss (all activations, the head's gradient, the loss's transient), then at each block from the
+    last (the activations of the blocks before it, its recomputation if checkpointed, and the
+    gradients of it and the blocks after it)."""
+    blocks = _kept_per_block(shape, job, stage)
+    full = layer_activation_bytes(shape, job.micro_batch, job.tp, job.half)
+    block_grad = 4 * shape.block_params_tp(job.tp)
+    head_grad, head = 0, 0
+    if stage.has_last:
+        head_grad = 4 * shape.embedding_params_tp(job.tp)
+        head = sum(head_bytes(shape, job.micro_batch, job.tp, job.half))
+    high = sum(b for b, _ in blocks) + head + head_grad
+    for i in range(len(blocks) - 1, -1, -1):
+        here = (sum(b for b, _ in blocks[:i + 1]) + (full if blocks[i][1] else 0) + head_grad
+                + block_grad * (len(blocks) - i))
+        high = max(high, here)
+    return high
+
+
+def _peak(shape: ModelShape, job: Job, stage: Stage, p: dict) -> int:
+    grads = p["gradients (fp32)"]
+    state = p["parameters (fp32)"] + p["AdamW m, v (fp32)"] + p.get("DiLoCo anchor + momentum", 0)
+    work = (p.get("16-bit weight copies (autocast)", 0) + p.get("FSDP all-gathered params", 0)
+            + p.get("FSDP unsharded grad (transient)", 0)
+            + p.get("FSDP accumulated grads (grad_accum > 1)", 0))
+    acts = p["activations"]
+    ddp_buckets = (job.data_parallel == "ddp" and job.dp_size > 1 and job.sync_mode == "sync"
+                   and job.tp == 1 and job.pp == 1)  # gradient_as_bucket_view: grads never freed
+    if job.data_parallel == "fsdp" and job.dp_size > 1:  # gradients reduce-scattered per block
+        head_grad = 4 * shape.embedding_params_tp(job.tp) if stage.has_last else 0
+        during = acts + head_grad // job.dp_size + grads
+    elif ddp_buckets or job.grad_accum > 1 or stage.in_flight > 1:
+        during = acts + grads  # gradients live through the forward passes
+    else:
+        during = backward_sweep(shape, job, stage)
+    step_end = grads + p.get("DiLoCo round delta + average (transient)", 0)
+    return state + max(work + during, step_end)
+
+
+def largest_rank(shape: ModelShape, job: Job) -> RankMemory:
+    """The pipeline rank with the highest peak (all ranks of one pipeline rank are alike)."""
+    return max((rank_memory(shape, job, s) for s in pipeline_stages(shape, job)), key=lambda r: r.peak)
+
+
+def setup_bytes(shape: ModelShape, job: Job) -> dict:
+    """train/loop.py before parallelize(): the whole fp32 model on every rank."""
+    whole = 4 * shape.total_params()
+    return {"per rank (host, then GPU)": whole, "per node (host)": whole * job.gpus_per_node}

@@ -1,0 +1,160 @@
+"""A plan's figures gathered once (`make_plan`), its warnings, and its text: Markdown tables.
+
+Owns: which figure goes in which table, byte formatting, and the budget checks (GPU memory per
+rank, host memory per node, node disk for the cache, PFS files per checkpoint, TP across nodes),
+each warning one line naming the option that sets the budget. It must never compute a figure.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hpctrain.plan import comm, memory, storage
+from hpctrain.plan.layout import Job
+from hpctrain.plan.shape import ModelShape
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_params(n: int) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+
+@dataclass
+class Plan:
+    shape: ModelShape
+    job: Job
+    mem: memory.RankMemory
+    setup: dict
+    sampler: dict
+    cache: dict
+    checkpoint: dict
+    comm: list
+    warnings: list = field(default_factory=list)
+
+
+def make_plan(shape: ModelShape, job: Job) -> Plan:
+    shape.check()
+    job.check(shape)
+    mem = memory.largest_rank(shape, job)
+    st = mem.stage
+    mode = job.activation_checkpoint
+    ckpt_blocks = sum(1 for i in st.block_ids
+                      if mode == "full" or (mode == "selective" and i % job.ac_every == 0))
+    rows = comm.comm_per_step(shape, job, len(st.block_ids), ckpt_blocks, st.has_first,
+                              st.has_last, mem.local_params)
+    plan = Plan(shape, job, mem, memory.setup_bytes(shape, job), storage.sampler_bytes(shape, job),
+                storage.cache_figures(shape, job), storage.checkpoint_figures(shape, job), rows)
+    plan.warnings = check_budgets(plan)
+    return plan
+
+
+def check_budgets(p: Plan) -> list[str]:
+    j, out = p.job, []
+    if p.mem.peak > j.gpu_memory:
+        out.append(f"GPU memory: peak {fmt_bytes(p.mem.peak)} on pipeline rank {p.mem.stage.pp_rank} "
+                   f"> --gpu-memory {fmt_bytes(j.gpu_memory)}")
+    whole = p.setup["per rank (host, then GPU)"]
+    if whole > j.gpu_memory:
+        out.append(f"setup: train/loop.py builds the whole fp32 model ({fmt_bytes(whole)}) on every "
+                   f"rank before sharding: > --gpu-memory {fmt_bytes(j.gpu_memory)}")
+    host = p.setup["per node (host)"]
+    if host > j.node_memory:
+        out.append(f"setup: {j.gpus_per_node} ranks x the whole fp32 model = {fmt_bytes(host)} of "
+                   f"host memory per node > --node-memory {fmt_bytes(j.node_memory)}")
+    per_rank = p.sampler["per rank (peak at an epoch change)"]
+    sampler = per_rank * j.gpus_per_node + p.sampler["node leader (cache planner copy)"]
+    if sampler > 0.1 * j.node_memory:
+        out.append(f"sampler: {j.gpus_per_node} ranks x {fmt_bytes(per_rank)} "
+                   f"permutation (+ the cache planner's copy) = {fmt_bytes(sampler)} per node, "
+                   f"> 10% of --node-memory {fmt_bytes(j.node_memory)}")
+    c = p.cache
+    if c["cache budget"] > j.node_disk:
+        out.append(f"node cache: --cache-bytes {fmt_bytes(c['cache budget'])} > --node-disk "
+                   f"{fmt_bytes(j.node_disk)}")
+    if c["prefetch window bytes"] > c["cache budget"]:
+        out.append(f"node cache: the prefetch window ({c['prefetch window (shards)']:.0f} shards, "
+                   f"{fmt_bytes(c['prefetch window bytes'])}) does not fit --cache-bytes "
+                   f"{fmt_bytes(c['cache budget'])}: steps wait for the PFS")
+    elif not c["corpus fits the cache"]:
+        out.append(f"node cache: the corpus ({fmt_bytes(c['corpus on disk'])}) exceeds --cache-bytes "
+                   f"{fmt_bytes(c['cache budget'])}: the random order re-reads it from the PFS every "
+                   f"epoch ({fmt_bytes(c['PFS reads, each later epoch (all nodes)'])} over all nodes)")
+    if p.checkpoint["files"] > j.pfs_files_limit:
+        out.append(f"checkpoint: {p.checkpoint['files']} files per checkpoint in one directory "
+                   f"> --pfs-files-limit {j.pfs_files_limit} (PFS metadata load)")
+    if j.tp > j.gpus_per_node:
+        out.append(f"--tp {j.tp} > --gpus-per-node {j.gpus_per_node}: TP groups span nodes")
+    return out
+
+
+def _table(head: tuple, rows: list) -> list[str]:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+
+
+def _memory_lines(p: Plan) -> list[str]:
+    m, j = p.mem, p.job
+    state = m.parts["parameters (fp32)"] * 4 + m.parts.get("16-bit weight copies (autocast)", 0)
+    zero = "ZeRO paper: 16 B/param (2 + 2 + 12)" + (" / dp" if j.data_parallel == "fsdp" else "")
+    ours = "our model state: 4 + 4 + 8 B/param" + (" (+2 B per matmul weight, 16-bit copy)" if j.half else "")
+    rows = [(k, fmt_bytes(v)) for k, v in m.parts.items()]
+    rows += [("**peak (model)**", f"**{fmt_bytes(m.peak)}**"),
+             ("GPU budget (--gpu-memory)", fmt_bytes(j.gpu_memory)),
+             (zero, fmt_bytes(m.zero_paper)), (ours, fmt_bytes(state))]
+    acts = [(k, fmt_bytes(v)) for k, v in m.activations_by_mode.items()]
+    st = m.stage
+    title = (f"## Memory per rank (pipeline rank {st.pp_rank}: {len(st.block_ids)} blocks, "
+             f"{st.in_flight} micro-batch(es) in flight, {m.local_params:,} parameters before FSDP)")
+    note = (f"Activations by checkpointing mode ({memory.activation_formula(j.half)}, plus the head; "
+            "one block recomputed when any is checkpointed):")
+    return ([title, ""] + _table(("what", "bytes"), rows) + ["", note, ""]
+            + _table(("activation_checkpoint", "activations"), acts))
+
+
+def render(p: Plan) -> str:
+    s, j = p.shape, p.job
+    tokens_step = j.global_batch * s.block_size
+    lines = [f"# Plan: {s.n_layer} x {s.n_embd} ({s.n_head} heads, vocab {s.vocab_size}, block "
+             f"{s.block_size}), {fmt_params(s.num_params())} parameters; {j.nodes} nodes x "
+             f"{j.gpus_per_node} = {j.world} ranks", "",
+             f"Layout: dp {j.dp_size} ({j.data_parallel}) x tp {j.tp} x pp {j.pp} ({j.pp_schedule}), "
+             f"micro_batch {j.micro_batch} x grad_accum {j.grad_accum} -> global batch "
+             f"{j.global_batch} sequences ({tokens_step:,} tokens); activation_checkpoint "
+             f"{j.activation_checkpoint}; {j.precision}; sync {j.sync_mode}"
+             + (f" (inner_steps {j.inner_steps}, {j.compression})" if j.sync_mode == "diloco" else "")
+             + f". Corpus {j.tokens:.3g} tokens: {p.sampler['windows'] // j.global_batch:,} steps per epoch.", ""]
+    lines += _memory_lines(p)
+    lines += ["", "## Setup (train/loop.py: whole fp32 model before sharding)", ""]
+    lines += _table(("where", "bytes"), [(k, fmt_bytes(v)) for k, v in p.setup.items()])
+    lines += ["", "## Data: sampler and node cache", ""]
+    rows = [(k, f"{v:,}" if k == "windows" else fmt_bytes(v)) for k, v in p.sampler.items()]
+    for k, v in p.cache.items():
+        rows.append((k, v if isinstance(v, bool) else f"{v:,.0f}" if "shards" in k else fmt_bytes(v)))
+    lines += _table(("what", "value"), rows)
+    lines += ["", "## Checkpoint", ""]
+    lines += _table(("what", "value"), [(k, f"{v:,}" if k == "files" else fmt_bytes(v))
+                                        for k, v in p.checkpoint.items()])
+    lines += ["", "## Communication per optimizer step, sent by one rank", ""]
+    lines += _table(("axis", "link", "bytes", "what"), [(a, l, fmt_bytes(b), w) for a, l, b, w in p.comm])
+    lines += ["", "## Warnings", ""] + ([f"- {w}" for w in p.warnings] or ["- none: every budget holds"])
+    return "\n".join(lines) + "\n"
+
+
+SUMMARY_HEAD = ("model", "nodes x GPUs", "layout", "peak / GPU", "setup / GPU", "sampler / rank",
+                "ckpt files", "dp bytes / step", "first warning")
+
+
+def summary_row(p: Plan) -> tuple:
+    j, m = p.job, p.mem
+    layout = (f"{j.data_parallel} dp{j.dp_size} tp{j.tp} pp{j.pp} mb{j.micro_batch}x{j.grad_accum} "
+              f"ac={j.activation_checkpoint}")
+    dp = next(b for a, _, b, _ in p.comm if a == "dp")
+    return (fmt_params(p.shape.num_params()), f"{j.nodes} x {j.gpus_per_node}", layout,
+            fmt_bytes(m.peak), fmt_bytes(p.setup["per rank (host, then GPU)"]),
+            fmt_bytes(p.sampler["per rank (kept)"]), f"{p.checkpoint['files']:,}", fmt_bytes(dp),
+            p.warnings[0] if p.warnings else "-")

@@ -1,0 +1,80 @@
+"""The data pipeline's and the checkpoints' bytes and files: sampler, node cache, checkpoints.
+
+Owns the arithmetic of:
+- the sampler (data/sampler.py): windows = sum over shards of (shard tokens - 1) // block_size;
+  each rank keeps its epoch's int64 permutation (8 B x windows); building one
+  (`rng.permutation` = an int64 arange shuffled, then `.astype(np.int64)` copies it) while the old
+  epoch's is still referenced peaks at 24 B x windows. With the node cache (data/prefetch.py) the
+  node leader's planner thread keeps its own copy of the order: 8 B x windows more on that rank.
+- the node cache (data/cache.py): the corpus on disk (uint16 tokens up to a 65,536 vocabulary,
+  uint32 beyond), the shards a node's ranks touch in the `prefetch` window (a global random order
+  draws each sample from any shard), and whether the whole corpus fits the budget (it must, or
+  every epoch re-reads it from the parallel file system).
+- checkpoints (checkpoint/manager.py, disk_format.py): DCP writes one `__<rank>_0.distcp` per rank
+  (one writer thread), plus `.metadata`, `state_nontensor.json`, `trainer_state.json` and
+  `COMMIT.json`; tensors are fp32 parameters + AdamW m, v = 12 B per parameter (the tied weight
+  once); DiLoCo saves the global model and outer momentum plus every replica's local model and
+  inner optimizer (sync/diloco.py checkpoint_states).
+It must never compute GPU memory (memory.py) or communication (comm.py).
+"""
+from __future__ import annotations
+
+import math
+
+from hpctrain.plan.layout import Job
+from hpctrain.plan.shape import ModelShape
+
+CHECKPOINT_SMALL_FILES = (".metadata", "state_nontensor.json", "trainer_state.json", "COMMIT.json")
+
+
+def n_shards(job: Job) -> int:
+    return max(1, math.ceil(job.tokens / job.shard_tokens))
+
+
+def n_windows(shape: ModelShape, job: Job) -> int:
+    """TokenShards.n_samples for a corpus of `job.tokens` in shards of `job.shard_tokens`."""
+    full, rest = divmod(int(job.tokens), job.shard_tokens)
+    per_full = (job.shard_tokens - 1) // shape.block_size
+    return full * per_full + max(0, rest - 1) // shape.block_size
+
+
+def sampler_bytes(shape: ModelShape, job: Job) -> dict:
+    w = n_windows(shape, job)
+    leader_extra = 8 * w  # the prefetch planner's own GlobalSampler (cache on)
+    return {"windows": w, "per rank (kept)": 8 * w, "per rank (peak at an epoch change)": 24 * w,
+            "node leader (cache planner copy)": leader_extra,
+            "per node (kept)": 8 * w * job.gpus_per_node + leader_extra}
+
+
+def token_bytes(shape: ModelShape) -> int:
+    return 2 if shape.vocab_size <= 65536 else 4
+
+
+def local_dp_ranks(job: Job) -> int:
+    """dp coordinates whose samples one node reads (TP innermost, then dp; mesh.py)."""
+    return max(1, min(job.dp_size, job.gpus_per_node // job.tp))
+
+
+def cache_figures(shape: ModelShape, job: Job) -> dict:
+    shards = n_shards(job)
+    shard_bytes = job.shard_tokens * token_bytes(shape)
+    samples = local_dp_ranks(job) * job.micro_batch * job.grad_accum * (job.prefetch + 1)
+    touched = shards * (1.0 - (1.0 - 1.0 / shards) ** samples)
+    corpus = int(job.tokens) * token_bytes(shape)
+    return {"corpus on disk": corpus, "shards": shards, "shard bytes": shard_bytes,
+            "prefetch window (shards)": touched, "prefetch window bytes": int(touched * shard_bytes),
+            "cache budget": job.cache_budget, "corpus fits the cache": corpus <= job.cache_budget,
+            "PFS reads, first epoch (all nodes)": corpus * job.nodes,
+            "PFS reads, each later epoch (all nodes)": 0 if corpus <= job.cache_budget
+            else corpus * job.nodes}
+
+
+def checkpoint_figures(shape: ModelShape, job: Job) -> dict:
+    n = shape.total_params()
+    tensors = 12 * n
+    if job.sync_mode == "diloco":
+        per_replica = 12 * n + (4 * n if job.overlap else 0)
+        tensors = 8 * n + (4 * n if job.overlap else 0) + job.dp_size * per_replica
+    files = job.world + len(CHECKPOINT_SMALL_FILES)
+    return {"bytes": tensors, "largest rank file (even split)": tensors // job.world,
+            "files": files, "bytes on the PFS (keep + 1 being written)": tensors * (job.checkpoint_keep + 1)}

@@ -1,0 +1,206 @@
+"""`hpctrain plan`: its formulas against our real model, the ZeRO paper, and each other."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import tracemalloc
+
+import pytest
+import torch
+
+from hpctrain.data.sampler import GlobalSampler
+from hpctrain.model import GPT, GPTConfig
+from hpctrain.parallel.runner import lm_loss
+from hpctrain.plan import comm, memory, storage
+from hpctrain.plan.cli import main as plan_main, size
+from hpctrain.plan.layout import Job
+from hpctrain.plan.report import make_plan
+from hpctrain.plan.shape import PRESETS, ModelShape
+from hpctrain.sync.compress import bytes_sent
+
+SHAPES = [ModelShape(2, 64, 4, 97, 32), ModelShape(3, 48, 6, 257, 16), ModelShape(1, 32, 2, 50, 8)]
+
+
+def _gpt(s: ModelShape) -> GPT:
+    return GPT(GPTConfig(n_layer=s.n_layer, n_head=s.n_head, n_embd=s.n_embd,
+                         block_size=s.block_size, vocab_size=s.vocab_size))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_parameter_count_is_the_real_models(shape):
+    model = _gpt(shape)
+    assert shape.num_params() == model.num_params()
+    assert shape.total_params() == model.num_params(non_embedding=False)
+    assert shape.flops_per_token() == model.flops_per_token()
+    block = sum(p.numel() for p in model.blocks["0"].parameters())
+    assert shape.block_params == block
+
+
+def test_presets_sizes():
+    assert 1.2e9 < PRESETS["1b"].num_params() < 1.4e9
+    assert 6.5e9 < PRESETS["7b"].num_params() < 6.8e9  # 32 x 4096: no SwiGLU / GQA in our model
+    assert 64e9 < PRESETS["70b"].num_params() < 66e9
+
+
+def _mem(shape, **job):
+    j = Job(**{"nodes": 1, "gpus_per_node": 8, **job}).check(shape)
+    return memory.largest_rank(shape, j)
+
+
+def test_zero_paper_sixteen_bytes_per_parameter():
+    shape = PRESETS["7b"]
+    m = _mem(shape, precision="bf16")
+    n = shape.total_params()
+    assert sum(memory.ZERO_PAPER.values()) == 16
+    assert m.zero_paper == 16 * n
+    model_state = m.parts["parameters (fp32)"] + m.parts["gradients (fp32)"] + m.parts["AdamW m, v (fp32)"]
+    assert model_state == 16 * n  # ours: 4 + 4 + 8, the same total split otherwise
+    assert m.parts["16-bit weight copies (autocast)"] == 2 * (12 * shape.n_embd ** 2 * shape.n_layer
+                                                              + shape.embedding_params)
+
+
+def test_fsdp_divides_model_state_by_dp():
+    shape = PRESETS["1b"]
+    ddp, fsdp = _mem(shape, data_parallel="ddp"), _mem(shape, data_parallel="fsdp")
+    for key in ("parameters (fp32)", "gradients (fp32)", "AdamW m, v (fp32)"):
+        assert fsdp.parts[key] == ddp.parts[key] // 8
+    assert fsdp.zero_paper == ddp.zero_paper // 8
+    assert "FSDP accumulated grads (grad_accum > 1)" in _mem(shape, data_parallel="fsdp", grad_accum=2).parts
+
+
+def test_tp_divides_parameters_and_sharded_activations():
+    shape = PRESETS["7b"]
+    one, two = _mem(shape, tp=1), _mem(shape, tp=2)
+    ratio = two.local_params / one.local_params
+    assert 0.5 < ratio < 0.5 + 1e-3  # LayerNorms and row-parallel biases are replicated
+    a1 = memory.layer_activation_bytes(shape, 1, 1, True)
+    a2 = memory.layer_activation_bytes(shape, 1, 2, True)
+    sbh = shape.block_size * shape.n_embd
+    assert a1 - a2 == 16 * sbh + (4 * shape.n_head + 16) * shape.block_size // 2
+
+
+def test_pp_divides_blocks_over_stages():
+    shape = PRESETS["7b"]
+    job = Job(nodes=1, gpus_per_node=8, pp=4, grad_accum=8).check(shape)
+    stages = memory.pipeline_stages(shape, job)
+    assert sorted(b for s in stages for b in s.block_ids) == list(range(shape.n_layer))
+    assert [s.in_flight for s in stages] == [4, 3, 2, 1]  # 1F1B
+    held = [memory.local_params(shape, job, s)[0] for s in stages]
+    # every parameter once, plus the tied head's second copy on the last stage
+    assert sum(held) == shape.total_params() + shape.embedding_params
+    assert max(held) < 0.3 * shape.total_params()
+
+
+def test_activation_checkpointing_follows_the_formula():
+    shape = PRESETS["1b"]
+    job = Job(nodes=1, gpus_per_node=8, micro_batch=2, ac_every=3).check(shape)
+    (stage,) = memory.pipeline_stages(shape, job)
+    full = memory.layer_activation_bytes(shape, 2, 1, True)
+    kept = memory.checkpointed_layer_bytes(shape, 2, 1)
+    by = {m: memory.stage_activations(shape, job, stage, m) for m in ("none", "selective", "full")}
+    n_wrapped = len(range(0, shape.n_layer, 3))
+    assert by["none"] - by["full"] == shape.n_layer * (full - kept) - full
+    assert by["none"] - by["selective"] == n_wrapped * (full - kept) - full
+    assert by["full"] < by["selective"] < by["none"]
+
+
+def _saved_activation_bytes(model: GPT, idx: torch.Tensor, half: bool) -> int:
+    """Bytes of the distinct storages autograd saves for backward, parameters and their 16-bit
+    copies left out (memory.py counts those as model state)."""
+    param_shapes = {tuple(p.shape) for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        if not (t.dim() <= 2 and tuple(t.shape) in param_shapes):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if half else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with autocast:
+            logits = model(idx[:, :-1])
+        lm_loss(logits, idx[:, 1:])
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("half", [False, True])
+def test_block_activation_formula_is_exactly_what_autograd_saves(half):
+    shape = ModelShape(2, 64, 4, 97, 32)
+    block = _gpt(shape).blocks["0"]
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    weight_shapes = {tuple(p.shape) for p in block.parameters() if p.dim() == 2}
+    seen = {}
+
+    def pack(t):  # activations only: not parameters, not their 16-bit copies
+        if t.untyped_storage().data_ptr() not in params and tuple(t.shape) not in weight_shapes:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if half else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        block(torch.randn(3, 32, 64, requires_grad=True))
+    assert sum(seen.values()) == memory.layer_activation_bytes(shape, 3, 1, half)
+
+
+@pytest.mark.parametrize("half", [False, True])
+def test_model_activations_within_three_percent_of_autograd(half):
+    shape = ModelShape(3, 64, 4, 97, 32)
+    model = _gpt(shape)
+    got = _saved_activation_bytes(model, torch.randint(0, 97, (5, 33)), half)
+    stored, _ = memory.head_bytes(shape, 5, 1, half)
+    predicted = 3 * memory.layer_activation_bytes(shape, 5, 1, half) + stored
+    assert abs(predicted - got) / got < 0.03, (predicted, got)
+
+
+def test_sampler_bytes_match_the_real_sampler():
+    shape, n = ModelShape(1, 32, 2, 50, 8), 2_000_000
+    assert storage.n_windows(shape, Job(tokens=8 * n + 1, shard_tokens=8 * n + 1)) == n
+    figures = storage.sampler_bytes(shape, Job(tokens=8 * n + 1, shard_tokens=8 * n + 1))
+    sampler = GlobalSampler(n, 10, seed=0)
+    tracemalloc.start()
+    sampler.next_indices()
+    kept = tracemalloc.get_traced_memory()[0]
+    tracemalloc.reset_peak()
+    sampler.seek(sampler.steps_per_epoch)  # the next call builds epoch 1 while epoch 0 is held
+    sampler.next_indices()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert abs(kept - figures["per rank (kept)"]) / kept < 0.01
+    assert abs(peak - figures["per rank (peak at an epoch change)"]) / peak < 0.01
+
+
+def test_diloco_bytes_are_compress_bytes_sent():
+    for n, p, kind in [(10_000, 4, "none"), (10_001, 3, "bf16"), (123_457, 8, "int8"), (5, 1, "none")]:
+        assert comm.diloco_round_bytes(n, p, kind) == bytes_sent(n, p, kind)
+
+
+def test_checkpoint_files_one_per_rank_plus_four():
+    shape = PRESETS["1b"]
+    fig = storage.checkpoint_figures(shape, Job(nodes=64, gpus_per_node=8).check(shape))
+    assert fig["files"] == 512 + 4
+    assert fig["bytes"] == 12 * shape.total_params()
+
+
+def test_warnings_name_the_budget():
+    plan = make_plan(PRESETS["70b"], Job(nodes=8, gpus_per_node=8, tokens=15e12))
+    text = "\n".join(plan.warnings)
+    assert "--gpu-memory" in text and "setup" in text and "sampler" in text
+
+
+def test_cli_help_explains_every_option(capsys):
+    with pytest.raises(SystemExit):
+        plan_main(["--help"])
+    out = capsys.readouterr().out
+    for f in dataclasses.fields(Job):
+        assert f"--{f.name.replace('_', '-')}" in out
+    assert "--preset" in out and "--config" in out
+
+
+def test_cli_config_and_errors(capsys):
+    assert plan_main(["--config", "configs/demo.toml", "--nodes", "1", "--gpus-per-node", "2"]) == 0
+    assert "1.8" in capsys.readouterr().out  # the demo's 1.8M parameters
+    assert plan_main(["--preset", "7b", "--nodes", "1", "--gpus-per-node", "6", "--tp", "3"]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: --tp 3")
+    assert plan_main(["--n-layer", "2"]) == 2
+    assert "--n-embd is required" in capsys.readouterr().err
+    assert size("80GiB") == 80 << 30 and size("1e12") == 10 ** 12 and size("3.84TB") == 3_840 * 10 ** 9
