@@ -255,7 +255,7 @@ def test_async_diloco_preempted_on_three_nodes_trains_every_batch_once(vjobs, da
     s = stop_step(log)
     assert 6 <= s < STEPS, log
     assert log.count("3 node(s), rendezvous") == 2, log
-    assert log.count("async_diloco: 2 replicas, 1 servers") == 2, log
+    assert log.count("async_diloco: 2 replicas of 1 rank(s), 1 servers") == 2, log
     assert f"slurm: job {jid}, restart 1" in log and f"checkpoint: step {s} -> " in log, log
     assert re.search(rf"resumed from \S+step_0*{s} at step {s}\b", log), log
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step_{s:08d}", f"step_{STEPS:08d}"]
