@@ -157,6 +157,11 @@ class ParallelConfig:
         "help": "none | full (recompute every block in backward) | selective (every ac_every-th block)"})
     ac_every: int = field(default=2, metadata={
         "help": "with activation_checkpoint = 'selective': checkpoint blocks 0, N, 2N, ..."})
+    meta_init: bool = field(default=True, metadata={
+        "help": "build the model on the meta device, apply the layout, then materialize and "
+                "initialize only this rank's shards (memory: its shards + the largest parameter); "
+                "initial weights bit-identical to false (build the whole fp32 model on every rank "
+                "first, then shard it: 4 bytes x all parameters per rank)"})
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 Owns: the order in which layouts are applied, as a short sequence of functions that each take and
 return modules (pipeline split -> tensor parallel -> activation checkpointing -> FSDP2 | DDP ->
-torch.compile), which of them a job needs, and the `Layout` they produce: the module the optimizer
+torch.compile; a model built on the meta device is materialized after FSDP2 and before DDP),
+which of them a job needs, and the `Layout` they produce: the module the optimizer
 and checkpoints see, the module(s) that run forward, the pipeline split, the process groups and
 how gradients are averaged over dp. It must never run a training step (runner.py does), read or
 write checkpoint state (state.py does), or edit the model's code or parameter names.
@@ -10,7 +11,7 @@ write checkpoint state (state.py does), or edit the model's code or parameter na
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
 import torch.distributed as dist
@@ -142,8 +143,13 @@ def dp_reduction(mesh: Mesh, cfg: Config) -> DpReduce:
     return "ddp" if mesh.tp_size == 1 and mesh.pp_size == 1 else "after_backward"
 
 
-def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Layout:
-    """Apply cfg.parallel's layout to `model` in place (pipeline stages delete what they do not own)."""
+def parallelize(model: nn.Module, mesh: Mesh, cfg: Config,
+                materialize: Callable[[nn.Module], None] | None = None) -> Layout:
+    """Apply cfg.parallel's layout to `model` in place (pipeline stages delete what they do not own).
+
+    `materialize`: for a model built on the meta device (meta_init.py), allocates and initializes
+    this rank's parameters; called once they are sharded (TP, FSDP2) and before DDP (which
+    broadcasts rank 0's)."""
     p = cfg.parallel
     split = apply_pipeline(model, mesh, p.pp_schedule, p.pp_virtual_stages) if mesh.pp_size > 1 else None
     if mesh.tp_size > 1:
@@ -151,10 +157,12 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Layout:
     apply_activation_checkpointing(model, p.activation_checkpoint, p.ac_every)
     roots = tuple(split.make_views()) if split else (model,)
     dp_reduce, mpi_grad_allreduce = dp_reduction(mesh, cfg), None
-    clock = WaitClock(next(model.parameters()).device)
     if dp_reduce == "fsdp":
         apply_fsdp(model, roots, mesh, cfg.train.precision)
-    elif dp_reduce == "ddp":
+    if materialize is not None:
+        materialize(model)
+    clock = WaitClock(next(model.parameters()).device)
+    if dp_reduce == "ddp":
         ddp, mpi_grad_allreduce = apply_ddp(model, mesh, cfg.dist, clock)
         roots = (ddp,)
     if cfg.train.compile:  # after DDP/FSDP wrapping, as torchtitan does (DDP graphs split at buckets)

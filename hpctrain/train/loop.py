@@ -34,14 +34,14 @@ from hpctrain.distributed.watchdog import watch_peers
 from hpctrain.errors import ConfigError
 from hpctrain.metrics import MetricsLog, format_eta, measure_peak_flops
 from hpctrain.metrics.straggler import StragglerDetector
-from hpctrain.model import GPT, GPTConfig
-from hpctrain.parallel import build_runner, parallelize
+from hpctrain.parallel import build_runner
 from hpctrain.sync import modes
 from hpctrain.train import rng
 from hpctrain.train import run_lock
 from hpctrain.train.data import TrainData
 from hpctrain.train.bad_steps import BadStepPolicy, all_finite
 from hpctrain.train.loss_scaling import LossScaling
+from hpctrain.train.model_setup import build_model
 from hpctrain.train.optim import build_optimizer, lr_at, set_lr
 from hpctrain.train.precision import resolve_precision
 from hpctrain.train.states import ModelState, OptimState, RNGStates
@@ -67,12 +67,11 @@ class Trainer:
         t.precision = resolve_precision(t.precision, ctx.device, t.micro_batch_size * cfg.model.block_size,
                                         cfg.model.n_embd)
         self.data = TrainData(modes.data_config(cfg), ctx, self.position)
-        torch.manual_seed(t.seed)  # identical initial weights on every rank
-        m = cfg.model
-        self.model_cfg = GPTConfig(**dataclasses.asdict(m))  # [model] holds exactly GPTConfig's fields
-        self.raw_model = GPT(self.model_cfg).to(ctx.device)
-        self.n_params, self.flops_per_token = self.raw_model.num_params(), self.raw_model.flops_per_token()
-        self.layout = parallelize(self.raw_model, self.mesh, cfg)  # the modules in this job's layout
+        # the model in this job's layout, initialized from t.seed (on the meta device first, then
+        # only this rank's shards: parallel.meta_init)
+        built = build_model(cfg, self.mesh, ctx.device)
+        self.n_params, self.flops_per_token = built.n_params, built.flops_per_token
+        self.layout = built.layout  # the modules in this job's layout
         self.model = self.layout.module  # this rank's parameters (a pipeline stage holds a subset)
         self.optimizer = build_optimizer(self.model, t)
         self.ckpt = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep, ctx.rank, ctx.world_size,

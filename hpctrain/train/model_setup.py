@@ -1,0 +1,42 @@
+"""The GPT in this job's layout, initialized from the seed: `build_model(cfg, mesh, device)`.
+
+Owns: which way the model is built. parallel.meta_init (default): on the meta device, laid out,
+then only this rank's shards materialized and initialized (hpctrain/parallel/meta_init.py);
+otherwise whole in fp32 on every rank, moved to the device, then laid out. Both give bit-identical
+initial weights for a seed (tests/mpi/test_meta_init.py). It must never apply a layout itself
+(parallelize does) or know how a layout shards a tensor (meta_init does).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from hpctrain.config import Config
+from hpctrain.distributed.mesh import Mesh
+from hpctrain.model import GPT, GPTConfig
+from hpctrain.parallel import Layout, parallelize
+from hpctrain.parallel.meta_init import build_on_meta, materialize
+
+
+@dataclass(frozen=True)
+class BuiltModel:
+    layout: Layout
+    n_params: int            # of the whole model, without position embeddings (GPT.num_params)
+    flops_per_token: float   # of the whole model
+
+
+def build_model(cfg: Config, mesh: Mesh, device: torch.device) -> BuiltModel:
+    """The GPT of cfg.model in cfg.parallel's layout; weights as `torch.manual_seed(seed);
+    GPT(...)` makes them, on every rank (the same values before sharding)."""
+    model_cfg = GPTConfig(**dataclasses.asdict(cfg.model))  # [model] holds exactly GPTConfig's fields
+    seed = cfg.train.seed
+    if cfg.parallel.meta_init:
+        recipe, model = build_on_meta(lambda: GPT(model_cfg))
+        init = lambda m: materialize(m, recipe, seed, device)  # noqa: E731
+    else:
+        torch.manual_seed(seed)  # identical initial weights on every rank
+        model, init = GPT(model_cfg).to(device), None
+    n_params, flops = model.num_params(), model.flops_per_token()  # before a pipeline split
+    return BuiltModel(parallelize(model, mesh, cfg, materialize=init), n_params, flops)

@@ -1,0 +1,76 @@
+"""MPI probe for tests/mpi/test_meta_init.py: meta-device initialization gives, in every layout,
+the initial weights of building the whole model on every rank (bit for bit).
+
+    mpiexec -n N python meta_init_probe.py LAYOUT [LAYOUT ...]
+
+LAYOUT is name=override,override,... (e.g. "fsdp2=parallel.data_parallel=fsdp"; "dp2=" for none).
+For each, every rank builds the tiny GPT twice in the layout, with parallel.meta_init false and
+true, and compares each parameter it holds (DTensors gathered whole with full_tensor) with the
+other build's and with a plain `torch.manual_seed(seed); GPT(cfg)` on CPU. Prints one line per
+rank and layout: `SAME <layout> <rank> <n_params>` or `DIFF <layout> <rank> <fqn ...>`.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from hpctrain import config as config_mod
+from hpctrain.distributed.abort import run_or_abort
+from hpctrain.distributed.bootstrap import init_distributed, teardown
+from hpctrain.distributed.mesh import Mesh, ParallelDims
+from hpctrain.model import GPT, GPTConfig
+from hpctrain.parallel.meta_init import WRAPPER_PREFIXES
+from hpctrain.train.model_setup import build_model
+
+MODEL = dict(n_layer=4, n_head=4, n_embd=64, block_size=32, vocab_size=257)
+SEED = 1234
+
+
+def full_params(module) -> dict[str, torch.Tensor]:
+    """This rank's parameters by original name, DTensors gathered whole (collective)."""
+    out = {}
+    for fqn, p in module.named_parameters(remove_duplicate=False):
+        for prefix in WRAPPER_PREFIXES:
+            fqn = fqn.replace(prefix, "")
+        out[fqn] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
+    return out
+
+
+def build(ctx, overrides: list[str], meta: bool):
+    args = ["--run.dir=/nonexistent", "--data.path=/nonexistent", "--train.steps=1", "--train.warmup_steps=0", "--train.micro_batch_size=1",
+            f"--train.seed={SEED}", f"--parallel.meta_init={'true' if meta else 'false'}",
+            *[f"--model.{k}={v}" for k, v in MODEL.items()], *overrides]
+    cfg = config_mod.load(None, args)
+    mesh = Mesh(ParallelDims.from_config(ctx.world_size, cfg.parallel), ctx)
+    layout = build_model(cfg, mesh, ctx.device).layout
+    tied = layout.module.tok_emb is None or layout.module.lm_head is None or \
+        layout.module.lm_head.weight is layout.module.tok_emb.weight
+    return full_params(layout.module), tied
+
+
+def check(ctx, name: str, overrides: list[str]) -> None:
+    torch.manual_seed(SEED)
+    ref = {k: v.detach() for k, v in GPT(GPTConfig(**MODEL)).named_parameters(remove_duplicate=False)}
+    old, old_tied = build(ctx, overrides, meta=False)
+    new, new_tied = build(ctx, overrides, meta=True)
+    diff = [k for k in new if not (torch.equal(new[k], old.get(k, torch.empty(0)))
+                                   and torch.equal(new[k], ref[k]))]
+    if set(new) != set(old) or not new_tied or not old_tied:
+        diff.append(f"names/ties differ: {sorted(set(new) ^ set(old))} tied={old_tied},{new_tied}")
+    line = (f"SAME {name} {ctx.rank} {len(new)}" if not diff
+            else f"DIFF {name} {ctx.rank} {' '.join(diff)}")
+    print(line, flush=True)
+
+
+def main() -> None:
+    ctx = init_distributed("gloo")
+    for spec in sys.argv[1:]:
+        name, _, rest = spec.partition("=")
+        check(ctx, name, [f"--{o}" for o in rest.split(",") if o])
+    teardown()
+
+
+if __name__ == "__main__":
+    run_or_abort(main)
