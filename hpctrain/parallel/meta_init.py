@@ -25,6 +25,7 @@ come from a factory call, not recorded). The GPT has none of these.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -70,12 +71,14 @@ _TARGET = object()  # stands for the initialized tensor in a recorded call's arg
 
 
 class _Recorder(TorchFunctionMode):
-    """Records in-place ops on tensors (outermost call only: nn.init.normal_ is recorded, not the
-    Tensor.normal_ it calls) while the model is built on the meta device."""
+    """Records in-place ops on meta tensors while the model is built, outermost call only
+    (nn.init.normal_ is recorded, not the Tensor.normal_ it calls). nn.init's functions are
+    wrapped too: some return early on meta tensors without a trace (trunc_normal_, orthogonal_)."""
 
     def __init__(self):
         super().__init__()
         self.ops: list[tuple[torch.Tensor, InitOp]] = []
+        self.depth = 0  # > 0 inside a recorded nn.init call
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -83,24 +86,53 @@ class _Recorder(TorchFunctionMode):
         if name in RANDOM_FACTORIES:
             raise NotImplementedError(f"meta init: the model's constructor calls torch.{name}, "
                                       f"which cannot be replayed; set parallel.meta_init = false")
+        if self.depth == 0 and name.endswith("_") and not name.startswith("__") \
+                and name not in NOT_INIT:
+            self.record(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def record(self, func, args: tuple, kwargs: dict) -> None:
         # nn.init functions pass everything by keyword (torch.overrides.handle_torch_function)
         target = args[0] if args else kwargs.get("tensor")
-        if (name.endswith("_") and not name.startswith("__") and name not in NOT_INIT
-                and isinstance(target, torch.Tensor) and target.is_meta):
-            args_ = tuple(_TARGET if a is target else a for a in args)
-            kwargs_ = {k: _TARGET if v is target else v for k, v in kwargs.items()}
-            if any(isinstance(a, torch.Tensor) for a in (*args_, *kwargs_.values())):
-                raise NotImplementedError(f"meta init: {name} reads another tensor, which cannot be "
-                                          f"replayed; set parallel.meta_init = false")
-            self.ops.append((target, InitOp(-1, func, args_, kwargs_, target.shape, target.dtype)))
-        return func(*args, **kwargs)
+        if not (isinstance(target, torch.Tensor) and target.is_meta):
+            return
+        name = func.__name__
+        args_ = tuple(_TARGET if a is target else a for a in args)
+        kwargs_ = {k: _TARGET if v is target else v for k, v in kwargs.items()}
+        if any(isinstance(a, torch.Tensor) for a in (*args_, *kwargs_.values())):
+            raise NotImplementedError(f"meta init: {name} reads another tensor, which cannot be "
+                                      f"replayed; set parallel.meta_init = false")
+        self.ops.append((target, InitOp(-1, func, args_, kwargs_, target.shape, target.dtype)))
+
+    def wrap(self, func: Callable) -> Callable:
+        def recorded(*args, **kwargs):
+            if self.depth == 0:
+                self.record(func, args, kwargs)
+            self.depth += 1
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.depth -= 1
+        return recorded
+
+    @contextlib.contextmanager
+    def nn_init_wrapped(self):
+        saved = {name: f for name, f in vars(nn.init).items()
+                 if name.endswith("_") and not name.startswith("_") and callable(f)}
+        try:
+            for name, f in saved.items():
+                setattr(nn.init, name, self.wrap(f))
+            yield
+        finally:
+            for name, f in saved.items():
+                setattr(nn.init, name, f)
 
 
 def build_on_meta(factory: Callable[[], nn.Module]) -> tuple[InitRecipe, nn.Module]:
     """`factory()` built on the meta device (no parameter memory, no RNG drawn) and the recipe of
     the initialization it performed."""
     recorder = _Recorder()
-    with torch.device("meta"), recorder:
+    with torch.device("meta"), recorder, recorder.nn_init_wrapped():
         model = factory()
     if next(model.buffers(), None) is not None:
         raise NotImplementedError("meta init: the model has buffers; set parallel.meta_init = false")
@@ -119,7 +151,16 @@ def build_on_meta(factory: Callable[[], nn.Module]) -> tuple[InitRecipe, nn.Modu
 
 
 def _mark_liveness(ops: list[InitOp]) -> None:
-    """Mark each tensor's final write, and which values must outlive their op."""
+    """Mark each tensor's final write, and which values must outlive their op. An update (an op
+    not in OVERWRITE) before any recorded write means a write was missed: refused."""
+    first: dict[int, InitOp] = {}
+    for op in ops:
+        first.setdefault(op.key, op)
+    for op in first.values():
+        if op.func.__name__ not in OVERWRITE:
+            raise NotImplementedError(f"meta init: {op.func.__name__} updates a {tuple(op.shape)} "
+                                      f"tensor with no recorded write before it; set "
+                                      f"parallel.meta_init = false")
     seen: set[int] = set()
     for op in reversed(ops):  # walking back: `nxt` is the next op on the same tensor
         if op.key not in seen:

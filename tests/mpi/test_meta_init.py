@@ -1,0 +1,56 @@
+"""Meta-device initialization (#21) under a real mpiexec: in every layout, the initial weights are
+bit-identical to building the whole model on every rank (parallel.meta_init = false), and so are
+the losses of a few training steps.
+
+The probe (scripts/meta_init_probe.py) builds the tiny GPT both ways in each layout and compares
+each rank's parameters, gathered whole, with the other build's and with a plain CPU GPT.
+"""
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, mpirun
+from tests.mpi.test_parallel_parity import LAYOUTS, dataset, losses, train  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.mpi
+
+PROBE = ROOT / "tests" / "mpi" / "scripts" / "meta_init_probe.py"
+
+
+def probe(n: int, layouts: dict[str, str]) -> None:
+    r = mpirun(n, [PROBE, *(f"{k}={v}" for k, v in layouts.items())], timeout=300)
+    lines = [l for l in r.stdout.splitlines() if l.startswith(("SAME", "DIFF"))]
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not [l for l in lines if l.startswith("DIFF")], "\n".join(lines)
+    got = sorted((l.split()[1], int(l.split()[2])) for l in lines)
+    assert got == sorted((k, rank) for k in layouts for rank in range(n)), lines
+
+
+def test_weights_identical_two_ranks():
+    probe(2, {"dp2": "", "tp2": "parallel.tp=2", "pp2": "parallel.pp=2",
+              "pp2_interleaved": "parallel.pp=2,parallel.pp_schedule=interleaved",
+              "fsdp2": "parallel.data_parallel=fsdp",
+              "fsdp2_ac": "parallel.data_parallel=fsdp,parallel.activation_checkpoint=full"})
+
+
+@pytest.mark.slow
+def test_weights_identical_four_ranks():
+    probe(4, {"fsdp2_tp2": "parallel.tp=2,parallel.data_parallel=fsdp",
+              "pp2_tp2": "parallel.pp=2,parallel.tp=2", "pp2_dp2": "parallel.pp=2",
+              "dp2_tp2": "parallel.tp=2", "pp2_fsdp2": "parallel.pp=2,parallel.data_parallel=fsdp"})
+
+
+@pytest.mark.parametrize("layout", ["one", "fsdp2", "pp2_1f1b",
+                                    pytest.param("dp2", marks=pytest.mark.slow),
+                                    pytest.param("tp2", marks=pytest.mark.slow)])
+def test_losses_identical(tmp_path, dataset, layout):  # noqa: F811
+    """5 steps with parallel.meta_init true and false: the same losses, bit for bit."""
+    n, overrides = (1, []) if layout == "one" else LAYOUTS[layout]
+    got = {}
+    for meta in ("true", "false"):
+        _, run = train(n, tmp_path, dataset, f"{layout}_{meta}", *overrides, "--train.steps=5",
+                       "--train.warmup_steps=2", "--train.log_interval=1",
+                       f"--parallel.meta_init={meta}")
+        got[meta] = losses(run)
+    assert sorted(got["true"]) == [1, 2, 3, 4, 5], got
+    assert got["true"] == got["false"], got
