@@ -5,7 +5,6 @@ the losses of a few training steps.
 The probe (scripts/meta_init_probe.py) builds the tiny GPT both ways in each layout and compares
 each rank's parameters, gathered whole, with the other build's and with a plain CPU GPT.
 """
-import sys
 
 import pytest
 
@@ -54,3 +53,20 @@ def test_losses_identical(tmp_path, dataset, layout):  # noqa: F811
         got[meta] = losses(run)
     assert sorted(got["true"]) == [1, 2, 3, 4, 5], got
     assert got["true"] == got["false"], got
+
+
+def test_setup_memory_is_the_shard_plus_a_bounded_overhead():
+    """FSDP over 4 ranks, 16 x 1024 wide, vocab 50304 (255M parameters, 1.02 GB whole in fp32,
+    255 MB per rank): each rank's peak RSS grows by at most its shard + the largest whole parameter
+    (+ its shard + 256 MB slack: bench/meta_init.py's BOUND), well below the whole model that every
+    rank built before meta init."""
+    r = mpirun(4, [ROOT / "bench" / "meta_init.py", "--n_layer=16", "--n_embd=1024", "--n_head=16"],
+               timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [l.split()[1:] for l in r.stdout.splitlines() if l.startswith("RANK ") and "_MB" not in l]
+    assert len(rows) == 4, r.stdout
+    for rank, _, _, grown, shard, largest, whole, _ in rows:
+        grown, shard, largest, whole = map(float, (grown, shard, largest, whole))
+        assert shard < grown <= shard + largest + 256, (rank, grown, shard, largest)
+        assert grown < 0.75 * whole, (rank, grown, whole)
+    assert "BOUND ok" in r.stdout
