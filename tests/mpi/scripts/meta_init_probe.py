@@ -6,8 +6,8 @@ the initial weights of building the whole model on every rank (bit for bit).
 LAYOUT is name=override,override,... (e.g. "fsdp2=parallel.data_parallel=fsdp"; "dp2=" for none).
 For each, every rank builds the tiny GPT twice in the layout, with parallel.meta_init false and
 true, and compares each parameter it holds (DTensors gathered whole with full_tensor) with the
-other build's and with a plain `torch.manual_seed(seed); GPT(cfg)` on CPU. Prints one line per
-rank and layout: `SAME <layout> <rank> <n_params>` or `DIFF <layout> <rank> <fqn ...>`.
+other build's and with a plain `torch.manual_seed(seed); GPT(cfg)` on CPU. Rank 0 prints one line
+per rank and layout: `SAME <layout> <rank> <n_params>` or `DIFF <layout> <rank> <fqn ...>`.
 """
 from __future__ import annotations
 
@@ -61,7 +61,9 @@ def check(ctx, name: str, overrides: list[str]) -> None:
         diff.append(f"names/ties differ: {sorted(set(new) ^ set(old))} tied={old_tied},{new_tied}")
     line = (f"SAME {name} {ctx.rank} {len(new)}" if not diff
             else f"DIFF {name} {ctx.rank} {' '.join(diff)}")
-    print(line, flush=True)
+    lines = ctx.comm.gather(line, root=0)  # printed by rank 0: ranks' stdout interleaves
+    if ctx.rank == 0:
+        print("\n".join(lines), flush=True)
 
 
 def main() -> None:
