@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 

@@ -26,8 +26,10 @@ Owns the memory model of OUR code, per pipeline rank (the largest is what must f
   a step: with grad_accum > 1, micro-batches in flight (pipeline) or DDP (gradients are views of
   its buckets, allocated once) all gradients live through the forward passes and add; otherwise
   a backward sweep (`backward_sweep`) frees each block's activations as its gradients appear.
-- setup (train/loop.py): GPT(...) is built whole in fp32 on every rank, then moved to the
-  device and only then split: 4 bytes x all parameters per rank, on the host and on the GPU.
+- setup (train/model_setup.py with parallel.meta_init = false): GPT(...) is built whole in fp32
+  on every rank, then moved to the device and only then split: 4 bytes x all parameters per
+  rank, on the host and on the GPU. Not yet modelled: meta_init = true (the default), where a
+  rank holds its fp32 shard + at most the largest whole parameter (docs/scale.md, measured).
 It must never format output (report.py) or count communication (comm.py).
 """
 from __future__ import annotations
@@ -239,6 +241,6 @@ def largest_rank(shape: ModelShape, job: Job) -> RankMemory:
 
 
 def setup_bytes(shape: ModelShape, job: Job) -> dict:
-    """train/loop.py before parallelize(): the whole fp32 model on every rank."""
+    """parallel.meta_init = false, before parallelize(): the whole fp32 model on every rank."""
     whole = 4 * shape.total_params()
     return {"per rank (host, then GPU)": whole, "per node (host)": whole * job.gpus_per_node}
