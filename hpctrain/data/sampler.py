@@ -110,6 +110,12 @@ class GlobalSampler:
             k = last
         return np.unique(np.concatenate(out)) if out else np.empty(0, dtype=np.int64)
 
+    def blocks(self, epoch: int) -> list[np.ndarray]:
+        """The shards (positions in ``shard_windows``) of each block of epoch ``epoch``, in the
+        order the epoch reads them ("global": one block of every shard)."""
+        order, size = self._blocks.shard_order_of(epoch), self._blocks.block_shards
+        return [order[a:a + size] for a in range(0, order.size, size)]
+
     def seek(self, k: int) -> None:
         """Position the sampler before step ``k``'s batch (what ``k`` calls of next_indices from a
         fresh sampler leave), e.g. where batches are claimed out of order by asynchronous replicas."""
@@ -125,10 +131,9 @@ class GlobalSampler:
 
     def state_dict(self) -> dict:
         state = {"seed": self.seed, "epoch": self.epoch, "position": self.position,
-                 "n_samples": self.n_samples, "global_batch": self.global_batch,
-                 "shuffle": self.shuffle}
-        if self.shuffle == "block":
-            state["block_shards"] = self.block_shards
+                 "n_samples": self.n_samples, "global_batch": self.global_batch}
+        if self.shuffle == "block":  # "global" states stay as they were before "block" existed
+            state.update(shuffle="block", block_shards=self.block_shards)
         return state
 
     def load_state_dict(self, state: dict) -> None:
