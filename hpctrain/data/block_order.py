@@ -11,9 +11,10 @@ numbered in manifest order, and visits them in ``Generator(PCG64(key)).permutati
 ``key = [seed, e]`` for block 0 and ``[seed, e, b]`` after it.  With a single block (at most
 ``block_shards`` shards) this is exactly the "global" order, ``PCG64([seed, e]).permutation(n)``.
 
-Memory: 8 bytes x shards for the epoch's shard order (plus its block offsets), and the window
-permutations of at most ``KEPT_BLOCKS`` blocks (8 bytes x a block's windows each) — never a
-permutation of the whole epoch unless the dataset is one block.
+Memory: 16 bytes x shards (window offsets, the epoch's shard order) and the window permutations
+of at most ``KEPT_BLOCKS`` blocks (8 bytes x a block's windows each); at peak 24 B x shards (a new
+epoch's order) or 16 B x shards + 24 B x a block's windows (a third block while two are held) —
+never a permutation of the whole epoch unless the dataset is one block.
 
 Must never: read data, depend on the number of ranks, or use global RNG state.
 """
@@ -48,16 +49,17 @@ class BlockOrder:
     def _plan(self, epoch: int) -> None:
         if epoch == self._epoch:
             return
+        self.shard_order, self.block_start, self._epoch = None, None, -1  # free the old epoch's
+        self._blocks.clear()
         if self.n_blocks == 1:
             order = np.arange(self.n_shards, dtype=np.int64)
         else:
             rng = np.random.Generator(np.random.PCG64([self.seed, epoch, *SHARD_ORDER_TAG]))
-            order = rng.permutation(self.n_shards).astype(np.int64)
+            order = rng.permutation(self.n_shards).astype(np.int64, copy=False)
         starts = np.arange(0, self.n_shards, self.block_shards)
         block_windows = np.add.reduceat(self.shard_windows[order], starts)
         self.shard_order, self._epoch = order, epoch
         self.block_start = np.concatenate([[0], np.cumsum(block_windows)])
-        self._blocks.clear()
 
     def shard_order_of(self, epoch: int) -> np.ndarray:
         """Shards (split positions) in the order epoch ``epoch`` visits their blocks."""
