@@ -140,6 +140,7 @@ def test_block_order_stages_each_shard_once_per_epoch(small_shards, tmp_path):
         copies[shuffle] = cache.node["copies"]
         assert cache.used <= budget or shuffle == "global"
         os.close(cache._lock_fd)
+    print(f"{n_shards} shards, budget {budget} B: copies {copies} (global: first 40 steps)")
     assert copies["block"] == n_shards, copies
     assert copies["global"] > 3 * n_shards, copies
     feed.data.sampler = GlobalSampler(len(train), 16, 5, train.samples_per_shard, "block", 8)
