@@ -84,7 +84,8 @@ def check_budgets(p: Plan) -> list[str]:
     elif not c["corpus fits the cache"]:
         out.append(f"node cache: the corpus ({fmt_bytes(c['corpus on disk'])}) exceeds --cache-bytes "
                    f"{fmt_bytes(c['cache budget'])}: data.shuffle = '{j.shuffle}' re-reads "
-                   f"from the PFS every epoch ({fmt_bytes(c['PFS reads, each later epoch (all nodes)'])} over all nodes)")
+                   f"from the PFS every epoch "
+                   f"({fmt_bytes(c['PFS reads, each later epoch (all nodes)'])} over all nodes)")
     if p.checkpoint["files"] > j.pfs_files_limit:
         out.append(f"checkpoint: {p.checkpoint['files']} files per checkpoint in one directory "
                    f"> --pfs-files-limit {j.pfs_files_limit} (PFS metadata load)")

@@ -5,10 +5,11 @@ Owns the arithmetic of:
   data.shuffle = "global": each rank keeps its epoch's int64 permutation (8 B x windows); building
   one (`rng.permutation` = an int64 arange shuffled, then `.astype(np.int64)` copies it) while the
   old epoch's is still referenced peaks at 24 B x windows. data.shuffle = "block"
-  (data/block_order.py): the window offsets and the epoch's shard order (16 B x shards, + 8 B x blocks) and the
-  window permutations of two blocks (8 B x a block's windows each); a new epoch's shard order
-  peaks at 24 B x shards (old blocks dropped first), a third block's permutation while two are
-  held at 16 B x shards + 24 B x a block's windows. With the node cache (data/prefetch.py) the node leader's
+  (data/block_order.py): the window offsets and the epoch's shard order (16 B x shards, + 8 B x
+  blocks) and the window permutations of two blocks (8 B x a block's windows each); a new
+  epoch's shard order peaks at 24 B x shards (old blocks dropped first), a third block's
+  permutation while two are held at 16 B x shards + 24 B x a block's windows. With the node
+  cache (data/prefetch.py) the node leader's
   planner thread keeps its own copy of the order: the kept bytes once more on that rank.
 - the node cache (data/cache.py): the corpus on disk (uint16 tokens up to a 65,536 vocabulary,
   uint32 beyond), the shards a node's ranks touch in the `prefetch` window (a global random order
