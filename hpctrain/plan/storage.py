@@ -9,12 +9,12 @@ Owns the arithmetic of:
   blocks) and the window permutations of two blocks (8 B x a block's windows each); a new
   epoch's shard order peaks at 24 B x shards (old blocks dropped first), a third block's
   permutation while two are held at 16 B x shards + 24 B x a block's windows. With the node
-  cache (data/prefetch.py) the node leader's
-  planner thread keeps its own copy of the order: the kept bytes once more on that rank.
+  cache (data/prefetch.py) the node leader's planner thread keeps its own copy of the order:
+  the kept bytes once more on that rank.
 - the node cache (data/cache.py): the corpus on disk (uint16 tokens up to a 65,536 vocabulary,
   uint32 beyond), the shards a node's ranks touch in the `prefetch` window (a global random order
-  draws each sample from any shard), and whether the whole corpus fits the budget (it must, or
-  every epoch re-reads it from the parallel file system).
+  draws each sample from any shard; the block order two blocks), and whether the whole corpus
+  fits the budget (with the global order it must, or nearly every step re-stages shards).
 - checkpoints (checkpoint/manager.py, disk_format.py): DCP writes one `__<rank>_0.distcp` per rank
   (one writer thread), plus `.metadata`, `state_nontensor.json`, `trainer_state.json` and
   `COMMIT.json`; tensors are fp32 parameters + AdamW m, v = 12 B per parameter (the tied weight
