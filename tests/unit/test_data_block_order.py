@@ -54,6 +54,8 @@ def test_a_block_reads_only_its_shards():
         at += size
     assert at == int(w.sum())
     assert len(s.blocks(0)) == 8 and sorted(np.concatenate(s.blocks(0)).tolist()) == list(range(40))
+    order0, order1 = np.concatenate(s.blocks(0)), np.concatenate(s.blocks(1))
+    assert not np.array_equal(order0, np.arange(40)) and not np.array_equal(order0, order1)
 
 
 def test_seek_and_indices_at_agree_with_next_indices():
@@ -145,3 +147,20 @@ def test_a_trillion_tokens_in_little_memory_for_every_dp_size():
     tracemalloc.stop()
     print(f"1e12 tokens, {n:,} windows, 4 dp sizes x 1,000 steps: peak {peak / 2**20:.1f} MiB")
     assert peak < 200 * 2**20
+
+
+def test_make_sampler_passes_the_readers_shards_and_the_order(tmp_path):
+    from data_tools.corpora import shakespeare_files
+    from data_tools.shard import shard_dataset
+    from hpctrain.data import TokenShards, make_sampler
+
+    shard_dataset(shakespeare_files()[:1], str(tmp_path / "d"), tokenizer="bytes",
+                  shard_tokens=4000, val_fraction=0.0, progress=False, log=lambda s: None)
+    reader = TokenShards(str(tmp_path / "d"), "train", block_size=32)
+    s = make_sampler(reader, 16, 5, "block", 4)
+    assert (s.shuffle, s.block_shards) == ("block", 4)
+    assert np.array_equal(s.shard_windows, reader.samples_per_shard)
+    for k, shards in enumerate([s.shards_between(k, k + 1) for k in range(20)]):
+        read = np.searchsorted(reader.cum, s.indices_at(k), side="right") - 1
+        assert set(read.tolist()) <= set(shards.tolist()) and shards.size <= 8, k
+    assert make_sampler(reader, 16, 5).shuffle == "global"  # the library default; config: block
