@@ -47,6 +47,16 @@ class DataConfig:
                 "(0 = 90% of the cache file system's free space)"})
     prefetch: int = field(default=4, metadata={
         "help": "steps ahead of the fastest local rank that the node leader stages shards"})
+    shuffle: Literal["block", "global"] = field(default="block", metadata={
+        "help": "sample order of a sharded dataset: 'block' = shards in a seeded order per epoch, "
+                "windows shuffled inside blocks of shuffle_block_shards shards (memory 8 B x shards "
+                "+ two blocks' windows; a node reads one block's shards at a time; a dataset of at "
+                "most shuffle_block_shards shards gets exactly the 'global' order); 'global' = one "
+                "permutation of every window per epoch (8 B x windows per rank). A resume keeps "
+                "the order its checkpoint was saved with. Blends mix their own orders"})
+    shuffle_block_shards: int = field(default=64, metadata={
+        "help": "shards per block of data.shuffle = 'block' (two blocks' shards should fit "
+                "data.cache_bytes; see docs/scale.md)"})
 
 
 @dataclass

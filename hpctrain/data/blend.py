@@ -142,8 +142,11 @@ def open_split(path: str, split: str, block_size: int, optional: bool = False, *
     return TokenShards(path, split, block_size, **kw)
 
 
-def make_sampler(reader, global_batch: int, seed: int):
-    """GlobalSampler for a sharded dataset, MixtureSampler for a blend (same interface)."""
+def make_sampler(reader, global_batch: int, seed: int, shuffle: str = "global",
+                 block_shards: int = 64):
+    """GlobalSampler for a sharded dataset (``data.shuffle``, ``data.shuffle_block_shards``),
+    MixtureSampler for a blend (same interface; its components keep their own permutations)."""
     if isinstance(reader, BlendShards):
         return reader.sampler(global_batch, seed)
-    return GlobalSampler(len(reader), global_batch, seed)
+    return GlobalSampler(len(reader), global_batch, seed, reader.samples_per_shard, shuffle,
+                         block_shards)

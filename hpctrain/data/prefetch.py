@@ -82,8 +82,38 @@ class DataFeed:
         self.started = True
         d = self.data
         self._plan_sampler = d.sampler.copy()  # the thread's own copy of the order
+        if self.cache.leader:
+            warning = self.budget_warning(d.sampler.state_dict()["epoch"])
+            if warning:
+                print(f"warning: {self.cache.dir}: {warning}", file=sys.stderr, flush=True)
         t = d.cfg.train
         self.cache.start(d.sampler.steps_done, t.stop_at_step or t.steps, self._needs, self.pinned)
+
+    def working_set_bytes(self, epoch: int) -> int | None:
+        """Bytes of the largest two consecutive blocks of ``epoch``'s order (what the cache must
+        hold to stage every shard once per epoch: the block being read and the next one); None
+        where the sampler has no blocks (a blend's mixture)."""
+        blocks = getattr(self.data.sampler, "blocks", None)
+        if blocks is None:
+            return None
+        ids = np.asarray(self.data.train.shard_ids, dtype=np.int64)
+        sizes = np.array([e["bytes"] for e in self.cache.entries], dtype=np.int64)
+        per_block = [int(sizes[ids[b]].sum()) for b in blocks(epoch)]
+        return max(a + b for a, b in zip(per_block, per_block[1:] + [0]))
+
+    def budget_warning(self, epoch: int) -> str | None:
+        """One line when the cache budget cannot hold the order's working set (leader only)."""
+        need = self.working_set_bytes(epoch)
+        if need is None or need <= self.cache.budget:
+            return None
+        s = self.data.sampler
+        if s.shuffle == "global" and len(s.blocks(epoch)) == 1 and s.shard_windows.size > 1:
+            return (f"data.cache_bytes={self.cache.budget} < the {need}-byte training split: with "
+                    f"data.shuffle = 'global' each step reads shards from anywhere, so shards are "
+                    f"staged again and again (data.shuffle = 'block' reads a block at a time)")
+        return (f"data.cache_bytes={self.cache.budget} < two blocks of data.shuffle_block_shards="
+                f"{s.block_shards} shards ({need} bytes): shards are staged more than once per "
+                f"epoch (lower data.shuffle_block_shards or raise data.cache_bytes)")
 
     def begin_step(self) -> float:
         self.ensure_started()

@@ -1,8 +1,11 @@
 """The global sample order: which samples each optimizer step consumes, independent of DP size.
 
-Owns: the epoch permutation (``PCG64([seed, epoch])``), the position within it, its
-checkpointable state, and ``split_for_rank`` (the contiguous slice of a global batch that a
-data-parallel rank turns into micro-batches).
+Owns: the epoch order (``data.shuffle``: "global" = ``PCG64([seed, epoch]).permutation(n)``,
+materialized, 8 B x windows; "block" = hpctrain.data.block_order, shards in a seeded order and
+windows shuffled inside blocks of ``data.shuffle_block_shards`` shards, 8 B x shards + two
+blocks' windows), the position within it, its checkpointable state (which records the order),
+which shards the coming steps read (for the node cache), and ``split_for_rank`` (the contiguous
+slice of a global batch that a data-parallel rank turns into micro-batches).
 
 Must never: read data, depend on the number of ranks for the ORDER (only split_for_rank sees
 dp_size), use global numpy/torch RNG state, or hold anything that is not in state_dict().
@@ -11,15 +14,22 @@ from __future__ import annotations
 
 import numpy as np
 
+from .block_order import BlockOrder
+
+SHUFFLES = ("global", "block")
 STATE_KEYS = ("seed", "epoch", "position", "n_samples", "global_batch")
 
 
 class GlobalSampler:
-    """Epoch ``e`` visits ``permutation(n_samples)`` of ``Generator(PCG64([seed, e]))``; every
-    step takes the next ``global_batch`` entries; a remainder < global_batch is dropped and the
-    next epoch starts.  The order depends only on (n_samples, global_batch, seed)."""
+    """Epoch ``e`` visits the ``n_samples`` windows in the order ``shuffle`` names (see the module
+    doc); every step takes the next ``global_batch`` entries; a remainder < global_batch is
+    dropped and the next epoch starts.  The order depends only on (n_samples, global_batch, seed)
+    and, for "block", the windows per shard and ``block_shards`` — never on the number of ranks.
+    ``shard_windows`` (windows per shard, in window-number order) is needed for "block" and for
+    ``shards_between``; without it the dataset is one shard."""
 
-    def __init__(self, n_samples: int, global_batch: int, seed: int):
+    def __init__(self, n_samples: int, global_batch: int, seed: int, shard_windows=None,
+                 shuffle: str = "global", block_shards: int = 64):
         n_samples, global_batch, seed = int(n_samples), int(global_batch), int(seed)
         if global_batch < 1:
             raise ValueError(f"global_batch must be >= 1, got {global_batch}")
@@ -29,8 +39,22 @@ class GlobalSampler:
             raise ValueError(f"global_batch {global_batch} is larger than the dataset's "
                              f"{n_samples} samples: 0 optimizer steps per epoch (use a smaller "
                              f"batch or block_size, or more data)")
+        windows = [n_samples] if shard_windows is None else shard_windows
+        self.shard_windows = np.asarray(windows, dtype=np.int64).ravel()
+        if int(self.shard_windows.sum()) != n_samples:
+            raise ValueError(f"shard_windows sum to {int(self.shard_windows.sum())}, "
+                             f"not n_samples {n_samples}")
         self.n_samples, self.global_batch, self.seed = n_samples, global_batch, seed
         self.epoch, self.position = 0, 0
+        self._set_order(shuffle, block_shards)
+
+    def _set_order(self, shuffle: str, block_shards: int) -> None:
+        if shuffle not in SHUFFLES:
+            raise ValueError(f"data.shuffle must be one of {SHUFFLES}, got {shuffle!r}")
+        self.shuffle, self.block_shards = shuffle, int(block_shards)
+        # "global" is the one-block case of BlockOrder (same order), used for shards_between
+        blocks = self.block_shards if shuffle == "block" else self.shard_windows.size
+        self._blocks = BlockOrder(self.shard_windows, blocks, self.seed)
         self._order, self._order_epoch = None, -1
 
     @property
@@ -38,20 +62,25 @@ class GlobalSampler:
         return self.n_samples // self.global_batch
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        """The full permutation of epoch ``epoch`` (int64)."""
+        """The full order of epoch ``epoch`` (int64; materializes it: for tests and tools)."""
+        if self.shuffle == "block":
+            return self._blocks.positions(int(epoch), 0, self.n_samples)
         rng = np.random.Generator(np.random.PCG64([self.seed, int(epoch)]))
         return rng.permutation(self.n_samples).astype(np.int64)
 
-    def _current(self) -> np.ndarray:
-        if self._order_epoch != self.epoch:
-            self._order, self._order_epoch = self.epoch_order(self.epoch), self.epoch
-        return self._order
+    def _slice(self, epoch: int, start: int, stop: int) -> np.ndarray:
+        """Window numbers at positions [start, stop) of epoch ``epoch`` (a fresh array)."""
+        if self.shuffle == "block":
+            return self._blocks.positions(epoch, start, stop)
+        if self._order_epoch != epoch:
+            self._order, self._order_epoch = self.epoch_order(epoch), epoch
+        return self._order[start:stop].copy()
 
     def next_indices(self) -> np.ndarray:
         """Global sample indices (global_batch,) of the next optimizer step; advances state."""
         if self.position + self.global_batch > self.n_samples:
             self.epoch, self.position = self.epoch + 1, 0
-        out = self._current()[self.position:self.position + self.global_batch].copy()
+        out = self._slice(self.epoch, self.position, self.position + self.global_batch)
         self.position += self.global_batch
         return out
 
@@ -65,9 +94,27 @@ class GlobalSampler:
         the k-th call from a fresh sampler).  Lets the cache prefetch what the sampler needs next."""
         epoch, pos = divmod(int(k), self.steps_per_epoch)
         pos *= self.global_batch
-        if self._order_epoch != epoch:
-            self._order, self._order_epoch = self.epoch_order(epoch), epoch
-        return self._order[pos:pos + self.global_batch].copy()
+        return self._slice(epoch, pos, pos + self.global_batch)
+
+    def shards_between(self, k0: int, k1: int) -> np.ndarray:
+        """Shards (positions in ``shard_windows``, sorted, unique) that steps [k0, k1) may read,
+        without drawing their samples: the blocks those steps are in ("block"; every shard for
+        "global").  What a node cache must hold to serve those steps."""
+        k0, k1 = int(k0), int(k1)
+        out, k = [], k0
+        while k < k1:
+            epoch, pos = divmod(k, self.steps_per_epoch)
+            last = min(k1, (epoch + 1) * self.steps_per_epoch)
+            start, stop = pos * self.global_batch, (last - epoch * self.steps_per_epoch) * self.global_batch
+            out.append(self._blocks.shards_between(epoch, start, stop))
+            k = last
+        return np.unique(np.concatenate(out)) if out else np.empty(0, dtype=np.int64)
+
+    def blocks(self, epoch: int) -> list[np.ndarray]:
+        """The shards (positions in ``shard_windows``) of each block of epoch ``epoch``, in the
+        order the epoch reads them ("global": one block of every shard)."""
+        order, size = self._blocks.shard_order_of(epoch), self._blocks.block_shards
+        return [order[a:a + size] for a in range(0, order.size, size)]
 
     def seek(self, k: int) -> None:
         """Position the sampler before step ``k``'s batch (what ``k`` calls of next_indices from a
@@ -79,13 +126,19 @@ class GlobalSampler:
 
     def copy(self) -> "GlobalSampler":
         """A fresh sampler with the same order (for another thread, e.g. the cache planner)."""
-        return GlobalSampler(self.n_samples, self.global_batch, self.seed)
+        return GlobalSampler(self.n_samples, self.global_batch, self.seed, self.shard_windows,
+                             self.shuffle, self.block_shards)
 
     def state_dict(self) -> dict:
-        return {"seed": self.seed, "epoch": self.epoch, "position": self.position,
-                "n_samples": self.n_samples, "global_batch": self.global_batch}
+        state = {"seed": self.seed, "epoch": self.epoch, "position": self.position,
+                 "n_samples": self.n_samples, "global_batch": self.global_batch}
+        if self.shuffle == "block":  # "global" states stay as they were before "block" existed
+            state.update(shuffle="block", block_shards=self.block_shards)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume at the saved position in the saved order: the saved seed and ``shuffle`` win
+        over the constructor's (a checkpoint without ``shuffle`` was saved by the "global" order)."""
         if state.get("kind", "shards") != "shards":
             raise ValueError(f"sampler state was saved for a {state.get('kind')} dataset but "
                              f"data.path is now a plain sharded dataset: the sample order cannot "
@@ -103,8 +156,11 @@ class GlobalSampler:
         position = int(state["position"])
         if not 0 <= position <= self.n_samples or int(state["epoch"]) < 0:
             raise ValueError(f"sampler state has invalid epoch/position {state}")
+        shuffle = state.get("shuffle", "global")
+        if shuffle == "block" and "block_shards" not in state:
+            raise ValueError("sampler state is missing ['block_shards'] (saved with shuffle 'block')")
         self.seed, self.epoch, self.position = int(state["seed"]), int(state["epoch"]), position
-        self._order, self._order_epoch = None, -1
+        self._set_order(shuffle, int(state.get("block_shards", self.block_shards)))
 
 
 def split_for_rank(indices, dp_rank: int, dp_size: int, micro_batch: int,

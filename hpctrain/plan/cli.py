@@ -40,6 +40,7 @@ FROM_CONFIG = {"dp": ("parallel", "dp"), "tp": ("parallel", "tp"), "pp": ("paral
                "sync_mode": ("sync", "mode"), "inner_steps": ("sync", "inner_steps"),
                "compression": ("sync", "compression"), "overlap": ("sync", "overlap"),
                "cache_bytes": ("data", "cache_bytes"), "prefetch": ("data", "prefetch"),
+               "shuffle": ("data", "shuffle"), "shuffle_block_shards": ("data", "shuffle_block_shards"),
                "checkpoint_keep": ("checkpoint", "keep")}
 HELP = {
     "nodes": "nodes in the job", "gpus_per_node": "GPUs (= ranks) per node",
@@ -49,6 +50,8 @@ HELP = {
     "cache_bytes": "data.cache_bytes: node cache budget (0 = 90%% of --node-disk)",
     "prefetch": "data.prefetch: steps ahead the node leader stages shards",
     "shard_tokens": "tokens per shard (data_tools shard --shard-tokens)",
+    "shuffle": "data.shuffle: block | global (sample order)",
+    "shuffle_block_shards": "data.shuffle_block_shards: shards per block of the block order",
     "dp": "parallel.dp (0 = world / (tp x pp))", "tp": "parallel.tp (tensor parallel, in node)",
     "pp": "parallel.pp (pipeline stages)", "data_parallel": "parallel.data_parallel: ddp | fsdp",
     "pp_schedule": "parallel.pp_schedule: gpipe | 1f1b | interleaved",

@@ -25,6 +25,8 @@ class Job:
     cache_bytes: int = 0                # data.cache_bytes: 0 = 90% of node_disk
     prefetch: int = 4                   # data.prefetch
     shard_tokens: int = 100_000_000     # data_tools shard --shard-tokens
+    shuffle: str = "block"              # data.shuffle: block | global
+    shuffle_block_shards: int = 64      # data.shuffle_block_shards
     dp: int = 0                         # 0 = world / (tp * pp)
     tp: int = 1
     pp: int = 1
@@ -71,13 +73,14 @@ class Job:
         choices = {"data_parallel": ("ddp", "fsdp"), "pp_schedule": ("gpipe", "1f1b", "interleaved"),
                    "activation_checkpoint": ("none", "full", "selective"),
                    "precision": ("fp32", "bf16", "fp16"), "sync_mode": ("sync", "diloco"),
-                   "compression": ("none", "bf16", "int8")}
+                   "compression": ("none", "bf16", "int8"), "shuffle": ("block", "global")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"--{key.replace('_', '-')} {getattr(self, key)!r}: expected one of "
                                  f"{', '.join(allowed)}")
         for key in ("nodes", "gpus_per_node", "tp", "pp", "micro_batch", "grad_accum",
-                    "inner_steps", "ac_every", "pp_virtual_stages", "shard_tokens"):
+                    "inner_steps", "ac_every", "pp_virtual_stages", "shard_tokens",
+                    "shuffle_block_shards"):
             if getattr(self, key) < 1:
                 raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
         if self.dp_size * self.tp * self.pp != self.world:

@@ -66,12 +66,13 @@ def check_budgets(p: Plan) -> list[str]:
     if host > j.node_memory:
         out.append(f"setup: {j.gpus_per_node} ranks x the whole fp32 model = {fmt_bytes(host)} of "
                    f"host memory per node > --node-memory {fmt_bytes(j.node_memory)}")
-    per_rank = p.sampler["per rank (peak at an epoch change)"]
+    per_rank = p.sampler["per rank (peak)"]
     sampler = per_rank * j.gpus_per_node + p.sampler["node leader (cache planner copy)"]
     if sampler > 0.1 * j.node_memory:
         out.append(f"sampler: {j.gpus_per_node} ranks x {fmt_bytes(per_rank)} "
-                   f"permutation (+ the cache planner's copy) = {fmt_bytes(sampler)} per node, "
-                   f"> 10% of --node-memory {fmt_bytes(j.node_memory)}")
+                   f"(data.shuffle = '{j.shuffle}'; + the cache planner's copy) = "
+                   f"{fmt_bytes(sampler)} per node, > 10% of --node-memory "
+                   f"{fmt_bytes(j.node_memory)}")
     c = p.cache
     if c["cache budget"] > j.node_disk:
         out.append(f"node cache: --cache-bytes {fmt_bytes(c['cache budget'])} > --node-disk "
@@ -82,8 +83,9 @@ def check_budgets(p: Plan) -> list[str]:
                    f"{fmt_bytes(c['cache budget'])}: steps wait for the PFS")
     elif not c["corpus fits the cache"]:
         out.append(f"node cache: the corpus ({fmt_bytes(c['corpus on disk'])}) exceeds --cache-bytes "
-                   f"{fmt_bytes(c['cache budget'])}: the random order re-reads it from the PFS every "
-                   f"epoch ({fmt_bytes(c['PFS reads, each later epoch (all nodes)'])} over all nodes)")
+                   f"{fmt_bytes(c['cache budget'])}: data.shuffle = '{j.shuffle}' re-reads "
+                   f"from the PFS every epoch "
+                   f"({fmt_bytes(c['PFS reads, each later epoch (all nodes)'])} over all nodes)")
     if p.checkpoint["files"] > j.pfs_files_limit:
         out.append(f"checkpoint: {p.checkpoint['files']} files per checkpoint in one directory "
                    f"> --pfs-files-limit {j.pfs_files_limit} (PFS metadata load)")

@@ -1,15 +1,20 @@
 """The data pipeline's and the checkpoints' bytes and files: sampler, node cache, checkpoints.
 
 Owns the arithmetic of:
-- the sampler (data/sampler.py): windows = sum over shards of (shard tokens - 1) // block_size;
-  each rank keeps its epoch's int64 permutation (8 B x windows); building one
-  (`rng.permutation` = an int64 arange shuffled, then `.astype(np.int64)` copies it) while the old
-  epoch's is still referenced peaks at 24 B x windows. With the node cache (data/prefetch.py) the
-  node leader's planner thread keeps its own copy of the order: 8 B x windows more on that rank.
+- the sampler (data/sampler.py): windows = sum over shards of (shard tokens - 1) // block_size.
+  data.shuffle = "global": each rank keeps its epoch's int64 permutation (8 B x windows); building
+  one (`rng.permutation` = an int64 arange shuffled, then `.astype(np.int64)` copies it) while the
+  old epoch's is still referenced peaks at 24 B x windows. data.shuffle = "block"
+  (data/block_order.py): the window offsets and the epoch's shard order (16 B x shards, + 8 B x
+  blocks) and the window permutations of two blocks (8 B x a block's windows each); a new
+  epoch's shard order peaks at 24 B x shards (old blocks dropped first), a third block's
+  permutation while two are held at 16 B x shards + 24 B x a block's windows. With the node
+  cache (data/prefetch.py) the node leader's planner thread keeps its own copy of the order:
+  the kept bytes once more on that rank.
 - the node cache (data/cache.py): the corpus on disk (uint16 tokens up to a 65,536 vocabulary,
   uint32 beyond), the shards a node's ranks touch in the `prefetch` window (a global random order
-  draws each sample from any shard), and whether the whole corpus fits the budget (it must, or
-  every epoch re-reads it from the parallel file system).
+  draws each sample from any shard; the block order two blocks), and whether the whole corpus
+  fits the budget (with the global order it must, or nearly every step re-stages shards).
 - checkpoints (checkpoint/manager.py, disk_format.py): DCP writes one `__<rank>_0.distcp` per rank
   (one writer thread), plus `.metadata`, `state_nontensor.json`, `trainer_state.json` and
   `COMMIT.json`; tensors are fp32 parameters + AdamW m, v = 12 B per parameter (the tied weight
@@ -38,12 +43,24 @@ def n_windows(shape: ModelShape, job: Job) -> int:
     return full * per_full + max(0, rest - 1) // shape.block_size
 
 
+def block_windows(shape: ModelShape, job: Job) -> int:
+    """Windows of one block of the "block" order (full shards; the whole corpus at most)."""
+    per_shard = (job.shard_tokens - 1) // shape.block_size
+    return min(n_windows(shape, job), job.shuffle_block_shards * per_shard)
+
+
 def sampler_bytes(shape: ModelShape, job: Job) -> dict:
     w = n_windows(shape, job)
-    leader_extra = 8 * w  # the prefetch planner's own GlobalSampler (cache on)
-    return {"windows": w, "per rank (kept)": 8 * w, "per rank (peak at an epoch change)": 24 * w,
-            "node leader (cache planner copy)": leader_extra,
-            "per node (kept)": 8 * w * job.gpus_per_node + leader_extra}
+    if job.shuffle == "global" or n_shards(job) <= job.shuffle_block_shards:
+        kept, peak = 8 * w, 24 * w  # one block = the global permutation
+    else:
+        shards, block = n_shards(job), block_windows(shape, job)
+        blocks = math.ceil(shards / job.shuffle_block_shards)  # + 8 B x blocks of offsets
+        kept = 16 * shards + 8 * blocks + 16 * block
+        peak = max(24 * (shards + blocks), 16 * shards + 8 * blocks + 24 * block)
+    return {"windows": w, "per rank (kept)": kept, "per rank (peak)": peak,
+            "node leader (cache planner copy)": kept,
+            "per node (kept)": kept * job.gpus_per_node + kept}
 
 
 def token_bytes(shape: ModelShape) -> int:
@@ -56,17 +73,30 @@ def local_dp_ranks(job: Job) -> int:
 
 
 def cache_figures(shape: ModelShape, job: Job) -> dict:
+    """Node cache figures.  "global": each step draws every sample from any shard, so the shards of
+    the prefetch window are spread over the corpus and, unless the corpus fits the budget, nearly
+    every shard a step reads is staged again (reads per epoch ~ steps x shards per step).
+    "block": a node reads one block of shards at a time; two blocks must fit, and each shard is
+    staged once per node per epoch."""
     shards = n_shards(job)
     shard_bytes = job.shard_tokens * token_bytes(shape)
     samples = local_dp_ranks(job) * job.micro_batch * job.grad_accum * (job.prefetch + 1)
-    touched = shards * (1.0 - (1.0 - 1.0 / shards) ** samples)
     corpus = int(job.tokens) * token_bytes(shape)
+    block = job.shuffle == "block" and shards > job.shuffle_block_shards
+    if block:
+        touched = min(float(shards), 2.0 * job.shuffle_block_shards)  # this block and the next
+        reread = corpus * job.nodes if corpus > job.cache_budget else 0
+    else:
+        touched = shards * (1.0 - (1.0 - 1.0 / shards) ** samples)
+        miss = max(0.0, 1.0 - job.cache_budget / corpus)
+        per_step = touched / (job.prefetch + 1) * shard_bytes * miss
+        reread = int(per_step * n_windows(shape, job) / job.global_batch) * job.nodes
     return {"corpus on disk": corpus, "shards": shards, "shard bytes": shard_bytes,
             "prefetch window (shards)": touched, "prefetch window bytes": int(touched * shard_bytes),
             "cache budget": job.cache_budget, "corpus fits the cache": corpus <= job.cache_budget,
             "PFS reads, first epoch (all nodes)": corpus * job.nodes,
             "PFS reads, each later epoch (all nodes)": 0 if corpus <= job.cache_budget
-            else corpus * job.nodes}
+            else max(reread, corpus * job.nodes)}
 
 
 def checkpoint_figures(shape: ModelShape, job: Job) -> dict:

@@ -57,7 +57,8 @@ class TrainData:
         self.val = self._open_optional(cfg.data.val_split)
         self.micro_batch, self.grad_accum = t.micro_batch_size, t.grad_accum
         self.global_batch = self.micro_batch * self.grad_accum * self.dp_size
-        self.sampler = make_sampler(self.train, self.global_batch, t.seed)  # or a blend's mixture
+        self.sampler = make_sampler(self.train, self.global_batch, t.seed, cfg.data.shuffle,
+                                    cfg.data.shuffle_block_shards)  # or a blend's mixture
         self.feed.bind(self, ctx.node_comm)
 
     def _open_optional(self, split: str):

@@ -81,6 +81,32 @@ def tree_digest(path):
     return h
 
 
+def test_block_order_resumes_exactly(tmp_path, dataset):
+    """data.shuffle = "block" over many small shards, blocks of 2: the checkpoint records the order
+    and a resume continues it bit for bit; the order is not the global one."""
+    from data_tools.corpora import shakespeare_files
+
+    small = tmp_path / "small"
+    plays = sorted(shakespeare_files())[:6]
+    run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", *plays, "--output", small,
+             "--tokenizer", "bytes", "--shard-tokens", "20000", "--val-fraction", "0.2", "--seed", "3"],
+            timeout=300, check=True)
+    order = ["--data.shuffle=block", "--data.shuffle_block_shards=2", "--train.steps=30"]
+    cfg_a, run_a = write_config(tmp_path, small, "straight")
+    cfg_b, run_b = write_config(tmp_path, small, "resumed")
+    cfg_g, run_g = write_config(tmp_path, small, "global")
+    train(2, cfg_a, *order)
+    train(2, cfg_b, *order, "--train.stop_at_step=20")
+    state = json.loads((run_b / "checkpoints" / "step_00000020" / "trainer_state.json").read_text())
+    assert (state["sampler"]["shuffle"], state["sampler"]["block_shards"]) == ("block", 2)
+    r = train(2, cfg_b, *order)
+    assert "resumed from" in r.stderr
+    a, b = losses(run_a), losses(run_b)
+    assert all(a[step] == b[step] for step in range(21, 31)), (a, b)
+    train(2, cfg_g, "--data.shuffle=global", "--train.steps=30", "--train.stop_at_step=10")
+    assert losses(run_g)[1] != a[1]  # another order from the first step
+
+
 @pytest.mark.parametrize("accum, compile", [(1, False), (3, False), (2, True)],
                          ids=["accum1", "accum3", "accum2_compile"])
 def test_exact_resume_two_ranks(tmp_path, dataset, accum, compile):

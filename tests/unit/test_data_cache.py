@@ -96,3 +96,52 @@ def test_resolve_cache_dir(monkeypatch):
     assert resolve_cache_dir("/dev/shm/c{node}", 2) == "/dev/shm/c2"
     monkeypatch.setenv("HPCTRAIN_RANKS_PER_NODE", "2")
     assert resolve_cache_dir("/x", 1) == "/x/node1"
+
+
+@pytest.fixture(scope="module")
+def small_shards(tmp_path_factory):
+    from data_tools.corpora import shakespeare_files
+
+    out = tmp_path_factory.mktemp("d") / "small"
+    shard_dataset(shakespeare_files()[:1], str(out), tokenizer="bytes", shard_tokens=4000,
+                  val_fraction=0.0, progress=False, log=lambda s: None)
+    return out
+
+
+def node_needs(train, sampler, steps):
+    return [sorted(set(train.shard_ids_of(sampler.indices_at(k)).tolist())) for k in range(steps)]
+
+
+def test_block_order_stages_each_shard_once_per_epoch(small_shards, tmp_path):
+    """A budget of two blocks: the block order copies every shard exactly once in an epoch; the
+    global order, under the same budget, copies shards again and again (and says so at start)."""
+    from types import SimpleNamespace
+
+    from hpctrain.data.prefetch import DataFeed
+    from hpctrain.data.sampler import GlobalSampler
+    from hpctrain.data.shards import TokenShards
+
+    m = read_manifest(str(small_shards))
+    train = TokenShards(str(small_shards), "train", block_size=32)
+    n_shards = len(train.shard_ids)
+    assert n_shards >= 20
+    budget = 2 * 4 * max(e["bytes"] for e in m["shards"])
+    copies = {}
+    for shuffle in ("block", "global"):
+        sampler = GlobalSampler(len(train), 16, 5, train.samples_per_shard, shuffle, 4)
+        steps = sampler.steps_per_epoch if shuffle == "block" else 40
+        cache = NodeCache(str(tmp_path / shuffle), str(small_shards), m, SerialComm(),
+                          budget=budget, prefetch=2)
+        feed = DataFeed(cache, None)
+        feed.data = SimpleNamespace(sampler=sampler, train=train)
+        warning = feed.budget_warning(0)
+        assert (warning is None) == (shuffle == "block"), warning
+        run_steps(cache, node_needs(train, sampler, steps))
+        copies[shuffle] = cache.node["copies"]
+        assert cache.used <= budget or shuffle == "global"
+        os.close(cache._lock_fd)
+    print(f"{n_shards} shards, budget {budget} B: copies {copies} (global: first 40 steps)")
+    assert copies["block"] == n_shards, copies
+    assert copies["global"] > 3 * n_shards, copies
+    feed.data.sampler = GlobalSampler(len(train), 16, 5, train.samples_per_shard, "block", 8)
+    assert "data.shuffle_block_shards=8" in feed.budget_warning(0)
