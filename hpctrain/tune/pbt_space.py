@@ -95,14 +95,20 @@ def sample(param: Param, rng: random.Random):
 
 
 def perturb(param: Param, value, rng: random.Random, factors: tuple):
-    """value moved by one of `factors` (a choice: to a neighbouring choice), within the bounds."""
+    """value moved by one of `factors` (an int: rounded to its step, at least one step; a choice:
+    to a neighbouring choice), clipped to the bounds. A float at 0 stays there: resampling moves it."""
     if param.kind == "choice":
         i = param.choices.index(value) if value in param.choices else 0
         neighbours = [j for j in (i - 1, i + 1) if 0 <= j < len(param.choices)] or [i]
         return param.choices[neighbours[rng.randrange(len(neighbours))]]
-    moved = value * factors[rng.randrange(len(factors))]
-    if param.kind == "int":
+    factor = factors[rng.randrange(len(factors))]
+    moved = value * factor
+    if param.kind == "int":  # rounded to the grid, but at least one step the factor's way
         snapped = param.low + param.step * round((moved - param.low) / param.step)
+        if factor > 1 and snapped <= value:
+            snapped = value + param.step
+        elif factor < 1 and snapped >= value:
+            snapped = value - param.step
         return int(min(param.high, max(param.low, snapped)))
     return float(min(param.high, max(param.low, moved)))
 
