@@ -57,11 +57,16 @@ def load(config_path: str, overrides: list[str]):
 
 def member_config(cfg, member: int):
     """The member's own copy of the config: run directory <run.dir>/member_<i> (and checkpoint
-    directory, if one is given, <checkpoint.dir>/member_<i>)."""
+    directory, if one is given, <checkpoint.dir>/member_<i>; node cache <cache>/pbt_member_<i>)."""
     cfg = copy.deepcopy(cfg)
     cfg.run.dir = str(Path(cfg.run.dir) / f"member_{member}")
     if cfg.checkpoint.dir:
         cfg.checkpoint.dir = str(Path(cfg.checkpoint.dir) / f"member_{member}")
+    cache = cfg.data.cache_dir  # a node cache is one job's: each member has its own folder
+    if cache == "auto":
+        cache = os.environ.get("SLURM_TMPDIR") or os.environ.get("TMPDIR") or "off"
+    if cache not in ("", "off", "none"):
+        cfg.data.cache_dir = os.path.join(cache, f"pbt_member_{member}")
     return cfg
 
 

@@ -126,3 +126,20 @@ def test_lineage_drops_records_after_the_resumed_step(tmp_path):
         log.write({"step": step})
     LineageLog(tmp_path / "lineage.jsonl", True, 8)
     assert [json.loads(x)["step"] for x in (tmp_path / "lineage.jsonl").read_text().splitlines()] == [0, 4, 8]
+
+
+def test_member_config_gives_each_member_its_own_folders(monkeypatch):
+    from hpctrain import config
+    from hpctrain.tune.pbt import member_config
+
+    monkeypatch.setenv("TMPDIR", "/scratch/tmp")
+    monkeypatch.delenv("SLURM_TMPDIR", raising=False)
+    model = ["--model.n_layer=1", "--model.n_head=1", "--model.n_embd=8", "--model.block_size=8",
+             "--model.vocab_size=257", "--train.steps=10", "--train.micro_batch_size=1"]
+    cfg = config.load(None, ["--run.dir=/runs/p", "--data.path=/d", "--checkpoint.dir=/ck", *model])
+    got = member_config(cfg, 3)
+    assert (got.run.dir, got.checkpoint.dir, got.data.cache_dir) == (
+        "/runs/p/member_3", "/ck/member_3", "/scratch/tmp/pbt_member_3")
+    assert cfg.run.dir == "/runs/p" and cfg.data.cache_dir == "auto"  # a copy
+    off = config.load(None, ["--run.dir=/runs/p", "--data.path=/d", "--data.cache_dir=off", *model])
+    assert member_config(off, 0).data.cache_dir == "off"
