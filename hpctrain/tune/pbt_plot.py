@@ -73,8 +73,11 @@ def plot_population(run_dir, out=None) -> Path:
     panels[0].set(xlabel="step", ylabel="loss", title="training loss")
     panels[1].set(xlabel="step", ylabel="val loss", title="validation loss (x: rounds, dotted: exploit)")
     panels[0].legend(fontsize=8)
+    last = max((r["step"] for recs in metrics for r in recs), default=0)
     for ax, (key, per_member) in zip(panels[2:], schedules.items()):
         for m, points in enumerate(per_member):
+            if points[-1][0] < last:  # the last values held to the end of training
+                points = [*points, (last, points[-1][1])]
             ax.step(*zip(*points), where="post", color=colors[m], label=f"member {m}")
         log_scale = all(v > 0 for pts in per_member for _, v in pts if isinstance(v, (int, float)))
         ax.set(xlabel="step", ylabel=key, title=key, yscale="log" if key.endswith("lr") and log_scale else "linear")
