@@ -152,6 +152,7 @@ def main() -> None:
     ap.add_argument("--keep", help="train in this folder and keep it (default: a temporary one)")
     args = ap.parse_args()
     tmp = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench-tune-"))
+    tmp.mkdir(parents=True, exist_ok=True)
     pbt = fixed = []
     s1, s2 = "not measured", "not measured"
     try:
