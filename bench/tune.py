@@ -48,6 +48,8 @@ def population(name: str, extra: list[str], args, tmp: Path) -> list[float]:
            f"--tune.pbt.population={MEMBERS}", f"--tune.pbt.ready={args.ready}",
            f"--tune.pbt.seed={args.seed}", *extra]
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", HPCTRAIN_TENSORBOARD="0")
+    # 4 ranks share the machine's cores: more threads than cores made it 13x slower here (2 vCPUs)
+    env.setdefault("HPCTRAIN_THREADS", str(max(1, (os.cpu_count() or 1) // MEMBERS)))
     t0 = time.perf_counter()
     r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env, cwd=ROOT,
                        timeout=3600)
