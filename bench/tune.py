@@ -1,6 +1,6 @@
 """Hyperparameter tuning, measured (issue #20).
 
-Run:  python bench/tune.py [--data data/shakespeare_bytes] [--steps 300] [--ready 25] [--seed 0]
+Run:  python bench/tune.py [--data data/shakespeare_bytes] [--steps 300] [--ready 50] [--seed 0]
                            [--plot docs/img/pbt.png]
 
 (a) PBT vs fixed: `tune pbt` with 4 members of 1 rank (configs/demo_tune.toml's search space:
@@ -150,7 +150,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default="data/shakespeare_bytes")
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--ready", type=int, default=25)
+    ap.add_argument("--ready", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", help="PNG of the PBT population (tune pbt-plot)")
     ap.add_argument("--trials", type=int, default=8, help="(b): trials of the grid and of the search")

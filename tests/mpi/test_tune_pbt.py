@@ -69,7 +69,8 @@ def write_config(tmp_path, data, run, sleep=0.0):
 def test_exploit_copies_weights_and_optimizer_state_bit_for_bit(tmp_path, data, ranks, overrides):
     out = tmp_path / "probe.json"
     r = mpirun(ranks, [ROOT / "tests/mpi/scripts/pbt_exploit_probe.py",
-                       write_config(tmp_path, data, "probe"), out, *overrides], timeout=240)
+                       write_config(tmp_path, data, "probe"), out, *overrides], timeout=240,
+               env={"HPCTRAIN_THREADS": "1"})  # 4 ranks on 2 cores
     assert r.returncode == 0, r.stderr[-4000:]
     got = json.loads(out.read_text())
     k = ranks // int(overrides[0].split("=")[1])
@@ -83,7 +84,8 @@ def test_exploit_copies_weights_and_optimizer_state_bit_for_bit(tmp_path, data, 
 
 
 def start(cfg, *overrides):
-    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1",
+               HPCTRAIN_THREADS="1")
     return subprocess.Popen([mpiexec_path(), "-n", "2", sys.executable, "-m", "hpctrain", "tune", "pbt",
                              str(cfg), *overrides], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
