@@ -1,4 +1,4 @@
-"""`python -m hpctrain tune search|status`: argument parsing only (docs/tuning.md)."""
+"""`python -m hpctrain tune search|status|pbt|pbt-plot`: argument parsing only (docs/tuning.md)."""
 from __future__ import annotations
 
 import argparse
@@ -32,7 +32,8 @@ def main(argv: list[str]) -> int:
     from hpctrain.tune import space
 
     parser = argparse.ArgumentParser(prog="hpctrain tune", description="Bayesian hyperparameter "
-                                     "search (Optuna) over Slurm job arrays.")
+                                     "search (Optuna) over Slurm job arrays; population-based "
+                                     "training inside one MPI job.")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("search", formatter_class=argparse.RawDescriptionHelpFormatter,
                        help="one search worker: ask, train, report, prune, tell; repeat",
