@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
               "  ckpt    list RUN_DIR | verify DIR: checkpoint status and integrity\n"
               "  export  --checkpoint DIR --format hf --output OUT: Hugging Face GPT-2 folder\n"
               "  tune    search CONFIG.toml | status JOURNAL: Bayesian search (Optuna) over Slurm "
-              "arrays\n"
+              "arrays;\n          pbt CONFIG.toml (under mpiexec) | pbt-plot RUN_DIR: population-based "
+              "training\n"
               "  plan    per-rank memory, communication, checkpoint and data figures of a model "
               "and layout at scale",
               file=sys.stderr)

@@ -180,12 +180,17 @@ def choose_backend(requested: str = "auto") -> str:
     return requested
 
 
-def init_distributed(backend: str = "auto", timeout_s: float = 300.0) -> DistContext:
-    """Bootstrap torch.distributed from MPI. Collective calls time out after `timeout_s` seconds."""
+def init_distributed(backend: str = "auto", timeout_s: float = 300.0, comm=None) -> DistContext:
+    """Bootstrap torch.distributed from MPI. Collective calls time out after `timeout_s` seconds.
+
+    `comm`: the ranks of this job (default COMM_WORLD); population-based training gives each
+    member its sub-communicator, so that the member's ranks are a world of their own (their own
+    TCP store on a port of the OS's choosing, their own default process group)."""
     MPI = _mpi()
-    comm = MPI.COMM_WORLD
+    slurm.check_launch(MPI.COMM_WORLD.Get_size())  # `srun` without --mpi=pmi2/pmix: N singletons, refuse
+    whole_job = comm is None
+    comm = MPI.COMM_WORLD if whole_job else comm
     rank, world = comm.Get_rank(), comm.Get_size()
-    slurm.check_launch(world)  # `srun` without --mpi=pmi2/pmix: N singletons, refuse
     node_comm = _node_comm(MPI, comm)
     local_rank, local_size = node_comm.Get_rank(), node_comm.Get_size()
     node_rank, n_nodes = _node_index(MPI, comm, node_comm)
@@ -204,7 +209,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0) -> DistCon
     hosts = comm.allgather(socket.gethostname())
     addr, iface = _rendezvous(comm, rank, hosts)
     _use_interface(iface)
-    port = int(os.environ.get("MASTER_PORT", "0"))
+    port = int(os.environ.get("MASTER_PORT", "0")) if whole_job else 0  # members: one store each
     store = None
     if rank == 0:
         store = dist.TCPStore(addr, port, world, is_master=True, timeout=timeout, wait_for_workers=False)

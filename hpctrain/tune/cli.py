@@ -1,4 +1,4 @@
-"""`python -m hpctrain tune search|status`: argument parsing only (docs/tuning.md)."""
+"""`python -m hpctrain tune search|status|pbt|pbt-plot`: argument parsing only (docs/tuning.md)."""
 from __future__ import annotations
 
 import argparse
@@ -18,12 +18,22 @@ training exits 75), a worker keeps its trial, requeues its own Slurm task and ex
 resumes that trial from its checkpoint.
 """
 
+PBT_EPILOG = """\
+mpiexec -n P*k python -m hpctrain tune pbt CONFIG.toml [--section.key=value ...]
+splits the ranks into tune.pbt.population = P members of k ranks (each in the [parallel] layout),
+trains member i in <run.dir>/member_<i>, and every tune.pbt.ready steps lets the worst quantile copy
+a best member's weights and optimizer state and perturb its values within the [tune.params] bounds
+(train.lr, min_lr, warmup_steps, weight_decay, grad_clip, beta1, beta2). Lineage: <run.dir>/lineage.jsonl.
+Rerun the same command to resume after a stop (USR1/TERM, train.stop_at_step).
+"""
+
 
 def main(argv: list[str]) -> int:
     from hpctrain.tune import space
 
     parser = argparse.ArgumentParser(prog="hpctrain tune", description="Bayesian hyperparameter "
-                                     "search (Optuna) over Slurm job arrays.")
+                                     "search (Optuna) over Slurm job arrays; population-based "
+                                     "training inside one MPI job.")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("search", formatter_class=argparse.RawDescriptionHelpFormatter,
                        help="one search worker: ask, train, report, prune, tell; repeat",
@@ -38,7 +48,24 @@ def main(argv: list[str]) -> int:
     st.add_argument("journal", help="the study's journal file ([tune] journal)")
     st.add_argument("--study", help="study name (default: the journal's only study)")
     st.add_argument("--toml", help="write the best configuration here instead of printing it")
+    p = sub.add_parser("pbt", help="population-based training: mpiexec -n P*k ... tune pbt CONFIG",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=PBT_EPILOG)
+    p.add_argument("config", help="training TOML with [tune.params] (bounds) and [tune.pbt]")
+    pp = sub.add_parser("pbt-plot", help="PNG of a PBT run: per-member losses and values")
+    pp.add_argument("run_dir", help="the population's run.dir (lineage.jsonl, member_<i>/)")
+    pp.add_argument("--output", "-o", help="PNG path (default: RUN_DIR/pbt.png)")
     args, overrides = parser.parse_known_args(argv)
+    if args.command == "pbt":
+        from hpctrain.tune.pbt import pbt
+
+        return pbt(args.config, overrides)
+    if args.command == "pbt-plot":
+        from hpctrain.tune.pbt_plot import plot_population
+
+        if overrides:
+            parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+        print(plot_population(args.run_dir, args.output))
+        return 0
     if args.command == "status":
         if overrides:
             parser.error(f"unrecognized arguments: {' '.join(overrides)}")

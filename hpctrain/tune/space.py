@@ -99,23 +99,38 @@ def parse(raw, source: str = "config", run_dir: str = "", cli_keys: frozenset = 
         raise ConfigError(f"config key 'tune': expected a [tune] table in {source}")
     from hpctrain.config import _coerce  # the one type coercion of every config key
 
+    raw = fold_pbt_overrides(raw)
     hints = typing.get_type_hints(TuneConfig)
     known = {f.name for f in dataclasses.fields(TuneConfig)} - {"params"}
     kwargs = {}
     for key, value in raw.items():
-        if key == "params":
+        if key in ("params", "pbt"):  # pbt: population-based training's table (pbt_space.py)
             continue
         if key not in known:
             where = "on the command line" if f"tune.{key}" in cli_keys else f"in {source}"
-            raise ConfigError(f"unknown config key 'tune.{key}' {where} (known: params, "
+            raise ConfigError(f"unknown config key 'tune.{key}' {where} (known: params, pbt, "
                               f"{', '.join(sorted(known))})")
         kwargs[key] = _coerce(f"tune.{key}", value, hints[key])
     kwargs["params"] = _parse_params(raw.get("params"), source)
+    if "pbt" in raw:
+        from hpctrain.tune.pbt_space import parse_pbt
+
+        parse_pbt(raw["pbt"], source)
     if not kwargs.get("journal"):
         kwargs["journal"] = str(Path(run_dir or ".") / "study.journal")
     tune = TuneConfig(**kwargs)
     _validate(tune)
     return tune
+
+
+def fold_pbt_overrides(raw: dict) -> dict:
+    """`--tune.pbt.ready=10` arrives as {"pbt.ready": "10"}: into the [tune.pbt] table."""
+    dotted = {k: v for k, v in raw.items() if k.startswith("pbt.")}
+    if not dotted:
+        return raw
+    out = {k: v for k, v in raw.items() if k not in dotted}
+    out["pbt"] = {**out.get("pbt", {}), **{k[len("pbt."):]: v for k, v in dotted.items()}}
+    return out
 
 
 def _validate(t: TuneConfig) -> None:

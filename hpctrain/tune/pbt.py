@@ -1,0 +1,172 @@
+"""`mpiexec -n P*k python -m hpctrain tune pbt CONFIG.toml`: population-based training in one job.
+
+The ranks split into P members of k ranks (pbt_members.py); each member is a training run of its
+own (its own communicator, process group, DistContext and run directory <run.dir>/member_<i>, the
+unchanged Trainer). The members step together: every `tune.pbt.ready` steps each one evaluates its
+validation loss, the losses are gathered over COMM_WORLD, the worst quantile copies weights and
+optimizer state from a member of the best (rank to rank) and explores (pbt_space.py), and world
+rank 0 appends what happened to <run.dir>/lineage.jsonl. The stop vote (signals, wall time) runs
+over COMM_WORLD, so every member stops at the same step; each saves its checkpoint with the
+population's state (every member's values, the explorer's RNG, the round) inside it: resumed, the
+population goes on as if never stopped (the same lineage).
+
+Owns: that loop, the population's state and the lineage file. It must never change the Trainer's
+step (it drives the Trainer's own pieces), sample or perturb values itself, or move tensors.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+from pathlib import Path
+
+from hpctrain.errors import ConfigError, UserError
+from hpctrain.tune import pbt_members, pbt_space
+from hpctrain.tune.space import TuneConfig
+
+LINEAGE = "lineage.jsonl"
+
+
+def log(msg: str) -> None:
+    print(f"[pbt] {msg}", file=sys.stderr, flush=True)
+
+
+def load(config_path: str, overrides: list[str]):
+    """(training Config, TuneConfig, PbtConfig), checked for PBT, or one ConfigError."""
+    from hpctrain import config
+    from hpctrain.tune import space
+
+    raw, source, cli_keys = config.read_raw(config_path, overrides)
+    if "tune" not in raw:
+        raise ConfigError(f"missing config section 'tune' in {source}: give [tune.params] bounds "
+                          f"and [tune.pbt] (docs/tuning.md)")
+    raw["tune"] = space.fold_pbt_overrides(raw["tune"])
+    cfg = config.from_dict(raw, source, cli_keys)
+    tune = space.parse(raw["tune"], source, run_dir=cfg.run.dir)
+    pbt = pbt_space.parse_pbt(raw["tune"].get("pbt"), source)
+    pbt_space.check_mutable(tune)
+    if cfg.sync.mode != "sync":
+        raise ConfigError(f"config key 'sync.mode': '{cfg.sync.mode}' in {source}; PBT members "
+                          f"step together: use sync")
+    if cfg.train.eval_interval <= 0:
+        raise ConfigError(f"config key 'train.eval_interval': is 0 in {source}; PBT ranks members "
+                          f"by validation loss, which needs a validation split and eval_batches")
+    return cfg, tune, pbt
+
+
+def member_config(cfg, member: int):
+    """The member's own copy of the config: run directory <run.dir>/member_<i> (and checkpoint
+    directory, if one is given, <checkpoint.dir>/member_<i>; node cache <cache>/pbt_member_<i>)."""
+    cfg = copy.deepcopy(cfg)
+    cfg.run.dir = str(Path(cfg.run.dir) / f"member_{member}")
+    if cfg.checkpoint.dir:
+        cfg.checkpoint.dir = str(Path(cfg.checkpoint.dir) / f"member_{member}")
+    cache = cfg.data.cache_dir  # a node cache is one job's: each member has its own folder
+    if cache == "auto":
+        cache = os.environ.get("SLURM_TMPDIR") or os.environ.get("TMPDIR") or "off"
+    if cache not in ("", "off", "none"):
+        cfg.data.cache_dir = os.path.join(cache, f"pbt_member_{member}")
+    return cfg
+
+
+class Population:
+    """Every member's current values, the explorer's RNG and the rounds done: a Stateful saved
+    (as JSON) in every member's checkpoint."""
+
+    def __init__(self, tune: TuneConfig, pbt: pbt_space.PbtConfig):
+        import random
+
+        self.tune, self.pbt = tune, pbt
+        self.rng = random.Random(pbt.seed)
+        self.values = pbt_space.first_values(tune.params, pbt.population, self.rng)
+        self.round = 0
+
+    def state_dict(self) -> dict:
+        return {"values": self.values, "rng": pbt_space.rng_state(self.rng), "round": self.round}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["values"]) != self.pbt.population:
+            raise ConfigError(f"config key 'tune.pbt.population': {self.pbt.population}, but the "
+                              f"checkpoint holds {len(state['values'])} members")
+        self.values = [dict(v) for v in state["values"]]
+        self.rng = pbt_space.rng_from_state(state["rng"])
+        self.round = int(state["round"])
+
+    def next_round(self, step: int, losses: list[float]) -> tuple[list, list[dict]]:
+        """Exploit and explore after `losses` (one per member): (plan, lineage records)."""
+        self.round += 1
+        plan = pbt_space.exploit_plan(losses, self.pbt, self.rng)
+        records = []
+        for loser, donor in plan:
+            old = self.values[loser]
+            new = pbt_space.explore(self.tune.params, self.values[donor], self.rng, self.pbt)
+            self.values[loser] = new
+            records.append({"step": step, "round": self.round, "event": "exploit", "member": loser,
+                            "copied_from": donor, "loss": losses[loser], "donor_loss": losses[donor],
+                            "old": old, "donor": dict(self.values[donor]), "new": new})
+        summary = {"step": step, "round": self.round, "event": "round", "losses": losses,
+                   "values": [dict(v) for v in self.values]}
+        return plan, [summary, *records]
+
+
+class LineageLog:
+    """<run.dir>/lineage.jsonl, world rank 0 only; resumed at step S, records after S are dropped."""
+
+    def __init__(self, path: Path, enabled: bool, resume_step: int):
+        self.path, self.enabled = path, enabled
+        if not enabled:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept = [line for line in (path.read_text().splitlines() if path.exists() else [])
+                if line.strip() and json.loads(line)["step"] <= resume_step]
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record, sort_keys=True) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+
+
+def read_lineage(run_dir) -> list[dict]:
+    path = Path(run_dir) / LINEAGE
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def pbt(config_path: str, overrides: list[str]) -> int:
+    """Every rank of the job: split into members, train them as a population, exit status."""
+    cfg, tune, pbt_cfg = load(config_path, overrides)
+    from mpi4py import MPI
+
+    from hpctrain.distributed import init_distributed, teardown
+    from hpctrain.distributed.preempt import install_signal_handlers, requeue_if_requested
+    from hpctrain.distributed.watchdog import watch_peers
+    from hpctrain.train import run_lock
+    from hpctrain.tune.pbt_loop import PopulationRun
+
+    install_signal_handlers(cfg.slurm.signals)
+    world = MPI.COMM_WORLD
+    member, member_comm, k = pbt_members.split_members(world, pbt_cfg.population)
+    mcfg = member_config(cfg, member)
+    ctx = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, comm=member_comm)
+    if world.Get_rank() == 0:
+        log(f"{pbt_cfg.population} members of {k} rank(s) in {cfg.run.dir}; every {pbt_cfg.ready} "
+            f"steps the worst {pbt_cfg.n_exchanged()} copy one of the best {pbt_cfg.n_exchanged()}")
+    with watch_peers(ctx, cfg.dist.heartbeat_timeout_s), run_lock.hold(mcfg.run.dir, ctx):
+        run = PopulationRun(mcfg, ctx, tune, pbt_cfg, world, member, k, Path(cfg.run.dir))
+        status = run.fit()
+    teardown()
+    requeue_if_requested(world)
+    return status
+
+
+def check_same_step(world, step: int) -> None:
+    steps = world.allgather(step)
+    if len(set(steps)) > 1:
+        raise UserError(f"PBT members resumed at different steps {steps}: a stop left some members' "
+                        f"checkpoints uncommitted; remove the newer ones so that all resume at "
+                        f"step {min(steps)}")

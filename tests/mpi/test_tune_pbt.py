@@ -1,0 +1,145 @@
+"""`hpctrain tune pbt` under a real mpiexec: the exploit copy is bit for bit (members of 1 rank,
+and of 2 tensor-parallel ranks); a population stopped (train.stop_at_step, and USR1 as a
+preemption) and run again writes the same lineage, byte for byte, as one that never stopped."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import BIN, ROOT, mpiexec_path, mpirun
+from tests.tune_setup import make_dataset
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+
+STEPS = 24
+PBT_TOML = """
+[run]
+dir = "{run}"
+[data]
+path = "{data}"
+verify = "size"
+cache_dir = "off"
+[model]
+n_layer = 1
+n_head = 2
+n_embd = 32
+block_size = 32
+vocab_size = 257
+[train]
+steps = 24
+micro_batch_size = 2
+warmup_steps = 0
+eval_interval = 8
+eval_batches = 2
+log_interval = 8
+[checkpoint]
+interval = 1000
+[debug]
+step_sleep_s = {sleep}
+[tune.pbt]
+population = 2
+ready = 4
+seed = 1
+[tune.params]
+train.lr = {{ log_uniform = [1e-5, 1e-2] }}
+train.weight_decay = {{ uniform = [0.0, 0.2] }}
+"""
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp("pbt-data") / "d")
+
+
+def write_config(tmp_path, data, run, sleep=0.0):
+    cfg = tmp_path / f"{run}.toml"
+    cfg.write_text(PBT_TOML.format(run=tmp_path / run, data=data, sleep=sleep))
+    return cfg
+
+
+@pytest.mark.parametrize("ranks,overrides", [(4, ["--tune.pbt.population=4"]),
+                                             (4, ["--tune.pbt.population=2", "--parallel.tp=2"])],
+                         ids=["4x1rank", "2x2rank-tp2"])
+def test_exploit_copies_weights_and_optimizer_state_bit_for_bit(tmp_path, data, ranks, overrides):
+    out = tmp_path / "probe.json"
+    r = mpirun(ranks, [ROOT / "tests/mpi/scripts/pbt_exploit_probe.py",
+                       write_config(tmp_path, data, "probe"), out, *overrides], timeout=240,
+               env={"HPCTRAIN_THREADS": "1"})  # 4 ranks on 2 cores
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.loads(out.read_text())
+    k = ranks // int(overrides[0].split("=")[1])
+    n = got["params"] + got["optim_tensors"]
+    assert got["params"] >= 10 and got["optim_tensors"] == 3 * got["params"]  # exp_avg, _sq, step
+    # before: member 0 matches itself; the others share only the step counters (3 steps each)
+    assert got["before"][:k] == [[n, n]] * k
+    assert all(equal == got["params"] for equal, _ in got["before"][k:]), got["before"]
+    assert got["after"] == [[n, n]] * ranks  # every tensor of every rank, bit for bit
+    assert len(set(got["losses"])) == 1, got["losses"]  # the next step is the same step
+
+
+def start(cfg, *overrides):
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1",
+               HPCTRAIN_THREADS="1")
+    return subprocess.Popen([mpiexec_path(), "-n", "2", sys.executable, "-m", "hpctrain", "tune", "pbt",
+                             str(cfg), *overrides], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc, timeout=240):
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, out
+
+
+def train_steps(run_dir, member):
+    path = run_dir / f"member_{member}" / "metrics.jsonl"
+    if not path.exists():
+        return []
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r["step"] for r in recs if "loss" in r]
+
+
+def test_resumed_population_writes_the_same_lineage(tmp_path, data):
+    rc, out = finish(start(write_config(tmp_path, data, "whole")))
+    assert rc == 0, out
+    whole = (tmp_path / "whole" / "lineage.jsonl").read_text()
+    records = [json.loads(line) for line in whole.splitlines()]
+    assert [r["step"] for r in records if r["event"] == "round"] == [4, 8, 12, 16, 20]
+    exploits = [r for r in records if r["event"] == "exploit"]
+    assert len(exploits) == 5 and all(r["loss"] >= r["donor_loss"] for r in exploits)
+    for r in exploits:
+        assert 1e-5 <= r["new"]["train.lr"] <= 1e-2 and 0.0 <= r["new"]["train.weight_decay"] <= 0.2
+
+    # stopped by the test knob at step 10, then run again
+    rc, out = finish(start(write_config(tmp_path, data, "knob"), "--train.stop_at_step=10"))
+    assert rc == 0, out
+    assert (tmp_path / "knob" / "member_1" / "checkpoints" / "step_00000010" / "COMMIT.json").is_file()
+    rc, out = finish(start(write_config(tmp_path, data, "knob")))
+    assert rc == 0 and "resumed from" in out, out
+    assert (tmp_path / "knob" / "lineage.jsonl").read_text() == whole
+
+    # preempted by USR1 mid-run (mpiexec passes it on to every rank): exit 75, then run again
+    cfg = write_config(tmp_path, data, "usr1", sleep=0.25)
+    proc = start(cfg)
+    deadline = time.monotonic() + 120
+    while len(train_steps(tmp_path / "usr1", 0)) < 6 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGUSR1)
+    rc, out = finish(proc)
+    assert rc == 75, out
+    stopped = [len(train_steps(tmp_path / "usr1", m)) for m in (0, 1)]
+    assert stopped[0] == stopped[1] and 6 <= stopped[0] < STEPS, (stopped, out)
+    rc, out = finish(start(write_config(tmp_path, data, "usr1")))
+    assert rc == 0, out
+    assert (tmp_path / "usr1" / "lineage.jsonl").read_text() == whole
+    assert train_steps(tmp_path / "usr1", 1) == list(range(1, STEPS + 1))
