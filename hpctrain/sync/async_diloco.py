@@ -40,6 +40,7 @@ from hpctrain.errors import ConfigError
 from hpctrain.sync.asynchronous import AsynchronousStrategy, assign, flat, local_part
 from hpctrain.sync.global_model import GlobalModelWindows
 from hpctrain.sync.outer import apply_arrival, dynamic_local_steps
+from hpctrain.train.optim import lr_at
 
 
 class AsyncDiLoCo(AsynchronousStrategy):
@@ -72,6 +73,7 @@ class AsyncDiLoCo(AsynchronousStrategy):
         self.steps_this_round, self.round_steps = self.inner_steps, 0
         self.claimed, self.last_arrival, self.arrivals_seen = -1, 0, 0
         self.round_compute_s, self._t0 = 0.0, 0.0
+        self.round_lr_sum, self.train_cfg = 0.0, cfg.train  # the inner lr over the round (outer.py)
         self.pending: dict = {}
         self._optim = self._stash = self._outer = None
         self._arrivals, self._finished, self._step_at_meeting = 0, False, 0
@@ -110,6 +112,7 @@ class AsyncDiLoCo(AsynchronousStrategy):
 
     def after_step(self, step: int) -> None:
         self.round_compute_s += time.perf_counter() - self._t0
+        self.round_lr_sum += lr_at(step, self.train_cfg)
         self.round_steps += 1
         self.pending = {}
         if self.round_steps >= self.steps_this_round:
@@ -117,9 +120,10 @@ class AsyncDiLoCo(AsynchronousStrategy):
 
     def _arrive(self) -> None:
         g = self.start - flat(self.params)
+        lr_scale = max(self.round_lr_sum / self.round_steps, 1e-12)  # a schedule may end at 0
 
         def apply(theta, momentum, acc, g_slice, arrival):
-            apply_arrival(self.kind, theta, momentum, acc, g_slice, arrival, **self.outer)
+            apply_arrival(self.kind, theta, momentum, acc, g_slice, arrival, **self.outer, lr_scale=lr_scale)
 
         t0 = time.perf_counter()
         if self.positions == 1:
@@ -145,7 +149,7 @@ class AsyncDiLoCo(AsynchronousStrategy):
                 self.steps_this_round = dynamic_local_steps(self.inner_steps, step_s, float(times[times > 0].min()))
         self.steps_this_round = self._from_leader(self.steps_this_round)
         self.pending["next_local_steps"] = self.steps_this_round
-        self.round_steps, self.round_compute_s = 0, 0.0
+        self.round_steps, self.round_compute_s, self.round_lr_sum = 0, 0.0, 0.0
 
     def step_metrics(self) -> dict:
         return dict(self.pending)
@@ -201,7 +205,8 @@ class AsyncDiLoCo(AsynchronousStrategy):
             state["replica"] = {self.state_key: {
                 "local": torch.from_numpy(local.copy()), "start": torch.from_numpy(self.start.copy()),
                 "optim": _local_optim_state(self._optim), "counters": torch.tensor(counters, dtype=torch.int64),
-                "round_compute_s": torch.tensor([self.round_compute_s], dtype=torch.float64)}}
+                "round_compute_s": torch.tensor([self.round_compute_s], dtype=torch.float64),
+                "round_lr_sum": torch.tensor([self.round_lr_sum], dtype=torch.float64)}}
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -216,6 +221,7 @@ class AsyncDiLoCo(AsynchronousStrategy):
         self.round_steps, self.steps_this_round, self.last_arrival, self.windows.bytes_moved = (
             int(v) for v in mine["counters"])
         self.round_compute_s = float(mine["round_compute_s"][0])
+        self.round_lr_sum = float(mine["round_lr_sum"][0])
 
     def after_load(self, step: int) -> None:
         """Servers: the saved global model and outer state back into the windows."""

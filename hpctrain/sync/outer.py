@@ -6,8 +6,15 @@ synchronous round (what makes sync.outer_lr mean what it means for DiLoCo), g = 
 
     sgd               theta -= lr * g / R
     nesterov          m = mu * m + g / R;  theta -= lr * (g / R + mu * m)      (on every arrival)
-    delayed_nesterov  theta -= lr * g / R;  acc += g                          (every arrival)
-                      every N-th arrival:  m = mu * m + acc / N;  theta -= lr * mu * m;  acc = 0
+    delayed_nesterov  theta -= lr * g / R;  acc += g / s                      (every arrival)
+                      every N-th arrival:  m = mu * m + acc / N;  theta -= lr * mu * s * m;  acc = 0
+
+s (`lr_scale`) is the mean inner learning rate of the arriving replica's round: delayed Nesterov's
+momentum is kept per unit of inner learning rate and applied at the current one. An inner AdamW
+round moves each weight by about lr per step, so under a decaying schedule the first rounds'
+pseudo-gradients are 5-10x larger than the last ones; momentum kept as plain sums carried them into
+late rounds, where a momentum step could undo the work of several arrivals (docs/communication.md).
+With a constant learning rate s cancels: the same update as synchronous DiLoCo's Nesterov.
 
 Naive Nesterov amplifies stale pseudo-gradients (each gets the momentum of every arrival after it);
 delayed Nesterov applies the momentum once per N arrivals from their mean, as Liu et al. (2024,
@@ -24,7 +31,7 @@ KINDS = ("sgd", "nesterov", "delayed_nesterov")
 
 def apply_arrival(kind: str, theta: np.ndarray, momentum: np.ndarray, acc: np.ndarray,
                   g: np.ndarray, arrival: int, *, lr: float, mu: float, replicas: int,
-                  delay: int) -> None:
+                  delay: int, lr_scale: float = 1.0) -> None:
     """Update theta (and momentum / acc) in place for the `arrival`-th arrival (1-based)."""
     share = g / replicas
     if kind == "sgd":
@@ -35,11 +42,11 @@ def apply_arrival(kind: str, theta: np.ndarray, momentum: np.ndarray, acc: np.nd
         theta -= lr * (share + mu * momentum)
     elif kind == "delayed_nesterov":
         theta -= lr * share
-        acc += g
+        acc += g / lr_scale
         if arrival % delay == 0:
             momentum *= mu
             momentum += acc / delay
-            theta -= lr * mu * momentum
+            theta -= (lr * mu * lr_scale) * momentum
             acc[:] = 0.0
     else:
         raise ValueError(f"outer optimizer {kind!r}: expected one of {', '.join(KINDS)}")

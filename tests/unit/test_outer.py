@@ -5,11 +5,11 @@ import pytest
 from hpctrain.sync.outer import apply_arrival, dynamic_local_steps
 
 
-def _run(kind, grads, replicas, delay, lr=0.7, mu=0.9):
+def _run(kind, grads, replicas, delay, lr=0.7, mu=0.9, scales=None):
     theta, m, acc = np.zeros(3), np.zeros(3), np.zeros(3)
     for t, g in enumerate(grads, 1):
         apply_arrival(kind, theta, m, acc, np.asarray(g, dtype=float), t, lr=lr, mu=mu,
-                      replicas=replicas, delay=delay)
+                      replicas=replicas, delay=delay, lr_scale=1.0 if scales is None else scales[t - 1])
     return theta, m, acc
 
 
@@ -25,6 +25,30 @@ def test_delayed_nesterov_with_n_equal_replicas_is_synchronous_nesterov():
         ref_m = 0.9 * ref_m + mean
         ref -= 0.7 * (mean + 0.9 * ref_m)
     assert np.allclose(theta, ref, atol=1e-12) and np.allclose(m, ref_m) and not acc.any()
+
+
+def test_a_constant_inner_lr_leaves_delayed_nesterov_unchanged():
+    rng = np.random.default_rng(1)
+    grads = rng.normal(size=(8, 3))
+    plain, _, _ = _run("delayed_nesterov", grads, replicas=2, delay=2)
+    scaled, _, _ = _run("delayed_nesterov", grads, replicas=2, delay=2, scales=[3e-4] * 8)
+    assert np.allclose(plain, scaled, rtol=1e-9, atol=1e-12)
+
+
+def test_delayed_momentum_follows_the_inner_lr_of_the_arrivals_it_is_applied_at():
+    """Pseudo-gradients of rounds at inner lr 1e-2, then silent arrivals at 1e-3: every later
+    momentum step moves theta 10x less than momentum kept as plain sums would (the
+    short-run instability in docs/communication.md); the SGD part of each arrival is unchanged."""
+    grads = [[1.0, 0, 0]] * 2 + [[0.0, 0, 0]] * 2
+    before, m, _ = _run("delayed_nesterov", grads[:2], replicas=2, delay=2, scales=[1e-2] * 2)
+    after, _, _ = _run("delayed_nesterov", grads, replicas=2, delay=2, scales=[1e-2] * 2 + [1e-3] * 2)
+    sums, _, _ = _run("delayed_nesterov", grads, replicas=2, delay=2)
+    sums_before, _, _ = _run("delayed_nesterov", grads[:2], replicas=2, delay=2)
+    assert np.allclose(before, sums_before)  # the first round: the same step
+    assert m[0] == pytest.approx(100.0)  # per unit of inner lr: 1 / 1e-2
+    late, late_sums = after[0] - before[0], sums[0] - sums_before[0]
+    assert late_sums == pytest.approx(-0.7 * 0.9 * 0.9 * 1.0)  # mu * m of the earlier round
+    assert late == pytest.approx(late_sums / 10)
 
 
 def test_naive_nesterov_differs_and_sgd_is_plain():
