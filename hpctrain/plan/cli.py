@@ -41,7 +41,7 @@ FROM_CONFIG = {"dp": ("parallel", "dp"), "tp": ("parallel", "tp"), "pp": ("paral
                "compression": ("sync", "compression"), "overlap": ("sync", "overlap"),
                "cache_bytes": ("data", "cache_bytes"), "prefetch": ("data", "prefetch"),
                "shuffle": ("data", "shuffle"), "shuffle_block_shards": ("data", "shuffle_block_shards"),
-               "checkpoint_keep": ("checkpoint", "keep")}
+               "checkpoint_keep": ("checkpoint", "keep"), "meta_init": ("parallel", "meta_init")}
 HELP = {
     "nodes": "nodes in the job", "gpus_per_node": "GPUs (= ranks) per node",
     "tokens": "training corpus size in tokens (1e12, 15e12)",
@@ -66,6 +66,8 @@ HELP = {
     "overlap": "sync.overlap (diloco: start point + pending average kept)",
     "checkpoint_keep": "checkpoint.keep: committed checkpoints kept on the PFS",
     "pfs_files_limit": "warn above this many files per checkpoint directory",
+    "meta_init": "parallel.meta_init: build only this rank's shards (false: the whole fp32 model "
+                 "on every rank first)",
 }
 
 

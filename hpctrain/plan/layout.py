@@ -43,6 +43,7 @@ class Job:
     compression: str = "none"           # none | bf16 | int8 (diloco)
     overlap: bool = False               # diloco
     checkpoint_keep: int = 3
+    meta_init: bool = True              # parallel.meta_init: only each rank's shards are built
     pfs_files_limit: int = 1000         # files per checkpoint directory before we warn
 
     @property

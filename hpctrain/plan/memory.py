@@ -26,10 +26,11 @@ Owns the memory model of OUR code, per pipeline rank (the largest is what must f
   a step: with grad_accum > 1, micro-batches in flight (pipeline) or DDP (gradients are views of
   its buckets, allocated once) all gradients live through the forward passes and add; otherwise
   a backward sweep (`backward_sweep`) frees each block's activations as its gradients appear.
-- setup (train/model_setup.py with parallel.meta_init = false): GPT(...) is built whole in fp32
-  on every rank, then moved to the device and only then split: 4 bytes x all parameters per
-  rank, on the host and on the GPU. Not yet modelled: meta_init = true (the default), where a
-  rank holds its fp32 shard + at most the largest whole parameter (docs/scale.md, measured).
+- setup (train/model_setup.py): with parallel.meta_init = true (the default) a rank holds its
+  fp32 shard + one whole parameter at a time (initialized whole, then sliced: the largest is the
+  embedding or an MLP matrix), measured within ~0.4 GB of that (docs/scale.md); with false,
+  GPT(...) is built whole in fp32 on every rank, then moved and only then split: 4 bytes x all
+  parameters per rank, on the host and on the GPU.
 It must never format output (report.py) or count communication (comm.py).
 """
 from __future__ import annotations
@@ -240,7 +241,17 @@ def largest_rank(shape: ModelShape, job: Job) -> RankMemory:
     return max((rank_memory(shape, job, s) for s in pipeline_stages(shape, job)), key=lambda r: r.peak)
 
 
-def setup_bytes(shape: ModelShape, job: Job) -> dict:
-    """parallel.meta_init = false, before parallelize(): the whole fp32 model on every rank."""
-    whole = 4 * shape.total_params()
-    return {"per rank (host, then GPU)": whole, "per node (host)": whole * job.gpus_per_node}
+def largest_parameter(shape: ModelShape) -> int:
+    """Elements of the largest single parameter: the (tied) embedding, an MLP matrix or pos_emb."""
+    c = shape.n_embd
+    return max(shape.vocab_size * c, 4 * c * c, shape.block_size * c)
+
+
+def setup_bytes(shape: ModelShape, job: Job, rank: RankMemory) -> dict:
+    """Bytes a rank holds while the model is built and split (train/model_setup.py)."""
+    if not job.meta_init:  # the whole fp32 model on every rank, then split
+        whole = 4 * shape.total_params()
+        return {"per rank (host, then GPU)": whole, "per node (host)": whole * job.gpus_per_node}
+    one = 4 * largest_parameter(shape)  # initialized whole, then this rank's slice copied
+    shard = rank.parts["parameters (fp32)"]
+    return {"per rank (host, then GPU)": shard + one, "per node (host)": one * job.gpus_per_node}

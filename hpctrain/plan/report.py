@@ -47,7 +47,7 @@ def make_plan(shape: ModelShape, job: Job) -> Plan:
                       if mode == "full" or (mode == "selective" and i % job.ac_every == 0))
     rows = comm.comm_per_step(shape, job, len(st.block_ids), ckpt_blocks, st.has_first,
                               st.has_last, mem.local_params)
-    plan = Plan(shape, job, mem, memory.setup_bytes(shape, job), storage.sampler_bytes(shape, job),
+    plan = Plan(shape, job, mem, memory.setup_bytes(shape, job, mem), storage.sampler_bytes(shape, job),
                 storage.cache_figures(shape, job), storage.checkpoint_figures(shape, job), rows)
     plan.warnings = check_budgets(plan)
     return plan
@@ -58,14 +58,17 @@ def check_budgets(p: Plan) -> list[str]:
     if p.mem.peak > j.gpu_memory:
         out.append(f"GPU memory: peak {fmt_bytes(p.mem.peak)} on pipeline rank {p.mem.stage.pp_rank} "
                    f"> --gpu-memory {fmt_bytes(j.gpu_memory)}")
-    whole = p.setup["per rank (host, then GPU)"]
-    if whole > j.gpu_memory:
-        out.append(f"setup: train/loop.py builds the whole fp32 model ({fmt_bytes(whole)}) on every "
-                   f"rank before sharding: > --gpu-memory {fmt_bytes(j.gpu_memory)}")
+    what = ("its fp32 shard + the largest whole parameter" if j.meta_init else
+            "the whole fp32 model before sharding (--meta-init false)")
+    setup = p.setup["per rank (host, then GPU)"]
+    if setup > j.gpu_memory:
+        out.append(f"setup: every rank holds {what} ({fmt_bytes(setup)}): > --gpu-memory "
+                   f"{fmt_bytes(j.gpu_memory)}")
     host = p.setup["per node (host)"]
     if host > j.node_memory:
-        out.append(f"setup: {j.gpus_per_node} ranks x the whole fp32 model = {fmt_bytes(host)} of "
-                   f"host memory per node > --node-memory {fmt_bytes(j.node_memory)}")
+        out.append(f"setup: {j.gpus_per_node} ranks x {fmt_bytes(host // j.gpus_per_node)} = "
+                   f"{fmt_bytes(host)} of host memory per node > --node-memory "
+                   f"{fmt_bytes(j.node_memory)}")
     per_rank = p.sampler["per rank (peak)"]
     sampler = per_rank * j.gpus_per_node + p.sampler["node leader (cache planner copy)"]
     if sampler > 0.1 * j.node_memory:

@@ -214,11 +214,29 @@ def test_checkpoint_files_one_per_rank_plus_four():
 
 
 def test_warnings_name_the_budget():
-    plan = make_plan(PRESETS["70b"], Job(nodes=8, gpus_per_node=8, tokens=15e12, shuffle="global"))
+    plan = make_plan(PRESETS["70b"], Job(nodes=8, gpus_per_node=8, tokens=15e12, shuffle="global",
+                                         meta_init=False))
     text = "\n".join(plan.warnings)
     assert "--gpu-memory" in text and "setup" in text and "sampler" in text
-    block = make_plan(PRESETS["70b"], Job(nodes=8, gpus_per_node=8, tokens=15e12))  # the default
+    block = make_plan(PRESETS["70b"], Job(nodes=8, gpus_per_node=8, tokens=15e12))  # the defaults
     assert not [w for w in block.warnings if w.startswith("sampler")], block.warnings
+    sharded = dict(tp=8, data_parallel="fsdp", activation_checkpoint="full")  # docs/scale.md's 70B
+    meta = make_plan(PRESETS["70b"], Job(nodes=8, gpus_per_node=8, tokens=15e12, **sharded))
+    whole = make_plan(PRESETS["70b"], Job(nodes=8, gpus_per_node=8, tokens=15e12, meta_init=False, **sharded))
+    assert not [w for w in meta.warnings if w.startswith("setup")], meta.warnings
+    assert [w for w in whole.warnings if w.startswith("setup")], whole.warnings
+
+
+def test_meta_init_setup_is_the_shard_plus_one_whole_parameter():
+    shape = PRESETS["7b"]  # the embedding, 50304 x 4096, is its largest parameter
+    job = Job(nodes=1, gpus_per_node=4, data_parallel="fsdp").check(shape)
+    plan = make_plan(shape, job)
+    shard = plan.mem.parts["parameters (fp32)"]
+    assert shard == 4 * shape.total_params() // 4
+    assert plan.setup["per rank (host, then GPU)"] == shard + 4 * 50304 * 4096
+    assert plan.setup["per node (host)"] == 4 * 4 * 50304 * 4096
+    whole = make_plan(shape, Job(nodes=1, gpus_per_node=4, data_parallel="fsdp", meta_init=False))
+    assert whole.setup["per rank (host, then GPU)"] == 4 * shape.total_params()
 
 
 def test_cli_help_explains_every_option(capsys):
