@@ -34,16 +34,9 @@ def log(msg: str) -> None:
 
 def load(config_path: str, overrides: list[str]):
     """(training Config, TuneConfig, PbtConfig), checked for PBT, or one ConfigError."""
-    from hpctrain import config
     from hpctrain.tune import space
 
-    raw, source, cli_keys = config.read_raw(config_path, overrides)
-    if "tune" not in raw:
-        raise ConfigError(f"missing config section 'tune' in {source}: give [tune.params] bounds "
-                          f"and [tune.pbt] (docs/tuning.md)")
-    raw["tune"] = space.fold_pbt_overrides(raw["tune"])
-    cfg = config.from_dict(raw, source, cli_keys)
-    tune = space.parse(raw["tune"], source, run_dir=cfg.run.dir)
+    raw, cfg, tune, source = space.read(config_path, overrides, "[tune.params] bounds and [tune.pbt]")
     pbt = pbt_space.parse_pbt(raw["tune"].get("pbt"), source)
     pbt_space.check_mutable(tune)
     if cfg.sync.mode != "sync":

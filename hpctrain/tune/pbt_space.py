@@ -23,7 +23,6 @@ import random
 import typing
 from dataclasses import dataclass
 
-from hpctrain.errors import ConfigError
 from hpctrain.tune.space import Param, TuneConfig, _check
 
 # Keys the trainer reads anew at every step (lr_at: lr, min_lr, warmup_steps; the clip: grad_clip)

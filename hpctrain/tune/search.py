@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 from hpctrain import signals
-from hpctrain.errors import ConfigError
 from hpctrain.tune import space, study as study_mod
 from hpctrain.tune.trial_run import PREEMPTED, EXIT_PREEMPTED, Launch, finish, run_trial
 
@@ -31,12 +30,7 @@ def load(config_path: str, overrides: list[str]):
     """(training Config, TuneConfig with an absolute journal, the overrides for training)."""
     from hpctrain import config
 
-    raw, source, cli_keys = config.read_raw(config_path, overrides)
-    if "tune" not in raw:
-        raise ConfigError(f"missing config section 'tune' in {source}: give the search space "
-                          f"(docs/tuning.md)")
-    cfg = config.from_dict(raw, source, cli_keys)
-    tune = space.parse(raw["tune"], source, run_dir=cfg.run.dir)
+    _, cfg, tune, source = space.read(config_path, overrides, "the search space")
     space.check_base(cfg, tune, source)
     tune = dataclasses.replace(tune, journal=str(Path(tune.journal).resolve()))
     train_overrides = [f"--{section}.{key}={value}"  # every trial's; --tune.* are the study's

@@ -123,6 +123,19 @@ def parse(raw, source: str = "config", run_dir: str = "", cli_keys: frozenset = 
     return tune
 
 
+def read(config_path: str, overrides: list[str], needs: str):
+    """(raw sections, training Config, TuneConfig, source) of a training TOML with a [tune]
+    section; `needs` says what that section must give when it is missing (one ConfigError)."""
+    from hpctrain import config
+
+    raw, source, cli_keys = config.read_raw(config_path, overrides)
+    if "tune" not in raw:
+        raise ConfigError(f"missing config section 'tune' in {source}: give {needs} (docs/tuning.md)")
+    raw["tune"] = fold_pbt_overrides(raw["tune"])
+    cfg = config.from_dict(raw, source, cli_keys)
+    return raw, cfg, parse(raw["tune"], source, run_dir=cfg.run.dir), source
+
+
 def fold_pbt_overrides(raw: dict) -> dict:
     """`--tune.pbt.ready=10` arrives as {"pbt.ready": "10"}: into the [tune.pbt] table."""
     dotted = {k: v for k, v in raw.items() if k.startswith("pbt.")}
