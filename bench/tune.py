@@ -8,13 +8,15 @@ Run:  python bench/tune.py [--data data/shakespeare_bytes] [--steps 300] [--read
     [0, 0.2]; a smaller model, 2 layers 64 wide, block 64) against the same 4 first values trained
     to the end without exploit (`--tune.pbt.exploit=false`: the same seed draws the same values):
     equal compute, the same steps and data. Final validation loss of every member of both.
-(b) Optuna vs a grid, the same number of trials (--trials, 8) on 1 rank each, `tune search`
+(b) Optuna vs a grid, the same number of trials (--trials, 16) on 1 rank each, `tune search`
     over train.lr log-uniform [3e-4, 3e-2] only: the grid is the trials' lr log-spaced over the
     range, trained to the end (pruner none); the search is TPE (3 random trials first) with the
-    median pruner (after 2 finished trials, from the second validation on). S1: the training
-    steps the search had spent (trials in order) when a trial first finished at or below the
-    grid's best validation loss ("not reached": all of its steps, and the best it found); S2: the
-    grid's steps.
+    median pruner (--pruner; after 2 finished trials, from the first validation on, at --ready
+    steps). S1: the training steps the search had spent (trials in order) when a trial first
+    finished at or below the grid's best validation loss ("not reached": all of its steps, and
+    the best it found); S2: the grid's steps. With --keep DIR the grid of an earlier run in DIR
+    with the same --steps, --ready, --eval-batches and --trials is reused (it does not depend on
+    --seed: its points are enqueued, not sampled).
 
 Last two lines: `pbt best L1 vs best fixed L2` and `search steps to grid-best S1 vs grid S2`.
 """
@@ -83,7 +85,7 @@ min_lr = 1e-4
 warmup_steps = 25
 beta2 = 0.99
 eval_interval = {ready}
-eval_batches = 8
+eval_batches = {eval_batches}
 log_interval = 100
 [checkpoint]
 interval = 1000000
@@ -94,8 +96,9 @@ heartbeat_timeout_s = 0
 n_trials = {trials}
 pruner = "{pruner}"
 seed = {seed}
-prune_startup_trials = 2
+prune_startup_trials = {prune_startup}
 prune_warmup_steps = {warmup}
+min_resource = {ready}
 sampler_startup_trials = 3
 [tune.params]
 train.lr = {{ log_uniform = [3e-4, 3e-2] }}
@@ -111,7 +114,9 @@ def study(name: str, pruner: str, grid: list | None, args, tmp: Path) -> list:
     cfg = tmp / f"{name}.toml"
     cfg.write_text(SEARCH_TOML.format(study=tmp / name, data=Path(args.data).resolve(), steps=args.steps,
                                       ready=args.ready, trials=args.trials, pruner=pruner,
-                                      seed=args.seed, warmup=args.ready))
+                                      seed=args.seed, warmup=args.ready,
+                                      prune_startup=args.prune_startup,
+                                      eval_batches=args.eval_batches))
     _, tune, _ = load(str(cfg), [])
     for lr in grid or []:
         open_study(tune).enqueue_trial({"train.lr": lr})
@@ -128,14 +133,32 @@ def study(name: str, pruner: str, grid: list | None, args, tmp: Path) -> list:
     return trials
 
 
+def reuse(cfg: Path, args) -> list | None:
+    """The grid's trials from a --keep folder of an earlier run of the same --steps, --ready and
+    --trials (the grid does not depend on --seed: its points are enqueued, not sampled)."""
+    from hpctrain.tune.search import load
+    from hpctrain.tune.study import load_study
+
+    if not cfg.exists():
+        return None
+    train, tune, _ = load(str(cfg), [])
+    t = train.train
+    if (t.steps, t.eval_interval, t.eval_batches, tune.n_trials) != (args.steps, args.ready,
+                                                                      args.eval_batches, args.trials):
+        return None
+    trials = sorted(load_study(tune.journal).get_trials(deepcopy=False), key=lambda t: t.number)
+    done = [t for t in trials if t.state.name == "COMPLETE"]
+    return trials if len(done) == tune.n_trials else None
+
+
 def search_vs_grid(args, tmp: Path) -> tuple[str, int]:
     """(S1 as text, S2): the search's steps to the grid's best loss, the grid's steps."""
     lo, hi, n = 3e-4, 3e-2, args.trials
     grid = [lo * (hi / lo) ** (i / (n - 1)) for i in range(n)]
-    grid_trials = study("grid", "none", grid, args, tmp)
+    grid_trials = reuse(tmp / "grid.toml", args) or study("grid", "none", grid, args, tmp)
     best = min(t.value for t in grid_trials if t.value is not None)
     spent = 0
-    trials = study("search", "median", None, args, tmp)
+    trials = study("search", args.pruner, None, args, tmp)
     for t in trials:
         spent += int(t.user_attrs.get("steps", 0))
         if t.value is not None and t.value <= best:
@@ -153,7 +176,12 @@ def main() -> None:
     ap.add_argument("--ready", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", help="PNG of the PBT population (tune pbt-plot)")
-    ap.add_argument("--trials", type=int, default=8, help="(b): trials of the grid and of the search")
+    ap.add_argument("--trials", type=int, default=16, help="(b): trials of the grid and of the search")
+    ap.add_argument("--pruner", choices=["median", "successive_halving"], default="median")
+    ap.add_argument("--prune-startup", type=int, default=2,
+                    help="(b): finished trials before the median pruner prunes")
+    ap.add_argument("--eval-batches", type=int, default=8,
+                    help="(b): validation batches of 8 x 64 bytes behind each reported loss")
     ap.add_argument("--part", choices=["a", "b", "ab"], default="ab")
     ap.add_argument("--keep", help="train in this folder and keep it (default: a temporary one)")
     args = ap.parse_args()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from hpctrain.errors import ConfigError
 from hpctrain.tune import space
 
 EXIT_PREEMPTED = 75  # hpctrain/distributed/preempt.py: stopped early, checkpoint committed
-POLL_S = 0.5
+POLL_S = 0.05  # reads only the bytes metrics.jsonl gained since the last poll: cheap at any length
 
 COMPLETE, PRUNED, FAIL, PREEMPTED = "COMPLETE", "PRUNED", "FAIL", "PREEMPTED"
 
@@ -95,10 +96,10 @@ def _watch(proc, trial, metrics: Path, stop_requested) -> tuple[int, str | None]
     """Report new validation losses while the training runs; USR1 to it when the trial is pruned
     or the worker is preempted. (exit status, what we asked: None | 'prune' | 'preempt')."""
     reported = set(trial.storage.get_trial(trial._trial_id).intermediate_values)  # resumed: kept
-    asked, signalled = None, False
+    asked, signalled, tail = None, False, MetricsTail(metrics)
     while True:
         rc = proc.poll()
-        new = _report_new(trial, metrics, reported)
+        new = _report_new(trial, tail.val_losses(), reported)
         if rc is not None:
             return rc, asked
         if asked is None and stop_requested():
@@ -111,10 +112,10 @@ def _watch(proc, trial, metrics: Path, stop_requested) -> tuple[int, str | None]
         time.sleep(POLL_S)
 
 
-def _report_new(trial, metrics: Path, reported: set) -> bool:
+def _report_new(trial, val_losses: dict[int, float], reported: set) -> bool:
     """trial.report each validation loss not reported yet (a resumed trial's earlier ones were)."""
     new = False
-    for step, val in _val_losses(metrics).items():
+    for step, val in val_losses.items():
         if step > 0 and step not in reported and math.isfinite(val):
             trial.report(val, step)
             reported.add(step)
@@ -150,12 +151,8 @@ def finish(study, trial, result: TrialResult) -> None:
         study.tell(trial.number, state=TrialState[result.outcome])
 
 
-def _records(metrics: Path) -> list[dict]:
-    """metrics.jsonl's intact records (a line being written, or torn by a kill, is skipped)."""
-    try:
-        lines = metrics.read_bytes().splitlines()
-    except FileNotFoundError:
-        return []
+def _parse(lines: list[bytes]) -> list[dict]:
+    """The intact step records among ``lines`` (a line torn by a kill is skipped)."""
     out = []
     for line in lines:
         try:
@@ -167,9 +164,48 @@ def _records(metrics: Path) -> list[dict]:
     return out
 
 
+def _records(metrics: Path) -> list[dict]:
+    """metrics.jsonl's intact records (a line being written, or torn by a kill, is skipped)."""
+    try:
+        return _parse(metrics.read_bytes().splitlines())
+    except FileNotFoundError:
+        return []
+
+
 def _val_losses(metrics: Path) -> dict[int, float]:
-    return {r["step"]: float(r["val_loss"]) for r in _records(metrics)
+    return _vals_of(_records(metrics))
+
+
+def _vals_of(records: list[dict]) -> dict[int, float]:
+    return {r["step"]: float(r["val_loss"]) for r in records
             if isinstance(r.get("val_loss"), (int, float))}
+
+
+class MetricsTail:
+    """metrics.jsonl followed while training appends to it: each call reads the complete lines
+    added since the last one (a line still being written waits for its newline), so a watcher can
+    poll every few milliseconds at any file length. A resumed training first cuts the file back
+    to its checkpoint by replacing it (metrics/jsonl.py): another file, or a shorter one, is read
+    again from its start."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.inode, self.vals = path, 0, None, {}
+
+    def val_losses(self) -> dict[int, float]:
+        """Every validation loss so far, by step."""
+        try:
+            with open(self.path, "rb") as f:
+                inode = os.fstat(f.fileno()).st_ino
+                if inode != self.inode or f.seek(0, 2) < self.offset:
+                    self.offset, self.inode, self.vals = 0, inode, {}
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return self.vals
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        self.vals.update(_vals_of(_parse(data[:end].splitlines())))
+        return self.vals
 
 
 def last_step(metrics: Path) -> int:

@@ -107,3 +107,26 @@ def test_job_ended_reads_the_controller(monkeypatch, rc, out, err, ended):
     monkeypatch.setattr(slurm.shutil, "which", lambda name: f"/usr/bin/{name}")
     monkeypatch.setattr(slurm.subprocess, "run", lambda args, **kw: Result())
     assert slurm.job_ended("4_1") is ended
+
+
+def test_metrics_tail_reads_only_complete_new_lines_and_restarts_on_a_replaced_file(tmp_path):
+    """The trial watcher polls metrics.jsonl every 50 ms: it must see each validation loss once
+    its line is complete, skip a half-written line until its newline comes, and start over when
+    a resumed training replaces the file with a shorter one (metrics/jsonl.py)."""
+    from hpctrain.tune.trial_run import MetricsTail
+
+    path = tmp_path / "metrics.jsonl"
+    tail = MetricsTail(path)
+    assert tail.val_losses() == {}  # not written yet
+    with open(path, "ab") as f:
+        f.write(b'{"step":1,"loss":4.0}\n{"step":2,"loss":3.9,"val_loss":3.5}\n{"step":3,"lo')
+    assert tail.val_losses() == {2: 3.5}
+    read_after_two = tail.offset
+    with open(path, "ab") as f:
+        f.write(b'ss":3.8,"val_loss":3.25}\n')
+    assert tail.val_losses() == {2: 3.5, 3: 3.25}
+    assert tail.offset > read_after_two  # the tail moved on: it did not re-read from 0 and stop
+    tmp = tmp_path / "metrics.jsonl.tmp"
+    tmp.write_bytes(b'{"step":1,"loss":4.0}\n{"step":2,"loss":3.9,"val_loss":3.0}\n')
+    os.replace(tmp, path)  # a resume cuts the file back to step 2 and trains step 3 again
+    assert tail.val_losses() == {2: 3.0}
