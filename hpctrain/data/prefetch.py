@@ -138,7 +138,8 @@ class DataFeed:
                     f"staged again and again (data.shuffle = 'block' reads a block at a time)")
         return (f"data.cache_bytes={self.cache.budget} < two blocks of data.shuffle_block_shards="
                 f"{s.block_shards} shards ({need} bytes): shards are staged more than once per "
-                f"epoch and not a block ahead (lower data.shuffle_block_shards or raise data.cache_bytes)")
+                f"epoch and not a block ahead (lower data.shuffle_block_shards or raise "
+                f"data.cache_bytes)")
 
     def begin_step(self) -> float:
         self.ensure_started()
