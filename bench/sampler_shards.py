@@ -2,12 +2,22 @@
 
 Run:  python bench/sampler_shards.py [--tokens 1e10] [--shard-tokens 1e7] [--block-size 2048]
           [--dp 64] [--micro-batch 8] [--ranks-per-node 8] [--block-shards 16] [--steps 1000]
+          [--prefetch 4]
 
 A virtual corpus (no token data: the samplers need only the windows per shard). One node's ranks
 take dp ranks [0, ranks_per_node) of every global batch (sampler.split_for_rank); for each order
 it prints the distinct shards the node reads in windows of N consecutive steps (mean over the
 first --steps steps), what those shards weigh at 2 bytes per token, the sampler's memory
 (tracemalloc peak while drawing), and the sampler's own bound (shards_between: the blocks).
+
+Then, for the block order, the shared-file-system read rate the node cache needs so that no step
+after the first block waits (shards copied per step of compute, peak over the --steps steps; the
+shards of the blocks after the first, each staged once, as with two blocks in data.cache_bytes):
+per-step staging may start copying a shard ``data.prefetch`` steps before the step that first
+reads it; with the block look-ahead (data.prefetch_blocks = 1) it may start when the block before
+the shard's block starts.  The peak over every interval [t1, t2] of steps of
+(shards that may start at >= t1 and must be ready by t2) / (t2 - t1 + 1) is the rate below which
+some step waits (a schedule by deadlines meets every deadline at that rate).
 "--shuffle global" materializes 8 B x windows per epoch: keep --tokens small for it.
 """
 from __future__ import annotations
@@ -43,6 +53,41 @@ def node_shards(sampler, first_window, args, steps: int) -> list[np.ndarray]:
     return out
 
 
+def needed_rate(release: np.ndarray, deadline: np.ndarray) -> float:
+    """Peak of (shards released at >= t1 with deadline <= t2) / (t2 - t1 + 1) over t1 <= t2."""
+    best = 0.0
+    for t1 in np.unique(release):
+        due = np.sort(deadline[release >= t1])
+        ends = np.unique(due)
+        count = np.searchsorted(due, ends, side="right")
+        best = max(best, float(np.max(count / (ends - t1 + 1))))
+    return best
+
+
+def stall_rates(sampler, per_step: list[np.ndarray], prefetch: int) -> tuple[float, float]:
+    """Copies per step that avoid every wait after the first block (its shards are a cold start
+    either way): (per-step staging, with the block look-ahead)."""
+    first_read: dict[int, int] = {}
+    for k, shards in enumerate(per_step):
+        for s in shards.tolist():
+            first_read.setdefault(s, k)
+    prev_start, k, shard, deadline, ahead = None, 0, [], [], []
+    while k < len(per_step):  # each block's shards: first read, the previous block's start
+        a, z, block = sampler.block_steps(k)
+        for s in block.tolist():
+            if prev_start is not None and s in first_read and first_read[s] >= a:
+                shard.append(s)
+                deadline.append(first_read[s])
+                ahead.append(prev_start)
+        prev_start, k = a, z
+    if not shard:
+        return 0.0, 0.0
+    deadline = np.array(deadline, dtype=np.int64)
+    per_step_release = np.maximum(deadline - prefetch, 0)
+    release = np.minimum(np.array(ahead, dtype=np.int64), per_step_release)
+    return needed_rate(per_step_release, deadline), needed_rate(release, deadline)
+
+
 def measure(shuffle: str, windows: np.ndarray, args) -> dict:
     gb = args.dp * args.micro_batch
     first_window = np.concatenate([[0], np.cumsum(windows)])
@@ -63,6 +108,9 @@ def measure(shuffle: str, windows: np.ndarray, args) -> dict:
         row[f"shards / {n} steps"] = float(np.mean(counts))
     row["bound (blocks) / 100 steps"] = float(np.mean(
         [sampler.shards_between(a, a + 100).size for a in range(0, args.steps - 99, 100)]))
+    rates = stall_rates(sampler.copy(), per_step, args.prefetch) if shuffle == "block" else ("-", "-")
+    row[f"copies/step after block 0, prefetch {args.prefetch}"] = rates[0]
+    row["+ block look-ahead"] = rates[1]
     return row
 
 
@@ -77,6 +125,7 @@ def main() -> None:
     p.add_argument("--block-shards", type=int, default=16)
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--shuffle", nargs="+", default=["global", "block"])
+    p.add_argument("--prefetch", type=int, default=4, help="data.prefetch")
     args = p.parse_args()
     windows = virtual_shards(int(args.tokens), int(args.shard_tokens), args.block_size)
     shard_mb = args.shard_tokens * 2 / 1e6
@@ -89,7 +138,8 @@ def main() -> None:
     print("| " + " | ".join(keys) + " |")
     print("|" + "---|" * len(keys))
     for r in rows:
-        print("| " + " | ".join(v if isinstance(v, str) else f"{v:,.1f}" for v in r.values()) + " |")
+        print("| " + " | ".join(v if isinstance(v, str) else f"{v:,.1f}" if v >= 10 else
+                                f"{v:.2f}" for v in r.values()) + " |")
 
 
 if __name__ == "__main__":

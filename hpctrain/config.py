@@ -47,6 +47,12 @@ class DataConfig:
                 "(0 = 90% of the cache file system's free space)"})
     prefetch: int = field(default=4, metadata={
         "help": "steps ahead of the fastest local rank that the node leader stages shards"})
+    prefetch_blocks: int = field(default=1, metadata={
+        "help": "with data.shuffle = 'block': blocks of the order after the current one whose "
+                "shards (those the node's ranks read) the node leader stages in the background "
+                "once the next data.prefetch steps are staged, only if they fit data.cache_bytes "
+                "with what the node still needs (so a block boundary does not wait on the shared "
+                "file system); 0 = off"})
     shuffle: Literal["block", "global"] = field(default="block", metadata={
         "help": "sample order of a sharded dataset: 'block' = shards in a seeded order per epoch, "
                 "windows shuffled inside blocks of shuffle_block_shards shards (memory 8 B x shards "

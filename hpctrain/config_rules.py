@@ -52,6 +52,7 @@ def validate(cfg: Config) -> None:
     _check(cfg.dist.heartbeat_timeout_s >= 0, "dist.heartbeat_timeout_s", "must be >= 0")
     _check(cfg.data.cache_bytes >= 0, "data.cache_bytes", "must be >= 0 (0 = auto)")
     _check(cfg.data.prefetch >= 0, "data.prefetch", "must be >= 0")
+    _check(cfg.data.prefetch_blocks >= 0, "data.prefetch_blocks", "must be >= 0 (0 = off)")
     _check(cfg.data.shuffle_block_shards >= 1, "data.shuffle_block_shards", "must be >= 1")
     _check(cfg.dist.powersgd_rank >= 1, "dist.powersgd_rank", "must be >= 1")
     _check(0.0 <= t.momentum < 1.0, "train.momentum", "must be in [0, 1)")

@@ -2,7 +2,8 @@
 
 Owns: the epoch order of ``data.shuffle = "block"`` as a pure function of (seed, epoch, windows
 per shard, block_shards), computed a block at a time, and which shards a range of positions
-reads (what the node cache must hold).
+reads (what the node cache must hold), and where the block holding a position starts and ends (what
+the node cache stages a block ahead).
 
 Epoch ``e``: the shards (positions within the split, in manifest order) are permuted by
 ``Generator(PCG64([seed, e, 0, 1]))`` (left in manifest order when there is only one block);
@@ -99,6 +100,15 @@ class BlockOrder:
             s = np.searchsorted(local_first, local, side="right") - 1
             out[a - start:z - start] = self.first_window[shards[s]] + local - local_first[s]
         return out
+
+    def block_at(self, epoch: int, pos: int) -> tuple[int, int, np.ndarray]:
+        """(start, stop, shards): positions [start, stop) of the block of epoch ``epoch`` that
+        position ``pos`` is in, and its shards (split positions, sorted)."""
+        self._plan(int(epoch))
+        b = int(np.searchsorted(self.block_start, int(pos), side="right")) - 1
+        b = min(max(b, 0), self.n_blocks - 1)
+        shards = np.sort(self.shard_order[b * self.block_shards:(b + 1) * self.block_shards])
+        return int(self.block_start[b]), int(self.block_start[b + 1]), shards
 
     def shards_between(self, epoch: int, start: int, stop: int) -> np.ndarray:
         """Shards (split positions, sorted) of the blocks that positions [start, stop) read: a

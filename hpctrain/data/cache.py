@@ -5,7 +5,9 @@ placeholder, one sub-directory per pretend node under HPCTRAIN_RANKS_PER_NODE), 
 leftovers, staging (copy from ``data.path`` under a temp name while hashing, sha256 checked against
 the manifest, HDF5 layout checked, rename), LRU eviction under ``data.cache_bytes``, the node
 leader's background thread that stages the shards of the next ``data.prefetch`` steps (the sampler
-order is a pure function of the step), the shared state file through which a node's ranks learn
+order is a pure function of the step) and then, when they fit the budget, the shards of the next
+``data.prefetch_blocks`` blocks of the block order (hpctrain.data.lookahead: held until read, so a
+block boundary finds its shards ready), the shared state file through which a node's ranks learn
 that a shard is ready and tell the leader which step they are on, and the cache counters.
 
 Must never: write to ``data.path``; let a rank read a shard that was not verified in this run;
@@ -30,6 +32,7 @@ import numpy as np
 from data_tools.format import (CACHED_SHARD_RE, TMP_PREFIX, DataError, open_shard_layout,
                                sha256_file)
 
+from .lookahead import BlockLookahead
 from .shards import check_token_range
 
 STATE, LOCK, STATS, ERROR = "state.bin", "lock", "stats.json", "error.txt"
@@ -74,16 +77,18 @@ class NodeCache:
     the leader (local rank 0) then call ``start(k0, needs, end)`` before the first ``acquire``."""
 
     def __init__(self, root: str, data_path: str, manifest: dict, node_comm, budget: int = 0,
-                 prefetch: int = 4, timeout_s: float = 300.0):
+                 prefetch: int = 4, timeout_s: float = 300.0, prefetch_blocks: int = 1):
         self.data_path, self.manifest, self.entries = data_path, manifest, manifest["shards"]
         self.dir = os.path.join(root, dataset_key(data_path))
         self.local_rank, self.n_local = node_comm.Get_rank(), node_comm.Get_size()
         self.leader = self.local_rank == 0
         self.prefetch, self.timeout_s = max(0, int(prefetch)), float(timeout_s)
+        self.prefetch_blocks = max(0, int(prefetch_blocks))
         self.index = {e["file"]: i for i, e in enumerate(self.entries)}
         n = len(self.entries)
         self.counts = {"hits": 0, "misses": 0, "wait_s": 0.0}  # this rank, main thread
-        self.node = {"copies": 0, "bytes_staged": 0, "evictions": 0, "reused": 0, "refetched": 0}
+        self.node = {"copies": 0, "bytes_staged": 0, "evictions": 0, "reused": 0, "refetched": 0,
+                     "lookahead": 0}
         self.copies_per_shard: dict[str, int] = {}
         self.thread, self._stop, self._lock_fd = None, threading.Event(), None
         err = None
@@ -192,13 +197,24 @@ class NodeCache:
         return out
 
     # ---- leader: the prefetch thread -----------------------------------------------------------
-    def start(self, k0: int, end: int, needs, pinned=()) -> None:
+    def start(self, k0: int, end: int, needs, pinned=(), block_plan=None,
+              background: bool = True) -> None:
         """Leader only (no-op elsewhere): stage ``pinned`` shards, then the shards ``needs(k)`` of
-        steps k0, k0+1, ... < end, staying at most ``prefetch`` steps ahead of the fastest rank."""
+        steps k0, k0+1, ... < end, staying at most ``prefetch`` steps ahead of the fastest rank,
+        and, when those are staged, the next ``prefetch_blocks`` blocks of ``block_plan(k)``
+        (-> BlockPlan of the block step k starts in, or None: no blocks) if they fit the budget.
+        ``background=False``: no thread; the caller stages the pinned shards and calls ``work()``
+        (a step-by-step simulation of the thread, for tests and benchmarks)."""
         if not self.leader or self.thread is not None:
             return
         self._needs, self._need_cache, self.pinned = needs, {}, set(pinned)
         self.k0, self.end = int(k0), int(end)
+        self.k = self.k0  # the next step whose shards the thread stages
+        sizes = [e["bytes"] for e in self.entries]
+        self.ahead = (BlockLookahead(block_plan, self.prefetch_blocks, self.end, sizes)
+                      if block_plan is not None and self.prefetch_blocks > 0 else None)
+        if not background:
+            return
         self.thread = threading.Thread(target=self._run, name="hpctrain-cache", daemon=True)
         self.thread.start()
         atexit.register(self.close)
@@ -215,29 +231,59 @@ class NodeCache:
 
     def _run(self) -> None:
         try:
-            for i in sorted(self.pinned):
-                self._ensure(i, self.pinned, must=True, step=-1)
-            k = self.k0
-            while k < self.end and not self._stop.is_set():
-                prog = self.progress.copy()
-                pmin = max(self.k0, int(prog.min()))
-                if k > max(self.k0, int(prog.max())) + self.prefetch:
+            self.stage_pinned()
+            while self.k < self.end and not self._stop.is_set():
+                if not self.work():
                     time.sleep(0.002)
-                    continue
-                for old in [s for s in self._need_cache if s < pmin]:
-                    del self._need_cache[old]
-                protect = set(self.pinned)
-                for s in range(pmin, k + 1):
-                    protect.update(self._needs_at(s))
-                if all(self._ensure(i, protect, must=k <= pmin, step=k) for i in self._needs_at(k)):
-                    k += 1
-                else:
-                    time.sleep(0.002)  # no room until the slowest rank moves on
         except BaseException as e:  # noqa: BLE001 - handed to every rank of the node
             msg = str(e) if isinstance(e, DataError) else f"{self.dir}: staging failed: {e!r}"
             with open(os.path.join(self.dir, ERROR), "w", encoding="utf-8") as f:
                 f.write(msg + "\n")
             self.state[1] = 1
+
+    def stage_pinned(self) -> None:
+        for i in sorted(self.pinned):
+            self._ensure(i, self.pinned, must=True, step=-1)
+
+    def work(self) -> bool:
+        """One unit of the leader's staging: a shard of step ``self.k`` made ready (or the step
+        found complete), else one look-ahead shard.  False = nothing to do until the ranks move
+        on (at the prefetch horizon with nothing to stage ahead, or no room yet)."""
+        if self.k >= self.end:
+            return False
+        prog = self.progress.copy()
+        pmin, pmax = max(self.k0, int(prog.min())), max(self.k0, int(prog.max()))
+        for old in [s for s in self._need_cache if s < pmin]:
+            del self._need_cache[old]
+        held = self.ahead.held_from(pmin) if self.ahead is not None else set()
+        if self.k > pmax + self.prefetch:
+            return self._stage_ahead(pmin, held)
+        protect = set(self.pinned) | held
+        for s in range(pmin, self.k + 1):
+            protect.update(self._needs_at(s))
+        for i in self._needs_at(self.k):
+            if self.ready[i] > 0:
+                self._ensure(i, protect, must=False, step=self.k)  # marks it recently used
+            else:  # no room until the slowest rank moves on: False
+                return self._ensure(i, protect, must=self.k <= pmin, step=self.k)
+        self.k += 1
+        return True
+
+    def _stage_ahead(self, pmin: int, held: set) -> bool:
+        """Stage the next shard of the next blocks, evicting nothing the node still needs."""
+        if self.ahead is None:
+            return False
+        needed = set(self.pinned)
+        for s in range(pmin, self.k):
+            needed.update(self._needs_at(s))
+        got = self.ahead.next_shard(pmin, needed, self.budget, lambda i: self.ready[i] > 0)
+        if got is None:
+            return False
+        i, first = got
+        if not self._ensure(i, needed | self.ahead.held_from(pmin), must=False, step=first):
+            return False
+        self.node["lookahead"] += 1
+        return True
 
     def _ensure(self, i: int, protect: set, must: bool, step: int) -> bool:
         """Make shard ``i`` ready (evicting LRU shards outside ``protect``); False = no room yet."""

@@ -1,8 +1,10 @@
 """Feeding the trainer through the node cache: what to prefetch, when to start, what to report.
 
-Owns: opening the node cache from the config (``data.cache_dir``, ``cache_bytes``, ``prefetch``),
-the function from a step number to the shards this NODE's ranks will read at that step (the
-sampler's order is a pure function of the step; each local rank's slice comes from its dp rank),
+Owns: opening the node cache from the config (``data.cache_dir``, ``cache_bytes``, ``prefetch``,
+``prefetch_blocks``), the function from a step number to the shards this NODE's ranks will read at
+that step (the sampler's order is a pure function of the step; each local rank's slice comes from
+its dp rank) and to the shards they read in the block of the order that step is in (for the
+cache's block look-ahead; only ``data.shuffle = "block"``: none for "global" or a blend),
 the validation shards pinned in the cache, telling the cache which step this rank is on, timing
 how long each step waited for data, and the per-step data metrics (summed/maxed over all ranks).
 
@@ -19,9 +21,10 @@ import time
 import numpy as np
 
 from .cache import CacheUnavailable, NodeCache, resolve_cache_dir
+from .lookahead import BlockPlan
 
 METRIC_SUMS = ("cache_hits", "cache_misses", "cache_copies", "cache_bytes_staged",
-               "cache_evictions")
+               "cache_evictions", "cache_lookahead")
 
 
 class DataFeed:
@@ -42,7 +45,8 @@ class DataFeed:
             try:
                 cache = NodeCache(root, cfg.data.path, manifest, ctx.node_comm,
                                   budget=cfg.data.cache_bytes, prefetch=cfg.data.prefetch,
-                                  timeout_s=cfg.dist.timeout_s)
+                                  timeout_s=cfg.dist.timeout_s,
+                                  prefetch_blocks=cfg.data.prefetch_blocks)
             except CacheUnavailable as e:
                 if ctx.local_rank == 0:
                     print(f"warning: node {socket.gethostname()}: node cache unusable ({e}); its "
@@ -75,6 +79,20 @@ class DataFeed:
         mine = np.concatenate([idx[r * per:(r + 1) * per] for r in self.local_dp])
         return d.train.shard_ids_of(mine).tolist()
 
+    def _block_plan(self, k: int) -> BlockPlan | None:
+        """The shards of the block that step ``k`` starts in that this node's ranks read, with the
+        first and last step reading each (None unless ``data.shuffle = "block"``).  A batch that
+        straddles two blocks is in both plans, each with its own block's shards only."""
+        s, d = self._plan_sampler, self.data  # the cache thread's own copy of the order
+        if getattr(s, "shuffle", None) != "block":
+            return None
+        a, z, block = s.block_steps(k)
+        per = d.micro_batch * d.grad_accum
+        idx = s.indices_between(a, z)
+        mine = np.concatenate([idx[:, r * per:(r + 1) * per] for r in self.local_dp], axis=1)
+        ids = d.train.shard_ids_of(mine.ravel()).reshape(mine.shape)
+        return BlockPlan.of_steps(a, ids, only=np.asarray(d.train.shard_ids)[block])
+
     def ensure_started(self) -> None:
         """Start the leader's prefetch thread at the sampler's current step (after any resume)."""
         if self.started or self.cache is None:
@@ -82,12 +100,19 @@ class DataFeed:
         self.started = True
         d = self.data
         self._plan_sampler = d.sampler.copy()  # the thread's own copy of the order
-        if self.cache.leader:
-            warning = self.budget_warning(d.sampler.state_dict()["epoch"])
-            if warning:
-                print(f"warning: {self.cache.dir}: {warning}", file=sys.stderr, flush=True)
+        if not self.cache.leader:
+            return
         t = d.cfg.train
-        self.cache.start(d.sampler.steps_done, t.stop_at_step or t.steps, self._needs, self.pinned)
+        self.cache.start(d.sampler.steps_done, t.stop_at_step or t.steps, self._needs, self.pinned,
+                         block_plan=self.lookahead_plan(d.sampler.state_dict()["epoch"]))
+
+    def lookahead_plan(self, epoch: int):
+        """What the cache stages a block ahead from (``_block_plan``), or None when two blocks of
+        ``epoch`` do not fit the budget: then the leader warns once and stages per step only."""
+        warning = self.budget_warning(epoch)
+        if warning:
+            print(f"warning: {self.cache.dir}: {warning}", file=sys.stderr, flush=True)
+        return None if warning else self._block_plan
 
     def working_set_bytes(self, epoch: int) -> int | None:
         """Bytes of the largest two consecutive blocks of ``epoch``'s order (what the cache must
@@ -113,7 +138,8 @@ class DataFeed:
                     f"staged again and again (data.shuffle = 'block' reads a block at a time)")
         return (f"data.cache_bytes={self.cache.budget} < two blocks of data.shuffle_block_shards="
                 f"{s.block_shards} shards ({need} bytes): shards are staged more than once per "
-                f"epoch (lower data.shuffle_block_shards or raise data.cache_bytes)")
+                f"epoch and not a block ahead (lower data.shuffle_block_shards or raise "
+                f"data.cache_bytes)")
 
     def begin_step(self) -> float:
         self.ensure_started()
@@ -127,14 +153,16 @@ class DataFeed:
     def metrics(self) -> dict:
         """This step's data metrics over all ranks: ``data_time_s`` and ``data_wait_s`` (max over
         ranks of time spent getting the batch / blocked on the cache), and with the cache: hits,
-        misses (shard look-ups that had to wait), copies/bytes staged and evictions (all nodes)."""
+        misses (shard look-ups that had to wait), copies/bytes staged, evictions and shards staged
+        a block ahead (all nodes)."""
         import torch
         import torch.distributed as dist
 
         c = self.cache.take_counts() if self.cache is not None else {}
         mx = torch.tensor([self.data_s, c.get("wait_s", 0.0)], dtype=torch.float64)
         sm = torch.tensor([c.get("hits", 0), c.get("misses", 0), c.get("copies", 0),
-                           c.get("bytes_staged", 0), c.get("evictions", 0)], dtype=torch.int64)
+                           c.get("bytes_staged", 0), c.get("evictions", 0), c.get("lookahead", 0)],
+                          dtype=torch.int64)
         self.data_s = 0.0
         if self.comm is not None and self.comm.Get_size() > 1 and self.device.type == "cpu":
             # MPI on CPU: 3 us per call over shared memory where Gloo's TCP takes 360 us (every

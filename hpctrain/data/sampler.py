@@ -4,7 +4,7 @@ Owns: the epoch order (``data.shuffle``: "global" = ``PCG64([seed, epoch]).permu
 materialized, 8 B x windows; "block" = hpctrain.data.block_order, shards in a seeded order and
 windows shuffled inside blocks of ``data.shuffle_block_shards`` shards, 8 B x shards + two
 blocks' windows), the position within it, its checkpointable state (which records the order),
-which shards the coming steps read (for the node cache), and ``split_for_rank`` (the contiguous
+which shards the coming steps read and which steps read the same block (for the node cache), and ``split_for_rank`` (the contiguous
 slice of a global batch that a data-parallel rank turns into micro-batches).
 
 Must never: read data, depend on the number of ranks for the ORDER (only split_for_rank sees
@@ -109,6 +109,30 @@ class GlobalSampler:
             out.append(self._blocks.shards_between(epoch, start, stop))
             k = last
         return np.unique(np.concatenate(out)) if out else np.empty(0, dtype=np.int64)
+
+    def indices_between(self, k0: int, k1: int) -> np.ndarray:
+        """The global batches of steps [k0, k1), one row per step ((k1 - k0, global_batch) int64):
+        ``indices_at`` of each step, drawn a slice of an epoch at a time."""
+        k0, k1, gb = int(k0), int(k1), self.global_batch
+        rows, k = [], k0
+        while k < k1:
+            epoch, pos = divmod(k, self.steps_per_epoch)
+            last = min(k1, (epoch + 1) * self.steps_per_epoch)
+            rows.append(self._slice(epoch, pos * gb, (last - epoch * self.steps_per_epoch) * gb))
+            k = last
+        flat = np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)
+        return flat.reshape(max(0, k1 - k0), gb)
+
+    def block_steps(self, k: int) -> tuple[int, int, np.ndarray]:
+        """(a, z, shards): the steps [a, z) whose batches read the block that step ``k``'s batch
+        starts in (a batch that straddles two blocks belongs to both; "global": the steps of
+        ``k``'s epoch) and that block's shards (positions in ``shard_windows``, sorted).  The next
+        block is ``block_steps(z)``, across epochs too (an epoch's remainder is never read)."""
+        epoch, pos = divmod(int(k), self.steps_per_epoch)
+        start, stop, shards = self._blocks.block_at(epoch, pos * self.global_batch)
+        base = epoch * self.steps_per_epoch
+        return (base + start // self.global_batch,
+                base + min(self.steps_per_epoch, -(-stop // self.global_batch)), shards)
 
     def blocks(self, epoch: int) -> list[np.ndarray]:
         """The shards (positions in ``shard_windows``) of each block of epoch ``epoch``, in the

@@ -2,7 +2,8 @@
 
 Each node's leader copies a shard from data.path once, the node's ranks read the copy, losses are
 bit-identical to a run without the cache; a small budget evicts and still matches; a kill -9 in
-the middle of staging, a stray temp file and a corrupted cached shard do not stop the next run.
+the middle of staging, a stray temp file and a corrupted cached shard do not stop the next run; with
+blocks of one shard the leaders stage the next block ahead and the losses still match.
 """
 import json
 import os
@@ -116,6 +117,24 @@ def test_each_node_copies_each_shard_once_and_losses_match(tmp_path, dataset, re
     assert same(losses(run2), reference[0]) and same(losses(run2, "val_loss"), reference[1])
     for st in node_stats(cache):
         assert st["copies_per_shard"] == {} and st["reused"] > 0
+
+
+def test_block_lookahead_stages_the_next_block_and_losses_match(tmp_path, dataset):
+    """Blocks of one shard (about 20 steps each): each node's leader stages the next block's
+    shard ahead (cache_lookahead), still once per node, and the losses are those without cache."""
+    order = ("--data.shuffle_block_shards=1", "--train.steps=40")
+    cfg_off, run_off = config(tmp_path, dataset, "blocks_off")
+    train4(cfg_off, "--data.cache_dir=off", *order)
+    cache = tmp_path / "cache"
+    cfg, run = config(tmp_path, dataset, "blocks")
+    r = train4(cfg, f"--data.cache_dir={cache}", *order)
+    assert "not a block ahead" not in r.stderr
+    assert same(losses(run), losses(run_off))
+    assert same(losses(run, "val_loss"), losses(run_off, "val_loss"))
+    assert sum(r["cache_lookahead"] for r in records(run) if "loss" in r) >= 2  # >= 1 per node
+    for st in node_stats(cache):
+        assert st["lookahead"] >= 1 and set(st["copies_per_shard"].values()) == {1}, st
+        assert st["evictions"] == 0
 
 
 @pytest.mark.slow

@@ -58,6 +58,31 @@ def test_a_block_reads_only_its_shards():
     assert not np.array_equal(order0, np.arange(40)) and not np.array_equal(order0, order1)
 
 
+@pytest.mark.parametrize("n_shards,block_shards", [(37, 4), (37, 6), (5, 1), (12, 64)])
+def test_block_steps_chain_through_epochs_and_cover_each_steps_windows(n_shards, block_shards):
+    """What the node cache stages a block ahead from: block_steps(k) -> (a, z, shards) chains
+    block after block (z starts the next, across epochs; a straddling batch is in both); every
+    window a step reads is in the shards of a block holding that step; indices_between(a, z)
+    is indices_at of each step."""
+    w = windows(n_shards)
+    s = block(w, shards=block_shards)
+    first_window = np.concatenate([[0], np.cumsum(w)])
+    end, k, seen, prev = 2 * s.steps_per_epoch + 3, 0, {}, None
+    while k < end:
+        a, z, shards = s.block_steps(k)
+        assert a <= k < z and (prev is None or a in (prev, prev - 1)), (k, a, z, prev)
+        batches = s.indices_between(a, z)
+        assert batches.shape == (z - a, s.global_batch)
+        for j in range(a, z):
+            assert np.array_equal(batches[j - a], s.indices_at(j))
+            seen.setdefault(j, set()).update(shards.tolist())
+        prev, k = z, z
+    for j in range(end):
+        read = np.searchsorted(first_window, s.indices_at(j), side="right") - 1
+        assert set(read.tolist()) <= seen[j], j
+    assert s.indices_between(4, 4).shape == (0, s.global_batch)
+
+
 def test_seek_and_indices_at_agree_with_next_indices():
     w = windows(37)
     walked = block(w)

@@ -22,9 +22,9 @@ def dataset(tmp_path_factory):
     return out
 
 
-def run_steps(cache, needs):
+def run_steps(cache, needs, block_plan=None):
     """Play the ranks' side: publish each step, read its shards; return what was read."""
-    cache.start(0, len(needs), lambda k: needs[k])
+    cache.start(0, len(needs), lambda k: needs[k], block_plan=block_plan)
     got = []
     for k in range(len(needs)):
         cache.publish(k)
@@ -145,3 +145,131 @@ def test_block_order_stages_each_shard_once_per_epoch(small_shards, tmp_path):
     assert copies["global"] > 3 * n_shards, copies
     feed.data.sampler = GlobalSampler(len(train), 16, 5, train.samples_per_shard, "block", 8)
     assert "data.shuffle_block_shards=8" in feed.budget_warning(0)
+
+
+def block_feed(small_shards, tmp_path, budget_blocks, prefetch_blocks, block_shards=4, epochs=1):
+    """A one-rank node reading the block order of ``small_shards`` through a cache of
+    ``budget_blocks`` blocks of the largest shard; (feed, cache, needs of each step of
+    ``epochs`` epochs)."""
+    from types import SimpleNamespace
+
+    from hpctrain.data.prefetch import DataFeed
+    from hpctrain.data.sampler import GlobalSampler
+    from hpctrain.data.shards import TokenShards
+
+    m = read_manifest(str(small_shards))
+    train = TokenShards(str(small_shards), "train", block_size=32)
+    sampler = GlobalSampler(len(train), 16, 5, train.samples_per_shard, "block", block_shards)
+    budget = int(budget_blocks * block_shards * max(e["bytes"] for e in m["shards"]))
+    cache = NodeCache(str(tmp_path), str(small_shards), m, SerialComm(), budget=budget,
+                      prefetch=2, prefetch_blocks=prefetch_blocks)
+    feed = DataFeed(cache, None)
+    feed.data = SimpleNamespace(sampler=sampler, train=train, micro_batch=16, grad_accum=1)
+    feed.local_dp, feed._plan_sampler = [0], sampler.copy()
+    return feed, cache, node_needs(train, sampler, epochs * sampler.steps_per_epoch)
+
+
+def read_with_slow_pfs(cache, needs, block_plan, copies_per_step=1):
+    """The ranks' side, step by step and without threads: the leader's ``work()`` copies
+    ``copies_per_step`` shards from the shared file system while a step computes; a shard not
+    ready when the step reads it is a miss (the rank waits while the leader stages it).
+    Returns (misses per step, log of ("copy"/"evict", shard, slowest rank's step))."""
+    log = []
+    stage, evict = cache._stage, cache._evict
+    cache._stage = lambda i: (log.append(("copy", i, int(cache.progress.min()))), stage(i))
+    cache._evict = lambda j: (log.append(("evict", j, int(cache.progress.min()))), evict(j))
+    cache.start(0, len(needs), lambda k: needs[k], block_plan=block_plan, background=False)
+    misses = []
+    for k in range(len(needs)):
+        cache.publish(k)
+        missed = 0
+        for i in needs[k]:
+            if cache.ready[i] <= 0:
+                missed += 1
+                while cache.ready[i] <= 0:
+                    assert cache.work(), "the leader stalled with a rank waiting"
+            cache.acquire(i)
+        misses.append(missed)
+        goal = cache.node["copies"] + copies_per_step  # this step's compute time
+        while cache.node["copies"] < goal and cache.work():
+            pass
+    os.close(cache._lock_fd)
+    return misses, log
+
+
+def evicted_while_needed(log, needs, upto):
+    """Evictions of a shard that a step in [slowest rank's step, upto(slowest)] reads."""
+    return [(j, p) for what, j, p in log if what == "evict"
+            and any(j in needs[s] for s in range(max(p, 0), min(upto(p), len(needs) - 1) + 1))]
+
+
+def test_block_lookahead_stages_the_next_block_before_its_first_step(small_shards, tmp_path):
+    """Budget of two blocks, a shared file system that copies one shard per step, two epochs:
+    without look-ahead every block boundary waits for its shards (prefetch = 2 steps is too
+    short); with it, the leader stages block b+1 while the node reads block b (across the epoch
+    boundary too), so after block 0 no step misses, every shard is still copied once per epoch
+    (once in all in epoch 0), and nothing that a later step of the epoch reads is evicted."""
+    runs = {}
+    for blocks in (1, 0):
+        feed, cache, needs = block_feed(small_shards, tmp_path / f"b{blocks}", 2, blocks, epochs=2)
+        plan = feed.lookahead_plan(0)
+        assert plan is not None  # two blocks fit: no warning
+        misses, log = read_with_slow_pfs(cache, needs, plan)
+        runs[blocks] = (misses, log, cache)
+    sampler, n_shards = feed._plan_sampler, len(feed.data.train.shard_ids)
+    per_epoch = sampler.steps_per_epoch
+    starts, z = [], 0  # the first step of each block (a batch straddling two is in both)
+    while z < len(needs):
+        starts.append(sampler.block_steps(z)[0])
+        z = sampler.block_steps(z)[1]
+    assert len(starts) >= 4, starts
+    on_misses, on_log, on = runs[1]
+    off_misses, _, off = runs[0]
+    print(f"{n_shards} shards, blocks start at {starts}: misses at block starts with look-ahead "
+          f"{[on_misses[a] for a in starts]}, without {[off_misses[a] for a in starts]}; "
+          f"after block 0: {sum(on_misses[starts[1]:])} vs {sum(off_misses[starts[1]:])}; "
+          f"look-ahead staged {on.node['lookahead']}")
+    assert sum(on_misses[starts[1]:]) == 0, on_misses
+    assert off_misses[starts[1]] > 0, off_misses  # per-step staging alone waits there
+    assert sum(off_misses[a] > 0 for a in starts[1:]) >= len(starts) // 2, off_misses
+    block0 = set(feed._block_plan(0).shards.tolist())
+    assert on.node["lookahead"] == on.node["copies"] - len(block0) and off.node["lookahead"] == 0
+    last0 = max(a for a in starts if a < per_epoch)  # epoch 0's last block starts
+    for c, log in ((on, on_log), (off, runs[0][1])):
+        epoch0 = [i for what, i, p in log if what == "copy" and p < last0]  # none of epoch 1's
+        assert len(epoch0) == len(set(epoch0)), epoch0
+        assert c.node["copies"] <= 2 * n_shards and max(c.copies_per_shard.values()) == 2
+        assert c.used <= c.budget
+    assert len([i for what, i, p in on_log if what == "copy" and p < last0]) == n_shards
+    # in an epoch every shard is in one block: nothing the epoch reads again is evicted; and
+    # across the epoch boundary nothing the current or the next block reads
+    epoch0 = [e for e in on_log if e[2] < per_epoch]
+    assert evicted_while_needed(epoch0, needs, lambda p: per_epoch - 1) == []
+    next_block_end = lambda p: sampler.block_steps(sampler.block_steps(p)[1])[1] - 1  # noqa: E731
+    assert evicted_while_needed(on_log, needs, next_block_end) == []
+    # the same with the leader's thread and ranks that do not wait: still one copy per shard
+    feed, cache, needs = block_feed(small_shards, tmp_path / "thread", 2, 1)
+    run_steps(cache, needs, feed.lookahead_plan(0))
+    assert cache.node["copies"] == n_shards and set(cache.copies_per_shard.values()) == {1}
+    assert cache.used <= cache.budget
+
+
+def test_block_lookahead_off_when_two_blocks_do_not_fit(small_shards, tmp_path):
+    """A budget of 1.5 blocks: the feed warns and stages per step only (the same copies and
+    evictions, in the same order, as data.prefetch_blocks = 0); even given the block plan, the
+    cache's look-ahead only stages what fits beside what the node still needs: it never evicts a
+    shard a step >= the slowest rank's step reads, in the epoch."""
+    logs = {}
+    for name, blocks in (("on", 1), ("off", 0), ("forced", 1)):
+        feed, cache, needs = block_feed(small_shards, tmp_path / name, 1.5, blocks)
+        plan = feed._block_plan if name == "forced" else feed.lookahead_plan(0)
+        assert (plan is None) == (name != "forced")
+        misses, logs[name] = read_with_slow_pfs(cache, needs, plan)
+        assert cache.used <= cache.budget
+        print(f"1.5 blocks, {name}: {sum(misses)} misses, {cache.node['copies']} copies, "
+              f"{cache.node['lookahead']} staged ahead")
+        if name == "on":
+            assert cache.node["lookahead"] == 0
+    assert logs["on"] == logs["off"]
+    assert evicted_while_needed(logs["off"], needs, lambda p: p + 2) == []  # prefetch window
+    assert evicted_while_needed(logs["forced"], needs, lambda p: len(needs)) == []
