@@ -256,3 +256,49 @@ def test_cli_config_and_errors(capsys):
     assert plan_main(["--n-layer", "2"]) == 2
     assert "--n-embd is required" in capsys.readouterr().err
     assert size("80GiB") == 80 << 30 and size("1e12") == 10 ** 12 and size("3.84TB") == 3_840 * 10 ** 9
+
+
+def _bench_plan_memory():
+    import importlib.util
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "plan_memory.py"
+    spec = importlib.util.spec_from_file_location("bench_plan_memory", path)
+    mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclass needs it
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_live_peaks_pairs_frees_by_address():
+    """bench/plan_memory.py's measure (docs/scale.md): allocations and frees paired by address in
+    time order; a free never recorded (Gloo's thread) bounds the peak from both sides."""
+    pm = _bench_plan_memory()
+    recs = [(1, 0xA, 100, "setup"), (5, 0xB, 50, "steps > x"), (6, 0xC, 30, "steps > c10d::y"),
+            (7, 0xA, -100, "steps"), (8, 0xB, 20, "steps > z"),  # 0xB reused: its free was missed
+            (9, 0xC, -30, "steps"), (10, 0xD, 40, "steps > c10d::y"),  # 0xD: a c10d block, no free
+            (11, 0xE, 10, "steps > w")]
+    live = pm.live_peaks(recs, mark_ns=5)
+    assert live.setup == 100
+    assert live.high == 100 + 50 + 30  # t=6; then 80, 50 (0xB's 50 dropped at t=8), 20, 60, 70
+    assert live.low == 100 + 30  # t=6, the missed blocks (0xB, 0xD) never counted
+    assert (live.missed, live.missed_bytes) == (2, 50 + 40)
+    assert sorted(b for b, _ in live.at_high.values()) == [30, 50, 100]
+
+
+def test_bench_live_peaks_of_a_real_profile():
+    """The profiler's records of known tensors give their bytes exactly (the old measure summed
+    FunctionEvent.self_cpu_memory_usage, which counts a record once per open op on any thread)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    pm = _bench_plan_memory()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        keep = torch.empty(1 << 20, dtype=torch.uint8)
+        with record_function("steps"):
+            tmp = torch.empty(4 << 20, dtype=torch.uint8)
+            del tmp
+            more = torch.empty(2 << 20, dtype=torch.uint8)
+    live = pm.live_peaks(*pm.allocation_records(prof))
+    assert live.setup == 1 << 20
+    assert live.high == live.low == 5 << 20 and live.missed == 0
+    del keep, more
