@@ -20,12 +20,12 @@ plan's figures would be device memory; here the model lives in host memory):
 - --malloc (instead of the profiler): glibc's mallinfo2() in-use bytes, every arena and thread,
   sampled before and after every aten op (a TorchDispatchMode), less the bytes in use before the
   Trainer: independent of the profiler, but it also counts Python objects and library buffers
-  (~10-16 MiB here) and misses peaks inside an op;
+  (10-19 MiB here) and misses peaks inside an op;
 - peak RSS (VmHWM) less VmRSS before the Trainer: also what the plan does not model: library code
   paged in on first use, oneDNN / Gloo work buffers, Python objects, and memory glibc keeps
   after a free.
 Rank 0 prints the planner's figure for the same shape and layout (nodes = 1, GPUs per node =
-ranks).
+ranks, --backend the one the run used: gloo here).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def vm(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def predicted(cfg, world: int):
+def predicted(cfg, world: int, backend: str):
     from hpctrain.plan.layout import Job
     from hpctrain.plan.report import make_plan
     from hpctrain.plan.shape import ModelShape
@@ -55,7 +55,7 @@ def predicted(cfg, world: int):
               pp_virtual_stages=p.pp_virtual_stages, micro_batch=t.micro_batch_size,
               grad_accum=t.grad_accum, activation_checkpoint=p.activation_checkpoint,
               ac_every=p.ac_every, precision=t.precision, sync_mode=cfg.sync.mode,
-              inner_steps=cfg.sync.inner_steps, overlap=cfg.sync.overlap)
+              inner_steps=cfg.sync.inner_steps, overlap=cfg.sync.overlap, backend=backend)
     return make_plan(shape, job)
 
 
@@ -215,7 +215,10 @@ def main() -> int:
 
     cfg = config.load(args.config, overrides)
     ctx = init_distributed(cfg.dist.backend, cfg.dist.timeout_s)
-    plan = predicted(dataclasses.replace(cfg), ctx.world_size)
+    import torch.distributed as dist
+
+    backend = dist.get_backend() if dist.is_initialized() else "gloo"
+    plan = predicted(dataclasses.replace(cfg), ctx.world_size, "nccl" if backend == "nccl" else "gloo")
     pred = plan.mem.peak
 
     def each(x):  # every rank's figure, on rank 0

@@ -69,6 +69,45 @@ def test_fsdp_divides_model_state_by_dp():
     assert "FSDP accumulated grads (grad_accum > 1)" in _mem(shape, data_parallel="fsdp", grad_accum=2).parts
 
 
+
+def test_fsdp_backward_sweep_is_the_measured_peak_point():
+    """FSDP2, one micro-batch: the peak is in block n-2's backward (docs/scale.md, measured 178 MiB
+    vs 177 on 2 ranks): gathered root + 2 blocks, the root's gradients, activations of blocks
+    0..n-2, its unsharded gradients, block n-1's kept fp32 reduce-scatter input and its shard."""
+    shape = ModelShape(4, 512, 8, 257, 128)
+    job = Job(nodes=1, gpus_per_node=2, data_parallel="fsdp", micro_batch=4, precision="fp32",
+              backend="gloo").check(shape)
+    stage = memory.pipeline_stages(shape, job)[0]
+    L, B = memory.layer_activation_bytes(shape, 4, 1, False), shape.block_params
+    root = shape.embedding_params + shape.position_params + shape.norm_f_params
+    want = 4 * (root + 2 * B) + 4 * root + 3 * L + (4 + 4 + 4 // 2) * B
+    assert memory.fsdp_backward_sweep(shape, job, stage) == want
+    m = memory.rank_memory(shape, job, stage)
+    state = m.parts["parameters (fp32)"] + m.parts["AdamW m, v (fp32)"]
+    assert m.peak == state + want
+    assert 176 << 20 < m.peak < 178 << 20
+    old_sum = sum(m.parts.values())  # every part at once, the formula before: 215 MiB
+    assert old_sum - m.peak > 37 << 20
+
+
+def test_fsdp_gloo_reduce_scatter_clones_its_input():
+    """Gloo reduce-scatters by all-reducing a clone of the fp32 input: + 4 B x block at the
+    reduce-scatter, the peak when activations are small and the later blocks' shards add up."""
+    shape = ModelShape(4, 512, 8, 257, 8)
+    stage = memory.pipeline_stages(shape, Job(nodes=1, gpus_per_node=2))[0]
+    kw = dict(nodes=1, gpus_per_node=2, data_parallel="fsdp", micro_batch=1, precision="bf16")
+    nccl, gloo = (memory.fsdp_backward_sweep(shape, Job(**kw, backend=b).check(shape), stage)
+                  for b in ("nccl", "gloo"))
+    L, B = memory.layer_activation_bytes(shape, 1, 1, True), shape.block_params
+    root = shape.embedding_params + shape.position_params + shape.norm_f_params
+    fixed = 2 * (root + 2 * B) + 2 * root
+    # block 0's backward: its activations, bf16 gradients, block 1's kept input, 3 fp32 shards
+    assert nccl == fixed + L + (2 + 4 + 3 * 2) * B
+    # block 0's reduce-scatter: fp32 input + Gloo's clone, 4 shards (its own included)
+    assert gloo == fixed + (4 + 4 + 4 * 2) * B
+    with pytest.raises(ValueError, match="--backend"):
+        Job(backend="mpi").check(shape)
+
 def test_tp_divides_parameters_and_sharded_activations():
     shape = PRESETS["7b"]
     one, two = _mem(shape, tp=1), _mem(shape, tp=2)
