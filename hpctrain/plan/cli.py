@@ -41,7 +41,8 @@ FROM_CONFIG = {"dp": ("parallel", "dp"), "tp": ("parallel", "tp"), "pp": ("paral
                "compression": ("sync", "compression"), "overlap": ("sync", "overlap"),
                "cache_bytes": ("data", "cache_bytes"), "prefetch": ("data", "prefetch"),
                "shuffle": ("data", "shuffle"), "shuffle_block_shards": ("data", "shuffle_block_shards"),
-               "checkpoint_keep": ("checkpoint", "keep"), "meta_init": ("parallel", "meta_init")}
+               "checkpoint_keep": ("checkpoint", "keep"), "meta_init": ("parallel", "meta_init"),
+               "backend": ("dist", "backend")}
 HELP = {
     "nodes": "nodes in the job", "gpus_per_node": "GPUs (= ranks) per node",
     "tokens": "training corpus size in tokens (1e12, 15e12)",
@@ -68,6 +69,8 @@ HELP = {
     "pfs_files_limit": "warn above this many files per checkpoint directory",
     "meta_init": "parallel.meta_init: build only this rank's shards (false: the whole fp32 model "
                  "on every rank first)",
+    "backend": "dist.backend: nccl | gloo (CPU: each FSDP reduce-scatter also clones its fp32 "
+               "input); auto counts as nccl",
 }
 
 
@@ -120,6 +123,7 @@ def shape_and_job(args: argparse.Namespace) -> tuple[ModelShape, Job]:
         for opt, (section, key) in FROM_CONFIG.items():
             job[opt] = getattr(getattr(cfg, section), key)
         job["precision"] = "bf16" if job["precision"] == "auto" else job["precision"]
+        job["backend"] = "nccl" if job["backend"] == "auto" else job["backend"]  # GPUs
     for key in MODEL_KEYS:
         if getattr(args, key) is not None:
             model[key] = getattr(args, key)

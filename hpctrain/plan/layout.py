@@ -44,6 +44,7 @@ class Job:
     overlap: bool = False               # diloco
     checkpoint_keep: int = 3
     meta_init: bool = True              # parallel.meta_init: only each rank's shards are built
+    backend: str = "nccl"               # dist.backend: nccl (GPUs) | gloo (CPU: FSDP reduce-scatter clones)
     pfs_files_limit: int = 1000         # files per checkpoint directory before we warn
 
     @property
@@ -74,7 +75,8 @@ class Job:
         choices = {"data_parallel": ("ddp", "fsdp"), "pp_schedule": ("gpipe", "1f1b", "interleaved"),
                    "activation_checkpoint": ("none", "full", "selective"),
                    "precision": ("fp32", "bf16", "fp16"), "sync_mode": ("sync", "diloco"),
-                   "compression": ("none", "bf16", "int8"), "shuffle": ("block", "global")}
+                   "compression": ("none", "bf16", "int8"), "shuffle": ("block", "global"),
+                   "backend": ("nccl", "gloo")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"--{key.replace('_', '-')} {getattr(self, key)!r}: expected one of "

@@ -9,6 +9,12 @@ Owns the memory model of OUR code, per pipeline rank (the largest is what must f
   of the root (embeddings, never resharded) and of ~2 blocks (current + prefetched).
   The ZeRO paper's figure (2 fp16 param + 2 fp16 grad + 12 fp32 param, m, v = 16 B) is printed
   beside it: the same total, another split (our gradients are fp32).
+- FSDP with one micro-batch (`fsdp_backward_sweep`): gradients start at None and are
+  reduce-scattered block by block, so the peak is one point of the backward: activations of the
+  blocks not yet done, one block's unsharded gradients, the previous block's fp32 reduce-scatter
+  input (FSDP2 keeps one), the later blocks' gradient shards; on Gloo (Job.backend) each
+  reduce-scatter also clones its fp32 input. Measured on 2 CPU ranks within 6% (docs/scale.md);
+  summing every part instead over-counted by 20%.
 - FSDP with grad_accum > 1: gradients are reduced on the last micro-batch only, so the unsharded
   fp32 gradients of the whole model accumulate on every rank (4 bytes per local parameter).
 - DiLoCo (sync/diloco.py): fp32 anchor + outer momentum (+ start point and pending average with
@@ -23,9 +29,10 @@ Owns the memory model of OUR code, per pipeline rank (the largest is what must f
   A checkpointed block keeps its fp32 input (4 s b h / t) and recomputes one block in backward.
   The head keeps its logits (2|4 b s V / t) and log-softmax (4 b s V / t), +8 b s V / t in backward.
 - peak = parameters + optimizer state + working copies + the highest activations + gradients of
-  a step: with grad_accum > 1, micro-batches in flight (pipeline) or DDP (gradients are views of
-  its buckets, allocated once) all gradients live through the forward passes and add; otherwise
-  a backward sweep (`backward_sweep`) frees each block's activations as its gradients appear.
+  a step (FSDP with one micro-batch: the sweep above): with grad_accum > 1, micro-batches in
+  flight (pipeline) or DDP (gradients are views of its buckets, allocated once) all gradients
+  live through the forward passes and add; otherwise a backward sweep (`backward_sweep`) frees
+  each block's activations as its gradients appear.
 - setup (train/model_setup.py): with parallel.meta_init = true (the default) a rank holds its
   fp32 shard + one whole parameter at a time (initialized whole, then sliced: the largest is the
   embedding or an MLP matrix), measured within ~0.4 GB of that (docs/scale.md); with false,
@@ -145,18 +152,55 @@ def local_params(shape: ModelShape, job: Job, stage: Stage) -> tuple[int, int]:
     return n, mm
 
 
-def _fsdp_buffers(shape: ModelShape, job: Job, stage: Stage) -> tuple[int, int]:
-    """(all-gathered parameters held, unsharded gradient transient) under FSDP."""
-    t, pbytes = job.tp, 2 if job.half else 4
-    root = 0
+def _fsdp_root_params(shape: ModelShape, job: Job, stage: Stage) -> int:
+    """Parameters of FSDP's root group on this stage (embeddings, norm_f; never resharded)."""
+    t, root = job.tp, 0
     if stage.has_first:
         root += shape.embedding_params_tp(t) + shape.position_params_tp(t)
     if stage.has_last:
         root += shape.norm_f_params + (0 if stage.has_first else shape.embedding_params_tp(t))
-    block = shape.block_params_tp(t)
-    gathered = (root + 2 * block) * pbytes
-    grad_bytes = pbytes + (4 if job.half else 0)  # a 16-bit gradient, cast to fp32 to reduce
-    return gathered, max(2 * block, root) * grad_bytes
+    return root
+
+
+def _fsdp_buffers(shape: ModelShape, job: Job, stage: Stage) -> tuple[int, int]:
+    """(all-gathered parameters held, gradient buffers of the block in backward) under FSDP: the
+    root + 2 blocks (current + prefetched) in the parameter dtype; the block's unsharded gradients
+    (parameter dtype) + the previous block's fp32 reduce-scatter input, kept until this block's
+    reduce-scatter (FSDP2's reduce_scatter_max_input_buffers = 1). On Gloo the all-gather into a
+    tensor allocates its whole output again (NCCL gathers in place): one block in the parameter
+    dtype, while the next block is gathered, before this block's gradients exist: no higher."""
+    pbytes, block = (2 if job.half else 4), shape.block_params_tp(job.tp)
+    gathered = (_fsdp_root_params(shape, job, stage) + 2 * block) * pbytes
+    return gathered, block * (pbytes + 4)
+
+
+def fsdp_backward_sweep(shape: ModelShape, job: Job, stage: Stage) -> int:
+    """Highest activations + FSDP buffers + gradients over one FSDP backward (gradients start at
+    None, one micro-batch). Throughout: the gathered parameters (`_fsdp_buffers`) and the root's
+    unsharded gradients (the tied head's, from the loss on). At the loss: all activations and the
+    head's. In block i's backward (from the last): the activations of blocks <= i, its unsharded
+    gradients, the fp32 reduce-scatter input of block i + 1 (kept until block i's reduce-scatter)
+    and the fp32 shards of the later blocks' gradients. At block i's reduce-scatter: the activations
+    of blocks < i, its fp32 input (+ Gloo's clone of it: Gloo reduces in place, so it all-reduces a
+    copy and keeps its chunk) and the shards of blocks >= i."""
+    blocks = _kept_per_block(shape, job, stage)
+    full = layer_activation_bytes(shape, job.micro_batch, job.tp, job.half)
+    pbytes, block = (2 if job.half else 4), shape.block_params_tp(job.tp)
+    gathered, _ = _fsdp_buffers(shape, job, stage)
+    shard = 4 * block // job.dp_size
+    rs_input = 4 * block * (2 if job.backend == "gloo" else 1)
+    high = sum(b for b, _ in blocks)
+    if stage.has_last:
+        high += sum(head_bytes(shape, job.micro_batch, job.tp, job.half))
+    n = len(blocks)
+    for i in range(n - 1, -1, -1):
+        later = shard * (n - 1 - i)
+        kept_input = 4 * block if i < n - 1 else 0
+        in_block = (sum(b for b, _ in blocks[:i + 1]) + (full if blocks[i][1] else 0)
+                    + pbytes * block + kept_input + later)
+        at_reduce = sum(b for b, _ in blocks[:i]) + rs_input + later + shard
+        high = max(high, in_block, at_reduce)
+    return gathered + pbytes * _fsdp_root_params(shape, job, stage) + high
 
 
 def rank_memory(shape: ModelShape, job: Job, stage: Stage) -> RankMemory:
@@ -225,6 +269,9 @@ def _peak(shape: ModelShape, job: Job, stage: Stage, p: dict) -> int:
     acts = p["activations"]
     ddp_buckets = (job.data_parallel == "ddp" and job.dp_size > 1 and job.sync_mode == "sync"
                    and job.tp == 1 and job.pp == 1)  # gradient_as_bucket_view: grads never freed
+    if (job.data_parallel == "fsdp" and job.dp_size > 1 and job.grad_accum == 1
+            and stage.in_flight == 1):  # gradients reduce-scattered block by block
+        return state + max(fsdp_backward_sweep(shape, job, stage), grads)
     if job.data_parallel == "fsdp" and job.dp_size > 1:  # gradients reduce-scattered per block
         head_grad = 4 * shape.embedding_params_tp(job.tp) if stage.has_last else 0
         during = acts + head_grad // job.dp_size + grads

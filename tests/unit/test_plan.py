@@ -69,6 +69,45 @@ def test_fsdp_divides_model_state_by_dp():
     assert "FSDP accumulated grads (grad_accum > 1)" in _mem(shape, data_parallel="fsdp", grad_accum=2).parts
 
 
+
+def test_fsdp_backward_sweep_is_the_measured_peak_point():
+    """FSDP2, one micro-batch: the peak is in block n-2's backward (docs/scale.md, measured 178 MiB
+    vs 177 on 2 ranks): gathered root + 2 blocks, the root's gradients, activations of blocks
+    0..n-2, its unsharded gradients, block n-1's kept fp32 reduce-scatter input and its shard."""
+    shape = ModelShape(4, 512, 8, 257, 128)
+    job = Job(nodes=1, gpus_per_node=2, data_parallel="fsdp", micro_batch=4, precision="fp32",
+              backend="gloo").check(shape)
+    stage = memory.pipeline_stages(shape, job)[0]
+    L, B = memory.layer_activation_bytes(shape, 4, 1, False), shape.block_params
+    root = shape.embedding_params + shape.position_params + shape.norm_f_params
+    want = 4 * (root + 2 * B) + 4 * root + 3 * L + (4 + 4 + 4 // 2) * B
+    assert memory.fsdp_backward_sweep(shape, job, stage) == want
+    m = memory.rank_memory(shape, job, stage)
+    state = m.parts["parameters (fp32)"] + m.parts["AdamW m, v (fp32)"]
+    assert m.peak == state + want
+    assert 176 << 20 < m.peak < 178 << 20
+    old_sum = sum(m.parts.values())  # every part at once, the formula before: 215 MiB
+    assert old_sum - m.peak > 37 << 20
+
+
+def test_fsdp_gloo_reduce_scatter_clones_its_input():
+    """Gloo reduce-scatters by all-reducing a clone of the fp32 input: + 4 B x block at the
+    reduce-scatter, the peak when activations are small and the later blocks' shards add up."""
+    shape = ModelShape(4, 512, 8, 257, 8)
+    stage = memory.pipeline_stages(shape, Job(nodes=1, gpus_per_node=2))[0]
+    kw = dict(nodes=1, gpus_per_node=2, data_parallel="fsdp", micro_batch=1, precision="bf16")
+    nccl, gloo = (memory.fsdp_backward_sweep(shape, Job(**kw, backend=b).check(shape), stage)
+                  for b in ("nccl", "gloo"))
+    L, B = memory.layer_activation_bytes(shape, 1, 1, True), shape.block_params
+    root = shape.embedding_params + shape.position_params + shape.norm_f_params
+    fixed = 2 * (root + 2 * B) + 2 * root
+    # block 0's backward: its activations, bf16 gradients, block 1's kept input, 3 fp32 shards
+    assert nccl == fixed + L + (2 + 4 + 3 * 2) * B
+    # block 0's reduce-scatter: fp32 input + Gloo's clone, 4 shards (its own included)
+    assert gloo == fixed + (4 + 4 + 4 * 2) * B
+    with pytest.raises(ValueError, match="--backend"):
+        Job(backend="mpi").check(shape)
+
 def test_tp_divides_parameters_and_sharded_activations():
     shape = PRESETS["7b"]
     one, two = _mem(shape, tp=1), _mem(shape, tp=2)
@@ -256,3 +295,49 @@ def test_cli_config_and_errors(capsys):
     assert plan_main(["--n-layer", "2"]) == 2
     assert "--n-embd is required" in capsys.readouterr().err
     assert size("80GiB") == 80 << 30 and size("1e12") == 10 ** 12 and size("3.84TB") == 3_840 * 10 ** 9
+
+
+def _bench_plan_memory():
+    import importlib.util
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "plan_memory.py"
+    spec = importlib.util.spec_from_file_location("bench_plan_memory", path)
+    mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclass needs it
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_live_peaks_pairs_frees_by_address():
+    """bench/plan_memory.py's measure (docs/scale.md): allocations and frees paired by address in
+    time order; a free never recorded (Gloo's thread) bounds the peak from both sides."""
+    pm = _bench_plan_memory()
+    recs = [(1, 0xA, 100, "setup"), (5, 0xB, 50, "steps > x"), (6, 0xC, 30, "steps > c10d::y"),
+            (7, 0xA, -100, "steps"), (8, 0xB, 20, "steps > z"),  # 0xB reused: its free was missed
+            (9, 0xC, -30, "steps"), (10, 0xD, 40, "steps > c10d::y"),  # 0xD: a c10d block, no free
+            (11, 0xE, 10, "steps > w")]
+    live = pm.live_peaks(recs, mark_ns=5)
+    assert live.setup == 100
+    assert live.high == 100 + 50 + 30  # t=6; then 80, 50 (0xB's 50 dropped at t=8), 20, 60, 70
+    assert live.low == 100 + 30  # t=6, the missed blocks (0xB, 0xD) never counted
+    assert (live.missed, live.missed_bytes) == (2, 50 + 40)
+    assert sorted(b for b, _ in live.at_high.values()) == [30, 50, 100]
+
+
+def test_bench_live_peaks_of_a_real_profile():
+    """The profiler's records of known tensors give their bytes exactly (the old measure summed
+    FunctionEvent.self_cpu_memory_usage, which counts a record once per open op on any thread)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    pm = _bench_plan_memory()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        keep = torch.empty(1 << 20, dtype=torch.uint8)
+        with record_function("steps"):
+            tmp = torch.empty(4 << 20, dtype=torch.uint8)
+            del tmp
+            more = torch.empty(2 << 20, dtype=torch.uint8)
+    live = pm.live_peaks(*pm.allocation_records(prof))
+    assert live.setup == 1 << 20
+    assert live.high == live.low == 5 << 20 and live.missed == 0
+    del keep, more
