@@ -59,7 +59,8 @@ class DataConfig:
                 "+ two blocks' windows; a node reads one block's shards at a time; a dataset of at "
                 "most shuffle_block_shards shards gets exactly the 'global' order); 'global' = one "
                 "permutation of every window per epoch (8 B x windows per rank). A resume keeps "
-                "the order its checkpoint was saved with. Blends mix their own orders"})
+                "the order its checkpoint was saved with. A blend orders each component's windows "
+                "this way over that component's own shards"})
     shuffle_block_shards: int = field(default=64, metadata={
         "help": "shards per block of data.shuffle = 'block' (two blocks' shards should fit "
                 "data.cache_bytes; see docs/scale.md)"})

@@ -112,8 +112,13 @@ class BlendShards:
             out[m] = self.bases[c] + self.components[c].shard_ids_of(local[m])
         return out
 
-    def sampler(self, global_batch: int, seed: int) -> MixtureSampler:
-        return MixtureSampler(self.sizes, self.parts, global_batch, seed, self.seed)
+    def sampler(self, global_batch: int, seed: int, shuffle: str = "global",
+                block_shards: int = 64) -> MixtureSampler:
+        """The blend's sample order; ``shuffle``/``block_shards`` apply to each component's
+        epochs over its own shards (``data.shuffle``, ``data.shuffle_block_shards``)."""
+        return MixtureSampler(self.sizes, self.parts, global_batch, seed, self.seed,
+                              [c.samples_per_shard for c in self.components], shuffle,
+                              block_shards)
 
     def eval_indices(self, total: int) -> np.ndarray:
         """The fixed evaluation set: ``total`` samples mixed by the blend's weights."""
@@ -144,9 +149,10 @@ def open_split(path: str, split: str, block_size: int, optional: bool = False, *
 
 def make_sampler(reader, global_batch: int, seed: int, shuffle: str = "global",
                  block_shards: int = 64):
-    """GlobalSampler for a sharded dataset (``data.shuffle``, ``data.shuffle_block_shards``),
-    MixtureSampler for a blend (same interface; its components keep their own permutations)."""
+    """GlobalSampler for a sharded dataset, MixtureSampler for a blend (same interface; each
+    component's epochs are ordered over its own shards), both ordered by ``data.shuffle`` and
+    ``data.shuffle_block_shards``."""
     if isinstance(reader, BlendShards):
-        return reader.sampler(global_batch, seed)
+        return reader.sampler(global_batch, seed, shuffle, block_shards)
     return GlobalSampler(len(reader), global_batch, seed, reader.samples_per_shard, shuffle,
                          block_shards)

@@ -11,6 +11,9 @@ consecutive runs of ``block_shards`` of them form blocks; block ``b`` holds its 
 numbered in manifest order, and visits them in ``Generator(PCG64(key)).permutation(W_b)`` order,
 ``key = [seed, e]`` for block 0 and ``[seed, e, b]`` after it.  With a single block (at most
 ``block_shards`` shards) this is exactly the "global" order, ``PCG64([seed, e]).permutation(n)``.
+``key`` (default ``(seed,)``) replaces ``seed`` in all three seeds: a blend's component ``c``
+passes ``(seed, blend_seed, c)``, so its one-block order is the blend's earlier
+``PCG64([seed, blend_seed, c, e]).permutation(n_c)`` (hpctrain.data.mixture).
 
 Memory: 16 bytes x shards (window offsets, the epoch's shard order) and the window permutations
 of at most ``KEPT_BLOCKS`` blocks (8 bytes x a block's windows each); at peak 24 B x shards (a new
@@ -30,7 +33,7 @@ SHARD_ORDER_TAG = (0, 1)  # extra seed words of the shard permutation (a key no 
 class BlockOrder:
     """Window numbers of epoch positions, for windows numbered shard after shard."""
 
-    def __init__(self, shard_windows, block_shards: int, seed: int):
+    def __init__(self, shard_windows, block_shards: int, seed: int, key=None):
         self.shard_windows = np.asarray(shard_windows, dtype=np.int64).ravel()
         if self.shard_windows.size == 0 or int(self.shard_windows.min()) < 0:
             raise ValueError(f"shard_windows must be non-negative counts, one per shard "
@@ -41,6 +44,7 @@ class BlockOrder:
         self.block_shards = min(int(block_shards), self.n_shards)
         self.n_blocks = -(-self.n_shards // self.block_shards)
         self.seed = int(seed)
+        self.key = [self.seed] if key is None else [int(k) for k in key]  # seed words before epoch
         self.first_window = np.concatenate([[0], np.cumsum(self.shard_windows)])
         self.n_samples = int(self.first_window[-1])
         self._epoch = -1
@@ -55,7 +59,7 @@ class BlockOrder:
         if self.n_blocks == 1:
             order = np.arange(self.n_shards, dtype=np.int64)
         else:
-            rng = np.random.Generator(np.random.PCG64([self.seed, epoch, *SHARD_ORDER_TAG]))
+            rng = np.random.Generator(np.random.PCG64([*self.key, epoch, *SHARD_ORDER_TAG]))
             order = rng.permutation(self.n_shards).astype(np.int64, copy=False)
         starts = np.arange(0, self.n_shards, self.block_shards)
         block_windows = np.add.reduceat(self.shard_windows[order], starts)
@@ -73,7 +77,7 @@ class BlockOrder:
         if got is None:
             shards = np.sort(self.shard_order[b * self.block_shards:(b + 1) * self.block_shards])
             local_first = np.concatenate([[0], np.cumsum(self.shard_windows[shards])])
-            key = [self.seed, self._epoch] if b == 0 else [self.seed, self._epoch, b]
+            key = [*self.key, self._epoch] if b == 0 else [*self.key, self._epoch, b]
             perm = np.random.Generator(np.random.PCG64(key)).permutation(int(local_first[-1]))
             for old in [k for k in self._blocks if not 0 <= b - k < KEPT_BLOCKS]:
                 del self._blocks[old]

@@ -7,10 +7,18 @@ them), its checkpointable state, and the fixed evaluation set of a blended split
 
 Stream position ``s`` takes component ``c = pattern[s % period]``; it is that component's
 ``j``-th draw, ``j = (s // period) * parts[c] + (draws of c earlier in the period)``; draw ``j``
-is sample ``perm_e[j % n_c]`` of the component, ``perm_e`` =
-``Generator(PCG64([seed, blend_seed, c, e])).permutation(n_c)``, ``e = j // n_c``.  So every
-component cycles through its own epochs (a small one is repeated, a large one only partly seen)
-and a step's indices are a pure function of (step, global_batch, seeds, sizes, parts).
+is sample ``order_e[j % n_c]`` of the component, ``e = j // n_c``, where ``order_e`` is a
+hpctrain.data.block_order.BlockOrder over the component's shards keyed ``(seed, blend_seed, c)``:
+``data.shuffle = "block"`` shuffles windows inside blocks of ``block_shards`` of the component's
+shards (shards in a seeded order), computed a block at a time; ``"global"`` (and any component
+of at most ``block_shards`` shards) is one block, exactly
+``Generator(PCG64([seed, blend_seed, c, e])).permutation(n_c)``, the order blends had before
+#21.  So every component cycles through its own epochs (a small one is repeated, a large one only
+partly seen) and a step's indices are a pure function of (step, global_batch, seeds, windows per
+shard, parts, shuffle, block_shards).
+
+Memory: per component 16 B x shards and at most two blocks' window permutations (8 B x a block's
+windows each); "global" holds a component's whole permutation (8 B x its windows).
 
 Must never: read data, depend on the number of ranks, use global RNG state, or hold anything
 that state_dict() does not determine.
@@ -19,6 +27,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .block_order import BlockOrder
+
+SHUFFLES = ("global", "block")
 STATE_KEYS = ("kind", "seed", "blend_seed", "epoch", "position", "n_samples", "global_batch",
               "sizes", "parts")
 
@@ -56,9 +67,12 @@ def interleave(parts, seed: int) -> np.ndarray:
 class MixtureSampler:
     """GlobalSampler's interface for a blend (``sizes[c]`` samples in component ``c``, numbered
     after the components before it).  No remainder is dropped: the stream is endless; ``epoch``
-    and ``position`` count nominal passes over all ``n_samples`` (for logs and resume)."""
+    and ``position`` count nominal passes over all ``n_samples`` (for logs and resume).
+    ``shard_windows[c]``: windows per shard of component ``c`` (needed for ``shuffle = "block"``;
+    without it every component is one shard, i.e. one block)."""
 
-    def __init__(self, sizes, parts, global_batch: int, seed: int, blend_seed: int = 0):
+    def __init__(self, sizes, parts, global_batch: int, seed: int, blend_seed: int = 0,
+                 shard_windows=None, shuffle: str = "global", block_shards: int = 64):
         self.sizes = np.asarray([int(n) for n in sizes], dtype=np.int64)
         self.parts = np.asarray([int(p) for p in parts], dtype=np.int64)
         global_batch, seed, blend_seed = int(global_batch), int(seed), int(blend_seed)
@@ -72,9 +86,27 @@ class MixtureSampler:
         self.n_samples, self.global_batch = int(self.sizes.sum()), global_batch
         self.seed, self.blend_seed = seed, blend_seed
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
+        self._set_windows(shard_windows)
         self._set_pattern()
         self.samples = 0  # stream positions consumed
-        self._orders: dict[tuple[int, int], np.ndarray] = {}
+        self._set_order(shuffle, block_shards)
+
+    def _set_windows(self, shard_windows) -> None:
+        windows = [[n] for n in self.sizes.tolist()] if shard_windows is None else shard_windows
+        self.shard_windows = [np.asarray(w, dtype=np.int64).ravel() for w in windows]
+        sums = [int(w.sum()) for w in self.shard_windows]
+        if sums != self.sizes.tolist() or min(w.size for w in self.shard_windows) < 1:
+            raise ValueError(f"shard_windows of the components sum to {sums}, not their sizes "
+                             f"{self.sizes.tolist()}")
+
+    def _set_order(self, shuffle: str, block_shards: int) -> None:
+        """One BlockOrder per component, keyed (seed, blend_seed, c); "global" = one block."""
+        if shuffle not in SHUFFLES:
+            raise ValueError(f"data.shuffle must be one of {SHUFFLES}, got {shuffle!r}")
+        self.shuffle, self.block_shards = shuffle, int(block_shards)
+        self._orders = [BlockOrder(w, self.block_shards if shuffle == "block" else w.size,
+                                   self.seed, key=(self.seed, self.blend_seed, c))
+                        for c, w in enumerate(self.shard_windows)]
 
     def _set_pattern(self) -> None:
         self.pattern = interleave(self.parts.tolist(), self.blend_seed)
@@ -87,17 +119,9 @@ class MixtureSampler:
 
     # ---- the stream --------------------------------------------------------------------------
     def order(self, c: int, epoch: int) -> np.ndarray:
-        """Permutation of component ``c``'s samples in its epoch ``epoch``.  Kept: this epoch and
-        the one before, per component (the stream only moves forward), so at most two
-        permutations (8 bytes x samples) per component are held."""
-        key = (int(c), int(epoch))
-        o = self._orders.get(key)
-        if o is None:
-            for old in [k for k in self._orders if k[0] == key[0] and not 0 <= key[1] - k[1] <= 1]:
-                del self._orders[old]
-            rng = np.random.Generator(np.random.PCG64([self.seed, self.blend_seed, key[0], key[1]]))
-            o = self._orders[key] = rng.permutation(int(self.sizes[c])).astype(np.int64)
-        return o
+        """Component ``c``'s samples in the order of its epoch ``epoch`` (materializes the whole
+        epoch: for tests and tools; the stream draws a block at a time)."""
+        return self._orders[int(c)].positions(int(epoch), 0, int(self.sizes[c]))
 
     def draws(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """(component, draw number within it) of stream positions [start, stop)."""
@@ -113,7 +137,9 @@ class MixtureSampler:
         out = np.empty(comp.size, dtype=np.int64)
         for c, e in sorted(set(zip(comp.tolist(), epoch.tolist()))):
             m = (comp == c) & (epoch == e)
-            out[m] = self.offsets[c] + self.order(c, e)[pos[m]]
+            p = pos[m]  # consecutive draws: a contiguous range of the component's epoch
+            lo = int(p.min())
+            out[m] = self.offsets[c] + self._orders[c].positions(e, lo, int(p.max()) + 1)[p - lo]
         return out
 
     # ---- GlobalSampler interface -------------------------------------------------------------
@@ -147,7 +173,8 @@ class MixtureSampler:
 
     def copy(self) -> "MixtureSampler":
         """A fresh sampler with the same order (for another thread, e.g. the cache planner)."""
-        return MixtureSampler(self.sizes, self.parts, self.global_batch, self.seed, self.blend_seed)
+        return MixtureSampler(self.sizes, self.parts, self.global_batch, self.seed, self.blend_seed,
+                              self.shard_windows, self.shuffle, self.block_shards)
 
     def component_epochs(self) -> list[float]:
         """Passes over each component's samples made so far."""
@@ -167,12 +194,18 @@ class MixtureSampler:
         return out
 
     def state_dict(self) -> dict:
-        return {"kind": "blend", "seed": self.seed, "blend_seed": self.blend_seed,
-                "epoch": self.epoch, "position": self.position, "n_samples": self.n_samples,
-                "global_batch": self.global_batch, "sizes": self.sizes.tolist(),
-                "parts": self.parts.tolist()}
+        state = {"kind": "blend", "seed": self.seed, "blend_seed": self.blend_seed,
+                 "epoch": self.epoch, "position": self.position, "n_samples": self.n_samples,
+                 "global_batch": self.global_batch, "sizes": self.sizes.tolist(),
+                 "parts": self.parts.tolist()}
+        if self.shuffle == "block":  # "global" states stay as they were before #21
+            state.update(shuffle="block", block_shards=self.block_shards)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume at the saved position in the saved order: the saved seeds and ``shuffle`` win
+        over the constructor's; a state without ``shuffle`` (saved before #21) continues the
+        full-permutation ("global") order it was saved with."""
         if state.get("kind") != "blend":
             raise ValueError("sampler state was saved for a plain (unblended) dataset but "
                              "data.path is now a blend: the sample order cannot be resumed")
@@ -193,9 +226,12 @@ class MixtureSampler:
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position < self.n_samples:
             raise ValueError(f"sampler state has invalid epoch/position {state}")
+        shuffle = state.get("shuffle", "global")
+        if shuffle == "block" and "block_shards" not in state:
+            raise ValueError("sampler state is missing ['block_shards'] (saved with shuffle 'block')")
         if int(state["blend_seed"]) != self.blend_seed:  # the saved seeds win, as in GlobalSampler
             self.blend_seed = int(state["blend_seed"])
             self._set_pattern()
         self.seed = int(state["seed"])
         self.samples = epoch * self.n_samples + position
-        self._orders.clear()
+        self._set_order(shuffle, int(state.get("block_shards", self.block_shards)))

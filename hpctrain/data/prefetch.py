@@ -4,7 +4,8 @@ Owns: opening the node cache from the config (``data.cache_dir``, ``cache_bytes`
 ``prefetch_blocks``), the function from a step number to the shards this NODE's ranks will read at
 that step (the sampler's order is a pure function of the step; each local rank's slice comes from
 its dp rank) and to the shards they read in the block of the order that step is in (for the
-cache's block look-ahead; only ``data.shuffle = "block"``: none for "global" or a blend),
+cache's block look-ahead; only ``data.shuffle = "block"`` on a plain dataset: none for "global"
+or a blend, whose components' blocks interleave, so a blend is staged per step only),
 the validation shards pinned in the cache, telling the cache which step this rank is on, timing
 how long each step waited for data, and the per-step data metrics (summed/maxed over all ranks).
 
@@ -84,8 +85,8 @@ class DataFeed:
         first and last step reading each (None unless ``data.shuffle = "block"``).  A batch that
         straddles two blocks is in both plans, each with its own block's shards only."""
         s, d = self._plan_sampler, self.data  # the cache thread's own copy of the order
-        if getattr(s, "shuffle", None) != "block":
-            return None
+        if getattr(s, "shuffle", None) != "block" or not hasattr(s, "block_steps"):
+            return None  # "global", or a blend (its components' blocks interleave: per step)
         a, z, block = s.block_steps(k)
         per = d.micro_batch * d.grad_accum
         idx = s.indices_between(a, z)

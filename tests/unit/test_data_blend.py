@@ -294,9 +294,11 @@ interval = 2
 
 
 @pytest.mark.slow
-def test_training_on_a_blend_resumes_exactly(parts_dir, tmp_path):
+@pytest.mark.parametrize("block_shards", [64, 1])
+def test_training_on_a_blend_resumes_exactly(parts_dir, tmp_path, block_shards):
     """`hpctrain train` with data.path = a blend (one process): straight through the node cache
-    vs. stopped at step 2 and resumed without it -> bit-identical losses."""
+    vs. stopped at step 2 and resumed without it -> bit-identical losses (block_shards = 1:
+    component a's epochs are block orders of several blocks, #21)."""
     import sys
 
     from tests.conftest import run_cmd
@@ -304,7 +306,8 @@ def test_training_on_a_blend_resumes_exactly(parts_dir, tmp_path):
     def train(name, cache, *extra):
         cfg = tmp_path / f"{name}.toml"
         cfg.write_text(TRAIN.format(run=tmp_path / name, data=parts_dir / "mix", cache=cache))
-        return run_cmd([sys.executable, "-m", "hpctrain", "train", "--config", cfg, *extra],
+        return run_cmd([sys.executable, "-m", "hpctrain", "train", "--config", cfg,
+                        f"--data.shuffle_block_shards={block_shards}", *extra],
                        timeout=300, check=True)
 
     def metrics(name):
@@ -322,3 +325,6 @@ def test_training_on_a_blend_resumes_exactly(parts_dir, tmp_path):
     assert a[4]["loss"] < a[1]["loss"] and a[1]["cache_copies"] > 0
     staged = [f for d in (tmp_path / "cache").iterdir() for f in os.listdir(d) if f.endswith(".h5")]
     assert {f.split("-")[0] for f in staged} == {"c0", "c1"}  # both components, no collisions
+    states = [json.loads(p.read_text()) for p in (tmp_path / "resumed").rglob("trainer_state.json")]
+    assert states and all((st["sampler"]["shuffle"], st["sampler"]["block_shards"])
+                          == ("block", block_shards) for st in states), states
