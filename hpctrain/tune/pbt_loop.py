@@ -25,6 +25,17 @@ class MemberTrainer(Trainer):
     """The Trainer, whose checkpoints also hold the population's state."""
 
     population: Population
+    _val: tuple[int, float | None] | None = None  # (step, validation loss) of these weights
+
+    def evaluate(self) -> float | None:
+        """The Trainer's validation, once per step and weights: a round at an eval step reuses the
+        step record's value (the round's copy of weights calls ``forget_validation``)."""
+        if self._val is None or self._val[0] != self.step:
+            self._val = (self.step, super().evaluate())
+        return self._val[1]
+
+    def forget_validation(self) -> None:
+        self._val = None
 
     def checkpoint_states(self, saved: dict | None = None) -> dict:
         return {**super().checkpoint_states(saved), "pbt": self.population}
@@ -100,6 +111,7 @@ class PopulationRun:
         losses = self.world.allgather(val)[::self.k]  # each member's first rank speaks for it
         plan, records = self.population.next_round(tr.step, [float(v) for v in losses])
         pbt_members.copy_members(tr, self.world, plan, self.member, self.k)
+        tr.forget_validation()  # a member that copied has other weights at the same step
         pbt_members.apply_values(tr, self.population.values[self.member])
         for record in records:
             lineage.write(record)

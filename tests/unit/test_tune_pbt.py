@@ -143,3 +143,20 @@ def test_member_config_gives_each_member_its_own_folders(monkeypatch):
     assert cfg.run.dir == "/runs/p" and cfg.data.cache_dir == "auto"  # a copy
     off = config.load(None, ["--run.dir=/runs/p", "--data.path=/d", "--data.cache_dir=off", *model])
     assert member_config(off, 0).data.cache_dir == "off"
+
+
+def test_a_round_at_an_eval_step_reuses_the_step_records_validation(monkeypatch):
+    """A round and the step record at the same step validate once; after the round's copy of
+    weights (forget_validation) or at the next step it validates again."""
+    from hpctrain.train.loop import Trainer
+    from hpctrain.tune.pbt_loop import MemberTrainer
+
+    calls = []
+    monkeypatch.setattr(Trainer, "evaluate", lambda self: calls.append(self.step) or 2.5 + len(calls))
+    tr = object.__new__(MemberTrainer)  # no model: only the memo is under test
+    tr.step = 50
+    assert (tr.evaluate(), tr.evaluate()) == (3.5, 3.5) and calls == [50]
+    tr.forget_validation()
+    assert tr.evaluate() == 4.5 and calls == [50, 50]
+    tr.step = 51
+    assert tr.evaluate() == 5.5 and calls == [50, 50, 51]
