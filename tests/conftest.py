@@ -43,6 +43,23 @@ def root():
     return ROOT
 
 
+# The [run], [data] and [model] sections of the MPI / tune tests' TOMLs: a 1-layer, 32-wide GPT on
+# a byte-level dataset, size-checked, no node cache. TINY_SECTIONS + "[train] ..." .format(run, data)
+TINY_SECTIONS = """
+[run]
+dir = "{run}"
+[data]
+path = "{data}"
+verify = "size"
+cache_dir = "off"
+[model]
+n_layer = 1
+n_head = 2
+n_embd = 32
+block_size = 32
+vocab_size = 257
+"""
+
 # The smallest training config a subprocess test needs (byte tokenizer, 2 steps by default):
 # TINY_TRAIN.format(run=..., data=..., steps=...).
 TINY_TRAIN = """

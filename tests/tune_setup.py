@@ -5,23 +5,10 @@ from __future__ import annotations
 
 import sys
 
-from tests.conftest import run_cmd
+from tests.conftest import TINY_SECTIONS, run_cmd
 
 STEPS = 16
-TUNE_TOML = """
-[run]
-dir = "{study}"
-[data]
-path = "{data}"
-verify = "size"
-cache_dir = "off"
-[model]
-n_layer = 1
-n_head = 2
-n_embd = 32
-block_size = 32
-vocab_size = 257
-[train]
+TUNE_TOML = TINY_SECTIONS + """[train]
 steps = 16
 micro_batch_size = 2
 warmup_steps = 0
@@ -58,7 +45,7 @@ def write_study(tmp_path, data, points, pruner="none", sleep=0.0):
     from hpctrain.tune.study import open_study
 
     cfg = tmp_path / "tune.toml"
-    cfg.write_text(TUNE_TOML.format(study=tmp_path / "study", data=data, sleep=sleep,
+    cfg.write_text(TUNE_TOML.format(run=tmp_path / "study", data=data, sleep=sleep,
                                     n_trials=len(points), pruner=pruner))
     _, tune, _ = load(str(cfg), [])
     study = open_study(tune)

@@ -10,24 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import BIN, mpiexec_path, mpirun, run_cmd
+from tests.conftest import BIN, TINY_SECTIONS, mpiexec_path, mpirun, run_cmd
 
 pytestmark = pytest.mark.mpi
 
-CFG = """
-[run]
-dir = "{run}"
-[data]
-path = "{data}"
-verify = "size"
-cache_dir = "off"
-[model]
-n_layer = 1
-n_head = 2
-n_embd = 32
-block_size = 32
-vocab_size = 257
-[train]
+CFG = TINY_SECTIONS + """[train]
 steps = 24
 micro_batch_size = 2
 warmup_steps = 2

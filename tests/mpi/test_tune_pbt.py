@@ -12,26 +12,13 @@ import time
 
 import pytest
 
-from tests.conftest import BIN, ROOT, mpiexec_path, mpirun
+from tests.conftest import BIN, ROOT, TINY_SECTIONS, mpiexec_path, mpirun
 from tests.tune_setup import make_dataset
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 STEPS = 24
-PBT_TOML = """
-[run]
-dir = "{run}"
-[data]
-path = "{data}"
-verify = "size"
-cache_dir = "off"
-[model]
-n_layer = 1
-n_head = 2
-n_embd = 32
-block_size = 32
-vocab_size = 257
-[train]
+PBT_TOML = TINY_SECTIONS + """[train]
 steps = 24
 micro_batch_size = 2
 warmup_steps = 0
