@@ -69,7 +69,6 @@ def test_fsdp_divides_model_state_by_dp():
     assert "FSDP accumulated grads (grad_accum > 1)" in _mem(shape, data_parallel="fsdp", grad_accum=2).parts
 
 
-
 def test_fsdp_backward_sweep_is_the_measured_peak_point():
     """FSDP2, one micro-batch: the peak is in block n-2's backward (docs/scale.md, measured 178 MiB
     vs 177 on 2 ranks): gathered root + 2 blocks, the root's gradients, activations of blocks
@@ -382,6 +381,8 @@ def test_bench_live_peaks_pairs_frees_by_address():
     assert live.low == 100 + 30  # t=6, the missed blocks (0xB, 0xD) never counted
     assert (live.missed, live.missed_bytes) == (2, 50 + 40)
     assert sorted(b for b, _ in live.at_high.values()) == [30, 50, 100]
+    assert sorted(b for b, _ in live.at_low.values()) == [30, 100]  # --top-at low: recorded only
+    assert pm.top_alive(live, 1, "low", depth=1) == [(100, "setup")]
 
 
 def test_bench_live_peaks_of_a_real_profile():
