@@ -19,13 +19,12 @@ Owns the memory model of OUR code, per pipeline rank (the largest is what must f
   all micro-batches but the last): gradients are reduced on the last micro-batch only, so each
   block's unsharded gradients stay after its backward, in fp32 (FSDP2 casts 16-bit ones to an
   fp32 copy), and the whole local model's (4 bytes per parameter) is held from the second
-  micro-batch's forward on. The peak: the last micro-batch's backward of the last block: all
-  activations, its new gradients, every block's accumulated gradients (then block by block the
-  reduce-scatters free them as in the sweep above). Measured on 2 CPU ranks within 3% (fp32, bf16,
-  activation checkpointing, micro_batch 1, grad_accum 3: 0.97-1.01); summing every part at once
-  over-counted by 17-25%.
-  Under a pipeline (torch's stage keeps blocks unsharded between micro-batches) every part is
-  still summed.
+  micro-batch's forward on. The measured peak: the last micro-batch's backward of the last block
+  (all activations, its new gradients, every block's accumulated gradients), or, activations
+  being smaller, a later point of the walk where the reduce-scatters free them block by block.
+  Measured on 2 and 4 CPU ranks within 3% (fp32, bf16, activation checkpointing, micro_batch 1,
+  grad_accum 3: 0.97-1.01); summing every part at once over-counted by 14-25%. Under a pipeline
+  (torch's stage keeps blocks unsharded between micro-batches) every part is still summed.
 - DiLoCo (sync/diloco.py): fp32 anchor + outer momentum (+ start point and pending average with
   sync.overlap), and a round's flat fp32 delta + its average.
 - activations per layer, bytes, for s tokens, b sequences, h = n_embd, a heads, t = tp (state the
