@@ -1,7 +1,7 @@
 """Measured peak memory of real training steps next to `hpctrain plan`'s prediction (#21).
 
 Run:  [mpiexec -n 2] python bench/plan_memory.py --config configs/demo.toml [--steps 4] \
-          [--top N] [--malloc] [--section.key=value ...]
+          [--top N [--top-at low] [--top-depth 6]] [--malloc] [--section.key=value ...]
 
 Builds the Trainer exactly as `python -m hpctrain train` does (data, model, layout, optimizer) and
 runs `--steps` train_step() calls (no validation, no checkpoint). Each rank reports (on a GPU the
@@ -88,6 +88,7 @@ class LivePeaks:
     missed: int = 0       # blocks allocated whose free was never recorded
     missed_bytes: int = 0
     at_high: dict = dataclasses.field(default_factory=dict)  # address -> (bytes, op path)
+    at_low: dict = dataclasses.field(default_factory=dict)   # ... at the low peak, recorded only
 
 
 def live_peaks(records, mark_ns: int) -> LivePeaks:
@@ -125,7 +126,9 @@ def live_peaks(records, mark_ns: int) -> LivePeaks:
         if t < mark_ns:
             out.setup = max(out.setup, high)
         else:
-            out.low = max(out.low, low)
+            if low > out.low:
+                out.low = low
+                out.at_low = {a: (b, p) for a, (b, p, m) in live.items() if not m}
             if high > out.high:
                 out.high = high
                 out.at_high = {a: (b, p) for a, (b, p, _) in live.items()}
@@ -191,11 +194,12 @@ def measure_malloc(cfg, ctx, steps: int) -> tuple[int, int]:
     return setup, high[0] - before
 
 
-def top_alive(live: LivePeaks, n: int) -> list[tuple[int, str]]:
-    """The n op paths (last 3 ops) with the most bytes alive at the (high) peak."""
+def top_alive(live: LivePeaks, n: int, at: str = "high", depth: int = 3) -> list[tuple[int, str]]:
+    """The n op paths (last `depth` ops) with the most bytes alive at the `at` ("low": recorded
+    frees only, | "high") peak."""
     by = {}
-    for size, path in live.at_high.values():
-        key = " > ".join(path.split(" > ")[-3:])
+    for size, path in (live.at_low if at == "low" else live.at_high).values():
+        key = " > ".join(path.split(" > ")[-depth:])
         by[key] = by.get(key, 0) + size
     return sorted(((b, k) for k, b in by.items()), reverse=True)[:n]
 
@@ -206,6 +210,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--top", type=int, default=0, help="also print the N op paths with the most "
                         "bytes alive at the peak on rank 0")
+    parser.add_argument("--top-at", choices=("low", "high"), default="high", help="--top lists "
+                        "what is alive at the low bound's peak (recorded frees only) or the high's")
+    parser.add_argument("--top-depth", type=int, default=3, help="--top: ops of each path shown")
     parser.add_argument("--malloc", action="store_true", help="measure glibc's in-use bytes at "
                         "every aten op instead of the profiler's records")
     args, overrides = parser.parse_known_args()
@@ -237,9 +244,10 @@ def main() -> int:
         rsss, setups, lows = each(rss), each(live.setup), each(live.low)
         highs = ctx.comm.gather(live.high)
         missed = ctx.comm.gather((live.missed, live.missed_bytes))
-        tops = ctx.comm.gather(top_alive(live, args.top))
+        tops = ctx.comm.gather(top_alive(live, args.top, args.top_at, args.top_depth))
+        peaks = highs if args.top_at == "high" else ctx.comm.gather(live.low)
         if ctx.is_main:
-            r = max(range(len(highs)), key=lambda i: highs[i])
+            r = max(range(len(peaks)), key=lambda i: peaks[i])
             for b, key in tops[r]:
                 print(f"  rank {r}, alive at the peak {fmt_bytes(b):>10}  {key}")
             print(f"measured peak RSS - RSS before the Trainer, per rank: {rsss}")

@@ -15,8 +15,16 @@ Owns the memory model of OUR code, per pipeline rank (the largest is what must f
   input (FSDP2 keeps one), the later blocks' gradient shards; on Gloo (Job.backend) each
   reduce-scatter also clones its fp32 input. Measured on 2 CPU ranks within 6% (docs/scale.md);
   summing every part instead over-counted by 20%.
-- FSDP with grad_accum > 1: gradients are reduced on the last micro-batch only, so the unsharded
-  fp32 gradients of the whole model accumulate on every rank (4 bytes per local parameter).
+- FSDP with grad_accum > 1 (`fsdp_accum_sweep`; runner.py: set_requires_gradient_sync(False) on
+  all micro-batches but the last): gradients are reduced on the last micro-batch only, so each
+  block's unsharded gradients stay after its backward, in fp32 (FSDP2 casts 16-bit ones to an
+  fp32 copy), and the whole local model's (4 bytes per parameter) is held from the second
+  micro-batch's forward on. The measured peak: the last micro-batch's backward of the last block
+  (all activations, its new gradients, every block's accumulated gradients), or, activations
+  being smaller, a later point of the walk where the reduce-scatters free them block by block.
+  Measured on 2 and 4 CPU ranks within 3% (fp32, bf16, activation checkpointing, micro_batch 1,
+  grad_accum 3: 0.97-1.01); summing every part at once over-counted by 14-25%. Under a pipeline
+  (torch's stage keeps blocks unsharded between micro-batches) every part is still summed.
 - DiLoCo (sync/diloco.py): fp32 anchor + outer momentum (+ start point and pending average with
   sync.overlap), and a round's flat fp32 delta + its average.
 - activations per layer, bytes, for s tokens, b sequences, h = n_embd, a heads, t = tp (state the
@@ -203,6 +211,46 @@ def fsdp_backward_sweep(shape: ModelShape, job: Job, stage: Stage) -> int:
     return gathered + pbytes * _fsdp_root_params(shape, job, stage) + high
 
 
+def fsdp_accum_sweep(shape: ModelShape, job: Job, stage: Stage) -> int:
+    """`fsdp_backward_sweep` with grad_accum > 1 (the runner's set_requires_gradient_sync(False) on
+    every micro-batch but the last). Parameters are resharded after each block's backward, but its
+    unsharded gradients stay, accumulated in fp32 (under bf16 FSDP2 casts them to fp32 after the
+    block's backward; later micro-batches add into that copy). Throughout: the gathered parameters
+    and the root's accumulated fp32 + newest 16-bit (fp32) gradients. First micro-batch, block i
+    from the last: activations of blocks <= i, its new gradients (+ their fp32 copy under bf16) and
+    the accumulated gradients of blocks > i. Every later one: at the loss all activations, the
+    head's and every block's accumulated gradients; in block i's backward the activations of
+    blocks <= i and its new gradients (the slot Gloo's all-gather temporary fills first) beside
+    the accumulated ones: of every block, or in the last micro-batch of blocks <= i, with block
+    i + 1's kept fp32 reduce-scatter input and the later blocks' shards. At block i's
+    reduce-scatter: the accumulated gradients of blocks < i and its own copied into its fp32 input
+    (then Gloo's clone of that).
+    The micro-batches before the last never exceed the last one's block n-1 point (at most the same
+    gradients beside fewer activations); they are walked all the same."""
+    blocks = _kept_per_block(shape, job, stage)
+    n, full = len(blocks), layer_activation_bytes(shape, job.micro_batch, job.tp, job.half)
+    pbytes, block = (2 if job.half else 4), shape.block_params_tp(job.tp)
+    acc, shard = 4 * block, 4 * block // job.dp_size
+    rs_input = 4 * block * (2 if job.backend == "gloo" else 1)
+    convert = 4 * block if job.half else 0  # bf16 gradients cast to an fp32 copy, both alive
+
+    def kept(i: int) -> int:  # activations of blocks < i
+        return sum(b for b, _ in blocks[:i])
+
+    head = sum(head_bytes(shape, job.micro_batch, job.tp, job.half)) if stage.has_last else 0
+    high = kept(n) + head + acc * n  # the loss of every micro-batch after the first
+    for i in range(n - 1, -1, -1):
+        here = kept(i + 1) + (full if blocks[i][1] else 0) + pbytes * block  # block i's backward
+        first = here + convert + acc * (n - 1 - i)
+        middle = here + acc * n if job.grad_accum > 2 else 0
+        later = shard * (n - 1 - i)
+        last = here + acc * (i + 1) + (4 * block if i < n - 1 else 0) + later
+        at_reduce = kept(i) + acc * i + later + max(acc + 4 * block, rs_input + shard)
+        high = max(high, first, middle, last, at_reduce)
+    gathered, _ = _fsdp_buffers(shape, job, stage)
+    return gathered + (4 + pbytes) * _fsdp_root_params(shape, job, stage) + high
+
+
 def rank_memory(shape: ModelShape, job: Job, stage: Stage) -> RankMemory:
     n, mm = local_params(shape, job, stage)
     shard = job.dp_size if job.data_parallel == "fsdp" else 1
@@ -269,10 +317,12 @@ def _peak(shape: ModelShape, job: Job, stage: Stage, p: dict) -> int:
     acts = p["activations"]
     ddp_buckets = (job.data_parallel == "ddp" and job.dp_size > 1 and job.sync_mode == "sync"
                    and job.tp == 1 and job.pp == 1)  # gradient_as_bucket_view: grads never freed
-    if (job.data_parallel == "fsdp" and job.dp_size > 1 and job.grad_accum == 1
-            and stage.in_flight == 1):  # gradients reduce-scattered block by block
-        return state + max(fsdp_backward_sweep(shape, job, stage), grads)
-    if job.data_parallel == "fsdp" and job.dp_size > 1:  # gradients reduce-scattered per block
+    fsdp = job.data_parallel == "fsdp" and job.dp_size > 1
+    if fsdp and stage.in_flight == 1 and (job.grad_accum == 1 or job.pp == 1):
+        sweep = fsdp_backward_sweep if job.grad_accum == 1 else fsdp_accum_sweep
+        return state + max(sweep(shape, job, stage), grads)  # reduce-scattered block by block
+    if fsdp:  # pipelines (torch's stage: reshard_after_backward(False) until the last
+        # micro-batch; not measured): every FSDP part summed at once
         head_grad = 4 * shape.embedding_params_tp(job.tp) if stage.has_last else 0
         during = acts + head_grad // job.dp_size + grads
     elif ddp_buckets or job.grad_accum > 1 or stage.in_flight > 1:

@@ -69,7 +69,6 @@ def test_fsdp_divides_model_state_by_dp():
     assert "FSDP accumulated grads (grad_accum > 1)" in _mem(shape, data_parallel="fsdp", grad_accum=2).parts
 
 
-
 def test_fsdp_backward_sweep_is_the_measured_peak_point():
     """FSDP2, one micro-batch: the peak is in block n-2's backward (docs/scale.md, measured 178 MiB
     vs 177 on 2 ranks): gathered root + 2 blocks, the root's gradients, activations of blocks
@@ -107,6 +106,65 @@ def test_fsdp_gloo_reduce_scatter_clones_its_input():
     assert gloo == fixed + (4 + 4 + 4 * 2) * B
     with pytest.raises(ValueError, match="--backend"):
         Job(backend="mpi").check(shape)
+
+def _fsdp_accum(shape, micro_batch=4, backend="gloo", precision="fp32", gpus=2, **kw):
+    """(fsdp_accum_sweep, rank_memory, root parameters) of 1 node x `gpus` ranks under FSDP."""
+    job = Job(nodes=1, gpus_per_node=gpus, data_parallel="fsdp", micro_batch=micro_batch,
+              backend=backend, precision=precision, **kw).check(shape)
+    stage = memory.pipeline_stages(shape, job)[0]
+    root = shape.embedding_params + shape.position_params + shape.norm_f_params
+    return memory.fsdp_accum_sweep(shape, job, stage), memory.rank_memory(shape, job, stage), root
+
+
+@pytest.mark.parametrize("half", [False, True])
+def test_fsdp_grad_accum_peak_is_the_last_micro_batchs_last_block(half):
+    """FSDP2, grad_accum 2 (docs/scale.md, measured 225 MiB fp32 / 177 bf16 on 2 ranks). Always:
+    gathered root + 2 blocks, the root's accumulated fp32 + new gradients. The second micro-batch's
+    backward of block 3: all 4 blocks' activations, its new gradients (16-bit under bf16) and all 4
+    blocks' accumulated fp32 gradients (the measured peak point); its reduce-scatter: blocks 0..2's
+    activations and accumulated gradients, its fp32 input + Gloo's clone + its shard. fp32: the
+    backward is higher (L = 16 MiB > 4 B = 12 MiB); bf16: the reduce-scatter (L = 10 MiB)."""
+    shape, p = ModelShape(4, 512, 8, 257, 128), (2 if half else 4)
+    sweep, m, root = _fsdp_accum(shape, precision="bf16" if half else "fp32", grad_accum=2)
+    L, B = memory.layer_activation_bytes(shape, 4, 1, half), shape.block_params
+    backward, reduce = 4 * L + p * B + 4 * 4 * B, 3 * L + (3 * 4 + 4 + 4 + 2) * B
+    assert (reduce > backward) == half
+    want = p * (root + 2 * B) + (4 + p) * root + max(backward, reduce)
+    assert sweep == want
+    assert m.peak == m.parts["parameters (fp32)"] + m.parts["AdamW m, v (fp32)"] + want
+    lo, hi = (182, 184) if half else (223, 225)
+    assert lo << 20 < m.peak < hi << 20
+    assert sum(m.parts.values()) - m.peak > (37 << 20)  # every part at once, the formula before
+    three = _fsdp_accum(shape, precision="bf16" if half else "fp32", grad_accum=3)[0]
+    assert three == sweep  # a middle micro-batch holds what the last one's block n-1 holds
+
+
+def test_fsdp_grad_accum_sweeps_the_last_micro_batchs_reduce_scatters():
+    """Small activations (8 tokens, 1 sequence, L << B): fp32 NCCL, block 2's backward: its new
+    gradients, blocks 0..2's accumulated ones, block 3's kept fp32 input and its shard (4 + 12 + 4
+    + 2 B), above block 3's backward (4 L + 20 B) and reduce-scatter (accumulated + input, 20 B).
+    bf16 on Gloo: block 3's reduce-scatter, 12 B accumulated + fp32 input + Gloo's clone + shard,
+    2 B above NCCL's. bf16 NCCL on 8 ranks (shards of B / 2): block 3's reduce-scatter while its
+    accumulated gradients are copied into its fp32 input (12 + 4 + 4 B), above block 2's backward
+    (2 + 12 + 4 + 0.5 B). Checkpointed: block 2's backward with one block recomputed."""
+    shape = ModelShape(4, 512, 8, 257, 8)
+    B = shape.block_params
+    L, L16 = (memory.layer_activation_bytes(shape, 1, 1, half) for half in (False, True))
+    nccl, _, root = _fsdp_accum(shape, micro_batch=1, backend="nccl", grad_accum=2)
+    assert nccl == 4 * (root + 2 * B) + 8 * root + 3 * L + (4 + 3 * 4 + 4 + 2) * B
+    kw = dict(micro_batch=1, precision="bf16", grad_accum=2)
+    gloo16, nccl16 = _fsdp_accum(shape, **kw)[0], _fsdp_accum(shape, backend="nccl", **kw)[0]
+    assert gloo16 == 2 * (root + 2 * B) + 6 * root + 3 * L16 + (3 * 4 + 4 + 4 + 2) * B
+    assert gloo16 - nccl16 == 2 * B
+    dp8 = _fsdp_accum(shape, backend="nccl", gpus=8, **kw)[0]
+    assert dp8 == 2 * (root + 2 * B) + 6 * root + 3 * L16 + (3 * 4 + 4 + 4) * B
+    shape = ModelShape(4, 512, 8, 257, 128)
+    C, L = (memory.checkpointed_layer_bytes(shape, 4, 1),
+            memory.layer_activation_bytes(shape, 4, 1, False))
+    ckpt, m, root = _fsdp_accum(shape, grad_accum=2, activation_checkpoint="full")
+    assert ckpt == 4 * (root + 2 * B) + 8 * root + 3 * C + L + (4 + 3 * 4 + 4 + 2) * B
+    assert 184 << 20 < m.peak < 186 << 20  # measured 181 MiB
+
 
 def test_tp_divides_parameters_and_sharded_activations():
     shape = PRESETS["7b"]
@@ -323,6 +381,8 @@ def test_bench_live_peaks_pairs_frees_by_address():
     assert live.low == 100 + 30  # t=6, the missed blocks (0xB, 0xD) never counted
     assert (live.missed, live.missed_bytes) == (2, 50 + 40)
     assert sorted(b for b, _ in live.at_high.values()) == [30, 50, 100]
+    assert sorted(b for b, _ in live.at_low.values()) == [30, 100]  # --top-at low: recorded only
+    assert pm.top_alive(live, 1, "low", depth=1) == [(100, "setup")]
 
 
 def test_bench_live_peaks_of_a_real_profile():
