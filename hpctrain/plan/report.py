@@ -134,7 +134,9 @@ def render(p: Plan) -> str:
              + (f" (inner_steps {j.inner_steps}, {j.compression})" if j.sync_mode == "diloco" else "")
              + f". Corpus {j.tokens:.3g} tokens: {p.sampler['windows'] // j.global_batch:,} steps per epoch.", ""]
     lines += _memory_lines(p)
-    lines += ["", "## Setup (train/loop.py: whole fp32 model before sharding)", ""]
+    how = ("meta init: the rank's fp32 shard + the largest whole parameter" if p.job.meta_init else
+           "--meta-init false: the whole fp32 model before sharding")
+    lines += ["", f"## Setup (train/model_setup.py, {how})", ""]
     lines += _table(("where", "bytes"), [(k, fmt_bytes(v)) for k, v in p.setup.items()])
     lines += ["", "## Data: sampler and node cache", ""]
     rows = [(k, f"{v:,}" if k == "windows" else fmt_bytes(v)) for k, v in p.sampler.items()]
