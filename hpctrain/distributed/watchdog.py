@@ -188,7 +188,13 @@ class _DeadlineCaller:
 
 
 def _is_comm_error(exc: BaseException) -> bool:
+    """A collective that failed because a peer may be gone: torch.distributed's errors, gloo /
+    NCCL runtime errors, and MPI's (the CPU gradient all-reduce and the data metrics are MPI
+    calls: MPICH reports a killed peer there, often before its heartbeat is overdue)."""
     if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and isinstance(exc, mpi.Exception):
         return True
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and any(

@@ -64,3 +64,17 @@ def test_bad_step_policy_skips_counts_and_stops():
     assert g.should_skip(4, torch.tensor(float("nan")), 0.5) is True
     with pytest.raises(TrainingDivergedError, match=r"2 steps in a row \(steps 4..5, train.max_bad_steps=2\)"):
         g.should_skip(5, one, float("nan"))
+
+
+def test_an_mpi_error_counts_as_a_failed_collective_that_waits_for_the_heartbeat_verdict():
+    """The CPU gradient all-reduce is an MPI call: when a peer is SIGKILLed, MPICH may fail it
+    before the heartbeat is overdue. watch_peers must treat that like a gloo error (wait for the
+    watchdog to name the lost rank), not let a traceback through (a race seen in CI)."""
+    import subprocess
+    import sys
+
+    code = ("from mpi4py import MPI\n"
+            "from hpctrain.distributed.watchdog import _is_comm_error as c\n"
+            "print(c(MPI.Exception(MPI.ERR_OTHER)), c(ValueError('x')), c(RuntimeError('boom')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["True", "False", "False"], out.stderr[-2000:]
