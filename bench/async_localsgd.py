@@ -1,6 +1,7 @@
 """Asynchronous Local-SGD on an uneven cluster: one replica 2x slower, equal token budget.
 
 Run:  python bench/async_localsgd.py [--data data/shakespeare_bytes] [--steps 240] [--plot PNG]
+          [--replicas 2] [--compute-sleep 0]
 
 Two replicas train the demo GPT (128 wide, block 128, 0.8M parameters) on byte-level Shakespeare;
 rank 1 computes `--slow`x slower (debug.slow_factor: it sleeps (k - 1) x its own step's compute
@@ -44,31 +45,34 @@ from hpctrain.model import GPT, GPTConfig  # noqa: E402
 ASYNC = ["--sync.mode=async_diloco", "--sync.ps_servers=1"]
 
 
-def modes(h: int) -> dict[str, tuple[int, list[str]]]:
-    """name -> (ranks, overrides)."""
+def modes(h: int, n: int = 2) -> dict[str, tuple[int, list[str]]]:
+    """name -> (ranks, overrides), for n replicas."""
     return {
-        "ddp": (2, []),
-        "sync DiLoCo": (2, ["--sync.mode=diloco", f"--sync.inner_steps={h}"]),
-        "async naive": (3, ASYNC + [f"--sync.inner_steps={h}", "--sync.outer_optimizer=nesterov"]),
-        "async DN": (3, ASYNC + [f"--sync.inner_steps={h}", "--sync.outer_optimizer=delayed_nesterov"]),
-        "async DN+DyLU": (3, ASYNC + [f"--sync.inner_steps={h}", "--sync.outer_optimizer=delayed_nesterov",
-                                      "--sync.local_steps=dynamic"]),
+        "ddp": (n, []),
+        "sync DiLoCo": (n, ["--sync.mode=diloco", f"--sync.inner_steps={h}"]),
+        "async naive": (n + 1, ASYNC + [f"--sync.inner_steps={h}", "--sync.outer_optimizer=nesterov"]),
+        "async DN": (n + 1, ASYNC + [f"--sync.inner_steps={h}", "--sync.outer_optimizer=delayed_nesterov"]),
+        "async DN+DyLU": (n + 1, ASYNC + [f"--sync.inner_steps={h}", "--sync.outer_optimizer=delayed_nesterov",
+                                          "--sync.local_steps=dynamic"]),
     }
 
 
 def train(name: str, ranks: int, extra: list[str], args, tmp: Path, slow: float) -> dict:
     run = tmp / f"{name.replace(' ', '_').replace('+', '_')}_{slow:g}"
     shutil.rmtree(run, ignore_errors=True)
-    asynchronous = ranks == 3
-    steps = args.steps * 2 if asynchronous else args.steps  # batches of 8 sequences vs 2 x 8
+    asynchronous = name.startswith("async")
+    steps = args.steps * args.replicas if asynchronous else args.steps  # batches of 8 vs n x 8
     cmd = [BIN / "mpiexec", "-n", str(ranks), sys.executable, "-m", "hpctrain", "train",
            "--config", "configs/demo.toml", f"--run.dir={run}", f"--data.path={args.data}",
            "--model.n_embd=128", "--model.block_size=128", "--train.micro_batch_size=8",
            "--train.grad_accum=1", f"--train.steps={steps}", "--train.stop_at_step=0",
            "--train.warmup_steps=20", "--train.eval_interval=0", f"--checkpoint.interval={steps // 8}",
            "--checkpoint.keep=100", "--data.verify=size", "--data.cache_dir=off",
-           "--dist.heartbeat_timeout_s=0", "--debug.delay_rank=1", f"--debug.slow_factor={slow}", *extra]
+           "--dist.heartbeat_timeout_s=0", "--debug.delay_rank=1", f"--debug.slow_factor={slow}",
+           f"--debug.compute_sleep_s={args.compute_sleep}", *extra]
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", HPCTRAIN_TENSORBOARD="0")
+    if args.replicas > 2:  # more ranks than cores: one thread each
+        env.setdefault("HPCTRAIN_THREADS", "1")
     t0 = time.time()
     r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env, cwd=ROOT, timeout=3600)
     wall = time.time() - t0
@@ -116,7 +120,7 @@ def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
     return None
 
 
-def plot(curves: dict, path: Path, slow: float) -> None:
+def plot(curves: dict, path: Path, slow: float, replicas: int = 2) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -126,7 +130,7 @@ def plot(curves: dict, path: Path, slow: float) -> None:
         ax.plot([t for t, _ in curve], [v for _, v in curve], marker="o", ms=3, label=name)
     ax.set_xlabel("wall time from launch (s)")
     ax.set_ylabel("held-out loss (nats/byte)")
-    ax.set_title(f"2 replicas, one {slow:g}x slower, equal tokens")
+    ax.set_title(f"{replicas} replicas, one {slow:g}x slower, equal tokens")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -144,11 +148,15 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="run only these modes (names as printed)")
     ap.add_argument("--plot", default="", help="write loss against wall time to this PNG")
     ap.add_argument("--no-equal-speed", action="store_true", help="skip the equal-speed check")
+    ap.add_argument("--replicas", type=int, default=2, help="replicas (rank 1 is the slow one)")
+    ap.add_argument("--compute-sleep", type=float, default=0.0,
+                    help="seconds every step sleeps as stand-in accelerator time (debug.compute_sleep_s): "
+                         "with many replicas on few cores, keeps the CPU from being what times them")
     args = ap.parse_args()
     val = held_out(args.data, args.windows)
     curves, walls = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (ranks, extra) in modes(args.h).items():
+        for name, (ranks, extra) in modes(args.h, args.replicas).items():
             if args.only and name not in args.only:
                 continue
             res = train(name, ranks, extra, args, Path(tmp), args.slow)
@@ -157,7 +165,7 @@ def main() -> None:
         equal = {}
         if not args.no_equal_speed:
             for name in ("sync DiLoCo", "async DN+DyLU"):
-                ranks, extra = modes(args.h)[name]
+                ranks, extra = modes(args.h, args.replicas)[name]
                 res = train(name, ranks, extra, args, Path(tmp), 1.0)
                 equal[name] = score(res["run"], res["t0"], val)[-1][1]
     target = curves["sync DiLoCo"][-1][1] if "sync DiLoCo" in curves else None
@@ -170,7 +178,7 @@ def main() -> None:
         a, b = equal["async DN+DyLU"], equal["sync DiLoCo"]
         print(f"equal speeds: async DN+DyLU {a:.4f} vs sync DiLoCo {b:.4f} ({(a / b - 1) * 100:+.1f}%, target within 2%)")
     if args.plot:
-        plot(curves, Path(args.plot), args.slow)
+        plot(curves, Path(args.plot), args.slow, args.replicas)
         print(f"curves: {args.plot}")
     if target is not None and "async DN+DyLU" in curves:
         reach = time_to(curves["async DN+DyLU"], target)

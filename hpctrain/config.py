@@ -253,6 +253,10 @@ class DebugConfig:
     slow_factor: float = field(default=1.0, metadata={
         "help": "TEST ONLY: debug.delay_rank computes this many times slower (it sleeps "
                 "(factor - 1) x its measured step time every step): an uneven cluster on cue"})
+    compute_sleep_s: float = field(default=0.0, metadata={
+        "help": "TEST ONLY: every rank sleeps this long inside each training step, counted as its "
+                "compute (a stand-in for accelerator time, so that many replicas can share a few "
+                "cores; debug.slow_factor scales it) (0 = off)"})
     step_sleep_s: float = field(default=0.0, metadata={
         "help": "TEST ONLY: every rank sleeps this long every step, so a tiny model runs long enough to be "
                 "preempted (0 = off)"})

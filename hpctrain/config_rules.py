@@ -49,6 +49,7 @@ def validate(cfg: Config) -> None:
     _check(t.straggler_window >= 2, "train.straggler_window", "must be >= 2")
     _check(cfg.debug.delay_s >= 0, "debug.delay_s", "must be >= 0")
     _check(cfg.debug.step_sleep_s >= 0, "debug.step_sleep_s", "must be >= 0")
+    _check(cfg.debug.compute_sleep_s >= 0, "debug.compute_sleep_s", "must be >= 0")
     _check(cfg.dist.heartbeat_timeout_s >= 0, "dist.heartbeat_timeout_s", "must be >= 0")
     _check(cfg.data.cache_bytes >= 0, "data.cache_bytes", "must be >= 0 (0 = auto)")
     _check(cfg.data.prefetch >= 0, "data.prefetch", "must be >= 0")

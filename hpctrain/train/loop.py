@@ -169,6 +169,8 @@ class Trainer:
         self.loss_scaling.step(self.optimizer, skip=self.step_skipped)
         self.optimizer.zero_grad(set_to_none=True)
         loss = loss_avg.item()
+        if debug.compute_sleep_s > 0:  # test-only: accelerator time on a shared CPU
+            time.sleep(debug.compute_sleep_s)
         if debug.slow_factor > 1 and self.ctx.rank == debug.delay_rank:  # test-only: k x slower
             time.sleep((debug.slow_factor - 1.0) * (time.perf_counter() - t0))
         return loss, float(grad_norm)
