@@ -45,6 +45,13 @@ def root():
 
 # The [run], [data] and [model] sections of the MPI / tune tests' TOMLs: a 1-layer, 32-wide GPT on
 # a byte-level dataset, size-checked, no node cache. TINY_SECTIONS + "[train] ..." .format(run, data)
+TINY_MODEL = """[model]
+n_layer = 1
+n_head = 2
+n_embd = 32
+block_size = 32
+vocab_size = 257
+"""
 TINY_SECTIONS = """
 [run]
 dir = "{run}"
@@ -52,13 +59,7 @@ dir = "{run}"
 path = "{data}"
 verify = "size"
 cache_dir = "off"
-[model]
-n_layer = 1
-n_head = 2
-n_embd = 32
-block_size = 32
-vocab_size = 257
-"""
+""" + TINY_MODEL
 
 # The smallest training config a subprocess test needs (byte tokenizer, 2 steps by default):
 # TINY_TRAIN.format(run=..., data=..., steps=...).
@@ -67,13 +68,7 @@ TINY_TRAIN = """
 dir = "{run}"
 [data]
 path = "{data}"
-[model]
-n_layer = 1
-n_head = 2
-n_embd = 32
-block_size = 32
-vocab_size = 257
-[train]
+""" + TINY_MODEL + """[train]
 steps = {steps}
 warmup_steps = 0
 micro_batch_size = 2

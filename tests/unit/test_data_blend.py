@@ -20,6 +20,7 @@ from hpctrain.data import (BlendShards, GlobalSampler, MixtureSampler, TokenShar
                            open_split, split_for_rank)
 from hpctrain.data.cache import NodeCache
 from hpctrain.data.mixture import interleave
+from tests.conftest import TINY_MODEL
 
 QUIET = dict(progress=False, log=lambda m: None)
 T = 32
@@ -274,13 +275,7 @@ dir = "{run}"
 [data]
 path = "{data}"
 cache_dir = "{cache}"
-[model]
-n_layer = 1
-n_head = 2
-n_embd = 32
-block_size = 32
-vocab_size = 257
-[train]
+""" + TINY_MODEL + """[train]
 steps = 4
 micro_batch_size = 4
 lr = 3e-3
