@@ -103,12 +103,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def exit_without_teardown(status: int) -> None:
-    """End a finished `train` process at once: flush, finalize MPI, os._exit. Everything the run
-    wrote is committed and closed by now (checkpoint, metrics, TensorBoard, process group); what
-    os._exit skips is the interpreter freeing every module and object one by one, which takes
-    0.8 s after torch.distributed has been imported (measured here) on every rank of every job."""
+    """End a finished `train` process at once: flush, finalize MPI, tell the launcher, os._exit.
+    Everything the run wrote is committed and closed by now (checkpoint, metrics, TensorBoard,
+    process group); what os._exit skips is the interpreter freeing every module and object one by
+    one, which takes 0.8 s after torch.distributed has been imported (measured here) on every rank
+    of every job. Where the launcher cannot be told (hpctrain/distributed/launcher_exit.py), the
+    process exits through the interpreter instead."""
     import logging
     import os
+
+    from hpctrain.distributed.launcher_exit import tell_launcher_finalized
 
     logging.shutdown()
     sys.stdout.flush()
@@ -118,7 +122,9 @@ def exit_without_teardown(status: int) -> None:
 
         if MPI.Is_initialized() and not MPI.Is_finalized():
             MPI.Finalize()
-    os._exit(status)
+    if tell_launcher_finalized():
+        os._exit(status)
+    sys.exit(status)
 
 
 if __name__ == "__main__":
