@@ -1,7 +1,7 @@
 """Asynchronous Local-SGD on an uneven cluster: one replica 2x slower, equal token budget.
 
 Run:  python bench/async_localsgd.py [--data data/shakespeare_bytes] [--steps 240] [--plot PNG]
-          [--replicas 2] [--compute-sleep 0]
+          [--replicas 2] [--compute-sleep 0] [--compression none|bf16|int8]
 
 Two replicas train the demo GPT (128 wide, block 128, 0.8M parameters) on byte-level Shakespeare;
 rank 1 computes `--slow`x slower (debug.slow_factor: it sleeps (k - 1) x its own step's compute
@@ -15,7 +15,8 @@ of 2 x 8 sequences; the asynchronous modes claim 2 x --steps batches of 8 sequen
   async DN+DyLU    async_diloco, delayed Nesterov + dynamic local steps
 Each run saves checkpoints at 8 points; afterwards each checkpoint's global model is scored on the
 same held-out windows, giving validation loss against wall time (from launch to the checkpoint's
-commit). Prints the final loss, the wall time, and the wall time at which each mode first reaches
+commit). Prints the final loss, the wall time, the bytes rank 0 moved for synchronization
+(`comm_bytes`), and the wall time at which each mode first reaches
 synchronous DiLoCo's final loss; then the equal-speed check (sync DiLoCo vs async DN+DyLU at slow 1).
 """
 from __future__ import annotations
@@ -45,15 +46,17 @@ from hpctrain.model import GPT, GPTConfig  # noqa: E402
 ASYNC = ["--sync.mode=async_diloco", "--sync.ps_servers=1"]
 
 
-def modes(h: int, n: int = 2) -> dict[str, tuple[int, list[str]]]:
-    """name -> (ranks, overrides), for n replicas."""
+def modes(h: int, n: int = 2, compression: str = "none") -> dict[str, tuple[int, list[str]]]:
+    """name -> (ranks, overrides), for n replicas; `compression`: the pseudo-gradients' wire format
+    (sync DiLoCo's all-reduce, the asynchronous modes' pushes)."""
+    wire = [f"--sync.compression={compression}"]
     return {
         "ddp": (n, []),
-        "sync DiLoCo": (n, ["--sync.mode=diloco", f"--sync.inner_steps={h}"]),
-        "async naive": (n + 1, ASYNC + [f"--sync.inner_steps={h}", "--sync.outer_optimizer=nesterov"]),
-        "async DN": (n + 1, ASYNC + [f"--sync.inner_steps={h}", "--sync.outer_optimizer=delayed_nesterov"]),
+        "sync DiLoCo": (n, ["--sync.mode=diloco", f"--sync.inner_steps={h}", *wire]),
+        "async naive": (n + 1, ASYNC + [f"--sync.inner_steps={h}", "--sync.outer_optimizer=nesterov", *wire]),
+        "async DN": (n + 1, ASYNC + [f"--sync.inner_steps={h}", "--sync.outer_optimizer=delayed_nesterov", *wire]),
         "async DN+DyLU": (n + 1, ASYNC + [f"--sync.inner_steps={h}", "--sync.outer_optimizer=delayed_nesterov",
-                                          "--sync.local_steps=dynamic"]),
+                                          "--sync.local_steps=dynamic", *wire]),
     }
 
 
@@ -78,7 +81,8 @@ def train(name: str, ranks: int, extra: list[str], args, tmp: Path, slow: float)
     wall = time.time() - t0
     if r.returncode:
         sys.exit(f"{name} failed:\n{r.stderr[-3000:]}")
-    return {"run": run, "t0": t0, "wall_s": wall}
+    moved = [json.loads(line).get("comm_bytes", 0) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {"run": run, "t0": t0, "wall_s": wall, "moved": max(moved, default=0)}
 
 
 @torch.no_grad()
@@ -149,30 +153,32 @@ def main() -> None:
     ap.add_argument("--plot", default="", help="write loss against wall time to this PNG")
     ap.add_argument("--no-equal-speed", action="store_true", help="skip the equal-speed check")
     ap.add_argument("--replicas", type=int, default=2, help="replicas (rank 1 is the slow one)")
+    ap.add_argument("--compression", default="none", choices=["none", "bf16", "int8"],
+                    help="pseudo-gradient wire format of sync DiLoCo and the asynchronous modes")
     ap.add_argument("--compute-sleep", type=float, default=0.0,
                     help="seconds every step sleeps as stand-in accelerator time (debug.compute_sleep_s): "
                          "with many replicas on few cores, keeps the CPU from being what times them")
     args = ap.parse_args()
     val = held_out(args.data, args.windows)
-    curves, walls = {}, {}
+    curves, walls, moved = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (ranks, extra) in modes(args.h, args.replicas).items():
+        for name, (ranks, extra) in modes(args.h, args.replicas, args.compression).items():
             if args.only and name not in args.only:
                 continue
             res = train(name, ranks, extra, args, Path(tmp), args.slow)
-            curves[name], walls[name] = score(res["run"], res["t0"], val), res["wall_s"]
+            curves[name], walls[name], moved[name] = score(res["run"], res["t0"], val), res["wall_s"], res["moved"]
             print(f"  done {name} in {res['wall_s']:.0f}s", file=sys.stderr, flush=True)
         equal = {}
         if not args.no_equal_speed:
             for name in ("sync DiLoCo", "async DN+DyLU"):
-                ranks, extra = modes(args.h, args.replicas)[name]
+                ranks, extra = modes(args.h, args.replicas, args.compression)[name]
                 res = train(name, ranks, extra, args, Path(tmp), 1.0)
                 equal[name] = score(res["run"], res["t0"], val)[-1][1]
     target = curves["sync DiLoCo"][-1][1] if "sync DiLoCo" in curves else None
-    print(f"{'mode':<16} {'final loss':>10} {'wall s':>8} {'s to sync-DiLoCo loss':>22}")
+    print(f"{'mode':<16} {'final loss':>10} {'wall s':>8} {'rank 0 MB':>10} {'s to sync-DiLoCo loss':>22}")
     for name, curve in curves.items():
         reach = time_to(curve, target) if target is not None else None
-        print(f"{name:<16} {curve[-1][1]:>10.4f} {walls[name]:>8.1f} "
+        print(f"{name:<16} {curve[-1][1]:>10.4f} {walls[name]:>8.1f} {moved[name] / 1e6:>10.1f} "
               f"{f'{reach:.1f}' if reach is not None else 'not reached':>22}")
     if equal:
         a, b = equal["async DN+DyLU"], equal["sync DiLoCo"]

@@ -103,11 +103,16 @@ class AsynchronousStrategy(SyncStrategy):
         while not req.Test():
             if not self.trains:
                 self._raise_if_mine(preempt)
+                self.serve()
             time.sleep(0.0005)  # leave the core to the replicas still training (servers idle here)
         step, stop = int(got[0]), int(got[1])
         stop = stop if step < end else NONE
         preempt.agreed(stop, step)
         return step, stop
+
+    def serve(self) -> None:
+        """Server ranks, polled while they wait in the meeting (async_diloco's compressed
+        arrivals are applied here)."""
 
     count_key = "workers"  # the checkpoint's "sync" entry: how many workers wrote it
 

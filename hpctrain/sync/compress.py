@@ -54,7 +54,7 @@ class Codec:
                                parts[1].contiguous().view(torch.float32), self.block)
 
 
-def _layout(n: int, p: int, kind: str, block: int) -> tuple[int, int]:
+def wire_layout(n: int, p: int, kind: str, block: int) -> tuple[int, int]:
     """(chunk, block): per-rank chunk length (a multiple of the int8 block) and the block used."""
     chunk = math.ceil(n / p)
     if kind == "int8":
@@ -69,7 +69,7 @@ def bytes_sent(n: int, p: int, kind: str, block: int = 256) -> int:
         return 0
     if kind == "none":
         return int(2 * (p - 1) / p * n * WIRE_BYTES["none"])
-    chunk, block = _layout(n, p, kind, block)
+    chunk, block = wire_layout(n, p, kind, block)
     per_chunk = chunk * WIRE_BYTES[kind] + (chunk // block * SCALE_BYTES if kind == "int8" else 0)
     return 2 * (p - 1) * per_chunk
 
@@ -84,7 +84,7 @@ def average(flat: torch.Tensor, group, kind: str = "none", block: int = 256) -> 
         dist.all_reduce(out, group=group)
         return out.div_(p)
     n = flat.numel()
-    chunk, block = _layout(n, p, kind, block)
+    chunk, block = wire_layout(n, p, kind, block)
     codec = Codec(kind, chunk, block)
     padded = torch.zeros(p * chunk, dtype=torch.float32, device=flat.device)
     padded[:n] = flat

@@ -8,10 +8,12 @@ replica's step time in ns]. Operations:
   arrive(g, apply)   lock every server exclusively, in server order (so arrivals apply one after
                      another, in the same order on every slice), count the arrival, read the three
                      slices, `apply` the outer update, write them back; returns the new theta
-  pull / read_all    theta (and the outer state) for checkpoints; restore() on resume
+  pull / read_all    theta (after a compressed arrival), and with the outer state for checkpoints;
+                     restore() on resume; apply_here() a server's own update of its slice
   raise_stop / stop_flag, set_step_time / step_times
-There is no server-side loop: server ranks only keep MPI's progress engine turning (they wait in
-the trainer's meeting) while replicas read and write their memory.
+Without compression there is no server-side loop: server ranks only keep MPI's progress engine
+turning (they wait in the trainer's meeting) while replicas read and write their memory; with
+compression they apply the arrivals themselves (hpctrain/sync/inbox.py).
 """
 from __future__ import annotations
 
@@ -98,6 +100,10 @@ class GlobalModelWindows:
         word = np.empty(1, dtype=np.int64)  # an operation in the epoch: the lock is really held
         self.mutex.Fetch_and_op([word, MPI.INT64_T], [word, MPI.INT64_T], self.host, 0, MPI.NO_OP)
         self.mutex.Flush(self.host)
+        return self.count_arrival()
+
+    def count_arrival(self) -> int:
+        """The next arrival's 1-based number (compressed arrivals: the servers apply in this order)."""
         return self._fetch_add(ARRIVALS, 1) + 1
 
     def end_arrival(self) -> None:
@@ -128,6 +134,27 @@ class GlobalModelWindows:
                 self.win.Unlock(server)
         self.bytes_moved += 2 * 3 * 4 * self.n
         return arrival, theta
+
+    def pull(self) -> np.ndarray:
+        """theta alone (fp32), each slice under a shared lock: what a replica reads after its
+        compressed arrival was applied by the servers (hpctrain/sync/inbox.py)."""
+        theta = np.empty(self.n, dtype=np.float32)
+        for server, (lo, hi) in zip(self.servers, self.bounds):
+            self.win.Lock(server, MPI.LOCK_SHARED)
+            self.win.Get([theta[lo:hi], MPI.FLOAT], server, target=(0, hi - lo, MPI.FLOAT))
+            self.win.Unlock(server)
+        self.bytes_moved += 4 * self.n
+        return theta
+
+    def apply_here(self, update) -> None:
+        """Server: `update(theta, momentum, acc)` on this rank's own slice, under an exclusive
+        lock on itself (replicas reading theta meanwhile wait for the whole update)."""
+        n, me = self.memory.size // 3, self.comm.rank
+        self.win.Lock(me, MPI.LOCK_EXCLUSIVE)
+        try:
+            update(self.memory[:n], self.memory[n:2 * n], self.memory[2 * n:])
+        finally:
+            self.win.Unlock(me)
 
     def read_all(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(theta, momentum, accumulator), each flat; every replica must be between arrivals."""
