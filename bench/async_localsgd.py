@@ -64,12 +64,14 @@ def train(name: str, ranks: int, extra: list[str], args, tmp: Path, slow: float)
     run = tmp / f"{name.replace(' ', '_').replace('+', '_')}_{slow:g}"
     shutil.rmtree(run, ignore_errors=True)
     asynchronous = name.startswith("async")
-    steps = args.steps * args.replicas if asynchronous else args.steps  # batches of 8 vs n x 8
+    per_step = args.replicas if asynchronous else 1  # batches of 8 vs n x 8: the same tokens
+    steps, warmup = args.steps * per_step, 20 * per_step
     cmd = [BIN / "mpiexec", "-n", str(ranks), sys.executable, "-m", "hpctrain", "train",
            "--config", "configs/demo.toml", f"--run.dir={run}", f"--data.path={args.data}",
            "--model.n_embd=128", "--model.block_size=128", "--train.micro_batch_size=8",
            "--train.grad_accum=1", f"--train.steps={steps}", "--train.stop_at_step=0",
-           "--train.warmup_steps=20", "--train.eval_interval=0", f"--checkpoint.interval={steps // 8}",
+           f"--train.warmup_steps={warmup}", f"--train.seed={args.seed}", "--train.eval_interval=0",
+           f"--checkpoint.interval={steps // 8}",
            "--checkpoint.keep=100", "--data.verify=size", "--data.cache_dir=off",
            "--dist.heartbeat_timeout_s=0", "--debug.delay_rank=1", f"--debug.slow_factor={slow}",
            f"--debug.compute_sleep_s={args.compute_sleep}", *extra]
@@ -153,6 +155,7 @@ def main() -> None:
     ap.add_argument("--plot", default="", help="write loss against wall time to this PNG")
     ap.add_argument("--no-equal-speed", action="store_true", help="skip the equal-speed check")
     ap.add_argument("--replicas", type=int, default=2, help="replicas (rank 1 is the slow one)")
+    ap.add_argument("--seed", type=int, default=1337, help="train.seed: init and data order")
     ap.add_argument("--compression", default="none", choices=["none", "bf16", "int8"],
                     help="pseudo-gradient wire format of sync DiLoCo and the asynchronous modes")
     ap.add_argument("--compute-sleep", type=float, default=0.0,
