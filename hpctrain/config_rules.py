@@ -84,6 +84,9 @@ def _validate_sync(s: SyncConfig, p: ParallelConfig) -> None:
         _check(p.data_parallel == "ddp", "parallel.data_parallel",
                "sync.mode = 'diloco' replicates over dp: use 'ddp' (FSDP inside a replica is not "
                "supported yet)")
+    _check(s.compression == "none" or s.mode in ("diloco", "async_diloco"), "sync.compression",
+           f"compresses pseudo-gradients, which only sync.mode = 'diloco' or 'async_diloco' send "
+           f"(sync.mode = '{s.mode}' would ignore it): leave it 'none'")
     _check(s.nesterov_delay >= 0, "sync.nesterov_delay", "must be >= 0 (0 = the number of replicas)")
     if s.mode == "async_diloco":
         _check(p.dp == 0 and p.data_parallel == "ddp", "sync.mode",

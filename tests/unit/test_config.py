@@ -59,6 +59,8 @@ def test_roundtrip_through_toml(toml, tmp_path):
     (["--sync.mode=gossip"], "sync.mode"),
     (["--sync.inner_steps=4", "--sync.fragments=5"], "sync.fragments"),
     (["--sync.compression=int4"], "sync.compression"),
+    (["--sync.compression=int8"], "sync.compression"),  # sync.mode = 'ddp' would ignore it
+    (["--sync.mode=ps", "--sync.compression=bf16"], "sync.compression"),
     (["--sync.outer_momentum=1.0"], "sync.outer_momentum"),
     (["--sync.staleness=-2"], "sync.staleness"),
     (["--sync.mode=diloco", "--parallel.data_parallel=fsdp"], "parallel.data_parallel"),
