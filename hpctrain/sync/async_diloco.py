@@ -130,7 +130,7 @@ class AsyncDiLoCo(AsynchronousStrategy):
         def apply(theta, momentum, acc, g_slice, arrival):
             apply_arrival(self.kind, theta, momentum, acc, g_slice, arrival, **self.outer, lr_scale=lr_scale)
 
-        t0 = time.perf_counter()
+        t0, moved = time.perf_counter(), self.windows.bytes_moved
         if self.inbox is not None:
             arrival, theta = self._arrive_compressed(g, lr_scale)
         elif self.positions == 1:
@@ -147,7 +147,7 @@ class AsyncDiLoCo(AsynchronousStrategy):
         step_s = self.round_compute_s / self.round_steps
         self.pending = {"arrival": arrival, "replica": self.replica, "local_steps": self.round_steps,
                         "staleness": arrival - 1 - self.last_arrival, "round_step_s": step_s,
-                        "arrive_s": arrive_s}
+                        "arrive_s": arrive_s, "arrival_bytes": self.windows.bytes_moved - moved}
         self.last_arrival = arrival
         if self.leader:
             self.windows.set_step_time(self.replica, step_s)

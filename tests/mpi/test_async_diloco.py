@@ -17,6 +17,15 @@ def records(run, rank=0):
     return [json.loads(line) for line in (Path(run) / name).read_text().splitlines()]
 
 
+def model_parameters(cfg_path) -> int:
+    import tomllib
+
+    from hpctrain.model import GPT, GPTConfig
+
+    m = tomllib.loads(Path(cfg_path).read_text())["model"]
+    return sum(p.numel() for p in GPT(GPTConfig(**m)).parameters())
+
+
 SGD = ["--train.optimizer=sgd", "--train.lr=0.05", "--train.min_lr=0.005", "--train.grad_clip=0",
        "--train.steps=20", "--checkpoint.interval=100"]
 
@@ -43,15 +52,8 @@ def test_one_replica_one_local_step_sgd_equals_plain_sgd(tmp_path, dataset):
     va, vb = losses(run_a, "val_loss"), losses(run_b, "val_loss")
     assert abs(va[20] - vb[20]) <= 1e-5
     assert [rec["arrival"] for rec in records(run_b) if "arrival" in rec] == list(range(1, 21))
-
-
-def model_parameters(cfg_path) -> int:
-    import tomllib
-
-    from hpctrain.model import GPT, GPTConfig
-
-    m = tomllib.loads(Path(cfg_path).read_text())["model"]
-    return sum(p.numel() for p in GPT(GPTConfig(**m)).parameters())
+    n = model_parameters(run_b.with_suffix(".toml"))  # read and write theta, momentum, accumulator
+    assert {rec["arrival_bytes"] for rec in records(run_b) if "arrival" in rec} == {24 * n}
 
 
 @pytest.mark.parametrize("compression, tol", [("bf16", 4e-4), ("int8", 8e-4)])
@@ -72,8 +74,7 @@ def test_compressed_pushes_are_applied_by_the_server_and_stay_close_to_plain_sgd
     n = model_parameters(run_b.with_suffix(".toml"))
     padded = -(-n // 256) * 256
     push = 2 * n if compression == "bf16" else padded + padded // 256 * 4
-    moved = [rec["comm_bytes"] for rec in records(run_b) if "arrival" in rec]
-    assert [later - earlier for earlier, later in zip(moved, moved[1:])] == [push + 16 + 4 * n] * 19
+    assert [rec["arrival_bytes"] for rec in records(run_b) if "arrival" in rec] == [push + 16 + 4 * n] * 20
 
 
 @pytest.mark.parametrize("layout", ["tp", "pp"])
