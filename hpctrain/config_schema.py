@@ -1,0 +1,279 @@
+"""The schema of a run's settings: one dataclass per TOML section, every key with its type, default
+and meaning (the `help` that `hpctrain train --help` prints).
+
+Owns: the keys. Reading TOML and `--section.key=value` overrides into these lives in config.py, the
+rules on values in config_rules.py (`Config.validate`). It must never import torch or read files.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+REQUIRED = dataclasses.MISSING
+
+
+@dataclass
+class RunConfig:
+    dir: str = field(metadata={"help": "run directory: checkpoints/, metrics.jsonl, config.toml live here"})
+
+
+@dataclass
+class DataConfig:
+    path: str = field(metadata={"help": "dataset directory made by `data_tools shard`, or a blend of "
+                                       "datasets made by `data_tools blend` (has manifest.json)"})
+    train_split: str = field(default="train", metadata={"help": "split used for training"})
+    val_split: str = field(default="val", metadata={"help": "split used for validation loss"})
+    verify: Literal["checksum", "size"] = field(default="checksum", metadata={
+        "help": "check shards at start: 'checksum' (sha256, spread over ranks) or 'size' (fast); "
+                "with the node cache, each shard's sha256 is checked once per node as it is staged"})
+    cache_dir: str = field(default="auto", metadata={
+        "help": "node-local shard cache: one rank per node copies each shard there once, the node's "
+                "ranks read the copy; 'auto' = $SLURM_TMPDIR or $TMPDIR if set, else off; 'off'; a "
+                "path (may contain {node}; /dev/shm works)"})
+    cache_bytes: int = field(default=0, metadata={
+        "help": "node cache budget in bytes; least-recently-used shards are evicted beyond it "
+                "(0 = 90% of the cache file system's free space)"})
+    prefetch: int = field(default=4, metadata={
+        "help": "steps ahead of the fastest local rank that the node leader stages shards"})
+    prefetch_blocks: int = field(default=1, metadata={
+        "help": "with data.shuffle = 'block': blocks of the order after the current one whose "
+                "shards (those the node's ranks read) the node leader stages in the background "
+                "once the next data.prefetch steps are staged, only if they fit data.cache_bytes "
+                "with what the node still needs (so a block boundary does not wait on the shared "
+                "file system); 0 = off"})
+    shuffle: Literal["block", "global"] = field(default="block", metadata={
+        "help": "sample order of a sharded dataset: 'block' = shards in a seeded order per epoch, "
+                "windows shuffled inside blocks of shuffle_block_shards shards (memory 8 B x shards "
+                "+ two blocks' windows; a node reads one block's shards at a time; a dataset of at "
+                "most shuffle_block_shards shards gets exactly the 'global' order); 'global' = one "
+                "permutation of every window per epoch (8 B x windows per rank). A resume keeps "
+                "the order its checkpoint was saved with. A blend orders each component's windows "
+                "this way over that component's own shards"})
+    shuffle_block_shards: int = field(default=64, metadata={
+        "help": "shards per block of data.shuffle = 'block' (two blocks' shards should fit "
+                "data.cache_bytes; see docs/scale.md)"})
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = field(metadata={"help": "transformer blocks"})
+    n_head: int = field(metadata={"help": "attention heads per block (n_embd must divide by it)"})
+    n_embd: int = field(metadata={"help": "embedding width"})
+    block_size: int = field(metadata={"help": "context length in tokens (training window)"})
+    vocab_size: int = field(metadata={"help": "must be >= the dataset's vocab size (padding is allowed)"})
+    dropout: float = field(default=0.0, metadata={"help": "dropout probability (0 keeps runs bit-reproducible cheaply)"})
+
+
+@dataclass
+class TrainConfig:
+    steps: int = field(metadata={"help": "optimizer steps: the length of the LR schedule"})
+    micro_batch_size: int = field(metadata={"help": "sequences per rank per forward/backward"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step (one all-reduce per step)"})
+    global_batch: int = field(default=0, metadata={
+        "help": "sequences per optimizer step over the whole job (0 = off: micro_batch_size x "
+                "grad_accum x dp); when set, leave grad_accum at 1: it is derived at start as "
+                "global_batch / (micro_batch_size x dp), so the same job resumes on another node "
+                "count (elastic restart) with the same batch; dp must divide "
+                "global_batch / micro_batch_size"})
+    stop_at_step: int = field(default=0, metadata={
+        "help": "checkpoint and exit cleanly at this step without changing the schedule (0 = run to `steps`)"})
+    seed: int = field(default=1337, metadata={"help": "seed for init, data order and dropout"})
+    precision: Literal["fp32", "bf16", "fp16", "auto"] = field(default="fp32", metadata={
+        "help": "fp32 | bf16 | fp16 | auto (autocast; master weights stay fp32). fp16 is for GPUs "
+                "without bf16 (V100, T4): dynamic loss scaling, overflow steps skipped and counted. "
+                "auto: bf16 on GPUs that have it; on CPUs bf16 where a matmul of the model's shape "
+                "measures >= 1.3x faster than fp32 at start, else fp32"})
+    loss_scale_init: float = field(default=65536.0, metadata={
+        "help": "fp16: the initial loss scale (torch.amp.GradScaler init_scale); it halves on every "
+                "overflow and doubles after loss_scale_growth_interval clean steps"})
+    loss_scale_growth_interval: int = field(default=2000, metadata={
+        "help": "fp16: clean steps before the loss scale doubles"})
+    compile: bool = field(default=False, metadata={
+        "help": "torch.compile the model (fuses elementwise ops: ~15% more tokens/s on CPU here, "
+                "docs/benchmarks.md); costs 10-30 s of compilation at start; not with parallel.pp > 1"})
+    lr: float = field(default=1e-3, metadata={"help": "peak learning rate"})
+    min_lr: float = field(default=1e-4, metadata={"help": "learning rate at the end of cosine decay"})
+    warmup_steps: int = field(default=10, metadata={"help": "linear warmup steps"})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW decoupled weight decay (matrices only)"})
+    beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
+    beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
+    optimizer: Literal["adamw", "sgd"] = field(default="adamw", metadata={
+        "help": "adamw | sgd (plain SGD with train.momentum; the inner optimizer under sync.mode)"})
+    momentum: float = field(default=0.0, metadata={"help": "with optimizer = 'sgd': momentum (0 = none)"})
+    grad_clip: float = field(default=1.0, metadata={"help": "clip global grad norm to this (0 = off)"})
+    eval_interval: int = field(default=50, metadata={"help": "validation every N steps and at the end (0 = never)"})
+    eval_batches: int = field(default=8, metadata={"help": "micro-batches per rank per validation"})
+    log_interval: int = field(default=10, metadata={"help": "print a progress line every N steps (rank 0)"})
+    straggler_window: int = field(default=10, metadata={
+        "help": "flag a rank whose busy time exceeds 1.25x the median in this many consecutive steps"})
+    max_bad_steps: int = field(default=5, metadata={
+        "help": "a non-finite loss or grad norm skips the step; this many in a row stops the run "
+                "(the last checkpoint stays the newest)"})
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = field(default=100, metadata={"help": "save every N steps (and always at the end / stop)"})
+    keep: int = field(default=3, metadata={"help": "committed checkpoints to keep (newest)"})
+    dir: str = field(default="", metadata={"help": "checkpoint root (default: <run.dir>/checkpoints)"})
+    async_save: bool = field(default=False, metadata={
+        "help": "write checkpoints in the background (the step loop pays only a copy to host memory);"
+                " TOML may spell it `async`"})
+    async_cpu_share: float = field(default=0.1, metadata={
+        "help": "with async: the background writer's duty cycle (0-1]; it sleeps between chunks so "
+                "steps overlapping a write stay within ~this fraction of their time; the write "
+                "takes ~1/share as long; a stop or the end lifts the limit (1 = unpaced)"})
+    full_checksums: bool = field(default=True, metadata={
+        "help": "record an xxh3-128 checksum of every tensor data file (each rank hashes what it "
+                "writes, while writing); loading checks them (ranks in parallel) and a mismatch "
+                "falls back to the previous checkpoint; `hpctrain ckpt verify` checks them. false: "
+                "sizes only for data files"})
+
+
+@dataclass
+class DistConfig:
+    backend: Literal["auto", "nccl", "gloo"] = field(default="auto", metadata={"help": "auto (nccl if CUDA, else gloo) | nccl | gloo"})
+    timeout_s: float = field(default=300.0, metadata={"help": "collective timeout in seconds"})
+    grad_allreduce: Literal["auto", "mpi", "backend", "powersgd"] = field(default="auto", metadata={
+        "help": "DDP gradient all-reduce: auto (mpi on CPU, the backend on GPU) | mpi | backend | "
+                "powersgd (torch's low-rank PowerSGD DDP hook, rank dist.powersgd_rank)"})
+    powersgd_rank: int = field(default=4, metadata={
+        "help": "with grad_allreduce = 'powersgd': rank of the low-rank gradient approximation"})
+    heartbeat_timeout_s: float = field(default=60.0, metadata={
+        "help": "a rank silent this long (dead, hung, unreachable) ends the job with an error naming "
+                "it (0 = off)"})
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = field(default=0, metadata={
+        "help": "data-parallel size (0 = world / (tp * pp)); dp * tp * pp must equal the world size"})
+    tp: int = field(default=1, metadata={
+        "help": "tensor-parallel size (innermost mesh axis: keep it <= GPUs per node); divides n_head"})
+    pp: int = field(default=1, metadata={"help": "pipeline-parallel stages (outermost mesh axis)"})
+    data_parallel: Literal["ddp", "fsdp"] = field(default="ddp", metadata={
+        "help": "ddp (replicated weights, all-reduce) | fsdp (FSDP2 fully_shard: sharded weights, "
+                "grads and optimizer state over dp)"})
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved"] = field(default="1f1b", metadata={
+        "help": "gpipe | 1f1b | interleaved (micro-batches per step = train.grad_accum)"})
+    pp_virtual_stages: int = field(default=2, metadata={
+        "help": "model chunks per pipeline rank with pp_schedule = 'interleaved'"})
+    activation_checkpoint: Literal["none", "full", "selective"] = field(default="none", metadata={
+        "help": "none | full (recompute every block in backward) | selective (every ac_every-th block)"})
+    ac_every: int = field(default=2, metadata={
+        "help": "with activation_checkpoint = 'selective': checkpoint blocks 0, N, 2N, ..."})
+    meta_init: bool = field(default=True, metadata={
+        "help": "build the model on the meta device, apply the layout, then materialize and "
+                "initialize only this rank's shards (memory: its shards + the largest parameter); "
+                "initial weights bit-identical to false (build the whole fp32 model on every rank "
+                "first, then shard it: 4 bytes x all parameters per rank)"})
+
+
+@dataclass
+class SyncConfig:
+    mode: Literal["sync", "diloco", "async_diloco", "ps"] = field(default="sync", metadata={
+        "help": "sync (all-reduce gradients every step) | diloco (each dp replica takes inner_steps "
+                "local steps, then the averaged pseudo-gradient feeds an outer Nesterov SGD) | "
+                "async_diloco (each replica pushes its pseudo-gradient to the global model on "
+                "server ranks as soon as its round ends and goes on: no replica waits for another) "
+                "| ps (asynchronous SGD against parameter-server ranks holding MPI one-sided windows)"})
+    inner_steps: int = field(default=16, metadata={
+        "help": "diloco: local optimizer steps per round (H). The paper uses 500 at scale; 16 keeps "
+                "runs of ~10^3 steps within ~1-2% of DDP (16x fewer bytes; 63x with int8)"})
+    outer_lr: float = field(default=0.7, metadata={"help": "diloco: outer SGD learning rate (paper: 0.7)"})
+    outer_momentum: float = field(default=0.5, metadata={
+        "help": "diloco: outer Nesterov momentum (paper: 0.9 over hundreds of rounds; 0.5 is best "
+                "measured for tens of rounds; 0 = plain SGD)"})
+    overlap: bool = field(default=False, metadata={
+        "help": "diloco: average round k's pseudo-gradient in the background during round k+1 and "
+                "apply it one round late (hides the all-reduce behind compute)"})
+    fragments: int = field(default=1, metadata={
+        "help": "diloco: split the parameters into this many fragments synced at staggered steps "
+                "(spreads the traffic over the round, as in Streaming DiLoCo)"})
+    compression: Literal["none", "bf16", "int8"] = field(default="none", metadata={
+        "help": "diloco, async_diloco: pseudo-gradient wire format none (fp32) | bf16 | int8 (scaled per block; async_diloco: the servers then apply the arrivals)"})
+    int8_block: int = field(default=256, metadata={
+        "help": "with compression = 'int8': elements per scale (0 = one scale per tensor chunk)"})
+    outer_optimizer: Literal["delayed_nesterov", "nesterov", "sgd"] = field(
+        default="delayed_nesterov", metadata={
+            "help": "async_diloco: the global model's update per arrival: delayed_nesterov (plain "
+                    "SGD on every arrival, momentum once per sync.nesterov_delay arrivals; Liu et al. "
+                    "2024) | nesterov (momentum on every arrival: the naive baseline) | sgd"})
+    nesterov_delay: int = field(default=0, metadata={
+        "help": "async_diloco with delayed_nesterov: arrivals per momentum update (0 = the number "
+                "of replicas)"})
+    local_steps: Literal["fixed", "dynamic"] = field(default="fixed", metadata={
+        "help": "async_diloco: fixed (every replica takes sync.inner_steps per round) | dynamic "
+                "(a replica's steps per round follow its measured step time relative to the "
+                "fastest replica, in [1, inner_steps], so rounds end at about the same time)"})
+    ps_servers: int = field(default=1, metadata={
+        "help": "ps / async_diloco: ranks that hold the parameters (the last ones); the others "
+                "are workers (replicas)"})
+    staleness: int = field(default=-1, metadata={
+        "help": "ps: a worker may run at most this many steps ahead of the slowest one "
+                "(0 = lockstep, -1 = unbounded)"})
+
+
+@dataclass
+class SlurmConfig:
+    requeue: Literal["auto", "true", "false"] = field(default="auto", metadata={
+        "help": "after a stop on a signal or the wall-time guard (checkpoint saved): auto (scontrol "
+                "requeue when in a batch job that allows requeue) | true | false (exit status 75)"})
+    signals: str = field(default="USR1,TERM,INT", metadata={
+        "help": "comma-separated signals that mean: checkpoint at the next step boundary and stop "
+                "(all ranks agree on the step; '' = none)"})
+    time_margin_s: float = field(default=300.0, metadata={
+        "help": "inside a Slurm job: stop with a checkpoint when less wall time than this is left "
+                "(0 = off)"})
+    time_check_s: float = field(default=60.0, metadata={
+        "help": "how often rank 0 asks Slurm for the remaining wall time (seconds)"})
+
+
+@dataclass
+class DebugConfig:
+    """Test-only fault and timing injections: what the tests use to make a failure happen on cue.
+    Not for training runs; every default is off."""
+    delay_rank: int = field(default=-1, metadata={
+        "help": "TEST ONLY: this rank sleeps debug.delay_s in every step: a straggler on cue (-1 = off)"})
+    delay_s: float = field(default=0.0, metadata={"help": "TEST ONLY: see debug.delay_rank"})
+    inject_nan_at_step: int = field(default=0, metadata={
+        "help": "TEST ONLY: make the loss NaN on the last rank at this step (0 = never)"})
+    slow_factor: float = field(default=1.0, metadata={
+        "help": "TEST ONLY: debug.delay_rank computes this many times slower (it sleeps "
+                "(factor - 1) x its measured step time every step): an uneven cluster on cue"})
+    compute_sleep_s: float = field(default=0.0, metadata={
+        "help": "TEST ONLY: every rank sleeps this long inside each training step, counted as its "
+                "compute (a stand-in for accelerator time, so that many replicas can share a few "
+                "cores; debug.slow_factor scales it) (0 = off)"})
+    step_sleep_s: float = field(default=0.0, metadata={
+        "help": "TEST ONLY: every rank sleeps this long every step, so a tiny model runs long enough to be "
+                "preempted (0 = off)"})
+
+
+@dataclass
+class Config:
+    run: RunConfig
+    data: DataConfig
+    model: ModelConfig
+    train: TrainConfig
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+    def validate(self) -> "Config":
+        from hpctrain.config_rules import validate  # the rules on values, per key and across keys
+
+        validate(self)
+        return self
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.run.dir) / "checkpoints"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
