@@ -13,6 +13,9 @@ of 2 x 8 sequences; the asynchronous modes claim 2 x --steps batches of 8 sequen
   async naive      async_diloco, Nesterov applied on every arrival          (+1 server rank)
   async DN         async_diloco, delayed Nesterov (momentum once per 2 arrivals)
   async DN+DyLU    async_diloco, delayed Nesterov + dynamic local steps
+  async DN+DyLU no catch-up   the same as Liu et al. publish it: a replica sees the others'
+                   arrivals only at its own next arrival (sync.catch_up = false; the asynchronous
+                   modes above add them to their weights at the next step)
 Each run saves checkpoints at 8 points; afterwards each checkpoint's global model is scored on the
 same held-out windows, giving validation loss against wall time (from launch to the checkpoint's
 commit). Prints the final loss, the wall time, the bytes rank 0 moved for synchronization
@@ -57,6 +60,9 @@ def modes(h: int, n: int = 2, compression: str = "none") -> dict[str, tuple[int,
         "async DN": (n + 1, ASYNC + [f"--sync.inner_steps={h}", "--sync.outer_optimizer=delayed_nesterov", *wire]),
         "async DN+DyLU": (n + 1, ASYNC + [f"--sync.inner_steps={h}", "--sync.outer_optimizer=delayed_nesterov",
                                           "--sync.local_steps=dynamic", *wire]),
+        "async DN+DyLU no catch-up": (n + 1, ASYNC + [
+            f"--sync.inner_steps={h}", "--sync.outer_optimizer=delayed_nesterov", "--sync.local_steps=dynamic",
+            "--sync.catch_up=false", *wire]),
     }
 
 
@@ -178,10 +184,10 @@ def main() -> None:
                 res = train(name, ranks, extra, args, Path(tmp), 1.0)
                 equal[name] = score(res["run"], res["t0"], val)[-1][1]
     target = curves["sync DiLoCo"][-1][1] if "sync DiLoCo" in curves else None
-    print(f"{'mode':<16} {'final loss':>10} {'wall s':>8} {'rank 0 MB':>10} {'s to sync-DiLoCo loss':>22}")
+    print(f"{'mode':<26} {'final loss':>10} {'wall s':>8} {'rank 0 MB':>10} {'s to sync-DiLoCo loss':>22}")
     for name, curve in curves.items():
         reach = time_to(curve, target) if target is not None else None
-        print(f"{name:<16} {curve[-1][1]:>10.4f} {walls[name]:>8.1f} {moved[name] / 1e6:>10.1f} "
+        print(f"{name:<26} {curve[-1][1]:>10.4f} {walls[name]:>8.1f} {moved[name] / 1e6:>10.1f} "
               f"{f'{reach:.1f}' if reach is not None else 'not reached':>22}")
     if equal:
         a, b = equal["async DN+DyLU"], equal["sync DiLoCo"]

@@ -208,6 +208,10 @@ class SyncConfig:
         "help": "async_diloco: fixed (every replica takes sync.inner_steps per round) | dynamic "
                 "(a replica's steps per round follow its measured step time relative to the "
                 "fastest replica, in [1, inner_steps], so rounds end at about the same time)"})
+    catch_up: bool = field(default=True, metadata={
+        "help": "async_diloco: a replica adds the updates that other replicas' arrivals made to "
+                "the global model to its own weights at its next step (reads theta, no waiting), "
+                "instead of only at its own next arrival; false = Liu et al.'s algorithm as published"})
     ps_servers: int = field(default=1, metadata={
         "help": "ps / async_diloco: ranks that hold the parameters (the last ones); the others "
                 "are workers (replicas)"})

@@ -7,8 +7,11 @@ exactly one replica, so every sample is trained once per epoch across replicas h
 their speeds; a fast replica simply claims more) -> train it with the inner optimizer -> after
 `steps_this_round` steps: g = start - local, arrive(g) applies the outer update under the servers'
 locks (hpctrain/sync/outer.py: sgd | nesterov | delayed_nesterov) and returns the new global model,
-which becomes the replica's weights and start point. Staleness of an arrival = arrivals by others
-since this replica last took the global model. With sync.local_steps = "dynamic" each replica
+which becomes the replica's weights and start point. With sync.catch_up (the default) a replica
+that sees, when it claims a batch, that others arrived since it last read the global model adds
+their updates to its weights then and there (its pseudo-gradient stays its own work), instead of
+training the rest of its round without them. Staleness of an arrival = arrivals by others not
+yet in the weights it trained on last; caught_up = those it added during the round. With sync.local_steps = "dynamic" each replica
 publishes its mean step time at every arrival and sets its next round's steps from the fastest
 replica's (outer.dynamic_local_steps), so rounds take about the same wall time.
 
@@ -42,7 +45,7 @@ from hpctrain.errors import ConfigError
 from hpctrain.sync.asynchronous import AsynchronousStrategy, assign, flat, local_part
 from hpctrain.sync.global_model import GlobalModelWindows
 from hpctrain.sync.inbox import ArrivalInbox
-from hpctrain.sync.outer import apply_arrival, dynamic_local_steps
+from hpctrain.sync.outer import apply_arrival, dynamic_local_steps, with_updates_since
 from hpctrain.train.optim import lr_at
 
 
@@ -58,6 +61,7 @@ class AsyncDiLoCo(AsynchronousStrategy):
         replicas = mesh.dp_size - server_groups
         super().__init__(ctx, replicas, trains=mesh.dp_rank < replicas)
         self.kind, self.inner_steps, self.dynamic = s.outer_optimizer, s.inner_steps, s.local_steps == "dynamic"
+        self.catch_up = s.catch_up
         self.outer = dict(lr=s.outer_lr, mu=s.outer_momentum, replicas=self.n_workers,
                           delay=s.nesterov_delay or self.n_workers)
         self.params = list(model.parameters())
@@ -79,6 +83,7 @@ class AsyncDiLoCo(AsynchronousStrategy):
         self.claimed, self.last_arrival, self.arrivals_seen = -1, 0, 0
         self.round_compute_s, self._t0 = 0.0, 0.0
         self.round_lr_sum, self.train_cfg = 0.0, cfg.train  # the inner lr over the round (outer.py)
+        self.round_caught_up = 0  # others' arrivals added to my weights during this round
         self.pending: dict = {}
         self._optim = self._stash = self._outer = None
         self._arrivals, self._finished, self._step_at_meeting = 0, False, 0
@@ -98,9 +103,13 @@ class AsyncDiLoCo(AsynchronousStrategy):
         time to meet). The stop flag is not read here: stop_reason() read it after the previous
         step, and the meeting before the first (one remote operation less per step: ~2 ms across
         nodes)."""
-        self.claimed = self._from_leader(self.windows.claim() if self.leader else None)
+        if self.leader:
+            claim = self.windows.claim_and_arrivals() if self.catch_up else (self.windows.claim(), 0)
+        self.claimed, arrivals = self._from_leader(claim if self.leader else None)
         if until is not None and self.claimed >= until:
             return False
+        if arrivals > self.last_arrival:  # others arrived since my pull: add their updates
+            self._catch_up(arrivals)
         self._t0 = time.perf_counter()
         return True
 
@@ -122,6 +131,29 @@ class AsyncDiLoCo(AsynchronousStrategy):
         self.pending = {}
         if self.round_steps >= self.steps_this_round:
             self._arrive()
+
+    def _catch_up(self, arrivals: int) -> None:
+        """Add what the first `arrivals` arrivals changed in the global model since my pull to my
+        weights, without waiting for my own arrival: start - local (my pseudo-gradient) stays
+        exactly my own work, and the rest of my round trains on a model that holds the others'
+        rounds. Every part of a multi-rank replica reads the same arrivals: uncompressed, under the
+        arrival lock (an arrival holds it until every part is applied); compressed, once every
+        server of the part has applied `arrivals` (later ones may be in too; the next catch-up or
+        arrival takes them)."""
+        hold = self.positions > 1 and self.inbox is None
+        if hold and self.leader:
+            self.windows.hold_arrivals()
+        if self.inbox is not None:
+            self.inbox.wait_applied(arrivals)
+        theta = self.windows.pull()
+        if hold:
+            self.team.Barrier()
+            if self.leader:
+                self.windows.end_arrival()
+        assign(self.params, with_updates_since(flat(self.params), self.start, theta))
+        self.start = theta
+        self.round_caught_up += arrivals - self.last_arrival
+        self.last_arrival = arrivals
 
     def _arrive(self) -> None:
         g = self.start - flat(self.params)
@@ -146,7 +178,8 @@ class AsyncDiLoCo(AsynchronousStrategy):
         self.start = theta
         step_s = self.round_compute_s / self.round_steps
         self.pending = {"arrival": arrival, "replica": self.replica, "local_steps": self.round_steps,
-                        "staleness": arrival - 1 - self.last_arrival, "round_step_s": step_s,
+                        "staleness": arrival - 1 - self.last_arrival, "caught_up": self.round_caught_up,
+                        "round_step_s": step_s,
                         "arrive_s": arrive_s, "arrival_bytes": self.windows.bytes_moved - moved}
         self.last_arrival = arrival
         if self.leader:
@@ -156,7 +189,7 @@ class AsyncDiLoCo(AsynchronousStrategy):
                 self.steps_this_round = dynamic_local_steps(self.inner_steps, step_s, float(times[times > 0].min()))
         self.steps_this_round = self._from_leader(self.steps_this_round)
         self.pending["next_local_steps"] = self.steps_this_round
-        self.round_steps, self.round_compute_s, self.round_lr_sum = 0, 0.0, 0.0
+        self.round_steps, self.round_compute_s, self.round_lr_sum, self.round_caught_up = 0, 0.0, 0.0, 0
 
     def _arrive_compressed(self, g, lr_scale: float):
         """Post the encoded pseudo-gradient, wait for the servers to apply it; (arrival, theta)."""
@@ -185,7 +218,8 @@ class AsyncDiLoCo(AsynchronousStrategy):
     def describe(self) -> str:
         return (f", async_diloco: {self.n_workers} replicas of {self.positions} rank(s), "
                 f"{self.ctx.world_size - self.n_workers * self.positions} servers, {self.kind}, {'dynamic' if self.dynamic else 'fixed'} local steps "
-                f"(<= {self.inner_steps}), {self.inbox.kind if self.inbox else 'fp32'} pushes")
+                f"(<= {self.inner_steps}), {self.inbox.kind if self.inbox else 'fp32'} pushes"
+                f"{', catch-up' if self.catch_up else ''}")
 
     # ---- the end of training, checkpoints --------------------------------------------------------
     def meet(self, preempt, step: int, stop: int, end: int) -> tuple[int, int]:

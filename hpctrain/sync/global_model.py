@@ -8,8 +8,9 @@ replica's step time in ns]. Operations:
   arrive(g, apply)   lock every server exclusively, in server order (so arrivals apply one after
                      another, in the same order on every slice), count the arrival, read the three
                      slices, `apply` the outer update, write them back; returns the new theta
-  pull / read_all    theta (after a compressed arrival), and with the outer state for checkpoints;
-                     restore() on resume; apply_here() a server's own update of its slice
+  claim_and_arrivals the next batch index and the arrivals so far (a replica that catches up)
+  pull / read_all    theta (after a compressed arrival, or to catch up), and with the outer state
+                     for checkpoints; restore() on resume; apply_here() a server's own update
   raise_stop / stop_flag, set_step_time / step_times
 Without compression there is no server-side loop: server ranks only keep MPI's progress engine
 turning (they wait in the trainer's meeting) while replicas read and write their memory; with
@@ -80,6 +81,16 @@ class GlobalModelWindows:
     def claim(self) -> int:
         return self._fetch_add(CLAIMS, 1)
 
+    def claim_and_arrivals(self) -> tuple[int, int]:
+        """claim() and the number of arrivals counted so far, in one access epoch (a replica that
+        catches up reads both at every step)."""
+        one, claimed, arrivals = (np.array([v], dtype=np.int64) for v in (1, 0, 0))
+        self.control.Lock(self.host, MPI.LOCK_SHARED)
+        self.control.Fetch_and_op([one, MPI.INT64_T], [claimed, MPI.INT64_T], self.host, CLAIMS, MPI.SUM)
+        self.control.Fetch_and_op([one, MPI.INT64_T], [arrivals, MPI.INT64_T], self.host, ARRIVALS, MPI.NO_OP)
+        self.control.Unlock(self.host)
+        return int(claimed[0]), int(arrivals[0])
+
     def raise_stop(self, reason: int) -> None:
         self._fetch_add(STOP, reason, MPI.MAX)
 
@@ -96,11 +107,16 @@ class GlobalModelWindows:
     def begin_arrival(self) -> int:
         """A replica's leader, when its replica has several ranks: hold the arrival lock (so every
         part of the model sees the arrivals in one order) and count the arrival; its number."""
+        self.hold_arrivals()
+        return self.count_arrival()
+
+    def hold_arrivals(self) -> None:
+        """Take the arrival lock of replicas made of several ranks: every arrival counted before
+        is then applied to every part of the model (end_arrival() gives it back)."""
         self.mutex.Lock(self.host, MPI.LOCK_EXCLUSIVE)
         word = np.empty(1, dtype=np.int64)  # an operation in the epoch: the lock is really held
         self.mutex.Fetch_and_op([word, MPI.INT64_T], [word, MPI.INT64_T], self.host, 0, MPI.NO_OP)
         self.mutex.Flush(self.host)
-        return self.count_arrival()
 
     def count_arrival(self) -> int:
         """The next arrival's 1-based number (compressed arrivals: the servers apply in this order)."""
@@ -118,14 +134,15 @@ class GlobalModelWindows:
         for server in self.servers:
             self.win.Lock(server, MPI.LOCK_EXCLUSIVE)
         try:
-            if arrival is None:
-                arrival = self._fetch_add(ARRIVALS, 1) + 1
             for server, (lo, hi) in zip(self.servers, self.bounds):
                 n = hi - lo
                 state = np.empty(3 * n, dtype=np.float32)
                 states.append(state)
                 self.win.Get([state, MPI.FLOAT], server, target=(0, 3 * n, MPI.FLOAT))
                 self.win.Flush(server)
+                if arrival is None:  # counted once the first server's lock is really held: a
+                    # replica that sees the count and then reads theta finds this arrival in it
+                    arrival = self._fetch_add(ARRIVALS, 1) + 1
                 apply(state[:n], state[n:2 * n], state[2 * n:], g[lo:hi], arrival)
                 self.win.Put([state, MPI.FLOAT], server, target=(0, 3 * n, MPI.FLOAT))
                 theta[lo:hi] = state[:n]
@@ -137,7 +154,7 @@ class GlobalModelWindows:
 
     def pull(self) -> np.ndarray:
         """theta alone (fp32), each slice under a shared lock: what a replica reads after its
-        compressed arrival was applied by the servers (hpctrain/sync/inbox.py)."""
+        compressed arrival was applied by the servers (hpctrain/sync/inbox.py), or to catch up."""
         theta = np.empty(self.n, dtype=np.float32)
         for server, (lo, hi) in zip(self.servers, self.bounds):
             self.win.Lock(server, MPI.LOCK_SHARED)

@@ -20,7 +20,9 @@ Naive Nesterov amplifies stale pseudo-gradients (each gets the momentum of every
 delayed Nesterov applies the momentum once per N arrivals from their mean, as Liu et al. (2024,
 "Asynchronous Local-SGD Training for Language Modeling") propose. With N = R replicas of equal speed,
 a round of R arrivals moves theta by lr * (mean g + mu * m), m = mu * m + mean g: synchronous
-DiLoCo's Nesterov step (up to staleness). Owns only this arithmetic: no MPI, no torch.
+DiLoCo's Nesterov step (up to staleness). A replica that catches up (sync.catch_up) moves its
+weights by what the global model gained since its start point, keeping its own work:
+local += theta - start; start = theta. Owns only this arithmetic: no MPI, no torch.
 """
 from __future__ import annotations
 
@@ -59,3 +61,9 @@ def dynamic_local_steps(inner_steps: int, my_step_s: float, fastest_step_s: floa
     if my_step_s <= 0 or fastest_step_s <= 0:
         return inner_steps
     return max(1, min(inner_steps, round(inner_steps * fastest_step_s / my_step_s)))
+
+
+def with_updates_since(local: np.ndarray, start: np.ndarray, theta: np.ndarray) -> np.ndarray:
+    """A replica's weights after catching up: its own work since its start point (local - start)
+    on top of the global model `theta` (which becomes its new start point)."""
+    return local + (theta - start)

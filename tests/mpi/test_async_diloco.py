@@ -143,11 +143,37 @@ def test_a_2x_slower_replica_takes_half_the_local_steps_and_every_batch_once(tmp
     planned = [rec["next_local_steps"] for rec in slow if "next_local_steps" in rec]
     assert planned and all(2 <= n <= 6 for n in planned[1:]), planned  # ~8 / 2
     assert all(rec["next_local_steps"] >= 6 for rec in fast if "next_local_steps" in rec)
-    stale = [rec["staleness"] for rec in fast + slow if "staleness" in rec]
-    assert max(stale) >= 1  # the other replica's arrivals in between: asynchronous
+    others = [rec["staleness"] + rec["caught_up"] for rec in fast + slow if "arrival" in rec]
+    assert max(others) >= 1  # the other replica's arrivals in between: asynchronous
     late = [rec["loss"] for rec in fast + slow if rec.get("step", 0) > 50 and "loss" in rec]
     assert sum(late) / len(late) < 4.0  # both replicas learn, from ~5.5 (uniform over 257 bytes)
     assert losses(run, "val_loss")[60] < 3.8  # the global model holds their work (3.45 seen)
+
+
+@pytest.mark.parametrize("catch_up", ["true", "false"])
+def test_a_replica_adds_the_others_arrivals_to_its_weights_mid_round(tmp_path, dataset, catch_up):
+    """2 replicas + 1 server, replica 1 2x slower, fixed H = 4: between two of its own arrivals a
+    replica sees the others' arrivals either added to its weights at a step (caught_up) or not
+    (staleness), never both and never lost: caught_up + staleness = the others' arrivals in
+    between, on every record. With sync.catch_up the slow replica adds the fast one's arrivals
+    mid-round; without, it never does."""
+    cfg, run = write_config(tmp_path, dataset, f"catch_up_{catch_up}")
+    r = train(3, cfg, *ASYNC, "--sync.inner_steps=4", "--train.steps=48", "--checkpoint.interval=100",
+              "--debug.delay_rank=1", "--debug.slow_factor=2", "--train.eval_interval=0",
+              f"--sync.catch_up={catch_up}")
+    assert ("catch-up" in r.stderr) == (catch_up == "true")
+    seen = {}
+    for replica in (0, 1):
+        arrivals = [rec for rec in records(run, replica) if "arrival" in rec]
+        previous = [0] + [rec["arrival"] for rec in arrivals[:-1]]
+        for rec, before in zip(arrivals, previous):
+            assert rec["caught_up"] + rec["staleness"] == rec["arrival"] - before - 1, rec
+        seen[replica] = sum(rec["caught_up"] for rec in arrivals)
+    if catch_up == "true":
+        assert seen[1] >= 2, seen  # the fast replica arrives ~twice per slow round
+    else:
+        assert seen == {0: 0, 1: 0}
+    assert losses(run, "val_loss")[48] < 3.9  # the global model learns (from ~5.5)
 
 
 def test_usr1_to_one_replica_stops_every_rank_then_resumes(tmp_path, data):

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from hpctrain.sync.outer import apply_arrival, dynamic_local_steps
+from hpctrain.sync.outer import apply_arrival, dynamic_local_steps, with_updates_since
 
 
 def _run(kind, grads, replicas, delay, lr=0.7, mu=0.9, scales=None):
@@ -76,3 +76,17 @@ def test_dynamic_local_steps_follow_speed_within_bounds():
     assert dynamic_local_steps(16, 10.0, 0.1) == 1     # never below 1
     assert dynamic_local_steps(16, 0.05, 0.1) == 16    # never above inner_steps
     assert dynamic_local_steps(16, 0.0, 0.1) == 16     # not measured yet
+
+
+def test_catching_up_keeps_the_replicas_own_work_and_adds_the_others():
+    """After a catch-up (new start = theta) the pseudo-gradient start - local is still exactly the
+    replica's own work, and its weights moved by what the others' arrivals did to theta."""
+    rng = np.random.default_rng(0)
+    start = rng.standard_normal(1000).astype(np.float32)
+    own = 1e-2 * rng.standard_normal(1000).astype(np.float32)
+    others = 1e-2 * rng.standard_normal(1000).astype(np.float32)
+    local, theta = start + own, start + others
+    caught_up = with_updates_since(local, start, theta)
+    np.testing.assert_allclose(theta - caught_up, start - local, atol=1e-6)  # the same pseudo-gradient
+    np.testing.assert_allclose(caught_up - local, others, atol=1e-6)
+    assert np.abs(caught_up - local).max() > 1e-2  # it did move
