@@ -57,6 +57,8 @@ def validate(cfg: Config) -> None:
     _check(cfg.data.shuffle_block_shards >= 1, "data.shuffle_block_shards", "must be >= 1")
     _check(cfg.dist.powersgd_rank >= 1, "dist.powersgd_rank", "must be >= 1")
     _check(0.0 <= t.momentum < 1.0, "train.momentum", "must be in [0, 1)")
+    _check(not t.nesterov or (t.optimizer == "sgd" and t.momentum > 0), "train.nesterov",
+           "needs train.optimizer = 'sgd' and train.momentum > 0")
     _validate_sync(cfg.sync, cfg.parallel)
     _validate_parallel(cfg.parallel, m, t.compile)
     _validate_slurm(cfg.slurm)
@@ -88,6 +90,9 @@ def _validate_sync(s: SyncConfig, p: ParallelConfig) -> None:
            f"compresses pseudo-gradients, which only sync.mode = 'diloco' or 'async_diloco' send "
            f"(sync.mode = '{s.mode}' would ignore it): leave it 'none'")
     _check(s.nesterov_delay >= 0, "sync.nesterov_delay", "must be >= 0 (0 = the number of replicas)")
+    _check(not s.momentum_per_lr or (s.mode == "async_diloco" and s.outer_optimizer == "delayed_nesterov"),
+           "sync.momentum_per_lr", "applies to sync.mode = 'async_diloco' with sync.outer_optimizer = "
+           "'delayed_nesterov' only: leave it false")
     if s.mode == "async_diloco":
         _check(p.dp == 0 and p.data_parallel == "ddp", "sync.mode",
                "'async_diloco' counts replicas from the ranks left after sync.ps_servers (tp x pp "

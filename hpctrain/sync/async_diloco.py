@@ -61,7 +61,7 @@ class AsyncDiLoCo(AsynchronousStrategy):
         replicas = mesh.dp_size - server_groups
         super().__init__(ctx, replicas, trains=mesh.dp_rank < replicas)
         self.kind, self.inner_steps, self.dynamic = s.outer_optimizer, s.inner_steps, s.local_steps == "dynamic"
-        self.catch_up = s.catch_up
+        self.catch_up, self.momentum_per_lr = s.catch_up, s.momentum_per_lr
         self.outer = dict(lr=s.outer_lr, mu=s.outer_momentum, replicas=self.n_workers,
                           delay=s.nesterov_delay or self.n_workers)
         self.params = list(model.parameters())
@@ -126,7 +126,7 @@ class AsyncDiLoCo(AsynchronousStrategy):
 
     def after_step(self, step: int) -> None:
         self.round_compute_s += time.perf_counter() - self._t0
-        self.round_lr_sum += lr_at(step, self.train_cfg)
+        self.round_lr_sum += lr_at(self.claimed, self.train_cfg)  # the lr this step trained with
         self.round_steps += 1
         self.pending = {}
         if self.round_steps >= self.steps_this_round:
@@ -157,7 +157,8 @@ class AsyncDiLoCo(AsynchronousStrategy):
 
     def _arrive(self) -> None:
         g = self.start - flat(self.params)
-        lr_scale = max(self.round_lr_sum / self.round_steps, 1e-12)  # a schedule may end at 0
+        # delayed Nesterov's momentum in units of inner lr (outer.py), or plain sums (lr_scale 1)
+        lr_scale = max(self.round_lr_sum / self.round_steps, 1e-12) if self.momentum_per_lr else 1.0
 
         def apply(theta, momentum, acc, g_slice, arrival):
             apply_arrival(self.kind, theta, momentum, acc, g_slice, arrival, **self.outer, lr_scale=lr_scale)

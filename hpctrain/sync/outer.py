@@ -9,12 +9,13 @@ synchronous round (what makes sync.outer_lr mean what it means for DiLoCo), g = 
     delayed_nesterov  theta -= lr * g / R;  acc += g / s                      (every arrival)
                       every N-th arrival:  m = mu * m + acc / N;  theta -= lr * mu * s * m;  acc = 0
 
-s (`lr_scale`) is the mean inner learning rate of the arriving replica's round: delayed Nesterov's
-momentum is kept per unit of inner learning rate and applied at the current one. An inner AdamW
-round moves each weight by about lr per step, so under a decaying schedule the first rounds'
-pseudo-gradients are 5-10x larger than the last ones; momentum kept as plain sums carried them into
-late rounds, where a momentum step could undo the work of several arrivals (docs/communication.md).
-With a constant learning rate s cancels: the same update as synchronous DiLoCo's Nesterov.
+s (`lr_scale`) is 1 by default (the momentum is a plain sum, as in synchronous DiLoCo). With
+sync.momentum_per_lr it is the mean inner learning rate of the arriving replica's round:
+delayed Nesterov's momentum is then kept per unit of inner learning rate and applied at the
+current one. An inner AdamW round moves each weight by about lr per step, so under a decaying
+schedule the first rounds' pseudo-gradients are 5-10x larger than the last ones; without catch-up,
+momentum kept as plain sums carried them into late rounds, where a momentum step could undo the
+work of several arrivals (docs/communication.md). With a constant learning rate s cancels.
 
 Naive Nesterov amplifies stale pseudo-gradients (each gets the momentum of every arrival after it);
 delayed Nesterov applies the momentum once per N arrivals from their mean, as Liu et al. (2024,

@@ -235,7 +235,8 @@ class Trainer:
         """One optimizer step with the strategy's hooks around it; its metrics record."""
         if not self.sync.before_step(self.step, stop_aware, until):
             return None
-        lr = lr_at(self.step, self.cfg.train)
+        claimed = self.sync.batch_index(self.step)  # async_diloco: the global batch this step trains
+        lr = lr_at(self.step if claimed is None else claimed, self.cfg.train)
         set_lr(self.optimizer, lr)
         clock = self.layout.wait_clock  # this rank's waiting for peers inside the step
         clock.begin()

@@ -56,6 +56,26 @@ def test_one_replica_one_local_step_sgd_equals_plain_sgd(tmp_path, dataset):
     assert {rec["arrival_bytes"] for rec in records(run_b) if "arrival" in rec} == {24 * n}
 
 
+def test_delayed_nesterov_per_lr_on_one_replica_with_one_local_step_is_sgd_with_nesterov(tmp_path, dataset):
+    """1 replica, H = 1, SGD inner, delayed Nesterov with delay 1, outer lr 1 and momentum 0.5. With
+    sync.momentum_per_lr an arrival moves theta by s (grad + 0.5 m), m = 0.5 m + grad (s: the
+    step's lr): SGD with Nesterov momentum 0.5 under the same schedule, within 1e-5. Without it
+    (the default) the momentum sums pseudo-gradients s x grad, so under the decaying schedule the
+    run leaves that one."""
+    cfg_a, run_a = write_config(tmp_path, dataset, "nesterov")
+    train(1, cfg_a, *SGD, "--train.momentum=0.5", "--train.nesterov=true")
+    a, gaps = losses(run_a), {}
+    for per_lr in ("true", "false"):
+        cfg_b, run_b = write_config(tmp_path, dataset, f"per_lr_{per_lr}")
+        train(2, cfg_b, *SGD, *ASYNC, "--sync.inner_steps=1", "--sync.outer_optimizer=delayed_nesterov",
+              "--sync.nesterov_delay=1", "--sync.outer_lr=1", "--sync.outer_momentum=0.5",
+              f"--sync.momentum_per_lr={per_lr}")
+        b = losses(run_b)
+        assert sorted(b) == list(range(1, 21)) and b[20] < b[1] - 0.5
+        gaps[per_lr] = max(abs(a[s] - b[s]) for s in a)
+    assert gaps["true"] <= 1e-5 < 1e-3 < gaps["false"], gaps
+
+
 @pytest.mark.parametrize("compression, tol", [("bf16", 4e-4), ("int8", 8e-4)])
 def test_compressed_pushes_are_applied_by_the_server_and_stay_close_to_plain_sgd(tmp_path, dataset,
                                                                                   compression, tol):

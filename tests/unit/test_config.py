@@ -62,6 +62,8 @@ def test_roundtrip_through_toml(toml, tmp_path):
     (["--sync.compression=int8"], "sync.compression"),  # sync.mode = 'ddp' would ignore it
     (["--sync.mode=ps", "--sync.compression=bf16"], "sync.compression"),
     (["--sync.outer_momentum=1.0"], "sync.outer_momentum"),
+    (["--train.nesterov=true"], "train.nesterov"),  # AdamW: no such momentum
+    (["--sync.momentum_per_lr=true"], "sync.momentum_per_lr"),  # not async_diloco
     (["--sync.staleness=-2"], "sync.staleness"),
     (["--sync.mode=diloco", "--parallel.data_parallel=fsdp"], "parallel.data_parallel"),
     (["--sync.mode=ps", "--parallel.tp=2"], "sync.mode"),
