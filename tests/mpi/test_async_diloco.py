@@ -76,6 +76,52 @@ def test_delayed_nesterov_per_lr_on_one_replica_with_one_local_step_is_sgd_with_
     assert gaps["true"] <= 1e-5 < 1e-3 < gaps["false"], gaps
 
 
+def held_out_losses(run, data, windows=64) -> dict:
+    """{step: held-out loss of the global model in that step's checkpoint}, on fixed windows."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from hpctrain.checkpoint import directory
+    from hpctrain.data import open_split
+    from hpctrain.export import load_model_state
+    from hpctrain.model import GPT, GPTConfig
+
+    out = {}
+    for info in directory.list_checkpoints(Path(run) / "checkpoints"):
+        state, model_cfg = load_model_state(info.path)
+        model = GPT(GPTConfig(**model_cfg)).eval()
+        model.load_state_dict(state)
+        val = open_split(data, "val", model_cfg["block_size"])
+        chunk = torch.as_tensor(val.batch(np.linspace(0, len(val) - 1, windows).astype(np.int64)), dtype=torch.long)
+        with torch.no_grad():
+            out[info.step] = F.cross_entropy(model(chunk[:, :-1]).flatten(0, 1), chunk[:, 1:].flatten()).item()
+    return out
+
+
+def test_delayed_nesterov_at_equal_speeds_follows_synchronous_diloco(tmp_path, dataset):
+    """2 replicas of equal speed + 1 server, delayed Nesterov with N = 2 replicas (the default),
+    H = 4, AdamW inner, catch-up, against synchronous DiLoCo on 2 ranks with the same H, outer lr
+    and momentum, over the same tokens (80 claimed batches of 4 vs 40 steps of 2 x 4, the same
+    schedule per token). A round of 2 arrivals is DiLoCo's Nesterov step up to staleness, so the
+    global model's held-out loss at the first and the last of 4 checkpoints stays within 4% of sync
+    DiLoCo's (measured over 17 runs: 1.2-1.3% and 0.1-1.9%). The two in between are printed, not
+    bounded: a checkpoint can catch the global model right after a momentum step (measured up to
+    7% above, and once 6.25 against 3.32; docs/communication.md)."""
+    cfg_s, run_s = write_config(tmp_path, dataset, "sync_diloco")
+    cfg_a, run_a = write_config(tmp_path, dataset, "async_dn")
+    train(2, cfg_s, "--sync.mode=diloco", "--sync.inner_steps=4", "--checkpoint.keep=10", "--train.eval_interval=0")
+    train(3, cfg_a, *ASYNC, "--sync.inner_steps=4", "--sync.outer_optimizer=delayed_nesterov",
+          "--train.steps=80", "--train.warmup_steps=10", "--checkpoint.interval=20", "--checkpoint.keep=10",
+          "--train.eval_interval=0")
+    sync_val, async_val = held_out_losses(run_s, dataset), held_out_losses(run_a, dataset)
+    assert sorted(sync_val) == [10, 20, 30, 40] and sorted(async_val) == [20, 40, 60, 80], (sync_val, async_val)
+    print("async DN vs sync DiLoCo, held-out:", [(round(sync_val[s], 4), round(async_val[2 * s], 4)) for s in sorted(sync_val)])
+    gaps = [abs(async_val[2 * s] / sync_val[s] - 1) for s in (10, 40)]
+    assert max(gaps) <= 0.04, (gaps, sync_val, async_val)
+    assert sync_val[40] < sync_val[10] - 0.3  # both learn: the bound is not met by two flat curves
+
+
 @pytest.mark.parametrize("compression, tol", [("bf16", 4e-4), ("int8", 8e-4)])
 def test_compressed_pushes_are_applied_by_the_server_and_stay_close_to_plain_sgd(tmp_path, dataset,
                                                                                   compression, tol):
