@@ -31,8 +31,10 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 PMI2_FLAKE = "mpi/pmi2: value not properly terminated"
 # What the wheel's MPICH does when a cut PMI line garbled its address exchange (docs/multinode.md,
 # "Known"): MPI_Init fails or hangs, or its UCX transport aborts a rank on a dead peer before our
-# heartbeat can name it. Only these, next to a cut line, count as the environment's fault.
-WHEEL_MPI_FAILURES = ("internal_Init_thread", "failed to unpack address", "cma_ep.c")
+# heartbeat can name it, or rejects the garbled address card itself (UCX's address version
+# assertion). Only these, next to a cut line, count as the environment's fault.
+WHEEL_MPI_FAILURES = ("internal_Init_thread", "failed to unpack address", "cma_ep.c",
+                      "UCP_OBJECT_VERSION_V2' failed")
 
 
 def _wheel_mpi_failure(logs: str) -> bool:
