@@ -28,10 +28,13 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, 
     """FLOP/s of an n x n matmul: the best of `trials` timings of `reps` products (a shared machine
     slows single timings down at random; the best is the closest to what the hardware can do).
     `budget_s` bounds one trial: where a product is slow (fp16 on a CPU without fp16 units takes
-    seconds at n=1024) n is halved and reps reduced, so start-up never waits a minute for a metric."""
+    seconds at n=1024) n is halved and reps reduced, so start-up never waits a minute for a metric.
+    The operands come from a private generator: the global one drives dropout and has just been
+    restored by a resume (drawing from it here made resumes with model.dropout > 0 diverge)."""
+    gen = torch.Generator(device=device).manual_seed(0)
     while True:
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
+        a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+        b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
         one = timed_products(a, b, 1)  # also the warm-up
         if budget_s is None or one * reps <= budget_s or n <= 128:
             break
