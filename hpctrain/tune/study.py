@@ -2,7 +2,8 @@
 each worker's claim on the trial it trains.
 
 Owns: opening (or creating) the study in `tune.journal` (JournalStorage + JournalFileBackend:
-append-only, locked with an O_EXCL file: locks.py, no database server), the sampler and pruner
+append-only, locked with an O_EXCL file: locks.py, a torn append survived: journal.py; no
+database server), the sampler and pruner
 built from [tune], handing out trials so that the study holds exactly `tune.n_trials` of them
 whatever the number of concurrent workers (an ask lock beside the journal), and the worker's claim
 file `<study dir>/workers/<worker>.json` that brings a requeued worker back to its own trial (or
@@ -37,12 +38,11 @@ def import_optuna():
 
 def storage(journal: str | Path):
     optuna = import_optuna()
-    from optuna.storages.journal import JournalFileBackend
+    from hpctrain.tune import journal as journal_file
 
     # Optuna's own lock file, with our takeover of a lock left by a killed worker (Optuna 4.1
-    # would wait for it for ever)
-    return optuna.storages.JournalStorage(JournalFileBackend(str(journal),
-                                                             lock_obj=locks.JournalLock(journal)))
+    # would wait for it for ever); a torn append skipped and cut (journal.py)
+    return optuna.storages.JournalStorage(journal_file.backend(journal))
 
 
 def sampler(tune: TuneConfig, seed: int):
@@ -83,6 +83,9 @@ def load_study(journal: str | Path, study_name: str | None = None):
     optuna = import_optuna()
     if not Path(journal).is_file():
         raise UserError(f"{journal}: no study journal there (the [tune] journal of a search)")
+    from hpctrain.tune.journal import check_is_journal
+
+    check_is_journal(Path(journal))
     st = storage(journal)
     names = [s.study_name for s in optuna.get_all_study_summaries(st)]
     if not names or (study_name is not None and study_name not in names):

@@ -123,9 +123,16 @@ def verify_a_missing_checkpoint(tmp, ds, mounts):
     return ["hpctrain", "ckpt", "verify", tmp / "no-such-run"], ds, str(tmp / "no-such-run")
 
 
+def tune_status_given_a_training_config(tmp, ds, mounts):
+    d = tmp / "configs"
+    d.mkdir()
+    (d / "tune.toml").write_text(TINY_TRAIN.format(run=tmp / "run", data=ds, steps=2))
+    return ["hpctrain", "tune", "status", d / "tune.toml"], d, str(d / "tune.toml")
+
+
 ROWS = [truncated_shard, deleted_shard, misspelled_input_over_a_dataset, shard_onto_a_full_disk,
         shard_onto_a_read_only_disk, train_into_a_read_only_run_dir, train_onto_a_full_disk,
-        verify_a_missing_checkpoint]
+        verify_a_missing_checkpoint, tune_status_given_a_training_config]
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.__name__ for r in ROWS])

@@ -4,6 +4,8 @@ ended."""
 from __future__ import annotations
 
 import os
+import re
+import sys
 import threading
 import time
 
@@ -11,6 +13,8 @@ import pytest
 
 from hpctrain.distributed import slurm
 from hpctrain.tune import space
+from tests.conftest import run_cmd
+from tests.tune_setup import TUNE_TOML
 
 pytest.importorskip("optuna")
 from hpctrain.tune import study as study_mod  # noqa: E402
@@ -130,3 +134,59 @@ def test_metrics_tail_reads_only_complete_new_lines_and_restarts_on_a_replaced_f
     tmp.write_bytes(b'{"step":1,"loss":4.0}\n{"step":2,"loss":3.9,"val_loss":3.0}\n')
     os.replace(tmp, path)  # a resume cuts the file back to step 2 and trains step 3 again
     assert tail.val_losses() == {2: 3.0}
+
+
+# ---- the journal after a writer killed mid-append (#30) -----------------------------------------
+def _journal_with_a_finished_study(tmp_path):
+    """A study of 1 trial, told, and the TOML a `tune search` over it reads."""
+    cfg = tmp_path / "tune.toml"
+    cfg.write_text(TUNE_TOML.format(run=tmp_path, data=tmp_path / "no-data", sleep=0, n_trials=1,
+                                    pruner="none"))
+    tune = space.parse({"n_trials": 1, "journal": str(tmp_path / "study.journal"), "params": PARAMS})
+    study = study_mod.open_study(tune)
+    study.tell(study_mod.ask_new(study, tune).number, 0.5)
+    return cfg, tmp_path / "study.journal"
+
+
+def _status(journal):
+    return run_cmd([sys.executable, "-m", "hpctrain", "tune", "status", journal], timeout=120)
+
+
+@pytest.mark.parametrize("tail", [b'{"op_code":5,"worker_id":"a-1","trial_id":0,"user_att',
+                                  b"\0" * 4096], ids=["torn-record", "nul-filled-tail"])
+def test_a_torn_last_append_is_skipped_and_cut_by_the_next_writer(tmp_path, tail):
+    from optuna.storages.journal import JournalFileBackend
+
+    cfg, journal = _journal_with_a_finished_study(tmp_path)
+    intact = journal.read_bytes()
+    journal.write_bytes(intact + tail)  # a worker killed mid-append
+    assert [t.value for t in study_mod.load_study(journal).trials] == [0.5]  # read past it
+    # a real worker appends (the study's base config) after the torn tail, then finds it done
+    r = run_cmd([sys.executable, "-m", "hpctrain", "tune", "search", cfg, "--worker", "w1"],
+                timeout=120)
+    assert r.returncode == 0 and f"dropped a torn last record ({len(tail)} bytes at byte " \
+        f"{len(intact)}" in r.stderr, r.stderr
+    data = journal.read_bytes()
+    assert data.startswith(intact) and len(data) > len(intact) and data.endswith(b"\n")
+    assert tail not in data
+    assert len(JournalFileBackend(str(journal)).read_logs(0)) == data.count(b"\n")  # plain Optuna
+    r = _status(journal)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert re.search(r"^\s+0\s+COMPLETE\s+0\.5000\s", r.stdout, re.M), r.stdout
+
+
+@pytest.mark.parametrize("junk", [b"\0" * 40, b"<<<<<<< merged by hand"], ids=["nul", "garbage"])
+def test_damage_inside_the_journal_is_one_line_naming_the_byte(tmp_path, junk):
+    cfg, journal = _journal_with_a_finished_study(tmp_path)
+    lines = journal.read_bytes().splitlines(keepends=True)
+    offset = len(b"".join(lines[:2]))
+    journal.write_bytes(b"".join(lines[:2]) + junk + b"\n" + b"".join(lines[2:]))
+    before = journal.read_bytes()
+    for args in (["status", journal], ["search", cfg, "--worker", "w1"]):
+        r = run_cmd([sys.executable, "-m", "hpctrain", "tune", *args], timeout=120)
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+        assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+        assert len(errors) == 1 and f"{journal}: damaged study journal at byte {offset} " \
+            f"(record 3" in errors[0], r.stderr
+        assert f"truncate -s {offset} {journal}" in errors[0]
+    assert journal.read_bytes() == before  # never written to
