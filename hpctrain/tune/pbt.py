@@ -8,7 +8,8 @@ optimizer state from a member of the best (rank to rank) and explores (pbt_space
 rank 0 appends what happened to <run.dir>/lineage.jsonl. The stop vote (signals, wall time) runs
 over COMM_WORLD, so every member stops at the same step; each saves its checkpoint with the
 population's state (every member's values, the explorer's RNG, the round) inside it: resumed, the
-population goes on as if never stopped (the same lineage).
+population goes on as if never stopped (the same lineage). One heartbeat watchdog spans
+COMM_WORLD: a member rank that dies or hangs ends the whole job with one line naming it.
 
 Owns: that loop, the population's state and the lineage file. It must never change the Trainer's
 step (it drives the Trainer's own pieces), sample or perturb values itself, or move tensors.
@@ -149,12 +150,40 @@ def pbt(config_path: str, overrides: list[str]) -> int:
     if world.Get_rank() == 0:
         log(f"{pbt_cfg.population} members of {k} rank(s) in {cfg.run.dir}; every {pbt_cfg.ready} "
             f"steps the worst {pbt_cfg.n_exchanged()} copy one of the best {pbt_cfg.n_exchanged()}")
-    with watch_peers(ctx, cfg.dist.heartbeat_timeout_s), run_lock.hold(mcfg.run.dir, ctx):
+    # one heartbeat over COMM_WORLD (the stop vote and the rounds' allgather span the members)
+    watched = world_watch(world, cfg.dist.heartbeat_timeout_s)
+    with watch_peers(watched, cfg.dist.heartbeat_timeout_s), run_lock.hold(mcfg.run.dir, ctx):
         run = PopulationRun(mcfg, ctx, tune, pbt_cfg, world, member, k, Path(cfg.run.dir))
         status = run.fit()
+    world.Barrier()  # every rank's watcher has stopped before world rank 0 ends their store
+    watched.server = None
     teardown()
     requeue_if_requested(world)
     return status
+
+
+def world_watch(world, timeout_s: float):
+    """What watch_peers needs to watch every rank of the job, not only this member's: world ranks
+    and hosts, and a heartbeat store of its own on world rank 0 (`server`: kept alive by the
+    caller until every rank's watcher has stopped)."""
+    import datetime
+    import socket
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from hpctrain.distributed.bootstrap import _rendezvous
+
+    rank, hosts = world.Get_rank(), world.allgather(socket.gethostname())
+    addr, _ = _rendezvous(world, rank, hosts)  # reachable from every node, like the members' own
+    server = None
+    if rank == 0 and timeout_s > 0 and world.Get_size() > 1:
+        server = dist.TCPStore(addr, 0, world.Get_size(), is_master=True, wait_for_workers=False,
+                               timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)))
+    port = world.bcast(server.port if server is not None else 0, root=0)
+    world.Barrier()  # the port has reached every rank before rank 0 goes on (init_distributed)
+    return SimpleNamespace(rank=rank, world_size=world.Get_size(), comm=world, master_addr=addr,
+                           master_port=port, hosts=tuple(hosts), server=server)
 
 
 def check_same_step(world, step: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -130,3 +131,35 @@ def test_resumed_population_writes_the_same_lineage(tmp_path, data):
     assert rc == 0, out
     assert (tmp_path / "usr1" / "lineage.jsonl").read_text() == whole
     assert train_steps(tmp_path / "usr1", 1) == list(range(1, STEPS + 1))
+
+
+def test_a_hung_member_rank_ends_the_population_naming_it(tmp_path, data):
+    """Member 1's only rank is SIGSTOPped mid-run: member 0 waits for it in the stop vote or the
+    round's allgather over COMM_WORLD, which only the heartbeat sees; the job ends within its bound
+    with one line naming rank 1 and its host (#30: it hung for good)."""
+    from tests.mpi.test_fault_tolerance import _rank_pid
+
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1",
+               HPCTRAIN_THREADS="1")
+    proc = subprocess.Popen([mpiexec_path(), "-n", "2", sys.executable, "-m", "hpctrain", "tune", "pbt",
+                             str(write_config(tmp_path, data, "hang", sleep=0.25)),
+                             "--dist.heartbeat_timeout_s=5"], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(train_steps(tmp_path / "hang", 1)) < 2 and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            time.sleep(0.1)
+        os.kill(_rank_pid(proc.pid, 1), signal.SIGSTOP)
+        t_fault = time.monotonic()
+        out, _ = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - t_fault
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the session this test started, stopped rank too
+            proc.wait()
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert proc.returncode != 0 and "Traceback" not in out, out[-3000:]
+    assert 4 < elapsed < 5 + 3 * 0.5 + 3 + 5, elapsed  # timeout + 3 intervals + grace + slack
+    assert len(errors) == 1 and f"rank 1 on {socket.gethostname()} lost: no heartbeat" in errors[0], \
+        out[-3000:]
