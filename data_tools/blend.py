@@ -6,7 +6,9 @@ directory (only ``manifest.json``), resolving a blend back into its components (
 to the blend, each component manifest checked against the sha256 recorded at blend time, one
 shared tokenizer), the flattened shard list that verify / the node cache / the trainer index
 (every component's shards in component order, cache names ``c<i>-<file>``), and ``inspect``'s
-summary of a blend.
+summary of a blend.  Refuses, before writing anything, weights its reader could not read back (a
+float must hold each weight and each weight's share of the sum); holds the output's lock
+(output_lock.py) while writing.
 
 Must never: read or copy token data, decide the sample order (hpctrain.data.mixture does), or
 accept a component that is itself a blend.  See docs/data.md ("Blends").
@@ -22,6 +24,7 @@ from fractions import Fraction
 from .format import (KIND_BLEND, MANIFEST_NAME, SPLITS, TMP_PREFIX, DataError,
                      FORMAT_VERSION, manifest_kind, manifest_path, read_blend_manifest,
                      read_manifest, write_manifest)
+from .output_lock import OutputLock
 
 MAX_PERIOD = 1 << 16  # largest sum of parts: weights are exact up to this resolution
 DEFAULT_BLEND_SEED = 0
@@ -38,14 +41,39 @@ class Component:
 
 
 def parse_weight(text: str, where: str) -> Fraction:
-    """A positive finite number ("0.7", "3", "1/3", "2e-3") as an exact fraction."""
-    try:
-        w = Fraction(text.strip())
+    """A positive number a float can hold ("0.7", "3", "1/3", "2e-3") as an exact fraction;
+    DataError naming the weight for anything else (inf, nan, 0, 1e400, 1e-400)."""
+    text = text.strip()
+    try:  # each side as a float first: Fraction("1e999999999") would build a 10**999999999
+        sides = [float(side) for side in text.split("/", 1)]
+        if any(math.isnan(x) for x in sides):
+            raise ValueError(text)
+        w = Fraction(text) if all(math.isfinite(x) for x in sides) else None
     except (ValueError, ZeroDivisionError):
         raise DataError(where, f"weight {text!r} is not a number") from None
-    if w <= 0:
+    if w is not None and w <= 0:
         raise DataError(where, f"weight {text!r} must be > 0")
+    if w is None or not 0 < abs(_as_float(w)) < math.inf:
+        raise DataError(where, f"weight {text!r} is outside what a float can hold "
+                               f"(a positive float: ~5e-324 to ~1.8e308); scale the weights into that range")
     return w
+
+
+def _as_float(w: Fraction) -> float:
+    try:
+        return float(w)
+    except OverflowError:
+        return math.inf
+
+
+def _check_normalised(paths, weights) -> None:
+    """Every weight / the sum must be a float > 0 (else the manifest's reader rejects it)."""
+    total = sum(weights)
+    for p, w in zip(paths, weights):
+        if _as_float(w / total) == 0.0:
+            raise DataError(p, f"weight {float(w):g} is too small next to the sum of all weights "
+                               f"({float(total):g}): its share underflows to 0; raise it or "
+                               f"leave the dataset out")
 
 
 def parse_input(spec: str) -> tuple[str, Fraction]:
@@ -68,6 +96,8 @@ def apportion(weights) -> list[int]:
     if sum(parts) > MAX_PERIOD:
         total = sum(weights)
         parts = [max(1, round(w / total * MAX_PERIOD)) for w in weights]
+        while sum(parts) > MAX_PERIOD:  # the >= 1 floors pushed it over: take from the largest
+            parts[parts.index(max(parts))] -= 1
         g = math.gcd(*parts)
         parts = [p // g for p in parts]
     return parts
@@ -132,6 +162,12 @@ def blend_datasets(inputs, output: str, seed: int = DEFAULT_BLEND_SEED) -> dict:
                                               f"components must share one tokenizer")
         if not m["n_tokens"].get("train", 0):
             raise DataError(manifest_path(p), "has no train tokens; it cannot be blended")
+    _check_normalised(paths, weights)
+    with OutputLock(output):
+        return _write_blend(output, paths, weights, manifests, tok, seed)
+
+
+def _write_blend(output, paths, weights, manifests, tok, seed) -> dict:
     _prepare_output(output, paths)
     parts, total = apportion(weights), sum(weights)
     out_abs = os.path.abspath(output)

@@ -1,7 +1,7 @@
 """``shard``: turn text/JSONL inputs into an hpctrain dataset (HDF5 shards + manifest.json).
 
-Owns: the shard pipeline — output-dir safety (built beside --output, swapped in at the end:
-staging.py), planning (rank 0 enumerates documents and
+Owns: the shard pipeline — output-dir safety (one writer per --output: output_lock.py; built
+beside --output, swapped in at the end: staging.py), planning (rank 0 enumerates documents and
 assigns splits), tokenizing (1 rank: streaming; MPI: round by round, so memory stays bounded,
 each round's chunks handed out dynamically and gathered at the shard owners — see exchange.py),
 cutting each split's token stream into shards, and writing the manifest LAST.
@@ -24,6 +24,7 @@ from .format import (FORMAT_VERSION, SPLITS, TMP_PREFIX, DataError, fsync_path, 
                      token_dtype, write_manifest, write_shard)
 from .exchange import ChunkQueue, RoundExchange, round_chunks, round_cuts, starts_in
 from .mpiutil import SerialComm, agree, root_then_bcast, threads_per_rank
+from .output_lock import OutputLock
 from .tokenizers import get_tokenizer
 
 DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB per uint16 shard
@@ -159,15 +160,25 @@ def shard_dataset(inputs, output, tokenizer="gpt2", shard_tokens=DEFAULT_SHARD_T
     tok = agree(comm, get_tokenizer, tokenizer)
     import h5py  # noqa: F401 - the shard writer's library: loaded in setup, not at the first write
     dtype = token_dtype(tok.vocab_size)
-    table, is_val = root_then_bcast(comm, _plan, inputs, output, val_fraction, seed)
-    stage = staging.staging_dir(output)
+    held = []  # rank 0: the output's lock, held until the dataset is swapped in or abandoned
+
+    def lock_and_plan():
+        held.append(OutputLock(output).acquire())
+        return _plan(inputs, output, val_fraction, seed)
+
     try:
-        manifest, gathered, t_plan = _build(comm, tok, dtype, table, is_val, stage, output, shard_tokens,
-                                            val_fraction, seed, progress, log, round_bytes, filter,
-                                            min_chars)
-    except BaseException:
-        staging.abandon(stage)  # every rank: the destination was never touched
-        raise
+        table, is_val = root_then_bcast(comm, lock_and_plan)
+        stage = staging.staging_dir(output)
+        try:
+            manifest, gathered, t_plan = _build(comm, tok, dtype, table, is_val, stage, output,
+                                                shard_tokens, val_fraction, seed, progress, log,
+                                                round_bytes, filter, min_chars)
+        except BaseException:
+            staging.abandon(stage)  # every rank: the destination was never touched
+            raise
+    finally:
+        for lock in held:
+            lock.release()
     if rank == 0:
         _summary(log, manifest, gathered, output, tok, dtype, size, t0, t_plan)
     return manifest

@@ -54,7 +54,8 @@ def check_output(output: str, tokenizer_file: str) -> None:
 
 def begin(output: str) -> str:
     """Create an empty staging folder beside ``output`` (checked by `check_output` first; a stale
-    staging folder from a killed run is removed: the name is ours).  Returns its path."""
+    staging folder from a killed run is removed: the caller holds the output's lock
+    (output_lock.py), so no live run owns it).  Returns its path."""
     staging = staging_dir(output)
     shutil.rmtree(staging, ignore_errors=True)
     try:

@@ -323,3 +323,35 @@ def test_training_on_a_blend_resumes_exactly(parts_dir, tmp_path, block_shards):
     states = [json.loads(p.read_text()) for p in (tmp_path / "resumed").rglob("trainer_state.json")]
     assert states and all((st["sampler"]["shuffle"], st["sampler"]["block_shards"])
                           == ("block", block_shards) for st in states), states
+
+
+@pytest.mark.parametrize("weights", [("1e300",), ("1e-300", "1"), ("1e300", "1"),
+                                     ("1e308", "1e308"), ("1", "1e-9"), ("5e-324", "1e-300"),
+                                     ("123456789/7", "1e-4")])
+def test_edge_weights_round_trip(parts_dir, tmp_path, capsys, weights):
+    """Whatever blend writes, its readers accept: the manifest schema, the components, verify,
+    the trainer's interleaving (each component exactly `parts` times per period)."""
+    dirs = [str(parts_dir / n) for n in ("a", "b")][:len(weights)]
+    out = str(tmp_path / "edge")
+    assert main(["blend", "--input", *(f"{d}:{w}" for d, w in zip(dirs, weights)),
+                 "--output", out]) == 0
+    m = read_blend_manifest(out)
+    parts = [c["parts"] for c in m["components"]]
+    assert m["period"] == sum(parts) <= MAX_PERIOD and min(parts) >= 1
+    assert all(0 < c["weight"] <= 1 for c in m["components"])
+    assert len(resolve_blend(out)[1]) == len(weights)
+    assert main(["verify", out]) == 0
+    counts = np.bincount(interleave(parts, m["seed"]), minlength=len(parts))
+    assert counts.tolist() == parts
+
+
+@pytest.mark.parametrize("weights, bad", [(("1e400", "1"), 0), (("1", "1e-400"), 1),
+                                          (("inf", "1"), 0), (("1e300", "1e-300"), 1),
+                                          (("1e999999999", "1"), 0), (("1/1e400", "1"), 0)])
+def test_unrepresentable_weights_refused_before_writing(parts_dir, tmp_path, capsys, weights, bad):
+    dirs = [str(parts_dir / n) for n in ("a", "b")]
+    out = tmp_path / "refused"
+    err = one_line_error(capsys, ["blend", "--input", *(f"{d}:{w}" for d, w in zip(dirs, weights)),
+                                  "--output", str(out)])
+    assert err.startswith(f"{dirs[bad]}: weight ") and weights[bad] in err
+    assert not out.exists() and not list(tmp_path.iterdir())  # no manifest, no lock file left

@@ -1,13 +1,14 @@
 """The sharder (single process): document order, split rule, shard cutting, safety, CLI."""
 import json
 import os
+import re
 
 import h5py
 import numpy as np
 import pytest
 
 from data_tools.__main__ import main
-from data_tools.corpora import shakespeare_dir
+from data_tools.corpora import shakespeare_dir, shakespeare_files
 from data_tools.documents import assign_val, balanced_ranges, enumerate_documents
 from data_tools.format import DataError, read_manifest
 from data_tools.shard import shard_dataset
@@ -233,3 +234,81 @@ def test_interrupted_write_never_touches_the_old_dataset(tmp_path, corpus, monke
     assert calls and all(".ds.hpctrain-partial" in c for c in calls)
     assert _tree(out) == before
     assert sorted(os.listdir(tmp_path)) == siblings
+
+
+# ---- two runs onto one --output (#30) ---------------------------------------------------------
+def _shard_proc(inputs, out):
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-m", "data_tools", "shard", "--input", *map(str, inputs),
+                             "--output", str(out), "--tokenizer", "bytes", "--shard-tokens",
+                             "200000", "--no-progress"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _refused_or_ok(proc, out) -> int:
+    _, err = proc.communicate(timeout=120)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    if proc.returncode:  # refused: one line naming the output and the holder's pid
+        assert len(lines) == 1 and lines[0].startswith(f"{out}: another run is writing"), err
+        assert "Traceback" not in err and re.search(r"pid \d+ on ", lines[0]), err
+    return proc.returncode
+
+
+def test_second_run_onto_a_busy_output_is_refused_and_changes_nothing(tmp_path):
+    """Run A is frozen (SIGSTOP) mid-run holding the output's lock: run B onto the same output is
+    refused in one line, A's staging folder survives, A then finishes and its dataset verifies."""
+    import signal
+    import time
+
+    plays = sorted(shakespeare_files())[:6]
+    out = tmp_path / "ds"
+    a = _shard_proc(plays, out)
+    stage = tmp_path / ".ds.hpctrain-partial"
+    while not stage.exists():
+        assert a.poll() is None, a.communicate()
+        time.sleep(0.002)
+    os.kill(a.pid, signal.SIGSTOP)
+    try:
+        b = _shard_proc(plays, out)
+        assert _refused_or_ok(b, out) == 1
+        assert stage.is_dir() and not out.exists()
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    assert _refused_or_ok(a, out) == 0
+    assert verify_dataset(str(out)) == []
+    assert sorted(os.listdir(tmp_path)) == ["ds"]  # no staging folder, no lock file
+
+
+@pytest.mark.parametrize("gap_s", [0.05, 0.3])
+def test_racing_runs_never_leave_a_damaged_dataset(tmp_path, gap_s):
+    """Two runs onto one output started `gap_s` apart: each either succeeds or is refused in one
+    line, at least one succeeds, and the dataset verifies (checksums)."""
+    import time
+
+    plays = sorted(shakespeare_files())[:6]
+    out = tmp_path / "ds"
+    a = _shard_proc(plays, out)
+    time.sleep(gap_s)
+    b = _shard_proc(plays, out)
+    codes = [_refused_or_ok(a, out), _refused_or_ok(b, out)]
+    assert 0 in codes and set(codes) <= {0, 1}, codes
+    assert verify_dataset(str(out)) == []
+    assert sorted(os.listdir(tmp_path)) == ["ds"]
+
+
+def test_blend_onto_a_locked_output_is_refused(tmp_path, corpus, capsys):
+    from data_tools.output_lock import OutputLock
+
+    inputs, _ = corpus
+    src = tmp_path / "src"
+    shard_dataset(inputs, str(src), tokenizer="bytes", **QUIET)
+    out = tmp_path / "mix"
+    with OutputLock(str(out)):
+        assert main(["blend", "--input", f"{src}:1", "--output", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"{out}: another run is writing") and f"pid {os.getpid()} " in err
+    assert err.count("\n") == 1 and not out.exists()
+    assert main(["blend", "--input", f"{src}:1", "--output", str(out)]) == 0
+    assert not [n for n in os.listdir(tmp_path) if "hpctrain-lock" in n]
