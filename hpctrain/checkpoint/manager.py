@@ -36,6 +36,7 @@ from hpctrain.checkpoint.dcp_io import RecordingFileSystem, describe, failure, n
 from hpctrain.errors import CheckpointError, NoIntactCheckpoint
 from hpctrain.checkpoint.safe_load import SafeFileSystemReader, TensorOnlyLoadPlanner
 from hpctrain.checkpoint.state import check_json, json_part, merge_values, overlay, split_state
+from hpctrain.train.run_lock import assert_held
 
 
 @dataclass
@@ -246,6 +247,7 @@ class CheckpointManager:
             # one [path, value] per line: readable, and identical bytes on every rank
             job.values_json = "[\n" + ",\n".join(json.dumps(v, sort_keys=True) for v in values) + "\n]\n"
             if self.rank == 0:
+                assert_held()  # a job that lost its run dir's lock touches nothing there
                 check_json(json_state)
                 job.json_state = json.loads(json.dumps(json_state))  # a snapshot: the caller may mutate it
                 self.root.mkdir(parents=True, exist_ok=True)
@@ -303,6 +305,7 @@ class CheckpointManager:
         # 3. rank 0 commits: COMMIT.json, fsync, rename into place, fsync root. Everyone learns.
         err = None
         if self.rank == 0:
+            assert_held()  # never commit (or discard) into a run dir another job owns now
             try:
                 data_sha = {k: v for _, _, h in results for k, v in h.items()}
                 disk_format.write_commit(tmp, job.step, self.world_size, data_sha)
@@ -320,6 +323,7 @@ class CheckpointManager:
 
         # 4. retention (rank 0; a failure here is a warning: the new checkpoint is committed).
         if self.rank == 0:
+            assert_held()
             try:
                 directory.prune(self.root, self.keep)
             except Exception as e:  # noqa: BLE001 - the new checkpoint is committed regardless

@@ -70,6 +70,12 @@ def _report_and_abort(exc: BaseException) -> None:
     os._exit(code)
 
 
+def stop_job(exc: BaseException) -> None:
+    """Report `exc` as `run_or_abort` does and end the whole job now, from any thread (for a fault
+    after which this process must not write anything more: a lost run-directory lock)."""
+    _report_and_abort(exc)
+
+
 def _thread_hook(args) -> None:
     if args.exc_type is SystemExit:
         return

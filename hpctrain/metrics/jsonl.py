@@ -1,8 +1,15 @@
-"""`metrics.jsonl`: one JSON object per optimizer step, written by rank 0 only.
+"""`metrics.jsonl`: one JSON object per optimizer step, written by rank 0 only (the run-dir lock's
+holder: every write first checks that the lock is still this job's, see train/run_lock.py).
 
 On resume from step S, records with step > S (written after the checkpoint by a run that was then
-stopped or killed) are dropped first, so the log reads as one uninterrupted run. The rewrite is
-atomic (temp file + rename). Each record is flushed as it is written so `tail -f` works.
+stopped or killed, or by a run whose checkpoints were moved away: S = 0) are dropped, so the log
+reads as one uninterrupted run. Nothing is lost by that: the file as it was is kept, hard-linked as
+`metrics.<N>.jsonl` (N = 1, 2, ...: the first free one; an earlier kept file is never replaced),
+with the TensorBoard event files as they were in `tensorboard.<N>/`, and one line names them. The
+rewrite is atomic (temp file + rename). Each record is appended with one write() so `tail -f` works;
+a record that cannot be written (full disk) is cut back off the file and stops training with one
+line naming the file: metrics are the record of the run, and a full disk fails the next checkpoint
+too, so the run stops at its last committed checkpoint and resumes from it once there is space.
 
 The same records also go to TensorBoard event files in `tensorboard/` next to the log, when the
 `tensorboard` package is installed and `HPCTRAIN_TENSORBOARD` is not 0 (see `tensorboard.py`). A
@@ -15,35 +22,67 @@ import os
 import sys
 from pathlib import Path
 
+from hpctrain.errors import UserError
 from hpctrain.metrics import tensorboard
+from hpctrain.train.run_lock import assert_held
 
 
 class MetricsLog:
     def __init__(self, path: str | Path, enabled: bool, resume_step: int = 0):
         self.path = Path(path)
         self.enabled = enabled
-        self._f = None
+        self._fd = None
         self._tb = None
         if not enabled:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._truncate_after(resume_step)
-        self._f = open(self.path, "a", encoding="utf-8")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._resume_at(resume_step)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise _cannot_write(self.path, e, "open") from e
         self._tb = tensorboard.open_writer(self.path.parent / "tensorboard", resume_step)
 
-    def _truncate_after(self, step: int) -> None:
+    def _resume_at(self, step: int) -> None:
+        """Drop the records after `step` (keeping the file as it was), and any torn last line."""
         if not self.path.exists():
             return
-        kept = [line for line, rec in _records(self.path) if rec.get("step", 0) <= step]
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+        raw = self.path.read_bytes()
+        lines = raw.splitlines()
+        records = list(_parse(lines))
+        kept = [line for line, rec in records if rec.get("step", 0) <= step]
+        dropped = len(records) - len(kept)
+        if not dropped and len(kept) == len(lines) and (not raw or raw.endswith(b"\n")):
+            return  # nothing to drop, nothing torn: append to it as it is
+        assert_held()
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write("".join(k + "\n" for k in kept))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise _cannot_write(self.path, e, "rewrite") from e
+        kept_as = keep_aside(self.path) if dropped else None
         os.replace(tmp, self.path)
+        if kept_as is not None:
+            print(f"metrics: {self.path}: {dropped} record(s) after step {step} are dropped (re-run "
+                  f"from the checkpoint of step {step}); the log as it was is kept as {kept_as}",
+                  file=sys.stderr, flush=True)
 
     def write(self, record: dict) -> None:
-        if self._f is None:
+        if self._fd is None:
             return
-        self._f.write(json.dumps(record, separators=(",", ":")) + "\n")
-        self._f.flush()
+        assert_held()
+        data = (json.dumps(record, separators=(",", ":")) + "\n").encode("utf-8")
+        good = os.fstat(self._fd).st_size
+        try:
+            while data:
+                data = data[os.write(self._fd, data):]
+        except OSError as e:
+            _cut_back(self._fd, good)
+            raise _cannot_write(self.path, e, f"append step {record.get('step')} to") from e
         if self._tb is not None:
             try:
                 self._tb.write(record)
@@ -60,16 +99,51 @@ class MetricsLog:
                 pass
 
     def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         self._close_tb()
 
 
-def _records(path: Path):
+def _cannot_write(path: Path, e: OSError, what: str) -> UserError:
+    return UserError(f"{path}: cannot {what} the metrics log ({e.strerror or e}); training stops "
+                     f"here: free space (or fix the permissions) and rerun the same command to "
+                     f"resume from the last checkpoint")
+
+
+def _cut_back(fd: int, size: int) -> None:
+    """Remove a partly written record, so the file ends with the last whole one."""
+    try:
+        os.ftruncate(fd, size)
+    except OSError:
+        pass  # a torn last line is skipped on resume and by `plot`
+
+
+def keep_aside(path: Path) -> Path:
+    """Hard-link `path` (metrics.jsonl) as metrics.<N>.jsonl, N the first free number (never
+    replacing an earlier one), and the TensorBoard event files next to it into tensorboard.<N>/."""
+    n = 1
+    while True:
+        kept = path.with_name(f"{path.stem}.{n}{path.suffix}")
+        try:
+            os.link(path, kept)
+            break
+        except FileExistsError:
+            n += 1
+    events = path.parent / "tensorboard"
+    if path.name == "metrics.jsonl" and events.is_dir():
+        into = path.parent / f"tensorboard.{n}"
+        into.mkdir(exist_ok=True)
+        for f in sorted(events.iterdir()):
+            if f.is_file() and not (into / f.name).exists():
+                os.link(f, into / f.name)
+    return kept
+
+
+def _parse(lines):
     """(line, record) of every intact line: a line torn by a kill -9 mid-write, or bytes that are
     not UTF-8 (a damaged block on a parallel file system), is skipped, never fatal."""
-    for raw in Path(path).read_bytes().splitlines():
+    for raw in lines:
         try:
             line = raw.decode("utf-8")
             rec = json.loads(line)
@@ -77,6 +151,10 @@ def _records(path: Path):
             continue
         if isinstance(rec, dict):
             yield line, rec
+
+
+def _records(path: Path):
+    return _parse(Path(path).read_bytes().splitlines())
 
 
 def read(path: str | Path) -> list[dict]:

@@ -1,12 +1,21 @@
 """One job per run directory: a lease file that works on a parallel file system.
 
-Owns `<run.dir>/.hpctrain.lock`: rank 0 creates it with O_CREAT|O_EXCL (atomic on Lustre, GPFS and
-NFS v3+, unlike flock, which Lustre mounts often leave off), writes who holds it (host, pid,
-Slurm job, start time) and renews its mtime every RENEW_S seconds from a daemon thread; a clean
-exit (finished, preempted, failed with an error) removes it. A second job on the same run.dir is
-refused with one line naming the holder. A holder that died without removing it stops renewing:
-its lock is taken over after LEASE_S seconds, at once when it is an earlier run of the same Slurm
-job (requeue, relaunch after a node loss) or a process on this host that no longer exists.
+Owns `<run.dir>/.hpctrain.lock` and the check that this process still holds it. Rank 0 writes who
+it is (host, pid, Slurm job, start time) into a private temp file, fsyncs it and hard-links it to
+the lock name, which fails when the name exists (atomic on Lustre, GPFS and NFS v3+, unlike flock,
+which Lustre mounts often leave off): a full disk leaves no lock behind, and a lock file is never
+seen half written. Rank 0 keeps the file open and renews its mtime every `renew_s()` seconds from a
+daemon thread; a clean exit (finished, preempted, failed with an error) removes it. A second job on
+the same run.dir is refused with one line naming the holder. A holder that died without removing
+it stops renewing: its lock is taken over after `lease_s()` seconds (HPCTRAIN_RUN_LOCK_LEASE_S,
+default 300), at once when it is an earlier run of the same Slurm job (requeue, relaunch after a node
+loss), a process on this host that no longer exists, or an empty/garbled file (an older version
+interrupted while creating it).
+
+A holder that was only frozen (SIGSTOP, `scontrol suspend`) longer than the lease finds on waking
+that the lock is another job's: `assert_held()` (called by the renewal thread, before every metrics
+write and before a checkpoint's tmp dir, commit and retention) then ends the whole job at once with
+one line naming the lock and its new holder, before it writes anything more.
 
 Collective: every rank calls `hold()`; rank 0 decides and broadcasts.
 """
@@ -25,7 +34,31 @@ from hpctrain.errors import RunDirBusy, UserError  # noqa: F401 - re-exported
 
 LOCK_NAME = ".hpctrain.lock"
 RENEW_S = 10.0
-LEASE_S = 60.0
+LEASE_ENV = "HPCTRAIN_RUN_LOCK_LEASE_S"
+DEFAULT_LEASE_S = 300.0
+
+
+class RunLockLost(UserError):
+    """Another job took this job's run-directory lock over (this one was frozen past the lease)."""
+
+
+def lease_s() -> float:
+    """Seconds without renewal after which a lock counts as abandoned (HPCTRAIN_RUN_LOCK_LEASE_S)."""
+    raw = os.environ.get(LEASE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_LEASE_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise UserError(f"environment variable {LEASE_ENV}={raw!r}: must be a number of seconds > 0 "
+                        f"(default {DEFAULT_LEASE_S:.0f})")
+    return value
+
+
+def renew_s() -> float:
+    return min(RENEW_S, lease_s() / 6)
 
 
 def _me() -> dict:
@@ -49,9 +82,11 @@ def _pid_gone(pid) -> bool:
     return stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X")
 
 
-def _abandoned(owner: dict, age: float, me: dict) -> str | None:
+def _abandoned(owner: dict | None, age: float, me: dict) -> str | None:
     """Why the holder's lock may be taken over, or None while it holds."""
-    if age > LEASE_S:
+    if owner is None:
+        return "an empty or unreadable lock file, left by an interrupted creation"
+    if age > lease_s():
         return f"not renewed for {age:.0f} s"
     if owner.get("job") and owner.get("job") == me["job"]:
         return f"an earlier run of Slurm job {me['job']}"
@@ -60,90 +95,210 @@ def _abandoned(owner: dict, age: float, me: dict) -> str | None:
     return None
 
 
-def _describe(owner: dict, age: float) -> str:
+def _describe(owner: dict | None, age: float) -> str:
+    owner = owner or {}
     job = f", Slurm job {owner['job']}" if owner.get("job") else ""
-    return (f"pid {owner.get('pid', '?')} on {owner.get('host', '?')}{job}, renewed {age:.0f} s ago")
+    return f"pid {owner.get('pid', '?')} on {owner.get('host', '?')}{job}, renewed {age:.0f} s ago"
 
 
-def acquire(run_dir: Path, me: dict) -> tuple[bool, str]:
-    """(True, note) with the lock taken (note says what was taken over, if anything), or
-    (False, the holder)."""
+def _read_lock(path: Path) -> tuple[dict | None, float, tuple[int, int]]:
+    """(holder or None when empty/garbled, age in s, file identity) of the lock file as it is now;
+    FileNotFoundError when there is none."""
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        raw = f.read(65536)
+    try:
+        owner = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        owner = None
+    return (owner if isinstance(owner, dict) else None), time.time() - st.st_mtime, (st.st_dev, st.st_ino)
+
+
+def _identity(path) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+class Lease:
+    """The lock this process holds: the open lock file, and where it should be."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self.fd = path, fd
+        st = os.fstat(fd)
+        self.ident = (st.st_dev, st.st_ino)
+        self.released = False
+        self._mutex = threading.Lock()  # a check never sees our own release as a loss
+
+    def lost(self) -> str | None:
+        """Who holds the lock now if not us; None while we do (or the file system cannot tell)."""
+        with self._mutex:
+            if self.released:
+                return None
+            try:
+                if _identity(self.path) == self.ident:
+                    return None  # the common case: one stat
+                owner, age, ident = _read_lock(self.path)
+            except FileNotFoundError:
+                return "the lock file was removed"
+            except OSError:
+                return None  # a transient error reading it says nothing about who holds it
+        if ident == self.ident:
+            return None
+        return f"it is now held by {_describe(owner, age)}"
+
+    def renew(self) -> None:
+        with self._mutex:
+            if self.released:
+                return
+            try:
+                os.utime(self.fd)  # our own file, never a new holder's under the same name
+            except OSError:
+                pass
+
+    def release(self) -> None:
+        with self._mutex:
+            self.released = True
+            try:
+                if _identity(self.path) == self.ident:
+                    self.path.unlink()  # only our own: a taker may hold it now
+            except OSError:
+                pass
+            os.close(self.fd)
+
+
+def _write_candidate(path: Path, me: dict) -> tuple[Path, int]:
+    """A complete, fsynced lock file under a private name, and its open descriptor (nothing is left
+    behind when it cannot be written)."""
+    tmp = path.with_name(f"{LOCK_NAME}.{me['host']}.{me['pid']}.tmp")
+    fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644)
+    try:
+        data = (json.dumps(me) + "\n").encode()
+        while data:
+            data = data[os.write(fd, data):]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp, fd
+
+
+def _take_over(path: Path, judged: tuple[int, int], me: dict) -> None:
+    """Move the abandoned lock `judged` out of the way; if another taker replaced it meanwhile,
+    put theirs back."""
+    aside = path.with_name(f"{LOCK_NAME}.stale-{me['host']}-{me['pid']}")
+    try:
+        os.rename(path, aside)  # one taker wins; a loser finds the winner's fresh lock
+    except FileNotFoundError:
+        return
+    if _identity(aside) != judged:
+        try:
+            os.link(aside, path)
+        except FileExistsError:
+            pass
+    aside.unlink(missing_ok=True)
+
+
+def acquire(run_dir: Path, me: dict) -> tuple[Lease | None, str]:
+    """(the lease, note) with the lock taken (note says what was taken over, if anything), or
+    (None, the holder)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path, note = run_dir / LOCK_NAME, ""
-    for _ in range(3):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            try:
-                owner, age = json.loads(path.read_text() or "{}"), time.time() - path.stat().st_mtime
-            except FileNotFoundError:
-                continue  # released meanwhile
-            except (OSError, ValueError):  # being written: judge by its age only
-                owner, age = {}, time.time() - path.stat().st_mtime
-            why = _abandoned(owner, age, me)
-            if why is None:
-                return False, _describe(owner, age)
-            aside = path.with_name(f"{LOCK_NAME}.stale-{me['host']}-{me['pid']}")
-            try:
-                os.rename(path, aside)  # one taker wins; a loser finds the winner's fresh lock
-                aside.unlink()
-            except FileNotFoundError:
-                pass
-            note = f"took over the lock of {_describe(owner, age)} ({why})"
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(me) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        return True, note
-    return False, "another job keeps taking the lock"
-
-
-def _release(path: Path, me: dict) -> None:
     try:
-        owner = json.loads(path.read_text())
-        if (owner.get("host"), owner.get("pid")) == (me["host"], me["pid"]):
-            path.unlink()  # only our own: a taker may hold it now
-    except (OSError, ValueError):
-        pass
+        tmp, fd = _write_candidate(path, me)
+    except OSError as e:  # name the lock, not the private temp file (which is gone)
+        raise OSError(e.errno, e.strerror, str(path)) from e
+    st, lease = os.fstat(fd), None
+    mine = (st.st_dev, st.st_ino)
+    try:
+        for _ in range(3):
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                try:
+                    owner, age, ident = _read_lock(path)
+                except FileNotFoundError:
+                    continue  # released meanwhile
+                if ident == mine:  # the link went through (an NFS retry reported EEXIST)
+                    lease = Lease(path, fd)
+                    return lease, note
+                why = _abandoned(owner, age, me)
+                if why is None:
+                    return None, _describe(owner, age)
+                _take_over(path, ident, me)
+                note = f"took over the lock of {_describe(owner, age)} ({why})"
+                continue
+            lease = Lease(path, fd)
+            return lease, note
+        return None, "another job keeps taking the lock"
+    finally:
+        tmp.unlink(missing_ok=True)
+        if lease is None:
+            os.close(fd)
+
+
+_held: Lease | None = None
+_stopping = threading.Lock()
+
+
+def assert_held() -> None:
+    """End the whole job at once (one line, exit 2) if this process held the run-directory lock and
+    another job has it now; nothing else may be written then. A no-op where no lock is held (ranks
+    other than 0, tools)."""
+    lease = _held
+    why = lease.lost() if lease is not None else None
+    if why is None:
+        return
+    if not _stopping.acquire(blocking=False):
+        threading.Event().wait()  # another thread is ending the job
+    from hpctrain.distributed.abort import stop_job
+
+    stop_job(RunLockLost(
+        f"{lease.path}: this job lost its run-directory lock ({why}), probably after being "
+        f"suspended or stopped for more than {lease_s():.0f} s ({LEASE_ENV}); stopping at once "
+        f"without saving a checkpoint or writing metrics: the other job owns {lease.path.parent} now"))
 
 
 @contextmanager
 def hold(run_dir, ctx):
     """Collective: hold the run directory's lock for the body; RunDirBusy on every rank if another
     job holds it."""
+    global _held
     me, path = _me(), Path(run_dir) / LOCK_NAME
-    answer = None
+    answer, lease = None, None
     if ctx.rank == 0:
         try:
-            ok, text = acquire(Path(run_dir), me)
-            answer = ("ok" if ok else "busy", text)
+            lease, text = acquire(Path(run_dir), me)
+            answer = ("ok" if lease else "busy", text)
         except OSError as e:
-            answer = ("error", f"{e.filename or path}: cannot create the run directory's lock "
-                               f"({e.strerror}); run.dir must be writable")
+            answer = ("error", f"{e.filename or path}: cannot create the run directory's lock ({e.strerror}); run.dir "
+                               f"must be writable and have free space")
+        except UserError as e:
+            answer = ("error", str(e))
     status, text = ctx.comm.bcast(answer, root=0) if ctx.comm is not None else answer
     if status == "error":
         raise UserError(text)
     if status == "busy":
         raise RunDirBusy(f"{run_dir}: another job trains here ({text}); wait for it to end, cancel "
                          f"it, or use another run.dir (a dead job's lock is taken over after "
-                         f"{LEASE_S:.0f} s)")
+                         f"{lease_s():.0f} s)")
     stop = threading.Event()
-    if ctx.rank == 0:
+    if lease is not None:
         if text:
             print(f"warning: run dir {run_dir}: {text}", file=sys.stderr, flush=True)
-        threading.Thread(target=_renew, args=(path, stop), name="hpctrain-run-lock", daemon=True).start()
+        _held = lease
+        threading.Thread(target=_renew, args=(lease, stop), name="hpctrain-run-lock", daemon=True).start()
     try:
         yield
     finally:
         stop.set()
-        if ctx.rank == 0:
-            _release(path, me)
+        if lease is not None:
+            _held = None
+            lease.release()
 
 
-def _renew(path: Path, stop: threading.Event) -> None:
-    while not stop.wait(RENEW_S):
-        try:
-            os.utime(path)
-        except OSError:
-            pass
+def _renew(lease: Lease, stop: threading.Event) -> None:
+    every = renew_s()
+    while not stop.wait(every):
+        assert_held()
+        lease.renew()

@@ -24,3 +24,123 @@ def test_running_zombie_and_reaped_processes():
         child.wait()
     assert _pid_gone(child.pid)
     assert not _pid_gone(os.getpid())
+
+
+# ---- a suspended holder, an atomic lock (#30) -------------------------------------------------
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import socket  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tests.conftest import BIN, ROOT, TINY_TRAIN, run_cmd  # noqa: E402
+from tests.unit.test_failure_table import dataset, mounts  # noqa: E402,F401 - fixtures
+
+LEASE = "2"  # HPCTRAIN_RUN_LOCK_LEASE_S for these tests: a frozen holder loses its lock quickly
+
+
+def _env() -> dict:
+    return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+            "PYTHONUNBUFFERED": "1", "HPCTRAIN_RUN_LOCK_LEASE_S": LEASE, "HPCTRAIN_TENSORBOARD": "0"}
+
+
+def _start(cfg: Path, log: Path, *overrides) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "hpctrain", "train", "--config", str(cfg),
+                             "--checkpoint.interval=20", *overrides], cwd=ROOT, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+
+
+def _wait_for(predicate, proc, what: str, timeout: float = 120) -> None:
+    t0 = time.monotonic()
+    while not predicate():
+        assert proc.poll() is None, f"exited ({proc.returncode}) before {what}"
+        assert time.monotonic() - t0 < timeout, f"no {what} after {timeout} s"
+        time.sleep(0.1)
+
+
+def fill(path: Path) -> None:
+    """Write `path` until its file system is full."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, b"x" * 4096):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _steps(path: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+def test_a_holder_frozen_past_the_lease_stops_at_once_and_the_new_holder_owns_the_run(tmp_path, dataset):
+    """scontrol suspend / SIGSTOP longer than the lease: a second job takes the lock over; the first,
+    woken, exits 2 at once with one line naming the lock and the new holder, and writes nothing
+    more: the second's metrics have every step once and its checkpoints verify."""
+    run, cfg = tmp_path / "run", tmp_path / "t.toml"
+    cfg.write_text(TINY_TRAIN.format(run=run, data=dataset, steps=60))
+    metrics = run / "metrics.jsonl"
+    first = _start(cfg, tmp_path / "first.log", "--debug.step_sleep_s=0.05")
+    second = None
+    try:
+        _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 25, first, "step 25")
+        os.kill(first.pid, signal.SIGSTOP)
+        time.sleep(float(LEASE) + 1.5)
+        second = _start(cfg, tmp_path / "second.log")
+        _wait_for(lambda: "step 25/" in (tmp_path / "second.log").read_text(), second, "second's step 25")
+        os.kill(first.pid, signal.SIGCONT)
+        t0 = time.monotonic()
+        assert first.wait(timeout=30) == 2
+        assert time.monotonic() - t0 < 10
+        assert second.wait(timeout=180) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+                p.wait()
+    log = (tmp_path / "first.log").read_text()
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in log and len(errors) == 1, log[-3000:]
+    assert str(run / ".hpctrain.lock") in errors[0]
+    assert f"pid {second.pid} on {socket.gethostname()}" in errors[0]
+    assert _steps(metrics) == list(range(1, 61))
+    r = run_cmd([sys.executable, "-m", "hpctrain", "ckpt", "verify", run, "--full"], timeout=120)
+    assert r.returncode == 0 and r.stdout.count("intact") == 3, r.stdout + r.stderr
+    assert not list(run.glob(".hpctrain.lock*"))
+
+
+def test_an_empty_lock_left_by_an_interrupted_creation_is_taken_over_at_once(tmp_path, dataset):
+    """An older version created the lock empty and then hit a full disk: the next run starts."""
+    run, cfg = tmp_path / "run", tmp_path / "t.toml"
+    cfg.write_text(TINY_TRAIN.format(run=run, data=dataset, steps=2))
+    run.mkdir()
+    (run / ".hpctrain.lock").write_bytes(b"")
+    r = run_cmd([sys.executable, "-m", "hpctrain", "train", "--config", cfg], timeout=120,
+                env={"HPCTRAIN_RUN_LOCK_LEASE_S": "600"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.search(r"warning: run dir \S+: took over the lock of pid \? on \?.*empty or unreadable", r.stderr)
+    assert _steps(run / "metrics.jsonl") == [1, 2] and not list(run.glob(".hpctrain.lock*"))
+
+
+def test_a_full_disk_leaves_no_lock_and_the_next_run_starts(tmp_path, dataset, mounts):
+    """ENOSPC while the lock is written: one line naming the lock, no lock file (not even an empty
+    one) left; with space again the next run starts at once."""
+    disk = mounts.tmpfs(tmp_path / "disk", "4m")
+    run, cfg = disk / "run", tmp_path / "t.toml"
+    cfg.write_text(TINY_TRAIN.format(run=run, data=dataset, steps=2))
+    run.mkdir()
+    filler = disk / "filler"
+    fill(filler)
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in run.iterdir()}
+    r = run_cmd([sys.executable, "-m", "hpctrain", "train", "--config", cfg], timeout=120)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert len(errors) == 1 and str(run / ".hpctrain.lock") in errors[0], r.stderr
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in run.iterdir()} == before
+    filler.unlink()
+    r = run_cmd([sys.executable, "-m", "hpctrain", "train", "--config", cfg], timeout=120)
+    assert r.returncode == 0 and "took over" not in r.stderr, r.stderr[-3000:]
