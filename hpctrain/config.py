@@ -8,6 +8,7 @@ never import torch or touch the filesystem beyond reading the TOML file.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import typing
 from typing import Literal
@@ -60,13 +61,18 @@ def _coerce(key: str, value, typ: type):
             except ValueError:
                 pass
     elif typ is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None and not math.isfinite(number):  # no key means nan or inf
+            raise ConfigError(f"config key '{key}': {value!r} is not a finite number")
+        if number is not None:
+            return number
     elif typ is str:
         if isinstance(value, str):
             return value
@@ -165,6 +171,11 @@ def read_raw(path: str | Path | None, overrides: list[str] | None = None
             raw = tomllib.loads(path.read_text())
         except FileNotFoundError:
             raise ConfigError(f"{path}: config file not found") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {e.start} is 0x{e.object[e.start]:02x}); "
+                              f"a TOML config must be UTF-8") from None
+        except OSError as e:  # a directory, no permission
+            raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: invalid TOML ({e})") from None
     cli_keys = set()

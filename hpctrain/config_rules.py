@@ -19,12 +19,9 @@ if TYPE_CHECKING:
 def validate(cfg: Config) -> None:
     """Raise ConfigError naming the first key whose value breaks a rule."""
     m, t = cfg.model, cfg.train
-    _check(m.n_layer >= 1, "model.n_layer", "must be >= 1")
-    _check(m.n_head >= 1 and m.n_embd % m.n_head == 0, "model.n_head",
-           f"n_embd={m.n_embd} must be divisible by n_head={m.n_head}")
-    _check(m.block_size >= 1, "model.block_size", "must be >= 1")
-    _check(0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)")
+    _validate_model(m)
     _check(t.steps >= 1, "train.steps", "must be >= 1")
+    _check(t.seed >= 0, "train.seed", "must be >= 0")
     _check(0 <= t.stop_at_step <= t.steps, "train.stop_at_step", f"must be in [0, train.steps={t.steps}]")
     _check(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
     _check(t.grad_accum >= 1, "train.grad_accum", "must be >= 1")
@@ -59,9 +56,44 @@ def validate(cfg: Config) -> None:
     _check(0.0 <= t.momentum < 1.0, "train.momentum", "must be in [0, 1)")
     _check(not t.nesterov or (t.optimizer == "sgd" and t.momentum > 0), "train.nesterov",
            "needs train.optimizer = 'sgd' and train.momentum > 0")
+    _check(cfg.dist.timeout_s > 0, "dist.timeout_s", "must be > 0")
+    _validate_optimizer(t)
+    _validate_intervals(t)
     _validate_sync(cfg.sync, cfg.parallel)
     _validate_parallel(cfg.parallel, m, t.compile)
     _validate_slurm(cfg.slurm)
+
+
+# The largest train.lr accepted: AdamW moves every weight by about lr per step, so above this a
+# run diverges in its first step whatever the model; larger values are typos (3e3 for 3e-3).
+MAX_LR = 10.0
+
+
+def _validate_model(m: ModelConfig) -> None:
+    _check(m.n_layer >= 1, "model.n_layer", "must be >= 1")
+    _check(m.n_embd >= 1, "model.n_embd", "must be >= 1")
+    _check(m.n_head >= 1 and m.n_embd % m.n_head == 0, "model.n_head",
+           f"n_embd={m.n_embd} must be divisible by n_head={m.n_head}")
+    _check(m.block_size >= 1, "model.block_size", "must be >= 1")
+    _check(m.vocab_size >= 1, "model.vocab_size", "must be >= 1")
+    _check(0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)")
+
+
+def _validate_optimizer(t: TrainConfig) -> None:
+    """The learning-rate schedule and the optimizer's hyper-parameters (torch would refuse most of
+    these only at the first step, with a traceback)."""
+    _check(0 < t.lr <= MAX_LR, "train.lr", f"{t.lr}: must be in (0, {MAX_LR:g}]")
+    _check(t.min_lr >= 0, "train.min_lr", f"{t.min_lr}: must be >= 0")
+    _check(0.0 <= t.beta1 < 1.0, "train.beta1", f"{t.beta1}: must be in [0, 1)")
+    _check(0.0 <= t.beta2 < 1.0, "train.beta2", f"{t.beta2}: must be in [0, 1)")
+    _check(t.weight_decay >= 0, "train.weight_decay", f"{t.weight_decay}: must be >= 0")
+    _check(t.grad_clip >= 0, "train.grad_clip", f"{t.grad_clip}: must be >= 0 (0 = off)")
+
+
+def _validate_intervals(t: TrainConfig) -> None:
+    _check(t.eval_interval >= 0, "train.eval_interval", f"{t.eval_interval}: must be >= 0 (0 = never)")
+    _check(t.eval_batches >= 1, "train.eval_batches", f"{t.eval_batches}: must be >= 1")
+    _check(t.log_interval >= 1, "train.log_interval", f"{t.log_interval}: must be >= 1")
 
 
 def _validate_slurm(sl: SlurmConfig) -> None:

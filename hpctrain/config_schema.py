@@ -93,8 +93,12 @@ class TrainConfig:
     compile: bool = field(default=False, metadata={
         "help": "torch.compile the model (fuses elementwise ops: ~15% more tokens/s on CPU here, "
                 "docs/benchmarks.md); costs 10-30 s of compilation at start; not with parallel.pp > 1"})
-    lr: float = field(default=1e-3, metadata={"help": "peak learning rate"})
-    min_lr: float = field(default=1e-4, metadata={"help": "learning rate at the end of cosine decay"})
+    lr: float = field(default=1e-3, metadata={
+        "help": "peak learning rate, in (0, 10] (AdamW moves each weight by ~lr per step: above 10 "
+                "a run diverges at once, so a larger value is a typo such as 3e3 for 3e-3)"})
+    min_lr: float = field(default=1e-4, metadata={
+        "help": "learning rate at the end of cosine decay; above train.lr it is taken as train.lr "
+                "(a constant rate after warmup: a search over train.lr may keep one min_lr)"})
     warmup_steps: int = field(default=10, metadata={"help": "linear warmup steps"})
     weight_decay: float = field(default=0.1, metadata={"help": "AdamW decoupled weight decay (matrices only)"})
     beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
@@ -103,7 +107,7 @@ class TrainConfig:
         "help": "adamw | sgd (plain SGD with train.momentum; the inner optimizer under sync.mode)"})
     momentum: float = field(default=0.0, metadata={"help": "with optimizer = 'sgd': momentum (0 = none)"})
     nesterov: bool = field(default=False, metadata={"help": "with optimizer = 'sgd' and momentum > 0: Nesterov momentum"})
-    grad_clip: float = field(default=1.0, metadata={"help": "clip global grad norm to this (0 = off)"})
+    grad_clip: float = field(default=1.0, metadata={"help": "clip global grad norm to this (0 = off; < 0 is refused)"})
     eval_interval: int = field(default=50, metadata={"help": "validation every N steps and at the end (0 = never)"})
     eval_batches: int = field(default=8, metadata={"help": "micro-batches per rank per validation"})
     log_interval: int = field(default=10, metadata={"help": "print a progress line every N steps (rank 0)"})

@@ -89,9 +89,25 @@ def to_hf_gpt2(sd: dict, m: dict) -> tuple[dict, dict]:
     return out, config
 
 
-def export_hf(checkpoint: str | Path, output: str | Path) -> Path:
+# The files an export writes; with --force they are replaced, nothing else in the folder is touched
+EXPORT_FILES = ("config.json", "model.safetensors")
+
+
+def check_output(out: Path, force: bool) -> None:
+    """Refuse a folder that holds anything (a user's files, another model) unless --force."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: exists and is not a folder; give --output a new or empty folder")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held and not force:
+        more = f" (+{len(held) - 3} more)" if len(held) > 3 else ""
+        raise UserError(f"{out}: not empty (holds {', '.join(held[:3])}{more}); export into a new "
+                        f"or empty folder, or pass --force to replace its {' and '.join(EXPORT_FILES)}")
+
+
+def export_hf(checkpoint: str | Path, output: str | Path, force: bool = False) -> Path:
     from safetensors.torch import save_file
 
+    check_output(Path(output), force)
     ckpt = find_checkpoint(checkpoint)
     sd, model_cfg = load_model_state(ckpt)
     tensors, config = to_hf_gpt2(sd, model_cfg)
@@ -112,9 +128,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--checkpoint", required=True,
                         help="step_N directory, checkpoint root or run directory (newest intact)")
     parser.add_argument("--format", default="hf", choices=["hf"], help="hf: Hugging Face GPT-2")
-    parser.add_argument("--output", required=True, help="output folder")
+    parser.add_argument("--output", required=True, help="output folder (new or empty)")
+    parser.add_argument("--force", action="store_true",
+                        help="export into a folder that is not empty: replace its config.json and "
+                             "model.safetensors (other files stay)")
     args = parser.parse_args(argv)
-    export_hf(args.checkpoint, args.output)
+    export_hf(args.checkpoint, args.output, args.force)
     return 0
 
 

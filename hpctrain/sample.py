@@ -7,6 +7,7 @@ goes through the checkpoint manager (verified, never unpickled).
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 import torch
@@ -34,6 +35,17 @@ def _print_real_words(text: str, dataset: str) -> None:
           f"the training text of {dataset}")
 
 
+def _check_args(args) -> None:
+    """One UserError naming the flag, before anything is loaded."""
+    if args.tokens < 1:
+        raise UserError(f"sample --tokens {args.tokens}: must be >= 1 (tokens to generate)")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise UserError(f"sample --temperature {args.temperature}: must be a finite number >= 0 "
+                        f"(0 = greedy)")
+    if args.top_k < 0:
+        raise UserError(f"sample --top-k {args.top_k}: must be >= 0 (0 = every token)")
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hpctrain sample",
                                      description="Generate text from a trained checkpoint.")
@@ -48,6 +60,7 @@ def main(argv: list[str]) -> int:
                         help="also print the fraction of sampled words (letters only, >= 3 letters) "
                              "found in DATASET's training text: how much of the sample is real words")
     args = parser.parse_args(argv)
+    _check_args(args)
 
     from data_tools.tokenizers import get_tokenizer
     from hpctrain.checkpoint import CheckpointManager, disk_format

@@ -59,7 +59,36 @@ def read_trainer_state(ckpt: Path) -> dict:
         raise CheckpointError(f"{Path(ckpt) / TRAINER_STATE_FILE} unreadable ({e})") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{Path(ckpt) / TRAINER_STATE_FILE} is not a JSON object")
-    return upgrade_trainer_state(state)
+    state = upgrade_trainer_state(state)
+    problem = state_problem(state)
+    if problem:
+        raise CheckpointError(f"{Path(ckpt) / TRAINER_STATE_FILE}: {problem} (a damaged or "
+                              f"hand-edited checkpoint; resume from an older one)")
+    return state
+
+
+# Counters of the JSON state that must be integers >= 0: {entry: keys} (a key may be absent)
+_COUNTERS = {"trainer": ("step", "world_size"),
+             "sampler": ("seed", "epoch", "position", "n_samples", "global_batch")}
+
+
+def state_problem(state: dict) -> str | None:
+    """What is wrong with the step and data position of a JSON state ({name: ...}), or None: every
+    counter an integer >= 0, the sampler's position inside its dataset. A checksum proves the file
+    is the one saved, not that what was saved (or edited and re-hashed) can be resumed."""
+    for entry, keys in _COUNTERS.items():
+        values = state.get(entry)
+        if entry in state and not isinstance(values, dict):
+            return f"'{entry}' is not a JSON object"
+        for key in keys if values else ():
+            v = values.get(key, 0)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                return f"'{entry}.{key}' is {v!r}, not an integer >= 0"
+    sampler = state.get("sampler") or {}
+    if "n_samples" in sampler and sampler.get("position", 0) > sampler["n_samples"]:
+        return (f"'sampler.position' {sampler['position']} is past the dataset's "
+                f"{sampler['n_samples']} samples")
+    return None
 
 
 def step_dir_name(step: int) -> str:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from hpctrain.errors import ConfigError
+
 from .block_order import BlockOrder
 
 SHUFFLES = ("global", "block")
@@ -36,9 +38,11 @@ class GlobalSampler:
         if seed < 0:
             raise ValueError(f"seed must be >= 0, got {seed}")
         if n_samples < global_batch:
-            raise ValueError(f"global_batch {global_batch} is larger than the dataset's "
-                             f"{n_samples} samples: 0 optimizer steps per epoch (use a smaller "
-                             f"batch or block_size, or more data)")
+            raise ConfigError(f"config key 'train.micro_batch_size': the global batch "
+                              f"(micro_batch_size x grad_accum x dp) of {global_batch} sequences "
+                              f"is larger than the dataset's {n_samples} windows of "
+                              f"model.block_size + 1 tokens: not one optimizer step per epoch; use "
+                              f"a smaller batch or block_size, or more data")
         windows = [n_samples] if shard_windows is None else shard_windows
         self.shard_windows = np.asarray(windows, dtype=np.int64).ravel()
         if int(self.shard_windows.sum()) != n_samples:
@@ -185,6 +189,22 @@ class GlobalSampler:
             raise ValueError("sampler state is missing ['block_shards'] (saved with shuffle 'block')")
         self.seed, self.epoch, self.position = int(state["seed"]), int(state["epoch"]), position
         self._set_order(shuffle, int(state.get("block_shards", self.block_shards)))
+
+
+def check_same_dataset(sampler, saved: dict, data_path: str, where) -> None:
+    """A ConfigError naming data.path when checkpoint ``where``'s sample order (``saved``: its JSON
+    state) cannot continue on the configured dataset (another dataset, a re-sharded one, a blend
+    instead of a plain one); what the sampler's load_state_dict would refuse, before any tensor
+    is loaded."""
+    try:
+        sampler.copy().load_state_dict(saved.get("sampler", {}))
+    except ValueError as e:
+        was = saved.get("trainer", {}).get("config", {}).get("data", {}).get("path")
+        hint = (f"the dataset changed since {where} was saved" if was in (None, data_path) else
+                f"{where} was trained on {was}: set data.path = \"{was}\" to resume it")
+        raise ConfigError(f"config key 'data.path': {data_path} cannot continue the sample order "
+                          f"of checkpoint {where} ({e}); {hint}, or use a new run.dir to train on "
+                          f"{data_path}") from None
 
 
 def split_for_rank(indices, dp_rank: int, dp_size: int, micro_batch: int,

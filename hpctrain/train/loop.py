@@ -26,6 +26,7 @@ from hpctrain import config as config_mod
 from hpctrain.checkpoint import CheckpointManager
 from hpctrain.config import Config
 from hpctrain.config_rules import check_resume_batch, global_batch_line, resolve_grad_accum
+from hpctrain.data.sampler import check_same_dataset
 from hpctrain.distributed import DistContext
 from hpctrain.distributed.bootstrap import mpi_library
 from hpctrain.distributed.preempt import NONE, Preemption
@@ -140,6 +141,7 @@ class Trainer:
         _check_same_model(saved["trainer"]["config"]["model"], self.cfg.to_dict()["model"], path)
         states = self.checkpoint_states(saved)  # the sync strategy refuses another mode's first
         check_resume_batch(int(saved["sampler"]["global_batch"]), self.cfg.train, self.position.dp_size, path)
+        check_same_dataset(self.data.sampler, saved, self.cfg.data.path, path)
         self.ckpt.load_states(path, states)
         self.sync.after_load(self.step)
         log(self.ctx, f"resumed from {path} at step {self.step}")

@@ -28,12 +28,14 @@ def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
 
 
 def lr_at(step: int, t: TrainConfig) -> float:
-    """Learning rate for the optimizer step with 0-based index `step` (linear warmup, cosine decay)."""
+    """Learning rate for the optimizer step with 0-based index `step` (linear warmup, cosine decay
+    to min_lr; a min_lr above lr is taken as lr: the rate never rises after warmup)."""
     if step < t.warmup_steps:
         return t.lr * (step + 1) / t.warmup_steps
     span = max(1, t.steps - t.warmup_steps)
     progress = min(1.0, (step - t.warmup_steps) / span)
-    return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.lr - t.min_lr)
+    low = min(t.min_lr, t.lr)
+    return low + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.lr - low)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

