@@ -3,7 +3,8 @@ shard, blend, verify, inspect, stats, validate, train-tokenizer.
 
 Owns: argument parsing, help text, exit codes and one-line error reporting.
 Must never: contain data logic (it dispatches to shard.py / blend.py / verify.py) or print a
-traceback for an expected DataError.  Exit codes: 0 ok, 1 data problem, 2 usage error (argparse).
+traceback for an expected DataError.  Exit codes: 0 ok, 1 data problem, 2 usage error (argparse),
+3 a rank lost (heartbeat.py), 130 interrupted (SIGINT).
 """
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--min-chars", type=int, default=1, metavar="N",
                    help="with --filter: minimum characters after stripping whitespace (default 1)")
     s.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    _add_heartbeat_flag(s)
     b = sub.add_parser(
         "blend", help="mix sharded datasets by weight (a manifest only, no token copies)",
         description="Write OUTPUT/manifest.json describing a weighted mixture of datasets made by "
@@ -74,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="component dataset directories, each with a positive weight after the "
                         "last ':' (any scale, normalized: data/web:0.7 data/code:0.3, or 7 and 3; "
                         "fractions like 1/3 are exact)")
+    _add_heartbeat_flag(b)
     b.add_argument("--output", required=True, metavar="DIR",
                    help="blend directory; must be new, empty, or a previous blend (replaced)")
     b.add_argument("--seed", type=int, default=0, metavar="S",
@@ -112,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     va.add_argument("--input", nargs="+", required=True, metavar="PATH")
     va.add_argument("--min-chars", type=int, default=1, metavar="N",
                     help="minimum characters after stripping whitespace (default 1)")
+    _add_heartbeat_flag(va)
     tt = sub.add_parser("train-tokenizer", help="train a byte-level BPE on text (offline)",
                         description="Train a byte-level BPE (HF tokenizers) on the documents of "
                                     "--input (same rules and order as shard), with "
@@ -127,15 +131,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    comm = None
-    try:
+def _add_heartbeat_flag(parser) -> None:
+    from .heartbeat import DEFAULT_TIMEOUT_S
+
+    parser.add_argument("--heartbeat-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+                        help="under mpiexec: a rank silent for S seconds (dead, hung, unreachable) "
+                             "ends the job with one line naming it; 0 turns the heartbeat off "
+                             f"(default {DEFAULT_TIMEOUT_S:g})")
+
+
+MPI_COMMANDS = ("shard", "blend", "validate")  # under mpiexec: one job, watched by heartbeat.py
+_SHARD_LEFT = ("no partial dataset is left (a new one replaces --output only when complete; the "
+               "next run cleans the staging folder)")
+
+
+def _run_mpi_command(args, comm) -> None:
+    """shard (every rank works), blend (rank 0 writes, the others wait for its verdict) and
+    validate, under a heartbeat guard (nothing for one rank)."""
+    from .heartbeat import guarded
+    from .mpiutil import root_then_bcast
+
+    what = f"{args.command} --output {args.output}" if args.command != "validate" else "validate"
+    with guarded(comm, args.heartbeat_timeout, what,
+                 _SHARD_LEFT if args.command == "shard" else "nothing was changed"):
         if args.command == "shard":
-            from .mpiutil import get_comm
             from .shard import shard_dataset
 
-            comm = get_comm()
             shard_dataset(args.input, args.output, tokenizer=args.tokenizer,
                           shard_tokens=args.shard_tokens, val_fraction=args.val_fraction,
                           seed=args.seed, comm=comm, progress=not args.no_progress,
@@ -144,8 +165,34 @@ def main(argv=None) -> int:
         elif args.command == "blend":
             from .blend import blend_datasets, describe_blend, parse_input
 
-            blend_datasets([parse_input(spec) for spec in args.input], args.output, seed=args.seed)
-            print(describe_blend(args.output, tokens=args.tokens))
+            def write_blend():  # on rank 0; the manifest itself is not broadcast
+                blend_datasets([parse_input(spec) for spec in args.input], args.output,
+                               seed=args.seed)
+
+            root_then_bcast(comm, write_blend)
+            if comm.Get_rank() == 0:
+                print(describe_blend(args.output, tokens=args.tokens))
+        else:
+            from .documents import enumerate_documents
+            from .validate import describe_report, filter_documents
+
+            table = root_then_bcast(comm, enumerate_documents, args.input)
+            _, report = filter_documents(table, args.min_chars, comm)
+            if comm.Get_rank() == 0:
+                print(describe_report(report, args.min_chars))
+
+
+def main(argv=None) -> int:
+    from .heartbeat import EXIT_INTERRUPTED
+
+    args = build_parser().parse_args(argv)
+    comm = None
+    try:
+        if args.command in MPI_COMMANDS:
+            from .mpiutil import get_comm
+
+            comm = get_comm()
+            _run_mpi_command(args, comm)
         elif args.command == "verify":
             from .verify import verify_dataset
 
@@ -173,16 +220,6 @@ def main(argv=None) -> int:
 
             st = dataset_stats(args.dir)
             print(json.dumps(st, indent=2) if args.json else describe_stats(args.dir, st))
-        elif args.command == "validate":
-            from .documents import enumerate_documents
-            from .mpiutil import get_comm, root_then_bcast
-            from .validate import describe_report, filter_documents
-
-            comm = get_comm()
-            table = root_then_bcast(comm, enumerate_documents, args.input)
-            _, report = filter_documents(table, args.min_chars, comm)
-            if comm.Get_rank() == 0:
-                print(describe_report(report, args.min_chars))
         else:
             from .verify import describe_dataset
 
@@ -195,6 +232,10 @@ def main(argv=None) -> int:
         if comm is None or comm.Get_rank() == 0:
             print(e, file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # one rank (under mpiexec the heartbeat thread handles SIGINT)
+        print(f"error: interrupted (SIGINT) during {args.command}; nothing was changed",
+              file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     except OSError as e:  # a missing, truncated or unreadable file, a full or read-only disk
         if os.environ.get("HPCTRAIN_DEBUG"):
             traceback.print_exc()

@@ -138,3 +138,99 @@ def test_peak_memory_does_not_grow_with_the_corpus(tmp_path, ranks):
                            "--val-fraction", "0.01", "--no-progress"], timeout=300, check=True)
         peak[copies] = float(re.search(r"peak memory ([\d,]+) MB", r.stdout).group(1).replace(",", ""))
     assert peak[30] - peak[6] < 20, peak
+
+
+# ---- a rank that hangs, Ctrl-C (#30) -------------------------------------------------------------
+def _launch_shard(out, *extra):
+    """`mpiexec -n 2 ... shard` in its own session (a terminal's process group), started when the
+    staging folder appears: rank 0 has planned, rank 1 waits for the plan, no shard is written."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import BIN, mpiexec_path
+
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    proc = subprocess.Popen([mpiexec_path(), "-n", "2", sys.executable, "-m", "data_tools", "shard",
+                             "--input", *PLAYS, "--output", str(out), "--tokenizer", "gpt2",
+                             "--no-progress", *extra], start_new_session=True, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stage, t0 = out.parent / f".{out.name}.hpctrain-partial", time.monotonic()
+    while not stage.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() - t0 < 120, "the shard run did not start"
+        time.sleep(0.002)
+    return proc
+
+
+def _rank_pid(launcher: int, rank: int) -> int:
+    """The pid of rank ``rank`` below mpiexec (mpiexec -> hydra_pmi_proxy -> ranks)."""
+    from pathlib import Path
+
+    todo = [launcher]
+    while todo:
+        pid = todo.pop()
+        try:
+            if f"PMI_RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return pid
+            todo += [int(c) for t in os.listdir(f"/proc/{pid}/task")
+                     for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
+        except OSError:
+            continue
+    raise AssertionError(f"rank {rank} not found below {launcher}")
+
+
+def _end(proc, timeout):
+    import signal
+    import subprocess
+
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for rank in (0, 1):  # the ranks live in the proxy's session, not mpiexec's group
+            os.kill(_rank_pid(proc.pid, rank), signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"still running {timeout} s after the fault: {proc.communicate()}")
+    return proc.returncode, [ln for ln in err.splitlines() if "error:" in ln], out + err
+
+
+@pytest.mark.parametrize("frozen", [1, 0])
+def test_a_hung_rank_ends_the_job_naming_it(tmp_path, frozen):
+    """Rank 1 (or rank 0, the heartbeat's host) is SIGSTOPped mid-run: the job ends within
+    --heartbeat-timeout 3 + 2 intervals + launcher slack, exit 3, one line naming the rank and its
+    host; no dataset at --output, and the next run (cleaning the staging folder) succeeds."""
+    import signal
+    import socket
+    import time
+
+    out = tmp_path / "ds"
+    proc = _launch_shard(out, "--heartbeat-timeout", "3")
+    os.kill(_rank_pid(proc.pid, frozen), signal.SIGSTOP)
+    t_fault = time.monotonic()
+    rc, errors, text = _end(proc, timeout=60)
+    elapsed = time.monotonic() - t_fault
+    assert rc == 3 and 3 < elapsed < 3 + 2 * 0.3 + 0.5 + 5, (rc, elapsed, text[-3000:])
+    assert len(errors) == 1 and f"rank {frozen} on {socket.gethostname()} lost" in errors[0], text
+    assert "no heartbeat for 3 s" in errors[0] and "Traceback" not in text
+    assert not out.exists()
+    mpirun(2, ["-m", "data_tools", "shard", "--input", *PLAYS, "--output", out, "--tokenizer",
+               "gpt2", "--no-progress"], timeout=180, check=True)
+    assert sorted(os.listdir(tmp_path)) == ["ds"]
+    mpirun(1, ["-m", "data_tools", "verify", out], timeout=120, check=True)
+
+
+def test_ctrl_c_ends_the_job_with_one_line(tmp_path):
+    """SIGINT to the whole process group (a terminal's Ctrl-C reaches mpiexec and both ranks)
+    while rank 0 plans and rank 1 waits in MPI: exit 130, one `error: interrupted` line, no
+    KeyboardInterrupt traceback, nothing at --output."""
+    import signal
+
+    out = tmp_path / "ds"
+    proc = _launch_shard(out)
+    os.killpg(proc.pid, signal.SIGINT)
+    rc, errors, text = _end(proc, timeout=30)
+    assert rc == 130, (rc, text[-3000:])
+    assert len(errors) == 1 and errors[0].startswith("error: interrupted (SIGINT)"), text
+    assert f"--output {out}" in errors[0]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text
+    assert not out.exists()
