@@ -141,8 +141,8 @@ def _add_heartbeat_flag(parser) -> None:
 
 
 MPI_COMMANDS = ("shard", "blend", "validate")  # under mpiexec: one job, watched by heartbeat.py
-_SHARD_LEFT = ("no partial dataset is left (a new one replaces --output only when complete; the "
-               "next run cleans the staging folder)")
+_SHARD_LEFT = ("--output is never left partial (a new dataset replaces it only when complete; the "
+               "next run removes the partial folder)")
 
 
 def _run_mpi_command(args, comm) -> None:

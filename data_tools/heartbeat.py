@@ -151,7 +151,7 @@ class JobGuard:
     def _lost(self, r: int, why: str) -> None:
         on = f" on {self.hosts[r]}" if r < len(self.hosts) else ""
         # a silent rank 0 is named by rank 1 first; the others speak only if that Abort missed them
-        self._die(f"rank {r}{on} lost during {self.what}: {why}; {self.after}: run it again",
+        self._die(f"rank {r}{on} lost during {self.what}: {why}; {self.after}; run it again",
                   EXIT_PEER_LOST,
                   wait=max(0, self.rank - 1) * (2 * _GRACE_S + 1) if r == 0 else 0)
 

@@ -237,14 +237,24 @@ def test_interrupted_write_never_touches_the_old_dataset(tmp_path, corpus, monke
 
 
 # ---- two runs onto one --output (#30) ---------------------------------------------------------
-def _shard_proc(inputs, out):
+def _shard_proc(inputs, out, tokenizer="bytes"):
     import subprocess
     import sys
 
     return subprocess.Popen([sys.executable, "-m", "data_tools", "shard", "--input", *map(str, inputs),
-                             "--output", str(out), "--tokenizer", "bytes", "--shard-tokens",
+                             "--output", str(out), "--tokenizer", tokenizer, "--shard-tokens",
                              "200000", "--no-progress"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+
+
+def _when_staging_appears(proc, out):
+    import time
+
+    stage = out.parent / f".{out.name}.hpctrain-partial"
+    while not stage.exists():
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.002)
+    return stage
 
 
 def _refused_or_ok(proc, out) -> int:
@@ -260,15 +270,11 @@ def test_second_run_onto_a_busy_output_is_refused_and_changes_nothing(tmp_path):
     """Run A is frozen (SIGSTOP) mid-run holding the output's lock: run B onto the same output is
     refused in one line, A's staging folder survives, A then finishes and its dataset verifies."""
     import signal
-    import time
 
     plays = sorted(shakespeare_files())[:6]
     out = tmp_path / "ds"
     a = _shard_proc(plays, out)
-    stage = tmp_path / ".ds.hpctrain-partial"
-    while not stage.exists():
-        assert a.poll() is None, a.communicate()
-        time.sleep(0.002)
+    stage = _when_staging_appears(a, out)
     os.kill(a.pid, signal.SIGSTOP)
     try:
         b = _shard_proc(plays, out)
@@ -312,3 +318,19 @@ def test_blend_onto_a_locked_output_is_refused(tmp_path, corpus, capsys):
     assert err.count("\n") == 1 and not out.exists()
     assert main(["blend", "--input", f"{src}:1", "--output", str(out)]) == 0
     assert not [n for n in os.listdir(tmp_path) if "hpctrain-lock" in n]
+
+
+def test_ctrl_c_is_one_line_and_leaves_nothing(tmp_path):
+    """SIGINT to a single-process shard mid-run: exit 130, one `error: interrupted` line, no
+    traceback, no --output, no partial folder, no lock file."""
+    import signal
+
+    out = tmp_path / "ds"
+    proc = _shard_proc(sorted(shakespeare_files())[:6], out, tokenizer="gpt2")
+    _when_staging_appears(proc, out)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: interrupted (SIGINT)"), err
+    assert os.listdir(tmp_path) == []
