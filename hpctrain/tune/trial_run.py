@@ -5,7 +5,8 @@ then the base config, its overrides, the trial's values, its run directory), the
 (<run dir>/train.log), reporting every new validation loss of <run dir>/metrics.jsonl to the trial,
 stopping a pruned trial with USR1 (training commits a checkpoint at the next step and exits 75),
 passing a preemption on to the training the same way, and the trial's outcome told to the study.
-It must never ask for trials, requeue, or read Slurm's environment (search.py does).
+The training never outlives the worker (trial_process.py). It must never ask for trials, requeue,
+or read Slurm's environment (search.py does).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpctrain.errors import ConfigError
-from hpctrain.tune import space
+from hpctrain.tune import space, trial_process
 
 EXIT_PREEMPTED = 75  # hpctrain/distributed/preempt.py: stopped early, checkpoint committed
 POLL_S = 0.05  # reads only the bytes metrics.jsonl gained since the last poll: cheap at any length
@@ -66,13 +67,14 @@ def run_trial(trial, launch: Launch, run_dir: Path, stop_requested) -> TrialResu
     if stop_requested():  # preempted before the launch: a process signalled while it starts dies
         return TrialResult(PREEMPTED, None, last_step(run_dir / "metrics.jsonl"))
     run_dir.mkdir(parents=True, exist_ok=True)
+    trial_process.end_orphan(run_dir, str(run_dir))  # a killed worker's training, still running
     trial.set_user_attr("run_dir", str(run_dir))
     trial.set_user_attr("launches", int(trial.user_attrs.get("launches", 0)) + 1)
     args = launch.command(overrides)
     with open(run_dir / "train.log", "ab") as log:
         log.write(f"[tune] trial {trial.number}: {' '.join(args)}\n".encode())
         log.flush()
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = trial_process.start(args, log, str(run_dir))  # ends when this worker dies
         try:
             rc, asked = _watch(proc, trial, run_dir / "metrics.jsonl", stop_requested)
         finally:

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ import time
 import pytest
 
 from hpctrain import config
+from hpctrain.tune import trial_process
 from tests.conftest import BIN, ROOT, mpiexec_path, run_cmd
 from tests.slurm.conftest import last_step, losses
 from tests.tune_setup import STEPS, make_dataset, trials, write_study
@@ -89,3 +91,79 @@ def test_preempted_worker_resumes_its_trial_and_prunes_and_fails_others(tmp_path
         (0, "COMPLETE", STEPS), (1, "PRUNED", s1), (2, "FAIL", t2.user_attrs["steps"])], r.stdout
     got = config.load(best)
     assert (got.train.lr, got.debug.inject_nan_at_step) == (3e-3, 0)
+
+
+def test_a_killed_workers_training_ends_and_a_restarted_worker_finishes_the_trial(tmp_path, data):
+    """SIGKILL the worker mid-trial: its training (mpiexec and both ranks) ends within seconds,
+    by itself (the kernel's parent-death signal: checkpoint and exit); the restarted worker
+    resumes the trial from that checkpoint to its full steps (#30: the orphan trained on and the
+    restarted worker's relaunch was refused by the run lock, trial FAIL at 24 of 60 steps)."""
+    cfg, tune = write_study(tmp_path, data, [(3e-3, 0)], sleep=1.0)  # 16 steps: >= 16 s
+    run0 = tune.trial_dir(0)
+    proc = start_worker(cfg)
+    deadline = time.monotonic() + 120
+    while last_step(run0) < 3 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    rank0 = json.loads((run0 / ".hpctrain.lock").read_text())["pid"]
+    launched = trial_process.marked_processes(str(run0))
+    assert rank0 in launched and len(launched) == 4, launched  # mpiexec, its proxy, 2 ranks
+    proc.kill()
+    finish(proc)
+    t_kill = time.monotonic()
+    while trial_process.marked_processes(str(run0)) and time.monotonic() - t_kill < 30:
+        time.sleep(0.1)
+    gone_after = time.monotonic() - t_kill
+    stopped = last_step(run0)
+    assert trial_process.marked_processes(str(run0)) == [] and gone_after < 8, gone_after  # an orphan: >= 12 s more
+    assert 3 <= stopped <= 6 and (run0 / "checkpoints" / f"step_{stopped:08d}" / "COMMIT.json").is_file()
+
+    rc, out = finish(start_worker(cfg))
+    assert rc == 0, out
+    (t0,) = trials(tune)
+    assert (t0.state.name, t0.user_attrs["steps"], t0.user_attrs["launches"]) == ("COMPLETE", STEPS, 2)
+    assert sorted(losses(run0)) == list(range(1, STEPS + 1))  # resumed: every step once
+
+
+def test_a_restarted_worker_stops_a_live_orphan_of_its_trial_and_resumes(tmp_path, data):
+    """Trial 0 RUNNING, claimed by w0, whose process is gone, and its training still running under
+    mpiexec holding the run-directory lock (as a worker of an older version, without the parent-
+    death signal, left it): the restarted worker proves it is this trial's (the marker), stops it
+    with USR1 (checkpoint and exit), and resumes the trial to its end instead of being refused by
+    the run lock and recording FAIL."""
+    from hpctrain.tune.study import ask_new, open_study
+
+    cfg, tune = write_study(tmp_path, data, [(3e-3, 0)], sleep=0.5)
+    run0, trial = tune.trial_dir(0), ask_new(open_study(tune), tune)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    (tune.study_dir / "workers").mkdir()
+    (tune.study_dir / "workers" / "w0.json").write_text(json.dumps(
+        {"trial": 0, "worker": "w0", "host": socket.gethostname(), "pid": int(gone)}))
+    orphan = subprocess.Popen([mpiexec_path(), "-n", "2", *trial_process_command(cfg, trial, run0)],
+                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env=dict(os.environ, **{trial_process.MARKER_ENV: str(run0)}),
+                              start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while last_step(run0) < 2 and orphan.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        rank0 = json.loads((run0 / ".hpctrain.lock").read_text())["pid"]
+        rc, out = finish(start_worker(cfg))
+        assert orphan.wait(timeout=30) == 75  # stopped with a checkpoint, not killed
+    finally:
+        if orphan.poll() is None:
+            os.killpg(orphan.pid, signal.SIGKILL)
+            orphan.wait()
+    assert rc == 0, out
+    assert f"still runs: stopping it (USR1 to pid {rank0}" in out and "killing" not in out, out
+    (t0,) = trials(tune)
+    assert (t0.state.name, t0.user_attrs["steps"]) == ("COMPLETE", STEPS), out
+    assert re.search(r"resumed from \S+step_0*([3-9]|1\d) at step", (run0 / "train.log").read_text())
+    assert sorted(losses(run0)) == list(range(1, STEPS + 1))
+
+
+def trial_process_command(cfg, trial, run_dir):
+    from hpctrain.tune.trial_run import Launch
+
+    launch = Launch([], str(cfg), [])
+    return launch.command(launch.train_overrides(trial.params, run_dir))
