@@ -20,6 +20,7 @@ Must never: run an MPI collective from its thread (only Abort), or print a line 
 from __future__ import annotations
 
 import os
+import secrets
 import selectors
 import signal
 import socket
@@ -48,6 +49,8 @@ class JobGuard:
         self._done: set[int] = set()
         self._buf: dict = {}  # per connection: a partial line
         self._peer: dict = {}  # rank 0: connection -> the rank that said hello on it
+        self._names = {str(r) for r in range(1, self.size)}
+        self._token = None
         self._watch_sigint()
         self._sock = self._connect() if self.timeout > 0 else None
         self._thread = threading.Thread(target=self._run, name="data-tools-heartbeat", daemon=True)
@@ -68,11 +71,11 @@ class JobGuard:
         listener = None
         if self.rank == 0:
             listener = socket.create_server(("", 0), backlog=max(16, self.size))
-            addrs = _addresses(self.hosts[0])
-            port = listener.getsockname()[1]
+            addrs, port = _addresses(self.hosts[0]), listener.getsockname()[1]
+            self._token = secrets.token_hex(16)  # a hello must carry it: strangers are ignored
         else:
             addrs = port = None
-        addrs, port = self.comm.bcast((addrs, port), root=0)
+        addrs, port, self._token = self.comm.bcast((addrs, port, self._token), root=0)
         sock = None
         if self.rank:
             near = ["127.0.0.1"] if self.hosts[self.rank] == self.hosts[0] else []
@@ -89,7 +92,7 @@ class JobGuard:
         if self.rank == 0:
             self._sel.register(listener, selectors.EVENT_READ, "accept")
             return listener
-        sock.sendall(f"hello {self.rank}\n".encode())
+        sock.sendall(f"hello {self.rank} {self._token}\n".encode())
         self._sel.register(sock, selectors.EVENT_READ, "peer")
         self._last = {0: time.monotonic()}
         return sock
@@ -131,21 +134,29 @@ class JobGuard:
         except OSError:
             data = b""
         lines = (self._buf.pop(conn, b"") + data).split(b"\n")
-        self._buf[conn] = lines.pop()
-        peer = self._peer.get(conn, 0)
+        self._buf[conn] = lines.pop()[-256:]
+        # rank 0: a connection counts once it said hello with a rank of this job and the job's
+        # token (a port scan or another user is never taken for a rank); the others talk only to
+        # rank 0
+        peer = self._peer.get(conn) if self.rank == 0 else 0
         for line in lines:
             word, *rest = line.decode(errors="replace").split() or [""]
-            if word == "hello":
+            if word == "hello" and self.rank == 0 and rest[1:] == [self._token] and \
+                    rest[0] in self._names:
                 self._peer[conn] = peer = int(rest[0])
-            elif word == "done":
+            if peer is None:
+                continue
+            if word == "done":
                 self._done.add(peer)
-            if self.rank == 0 and word in ("hello", "beat"):
+            elif self.rank == 0:
                 conn.sendall(b"ok\n")
             self._last[peer] = time.monotonic()
         if not data:
             self._sel.unregister(conn)
+            self._buf.pop(conn, None)
             conn.close()
-            if peer not in self._done and not (self.rank and self._stopping.is_set()):
+            if peer is not None and peer not in self._done and not (
+                    self.rank and self._stopping.is_set()):
                 self._lost(peer, "its process ended or its heartbeat connection closed")
 
     def _lost(self, r: int, why: str) -> None:
