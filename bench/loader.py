@@ -5,7 +5,7 @@ Run:  python bench/loader.py [--tokens 64000000] [--batch 16] [--block 1024] [--
 Part 1 writes a dataset of random GPT-2-range token ids (4 HDF5 shards, the real writer) and a raw
 `.bin` of the same tokens, warms both in the page cache, then reads the SAME random windows of
 block+1 tokens into an int64 [B, block+1] batch with:
-  ours      hpctrain.data.TokenShards.batch (memmap at the HDF5 dataset offset)
+  ours      hpctrain.data.TokenShards.batch (one os.preadv per window at the dataset offset)
   memmap    np.memmap over the raw .bin, one slice copy per row into a preallocated int64 array
   nanoGPT   np.memmap + torch.stack of per-row astype(int64) (nanoGPT's get_batch)
 Part 2 trains configs/demo.toml on 2 ranks (mpiexec) through the node cache in /dev/shm and prints

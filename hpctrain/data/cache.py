@@ -1,16 +1,22 @@
 """Node-local shard cache: every shard is read from the parallel file system once per node.
 
-Owns: the per-node cache directory (``data.cache_dir``: auto = $SLURM_TMPDIR/$TMPDIR, ``{node}``
-placeholder, one sub-directory per pretend node under HPCTRAIN_RANKS_PER_NODE), its lock and crash
-leftovers, staging (copy from ``data.path`` under a temp name while hashing, sha256 checked against
-the manifest, HDF5 layout checked, rename), LRU eviction under ``data.cache_bytes``, the node
+Owns: the node's cache folder ``<cache_dir>/hpctrain-<uid>/<dataset key>`` (``data.cache_dir``:
+auto = $SLURM_TMPDIR/$TMPDIR, ``{node}`` placeholder, one sub-directory per pretend node under
+HPCTRAIN_RANKS_PER_NODE; opened by hpctrain.data.private_dir: a planted symlink or another
+user's folder is refused, and the node reads data.path), its lock and crash leftovers (files
+others could have written are removed, never reused), staging (hpctrain.data.staging: copy from
+``data.path`` while hashing, sha256 checked against the manifest, HDF5 layout and token range
+checked, rename), falling back to data.path for the rest of the run when the cache disk fills or
+turns read-only (one warning; the leader then verifies each shard on data.path instead of copying
+it), LRU eviction under ``data.cache_bytes``, the node
 leader's background thread that stages the shards of the next ``data.prefetch`` steps (the sampler
 order is a pure function of the step) and then, when they fit the budget, the shards of the next
 ``data.prefetch_blocks`` blocks of the block order (hpctrain.data.lookahead: held until read, so a
 block boundary finds its shards ready), the shared state file through which a node's ranks learn
 that a shard is ready and tell the leader which step they are on, and the cache counters.
 
-Must never: write to ``data.path``; let a rank read a shard that was not verified in this run;
+Must never: write to ``data.path``; follow a symlink or use a folder or file another user could
+have put or changed; let a rank read a shard that was not verified in this run;
 evict a shard needed by a step >= the slowest local rank's step (or a pinned validation shard);
 call MPI from the background thread (node_comm is used on the main thread, at start only); or
 decide the sample order.  Shared state is a plain file in the cache directory (no SysV/POSIX
@@ -20,9 +26,10 @@ from __future__ import annotations
 
 import atexit
 import fcntl
-import hashlib
 import json
 import os
+import socket
+import stat
 import sys
 import threading
 import time
@@ -33,41 +40,21 @@ from data_tools.format import (CACHED_SHARD_RE, TMP_PREFIX, DataError, open_shar
                                sha256_file)
 
 from .lookahead import BlockLookahead
-from .shards import check_token_range
+from .private_dir import (UnsafeDir, dataset_key, open_private_dir, resolve_cache_dir,  # noqa: F401
+                          trusted_file, user_root_name)
+from .shards import check_file_token_range
+from .staging import CacheWriteFailed, check_copy, copy_and_hash, unlink_quietly, write_file
 
 STATE, LOCK, STATS, ERROR = "state.bin", "lock", "stats.json", "error.txt"
 _HDR = 4  # state.bin int64 words: magic, error flag, n_local, n_shards; then progress, ready
 _MAGIC = 0x68706374726E  # "hpctrn"
-COPY_BUF = 8 << 20
+SHARED = 1 << 48  # in ready[i]: the leader verified shard i on data.path (the cache is full)
 
 
 class CacheUnavailable(DataError):
-    """The node's cache directory cannot be written or has no room for a shard: that node's ranks
-    read the parallel file system instead (a warning, not an error)."""
-
-
-def resolve_cache_dir(setting: str, node_rank: int) -> str | None:
-    """The node's cache root for ``data.cache_dir`` (None = cache off)."""
-    if setting == "auto":
-        base = os.environ.get("SLURM_TMPDIR") or os.environ.get("TMPDIR") or ""
-    else:
-        base = "" if setting in ("", "off", "none") else setting
-    if not base:
-        return None
-    if "{node}" in base:
-        return base.replace("{node}", str(node_rank))
-    if os.environ.get("HPCTRAIN_RANKS_PER_NODE"):  # pretend nodes share a disk: one dir each
-        return os.path.join(base, f"node{node_rank}")
-    return base
-
-
-def dataset_key(data_path: str) -> str:
-    """Cache sub-directory name: a hash of the dataset's real path and manifest bytes (another
-    dataset, a re-sharded one, or a copy elsewhere = another directory)."""
-    h = hashlib.sha256(os.path.realpath(data_path).encode() + b"\0")
-    with open(os.path.join(data_path, "manifest.json"), "rb") as f:
-        h.update(f.read())
-    return "hpctrain-" + h.hexdigest()[:16]
+    """The node's cache directory cannot be written, has no room for a shard, or is not safe to
+    use (hpctrain.data.private_dir): that node's ranks read the parallel file system instead (a
+    warning, not an error)."""
 
 
 class NodeCache:
@@ -79,7 +66,8 @@ class NodeCache:
     def __init__(self, root: str, data_path: str, manifest: dict, node_comm, budget: int = 0,
                  prefetch: int = 4, timeout_s: float = 300.0, prefetch_blocks: int = 1):
         self.data_path, self.manifest, self.entries = data_path, manifest, manifest["shards"]
-        self.dir = os.path.join(root, dataset_key(data_path))
+        self.root, self.dir_fd = root, None
+        self.dir = os.path.join(root, user_root_name(), dataset_key(data_path))
         self.local_rank, self.n_local = node_comm.Get_rank(), node_comm.Get_size()
         self.leader = self.local_rank == 0
         self.prefetch, self.timeout_s = max(0, int(prefetch)), float(timeout_s)
@@ -91,17 +79,22 @@ class NodeCache:
                      "lookahead": 0}
         self.copies_per_shard: dict[str, int] = {}
         self.thread, self._stop, self._lock_fd = None, threading.Event(), None
+        self.shared_only, self._error = False, None  # shared_only: staging stopped (disk full)
         err = None
         if self.leader:
             try:
                 self.budget = self._prepare(int(budget), n)
+            except UnsafeDir as e:  # a planted symlink, another user's folder: fall back
+                err = (CacheUnavailable, str(e))
             except OSError as e:  # full, read-only or not ours: fall back, do not fail
                 err = (CacheUnavailable, f"{self.dir}: {e.strerror or e}")
             except Exception as e:  # noqa: BLE001 - shared below so no rank hangs in the barrier
                 err = (DataError, str(e) if isinstance(e, DataError) else f"{self.dir}: cache unusable ({e})")
-            if err and err[0] is CacheUnavailable and self._lock_fd is not None:
-                os.close(self._lock_fd)
-                self._lock_fd = None
+            if err and err[0] is CacheUnavailable:
+                for fd in (self._lock_fd, self.dir_fd):
+                    if fd is not None:
+                        os.close(fd)
+                self._lock_fd = self.dir_fd = None
         err = node_comm.bcast(err, root=0)
         if err:
             raise err[0](err[1])
@@ -113,25 +106,29 @@ class NodeCache:
 
     # ---- leader: directory, lock, leftovers --------------------------------------------------
     def _prepare(self, budget: int, n: int) -> int:
-        os.makedirs(self.dir, exist_ok=True)
-        self._lock_fd = os.open(os.path.join(self.dir, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+        self.dir_fd, _ = open_private_dir(self.root, [user_root_name(), os.path.basename(self.dir)])
+        self._lock_fd = os.open(LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                                dir_fd=self.dir_fd)
         try:  # an flock dies with its process: a kill -9 never leaves a stale lock
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             raise DataError(self.dir, "node cache in use by another running job; set "
                                       "data.cache_dir to another directory") from None
         self.unverified, used = {}, 0
-        for name in os.listdir(self.dir):
-            full = os.path.join(self.dir, name)
+        for name in os.listdir(self.dir_fd):
             if name in (LOCK, STATS):
                 continue
-            if name in self.index:  # left by an earlier run: checked again before first use
+            if not trusted_file(self.dir_fd, name):  # a symlink, or writable by others: never used
+                st = os.stat(name, dir_fd=self.dir_fd, follow_symlinks=False)
+                if not stat.S_ISDIR(st.st_mode):
+                    os.unlink(name, dir_fd=self.dir_fd)
+            elif name in self.index:  # left by an earlier run: checked again before first use
                 self.unverified[self.index[name]] = None
-                used += os.path.getsize(full)
+                used += os.stat(name, dir_fd=self.dir_fd).st_size
             elif (name.startswith(TMP_PREFIX) or name in (STATE, ERROR)
                   or CACHED_SHARD_RE.match(name)):
-                os.unlink(full)  # a crash's temp file, old state, or a shard of no interest
-        st = os.statvfs(self.dir)
+                os.unlink(name, dir_fd=self.dir_fd)  # a crash's temp file, old state, stale shard
+        st = os.statvfs(self.dir_fd)
         room = st.f_bavail * st.f_frsize + used
         if budget <= 0:  # auto: 90% of what the file system can hold for us
             budget = int(0.9 * room)
@@ -140,18 +137,28 @@ class NodeCache:
             raise OSError(28, f"no room for a shard ({room} bytes free, the largest needs {largest})")
         self.used = used
         self.lru: dict[int, int] = {i: -1 for i in self.unverified}  # shard -> last step needed
-        tmp = os.path.join(self.dir, f"{TMP_PREFIX}{os.getpid()}-{STATE}")
         state = np.zeros(_HDR + self.n_local + n, dtype=np.int64)
         state[:_HDR] = (_MAGIC, 0, self.n_local, n)
         state[_HDR:_HDR + self.n_local] = -1
-        state.tofile(tmp)
-        os.replace(tmp, os.path.join(self.dir, STATE))
+        write_file(self.dir_fd, STATE, state.tobytes())
+        self.budget = budget
         self._write_stats()
         return budget
 
     # ---- every rank ----------------------------------------------------------------------------
     def path_of(self, i: int) -> str:
         return os.path.join(self.dir, self.entries[i]["file"])
+
+    def source_of(self, i: int) -> str:
+        """Shard ``i`` on data.path (a blend's shards: in their component, "src")."""
+        e = self.entries[i]
+        return e.get("src") or os.path.join(self.data_path, e["file"])
+
+    def _located(self, i: int, ready: int) -> tuple[str, int]:
+        """(path, token offset) from ``ready[i]``: the cached copy, or data.path's (SHARED)."""
+        if ready & SHARED:
+            return self.source_of(i), ready & ~SHARED
+        return self.path_of(i), ready
 
     def publish(self, k: int) -> None:
         """This rank is about to read the batch of step ``k`` (monotonic)."""
@@ -162,7 +169,7 @@ class NodeCache:
         off = int(self.ready[i])
         if off > 0:
             self.counts["hits"] += 1
-            return self.path_of(i), off
+            return self._located(i, off)
         self.counts["misses"] += 1
         t0 = time.perf_counter()
         delay = 0.0005
@@ -176,9 +183,11 @@ class NodeCache:
         self.counts["wait_s"] += time.perf_counter() - t0
         if off <= 0 or self.state[1]:
             raise DataError(self._error_message())
-        return self.path_of(i), off
+        return self._located(i, off)
 
     def _error_message(self) -> str:
+        if self._error:  # the leader's own thread failed: no need for the file
+            return self._error
         try:
             with open(os.path.join(self.dir, ERROR), encoding="utf-8") as f:
                 return f.read().strip() or f"{self.dir}: node cache failed"
@@ -236,9 +245,12 @@ class NodeCache:
                 if not self.work():
                     time.sleep(0.002)
         except BaseException as e:  # noqa: BLE001 - handed to every rank of the node
-            msg = str(e) if isinstance(e, DataError) else f"{self.dir}: staging failed: {e!r}"
-            with open(os.path.join(self.dir, ERROR), "w", encoding="utf-8") as f:
-                f.write(msg + "\n")
+            self._error = (str(e) if isinstance(e, DataError)
+                           else f"{self.dir}: staging failed: {e!r}")
+            try:  # the other ranks read it; where it cannot be written they say less
+                write_file(self.dir_fd, ERROR, (self._error + "\n").encode())
+            except OSError:
+                pass
             self.state[1] = 1
 
     def stage_pinned(self) -> None:
@@ -291,7 +303,7 @@ class NodeCache:
             self.lru.pop(i, None)
             self.lru[i] = step
             return True
-        size = self.entries[i]["bytes"] if i not in self.unverified else 0
+        size = self.entries[i]["bytes"] if i not in self.unverified and not self.shared_only else 0
         while self.used + size > self.budget:
             victim = next((j for j in self.lru if j not in protect and j != i), None)
             if victim is None:
@@ -310,12 +322,14 @@ class NodeCache:
 
     def _evict(self, j: int) -> None:
         self.ready[j] = 0
-        path = self.path_of(j)
-        self.used -= os.path.getsize(path) if os.path.exists(path) else 0
+        name = self.entries[j]["file"]
+        try:
+            self.used -= os.stat(name, dir_fd=self.dir_fd, follow_symlinks=False).st_size
+            os.unlink(name, dir_fd=self.dir_fd)
+        except FileNotFoundError:  # verified on data.path (SHARED): nothing in the cache
+            pass
         self.unverified.pop(j, None)
         self.lru.pop(j, None)
-        if os.path.exists(path):
-            os.unlink(path)
         self.node["evictions"] += 1
         self._write_stats()
 
@@ -323,60 +337,64 @@ class NodeCache:
         e = self.entries[i]
         # A blend's shards live in its components: data_manifest gives each a "src" path and a
         # cache name "c<component>-<file>", so components never collide in one cache directory.
-        dst, src = self.path_of(i), e.get("src") or os.path.join(self.data_path, e["file"])
+        dst, src = self.path_of(i), self.source_of(i)
         if i in self.unverified:  # from an earlier run: trust it only after a full check
             del self.unverified[i]
-            ok = os.path.getsize(dst) == e["bytes"] and sha256_file(dst) == e["sha256"]
-            if ok:
+            if os.path.getsize(dst) == e["bytes"] and sha256_file(dst) == e["sha256"]:
                 self.node["reused"] += 1
                 self.ready[i] = self._checked_offset(dst, e, dst)
                 self._write_stats()
                 return
             self.used -= os.path.getsize(dst)
-            os.unlink(dst)
+            os.unlink(e["file"], dir_fd=self.dir_fd)
             self.node["refetched"] += 1
-        tmp = os.path.join(self.dir, f"{TMP_PREFIX}{os.getpid()}-{e['file']}")
-        h, n = hashlib.sha256(), 0
-        try:
-            with open(src, "rb", buffering=0) as fin, open(tmp, "wb", buffering=0) as fout:
-                buf = bytearray(COPY_BUF)
-                view = memoryview(buf)
-                while True:
-                    got = fin.readinto(buf)
-                    if not got:
-                        break
-                    h.update(view[:got])
-                    fout.write(view[:got])
-                    n += got
-        except FileNotFoundError:
-            raise DataError(src, "missing (listed in manifest)") from None
-        if n != e["bytes"] or h.hexdigest() != e["sha256"]:
-            os.unlink(tmp)
-            what = (f"truncated ({n} bytes, manifest says {e['bytes']})" if n < e["bytes"] else
-                    f"sha256 mismatch (manifest {e['sha256'][:12]}…, file {h.hexdigest()[:12]}…)")
-            raise DataError(src, what + " while staging into the node cache")
-        os.replace(tmp, dst)
-        self.used += n
+        tmp = f"{TMP_PREFIX}{os.getpid()}-{e['file']}"
+        if not self.shared_only:
+            try:
+                check_copy(src, e, *copy_and_hash(src, self.dir_fd, tmp))
+                os.replace(tmp, e["file"], src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+            except CacheWriteFailed as err:
+                self._fall_back(str(err))
+            except BaseException:
+                unlink_quietly(self.dir_fd, tmp)
+                raise
+        if self.shared_only:  # no room (or read-only): check data.path's shard, read it there
+            check_copy(src, e, *copy_and_hash(src, self.dir_fd, None))
+            self.ready[i] = self._checked_offset(src, e, src) | SHARED
+            return
+        self.used += e["bytes"]
         offset = self._checked_offset(dst, e, src)
         self.node["copies"] += 1
-        self.node["bytes_staged"] += n
+        self.node["bytes_staged"] += e["bytes"]
         self.copies_per_shard[e["file"]] = self.copies_per_shard.get(e["file"], 0) + 1
         self.ready[i] = offset
         self._write_stats()
+
+    def _fall_back(self, reason: str) -> None:
+        """Staging stops for good (the cache disk is full or read-only): one warning; shards not
+        yet staged are verified on data.path and read there."""
+        if not self.shared_only:
+            self.shared_only = True
+            print(f"warning: node {socket.gethostname()}: node cache {self.dir}: {reason}; its "
+                  f"ranks read {self.data_path} on the shared file system from now on",
+                  file=sys.stderr, flush=True)
 
     def _checked_offset(self, path: str, e: dict, name: str) -> int:
         """HDF5 attrs/layout against the manifest, then every token id < vocab_size (once per
         node, so readers need not check); returns the tokens' byte offset."""
         lay = open_shard_layout(path, e, self.manifest)
-        toks = np.memmap(path, dtype=lay.dtype, mode="r", offset=lay.offset, shape=(lay.n_tokens,))
-        check_token_range(toks, self.manifest["tokenizer"]["vocab_size"], name)
-        del toks
+        check_file_token_range(path, lay.offset, lay.n_tokens, lay.dtype,
+                               self.manifest["tokenizer"]["vocab_size"], name)
         return lay.offset
 
     def _write_stats(self) -> None:
-        """stats.json: this run's staging work on this node (copies per shard, counters)."""
-        tmp = os.path.join(self.dir, f"{TMP_PREFIX}{os.getpid()}-{STATS}")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"copies_per_shard": self.copies_per_shard, **self.node, "budget": self.budget
-                       if hasattr(self, "budget") else 0, "used": self.used}, f, sort_keys=True)
-        os.replace(tmp, os.path.join(self.dir, STATS))
+        """stats.json: this run's staging work on this node (copies per shard, counters); none
+        once staging stopped (nothing more is written into a full cache directory)."""
+        if self.shared_only:
+            return
+        data = json.dumps({"copies_per_shard": self.copies_per_shard, **self.node,
+                           "budget": getattr(self, "budget", 0), "used": self.used}, sort_keys=True)
+        try:
+            write_file(self.dir_fd, STATS, data.encode())
+        except OSError as err:
+            self._fall_back(f"cannot write {STATS} ({err.strerror or err})")

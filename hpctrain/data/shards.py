@@ -1,13 +1,15 @@
-"""Training-time reader of an hpctrain dataset: fixed-length windows from memory-mapped shards.
+"""Training-time reader of an hpctrain dataset: fixed-length windows read from the shards.
 
 Owns: the sample space — per shard, non-overlapping windows of block_size+1 tokens
 (window j of a shard covers tokens [j*T, j*T+T+1), never crossing a shard boundary), numbered
 globally in manifest order — and turning sample indices into tensors (from data.path, or from the
 node-local copies a ``hpctrain.data.cache.NodeCache`` hands out).
 
-Must never: write to the dataset, read whole files into memory (tokens are np.memmap views at
-the HDF5 dataset's byte offset; h5py is used only to validate attributes/layout), decide the
-sample ORDER (that is hpctrain.data.sampler), or talk to MPI.
+Must never: write to the dataset, read whole files into memory (each window is one os.preadv at
+the HDF5 dataset's byte offset; h5py is used only to validate attributes/layout), memory-map a
+shard (a file that shrinks under a memory map kills the process with SIGBUS, naming nothing: a
+short read here is a DataError naming the shard), decide the sample ORDER (that is
+hpctrain.data.sampler), or talk to MPI.
 """
 from __future__ import annotations
 
@@ -23,14 +25,48 @@ from data_tools.format import SPLITS, DataError, open_shard_layout, read_manifes
 SCAN = 1 << 24
 
 
-def check_token_range(tokens: np.ndarray, vocab_size: int, path: str) -> None:
-    """Raise DataError naming ``path`` if any id in ``tokens`` is >= vocab_size (chunked scan)."""
+def check_token_range(tokens: np.ndarray, vocab_size: int, path: str, first: int = 0) -> None:
+    """Raise DataError naming ``path`` if any id in ``tokens`` (positions ``first``, ``first``+1,
+    ... of the shard) is >= vocab_size (chunked scan)."""
     for a in range(0, tokens.size, SCAN):
         chunk = tokens[a:a + SCAN]
         if chunk.size and int(chunk.max()) >= vocab_size:
             j = a + int(np.argmax(chunk >= vocab_size))
-            raise DataError(path, f"token id {int(tokens[j])} at position {j} >= vocab_size "
-                                  f"{vocab_size}")
+            raise DataError(path, f"token id {int(tokens[j])} at position {first + j} >= "
+                                  f"vocab_size {vocab_size}")
+
+
+def pread_exact(fd: int, out: np.ndarray, at: int, path: str) -> None:
+    """Fill the contiguous array ``out`` from byte ``at`` of ``fd``; a file that ends early (cut
+    after it was verified) is a DataError naming ``path``, never a SIGBUS."""
+    view, done = memoryview(out).cast("B"), 0
+    while done < view.nbytes:
+        try:
+            got = os.preadv(fd, [view[done:]], at + done)
+        except OSError as e:
+            raise DataError(path, f"read failed at byte {at + done} ({e.strerror or e})") from None
+        if got == 0:
+            size = os.fstat(fd).st_size
+            raise DataError(path, f"ends at byte {size}, but a window needs bytes up to "
+                                  f"{at + view.nbytes}: the file shrank after it was verified; "
+                                  f"restore it and resume (a node-cache copy is checked again "
+                                  f"and fetched anew at the next start)")
+        done += got
+
+
+def check_file_token_range(path: str, offset: int, n_tokens: int, dtype, vocab_size: int,
+                           name: str) -> None:
+    """check_token_range over ``n_tokens`` tokens at byte ``offset`` of ``path``, read in chunks
+    (errors name ``name``)."""
+    dtype = np.dtype(dtype)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for a in range(0, n_tokens, SCAN):
+            chunk = np.empty(min(SCAN, n_tokens - a), dtype=dtype)
+            pread_exact(fd, chunk, offset + a * dtype.itemsize, name)
+            check_token_range(chunk, vocab_size, name, first=a)
+    finally:
+        os.close(fd)
 
 
 class TokenShards:
@@ -76,7 +112,7 @@ class TokenShards:
             raise DataError(mpath, f"split '{split}' has no window of block_size+1={T + 1} tokens "
                                    f"(largest shard has {int(self.shard_tokens.max())})")
         self.n_tokens = int(self.shard_tokens.sum())
-        self._maps: OrderedDict[int, np.memmap] = OrderedDict()
+        self._files: OrderedDict[int, tuple[int, int, str]] = OrderedDict()  # fd, offset, path
         # Shards whose token ids are known to be < vocab_size (verify's scan or the cache's).
         self._checked = set(range(len(entries))) if range_checked or cache is not None else set()
         self.max_open = max(1, int(max_open))
@@ -84,25 +120,29 @@ class TokenShards:
     def __len__(self) -> int:
         return self.n_samples
 
-    def _map(self, s: int) -> np.memmap:
-        """Memory map of shard ``s``'s tokens (LRU-bounded, so file descriptors stay bounded)."""
-        m = self._maps.get(s)
-        if m is None:
+    def _open(self, s: int) -> tuple[int, int, str]:
+        """(fd, tokens' byte offset, path) of shard ``s`` (LRU-bounded open files)."""
+        got = self._files.get(s)
+        if got is None:
             if self.cache is not None:
                 where, offset = self.cache.acquire(self.shard_ids[s])
             else:
                 where, offset = self.layouts[s].path, self.layouts[s].offset
             try:
-                m = np.memmap(where, dtype=self.dtype, mode="r", offset=offset,
-                              shape=(int(self.shard_tokens[s]),))
-            except (OSError, ValueError) as e:
-                raise DataError(where, f"cannot memory-map tokens ({e})") from None
-            self._maps[s] = m
-            while len(self._maps) > self.max_open:
-                self._maps.popitem(last=False)
+                fd = os.open(where, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as e:
+                raise DataError(where, f"cannot open ({e.strerror or e})") from None
+            got = self._files[s] = (fd, int(offset), where)
+            while len(self._files) > self.max_open:
+                os.close(self._files.popitem(last=False)[1][0])
         else:
-            self._maps.move_to_end(s)
-        return m
+            self._files.move_to_end(s)
+        return got
+
+    def _read(self, s: int, start: int, out: np.ndarray) -> None:
+        """Tokens ``start``, ``start``+1, ... of shard ``s`` into the contiguous array ``out``."""
+        fd, offset, where = self._open(s)
+        pread_exact(fd, out, offset + start * self.dtype.itemsize, where)
 
     def locate(self, idx: int) -> tuple[int, int]:
         """(shard number within the split, first token of the window in that shard)."""
@@ -117,12 +157,12 @@ class TokenShards:
         return np.asarray(self.shard_ids, dtype=np.int64)[s]
 
     def window(self, idx: int) -> np.ndarray:
-        """Tokens of sample ``idx``: a read-only (block_size+1,) view into the shard's memmap."""
+        """Tokens of sample ``idx``: a (block_size+1,) array of the shard's dtype."""
         s, start = self.locate(int(idx))
-        w = self._map(s)[start:start + self.block_size + 1]
+        w = np.empty(self.block_size + 1, dtype=self.dtype)
+        self._read(s, start, w)
         if self.cache is not None:
-            w = np.array(w)
-            self._maps.clear()
+            self.close()
         return w
 
     def batch(self, indices) -> torch.Tensor:
@@ -137,27 +177,49 @@ class TokenShards:
         W = self.block_size + 1
         shard = np.searchsorted(self.cum, indices, side="right") - 1
         starts = ((indices - self.cum[shard]) * self.block_size).tolist()
-        out = np.empty((indices.size, W), dtype=np.int64)
-        maps = {}
-        for row, (s, a) in enumerate(zip(shard.tolist(), starts)):
-            m = maps.get(s)
-            if m is None:  # a plain ndarray view: slicing it skips np.memmap's Python hooks
-                m = maps[s] = self._map(s).view(np.ndarray)
-            out[row] = m[a:a + W]
-            if s not in self._checked and int(out[row].max()) >= self.vocab_size:
-                j = int(np.argmax(out[row] >= self.vocab_size))
-                raise DataError(self.paths[s], f"token id {int(out[row, j])} at position "
-                                               f"{a + j} >= vocab_size {self.vocab_size}")
-        if self.cache is not None:  # cached copies may be evicted after this step: don't hold maps
-            self._maps.clear()
-        return torch.from_numpy(out)
+        raw = np.empty((indices.size, W), dtype=self.dtype)
+        shards = shard.tolist()
+        at = (indices - self.cum[shard]) * (self.block_size * self.dtype.itemsize)
+        try:
+            self._read_rows(raw, shards, at.tolist())
+        finally:
+            if self.cache is not None:  # cached copies may be evicted after this step
+                self.close()
+        if raw.size and not self._checked.issuperset(shards) and int(raw.max()) >= self.vocab_size:
+            self._range_error(raw, shard, indices)
+        return torch.from_numpy(raw.astype(np.int64))
+
+    def _range_error(self, raw: np.ndarray, shard: np.ndarray, indices: np.ndarray) -> None:
+        """The DataError of the first row of an unchecked shard with an id >= vocab_size."""
+        for row, s in enumerate(shard.tolist()):
+            if s not in self._checked:
+                a = int(indices[row] - self.cum[s]) * self.block_size
+                check_token_range(raw[row], self.vocab_size, self.paths[s], first=a)
+
+    def _read_rows(self, raw: np.ndarray, shards: list, at: list) -> None:
+        """Row r of ``raw`` <- shard ``shards[r]`` from byte ``at[r]`` of its tokens: one preadv
+        per row (the hot loop: nothing else per row, a short read takes the slow path)."""
+        files, preadv, want = {}, os.preadv, raw.shape[1] * self.dtype.itemsize
+        for row, s, a in zip(range(len(shards)), shards, at):
+            f = files.get(s)
+            if f is None:
+                f = files[s] = self._open(s)
+            if preadv(f[0], [raw[row]], f[1] + a) != want:
+                pread_exact(f[0], raw[row], f[1] + a, f[2])
 
     def eval_indices(self, total: int) -> np.ndarray:
         """A fixed evaluation set: ``total`` sample indices spread evenly over the split."""
         return np.linspace(0, self.n_samples - 1, int(total)).astype(np.int64)
 
     def close(self) -> None:
-        self._maps.clear()
+        while self._files:
+            os.close(self._files.popitem()[1][0])
+
+    def __del__(self):
+        try:
+            self.close()
+        except (AttributeError, OSError):  # half-built, or at interpreter exit
+            pass
 
     def __enter__(self):
         return self

@@ -65,7 +65,9 @@ def same(a, b):
 
 
 def node_stats(cache):
-    return [json.loads(p.read_text()) for p in sorted(Path(cache).glob("node*/hpctrain-*/stats.json"))]
+    """stats.json of each pretend node (<cache>/node<i>/hpctrain-<uid>/<dataset key>/)."""
+    found = sorted(Path(cache).glob("node*/hpctrain-*/hpctrain-*/stats.json"))
+    return [json.loads(p.read_text()) for p in found]
 
 
 def records(run):
@@ -164,7 +166,7 @@ def test_kill_9_while_staging_then_restart(tmp_path, dataset, reference):
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120
-        while time.time() < deadline and len(list(Path(cache).glob("node0/*/train_*.h5"))) < 2:
+        while time.time() < deadline and len(list(Path(cache).glob("node0/*/*/train_*.h5"))) < 2:
             time.sleep(0.02)  # kill while the leader is still staging train shards
     finally:
         job = descendants(p.pid)  # mpiexec, its proxy and the 4 ranks (own process groups)
@@ -175,7 +177,7 @@ def test_kill_9_while_staging_then_restart(tmp_path, dataset, reference):
                 pass
         p.wait(timeout=30)
     assert len(job) >= 4
-    node0 = next(Path(cache).glob("node0/hpctrain-*"))
+    node0 = next(Path(cache).glob("node0/hpctrain-*/hpctrain-*"))
     (node0 / ".tmp-999999-train_00001.h5").write_bytes(b"half a shard")  # a crash's leftover
     cached = sorted(node0.glob("train_*.h5"))
     assert cached, "the killed run staged nothing on node0"

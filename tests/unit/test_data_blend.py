@@ -318,7 +318,8 @@ def test_training_on_a_blend_resumes_exactly(parts_dir, tmp_path, block_shards):
         assert a[k]["loss"] == b[k]["loss"], (k, a[k]["loss"], b[k]["loss"])
     assert [a[k]["val_loss"] for k in (0, 2, 4)] == [b[k]["val_loss"] for k in (0, 2, 4)]
     assert a[4]["loss"] < a[1]["loss"] and a[1]["cache_copies"] > 0
-    staged = [f for d in (tmp_path / "cache").iterdir() for f in os.listdir(d) if f.endswith(".h5")]
+    staged = [f for d in (tmp_path / "cache").glob("hpctrain-*/*") for f in os.listdir(d)
+              if f.endswith(".h5")]
     assert {f.split("-")[0] for f in staged} == {"c0", "c1"}  # both components, no collisions
     states = [json.loads(p.read_text()) for p in (tmp_path / "resumed").rglob("trainer_state.json")]
     assert states and all((st["sampler"]["shuffle"], st["sampler"]["block_shards"])

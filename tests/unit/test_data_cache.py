@@ -1,7 +1,10 @@
 """NodeCache on one rank (a one-rank node: data_tools' SerialComm): staging, LRU eviction under
-the budget, a corrupt source shard, crash leftovers and the lock. Multi-node: tests/mpi."""
+the budget, a corrupt source shard, crash leftovers and the lock, folders and files under the
+cache directory that another user planted or can write (refused / fetched again). Multi-node:
+tests/mpi; whole training runs against a hostile or failing node: test_data_cache_faults.py."""
 import os
 import shutil
+import stat
 
 import numpy as np
 import pytest
@@ -9,7 +12,7 @@ import pytest
 from data_tools.format import DataError, read_manifest
 from data_tools.mpiutil import SerialComm
 from data_tools.shard import shard_dataset
-from hpctrain.data.cache import NodeCache, resolve_cache_dir
+from hpctrain.data.cache import CacheUnavailable, NodeCache, dataset_key, resolve_cache_dir
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +85,92 @@ def test_corrupt_source_leftovers_and_lock(dataset, tmp_path):
     assert not [f for f in os.listdir(d) if f.startswith(".tmp-")]
     assert run_steps(cache, [[0], [2]]) == [first_tokens(dataset, m, 0), first_tokens(dataset, m, 2)]
     assert cache.node["refetched"] == 1 and cache.copies_per_shard[m["shards"][0]["file"]] == 1
+
+
+OTHER_UID = 65534  # "nobody": another user of the node (root can chown to it)
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+
+
+@needs_root
+@pytest.mark.parametrize("case", ["others_user_root", "others_dataset_dir", "open_user_root"])
+def test_folder_of_another_user_or_writable_by_others_is_refused(dataset, tmp_path, case):
+    """<cache_dir>/hpctrain-<uid>/<key> pre-created mode 0777 (by uid 65534, or by us): the cache
+    refuses it (CacheUnavailable naming the folder and why) and writes nothing into it."""
+    m = read_manifest(str(dataset))
+    user_root = tmp_path / f"hpctrain-{os.geteuid()}"
+    target = user_root / dataset_key(str(dataset)) if case == "others_dataset_dir" else user_root
+    target.mkdir(parents=True)
+    (target / m["shards"][0]["file"]).write_bytes(b"planted")
+    os.chmod(user_root, 0o700)
+    os.chmod(target, 0o777)
+    if case.startswith("others"):
+        os.chown(target, OTHER_UID, OTHER_UID)
+    with pytest.raises(CacheUnavailable) as err:
+        NodeCache(str(tmp_path), str(dataset), m, SerialComm())
+    assert str(err.value).startswith(f"{target}: ")
+    assert (f"uid {OTHER_UID}" if case.startswith("others") else "mode 777") in str(err.value)
+    assert sorted(os.listdir(target)) == [m["shards"][0]["file"]]
+    assert (target / m["shards"][0]["file"]).read_bytes() == b"planted"
+
+
+@needs_root
+def test_cached_files_others_could_have_written_are_fetched_again(dataset, tmp_path):
+    """Files in our cache folder left by an earlier run: a world-writable shard, one owned by
+    another uid, and a symlink named like a shard (to a file of the dataset) are never used: the
+    cache fetches those three again, reuses only the intact file, and the symlink's target is
+    untouched."""
+    m = read_manifest(str(dataset))
+    names = [e["file"] for e in m["shards"][:4]]
+    cache = NodeCache(str(tmp_path), str(dataset), m, SerialComm(), prefetch=0)
+    run_steps(cache, [[0], [1], [2]])
+    os.close(cache._lock_fd)
+    d = cache.dir
+    os.chmod(os.path.join(d, names[0]), 0o666)
+    os.chown(os.path.join(d, names[1]), OTHER_UID, OTHER_UID)
+    target = os.path.join(dataset, names[3])
+    before = open(target, "rb").read()
+    os.symlink(target, os.path.join(d, names[3]))
+    cache = NodeCache(str(tmp_path), str(dataset), m, SerialComm(), prefetch=0)
+    assert run_steps(cache, [[0], [1], [2], [3]]) == [first_tokens(dataset, m, i) for i in range(4)]
+    assert cache.node["reused"] == 1 and sorted(cache.copies_per_shard) == sorted(
+        [names[0], names[1], names[3]])
+    for name in names:
+        st = os.lstat(os.path.join(d, name))
+        assert stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+        assert stat.S_IMODE(st.st_mode) == 0o600, (name, oct(st.st_mode))
+    assert open(target, "rb").read() == before
+    os.close(cache._lock_fd)
+
+
+@needs_root
+def test_disk_full_mid_run_reads_data_path_still_verified(dataset, tmp_path):
+    """A cache disk (real tmpfs) with room for 1.5 shards and a budget for all: the second shard
+    meets ENOSPC, the leader stops writing there (no temp file, no error.txt) and hands out
+    data.path's copy (verified: the third, corrupt there, is a DataError naming it)."""
+    from tests.unit.test_failure_table import Mounts
+
+    m = read_manifest(str(dataset))
+    src = tmp_path / "src"
+    shutil.copytree(dataset, src)
+    third = src / m["shards"][2]["file"]
+    data = bytearray(third.read_bytes())
+    data[-50] ^= 1
+    third.write_bytes(bytes(data))
+    mounts = Mounts()
+    try:
+        disk = mounts.tmpfs(tmp_path / "disk", f"{m['shards'][0]['bytes'] * 3 // 2 // 1024}k")
+        cache = NodeCache(str(disk), str(src), m, SerialComm(), budget=1 << 30, prefetch=0)
+        assert run_steps(cache, [[0], [1]]) == [first_tokens(dataset, m, i) for i in (0, 1)]
+        assert cache.shared_only and cache.node["copies"] == 1
+        assert cache.acquire(0)[0] == cache.path_of(0)
+        assert cache.acquire(1)[0] == str(src / m["shards"][1]["file"])
+        with pytest.raises(DataError, match=rf"^{third}: sha256 mismatch"):
+            cache._stage(2)
+        assert sorted(os.listdir(cache.dir)) == sorted(["lock", m["shards"][0]["file"],
+                                                        "state.bin", "stats.json"])
+        os.close(cache._lock_fd)
+    finally:
+        mounts.remove()
 
 
 def test_resolve_cache_dir(monkeypatch):

@@ -130,9 +130,22 @@ def tune_status_given_a_training_config(tmp, ds, mounts):
     return ["hpctrain", "tune", "status", d / "tune.toml"], d, str(d / "tune.toml")
 
 
+def train_through_the_node_cache_from_corrupt_shards(tmp, ds, mounts):
+    d = _copy(ds, tmp / "rot")
+    for shard in d.glob("train_*.h5"):  # one flipped bit each: caught as the leader stages it
+        data = bytearray(shard.read_bytes())
+        data[-50] ^= 1
+        shard.write_bytes(bytes(data))
+    cfg = tmp / "rot.toml"
+    cfg.write_text(TINY_TRAIN.format(run=tmp / "run", data=d, steps=2))
+    return (["hpctrain", "train", "--config", cfg, f"--data.cache_dir={tmp / 'cache'}"], d,
+            f"{d}/train_0")
+
+
 ROWS = [truncated_shard, deleted_shard, misspelled_input_over_a_dataset, shard_onto_a_full_disk,
         shard_onto_a_read_only_disk, train_into_a_read_only_run_dir, train_onto_a_full_disk,
-        verify_a_missing_checkpoint, tune_status_given_a_training_config]
+        verify_a_missing_checkpoint, tune_status_given_a_training_config,
+        train_through_the_node_cache_from_corrupt_shards]
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.__name__ for r in ROWS])
