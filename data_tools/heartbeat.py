@@ -36,7 +36,7 @@ _GRACE_S = 0.5  # for the line to get through the launcher before Abort tears th
 
 
 class JobGuard:
-    """Collective to start (``guard(comm, ...)``) and to ``stop``; a no-op for one rank."""
+    """Collective to start and to ``stop`` (use ``guarded``, which skips it for one rank)."""
 
     def __init__(self, comm, timeout_s: float, what: str, after: str = "nothing was changed"):
         self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
@@ -202,7 +202,6 @@ class JobGuard:
         for fd in self._pipe:
             os.close(fd)
 
-
     def wait_for_abort(self) -> None:
         """Main thread after KeyboardInterrupt (its cleanup done): the thread ends the job."""
         self._thread.join(timeout=5 + self.size * (2 * _GRACE_S + 1))
@@ -231,9 +230,8 @@ def _first_reachable(addrs, port, timeout_s):
 @contextmanager
 def guarded(comm, timeout_s: float, what: str, after: str = "nothing was changed"):
     """Run the body under a JobGuard (nothing for one rank); ``after`` says in its lines what a
-    lost or interrupted run left behind.  It stops at a clean end and after an
-    error every rank raised (``collective``); any other error aborts the job, so it keeps
-    watching until then."""
+    lost or interrupted run left behind.  It stops at a clean end and after an error every rank
+    raised (``collective``); any other error aborts the job, so it keeps watching until then."""
     if comm.Get_size() == 1:
         yield None
         return
