@@ -114,7 +114,8 @@ def test_a_killed_workers_training_ends_and_a_restarted_worker_finishes_the_tria
         time.sleep(0.1)
     gone_after = time.monotonic() - t_kill
     stopped = last_step(run0)
-    assert trial_process.marked_processes(str(run0)) == [] and gone_after < 8, gone_after  # an orphan: >= 12 s more
+    # an orphan would train >= 12 s more (13.7 s measured without the fix)
+    assert trial_process.marked_processes(str(run0)) == [] and gone_after < 8, gone_after
     assert 3 <= stopped <= 6 and (run0 / "checkpoints" / f"step_{stopped:08d}" / "COMMIT.json").is_file()
 
     rc, out = finish(start_worker(cfg))
