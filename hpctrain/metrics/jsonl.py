@@ -67,9 +67,9 @@ class MetricsLog:
         kept_as = keep_aside(self.path) if dropped else None
         os.replace(tmp, self.path)
         if kept_as is not None:
-            print(f"metrics: {self.path}: {dropped} record(s) after step {step} are dropped (re-run "
-                  f"from the checkpoint of step {step}); the log as it was is kept as {kept_as}",
-                  file=sys.stderr, flush=True)
+            why = f"re-run from the checkpoint of step {step}" if step else "no checkpoint: a start over"
+            print(f"metrics: {self.path}: {dropped} record(s) after step {step} are dropped ({why}); "
+                  f"the log as it was is kept as {kept_as}", file=sys.stderr, flush=True)
 
     def write(self, record: dict) -> None:
         if self._fd is None:
