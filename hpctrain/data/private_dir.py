@@ -89,14 +89,27 @@ def _open_child(parent_fd: int, name: str, path: str) -> int:
     return fd
 
 
+def _check_base(base: str, st: os.stat_result) -> None:
+    """The configured folder may be root's or ours; others may write into it only when it is
+    sticky (/dev/shm, /tmp: then nobody else can rename or remove our folder in it)."""
+    if st.st_uid not in (0, os.geteuid()):
+        raise UnsafeDir(base, f"owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}) "
+                              f"or root; set data.cache_dir to a folder of yours")
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise UnsafeDir(base, f"writable by other users and not sticky (mode "
+                              f"{stat.S_IMODE(st.st_mode):o}); set data.cache_dir elsewhere")
+
+
 def open_private_dir(base: str, names: list[str]) -> tuple[int, str]:
     """(descriptor, path) of ``base/names[0]/.../names[-1]``; ``base`` (the configured cache
-    folder) is created if missing and trusted as named; every folder below it must be ours, not
-    a symlink, not writable by others (UnsafeDir otherwise; OSError when it cannot be made)."""
+    folder, followed as named) is created if missing and must be root's or ours, and sticky if
+    others can write it; every folder below it must be ours, not a symlink, not writable by
+    others (UnsafeDir otherwise; OSError when it cannot be made)."""
     os.makedirs(base, mode=0o700, exist_ok=True)
     fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     path = base
     try:
+        _check_base(base, os.fstat(fd))
         for name in names:
             path = os.path.join(path, name)
             child = _open_child(fd, name, path)

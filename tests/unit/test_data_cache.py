@@ -92,21 +92,26 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid 
 
 
 @needs_root
-@pytest.mark.parametrize("case", ["others_user_root", "others_dataset_dir", "open_user_root"])
+@pytest.mark.parametrize("case", ["others_user_root", "others_dataset_dir", "open_user_root",
+                                  "others_cache_dir", "open_cache_dir"])
 def test_folder_of_another_user_or_writable_by_others_is_refused(dataset, tmp_path, case):
-    """<cache_dir>/hpctrain-<uid>/<key> pre-created mode 0777 (by uid 65534, or by us): the cache
-    refuses it (CacheUnavailable naming the folder and why) and writes nothing into it."""
+    """<cache_dir>/hpctrain-<uid>/<key> pre-created mode 0777 (by uid 65534, or by us), or the
+    cache_dir itself another user's / writable by all without the sticky bit: the cache refuses
+    it (CacheUnavailable naming the folder and why) and writes nothing into it."""
     m = read_manifest(str(dataset))
-    user_root = tmp_path / f"hpctrain-{os.geteuid()}"
-    target = user_root / dataset_key(str(dataset)) if case == "others_dataset_dir" else user_root
+    base = tmp_path / "scratch"
+    user_root = base / f"hpctrain-{os.geteuid()}"
+    target = {"others_dataset_dir": user_root / dataset_key(str(dataset)),
+              "others_cache_dir": base, "open_cache_dir": base}.get(case, user_root)
     target.mkdir(parents=True)
     (target / m["shards"][0]["file"]).write_bytes(b"planted")
-    os.chmod(user_root, 0o700)
+    if user_root.exists():
+        os.chmod(user_root, 0o700)
     os.chmod(target, 0o777)
     if case.startswith("others"):
         os.chown(target, OTHER_UID, OTHER_UID)
     with pytest.raises(CacheUnavailable) as err:
-        NodeCache(str(tmp_path), str(dataset), m, SerialComm())
+        NodeCache(str(base), str(dataset), m, SerialComm())
     assert str(err.value).startswith(f"{target}: ")
     assert (f"uid {OTHER_UID}" if case.startswith("others") else "mode 777") in str(err.value)
     assert sorted(os.listdir(target)) == [m["shards"][0]["file"]]
