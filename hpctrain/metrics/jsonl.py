@@ -64,8 +64,12 @@ class MetricsLog:
         except OSError as e:
             tmp.unlink(missing_ok=True)
             raise _cannot_write(self.path, e, "rewrite") from e
-        kept_as = keep_aside(self.path) if dropped else None
-        os.replace(tmp, self.path)
+        try:
+            kept_as = keep_aside(self.path) if dropped else None
+            os.replace(tmp, self.path)
+        except OSError as e:  # no hard links here, say: nothing is dropped then
+            tmp.unlink(missing_ok=True)
+            raise _cannot_write(self.path, e, "keep a copy of") from e
         if kept_as is not None:
             why = f"re-run from the checkpoint of step {step}" if step else "no checkpoint: a start over"
             print(f"metrics: {self.path}: {dropped} record(s) after step {step} are dropped ({why}); "
