@@ -60,7 +60,7 @@ def read_trainer_state(ckpt: Path) -> dict:
     if not isinstance(state, dict):
         raise CheckpointError(f"{Path(ckpt) / TRAINER_STATE_FILE} is not a JSON object")
     state = upgrade_trainer_state(state)
-    problem = state_problem(state)
+    problem = state_problem(state) or _step_mismatch(Path(ckpt).name, state)
     if problem:
         raise CheckpointError(f"{Path(ckpt) / TRAINER_STATE_FILE}: {problem} (a damaged or "
                               f"hand-edited checkpoint; resume from an older one)")
@@ -88,6 +88,16 @@ def state_problem(state: dict) -> str | None:
     if "n_samples" in sampler and sampler.get("position", 0) > sampler["n_samples"]:
         return (f"'sampler.position' {sampler['position']} is past the dataset's "
                 f"{sampler['n_samples']} samples")
+    return None
+
+
+def _step_mismatch(dir_name: str, state: dict) -> str | None:
+    """A `step_N` folder whose trainer state holds another step (hand-edited, or copied into
+    the wrong folder): resuming it would silently re-run or skip steps."""
+    parsed = parse_dir_name(dir_name)
+    step = (state.get("trainer") or {}).get("step")
+    if parsed and parsed[1] == "checkpoint" and step is not None and step != parsed[0]:
+        return f"'trainer.step' is {step}, but the folder is {dir_name}"
     return None
 
 

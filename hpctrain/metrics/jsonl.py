@@ -3,9 +3,12 @@ holder: every write first checks that the lock is still this job's, see train/ru
 
 On resume from step S, records with step > S (written after the checkpoint by a run that was then
 stopped or killed, or by a run whose checkpoints were moved away: S = 0) are dropped, so the log
-reads as one uninterrupted run. Nothing is lost by that: the file as it was is kept, hard-linked as
-`metrics.<N>.jsonl` (N = 1, 2, ...: the first free one; an earlier kept file is never replaced),
-with the TensorBoard event files as they were in `tensorboard.<N>/`, and one line names them. The
+reads as one uninterrupted run. A resume that re-runs at most `rerun_window` steps (checkpoint.interval:
+what a kill between two saves loses; the re-run writes them again, bit-exactly) just replaces them.
+A bigger cut (a start over, a resume from an older checkpoint) loses nothing: the file as it was is
+kept, hard-linked as `metrics.<N>.jsonl` (N = 1, 2, ...: the first free one; an earlier kept file is
+never replaced), with the TensorBoard event files as they were in `tensorboard.<N>/`, and one line
+names them. The
 rewrite is atomic (temp file + rename). Each record is appended with one write() so `tail -f` works;
 a record that cannot be written (full disk) is cut back off the file and stops training with one
 line naming the file: metrics are the record of the run, and a full disk fails the next checkpoint
@@ -28,8 +31,9 @@ from hpctrain.train.run_lock import assert_held
 
 
 class MetricsLog:
-    def __init__(self, path: str | Path, enabled: bool, resume_step: int = 0):
+    def __init__(self, path: str | Path, enabled: bool, resume_step: int = 0, rerun_window: int = 0):
         self.path = Path(path)
+        self.rerun_window = rerun_window
         self.enabled = enabled
         self._fd = None
         self._tb = None
@@ -52,6 +56,8 @@ class MetricsLog:
         records = list(_parse(lines))
         kept = [line for line, rec in records if rec.get("step", 0) <= step]
         dropped = len(records) - len(kept)
+        last = max((rec.get("step", 0) for _, rec in records), default=0)
+        keep_old = dropped and (step == 0 or last - step > self.rerun_window)
         if not dropped and len(kept) == len(lines) and (not raw or raw.endswith(b"\n")):
             return  # nothing to drop, nothing torn: append to it as it is
         assert_held()
@@ -65,7 +71,7 @@ class MetricsLog:
             tmp.unlink(missing_ok=True)
             raise _cannot_write(self.path, e, "rewrite") from e
         try:
-            kept_as = keep_aside(self.path) if dropped else None
+            kept_as = keep_aside(self.path) if keep_old else None
             os.replace(tmp, self.path)
         except OSError as e:  # no hard links here, say: nothing is dropped then
             tmp.unlink(missing_ok=True)

@@ -261,9 +261,10 @@ class Trainer:
         """metrics.jsonl from rank 0; where workers step apart, each other worker writes its own
         metrics.rank<r>.jsonl (no per-step collective gathers them)."""
         run, ctx = Path(self.cfg.run.dir), self.ctx
+        window = self.cfg.checkpoint.interval
         if ctx.is_main or self.sync.collective_steps:
-            return MetricsLog(run / "metrics.jsonl", ctx.is_main, resume_step=self.step)
-        return MetricsLog(run / f"metrics.rank{ctx.rank}.jsonl", self.sync.writes_metrics, resume_step=self.step)
+            return MetricsLog(run / "metrics.jsonl", ctx.is_main, self.step, window)
+        return MetricsLog(run / f"metrics.rank{ctx.rank}.jsonl", self.sync.writes_metrics, self.step, window)
 
     def _validate(self, metrics: MetricsLog) -> None:
         val = self.evaluate()

@@ -140,6 +140,7 @@ ROWS = [config_row("--train.lr=-1", key="train.lr"),
         edited_state("state_step_abc", _set("trainer", "step", "abc")),
         edited_state("state_step_negative", _set("trainer", "step", -5)),
         edited_state("state_position_past_the_data", _set("sampler", "position", 10**12)),
+        edited_state("state_step_not_its_folders", _set("trainer", "step", 1)),
         sample_row("--temperature", "nan"), sample_row("--top-k", "-3"),
         sample_row("--tokens", "-5"), export_into_a_folder_with_files]
 

@@ -1,5 +1,6 @@
-"""metrics.jsonl never loses records (#30): a start over or a resume that drops records keeps the
-file as it was (metrics.<N>.jsonl, TensorBoard events in tensorboard.<N>/) and names it; a full disk
+"""metrics.jsonl never loses records (#30): a start over or a resume that drops more than one
+checkpoint interval of records keeps the file as it was (metrics.<N>.jsonl, TensorBoard events in
+tensorboard.<N>/) and names it; a full disk
 while it is rewritten or appended to is one line naming it, no .tmp left, every record written
 before the fault still there. Real `python -m hpctrain train` runs; full disks are real tmpfs."""
 from __future__ import annotations
@@ -10,6 +11,8 @@ import os
 import shutil
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import TINY_TRAIN, run_cmd
 from tests.unit.test_failure_table import checksums, dataset, mounts  # noqa: F401 - fixtures
@@ -98,3 +101,20 @@ def test_a_full_disk_while_rewriting_changes_nothing(tmp_path, dataset, mounts):
     after = checksums(disk)
     after.pop("run/config.toml")
     assert after == before
+
+
+@pytest.mark.parametrize("resume_step, kept", [(8, False), (6, False), (5, True), (0, True)])
+def test_only_a_cut_beyond_one_checkpoint_interval_keeps_a_copy(tmp_path, resume_step, kept):
+    """A kill between two saves (interval 4) re-runs at most 4 steps: those records are just
+    replaced; a bigger cut (an older checkpoint, a start over) keeps the log as metrics.1.jsonl."""
+    from hpctrain.metrics.jsonl import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 11)))
+    before = _sha(path)
+    log = MetricsLog(path, True, resume_step, rerun_window=4)
+    log.close()
+    assert _steps(path) == list(range(1, resume_step + 1))
+    assert (tmp_path / "metrics.1.jsonl").exists() == kept
+    if kept:
+        assert _sha(tmp_path / "metrics.1.jsonl") == before
