@@ -1,8 +1,14 @@
-"""Model FLOP utilization: achieved model FLOP/s over a measured peak of the same device.
+"""Model FLOP utilization: the model FLOP/s the job achieves over the peak of its devices.
 
-The peak is measured, not looked up: a square matmul at the training precision, with the thread count
-the rank trains with, run by all ranks of the node at once (so oversubscription is priced in). This
-makes MFU meaningful on CPUs, whose datasheet peaks are far from reachable.
+    MFU = flops_per_token (whole model: 6N + 12 L C T) x tokens/s (global batch) / job peak
+    job peak = sum over ranks of (rank peak x the share of its cores it can use)
+
+The FLOPs and tokens are the whole job's and the peak is every rank's, so one model at equal
+tokens/s on equal ranks gets the same MFU in every layout (DDP, FSDP, TP, PP, DiLoCo). A rank's
+peak comes from hpctrain/metrics/peak.py (GPU datasheet, or a CPU matmul peak measured once per
+machine; this module owns the measurement). Ranks that share cores (local ranks x threads > cores)
+count only their share. MFU is never above 1: an achieved rate above the peak shows the peak was
+measured under load, and raises it (MfuMeter).
 """
 from __future__ import annotations
 
@@ -44,3 +50,39 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, 
         n //= 2
     best = min(timed_products(a, b, reps) for _ in range(trials))
     return 2.0 * n**3 * reps / best
+
+
+def core_share(local_size: int, threads: int, cores: int) -> float:
+    """The share of its threads' peak a rank can reach when the node's ranks want more threads
+    than the node has cores."""
+    return min(1.0, cores / max(1, local_size * threads))
+
+
+def job_peak_flops(rank_peak: float, pp: int, dp: int, tp: int, local_size: int, threads: int,
+                   cores: int) -> float:
+    """The job's peak for ranks of equal `rank_peak` in a pp x dp x tp layout: the layout only
+    counts ranks."""
+    return rank_peak * core_share(local_size, threads, cores) * pp * dp * tp
+
+
+def model_flops_utilization(flops_per_token: float, tokens_per_s: float, job_peak: float) -> float:
+    return flops_per_token * tokens_per_s / job_peak
+
+
+class MfuMeter:
+    """MFU of each step against the job's peak (None: unknown, then every MFU is None). A step that
+    achieves more than the peak raises the peak to what it achieved (a loaded peak measurement)
+    and calls `on_raise(ratio)` (the CPU peak cache keeps the raised value)."""
+
+    def __init__(self, flops_per_token: float, job_peak: float | None, on_raise=None):
+        self.flops_per_token, self.peak, self.on_raise = flops_per_token, job_peak, on_raise
+
+    def __call__(self, tokens_per_s: float) -> float | None:
+        if self.peak is None:
+            return None
+        achieved = self.flops_per_token * tokens_per_s
+        if achieved > self.peak:
+            ratio, self.peak = achieved / self.peak, achieved
+            if self.on_raise is not None:
+                self.on_raise(ratio)
+        return model_flops_utilization(self.flops_per_token, tokens_per_s, self.peak)

@@ -44,7 +44,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     ax.plot(x, [r["tokens_per_s"] for r in steps], lw=1)
     ax.set(xlabel="step", ylabel="tokens / s (all ranks)", title="throughput")
     ax = axes[1][1]
-    ax.plot(x, [100 * r["mfu"] for r in steps], lw=1)
+    ax.plot(x, [100 * r.get("mfu", float("nan")) for r in steps], lw=1)
     ax.set(xlabel="step", ylabel="MFU (%)", title="model FLOP utilization")
     fig.suptitle(str(run_dir))
     out = Path(out) if out else (run_dir if run_dir.is_dir() else run_dir.parent) / "metrics.png"

@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from hpctrain import config as config_mod
 from hpctrain.checkpoint import CheckpointManager
@@ -33,7 +32,9 @@ from hpctrain.distributed.preempt import NONE, Preemption
 from hpctrain.distributed.mesh import Mesh, ParallelDims
 from hpctrain.distributed.watchdog import watch_peers
 from hpctrain.errors import ConfigError
-from hpctrain.metrics import MetricsLog, format_eta, measure_peak_flops
+from hpctrain.metrics import MetricsLog, format_eta
+from hpctrain.metrics.mfu import MfuMeter
+from hpctrain.metrics.peak import job_meter
 from hpctrain.metrics.straggler import StragglerDetector
 from hpctrain.parallel import build_runner
 from hpctrain.sync import modes
@@ -80,7 +81,7 @@ class Trainer:
                                       full_checksums=cfg.checkpoint.full_checksums,
                                       async_cpu_share=cfg.checkpoint.async_cpu_share)
         self.preempt = Preemption(cfg.slurm, ctx.comm, ctx.rank,  # signals + wall-time guard
-                                       step_sleep_s=cfg.debug.step_sleep_s)
+                                       step_sleep_s=cfg.debug.step_sleep_s, run_dir=cfg.run.dir)
         # what happens between steps and what a checkpoint holds (hpctrain/sync/strategy.py)
         self.sync = modes.build_strategy(cfg, ctx, self.mesh, self.model)
         # forward/backward, clip and eval in this layout; losses averaged over dp where replicas
@@ -215,7 +216,7 @@ class Trainer:
         self.sync.close()
         metrics.close()
         if self.preempt.stopped:
-            return self.preempt.finish(self.step)  # requeue the Slurm job and/or exit 75
+            return self.preempt.finish(self.step, resumed_at=self.start_step)  # requeue and/or exit 75
         if t.stop_at_step and self.step < t.steps:
             log(ctx, f"stopped at train.stop_at_step={t.stop_at_step}; rerun the same command to resume")
         return 0
@@ -254,7 +255,7 @@ class Trainer:
             eta = (time.perf_counter() - self.t_start) / done * (end - self.step)
             val_txt = f" val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
             log(self.ctx, f"step {self.step}/{end} loss {loss:.4f}{val_txt} lr {lr:.2e} "
-                          f"{rec['tokens_per_s']:,.0f} tok/s mfu {rec['mfu']:.1%} eta {format_eta(eta)}")
+                          f"{rec['tokens_per_s']:,.0f} tok/s mfu {_percent(rec.get('mfu'))} eta {format_eta(eta)}")
         return rec
 
     def _metrics_log(self) -> MetricsLog:
@@ -279,9 +280,11 @@ class Trainer:
         ctx, t = self.ctx, self.cfg.train
         tok_s = self.data.global_batch * self.cfg.model.block_size / dt
         rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-               "tokens_per_s": tok_s, "mfu": self.flops_per_token * tok_s / (self.peak * ctx.world_size),
+               "tokens_per_s": tok_s, "mfu": self.peak(tok_s),  # MfuMeter: never above 1
                "step_time_s": dt, "epoch": self.data.sampler.state_dict()["epoch"],
                "comm_bytes": self.sync.comm_bytes(self.step), **self.sync.step_metrics()}
+        if rec["mfu"] is None:  # a GPU not in the datasheet table: said once at start-up
+            del rec["mfu"]
         collective = self.sync.collective_steps
         if collective and t.eval_interval and (self.step % t.eval_interval == 0 or self.step == t.steps):
             val = self.evaluate()
@@ -333,12 +336,15 @@ class Trainer:
         if t.global_batch:  # how the global batch splits on this world (elastic restarts)
             log(ctx, global_batch_line(t, self.position.dp_size))
 
-    def _peak_flops(self) -> float:
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.train.precision,
-                                                                     torch.float32)
-        peak = torch.tensor(measure_peak_flops(self.ctx.device, dtype), dtype=torch.float64)
-        dist.all_reduce(peak, op=dist.ReduceOp.AVG)
-        return float(peak)
+    def _peak_flops(self) -> MfuMeter:
+        """MFU of each step against the job's peak (hpctrain/metrics/peak.py), said once."""
+        meter, line = job_meter(self.ctx, self.cfg.train.precision, self.flops_per_token)
+        log(self.ctx, line)
+        return meter
+
+
+def _percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
 
 
 def _check_same_model(saved: dict, current: dict, path) -> None:

@@ -165,7 +165,7 @@ def test_metrics_fields_and_learning(tmp_path, dataset):
     assert [r["step"] for r in recs] == list(range(1, 61))
     for r in recs:
         assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= set(r)
-        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1.5
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] <= 1.0
     val = losses(run, "val_loss")
     assert sorted(val) == [0, 20, 40, 60]
     # uniform over 257 bytes is 5.55 nats; byte-level English falls fast, then keeps falling
