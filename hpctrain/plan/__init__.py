@@ -5,6 +5,8 @@ Pure arithmetic over the shapes of OUR code (hpctrain/model/gpt.py, hpctrain/par
 hpctrain/train/, hpctrain/data/sampler.py, hpctrain/checkpoint/): each module says which code its
 formulas follow. Modules: shape.py (model shapes, parameter counts, presets), layout.py (the job:
 cluster, parallel layout, budgets), memory.py (bytes per rank), comm.py (bytes per step per link),
-storage.py (sampler, node cache, checkpoints), report.py (tables and warnings), cli.py (argparse).
+storage.py (sampler, node cache, checkpoints), report.py (tables and warnings), step_time.py (a
+modelled step time), search.py (the layouts that fit, ranked), recommend.py (the `recommended:`
+advice), cli.py (argparse).
 It must never import torch at module level, start MPI or touch a dataset.
 """

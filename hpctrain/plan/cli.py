@@ -2,15 +2,18 @@
 
 Owns: the options (every one explained in --help), reading a training TOML's [model], [parallel],
 [train], [sync], [data] and [checkpoint] keys as defaults, sizes like "80GB" / "1e12", and turning
-a bad value into one line naming the option. It must never compute a figure (report.py does).
+a bad value into one line naming the option; the layout options also under train's spelling
+(--parallel.tp=2), so a `recommended:` line pastes back. It must never compute a figure.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import sys
 
+from hpctrain.plan import recommend
 from hpctrain.plan.layout import Job
 from hpctrain.plan.report import SUMMARY_HEAD, make_plan, render, summary_row
 from hpctrain.plan.shape import PRESETS, ModelShape
@@ -36,7 +39,8 @@ FROM_CONFIG = {"dp": ("parallel", "dp"), "tp": ("parallel", "tp"), "pp": ("paral
                "pp_virtual_stages": ("parallel", "pp_virtual_stages"),
                "activation_checkpoint": ("parallel", "activation_checkpoint"),
                "ac_every": ("parallel", "ac_every"), "micro_batch": ("train", "micro_batch_size"),
-               "grad_accum": ("train", "grad_accum"), "precision": ("train", "precision"),
+               "grad_accum": ("train", "grad_accum"),
+               "global_batch": ("train", "global_batch"), "precision": ("train", "precision"),
                "sync_mode": ("sync", "mode"), "inner_steps": ("sync", "inner_steps"),
                "compression": ("sync", "compression"), "overlap": ("sync", "overlap"),
                "cache_bytes": ("data", "cache_bytes"), "prefetch": ("data", "prefetch"),
@@ -59,6 +63,13 @@ HELP = {
     "pp_virtual_stages": "parallel.pp_virtual_stages (interleaved only)",
     "micro_batch": "train.micro_batch_size: sequences per rank per forward",
     "grad_accum": "train.grad_accum: micro-batches per optimizer step",
+    "global_batch": "train.global_batch: sequences per step (0 = micro-batch x grad_accum x dp); the "
+                    "layout search keeps the job's global batch",
+    "memory_margin": "share of --gpu-memory kept free (CUDA context, NCCL buffers, fragmentation)",
+    "gpu_tflops": "peak dense TFLOP/s per GPU at the training precision (989: H100 SXM bf16)",
+    "mfu": "model FLOPs utilization the step-time model assumes for compute",
+    "intra_node_bw": "bytes/s per GPU for collectives inside a node (NVLink)",
+    "inter_node_bw": "bytes/s per GPU for collectives across nodes (the NIC per GPU)",
     "activation_checkpoint": "parallel.activation_checkpoint: none | full | selective",
     "ac_every": "parallel.ac_every: selective checkpoints blocks 0, N, 2N, ...",
     "precision": "train.precision: fp32 | bf16 | fp16 (auto = bf16 on GPUs)",
@@ -81,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "shape and parallel layout on a cluster (arithmetic over this code's layouts; "
                     "docs/scale.md). Sizes take units: 80GB, 80GiB, 1e12.",
         epilog="Precedence: --preset or --config give the defaults, explicit options override them. "
-               "Warnings name the budget option that is exceeded.")
+               "Warnings name the budget option that is exceeded. The layout options also take "
+               "train's spelling (--parallel.tp=2, --train.micro_batch_size=1): a `recommended:` "
+               "line's flags paste back.")
     p.add_argument("--preset", choices=sorted(PRESETS), help="model shape: 1b (24 x 2048), 7b "
                    "(32 x 4096), 70b (80 x 8192); vocab 50304, block 2048")
     p.add_argument("--config", help="a training TOML: its [model], [parallel], [train], [sync], "
@@ -90,14 +103,22 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int, help=f"model.{key}")
     p.add_argument("--summary", action="store_true", help="print one Markdown table row (with its "
                    "header) instead of the full report")
+    p.add_argument("--json", action="store_true", help="print the layout search as JSON: the "
+                   "assumptions, your layout, the recommended one with its train command, every "
+                   "candidate with fits / why / peak / step time")
+    p.add_argument("--top", type=int, default=5, help="fitting layouts shown (default 5)")
     defaults = Job()
     for f in dataclasses.fields(Job):
         typ = size if f.name in ("tokens", "gpu_memory", "node_memory", "node_disk", "cache_bytes",
-                                 "shard_tokens") else type(f.default)
+                                 "shard_tokens", "intra_node_bw", "inter_node_bw") else type(f.default)
         if typ is bool:
             typ = _boolean
         p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=typ, default=None,
                        help=f"{HELP[f.name]} (default {_show(f.name, getattr(defaults, f.name))})")
+        if f.name in FROM_CONFIG:  # `train` spellings, so a `recommended:` line's flags paste back
+            section, key = FROM_CONFIG[f.name]
+            p.add_argument(f"--{section}.{key}", dest=f.name, type=typ, default=None,
+                           help=argparse.SUPPRESS)
     return p
 
 
@@ -141,12 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         shape, job = shape_and_job(args)
         plan = make_plan(shape, job)
+        advice = None if args.summary else recommend.advise(shape, job)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.summary:
+    if args.json:
+        print(json.dumps(recommend.as_json(advice, args.config)))
+    elif args.summary:
         print("| " + " | ".join(SUMMARY_HEAD) + " |\n|" + "---|" * len(SUMMARY_HEAD))
         print("| " + " | ".join(str(c) for c in summary_row(plan)) + " |")
     else:
-        print(render(plan), end="")
+        print(render(plan) + recommend.render(advice, args.top, args.config), end="")
     return 0

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 
 from hpctrain.plan.layout import Job
+from hpctrain.plan.memory import RankMemory, checkpointed_blocks
 from hpctrain.plan.shape import ModelShape
 
 WIRE_BYTES = {"none": 4, "bf16": 2, "int8": 1}  # sync/compress.py
@@ -101,3 +102,10 @@ def comm_per_step(shape: ModelShape, job: Job, blocks: int, ckpt_blocks: int, ha
         ("pp", link(job.tp * job.dp_size * 2, job) if job.pp > 1 else "-",
          pp_bytes(shape, job, has_first, has_last), "activations forward, gradients back"),
     ]
+
+
+def rows_of_rank(shape: ModelShape, job: Job, mem: RankMemory) -> list[tuple[str, str, int, str]]:
+    """`comm_per_step` of the pipeline rank `mem` describes."""
+    st = mem.stage
+    return comm_per_step(shape, job, len(st.block_ids), checkpointed_blocks(job, st), st.has_first,
+                         st.has_last, mem.local_params)

@@ -6,7 +6,7 @@ more pipeline stages than blocks), each one line naming the option. It must neve
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hpctrain.plan.shape import ModelShape
 
@@ -20,6 +20,11 @@ class Job:
     gpus_per_node: int = 8              # ranks per node
     tokens: float = 1e12                # training corpus size (tokens)
     gpu_memory: int = 80 * GB           # per GPU (rank)
+    memory_margin: float = 0.05         # share of gpu_memory kept free (CUDA context, NCCL, fragments)
+    gpu_tflops: float = 989.0           # peak dense TFLOP/s per GPU at the precision (H100 SXM bf16)
+    mfu: float = 0.4                    # model FLOPs utilization the step-time model assumes
+    intra_node_bw: int = 360 * GB       # bytes/s per GPU inside a node (NVLink all-reduce bus bw)
+    inter_node_bw: int = 40 * GB        # bytes/s per GPU between nodes (a 400 Gb/s NIC per GPU)
     node_memory: int = 1024 * GB        # host RAM per node
     node_disk: int = 3_840 * GB         # node-local disk (the cache's file system)
     cache_bytes: int = 0                # data.cache_bytes: 0 = 90% of node_disk
@@ -35,6 +40,7 @@ class Job:
     pp_virtual_stages: int = 2
     micro_batch: int = 1
     grad_accum: int = 1
+    global_batch: int = 0               # train.global_batch: 0 = micro_batch x grad_accum x dp
     activation_checkpoint: str = "none"  # none | full | selective
     ac_every: int = 2
     precision: str = "bf16"             # fp32 | bf16 | fp16
@@ -60,8 +66,18 @@ class Job:
         return self.pp_virtual_stages if self.pp_schedule == "interleaved" else 1
 
     @property
-    def global_batch(self) -> int:
+    def batch(self) -> int:
+        """Sequences per optimizer step (micro_batch x grad_accum x dp)."""
         return self.micro_batch * self.grad_accum * self.dp_size
+
+    @property
+    def layout_name(self) -> str:
+        return (f"{self.data_parallel} dp{self.dp_size} tp{self.tp} pp{self.pp} "
+                f"mb{self.micro_batch}x{self.grad_accum} ac={self.activation_checkpoint}")
+
+    @property
+    def usable_memory(self) -> int:
+        return int(self.gpu_memory * (1 - self.memory_margin))
 
     @property
     def cache_budget(self) -> int:
@@ -72,6 +88,7 @@ class Job:
         return self.precision in ("bf16", "fp16")
 
     def check(self, shape: ModelShape) -> "Job":
+        """The job with train.global_batch resolved into grad_accum, or one line naming the option."""
         choices = {"data_parallel": ("ddp", "fsdp"), "pp_schedule": ("gpipe", "1f1b", "interleaved"),
                    "activation_checkpoint": ("none", "full", "selective"),
                    "precision": ("fp32", "bf16", "fp16"), "sync_mode": ("sync", "diloco"),
@@ -98,4 +115,24 @@ class Job:
             raise ValueError("--sync-mode diloco: replicas train apart; use --data-parallel ddp")
         if self.tokens < shape.block_size + 1:
             raise ValueError(f"--tokens {self.tokens:g} holds no window of block_size+1 tokens")
-        return self
+        for key in ("memory_margin", "mfu"):
+            if not 0 <= getattr(self, key) < 1 or (key == "mfu" and self.mfu == 0):
+                raise ValueError(f"--{key.replace('_', '-')} {getattr(self, key)}: expected a fraction "
+                                 f"in {'(0, 1)' if key == 'mfu' else '[0, 1)'}")
+        for key in ("gpu_tflops", "intra_node_bw", "inter_node_bw"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"--{key.replace('_', '-')} must be > 0, got {getattr(self, key)}")
+        return self.resolve_global_batch()
+
+    def resolve_global_batch(self) -> "Job":
+        """config_rules.resolve_grad_accum: grad_accum = global_batch / (micro_batch x dp)."""
+        if self.global_batch <= 0:
+            return self
+        if self.grad_accum != 1:
+            raise ValueError(f"--global-batch {self.global_batch} with --grad-accum {self.grad_accum}: "
+                             f"give one of them (train.global_batch derives the accumulation)")
+        per_step = self.micro_batch * self.dp_size
+        if self.global_batch % per_step:
+            raise ValueError(f"--global-batch {self.global_batch} is not a multiple of micro_batch "
+                             f"{self.micro_batch} x dp {self.dp_size} = {per_step}")
+        return replace(self, grad_accum=self.global_batch // per_step, global_batch=0)

@@ -119,6 +119,13 @@ def head_bytes(shape: ModelShape, micro_batch: int, tp: int, half: bool) -> tupl
     return stored, 8 * s * b * v // tp
 
 
+def checkpointed_blocks(job: Job, stage: Stage) -> int:
+    """How many of the stage's blocks activation checkpointing wraps."""
+    mode = job.activation_checkpoint
+    return sum(1 for i in stage.block_ids
+               if mode == "full" or (mode == "selective" and i % job.ac_every == 0))
+
+
 def stage_activations(shape: ModelShape, job: Job, stage: Stage, mode: str) -> int:
     """Peak activation bytes of `stage` with activation checkpointing `mode`."""
     b, t, half = job.micro_batch, job.tp, job.half

@@ -39,14 +39,9 @@ class Plan:
 
 def make_plan(shape: ModelShape, job: Job) -> Plan:
     shape.check()
-    job.check(shape)
+    job = job.check(shape)
     mem = memory.largest_rank(shape, job)
-    st = mem.stage
-    mode = job.activation_checkpoint
-    ckpt_blocks = sum(1 for i in st.block_ids
-                      if mode == "full" or (mode == "selective" and i % job.ac_every == 0))
-    rows = comm.comm_per_step(shape, job, len(st.block_ids), ckpt_blocks, st.has_first,
-                              st.has_last, mem.local_params)
+    rows = comm.rows_of_rank(shape, job, mem)
     plan = Plan(shape, job, mem, memory.setup_bytes(shape, job, mem), storage.sampler_bytes(shape, job),
                 storage.cache_figures(shape, job), storage.checkpoint_figures(shape, job), rows)
     plan.warnings = check_budgets(plan)
@@ -55,9 +50,10 @@ def make_plan(shape: ModelShape, job: Job) -> Plan:
 
 def check_budgets(p: Plan) -> list[str]:
     j, out = p.job, []
-    if p.mem.peak > j.gpu_memory:
+    if p.mem.peak > j.usable_memory:
         out.append(f"GPU memory: peak {fmt_bytes(p.mem.peak)} on pipeline rank {p.mem.stage.pp_rank} "
-                   f"> --gpu-memory {fmt_bytes(j.gpu_memory)}")
+                   f"> {fmt_bytes(j.usable_memory)} usable (--gpu-memory {fmt_bytes(j.gpu_memory)} "
+                   f"less --memory-margin {j.memory_margin:.0%})")
     what = ("its fp32 shard + the largest whole parameter" if j.meta_init else
             "the whole fp32 model before sharding (--meta-init false)")
     setup = p.setup["per rank (host, then GPU)"]
@@ -123,16 +119,16 @@ def _memory_lines(p: Plan) -> list[str]:
 
 def render(p: Plan) -> str:
     s, j = p.shape, p.job
-    tokens_step = j.global_batch * s.block_size
+    tokens_step = j.batch * s.block_size
     lines = [f"# Plan: {s.n_layer} x {s.n_embd} ({s.n_head} heads, vocab {s.vocab_size}, block "
              f"{s.block_size}), {fmt_params(s.num_params())} parameters; {j.nodes} nodes x "
              f"{j.gpus_per_node} = {j.world} ranks", "",
              f"Layout: dp {j.dp_size} ({j.data_parallel}) x tp {j.tp} x pp {j.pp} ({j.pp_schedule}), "
              f"micro_batch {j.micro_batch} x grad_accum {j.grad_accum} -> global batch "
-             f"{j.global_batch} sequences ({tokens_step:,} tokens); activation_checkpoint "
+             f"{j.batch} sequences ({tokens_step:,} tokens); activation_checkpoint "
              f"{j.activation_checkpoint}; {j.precision}; sync {j.sync_mode}"
              + (f" (inner_steps {j.inner_steps}, {j.compression})" if j.sync_mode == "diloco" else "")
-             + f". Corpus {j.tokens:.3g} tokens: {p.sampler['windows'] // j.global_batch:,} steps per epoch.", ""]
+             + f". Corpus {j.tokens:.3g} tokens: {p.sampler['windows'] // j.batch:,} steps per epoch.", ""]
     lines += _memory_lines(p)
     how = ("meta init: the rank's fp32 shard + the largest whole parameter" if p.job.meta_init else
            "--meta-init false: the whole fp32 model before sharding")
@@ -158,8 +154,7 @@ SUMMARY_HEAD = ("model", "nodes x GPUs", "layout", "peak / GPU", "setup / GPU", 
 
 def summary_row(p: Plan) -> tuple:
     j, m = p.job, p.mem
-    layout = (f"{j.data_parallel} dp{j.dp_size} tp{j.tp} pp{j.pp} mb{j.micro_batch}x{j.grad_accum} "
-              f"ac={j.activation_checkpoint}")
+    layout = j.layout_name
     dp = next(b for a, _, b, _ in p.comm if a == "dp")
     return (fmt_params(p.shape.num_params()), f"{j.nodes} x {j.gpus_per_node}", layout,
             fmt_bytes(m.peak), fmt_bytes(p.setup["per rank (host, then GPU)"]),

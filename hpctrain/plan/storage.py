@@ -90,7 +90,7 @@ def cache_figures(shape: ModelShape, job: Job) -> dict:
         touched = shards * (1.0 - (1.0 - 1.0 / shards) ** samples)
         miss = max(0.0, 1.0 - job.cache_budget / corpus)
         per_step = touched / (job.prefetch + 1) * shard_bytes * miss
-        reread = int(per_step * n_windows(shape, job) / job.global_batch) * job.nodes
+        reread = int(per_step * n_windows(shape, job) / job.batch) * job.nodes
     return {"corpus on disk": corpus, "shards": shards, "shard bytes": shard_bytes,
             "prefetch window (shards)": touched, "prefetch window bytes": int(touched * shard_bytes),
             "cache budget": job.cache_budget, "corpus fits the cache": corpus <= job.cache_budget,

@@ -1,0 +1,135 @@
+"""The advice of `hpctrain plan`: the fastest layouts that fit, the `recommended:` line with its
+`hpctrain train` flags, and what would make the user's own layout fit (text and --json).
+
+Owns the wording and units of the search's results (search.py) and the step-time model's
+assumptions as printed (step_time.py): MFU, peak TFLOP/s, bandwidths, memory margin, global batch,
+the token budget (--tokens). It must never judge a layout (search.py does).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hpctrain.plan import search
+from hpctrain.plan.layout import Job
+from hpctrain.plan.report import fmt_bytes
+from hpctrain.plan.shape import ModelShape
+
+DAY = 86_400
+
+
+@dataclass
+class Advice:
+    job: Job                                         # the user's layout (checked)
+    user: search.Candidate
+    ranked: list = field(default_factory=list)       # every searched layout, fitting ones first
+    fixes: list = field(default_factory=list)        # (changes, Candidate) nearest to the user's
+    more_nodes: search.Candidate | None = None       # when no layout fits this node count
+
+    @property
+    def best(self) -> search.Candidate | None:
+        return self.ranked[0] if self.ranked and self.ranked[0].fits else None
+
+
+def advise(shape: ModelShape, job: Job) -> Advice:
+    job = job.check(shape)
+    ranked = search.search(shape, job)
+    user = search.evaluate(shape, job)
+    advice = Advice(job, user, ranked)
+    if not user.fits:
+        advice.fixes = search.nearest_fixes(job, ranked)
+    if advice.best is None:
+        advice.more_nodes = search.smallest_fitting_nodes(shape, job)
+    return advice
+
+
+def fmt_count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.3g}"
+
+
+def fmt_seconds(s: float) -> str:
+    for unit, size in (("d", DAY), ("h", 3600), ("min", 60), ("s", 1)):
+        if s >= size:
+            return f"{s / size:.3g} {unit}"
+    return f"{s * 1000:.3g} ms"
+
+
+def candidate_dict(c: search.Candidate) -> dict:
+    j, t = c.job, c.time
+    out = {"layout": j.layout_name, "fits": c.fits, "why": c.why, "dp": j.dp_size, "tp": j.tp,
+           "pp": j.pp, "data_parallel": j.data_parallel, "micro_batch": j.micro_batch,
+           "grad_accum": j.grad_accum, "activation_checkpoint": j.activation_checkpoint,
+           "peak_bytes": c.peak, "setup_bytes": c.setup, "pp_rank": c.pp_rank}
+    if t is not None:
+        out.update(step_s=t.total, compute_s=t.compute, tp_s=t.tp, pp_s=t.pp, bubble_s=t.bubble,
+                   dp_exposed_s=t.dp_exposed, dp_total_s=t.dp_total, tokens_per_s=t.tokens_per_s,
+                   tokens_per_day=t.tokens_per_s * DAY, days_to_tokens=j.tokens / t.tokens_per_s / DAY)
+    return out
+
+
+def assumptions(job: Job) -> dict:
+    return {"mfu": job.mfu, "gpu_tflops": job.gpu_tflops, "intra_node_bw": job.intra_node_bw,
+            "inter_node_bw": job.inter_node_bw, "gpu_memory": job.gpu_memory,
+            "memory_margin": job.memory_margin, "usable_memory": job.usable_memory,
+            "global_batch": job.batch, "tokens": job.tokens}
+
+
+def as_json(a: Advice, config: str | None = None) -> dict:
+    best = a.best
+    return {"assumptions": assumptions(a.job), "user": candidate_dict(a.user),
+            "fixes": [{"changes": ch, **candidate_dict(c)} for ch, c in a.fixes],
+            "recommended": {**candidate_dict(best), "train_command": train_command(best.job, config)}
+            if best else None,
+            "more_nodes": {"nodes": a.more_nodes.job.nodes, **candidate_dict(a.more_nodes)}
+            if a.more_nodes else None,
+            "candidates": [candidate_dict(c) for c in a.ranked]}
+
+
+def train_command(job: Job, config: str | None) -> str:
+    return f"python -m hpctrain train --config {config or 'YOUR.toml'} {search.train_flags(job)}"
+
+
+def _row(c: search.Candidate, tokens: float) -> tuple:
+    t = c.time
+    return (c.job.layout_name, fmt_bytes(c.peak), fmt_seconds(t.total), f"{t.tokens_per_s:,.0f}",
+            fmt_count(t.tokens_per_s * DAY), fmt_seconds(tokens / t.tokens_per_s))
+
+
+def _user_lines(a: Advice) -> list[str]:
+    u = a.user
+    if u.fits:
+        return [f"your layout: {a.job.layout_name} fits (peak {fmt_bytes(u.peak)}), step "
+                f"{fmt_seconds(u.time.total)}, {u.time.tokens_per_s:,.0f} tokens/s"]
+    lines = [f"your layout: {a.job.layout_name} does not fit: {u.why}"]
+    for ch, c in a.fixes:
+        lines.append(f"- fits with: {' + '.join(ch)} (peak {fmt_bytes(c.peak)}, step "
+                     f"{fmt_seconds(c.time.total)}, {c.time.tokens_per_s:,.0f} tokens/s)")
+    return lines
+
+
+def render(a: Advice, top: int = 5, config: str | None = None) -> str:
+    j = a.job
+    fit = [c for c in a.ranked if c.fits]
+    lines = ["", "## Recommended layouts", "",
+             f"Searched {len(a.ranked)} layouts at global batch {j.batch} sequences: {len(fit)} fit "
+             f"{fmt_bytes(j.usable_memory)} usable per GPU (--gpu-memory less --memory-margin "
+             f"{j.memory_margin:.0%}); --json lists every one with why it is rejected. Step time = "
+             f"compute at --mfu {j.mfu:g} of --gpu-tflops {j.gpu_tflops:g} per GPU + exposed "
+             f"communication (--intra-node-bw {j.intra_node_bw / 1e9:g} GB/s, --inter-node-bw "
+             f"{j.inter_node_bw / 1e9:g} GB/s per GPU) + the pipeline bubble.", ""]
+    head = ("layout", "peak / GPU", "step", "tokens/s (job)", "tokens/day",
+            f"time to {fmt_count(j.tokens)} tokens")
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(_row(c, j.tokens)) + " |" for c in fit[:top]]
+    lines.append("")
+    if a.best:
+        lines.append(f"recommended: {a.best.job.layout_name}: {train_command(a.best.job, config)}")
+    else:
+        more = a.more_nodes
+        lines.append(f"nothing fits {j.nodes} x {j.gpus_per_node} GPUs of {fmt_bytes(j.gpu_memory)}: "
+                     + (f"more nodes: {more.job.nodes} ({more.job.layout_name}, peak "
+                        f"{fmt_bytes(more.peak)})" if more else
+                        f"not within {search.MORE_NODES_LIMIT}x the nodes either"))
+    return "\n".join(lines + [""] + _user_lines(a)) + "\n"

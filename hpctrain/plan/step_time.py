@@ -1,0 +1,76 @@
+"""A modelled optimizer-step time of a layout: compute at a stated MFU + exposed communication.
+
+Owns the step-time model `hpctrain plan` ranks layouts by (docs/scale.md, "Recommended layouts"):
+- compute: the step's model FLOPs (GPT.flops_per_token x tokens per step, shape.py) times the
+  recompute of activation checkpointing (a wrapped block runs its forward twice: + 1/3 of its
+  6N FLOPs), shared by every rank, at Job.mfu x Job.gpu_tflops per GPU.
+- TP: the sequence-parallel all-gathers / reduce-scatters of comm.tp_bytes, on the critical path
+  (nothing overlaps them), over the intra-node bandwidth (the inter-node one when tp > a node).
+- PP: the micro-batch activations / gradients of comm.pp_bytes, on the critical path; the 1F1B /
+  GPipe bubble idles (pp - 1) / micro-batches of the pipelined time (compute + TP + p2p).
+- DP: comm.dp_bytes over the inter-node bandwidth when the dp group spans nodes (comm.link), the
+  intra-node one otherwise; exposed is what does not hide under compute: DDP's bucketed all-reduce
+  runs under the last micro-batch's backward (2/3 of its compute), FSDP's prefetched all-gathers
+  and its reduce-scatter under every micro-batch's forward and backward, DiLoCo's round average
+  under nothing.
+A lower bandwidth never makes a layout faster; the model ignores latency and kernel efficiency
+beyond the one MFU, so it ranks layouts, it does not promise a wall clock. It must never
+compute memory (memory.py) or format text (recommend.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hpctrain.plan import comm
+from hpctrain.plan.layout import Job
+from hpctrain.plan.memory import RankMemory, checkpointed_blocks
+from hpctrain.plan.shape import ModelShape
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step, by part, and the throughput it gives."""
+    compute: float
+    tp: float
+    pp: float
+    bubble: float
+    dp_exposed: float
+    dp_total: float
+    tokens_per_step: int
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp + self.pp + self.bubble + self.dp_exposed
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.total
+
+
+def recompute_factor(shape: ModelShape, job: Job, mem: RankMemory) -> float:
+    """FLOPs done / model FLOPs: each checkpointed block repeats its forward (1/3 of 6N)."""
+    st = mem.stage
+    return 1 + checkpointed_blocks(job, st) / max(len(st.block_ids), 1) / 3
+
+
+def bandwidth(job: Job, link: str) -> float:
+    return job.intra_node_bw if link == "intra-node" else job.inter_node_bw
+
+
+def step_time(shape: ModelShape, job: Job, mem: RankMemory) -> StepTime:
+    """The step time of `job` (already checked) whose largest pipeline rank is `mem`."""
+    tokens = job.batch * shape.block_size
+    flops = shape.flops_per_token() * tokens * recompute_factor(shape, job, mem)
+    compute = flops / (job.world * job.gpu_tflops * 1e12 * job.mfu)
+    seconds = {axis: sent / bandwidth(job, link) if sent else 0.0
+               for axis, link, sent, _ in comm.rows_of_rank(shape, job, mem)}
+    pipelined = compute + seconds["tp"] + seconds["pp"]
+    bubble = pipelined * (job.pp - 1) / job.grad_accum
+    if job.sync_mode == "diloco":
+        window = 0.0
+    elif job.data_parallel == "fsdp":
+        window = compute
+    else:
+        window = compute * 2 / 3 / job.grad_accum
+    exposed = max(0.0, seconds["dp"] - window)
+    return StepTime(compute, seconds["tp"], seconds["pp"], bubble, exposed, seconds["dp"], tokens)
