@@ -116,7 +116,8 @@ def render(a: Advice, top: int = 5, config: str | None = None) -> str:
              f"Searched {len(a.ranked)} layouts at global batch {j.batch} sequences: {len(fit)} fit "
              f"{fmt_bytes(j.usable_memory)} usable per GPU (--gpu-memory less --memory-margin "
              f"{j.memory_margin:.0%}); --json lists every one with why it is rejected. Step time = "
-             f"compute at --mfu {j.mfu:g} of --gpu-tflops {j.gpu_tflops:g} per GPU + exposed "
+             f"compute at --mfu {j.mfu:g} of --gpu-tflops {j.gpu_tflops:g} per GPU (the peak at "
+             f"{j.precision}) + exposed "
              f"communication (--intra-node-bw {j.intra_node_bw / 1e9:g} GB/s, --inter-node-bw "
              f"{j.inter_node_bw / 1e9:g} GB/s per GPU) + the pipeline bubble.", ""]
     head = ("layout", "peak / GPU", "step", "tokens/s (job)", "tokens/day",
