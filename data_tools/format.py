@@ -244,7 +244,9 @@ def _load_manifest_json(root: str) -> dict:
     """manifest.json as a dict with a supported format_version (schema not checked yet)."""
     path = manifest_path(root)
     if not os.path.isfile(path):
-        raise DataError(path, "missing — not an hpctrain dataset or an incomplete shard run")
+        where = "" if os.path.isabs(root) else f" (a relative path: resolved from the current directory {os.getcwd()})"
+        what = "missing" if os.path.isdir(root) else f"missing: {root} does not exist"
+        raise DataError(path, f"{what} — not an hpctrain dataset or an incomplete shard run{where}")
     try:
         with open(path, encoding="utf-8") as f:
             m = json.load(f)

@@ -129,9 +129,19 @@ def from_dict(raw: dict, source: str = "config", cli_keys: frozenset = frozenset
             kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
         for key, f in known.items():
             if key not in kwargs and f.default is REQUIRED and f.default_factory is REQUIRED:
-                raise ConfigError(f"missing required config key '{name}.{key}' in {source}")
+                raise ConfigError(_missing_key(f"{name}.{key}", source, sections))
         built[name] = cls(**kwargs)
     return Config(**built).validate()
+
+
+def _missing_key(key: str, source: str, sections: dict) -> str:
+    """A required key is missing: from the file, or (no --config given) from the command line."""
+    if source != "overrides":
+        return f"missing required config key '{key}' in {source}"
+    required = [f"--{name}.{f.name}" for name, cls in sections.items() for f in dataclasses.fields(cls)
+                if f.default is REQUIRED and f.default_factory is REQUIRED]
+    return (f"missing required config key '{key}': no --config FILE given; pass --config (a TOML "
+            f"file, e.g. configs/*.toml) or give the required keys {', '.join(required)}")
 
 
 def parse_overrides(args: list[str]) -> dict:

@@ -14,9 +14,13 @@ Environment overrides (they win over discovery):
                               there too (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME unless set)
   HPCTRAIN_RANKS_PER_NODE     split one machine's ranks into "nodes" of this many ranks (tests)
   HPCTRAIN_THREADS            intra-op threads per rank (else derived from cores per node / local ranks)
+  TORCH_CPP_LOG_LEVEL         set: torch's C++ warnings are shown as the user asked, also while the
+                              store connects (unset, they are hidden there: _quiet_c10d_warnings)
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime
 import gc
 import os
@@ -170,6 +174,35 @@ def _threads_per_rank(local_size: int) -> int:
     return max(1, cores // max(1, local_size))
 
 
+def _c10_log_level():
+    """torch's C++ log threshold (c10's FLAGS_caffe2_log_level: 0 info, 1 warning, 2 error) as a
+    ctypes int, or None where this build does not export it."""
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+        return ctypes.c_int.in_dll(lib, "FLAGS_caffe2_log_level")
+    except (OSError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def _quiet_c10d_warnings():
+    """Hide torch's C++ warnings (errors still show) while the TCP store connects and the
+    process group forms. A store client names its peer by reverse DNS (getnameinfo) only for its
+    log; where that lookup cannot be answered (no DNS server reachable: err=-3, EAI_AGAIN) c10d
+    prints `[c10d] The hostname of the client socket cannot be retrieved. err=-3` on every rank
+    that connects, and goes on with the numeric address. A TORCH_CPP_LOG_LEVEL the user set wins."""
+    level = None if os.environ.get("TORCH_CPP_LOG_LEVEL") else _c10_log_level()
+    if level is None:
+        yield
+        return
+    before = level.value
+    level.value = max(before, 2)
+    try:
+        yield
+    finally:
+        level.value = before
+
+
 def choose_backend(requested: str = "auto") -> str:
     if requested == "auto":
         return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
@@ -211,8 +244,9 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, comm=None)
     _use_interface(iface)
     port = int(os.environ.get("MASTER_PORT", "0")) if whole_job else 0  # members: one store each
     store = None
-    if rank == 0:
-        store = dist.TCPStore(addr, port, world, is_master=True, timeout=timeout, wait_for_workers=False)
+    if rank == 0:  # its own client connects to addr too
+        with _quiet_c10d_warnings():
+            store = dist.TCPStore(addr, port, world, is_master=True, timeout=timeout, wait_for_workers=False)
         port = store.port
     port = comm.bcast(port, root=0)
     # Rank 0 makes no MPI call until the process group is up: with transports that progress only
@@ -221,9 +255,11 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, comm=None)
     comm.Barrier()
     if rank != 0:
         netif.probe(addr, port, RENDEZVOUS_PROBE_S, f"rank {rank} on {hosts[rank]}")
-        store = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
-                            device_id=device if backend == "nccl" else None)
+    with _quiet_c10d_warnings():
+        if rank != 0:
+            store = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                                device_id=device if backend == "nccl" else None)
     return DistContext(rank=rank, world_size=world, local_rank=local_rank, local_size=local_size,
                        node_rank=node_rank, n_nodes=n_nodes, backend=backend, device=device,
                        threads=threads, master_addr=addr, master_port=port, comm=comm,

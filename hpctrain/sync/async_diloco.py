@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from hpctrain.config import Config
@@ -88,6 +89,7 @@ class AsyncDiLoCo(AsynchronousStrategy):
         self._optim = self._stash = self._outer = None
         self._arrivals, self._finished, self._step_at_meeting = 0, False, 0
         self._step_times = [0] * self.n_workers
+        self.logged_step, self.arrivals_since_line, self.pseudo_grad_norm = 0, 0, 0.0
 
     @property
     def writes_metrics(self) -> bool:
@@ -157,6 +159,9 @@ class AsyncDiLoCo(AsynchronousStrategy):
 
     def _arrive(self) -> None:
         g = self.start - flat(self.params)
+        self.arrivals_since_line += 1
+        if self.leader:  # this position's part of the pseudo-gradient, for the round line
+            self.pseudo_grad_norm = float(np.linalg.norm(g))
         # delayed Nesterov's momentum in units of inner lr (outer.py), or plain sums (lr_scale 1)
         lr_scale = max(self.round_lr_sum / self.round_steps, 1e-12) if self.momentum_per_lr else 1.0
 
@@ -216,11 +221,25 @@ class AsyncDiLoCo(AsynchronousStrategy):
     def comm_bytes(self, step: int) -> int:
         return self.windows.bytes_moved
 
+    def round_line(self, step: int, log_interval: int) -> str | None:
+        """This replica's last arrival (rank 0 logs: replica 0's), at most one per log_interval."""
+        p = self.pending
+        if "arrival" not in p or not (self._finished or step // log_interval > self.logged_step // log_interval):
+            return None
+        line = (f"async_diloco arrival {p['arrival']} of replica {p['replica']} at step {step}: "
+                f"{p['local_steps']} local steps, pseudo-grad norm {self.pseudo_grad_norm:.4g}, "
+                f"staleness {p['staleness']}, caught up {p['caught_up']}, "
+                f"{p['arrival_bytes'] / 2**20:.3g} MiB moved, arrival took {p['arrive_s']:.3f} s "
+                f"({self.arrivals_since_line} arrival(s) of this replica since the last line)")
+        self.logged_step, self.arrivals_since_line = step, 0
+        return line
+
     def describe(self) -> str:
-        return (f", async_diloco: {self.n_workers} replicas of {self.positions} rank(s), "
-                f"{self.ctx.world_size - self.n_workers * self.positions} servers, {self.kind}, {'dynamic' if self.dynamic else 'fixed'} local steps "
+        return (f", sync async_diloco: {self.n_workers} replicas of {self.positions} rank(s), "
+                f"{self.ctx.world_size - self.n_workers * self.positions} servers, {'dynamic' if self.dynamic else 'fixed'} local steps "
                 f"(<= {self.inner_steps}), {self.inbox.kind if self.inbox else 'fp32'} pushes"
-                f"{', catch-up' if self.catch_up else ''}")
+                f"{', catch-up' if self.catch_up else ''}, H={self.inner_steps} outer={self.kind} "
+                f"lr={self.outer['lr']:g} m={self.outer['mu']:g}")
 
     # ---- the end of training, checkpoints --------------------------------------------------------
     def meet(self, preempt, step: int, stop: int, end: int) -> tuple[int, int]:

@@ -29,6 +29,7 @@ and every replica ends equal to it.
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -93,6 +94,9 @@ class DiLoCo(SyncStrategy):
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="diloco") if cfg.overlap else None
         self.bytes_sent = 0  # by this rank, cumulative (restored on resume)
         self.syncs = 0
+        self.is_main = mesh.rank == 0  # measures what its round line says
+        self.round_log: dict = {}  # since the last round line: the last norm, the summed waits
+        self.logged_step = 0
         self._local = None  # (ModelState, OptimState) of this replica, from checkpoint_states
         self._from_synchronous = False
 
@@ -121,8 +125,12 @@ class DiLoCo(SyncStrategy):
         self.bytes_sent += bytes_sent(delta.numel(), self.replicas, self.cfg.compression,
                                       self.cfg.int8_block)
         self.syncs += 1
+        if self.is_main:  # this rank's part of its replica's pseudo-gradient
+            self.round_log = {"norm": float(delta.norm()), "wait_s": self.round_log.get("wait_s", 0.0)}
+        t0 = time.perf_counter()
         if self.cfg.overlap:
             self._resolve(f)
+            self._waited(t0)
             if self.has_pending[f]:  # round k-1's average, one round late
                 self._outer_step(idx, [_local(self.pending[i]) for i in idx])
                 self.has_pending[f] = False
@@ -135,11 +143,34 @@ class DiLoCo(SyncStrategy):
                     start.copy_(self._outer_step_value(i, d - 0.5 * (start - anchor)))
                     _local(self.params[i]).copy_(start)
                 return
-        self._outer_step(idx, self._unflatten(idx, self._average(delta)))
+        avg = self._average(delta)
+        self._waited(t0)
+        self._outer_step(idx, self._unflatten(idx, avg))
         for i in idx:  # the next round starts from the global model
             _local(self.params[i]).copy_(_local(self.anchor[i]))
             if self.start is not self.anchor:
                 _local(self.start[i]).copy_(_local(self.anchor[i]))
+
+    def _waited(self, t0) -> None:
+        if self.is_main:
+            self.round_log["wait_s"] = self.round_log.get("wait_s", 0.0) + time.perf_counter() - t0
+
+    def describe(self) -> str:
+        c = self.cfg
+        outer = f"nesterov m={c.outer_momentum:g}" if c.outer_momentum else "sgd"
+        return (f", sync diloco H={c.inner_steps} outer={outer} lr={c.outer_lr:g} "
+                f"compression={c.compression} overlap={'on' if c.overlap else 'off'} "
+                f"fragments={len(self.fragments)} replicas={self.replicas}")
+
+    def round_line(self, step: int, log_interval: int) -> str | None:
+        if not self.round_log or not (step >= self.total_steps or
+                                      step // log_interval > self.logged_step // log_interval):
+            return None
+        line = (f"diloco round {self.syncs} at step {step}: pseudo-grad norm "
+                f"{self.round_log['norm']:.4g} (rank 0's part), {self.bytes_sent / 2**20:.3g} MiB sent "
+                f"so far, waited {self.round_log['wait_s']:.3f} s for averages")
+        self.round_log, self.logged_step = {}, step
+        return line
 
     def _average(self, delta: torch.Tensor) -> torch.Tensor:
         return average(delta, self.group, self.cfg.compression, self.cfg.int8_block)

@@ -103,7 +103,7 @@ class ParameterServerSGD(AsynchronousStrategy):
         self.ctx.comm.Barrier()  # windows restored before any worker pulls
 
     def describe(self) -> str:
-        return (f", ps: {self.n_workers} workers, {self.ctx.world_size - self.n_workers} servers, "
+        return (f", sync ps: {self.n_workers} workers, {self.ctx.world_size - self.n_workers} servers, "
                 f"staleness {self.staleness}")
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ training loop (hpctrain/train/loop.py) at fixed points:
     checkpoint_states(model, optim, saved)   the checkpoint's entries in this mode
     state_dict() / load_state_dict(), after_load()   its own "sync" entry
     step_metrics() / comm_bytes(step), mean_over_replicas(value), describe(), close()
+    round_line(step, log_interval) -> str | None   DiLoCo, async_diloco: the log line of a round
 
 and four facts: `trains` (False on a server rank), `global_each_step` (the loss and grad norm
 are the same on every rank after a step, so a non-finite one needs no vote), `collective_steps`
@@ -96,8 +97,13 @@ class SyncStrategy:
         return value  # the layout's losses are global means already
 
     def describe(self) -> str:
-        """What the start-up line says about this mode ("" for plain synchronous training)."""
-        return ""
+        """What the start-up line says about this mode and its parameters (", sync ...")."""
+        return f", sync {self.mode}"
+
+    def round_line(self, step: int, log_interval: int) -> str | None:
+        """The log line of the round that ended with step `step`, where one ended and a line
+        is due (at most one per `log_interval` steps, and the last); None otherwise."""
+        return None
 
     def close(self) -> None:
         pass

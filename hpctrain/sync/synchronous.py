@@ -19,6 +19,9 @@ class Synchronous(SyncStrategy):
                                                 "model with `hpctrain export`")
         return {"model": model, "optim": optim, "sync": self}
 
+    def describe(self) -> str:
+        return f", sync every step (gradient all-reduce {self.grad_allreduce} over dp={self.dp_size})"
+
     def comm_bytes(self, step: int) -> int:
         """Bytes this rank has sent: one fp32 gradient all-reduce per step (-1: PowerSGD, which
         depends on its rank and error feedback)."""

@@ -190,6 +190,10 @@ class Trainer:
     def fit(self) -> int:
         cfg, ctx, t = self.cfg, self.ctx, self.cfg.train
         self.maybe_resume()
+        if t.stop_at_step and self.step >= t.stop_at_step:  # a rerun of a stopped run, unchanged
+            log(ctx, stop_at_step_line(t, self.step, resumed=True))
+            self.sync.close()
+            return 0
         end = t.stop_at_step or t.steps
         self._write_run_config()
         metrics = self._metrics_log()
@@ -218,7 +222,7 @@ class Trainer:
         if self.preempt.stopped:
             return self.preempt.finish(self.step, resumed_at=self.start_step)  # requeue and/or exit 75
         if t.stop_at_step and self.step < t.steps:
-            log(ctx, f"stopped at train.stop_at_step={t.stop_at_step}; rerun the same command to resume")
+            log(ctx, stop_at_step_line(t, self.step))
         return 0
 
     def _run_until(self, until: int, end: int, metrics: MetricsLog) -> int:
@@ -249,6 +253,9 @@ class Trainer:
         wait = clock.take()  # before validation, DiLoCo's round and the metrics collectives
         self.step = self.sync.next_step(self.step)
         self.sync.after_step(self.step)  # DiLoCo: ends a round when due; ps: pushes the update
+        round_line = self.sync.round_line(self.step, self.cfg.train.log_interval)
+        if round_line:  # DiLoCo, async_diloco: a round ended (at most one line per log_interval)
+            log(self.ctx, round_line)
         rec = self._step_record(loss, grad_norm, lr, dt, wait)
         if self.ctx.is_main and (self.step % self.cfg.train.log_interval == 0 or self.step == end):
             done = max(1, self.step - self.start_step)
@@ -341,6 +348,15 @@ class Trainer:
         meter, line = job_meter(self.ctx, self.cfg.train.precision, self.flops_per_token)
         log(self.ctx, line)
         return meter
+
+
+def stop_at_step_line(t, step: int, resumed: bool = False) -> str:
+    """What a run stopped by train.stop_at_step says: how to go on (the same command would stop
+    at once again)."""
+    what = (f"nothing to train: resumed at step {step} >= train.stop_at_step={t.stop_at_step}" if resumed
+            else f"stopped at train.stop_at_step={t.stop_at_step}: step {step}")
+    return (f"{what} of train.steps={t.steps}; to go on, raise or remove train.stop_at_step and run "
+            f"again: it resumes from step {step}")
 
 
 def _percent(value: float | None) -> str:

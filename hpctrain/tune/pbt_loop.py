@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hpctrain.distributed.preempt import NONE, Preemption
 from hpctrain.errors import ConfigError
-from hpctrain.train.loop import Trainer, log
+from hpctrain.train.loop import Trainer, log, stop_at_step_line
 from hpctrain.tune import pbt_members
 from hpctrain.tune.pbt import LINEAGE, LineageLog, Population, check_same_step
 
@@ -92,8 +92,7 @@ class PopulationRun:
         if tr.preempt.stopped:
             return tr.preempt.finish(tr.step)
         if t.stop_at_step and tr.step < t.steps:
-            log(self.ctx, f"stopped at train.stop_at_step={t.stop_at_step}; rerun the same command "
-                          f"to resume")
+            log(self.ctx, stop_at_step_line(t, tr.step))
         return 0
 
     def _round_due(self) -> bool:
