@@ -179,10 +179,13 @@ def _wait_quietly(comm) -> None:
         time.sleep(0.005)
 
 
-def job_meter(ctx, precision: str, flops_per_token: float) -> tuple[MfuMeter, str]:
+def job_meter(ctx, precision: str, flops_per_token: float,
+              ranks_per_record: int | None = None) -> tuple[MfuMeter, str]:
     """Collective: the job's MfuMeter and the start-up line saying what MFU is measured against.
     GPU ranks look up their own device; on CPUs each node's first rank gets the peak (measuring
-    it, the first time, while the node's other ranks sleep) and tells the others."""
+    it, the first time, while the node's other ranks sleep) and tells the others.
+    `ranks_per_record`: where a metrics record counts the tokens of fewer ranks than the job's
+    (async_diloco: one replica's), the peak is that many ranks' (of the mean rank)."""
     if ctx.device.type == "cuda":
         mine, share = rank_peak(ctx.device, precision, ctx.threads), 1.0
     else:
@@ -198,6 +201,9 @@ def job_meter(ctx, precision: str, flops_per_token: float) -> tuple[MfuMeter, st
         def on_raise(ratio: float, key=mine.cache_key, flops=mine.flops) -> None:
             PeakCache().raise_to(key, flops * ratio)
     shared = f" x {share:.2f} (ranks share the cores)" if share < 1 else ""
-    line = (f"mfu: against {sum(parts) / TERA:.4g} TFLOP/s = {ctx.world_size} rank(s) x "
+    ranks = ranks_per_record or ctx.world_size
+    peak = sum(parts) * ranks / ctx.world_size
+    whose = "" if ranks == ctx.world_size else " (one replica's, whose tokens a record counts)"
+    line = (f"mfu: against {peak / TERA:.4g} TFLOP/s = {ranks} rank(s){whose} x "
             f"{mine.flops / TERA:.4g} TFLOP/s{shared} ({mine.source}); never above 100%")
-    return MfuMeter(flops_per_token, sum(parts), on_raise), line
+    return MfuMeter(flops_per_token, peak, on_raise), line

@@ -95,6 +95,11 @@ class AsyncDiLoCo(AsynchronousStrategy):
     def writes_metrics(self) -> bool:
         return self.trains and self.leader
 
+    @property
+    def ranks_per_record(self) -> int:
+        """A record counts its replica's tokens (MFU against that replica's ranks)."""
+        return self.positions
+
     def _from_leader(self, value):
         """The leader's `value` on every rank of the replica (itself when it is one rank)."""
         return value if self.positions == 1 else self.team.bcast(value, root=0)

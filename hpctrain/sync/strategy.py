@@ -41,6 +41,7 @@ class SyncStrategy:
     global_each_step = True
     collective_steps = True
     every_worker_steps = True
+    ranks_per_record: int | None = None  # the ranks whose tokens a metrics record counts (None: all)
 
     @property
     def writes_metrics(self) -> bool:

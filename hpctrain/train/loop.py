@@ -345,7 +345,8 @@ class Trainer:
 
     def _peak_flops(self) -> MfuMeter:
         """MFU of each step against the job's peak (hpctrain/metrics/peak.py), said once."""
-        meter, line = job_meter(self.ctx, self.cfg.train.precision, self.flops_per_token)
+        meter, line = job_meter(self.ctx, self.cfg.train.precision, self.flops_per_token,
+                                self.sync.ranks_per_record)
         log(self.ctx, line)
         return meter
 

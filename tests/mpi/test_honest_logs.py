@@ -65,6 +65,7 @@ def test_async_diloco_banner_and_round_lines(tmp_path, dataset):
     for field in ("sync async_diloco: 2 replicas of 1 rank(s), 1 servers", "H=2",
                   "outer=delayed_nesterov", "lr=0.7"):
         assert field in banner, (field, banner)
+    assert re.search(r"mfu: against [\d.e+-]+ TFLOP/s = 1 rank\(s\) \(one replica's", r.stderr)
     arrivals = re.findall(r"async_diloco arrival (\d+) of replica 0 at step (\d+): (\d+) local steps", r.stderr)
     assert arrivals and all(int(local) == 2 for _, _, local in arrivals), r.stderr
     steps = [int(s) for _, s, _ in arrivals]

@@ -125,3 +125,27 @@ def test_ranks_sharing_cores_count_their_share():
     assert core_share(local_size=4, threads=1, cores=2) == 0.5  # oversubscribed: half a core each
     assert core_share(local_size=2, threads=1, cores=2) == 1.0
     assert job_peak_flops(1e10, 1, 4, 1, local_size=4, threads=1, cores=2) == pytest.approx(2e10)
+
+
+def test_job_meter_measures_once_per_machine_and_says_so(tmp_path, monkeypatch):
+    """The trainer's entry point on a real one-rank MPI communicator: the first start measures
+    (once, on the node's first rank) and caches, the next reads the cache; the line names both."""
+    from types import SimpleNamespace
+
+    import torch
+    from mpi4py import MPI
+
+    from hpctrain.metrics import peak as peak_mod
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    measure = CountingMeasure(5e10)
+    monkeypatch.setattr(peak_mod, "measure_peak_flops", lambda device, dtype, **kw: measure(device, dtype))
+    ctx = SimpleNamespace(device=torch.device("cpu"), threads=1, local_rank=0, local_size=1, rank=0,
+                          world_size=1, comm=MPI.COMM_SELF, node_comm=MPI.COMM_SELF)
+    first, line1 = peak_mod.job_meter(ctx, "fp32", FLOPS_PER_TOKEN)
+    second, line2 = peak_mod.job_meter(ctx, "fp32", FLOPS_PER_TOKEN)
+    assert measure.calls == 1 and first.peak == second.peak == 5e10
+    assert "measured now" in line1 and "cached in" in line2 and str(tmp_path) in line2
+    assert second(1e9) == 1.0  # 82.7 TFLOP/s achieved > 50 GFLOP/s: the cache is raised to it
+    stored = json.loads((tmp_path / "hpctrain" / "peak_flops.json").read_text())
+    assert list(stored.values()) == [pytest.approx(FLOPS_PER_TOKEN * 1e9)]
