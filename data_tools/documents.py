@@ -19,13 +19,16 @@ from .format import DataError
 
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst")
 JSONL_SUFFIX = ".jsonl"
+PARQUET_SUFFIX = ".parquet"  # one document per row, in a text column (parquet.py)
+DEFAULT_SUFFIXES = TEXT_SUFFIXES + (JSONL_SUFFIX, PARQUET_SUFFIX)
 
 
 @dataclass
 class DocumentTable:
     """Document i is bytes [offset[i], offset[i]+length[i]) of files[file_idx[i]].
 
-    ``line[i]`` is the 1-based JSONL line number, 0 for a whole-file text document.
+    ``line[i]`` is the 1-based JSONL line number, 0 for a whole-file text document; for a
+    Parquet file (``parquet[file]``) ``offset[i]`` is the row and ``length[i]`` its UTF-8 bytes.
     """
     files: list
     jsonl: list  # per file: True if JSON Lines
@@ -33,32 +36,46 @@ class DocumentTable:
     offset: np.ndarray
     length: np.ndarray
     line: np.ndarray
+    parquet: list = None  # per file: True if Parquet (None: no Parquet input)
+    text_column: str = "text"
 
     def __len__(self) -> int:
         return int(self.file_idx.size)
 
 
-def _walk(root: str) -> list[str]:
+def _walk(root: str, suffixes=DEFAULT_SUFFIXES) -> list[str]:
     """Files under ``root`` with an accepted suffix, recursive, hidden entries skipped, sorted
     by their path relative to ``root`` (so the order never depends on the file system)."""
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         for name in filenames:
-            if not name.startswith(".") and name.endswith(TEXT_SUFFIXES + (JSONL_SUFFIX,)):
+            if not name.startswith(".") and name.endswith(tuple(suffixes)):
                 full = os.path.join(dirpath, name)
                 found.append((os.path.relpath(full, root).replace(os.sep, "/"), full))
     return [full for _, full in sorted(found)]
 
 
-def expand_inputs(inputs: list[str]) -> list[str]:
+def parse_extensions(spec) -> tuple:
+    """``--extensions .py,.txt`` (or a list) -> ('.py', '.txt'); None -> the default suffixes."""
+    if spec is None:
+        return DEFAULT_SUFFIXES
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    exts = tuple(e if e.startswith(".") else "." + e for e in (x.strip() for x in items) if e)
+    if not exts:
+        raise DataError("--extensions", f"no file extension given in {spec!r} (e.g. .py,.txt)")
+    return exts
+
+
+def expand_inputs(inputs: list[str], extensions=None) -> list[str]:
     """Input paths -> list of files, in the global document order."""
-    files = []
+    files, suffixes = [], parse_extensions(extensions)
     for path in inputs:
         if os.path.isdir(path):
-            sub = _walk(path)
+            sub = _walk(path, suffixes)
             if not sub:
-                raise DataError(path, f"directory has no {'/'.join(TEXT_SUFFIXES)}/.jsonl files")
+                hint = "" if extensions else "; choose others with --extensions (e.g. .py,.txt)"
+                raise DataError(path, f"directory has no {'/'.join(suffixes)} files{hint}")
             files.extend(sub)
         elif os.path.isfile(path):
             files.append(path)
@@ -67,12 +84,21 @@ def expand_inputs(inputs: list[str]) -> list[str]:
     return files
 
 
-def enumerate_documents(inputs: list[str]) -> DocumentTable:
-    """Scan the inputs (JSONL files are read line by line, not parsed) into a DocumentTable."""
-    files = expand_inputs(inputs)
+def enumerate_documents(inputs: list[str], extensions=None, text_column="text") -> DocumentTable:
+    """Scan the inputs (JSONL files are read line by line, not parsed; Parquet files' text
+    column is read for its lengths) into a DocumentTable."""
+    files = expand_inputs(inputs, extensions)
     jsonl = [f.endswith(JSONL_SUFFIX) for f in files]
+    parquet = [f.endswith(PARQUET_SUFFIX) for f in files]
     fidx, offs, lens, lines = [], [], [], []
     for i, (path, is_jsonl) in enumerate(zip(files, jsonl)):
+        if parquet[i]:
+            from .parquet import row_lengths
+
+            n = row_lengths(path, text_column)
+            fidx.extend([i] * n.size), offs.extend(range(n.size)), lens.extend(n.tolist())
+            lines.extend([0] * n.size)
+            continue
         if not is_jsonl:
             fidx.append(i), offs.append(0), lens.append(os.path.getsize(path)), lines.append(0)
             continue
@@ -85,17 +111,33 @@ def enumerate_documents(inputs: list[str]) -> DocumentTable:
     if not fidx:
         raise DataError(inputs[0] if inputs else "inputs", "no documents found")
     return DocumentTable(files, jsonl, np.asarray(fidx, np.int64), np.asarray(offs, np.int64),
-                         np.asarray(lens, np.int64), np.asarray(lines, np.int64))
+                         np.asarray(lens, np.int64), np.asarray(lines, np.int64),
+                         parquet if any(parquet) else None, text_column)
+
+
+def where(table: DocumentTable, i: int) -> str:
+    """Document i for a message: ``file``, ``file:line`` (JSONL) or ``file row N`` (Parquet)."""
+    fi = int(table.file_idx[i])
+    if table.parquet and table.parquet[fi]:
+        return f"{table.files[fi]} row {int(table.offset[i])}"
+    return f"{table.files[fi]}:{int(table.line[i])}" if table.jsonl[fi] else table.files[fi]
 
 
 def iter_texts(table: DocumentTable, start: int, end: int):
     """Yield (doc_index, text) for documents [start, end) in order.  Raises DataError naming
     ``file`` or ``file:line`` for undecodable text, bad JSON, or a line without ``text``."""
-    handle, handle_idx = None, -1
+    handle, handle_idx, rows = None, -1, None
     try:
         for i in range(start, end):
             fi = int(table.file_idx[i])
             path = table.files[fi]
+            if table.parquet and table.parquet[fi]:
+                from .parquet import RowReader
+
+                if rows is None or rows.path != path:
+                    rows = RowReader(path, table.text_column)
+                yield i, rows.text(int(table.offset[i]))
+                continue
             if fi != handle_idx:
                 if handle is not None:
                     handle.close()

@@ -32,7 +32,8 @@ DEFAULT_VAL_FRACTION = 0.05
 DEFAULT_SEED = 1234
 BATCH_BYTES = 8 << 20  # text handed to the tokenizer per call
 BATCH_DOCS = 512
-TOKENIZER_FILE = "tokenizer.json"  # a trained tokenizer, copied beside the shards
+TOKENIZER_FILE = "tokenizer.json"  # a tokenizer.json, copied beside the shards
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # copied too when it sits beside it
 ROUND_BYTES = 64 << 20  # MPI: text each rank tokenizes per round (bounds memory, see docs/data.md)
 
 
@@ -44,11 +45,11 @@ def peak_rss_mb() -> float:
     return peak / 2 ** 20 if sys.platform == "darwin" else peak / 2 ** 10  # bytes on macOS, else KiB
 
 
-def _plan(inputs, out, val_fraction, seed):
+def _plan(inputs, out, val_fraction, seed, extensions, text_column):
     """Rank 0: refuse a bad --output before any work, list the documents, then open the staging
     folder beside --output (nothing at --output changes until the final swap)."""
-    staging.check_output(out, TOKENIZER_FILE)
-    table = documents.enumerate_documents(inputs)
+    staging.check_output(out, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
+    table = documents.enumerate_documents(inputs, extensions=extensions, text_column=text_column)
     is_val = documents.assign_val(len(table), val_fraction, seed)
     staging.begin(out)
     return table, is_val
@@ -140,7 +141,8 @@ def _tokenize_rounds(comm, table, rounds, tokenize, exchange, round_bytes, dtype
 def shard_dataset(inputs, output, tokenizer="gpt2", shard_tokens=DEFAULT_SHARD_TOKENS,
                   val_fraction=DEFAULT_VAL_FRACTION, seed=DEFAULT_SEED, comm=None,
                   progress=True, log=None, round_bytes=ROUND_BYTES, filter=False,
-                  min_chars=1) -> dict:
+                  min_chars=1, eot_token=None, eot_id=None, extensions=None,
+                  text_column="text") -> dict:
     """Build a dataset at ``output``; every rank of ``comm`` must call this with the same
     arguments.  Returns the manifest (on every rank).  Raises DataError (on all ranks)."""
     comm = comm if comm is not None else SerialComm()
@@ -157,14 +159,14 @@ def shard_dataset(inputs, output, tokenizer="gpt2", shard_tokens=DEFAULT_SHARD_T
             err.collective = True  # every rank checks the same arguments and fails identically
             raise err
     shard_tokens, val_fraction, seed = int(shard_tokens), float(val_fraction), int(seed)
-    tok = agree(comm, get_tokenizer, tokenizer)
+    tok = agree(comm, lambda: get_tokenizer(tokenizer, eot_token=eot_token, eot_id=eot_id))
     import h5py  # noqa: F401 - the shard writer's library: loaded in setup, not at the first write
     dtype = token_dtype(tok.vocab_size)
     held = []  # rank 0: the output's lock, held until the dataset is swapped in or abandoned
 
     def lock_and_plan():
         held.append(OutputLock(output).acquire())
-        return _plan(inputs, output, val_fraction, seed)
+        return _plan(inputs, output, val_fraction, seed, extensions, text_column)
 
     try:
         table, is_val = root_then_bcast(comm, lock_and_plan)
@@ -222,6 +224,9 @@ def _build(comm, tok, dtype, table, is_val, output, final, shard_tokens, val_fra
         def run(batch):
             arrs = tok.encode_batch([t for _, t in batch], num_threads=threads)
             for (i, _), ids in zip(batch, arrs):
+                if ids.size and int(ids.max()) >= tok.vocab_size:  # never a silent wrap to uint16
+                    raise DataError(documents.where(table, i), f"token id {int(ids.max())} >= "
+                                    f"the vocabulary size {tok.vocab_size} of {tok.name}")
                 doc = np.empty(ids.size + 1, dtype)  # one copy: ids cast in place, then end-of-text
                 doc[:-1] = ids
                 doc[-1] = tok.eot_id
@@ -267,11 +272,8 @@ def _build(comm, tok, dtype, table, is_val, output, final, shard_tokens, val_fra
             manifest["filter"] = {"min_chars": int(min_chars), "total": report["total"],
                                   "dropped": {r: report[r] for r in
                                               ("invalid", "empty", "short", "duplicate")}}
-        if getattr(tok, "path", None):  # a trained BPE: saved beside the data, pinned by sha256
-            dst = os.path.join(output, TOKENIZER_FILE)
-            tmp = os.path.join(output, f"{TMP_PREFIX}{os.getpid()}-{TOKENIZER_FILE}")
-            shutil.copyfile(tok.path, tmp)
-            os.replace(tmp, dst)
+        if getattr(tok, "path", None):  # a tokenizer.json: saved beside the data, pinned by sha256
+            _copy_tokenizer_files(tok, output)
             manifest["tokenizer"].update(file=TOKENIZER_FILE, sha256=tok.sha256)
         fsync_path(output)  # the shard renames are durable before the manifest appears
         write_manifest(output, manifest)
@@ -279,6 +281,16 @@ def _build(comm, tok, dtype, table, is_val, output, final, shard_tokens, val_fra
         return manifest
 
     return comm.bcast(agree(comm, finish), root=0), gathered, t_plan
+
+
+def _copy_tokenizer_files(tok, output) -> None:
+    """tokenizer.json and, when it sits beside it, tokenizer_config.json into the dataset."""
+    config = os.path.join(os.path.dirname(os.path.abspath(tok.path)), TOKENIZER_CONFIG_FILE)
+    for src, name in ((tok.path, TOKENIZER_FILE), (config, TOKENIZER_CONFIG_FILE)):
+        if name == TOKENIZER_FILE or os.path.isfile(config):
+            tmp = os.path.join(output, f"{TMP_PREFIX}{os.getpid()}-{name}")
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, os.path.join(output, name))
 
 
 def _summary(log, manifest, gathered, output, tok, dtype, size, t0, t_plan):

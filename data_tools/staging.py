@@ -30,14 +30,14 @@ def staging_dir(output: str) -> str:
     return os.path.join(parent, f".{name}{STAGING_SUFFIX}")
 
 
-def check_output(output: str, tokenizer_file: str) -> None:
+def check_output(output: str, *dataset_files: str) -> None:
     """Refuse an ``output`` that is not new, empty or an intact dataset; change nothing."""
     if not os.path.exists(output):
         return
     if not os.path.isdir(output):
         raise DataError(output, "exists and is not a directory")
     entries = sorted(e for e in os.listdir(output) if not e.startswith(TMP_PREFIX))
-    foreign = [e for e in entries if not (e in (MANIFEST_NAME, tokenizer_file) or SHARD_RE.match(e))]
+    foreign = [e for e in entries if not (e in (MANIFEST_NAME, *dataset_files) or SHARD_RE.match(e))]
     if foreign:
         raise DataError(output, f"not empty and not an hpctrain dataset (found {foreign[0]!r}); "
                                 f"refusing to overwrite — use a new or empty directory")

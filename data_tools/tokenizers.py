@@ -1,4 +1,5 @@
-"""Tokenizers used to build datasets: ``gpt2`` (genuine GPT-2 BPE via tiktoken) and ``bytes``.
+"""Tokenizers used to build datasets: ``gpt2`` (genuine GPT-2 BPE via tiktoken), ``bytes``, and any
+tokenizer.json (hf_tokenizer.py).
 
 Owns: building each tokenizer from LOCAL files only, and the (name, vocab_size, eot_id,
 encode, encode_batch, decode) interface the sharder relies on.
@@ -150,53 +151,62 @@ def _gpt2_encoding():
                              special_tokens={ENDOFTEXT: 50256}, explicit_n_vocab=50257)
 
 
-class FileTokenizer(Tokenizer):
-    """A byte-level BPE saved by ``data_tools train-tokenizer`` (HF ``tokenizers`` JSON).
+def FileTokenizer(path: str, eot_token=None, eot_id=None):
+    """A tokenizer.json (any Hugging Face ``tokenizers`` file): see hf_tokenizer.py."""
+    from .hf_tokenizer import HFTokenizer
 
-    Named ``bpe-<first 12 hex of the file's sha256>`` so a dataset names the exact vocabulary;
-    ``<|endoftext|>`` must be in the vocabulary (it is the end-of-text id) and, as for gpt2,
-    that string inside a document is encoded as ordinary text."""
-
-    def __init__(self, path: str):
-        try:
-            from tokenizers import Tokenizer as HFTokenizer
-        except ImportError:
-            raise DataError("tokenizers", "package not installed: pip install tokenizers") from None
-        from .format import sha256_file
-
-        try:
-            self.tok = HFTokenizer.from_file(path)
-        except Exception as e:  # noqa: BLE001 - any parse failure is a bad input file
-            raise DataError(path, f"not a tokenizers JSON file ({e})") from None
-        eot = self.tok.token_to_id(ENDOFTEXT)
-        if eot is None:
-            raise DataError(path, f"vocabulary has no {ENDOFTEXT} token")
-        self.tok.encode_special_tokens = True  # "<|endoftext|>" in text is not the eot id
-        self.path, self.sha256 = path, sha256_file(path)
-        self.name, self.eot_id = f"bpe-{self.sha256[:12]}", int(eot)
-        self.vocab_size = int(self.tok.get_vocab_size(with_added_tokens=True))
-
-    def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self.tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
-
-    def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[np.ndarray]:
-        encs = self.tok.encode_batch(texts, add_special_tokens=False)
-        return [np.asarray(e.ids, dtype=np.int64) for e in encs]
-
-    def decode(self, ids) -> str:
-        return self.tok.decode([int(i) for i in np.asarray(ids).ravel()], skip_special_tokens=False)
+    return HFTokenizer(path, eot_token=eot_token, eot_id=eot_id)
 
 
 TOKENIZERS = {"gpt2": GPT2Tokenizer, "bytes": BytesTokenizer}
 
 
-def get_tokenizer(name: str) -> Tokenizer:
-    """Build a tokenizer by name (``gpt2``, ``bytes``) or from a ``tokenizer.json`` path."""
+def get_tokenizer(name: str, eot_token=None, eot_id=None) -> Tokenizer:
+    """Build a tokenizer by name (``gpt2``, ``bytes``) or from a ``tokenizer.json`` path; the
+    end-of-text flags apply to a tokenizer.json only."""
     if name.endswith(".json") or os.sep in name:
         if not os.path.isfile(name):
             raise DataError(name, "tokenizer file not found")
-        return FileTokenizer(name)
+        return FileTokenizer(name, eot_token=eot_token, eot_id=eot_id)
     if name not in TOKENIZERS:
         raise DataError(f"tokenizer {name!r}", f"unknown (choose from {sorted(TOKENIZERS)} or "
                                                f"a tokenizer.json path)")
+    if eot_token is not None or eot_id is not None:
+        raise DataError("--eot-token/--eot-id", f"only for a tokenizer.json; {name} has its own "
+                                                f"end-of-text id {TOKENIZERS[name].eot_id}")
     return TOKENIZERS[name]()
+
+
+def tokenizer_file_of(data_path: str, manifest: dict) -> dict:
+    """{"file", "path"} of the tokenizer.json a dataset (or a blend's first component holding
+    it) was made with, the path absolute: what a run records so ``sample`` finds it; {} for
+    gpt2/bytes."""
+    tok = manifest["tokenizer"]
+    if "sha256" not in tok:
+        return {}
+    dirs = [data_path] + [os.path.join(data_path, c) for c in manifest.get("components", [])]
+    for d in dirs:
+        path = os.path.abspath(os.path.join(d, tok.get("file", "tokenizer.json")))
+        if os.path.isfile(path):
+            return {"file": os.path.basename(path), "path": path}
+    return {}
+
+
+def dataset_tokenizer(info: dict, dataset_dir: str) -> Tokenizer:
+    """The tokenizer a dataset (or a checkpoint trained on it) records: ``info`` is the
+    manifest's "tokenizer" entry; a tokenizer.json is the copy in ``dataset_dir`` (or the
+    absolute ``path`` recorded by training), checked against the recorded sha256."""
+    if "file" not in info and "sha256" not in info:
+        return get_tokenizer(info["name"])
+    from .format import sha256_file
+
+    tried = [os.path.join(str(dataset_dir), info.get("file", "tokenizer.json"))]
+    tried += [info["path"]] if info.get("path") else []
+    for path in tried:
+        if os.path.isfile(path):
+            if info.get("sha256") and sha256_file(path) != info["sha256"]:
+                raise DataError(path, f"is not the tokenizer {info['name']} the data was made with "
+                                      f"(sha256 differs); restore the dataset's {info['file']}")
+            return FileTokenizer(path, eot_id=info.get("eot_id"))
+    raise DataError(tried[-1], f"tokenizer file of {info['name']} not found (it is copied beside "
+                              f"the shards by `data_tools shard`); restore it or re-shard")

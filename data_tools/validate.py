@@ -27,19 +27,26 @@ REASONS = ("invalid", "empty", "short", "duplicate")
 def _scan(table, lo: int, hi: int, min_chars: int) -> tuple[list, list]:
     """(reason or None, sha256 digest or None) for documents [lo, hi)."""
     reasons, digests = [], []
-    handle, handle_idx = None, -1
+    handle, handle_idx, rows = None, -1, None
     try:
         for i in range(lo, hi):
             fi = int(table.file_idx[i])
-            if fi != handle_idx:
+            if table.parquet and table.parquet[fi]:  # Arrow strings are valid UTF-8 already
+                from .parquet import RowReader
+
+                if rows is None or rows.path != table.files[fi]:
+                    rows = RowReader(table.files[fi], table.text_column)
+                raw, fi = rows.text(int(table.offset[i])).encode("utf-8"), -1
+            elif fi != handle_idx:
                 if handle is not None:
                     handle.close()
                 handle, handle_idx = open(table.files[fi], "rb"), fi
-            handle.seek(int(table.offset[i]))
-            raw = handle.read(int(table.length[i])) if table.jsonl[fi] else handle.read()
+            if fi >= 0:
+                handle.seek(int(table.offset[i]))
+                raw = handle.read(int(table.length[i])) if table.jsonl[fi] else handle.read()
             try:
                 text = raw.decode("utf-8")
-                if table.jsonl[fi]:
+                if fi >= 0 and table.jsonl[fi]:
                     obj = json.loads(text)
                     text = obj["text"] if isinstance(obj, dict) else None
                     if not isinstance(text, str):
@@ -94,7 +101,8 @@ def filter_documents(table, min_chars: int = DEFAULT_MIN_CHARS, comm=None) -> tu
 def subset(table, keep: np.ndarray):
     """The document table restricted to ``keep`` (renumbered 0..N-1, same order)."""
     return documents.DocumentTable(table.files, table.jsonl, table.file_idx[keep],
-                                   table.offset[keep], table.length[keep], table.line[keep])
+                                   table.offset[keep], table.length[keep], table.line[keep],
+                                   table.parquet, table.text_column)
 
 
 def describe_report(report: dict, min_chars: int) -> str:

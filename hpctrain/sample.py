@@ -62,7 +62,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     _check_args(args)
 
-    from data_tools.tokenizers import get_tokenizer
+    from data_tools.tokenizers import dataset_tokenizer
     from hpctrain.checkpoint import CheckpointManager, disk_format
     from hpctrain.distributed import init_distributed, teardown
     from hpctrain.model import GPT, GPTConfig
@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
         mgr.load(path, state)  # loads only the keys present: the model, not the optimizer
         model.load_state_dict(state["model"])
         model.eval()
-        tok = get_tokenizer(saved["tokenizer"]["name"])
+        tok = dataset_tokenizer(saved["tokenizer"], saved["config"]["data"]["path"])
         ids = tok.encode(args.prompt)
         if len(ids) == 0:
             ids = [saved["tokenizer"]["eot_id"]]

@@ -34,10 +34,10 @@ def real_word_fraction(text: str, vocabulary: set[str]) -> tuple[float, int]:
 def training_vocabulary(dataset: str, max_tokens: int = MAX_VOCAB_TOKENS) -> set[str]:
     """The words of the first `max_tokens` tokens of `dataset`'s training split."""
     from data_tools.format import open_shard_layout, read_manifest, shards_of
-    from data_tools.tokenizers import get_tokenizer
+    from data_tools.tokenizers import dataset_tokenizer
 
     manifest = read_manifest(dataset)
-    tok = get_tokenizer(manifest["tokenizer"]["name"])
+    tok = dataset_tokenizer(manifest["tokenizer"], dataset)
     eot = manifest["tokenizer"]["eot_id"]
     vocabulary: set[str] = set()
     left = max_tokens

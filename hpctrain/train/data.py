@@ -14,6 +14,7 @@ import torch
 
 from data_tools.blend import data_manifest
 from data_tools.format import DataError, shards_of
+from data_tools.tokenizers import tokenizer_file_of
 from data_tools.verify import verify_dataset
 from hpctrain.config import Config
 from hpctrain.distributed import DistContext
@@ -47,7 +48,8 @@ class TrainData:
         if not self.feed.all_cached:  # the cache checks sha256 + layout as it stages each shard
             verify_everywhere(cfg.data.path, ctx, checksums=cfg.data.verify == "checksum")
         tok = self.manifest["tokenizer"]
-        self.tokenizer_info = dict(tok)
+        self.tokenizer_info = dict(tok)  # + where its tokenizer.json is, for `sample`
+        self.tokenizer_info.update(tokenizer_file_of(cfg.data.path, self.manifest))
         if tok["vocab_size"] > m.vocab_size:
             raise ConfigError(f"config key 'model.vocab_size': {m.vocab_size} is smaller than the "
                               f"dataset's vocab size {tok['vocab_size']} ({cfg.data.path})")

@@ -334,3 +334,71 @@ def test_ctrl_c_is_one_line_and_leaves_nothing(tmp_path):
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: interrupted (SIGINT)"), err
     assert os.listdir(tmp_path) == []
+
+
+def _write_parquet(path, texts, column="text", row_group_size=2):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"id": list(range(len(texts))), column: texts})
+    pq.write_table(table, str(path), row_group_size=row_group_size)
+
+
+def test_parquet_input_rows_are_documents(tmp_path, capsys):
+    """#32: FineWeb-style Parquet (a text column, several row groups) beside a text file."""
+    texts = ["first row", "zweite Zeile ü", "third", "fourth row", "fifth"]
+    d = tmp_path / "dump"
+    d.mkdir()
+    _write_parquet(d / "part-0.parquet", texts[:3])
+    _write_parquet(d / "part-1.parquet", texts[3:], column="content")
+    assert main(["shard", "--input", str(d / "part-0.parquet"), "--output", str(tmp_path / "a"),
+                 "--tokenizer", "bytes", "--val-fraction", "0", "--no-progress"]) == 0
+    toks, starts = stream(tmp_path / "a", "train")
+    assert bytes(toks[toks != 256].astype(np.uint8)).decode() == "".join(texts[:3])
+    assert starts == [0, 10, 26] and read_manifest(str(tmp_path / "a"))["n_documents"]["train"] == 3
+    capsys.readouterr()
+    assert main(["shard", "--input", str(d), "--output", str(tmp_path / "b"), "--tokenizer", "bytes",
+                 "--no-progress"]) == 1  # part-1 has no "text" column: one line naming it
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "part-1.parquet" in err[0] and "--text-column" in err[0]
+    assert main(["shard", "--input", str(d / "part-1.parquet"), "--output", str(tmp_path / "c"),
+                 "--tokenizer", "bytes", "--val-fraction", "0", "--no-progress",
+                 "--text-column", "content", "--filter"]) == 0
+    toks, _ = stream(tmp_path / "c", "train")
+    assert bytes(toks[toks != 256].astype(np.uint8)).decode() == "".join(texts[3:])
+
+
+def test_parquet_without_pyarrow_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    _write_parquet(tmp_path / "x.parquet", ["a"])
+    block = tmp_path / "block" / "pyarrow"
+    block.mkdir(parents=True)
+    (block / "__init__.py").write_text("raise ImportError('no pyarrow here')\n")
+    env = dict(os.environ, PYTHONPATH=f"{block.parent}{os.pathsep}{os.getcwd()}")
+    r = subprocess.run([sys.executable, "-m", "data_tools", "shard", "--input", str(tmp_path / "x.parquet"),
+                        "--output", str(tmp_path / "o"), "--tokenizer", "bytes", "--no-progress"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert "x.parquet" in lines[0] and "pip install 'hpctrain[parquet]'" in lines[0]
+
+
+def test_extensions_pick_files_from_directories(tmp_path, capsys):
+    """#32: a directory of .py files was refused; --extensions .py,.txt takes them (sorted)."""
+    d = tmp_path / "repo"
+    (d / "pkg").mkdir(parents=True)
+    (d / "pkg" / "b.py").write_text("print(2)\n")
+    (d / "a.py").write_text("x = 1\n")
+    (d / "notes.txt").write_text("hi")
+    (d / "data.csv").write_text("1,2")
+    assert main(["shard", "--input", str(d / "pkg"), "--output", str(tmp_path / "o"),
+                 "--tokenizer", "bytes", "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pkg" in err[0] and "--extensions" in err[0]
+    assert main(["shard", "--input", str(d), "--output", str(tmp_path / "o"), "--tokenizer", "bytes",
+                 "--no-progress", "--val-fraction", "0", "--extensions", ".py,txt"]) == 0
+    toks, starts = stream(tmp_path / "o", "train")
+    assert bytes(toks[toks != 256].astype(np.uint8)).decode() == "x = 1\nhiprint(2)\n"
+    assert len(starts) == 3  # a.py, notes.txt, pkg/b.py; data.csv left out

@@ -1,0 +1,195 @@
+"""Any Hugging Face ``tokenizers`` file (tokenizer.json) as a sharding tokenizer.
+
+Owns: loading a tokenizer.json (byte-level BPE as GPT-2 / Llama 3 / Qwen2, SentencePiece-style
+Metaspace / Unigram / BPE with byte fallback as Llama 2 / Mistral, WordLevel, ...), finding its
+end-of-text id (a flag, else tokenizer_config.json's ``eos_token`` beside the file, else a
+well-known special token of the file), and encoding fast: a byte-level BPE whose vocabulary is
+exactly 256 bytes + its merges runs on tiktoken (the engine gpt2 uses, ~10x faster per core than
+the tokenizers library on long documents), checked at load against the tokenizers library on a
+probe text; anything else runs on the tokenizers library's batch encoder, its Rust threads
+limited to the rank's share of the cores (RAYON_NUM_THREADS).
+
+Must never: touch the network, or encode special-token text found inside a document as the
+special id (as for gpt2, ``<|endoftext|>`` in a document is ordinary text).
+"""
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from .format import DataError, sha256_file
+
+CONFIG_FILE = "tokenizer_config.json"
+# Special tokens that end a document in well-known tokenizers, in order of preference.
+EOT_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
+EOT_HELP = ("give --eot-token TEXT or --eot-id N, or put a tokenizer_config.json with "
+            "\"eos_token\" beside it")
+# Encoded both ways at load: the tiktoken fast path is used only if it agrees exactly.
+PROBE_TEXT = ("Hello world! It's 2024: naïve café, ünïcode — 日本語のテキスト, emoji 🎉🎉.\n\n"
+              "def f(x):\n    return x**2  # comment\t\ttabs   spaces\n"
+              "I'll we've they're DON'T 12345678 3.14159 <|endoftext|> end.  \n \n")
+
+
+def _eos_from_config(path: str):
+    """tokenizer_config.json's eos_token beside ``path`` (a string or {"content": ...})."""
+    cfg = os.path.join(os.path.dirname(os.path.abspath(path)), CONFIG_FILE)
+    if not os.path.isfile(cfg):
+        return None, None
+    try:
+        with open(cfg, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token")
+    except (OSError, ValueError, AttributeError) as e:
+        raise DataError(cfg, f"unreadable ({e})") from None
+    return (eos.get("content") if isinstance(eos, dict) else eos), cfg
+
+
+def resolve_eot(tok, path: str, eot_token=None, eot_id=None) -> int:
+    """The end-of-text id: --eot-id, --eot-token, tokenizer_config.json, or a known token."""
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    if eot_id is not None:
+        if not 0 <= int(eot_id) < vocab:
+            raise DataError("--eot-id", f"{eot_id} is outside the vocabulary 0..{vocab - 1} of {path}")
+        return int(eot_id)
+    if eot_token is not None:
+        found = tok.token_to_id(eot_token)
+        if found is None:
+            raise DataError("--eot-token", f"{eot_token!r} is not a token of {path}")
+        return int(found)
+    eos, cfg = _eos_from_config(path)
+    if eos is not None:
+        found = tok.token_to_id(eos)
+        if found is None:
+            raise DataError(cfg, f"eos_token {eos!r} is not a token of {path}")
+        return int(found)
+    for name in EOT_CANDIDATES:
+        found = tok.token_to_id(name)
+        if found is not None:
+            return int(found)
+    raise DataError(path, f"no end-of-text token found (none of {', '.join(EOT_CANDIDATES)}); "
+                          f"{EOT_HELP}")
+
+
+def _merge_pair(m):
+    return tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1))
+
+
+def _byte_level_regex(spec: dict):
+    """The split regex of a byte-level pre-tokenizer (GPT-2's, or a Split + ByteLevel sequence
+    as Llama 3's), or None for anything else."""
+    from .tokenizers import GPT2_PAT_STR
+
+    if spec is None:
+        return None
+    if spec.get("type") == "ByteLevel":
+        ok = spec.get("use_regex", True) and not spec.get("add_prefix_space", False)
+        return GPT2_PAT_STR if ok else None
+    if spec.get("type") != "Sequence" or len(spec.get("pretokenizers", [])) != 2:
+        return None
+    split, byte_level = spec["pretokenizers"]
+    if (split.get("type") != "Split" or "Regex" not in split.get("pattern", {})
+            or split.get("behavior") != "Isolated" or split.get("invert")
+            or byte_level.get("type") != "ByteLevel" or byte_level.get("use_regex", True)
+            or byte_level.get("add_prefix_space", False)):
+        return None
+    return split["pattern"]["Regex"]
+
+
+def tiktoken_engine(spec: dict):
+    """(tiktoken Encoding, rank -> id array) for a byte-level BPE of exactly 256 bytes + its
+    merges, no normalizer and only special added tokens; None when the file is anything else."""
+    from .tokenizers import _data_gym_bytes
+
+    model = spec.get("model") or {}
+    pat = _byte_level_regex(spec.get("pre_tokenizer"))
+    added = spec.get("added_tokens") or []
+    if (model.get("type") != "BPE" or pat is None or spec.get("normalizer") is not None
+            or model.get("dropout") or model.get("byte_fallback") or model.get("continuing_subword_prefix")
+            or model.get("end_of_word_suffix") or not all(a.get("special") for a in added)):
+        return None
+    specials = {a["content"] for a in added}
+    vocab = {k: v for k, v in model["vocab"].items() if k not in specials}
+    table = _data_gym_bytes()
+    try:
+        as_bytes = {k: k.translate(table).encode("latin-1") for k in vocab}
+    except UnicodeEncodeError:
+        return None  # not GPT-2's byte alphabet
+    ranks = {b: b[0] for b in as_bytes.values() if len(b) == 1}
+    for i, m in enumerate(model.get("merges", [])):
+        a, b = _merge_pair(m)
+        merged = (a + b).translate(table).encode("latin-1")
+        ranks.setdefault(merged, 256 + i)
+    if len(ranks) != 256 + len(model.get("merges", [])) or len(ranks) != len(vocab):
+        return None  # tokens that no merge makes, or merges that repeat a token
+    rank_to_id = np.zeros(len(ranks), dtype=np.uint32)
+    try:
+        for k, b in as_bytes.items():
+            rank_to_id[ranks[b]] = vocab[k]
+    except (KeyError, IndexError):
+        return None
+    import tiktoken
+
+    try:
+        enc = tiktoken.Encoding(name="hf-byte-level", pat_str=pat, mergeable_ranks=ranks,
+                                special_tokens={})
+    except Exception:  # noqa: BLE001 - a regex tiktoken cannot compile: use the slow path
+        return None
+    return enc, rank_to_id
+
+
+class HFTokenizer:
+    """A tokenizer.json; ``name`` = ``<model type>-<first 12 hex of the file's sha256>``
+    (``bpe-...`` for BPE, as `train-tokenizer` files have always been named)."""
+
+    def __init__(self, path: str, eot_token=None, eot_id=None):
+        try:
+            from tokenizers import Tokenizer as _HF
+        except ImportError:
+            raise DataError("tokenizers", "package not installed: pip install tokenizers") from None
+        try:
+            with open(path, encoding="utf-8") as f:
+                spec = json.load(f)
+            self.tok = _HF.from_str(json.dumps(spec))
+        except Exception as e:  # noqa: BLE001 - any parse failure is a bad input file
+            raise DataError(path, f"not a tokenizers JSON file ({str(e).splitlines()[0][:200]})") from None
+        self.tok.encode_special_tokens = True  # special-token text in a document is plain text
+        self.path, self.sha256 = path, sha256_file(path)
+        kind = str((spec.get("model") or {}).get("type", "hf")).lower()
+        self.name = f"{kind}-{self.sha256[:12]}"
+        self.vocab_size = int(self.tok.get_vocab_size(with_added_tokens=True))
+        self.eot_id = resolve_eot(self.tok, path, eot_token, eot_id)
+        self.fast = tiktoken_engine(spec)
+        if self.fast is not None and not np.array_equal(self._fast_ids(PROBE_TEXT),
+                                                        self._slow_ids([PROBE_TEXT])[0]):
+            self.fast = None  # the tiktoken engine must give exactly the file's ids
+        self.engine = "tiktoken" if self.fast is not None else "tokenizers"
+
+    def _fast_ids(self, text: str) -> np.ndarray:
+        enc, rank_to_id = self.fast
+        return rank_to_id[enc.encode_to_numpy(text, disallowed_special=())]
+
+    def _slow_ids(self, texts: list[str]) -> list[np.ndarray]:
+        encs = self.tok.encode_batch_fast(texts, add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.uint32) for e in encs]
+
+    def encode(self, text: str) -> np.ndarray:
+        return self.encode_batch([text])[0].astype(np.int64)
+
+    def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[np.ndarray]:
+        if self.fast is None:
+            # Rust's pool starts at the first parallel call: size it to this rank's cores.
+            os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, num_threads)))
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+            return self._slow_ids(texts)
+        if num_threads <= 1 or len(texts) <= 1:
+            return [self._fast_ids(t) for t in texts]
+        with ThreadPoolExecutor(num_threads) as pool:  # tiktoken releases the GIL while encoding
+            return list(pool.map(self._fast_ids, texts))
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in np.asarray(ids).ravel()], skip_special_tokens=False)
+
+    def __repr__(self) -> str:
+        return f"<HFTokenizer {self.name} vocab={self.vocab_size} eot={self.eot_id} ({self.engine})>"

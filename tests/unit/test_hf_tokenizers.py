@@ -1,0 +1,163 @@
+"""Any Hugging Face tokenizer.json in `data_tools shard` (#32), tokenizers trained HERE on
+Shakespeare: a Llama-3-style byte-level BPE with special tokens, a SentencePiece-style (Metaspace)
+Unigram, and a 74k-word WordLevel vocabulary that needs uint32 shards; the tokenizer travels with
+the dataset into a run, so `hpctrain sample` decodes with it unprompted."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from data_tools.corpora import shakespeare_files
+from data_tools.format import DataError, open_shard_layout, read_manifest, shards_of
+from data_tools.tokenizers import get_tokenizer
+from tests.conftest import TINY_TRAIN, run_cmd
+
+# Llama 3's pre-tokenizer regex (as published in its tokenizer.json).
+LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
+              r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+
+
+def _plays(n):
+    return [open(f, encoding="utf-8").read() for f in shakespeare_files()[:n]]
+
+
+def _shard(inputs, out, tokenizer, *extra):
+    return run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", *map(str, inputs),
+                    "--output", str(out), "--tokenizer", str(tokenizer), "--no-progress",
+                    "--val-fraction", "0", *extra], timeout=300)
+
+
+def _tokens(data):
+    m = read_manifest(str(data))
+    out = []
+    for e in shards_of(m, "train"):
+        lay = open_shard_layout(os.path.join(str(data), e["file"]), e, m)
+        out.append(np.fromfile(lay.path, dtype=lay.dtype, offset=lay.offset, count=lay.n_tokens))
+    return m, np.concatenate(out)
+
+
+@pytest.fixture(scope="module")
+def llama3_dir(tmp_path_factory):
+    """A byte-level BPE built as Llama 3's is (Split regex + ByteLevel, ignore_merges, special
+    tokens), with a tokenizer_config.json naming <|end_of_text|> as eos."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(ignore_merges=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_PAT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=3000, special_tokens=LLAMA3_SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_plays(6), trainer=trainer)
+    d = tmp_path_factory.mktemp("llama3")
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>",
+                                                         "eos_token": "<|end_of_text|>"}))
+    return d
+
+
+def test_llama3_style_special_tokens_eot_and_fast_path(llama3_dir, tmp_path):
+    tok = get_tokenizer(str(llama3_dir / "tokenizer.json"))
+    assert tok.eot_id == tok.tok.token_to_id("<|end_of_text|>") and tok.engine == "tiktoken"
+    hamlet = _plays(42)[20]
+    fast = tok.encode(hamlet)
+    tok.fast = None  # the tokenizers library itself: the fast path must give the same ids
+    assert np.array_equal(fast, tok.encode(hamlet)) and tok.decode(fast) == hamlet
+    text = "a <|end_of_text|> b"  # special-token text in a document is plain text
+    assert tok.eot_id not in tok.encode(text).tolist()
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["To be, or not.", text]))
+    r = _shard([docs], tmp_path / "data", llama3_dir / "tokenizer.json")
+    assert r.returncode == 0, r.stderr
+    m, toks = _tokens(tmp_path / "data")
+    assert m["tokenizer"]["eot_id"] == tok.eot_id and m["dtype"] == "uint16"
+    assert toks[toks == tok.eot_id].size == 2 and toks[-1] == tok.eot_id
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # it travels with the data
+        assert (tmp_path / "data" / name).read_bytes() == (llama3_dir / name).read_bytes()
+    r = _shard([docs], tmp_path / "d2", llama3_dir / "tokenizer.json", "--eot-token", "<|eot_id|>")
+    assert r.returncode == 0 and read_manifest(str(tmp_path / "d2"))["tokenizer"]["eot_id"] == \
+        tok.tok.token_to_id("<|eot_id|>")
+
+
+def test_missing_eot_is_one_line(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "doc.txt").write_text("a b a")
+    r = _shard([tmp_path / "doc.txt"], tmp_path / "data", tmp_path / "tokenizer.json")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and "tokenizer.json" in lines[0]
+    assert "--eot-token" in lines[0] and not (tmp_path / "data").exists()
+    r = _shard([tmp_path / "doc.txt"], tmp_path / "data", tmp_path / "tokenizer.json", "--eot-id", "7")
+    assert r.returncode == 1 and "--eot-id" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = _shard([tmp_path / "doc.txt"], tmp_path / "data", "gpt2", "--eot-id", "1")
+    assert r.returncode == 1 and "--eot-token/--eot-id" in r.stderr
+
+
+def test_sentencepiece_style_unigram(tmp_path):
+    """Mistral / Llama 2 style: Metaspace pre-tokenizer, Unigram model, </s> as end-of-text."""
+    from tokenizers import SentencePieceUnigramTokenizer
+
+    sp = SentencePieceUnigramTokenizer()
+    sp.train_from_iterator(_plays(4), vocab_size=2000, special_tokens=["<unk>", "<s>", "</s>"],
+                           unk_token="<unk>", show_progress=False)
+    sp.save(str(tmp_path / "tokenizer.json"))
+    tok = get_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert tok.name.startswith("unigram-") and tok.engine == "tokenizers"
+    assert tok.eot_id == tok.tok.token_to_id("</s>")
+    line = "Now is the winter of our discontent"
+    assert tok.decode(tok.encode(line)).strip() == line
+    (tmp_path / "a.txt").write_text(line)
+    r = _shard([tmp_path / "a.txt"], tmp_path / "data", tmp_path / "tokenizer.json")
+    assert r.returncode == 0, r.stderr
+    m, toks = _tokens(tmp_path / "data")
+    assert m["tokenizer"]["name"] == tok.name and toks.tolist() == tok.encode(line).tolist() + [tok.eot_id]
+
+
+@pytest.fixture(scope="module")
+def words_dir(tmp_path_factory):
+    """WordLevel over every whitespace-separated word of the 42 plays (74,315 + 2 ids): the
+    words of the text sharded below get the highest ids (> 65,535)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    plays = _plays(42)
+    late = set(plays[0].split())
+    words = sorted({w for p in plays for w in p.split()} - late) + sorted(late)
+    vocab = {w: i + 2 for i, w in enumerate(words)}
+    vocab.update({"[UNK]": 0, "<|endoftext|>": 1})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    d = tmp_path_factory.mktemp("words")
+    tok.save(str(d / "tokenizer.json"))
+    (d / "play.txt").write_text(plays[0][:20000])
+    return d
+
+
+def test_uint32_round_trip_train_and_sample(words_dir, tmp_path):
+    data, run = tmp_path / "data", tmp_path / "run"
+    r = _shard([words_dir / "play.txt"], data, words_dir / "tokenizer.json")
+    assert r.returncode == 0, r.stderr
+    m, toks = _tokens(data)
+    tok = get_tokenizer(str(words_dir / "tokenizer.json"))
+    assert tok.vocab_size == 74317 and m["dtype"] == "uint32" and toks.dtype == np.uint32
+    assert toks.max() < tok.vocab_size and (toks > 65535).mean() > 0.95  # ids that uint16 would wrap
+    assert toks[:-1].tolist() == tok.encode((words_dir / "play.txt").read_text()).tolist()
+    r = run_cmd([sys.executable, "-m", "data_tools", "verify", str(data)])
+    assert r.returncode == 0, r.stderr
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(TINY_TRAIN.format(run=run, data=data, steps=2).replace("vocab_size = 257",
+                                                                           "vocab_size = 74320"))
+    r = run_cmd([sys.executable, "-m", "hpctrain", "train", "--config", str(cfg)], timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_cmd([sys.executable, "-m", "hpctrain", "sample", "--checkpoint", str(run), "--prompt",
+                 "KING HENRY", "--tokens", "5"], timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout.splitlines()[-1].split()
+    assert out[:2] == ["KING", "HENRY"] and len(out) == 7  # the words' own vocabulary, unprompted
