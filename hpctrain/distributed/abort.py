@@ -17,6 +17,7 @@ from hpctrain.errors import UserError
 
 EXIT_USER_ERROR = 2
 EXIT_BUG = 1
+QUIET_RANK_EXIT_DELAY_S = 3.0  # a silent rank's exit waits for rank 0's line
 
 
 LAUNCHER_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
@@ -50,7 +51,10 @@ def _report_and_abort(exc: BaseException) -> None:
     user = isinstance(exc, UserError)
     code = EXIT_USER_ERROR if user else EXIT_BUG
     if comm is None and rank != 0 and user:
-        os._exit(code)  # before MPI starts, every rank sees the same input: rank 0 reports it
+        # Before MPI starts every rank sees the same input: rank 0 reports it. Exit a little after
+        # it, or `srun --kill-on-bad-exit` (or mpiexec) kills rank 0 before its line is out.
+        time.sleep(QUIET_RANK_EXIT_DELAY_S)
+        os._exit(code)
     if size > 1 and rank != 0:
         # Let rank 0 speak first: errors from bad input are usually raised on every rank alike, and
         # one line is what the user should see. If rank 0 is fine, it is killed by our Abort below.

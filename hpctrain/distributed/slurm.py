@@ -1,8 +1,8 @@
 """Slurm runtime glue: what job this is, how much wall time is left, and requeueing it.
 
 Owns: reading `SLURM_*` variables (job id, array task, node list, restart count, tasks), asking the
-controller for the remaining wall time and whether the job may be requeued (`squeue`, `scontrol show
-job`), `scontrol requeue` (an array task by `<array job>_<task>`), whether a job has ended, and
+controller for the time limit, the remaining wall time and whether the job may be requeued
+(`squeue`, `scontrol show job`), `scontrol requeue` (an array task by `<array job>_<task>`), whether a job has ended, and
 refusing a launch that `srun` started without an MPI plugin (every task
 would train alone). It must never import torch, model, data or checkpoint code, and it never decides
 *when* to stop: that is preempt.py's job. Outside Slurm every function here
@@ -139,6 +139,14 @@ def job_fields(job: SlurmJob) -> dict[str, str]:
         if sep and key not in fields:
             fields[key] = value
     return fields
+
+
+def time_limit_seconds(job: SlurmJob | None) -> float | None:
+    """The job's time limit (`TimeLimit` of `scontrol show job`) in seconds; None when unlimited
+    or unknown."""
+    if job is None:
+        return None
+    return parse_duration(job_fields(job).get("TimeLimit", ""))
 
 
 def requeue_allowed(job: SlurmJob | None) -> tuple[bool, str]:

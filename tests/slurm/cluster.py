@@ -18,6 +18,8 @@ Knowledge this encodes (Slurm 22.05.8 on Debian 12, no systemd, no cgroups):
   `jobid.stepid`; a segment left by a killed step would break a new job with the same id.
 - CPUs may exceed the real cores (SlurmdParameters=config_overrides), so 2-task jobs and 2-point
   arrays fit on a 2-core machine.
+- Job history: jobcomp/filetxt (log/jobcomp.txt), read by `sacct -c` / `sacct --completion`
+  (plain `sacct` says accounting is disabled: accounting_storage/filetxt is gone from 22.05).
 - MpiDefault=none; jobs choose `srun --mpi=pmi2` (MPICH) or `--mpi=pmix` (Open MPI, needs libpmix-dev
   installed before slurmd starts, which we do).
 """
@@ -150,7 +152,10 @@ ProctrackType=proctrack/pgid
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
+# job history for `sacct --completion` (-c): Debian's 22.05 has no file-based accounting_storage
+# plugin (only slurmdbd, which needs a MySQL server); jobcomp/filetxt needs nothing
+JobCompType=jobcomp/filetxt
+JobCompLoc={p}/log/jobcomp.txt
 SchedulerType=sched/backfill
 SchedulerParameters=sched_interval=2,bf_interval=2
 SelectType=select/cons_tres

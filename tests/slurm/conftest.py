@@ -3,7 +3,8 @@
 The cluster is started once per session in a temporary directory (tests/slurm/cluster.py installs the
 Debian packages if they are missing) and stopped at the end. Tests skip only when this machine cannot
 have one (not Debian, not root and the packages missing, apt failing). Job state is read with
-`scontrol show job` and the jobs' output files (no accounting database is configured).
+`scontrol show job` and the jobs' output files; `sacct -c` reads the clusters' jobcomp/filetxt job
+history (no accounting database).
 """
 from __future__ import annotations
 

@@ -108,3 +108,55 @@ def test_an_array_task_is_named_array_underscore_task(monkeypatch):
     slurm.remaining_seconds(carrier, {})
     assert calls == [["scontrol", "requeue", "40_1"], ["scontrol", "show", "job", "-o", "40_1"],
                      ["squeue", "-h", "-j", "40_1", "-o", "%L"]]
+
+
+def test_a_time_limit_at_or_below_the_margin_is_refused(tmp_path):
+    """Below slurm.time_margin_s (+ the measured time to a first checkpoint) every run would stop
+    at once and be requeued again: refused, naming both numbers."""
+    from hpctrain.distributed.preempt import TIMING_FILE, time_limit_error
+
+    job = slurm.SlurmJob.from_env({"SLURM_JOB_ID": "9"})
+    err = time_limit_error(job, 300.0, 300.0, tmp_path)
+    assert "time limit 300 s" in err and "slurm.time_margin_s=300" in err and "above 300 s" in err
+    assert time_limit_error(job, 301.0, 300.0, tmp_path) is None
+    (tmp_path / TIMING_FILE).write_text('{"first_checkpoint_s": 40.5}\n')
+    err = time_limit_error(job, 340.0, 300.0, tmp_path)
+    assert "40.5 s" in err and TIMING_FILE in err and "above 341 s" in err
+    assert time_limit_error(job, 341.0, 300.0, tmp_path) is None
+    assert time_limit_error(job, 60.0, 0.0, tmp_path) is None     # margin off
+    assert time_limit_error(job, None, 300.0, tmp_path) is None    # unlimited
+    assert time_limit_error(None, 60.0, 300.0, tmp_path) is None   # not in Slurm
+    (tmp_path / TIMING_FILE).write_text("{broken")
+    assert "time limit 300 s" in time_limit_error(job, 300.0, 300.0, tmp_path)
+
+
+def helper(*args, env=None):
+    import subprocess
+    import sys
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "HPCTRAIN_"))}
+    return subprocess.run([sys.executable, "-m", "hpctrain.distributed.sbatch_helper", *args],
+                          capture_output=True, text=True, timeout=120, env={**clean, **(env or {})})
+
+
+def test_the_wheel_gets_its_own_mpiexec_and_an_override_wins():
+    """This venv's mpi4py loads the PyPI mpich wheel: the templates must start it with the
+    wheel's mpiexec (srun --mpi=pmi2 cuts its PMI lines), and HPCTRAIN_LAUNCHER still wins."""
+    r = helper("launcher")
+    launcher, srun_mpi, mpiexec, why = r.stdout.split(" ", 3)
+    assert (r.returncode, launcher, srun_mpi) == (0, "mpiexec", "pmi2"), r.stderr
+    assert mpiexec.endswith("/bin/mpiexec") and os.access(mpiexec, os.X_OK)
+    assert "mpich wheel" in why and "libmpi" in why
+    r = helper("launcher", env={"HPCTRAIN_LAUNCHER": "srun", "HPCTRAIN_SRUN_MPI": "pmix"})
+    assert r.stdout.split()[:2] == ["srun", "pmix"] and "HPCTRAIN_LAUNCHER=srun" in r.stdout
+
+
+def test_the_batch_script_check_refuses_a_bad_config_in_one_line(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[run]\ndir = "r"\n[data]\npath = "d"\n[model]\nn_layer = 1\nn_head = 1\n'
+                   'n_embd = 8\nblock_size = 8\nvocab_size = 8\n[train]\nsteps = 2\n'
+                   'micro_batch_size = 1\nwarmup_steps = 0\n')
+    assert helper("check", cfg).returncode == 0
+    r = helper("check", cfg, "--train.warmup_steps=5")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("error: ") and "train.warmup_steps" in r.stderr
