@@ -25,6 +25,7 @@ def validate(cfg: Config) -> None:
     _check(0 <= t.stop_at_step <= t.steps, "train.stop_at_step", f"must be in [0, train.steps={t.steps}]")
     _check(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
     _check(t.grad_accum >= 1, "train.grad_accum", "must be >= 1")
+    _check(t.loss_chunk >= 0, "train.loss_chunk", f"{t.loss_chunk}: must be >= 0 (0 = plain loss)")
     _check(t.global_batch >= 0, "train.global_batch", "must be >= 0 (0 = off)")
     _check(t.global_batch == 0 or t.grad_accum == 1, "train.global_batch",
            f"{t.global_batch} with train.grad_accum={t.grad_accum}: give one of them (with "

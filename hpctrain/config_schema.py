@@ -108,6 +108,12 @@ class TrainConfig:
     momentum: float = field(default=0.0, metadata={"help": "with optimizer = 'sgd': momentum (0 = none)"})
     nesterov: bool = field(default=False, metadata={"help": "with optimizer = 'sgd' and momentum > 0: Nesterov momentum"})
     grad_clip: float = field(default=1.0, metadata={"help": "clip global grad norm to this (0 = off; < 0 is refused)"})
+    loss_chunk: int = field(default=0, metadata={
+        "help": "tokens per chunk of the chunked linear + cross-entropy (0 = the plain path: the "
+                "whole [tokens x vocab] logits and their gradient live at once). Turn it on (e.g. "
+                "1024) for large vocabularies (GPT-2's 50k, Llama's 128k): the logits of one chunk "
+                "at a time, same loss and gradients (docs/benchmarks.md); works with DDP, FSDP, TP "
+                "and PP"})
     eval_interval: int = field(default=50, metadata={"help": "validation every N steps and at the end (0 = never)"})
     eval_batches: int = field(default=8, metadata={"help": "micro-batches per rank per validation"})
     log_interval: int = field(default=10, metadata={"help": "print a progress line every N steps (rank 0)"})

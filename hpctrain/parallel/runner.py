@@ -7,7 +7,7 @@ layout. `build_runner(layout, cfg)` picks one per kind of `Layout`:
 
 Both offer `forward_backward` (forward + backward of one optimizer step's micro-batches), `eval_loss`
 and `clip_grad_norm_`; the base class holds what they share: the loss (fp16 scaling, the loss hook,
-`loss_parallel` under TP), the global-mean loss reduction, the gradient norm and the gradient
+`loss_parallel` under TP, or train.loss_chunk's chunked loss on the head's hidden states), the global-mean loss reduction, the gradient norm and the gradient
 reductions no wrapper does (the dp average after backward).
 
 The reductions the runner itself runs, and the end of each backward (where DDP waits for its
@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from hpctrain.config import Config
 from hpctrain.errors import ConfigError
 from hpctrain.parallel.parallelize import Layout
+from hpctrain.train.loss import chunked_lm_loss
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -53,8 +54,8 @@ class StepRunner(ABC):
     """What every layout's step shares; subclasses run the micro-batches (`_forward_backward_sum`,
     `_eval_sum`) and add their own reductions over pipeline stages."""
 
-    def __init__(self, layout: Layout, mean_over_dp: bool = True):
-        self.layout, self.mean_over_dp = layout, mean_over_dp
+    def __init__(self, layout: Layout, mean_over_dp: bool = True, loss_chunk: int = 0):
+        self.layout, self.mean_over_dp, self.loss_chunk = layout, mean_over_dp, loss_chunk
         self.device = next(layout.module.parameters()).device
         self._loss_hook, self._loss_scale = None, 1.0
         # Parameters counted in the grad norm: the tied weight's second copy (last stage) is skipped.
@@ -62,9 +63,16 @@ class StepRunner(ABC):
         self._norm_params = [q for q in layout.module.parameters() if id(q) not in skip]
 
     # ---- the loss -------------------------------------------------------------------------
+    def _loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The model's output is logits, or with train.loss_chunk the head's hidden states."""
+        if not self.loss_chunk:
+            return lm_loss(output, targets)
+        # fetched each time: FSDP swaps the registered parameter between sharded and unsharded
+        return chunked_lm_loss(output, self.layout.module.lm_head.weight, targets, self.loss_chunk)
+
     def _scaled_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss that backward sees: after the loss hook, times the loss scale."""
-        loss = lm_loss(logits, targets)
+        loss = self._loss(logits, targets)
         loss = self._loss_hook(loss) if self._loss_hook is not None else loss
         return loss * self._loss_scale if self._loss_scale != 1.0 else loss
 
@@ -156,8 +164,8 @@ class StepRunner(ABC):
 class PlainRunner(StepRunner):
     """One forward module, micro-batches in a loop; the dp gradient sync runs on the last one."""
 
-    def __init__(self, layout: Layout, mean_over_dp: bool = True):
-        super().__init__(layout, mean_over_dp)
+    def __init__(self, layout: Layout, mean_over_dp: bool = True, loss_chunk: int = 0):
+        super().__init__(layout, mean_over_dp, loss_chunk)
         (self.forward_module,) = layout.forward_modules
         # the MPI hook sums: the loss is divided by dp before backward instead (no pass over grads)
         self._loss_divisor = layout.mesh.dp_size if layout.mpi_grad_allreduce is not None else 1
@@ -177,7 +185,10 @@ class PlainRunner(StepRunner):
                 with self._sync_context(i == n - 1):
                     with autocast:
                         logits = self.forward_module(tokens[:, :-1])
-                    loss = self._scaled_loss(logits, tokens[:, 1:])
+                        # the chunked loss's matmuls in autocast's dtype, as the head's would be
+                        loss = self._scaled_loss(logits, tokens[:, 1:]) if self.loss_chunk else None
+                    if loss is None:  # the plain path: the loss outside autocast, as always
+                        loss = self._scaled_loss(logits, tokens[:, 1:])
                     (loss / n / self._loss_divisor).backward()
                 self.layout.wait_clock.backward_done()  # DDP has waited for its buckets
                 total += _value(loss.detach()) / loss_scale  # a power of two: exact
@@ -188,7 +199,8 @@ class PlainRunner(StepRunner):
         for tokens in batches:
             with autocast:
                 logits = self.forward_module(tokens[:, :-1])
-            total += _value(lm_loss(logits, tokens[:, 1:]))
+                loss = self._loss(logits, tokens[:, 1:]) if self.loss_chunk else None
+            total += _value(loss if loss is not None else lm_loss(logits, tokens[:, 1:]))
         return total
 
 
@@ -196,8 +208,9 @@ class PipelineRunner(StepRunner):
     """A pipeline schedule over this rank's stage views; ranks without the last stage hold no loss
     (0, summed away over pp). The tied embedding / head gradient is summed over its two stages."""
 
-    def __init__(self, layout: Layout, schedule: str, n_micro: int, mean_over_dp: bool = True):
-        super().__init__(layout, mean_over_dp)
+    def __init__(self, layout: Layout, schedule: str, n_micro: int, mean_over_dp: bool = True,
+                 loss_chunk: int = 0):
+        super().__init__(layout, mean_over_dp, loss_chunk)
         self.n_micro = n_micro
         self.schedule = layout.split.build_schedule(list(layout.forward_modules), schedule, n_micro,
                                                     self._scaled_loss, self.device,
@@ -265,10 +278,10 @@ def build_runner(layout: Layout, cfg: Config, mean_over_dp: bool = True) -> Step
     """The runner for `layout`: a pipeline schedule where it is split into stages, else a loop.
     `mean_over_dp=False`: reported losses stay this replica's (replicas that never step together)."""
     if layout.split is None:
-        return PlainRunner(layout, mean_over_dp)
+        return PlainRunner(layout, mean_over_dp, cfg.train.loss_chunk)
     p, t = cfg.parallel, cfg.train
     try:
-        return PipelineRunner(layout, p.pp_schedule, t.grad_accum, mean_over_dp)
+        return PipelineRunner(layout, p.pp_schedule, t.grad_accum, mean_over_dp, t.loss_chunk)
     except ValueError as e:
         key = "train.global_batch" if t.global_batch else "train.grad_accum"  # derived or given
         raise ConfigError(f"config key '{key}': {t.grad_accum} micro-batches do not fit "

@@ -41,7 +41,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     if model.norm_f is not None:
         plan["norm_f"] = SequenceParallel()
     if model.lm_head is not None:
-        plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+        # train.loss_chunk: the head returns the gathered hidden states (Replicate) for the
+        # chunked vocabulary-parallel loss (hpctrain/train/loss.py) instead of logits
+        chunked = getattr(model.lm_head, "returns_hidden", False)
+        plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1),
+                                          output_layouts=Replicate() if chunked else Shard(-1),
                                           use_local_output=False)
     if plan:
         parallelize_module(model, tp_mesh, plan)

@@ -18,6 +18,7 @@ from hpctrain.distributed.mesh import Mesh
 from hpctrain.model import GPT, GPTConfig
 from hpctrain.parallel import Layout, parallelize
 from hpctrain.parallel.meta_init import build_on_meta, materialize
+from hpctrain.train.loss import use_chunked_head
 
 
 @dataclass(frozen=True)
@@ -39,4 +40,6 @@ def build_model(cfg: Config, mesh: Mesh, device: torch.device) -> BuiltModel:
         torch.manual_seed(seed)  # identical initial weights on every rank
         model, init = GPT(model_cfg).to(device), None
     n_params, flops = model.num_params(), model.flops_per_token()  # before a pipeline split
+    if cfg.train.loss_chunk:
+        use_chunked_head(model)  # lm_head hands hidden states to the chunked loss (train/loss.py)
     return BuiltModel(parallelize(model, mesh, cfg, materialize=init), n_params, flops)

@@ -1,0 +1,140 @@
+"""The language-model loss without the full [tokens x vocab] logits: `train.loss_chunk` > 0.
+
+The plain path (runner.lm_loss) applies the head to every position and hands [B*T, V] logits to
+F.cross_entropy; autograd keeps them (and builds their gradient) until backward: at the GPT-2
+vocabulary that is 1024 x 50304 x 4 B = 206 MB per sequence, twice. Here one autograd Function
+walks the tokens in chunks of `chunk`: per chunk, logits = h_chunk @ W^T, the cross-entropy, and at
+once the gradient wrt h_chunk and the chunk's share of the gradient wrt W (accumulated in fp32), so
+only one chunk's logits are alive at any time; backward only scales the saved gradients.
+
+Under tensor parallelism W is the vocabulary-parallel head (a DTensor sharded on dim 0 over "tp"):
+each rank computes its vocabulary slice's logits, the row max and the sum of exponentials are
+all-reduced over the tp group, the target logit comes from the rank whose slice holds it, and the
+gradient wrt h (a sum over the slices) is all-reduced once at the end. h then arrives as the
+replicated DTensor the head module gathered (see `ChunkedLossHead`).
+
+Owns: the chunked loss and the head module that hands hidden states to it (`use_chunked_head`).
+It must never apply a layout or run the step (parallelize.py / runner.py do).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
+
+IGNORE_INDEX = -100  # as F.cross_entropy
+
+
+class ChunkedLossHead(nn.Linear):
+    """The model's lm_head when the loss is chunked: same weight (same name, `lm_head.weight`, so
+    checkpoints, tying, TP and FSDP see the usual head) but forward returns the hidden states; the
+    runner feeds them and `weight` to `chunked_lm_loss`."""
+
+    returns_hidden = True  # read by the TP plan (tensor_parallel.py) and the runner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def use_chunked_head(model: nn.Module) -> None:
+    """Swap `model.lm_head` (an nn.Linear, possibly on meta) for a ChunkedLossHead sharing its weight."""
+    old = model.lm_head
+    head = ChunkedLossHead(old.in_features, old.out_features, bias=False, device="meta")
+    head.weight = old.weight
+    model.lm_head = head
+
+
+def _vocab_shard(w: torch.Tensor):
+    """(local weight, vocab offset of its first row, tp process group or None)."""
+    if not isinstance(w, DTensor):
+        return w, 0, None
+    mesh, names = w.device_mesh, w.device_mesh.mesh_dim_names or ()
+    sharded = [d for d, p in enumerate(w.placements) if not p.is_replicate()]
+    if not sharded:
+        return w.to_local(), 0, None
+    if len(sharded) != 1 or w.placements[sharded[0]] != Shard(0) or names[sharded[0]] != "tp":
+        raise ValueError(f"train.loss_chunk: head weight laid out as {w.placements} over "
+                         f"{names}; only a vocabulary shard over 'tp' is supported")
+    d = sharded[0]
+    rows = -(-w.shape[0] // mesh.size(d))  # torch.chunk's split, as DTensor's Shard(0)
+    return w.to_local(), mesh.get_local_rank(d) * rows, mesh.get_group(d)
+
+
+def _chunk_loss_and_grad(hc, wc, t, offset, group, weight):
+    """One chunk: (sum of token losses, d(weight * sum)/d logits as hc's dtype or None).
+    `weight`: per-token factor for the gradient (valid / count), or None for forward only."""
+    logits = (hc @ wc.t()).float()  # the only [chunk x vocab] tensor alive
+    local_t = t - offset
+    owned = (local_t >= 0) & (local_t < wc.shape[0]) & (t != IGNORE_INDEX)
+    idx = torch.where(owned, local_t, 0).unsqueeze(1)
+    row_max = logits.max(dim=1).values
+    if group is not None:
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    logits -= row_max.unsqueeze(1)
+    target = torch.where(owned, logits.gather(1, idx).squeeze(1), 0.0)
+    sum_exp = logits.exp_().sum(dim=1)  # logits now hold exp(logit - max)
+    if group is not None:
+        both = torch.stack([sum_exp, target])
+        dist.all_reduce(both, group=group)
+        sum_exp, target = both[0], both[1]
+    valid = t != IGNORE_INDEX
+    loss_sum = torch.where(valid, sum_exp.log() - target, 0.0).sum()
+    if weight is None:
+        return loss_sum, None
+    probs = logits.div_(sum_exp.unsqueeze(1))  # softmax
+    rows = torch.arange(len(t), device=t.device)[owned]
+    probs[rows, idx.squeeze(1)[owned]] -= 1.0
+    probs.mul_(weight.unsqueeze(1))
+    return loss_sum, probs.to(hc.dtype)
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, w, targets, chunk, offset, group, dtype, need_grad):
+        hc, wc = h.to(dtype), w.to(dtype)
+        valid = targets != IGNORE_INDEX
+        count = valid.sum().clamp(min=1).to(torch.float32)
+        weight = valid.float() / count if need_grad else None
+        grad_h = torch.empty_like(h) if need_grad else None
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_grad else None
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for s in range(0, h.shape[0], chunk):
+            e = min(s + chunk, h.shape[0])
+            part, g = _chunk_loss_and_grad(hc[s:e], wc, targets[s:e], offset, group,
+                                           weight[s:e] if need_grad else None)
+            total += part
+            if need_grad:
+                grad_h[s:e] = g @ wc
+                grad_w += (g.t() @ hc[s:e]).float()
+        if need_grad:
+            if group is not None:
+                dist.all_reduce(grad_h, group=group)  # every vocabulary slice's share
+            ctx.save_for_backward(grad_h, grad_w.to(w.dtype))
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_loss, grad_w * grad_loss, None, None, None, None, None, None
+
+
+def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                    chunk: int) -> torch.Tensor:
+    """Mean next-token cross-entropy (fp32) of logits = hidden @ weight^T, `chunk` tokens at a time;
+    the same value and gradients (wrt hidden and weight) as F.cross_entropy on the full logits.
+    hidden [..., C] (a replicated DTensor under TP), weight [V, C] (vocab-sharded under TP)."""
+    if isinstance(hidden, DTensor):
+        if not all(p.is_replicate() for p in hidden.placements):
+            raise ValueError(f"train.loss_chunk: hidden states laid out as {hidden.placements}; "
+                             "the head must gather them (ChunkedLossHead under TP)")
+        hidden = hidden.to_local()
+    h = hidden
+    w, offset, group = _vocab_shard(weight)
+    device_type = h.device.type
+    dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
+             else h.dtype)
+    need_grad = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)
+    with torch.autocast(device_type, enabled=False):
+        return _ChunkedLinearCrossEntropy.apply(h.flatten(0, -2), w, targets.flatten(), chunk,
+                                                offset, group, dtype, need_grad)

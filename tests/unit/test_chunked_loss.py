@@ -1,0 +1,94 @@
+"""train.loss_chunk: the chunked linear + cross-entropy gives the plain path's loss and gradients
+(fp32, <= 1e-6 relative) without ever holding more than one chunk's logits."""
+import torch
+import torch.nn.functional as F
+
+from hpctrain.model import GPT, GPTConfig
+from hpctrain.train.loss import ChunkedLossHead, chunked_lm_loss, use_chunked_head
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _plain(h, w, t):
+    return F.cross_entropy((h @ w.t()).float().flatten(0, 1), t.flatten())
+
+
+def _case(seed=0, b=3, t=37, c=16, v=101):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(b, t, c, generator=g, dtype=torch.float64).float() * 2
+    w = torch.randn(v, c, generator=g).float() * 0.5
+    tgt = torch.randint(0, v, (b, t), generator=g)
+    return h, w, tgt
+
+
+def _grads(fn, h, w, t):
+    h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = fn(h, w, t)
+    (loss * 3.0).backward()  # a loss scale / 1/n factor reaches both gradients
+    return loss.detach(), h.grad, w.grad
+
+
+def test_chunked_matches_plain_loss_and_grads_fp32():
+    h, w, t = _case()
+    t[0, :5] = -100  # ignored positions (F.cross_entropy's default ignore_index)
+    ref = _grads(_plain, h, w, t)
+    for chunk in (1, 7, 64, 111, 4096):  # chunks that do not divide 111 tokens, and one chunk
+        got = _grads(lambda a, b, c: chunked_lm_loss(a, b, c, chunk), h, w, t)
+        assert abs(got[0].item() - ref[0].item()) <= 1e-6 * ref[0].item(), chunk
+        assert _rel(got[1], ref[1]) <= 1e-6, chunk
+        assert _rel(got[2], ref[2]) <= 1e-6, chunk
+        assert got[1][0, :5].abs().max().item() == 0.0  # no gradient from ignored positions
+
+
+def test_chunked_eval_without_grad_and_under_bf16_autocast():
+    h, w, t = _case(seed=1)
+    with torch.no_grad():
+        assert abs(chunked_lm_loss(h, w, t, 10).item() - _plain(h, w, t).item()) <= 1e-6 * 5
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = _grads(_plain, h, w, t)
+        got = _grads(lambda a, b, c: chunked_lm_loss(a, b, c, 16), h, w, t)
+    assert abs(got[0].item() - ref[0].item()) <= 2e-2 * ref[0].item()
+    assert _rel(got[1], ref[1]) <= 2e-2 and _rel(got[2], ref[2]) <= 2e-2
+    assert got[1].dtype == torch.float32 and got[2].dtype == torch.float32
+
+
+def test_chunked_head_keeps_names_tie_and_model_gradients():
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=24, vocab_size=97)
+    plain = GPT(cfg)
+    chunked = GPT(cfg)
+    chunked.load_state_dict(plain.state_dict())
+    use_chunked_head(chunked)
+    assert isinstance(chunked.lm_head, ChunkedLossHead)
+    assert chunked.lm_head.weight is chunked.tok_emb.weight  # still tied
+    assert list(dict(chunked.named_parameters())) == list(dict(plain.named_parameters()))
+    tokens = torch.randint(0, 97, (2, 25), generator=torch.Generator().manual_seed(3))
+    F.cross_entropy(plain(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    hidden = chunked(tokens[:, :-1])
+    assert hidden.shape == (2, 24, 16)  # never [B, T, V]
+    chunked_lm_loss(hidden, chunked.lm_head.weight, tokens[:, 1:], 5).backward()
+    for (name, a), b in zip(plain.named_parameters(), chunked.parameters()):
+        assert (b.grad - a.grad).norm() <= 1e-6 * a.grad.norm() + 1e-10, name
+
+
+def test_only_one_chunk_of_logits_is_alive():
+    """The largest tensor autograd or the loop holds is a chunk's logits, not [tokens x vocab]."""
+    n, c, v, chunk = 2048, 32, 4096, 128
+    h = torch.randn(n, c, requires_grad=True)
+    w = torch.randn(v, c, requires_grad=True)
+    t = torch.randint(0, v, (n,))
+    biggest = []
+
+    def pack(x):
+        biggest.append(x.numel())
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        chunked_lm_loss(h, w, t, chunk).backward()
+    assert max(biggest) <= v * c  # the saved gradients: [n, c] and [v, c]; no [n, v]
+    biggest.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        _plain(h.unsqueeze(0), w, t.unsqueeze(0)).backward()
+    assert max(biggest) >= n * v  # the plain path keeps the full logits
