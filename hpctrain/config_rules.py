@@ -78,6 +78,37 @@ def _validate_model(m: ModelConfig) -> None:
     _check(m.block_size >= 1, "model.block_size", "must be >= 1")
     _check(m.vocab_size >= 1, "model.vocab_size", "must be >= 1")
     _check(0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)")
+    _validate_llama(m)
+
+
+def _validate_llama(m: ModelConfig) -> None:
+    """llama's keys: refused on gpt2 when set (they would be silently ignored), ranges, GQA."""
+    import dataclasses
+
+    from hpctrain.config_schema import ModelConfig
+
+    llama_keys = [f for f in dataclasses.fields(ModelConfig)
+                  if f.metadata.get("help", "").startswith("llama:")]
+    if m.arch == "gpt2":
+        for f in llama_keys:
+            _check(getattr(m, f.name) == f.default, f"model.{f.name}",
+                   f"{getattr(m, f.name)!r} is a llama key; set model.arch = 'llama' or remove it")
+        return
+    kv = m.n_kv_head or m.n_head
+    _check(m.n_kv_head >= 0 and m.n_head % kv == 0, "model.n_kv_head",
+           f"{m.n_kv_head} must divide model.n_head={m.n_head} (grouped-query attention; 0 = n_head)")
+    _check((m.n_embd // m.n_head) % 2 == 0, "model.n_head",
+           f"head size n_embd / n_head = {m.n_embd // m.n_head} must be even (rotary embeddings)")
+    _check(m.rope_theta > 0, "model.rope_theta", f"{m.rope_theta}: must be > 0")
+    _check(m.rope_scaling_factor >= 0, "model.rope_scaling_factor", "must be >= 0 (0 = off)")
+    _check(m.rope_scaling_factor == 0 or m.rope_high_freq_factor > m.rope_low_freq_factor > 0,
+           "model.rope_high_freq_factor", f"{m.rope_high_freq_factor} must be > "
+           f"model.rope_low_freq_factor={m.rope_low_freq_factor} > 0")
+    _check(m.rope_original_max_positions >= 1, "model.rope_original_max_positions", "must be >= 1")
+    _check(m.ffn_hidden >= 0, "model.ffn_hidden", "must be >= 0 (0 = Llama's rule)")
+    _check(m.multiple_of >= 1, "model.multiple_of", "must be >= 1")
+    _check(m.ffn_dim_multiplier > 0, "model.ffn_dim_multiplier", "must be > 0")
+    _check(m.rms_norm_eps > 0, "model.rms_norm_eps", "must be > 0")
 
 
 def _validate_optimizer(t: TrainConfig) -> None:
@@ -149,6 +180,9 @@ def _validate_parallel(p: ParallelConfig, m: ModelConfig, compile: bool = False)
            "stage modules directly; set train.compile = false")
     _check(m.n_head % p.tp == 0, "parallel.tp",
            f"tp={p.tp} must divide model.n_head={m.n_head} (each rank holds n_head / tp heads)")
+    _check(m.arch == "gpt2" or (m.n_kv_head or m.n_head) % p.tp == 0, "parallel.tp",
+           f"tp={p.tp} must divide model.n_kv_head={m.n_kv_head or m.n_head} (each rank holds "
+           f"n_kv_head / tp key/value heads)")
     _check(m.block_size % p.tp == 0, "parallel.tp",
            f"tp={p.tp} must divide model.block_size={m.block_size} (sequence parallelism)")
     stages = p.pp * (p.pp_virtual_stages if p.pp_schedule == "interleaved" and p.pp > 1 else 1)

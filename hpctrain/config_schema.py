@@ -64,6 +64,28 @@ class ModelConfig:
     block_size: int = field(metadata={"help": "context length in tokens (training window)"})
     vocab_size: int = field(metadata={"help": "must be >= the dataset's vocab size (padding is allowed)"})
     dropout: float = field(default=0.0, metadata={"help": "dropout probability (0 keeps runs bit-reproducible cheaply)"})
+    arch: Literal["gpt2", "llama"] = field(default="gpt2", metadata={
+        "help": "'gpt2' (LayerNorm, learned positions, GELU, tied embeddings) or 'llama' (RMSNorm, "
+                "rotary positions, SwiGLU, grouped-query attention: Llama 2/3, Mistral, Qwen2). "
+                "The keys below are llama's; gpt2 refuses them set"})
+    n_kv_head: int = field(default=0, metadata={
+        "help": "llama: key/value heads (grouped-query attention; must divide n_head; 0 = n_head)"})
+    rope_theta: float = field(default=10000.0, metadata={"help": "llama: rotary base (Llama 3: 500000)"})
+    rope_scaling_factor: float = field(default=0.0, metadata={
+        "help": "llama: Llama-3.1 rotary frequency scaling ('llama3' rope_type) factor, e.g. 8 (0 = off)"})
+    rope_low_freq_factor: float = field(default=1.0, metadata={"help": "llama: rope scaling low_freq_factor"})
+    rope_high_freq_factor: float = field(default=4.0, metadata={"help": "llama: rope scaling high_freq_factor"})
+    rope_original_max_positions: int = field(default=8192, metadata={
+        "help": "llama: rope scaling original_max_position_embeddings"})
+    ffn_hidden: int = field(default=0, metadata={
+        "help": "llama: SwiGLU hidden width (0 = Llama's rule: int(8 n_embd / 3) x ffn_dim_multiplier "
+                "rounded up to a multiple of multiple_of)"})
+    multiple_of: int = field(default=256, metadata={"help": "llama: see ffn_hidden (Llama 3: 1024)"})
+    ffn_dim_multiplier: float = field(default=1.0, metadata={"help": "llama: see ffn_hidden (Llama 3: 1.3)"})
+    rms_norm_eps: float = field(default=1e-5, metadata={"help": "llama: RMSNorm epsilon"})
+    qkv_bias: bool = field(default=False, metadata={"help": "llama: bias on q/k/v (Qwen2: true)"})
+    tie_embeddings: bool = field(default=False, metadata={
+        "help": "llama: the head shares the embedding's weight (gpt2 always ties)"})
 
 
 @dataclass

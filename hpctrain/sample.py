@@ -65,7 +65,7 @@ def main(argv: list[str]) -> int:
     from data_tools.tokenizers import dataset_tokenizer
     from hpctrain.checkpoint import CheckpointManager, disk_format
     from hpctrain.distributed import init_distributed, teardown
-    from hpctrain.model import GPT, GPTConfig
+    from hpctrain.model import build_model_from_section
 
     ctx = init_distributed("gloo", timeout_s=120)
     try:
@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
         mgr = CheckpointManager(path.parent, keep=1, rank=0, world_size=1)
         saved = disk_format.read_trainer_state(path)["trainer"]
         m = saved["config"]["model"]
-        model = GPT(GPTConfig(**m))  # the [model] section saved with the checkpoint
+        model = build_model_from_section(m)  # the [model] section saved with the checkpoint
         state = {"model": model.state_dict()}
         mgr.load(path, state)  # loads only the keys present: the model, not the optimizer
         model.load_state_dict(state["model"])

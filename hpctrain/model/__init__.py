@@ -1,4 +1,27 @@
-"""Model architecture (no distributed code here)."""
-from hpctrain.model.gpt import GPT, GPTConfig
+"""Model architectures (no distributed code here) and `build_model_from_section`, which turns a
+[model] config section (a dict, as saved with every checkpoint) into the module of its
+`arch`: "gpt2" (gpt.py, the default: also for sections saved before `arch` existed) or "llama"
+(llama.py: Llama / Mistral / Qwen2)."""
+import dataclasses
 
-__all__ = ["GPT", "GPTConfig"]
+from hpctrain.model.gpt import GPT, GPTConfig
+from hpctrain.model.llama import Llama, LlamaConfig
+
+ARCHS = {"gpt2": (GPT, GPTConfig), "llama": (Llama, LlamaConfig)}
+
+__all__ = ["ARCHS", "GPT", "GPTConfig", "Llama", "LlamaConfig", "build_model_from_section",
+           "model_config_from_section"]
+
+
+def model_config_from_section(section: dict):
+    """The architecture's config dataclass from a [model] section: keys it does not have (the
+    other architecture's, left at their defaults by config_rules) are dropped."""
+    _, config_cls = ARCHS[section.get("arch", "gpt2")]
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    return config_cls(**{k: v for k, v in section.items() if k in names})
+
+
+def build_model_from_section(section: dict):
+    """The (freshly initialized, from torch's global RNG) model of a [model] section."""
+    model_cls, _ = ARCHS[section.get("arch", "gpt2")]
+    return model_cls(model_config_from_section(section))

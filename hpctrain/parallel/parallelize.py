@@ -68,7 +68,8 @@ class Layout:
     def tied_weight_is_head_copy(self) -> bool:
         """This rank holds the tied embedding / head weight only as the last stage's lm_head (no
         tok_emb): the second copy, counted once in the grad norm, saved under tok_emb's name."""
-        return self.split is not None and self.split.has_last and not self.split.has_first
+        return (self.split is not None and self.split.tied and self.split.has_last
+                and not self.split.has_first)
 
 
 def apply_pipeline(model: nn.Module, mesh: Mesh, schedule: str, virtual_stages: int) -> PipelineSplit:

@@ -87,6 +87,8 @@ class PipelineSplit:
 
     def __init__(self, model: nn.Module, pp_rank: int, pp: int, virtual: int):
         c = model.cfg
+        # llama may untie: then tok_emb and lm_head are two parameters, nothing is shared
+        self.tied = model.lm_head.weight is model.tok_emb.weight
         self.n_stages = pp * virtual
         self.bounds = split_stages(self.n_stages, *layer_costs(c.n_layer, c.n_embd, c.block_size,
                                                                 c.vocab_size))
@@ -113,7 +115,9 @@ class PipelineSplit:
         return self.views
 
     def tied_weight(self) -> torch.Tensor | None:
-        """The embedding / head weight this rank holds (first or last stage), else None."""
+        """The tied embedding / head weight this rank holds (first or last stage), else None."""
+        if not self.tied:
+            return None
         if self.owner.tok_emb is not None:
             return self.owner.tok_emb.weight
         if self.owner.lm_head is not None:

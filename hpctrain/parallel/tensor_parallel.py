@@ -1,4 +1,4 @@
-"""Tensor (+ sequence) parallelism for the GPT with DTensor: `apply_tensor_parallel(model, tp_mesh)`.
+"""Tensor (+ sequence) parallelism for the GPT and Llama with DTensor: `apply_tensor_parallel(model, tp_mesh)`.
 
 Owns: the plan (which module is column-/row-parallel, where activations are sequence-sharded) and
 re-tying the shared embedding / head weight after sharding. It must never edit the model's code or
@@ -8,7 +8,8 @@ Layouts, per block (Megatron-style with sequence parallelism, as in torchtitan):
   residual stream       local [B, T/tp, C]   (Shard(1): each TP rank holds a slice of the sequence)
   norm1, norm2          SequenceParallel     (weights replicated, activations stay sequence-sharded)
   attn / mlp input      all-gather to Replicate
-  wq, wk, wv, mlp.fc    ColwiseParallel      (each rank computes n_head / tp heads, 4C / tp hidden)
+  wq, wk, wv, mlp.fc    ColwiseParallel      (each rank computes n_head / tp heads, 4C / tp hidden;
+  (llama: mlp.gate/up)                        llama: n_kv_head / tp key/value heads, rotary inside)
   wo, mlp.proj          RowwiseParallel      (reduce-scatter back to Shard(1))
 Ends:
   tok_emb               vocab-parallel (RowwiseParallel on the [V, C] table: rows sharded), output
@@ -30,6 +31,13 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, parallelize_module)
 
 
+def _mlp_plan(mlp: nn.Module) -> dict:
+    """GPT's fc, or llama's SwiGLU gate and up: column-parallel; proj: row-parallel."""
+    cols = ("gate", "up") if hasattr(mlp, "gate") else ("fc",)
+    return {**{f"mlp.{c}": ColwiseParallel() for c in cols},
+            "mlp.proj": RowwiseParallel(output_layouts=Shard(1))}
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Shard `model` (a GPT or a pipeline stage of one) in place over `tp_mesh`."""
     tied = (model.tok_emb is not None and model.lm_head is not None
@@ -37,6 +45,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     plan = {}
     if model.tok_emb is not None:
         plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.tok_emb is not None and model.pos_emb is not None:  # llama: rotary, no table
         plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))
     if model.norm_f is not None:
         plan["norm_f"] = SequenceParallel()
@@ -59,8 +68,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
             "norm2": SequenceParallel(),
             "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "mlp.fc": ColwiseParallel(),
-            "mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
+            **_mlp_plan(block.mlp),
         })
     if tied:
         model.lm_head.weight = model.tok_emb.weight

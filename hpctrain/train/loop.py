@@ -365,6 +365,9 @@ def _percent(value: float | None) -> str:
 
 
 def _check_same_model(saved: dict, current: dict, path) -> None:
+    # a key the checkpoint predates (model.arch and llama's) had its default then
+    defaults = {f.name: f.default for f in dataclasses.fields(config_mod.ModelConfig)}
+    saved = {**defaults, **saved}
     diff = [k for k in current if saved.get(k) != current[k] and k != "dropout"]
     if diff:
         k = diff[0]

@@ -1,4 +1,4 @@
-"""The GPT in this job's layout, initialized from the seed: `build_model(cfg, mesh, device)`.
+"""The model (GPT or Llama) in this job's layout, initialized from the seed: `build_model(cfg, mesh, device)`.
 
 Owns: which way the model is built. parallel.meta_init (default): on the meta device, laid out,
 then only this rank's shards materialized and initialized (hpctrain/parallel/meta_init.py);
@@ -15,7 +15,7 @@ import torch
 
 from hpctrain.config import Config
 from hpctrain.distributed.mesh import Mesh
-from hpctrain.model import GPT, GPTConfig
+from hpctrain.model import build_model_from_section
 from hpctrain.parallel import Layout, parallelize
 from hpctrain.parallel.meta_init import build_on_meta, materialize
 from hpctrain.train.loss import use_chunked_head
@@ -31,14 +31,14 @@ class BuiltModel:
 def build_model(cfg: Config, mesh: Mesh, device: torch.device) -> BuiltModel:
     """The GPT of cfg.model in cfg.parallel's layout; weights as `torch.manual_seed(seed);
     GPT(...)` makes them, on every rank (the same values before sharding)."""
-    model_cfg = GPTConfig(**dataclasses.asdict(cfg.model))  # [model] holds exactly GPTConfig's fields
+    section = dataclasses.asdict(cfg.model)  # model.arch picks GPT or Llama (hpctrain/model)
     seed = cfg.train.seed
     if cfg.parallel.meta_init:
-        recipe, model = build_on_meta(lambda: GPT(model_cfg))
+        recipe, model = build_on_meta(lambda: build_model_from_section(section))
         init = lambda m: materialize(m, recipe, seed, device)  # noqa: E731
     else:
         torch.manual_seed(seed)  # identical initial weights on every rank
-        model, init = GPT(model_cfg).to(device), None
+        model, init = build_model_from_section(section).to(device), None
     n_params, flops = model.num_params(), model.flops_per_token()  # before a pipeline split
     if cfg.train.loss_chunk:
         use_chunked_head(model)  # lm_head hands hidden states to the chunked loss (train/loss.py)

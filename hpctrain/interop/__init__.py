@@ -1,0 +1,1 @@
+"""Interoperability with other frameworks' model formats (no training, MPI or file I/O here)."""

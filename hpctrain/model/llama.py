@@ -1,0 +1,212 @@
+"""Llama-family architecture only (Llama 2/3/3.1, Mistral, Qwen2): RMSNorm, rotary positions,
+SwiGLU MLP, grouped-query attention, optional q/k/v bias, tied or untied embeddings.
+
+Owns: the modules, their parameter names, initialization, the forward pass and the FLOP estimate.
+Like gpt.py it must never import distributed, checkpoint, data or loss code: layouts are applied
+from outside (hpctrain.parallel), Hugging Face names are mapped in hpctrain/interop/hf_llama.py.
+
+Kept the same as gpt.py so every layout works unchanged: the attributes tok_emb, pos_emb (None
+here: positions are rotary), drop, blocks (a ModuleDict "0".."L-1"), norm_f and lm_head; blocks
+with norm1 / attn.{wq,wk,wv,wo} / norm2 / mlp; a pipeline stage is this module with pieces set to
+None. The MLP is mlp.gate, mlp.up (column-parallel) and mlp.proj (row-parallel, the residual one).
+
+Numerics follow transformers' LlamaForCausalLM exactly (logits max |d| <= 1e-4 fp32, tested in
+tests/unit/test_llama.py): RMSNorm in fp32 then cast back before the weight, rotary cos/sin in fp32
+from inv_freq (Llama-3.1 "llama3" frequency scaling optional) with HF's rotate_half layout, so HF
+q/k weights load without a permutation. cos/sin are computed in each attention call from the
+sequence length (no buffers: meta-device init replays only parameter initialization).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hpctrain.model.gpt import GPT
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    n_layer: int
+    n_head: int
+    n_embd: int
+    block_size: int
+    vocab_size: int
+    dropout: float = 0.0
+    n_kv_head: int = 0              # 0: n_head (multi-head attention)
+    rope_theta: float = 10000.0
+    rope_scaling_factor: float = 0.0  # 0: off; > 0: Llama-3.1 "llama3" frequency scaling
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
+    ffn_hidden: int = 0             # 0: Llama's rule (ffn_hidden_size)
+    multiple_of: int = 256
+    ffn_dim_multiplier: float = 1.0
+    rms_norm_eps: float = 1e-5
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def ffn_hidden_size(self) -> int:
+        """ffn_hidden, or Llama's rule: 2/3 of 4 n_embd, times ffn_dim_multiplier, rounded up to
+        a multiple of multiple_of (Meta's reference model.py)."""
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        hidden = int(2 * 4 * self.n_embd / 3)
+        if self.ffn_dim_multiplier != 1.0:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+
+def rope_inv_freq(cfg: LlamaConfig, device=None) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] in fp32 (HF's default and "llama3" rope_type)."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device)
+                                         .float() / d))
+    if cfg.rope_scaling_factor <= 0:
+        return inv_freq
+    factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    old_len = cfg.rope_original_max_positions
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(cfg: LlamaConfig, t: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [t, head_dim] for positions 0..t-1, computed in fp32, returned in `dtype`."""
+    inv_freq = rope_inv_freq(cfg, device)
+    pos = torch.arange(t, device=device, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg, self.head_dim = cfg, cfg.head_dim
+        kv = cfg.kv_heads * cfg.head_dim
+        self.wq = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.n_embd, kv, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.n_embd, kv, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.dropout = cfg.dropout
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds n_head / tp and n_kv_head / tp heads
+        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        cos, sin = rope_cos_sin(self.cfg, t, q.device, q.dtype)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1],
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(b, t, -1)
+        return self.resid_drop(self.wo(y))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        hidden = cfg.ffn_hidden_size
+        self.gate = nn.Linear(cfg.n_embd, hidden, bias=False)
+        self.up = nn.Linear(cfg.n_embd, hidden, bias=False)
+        self.proj = nn.Linear(hidden, cfg.n_embd, bias=False)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.silu(self.gate(x)) * self.up(x)))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.n_embd, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.norm2 = RMSNorm(cfg.n_embd, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos_emb = None  # rotary positions, inside attention
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleDict({str(i): LlamaBlock(cfg) for i in range(cfg.n_layer)})
+        self.norm_f = RMSNorm(cfg.n_embd, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.reset_parameters()
+
+    reset_parameters = GPT.reset_parameters  # N(0, 0.02), wo / mlp.proj by 1/sqrt(2L), norms 1
+    generate = GPT.generate
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids [B, T] -> logits [B, T, vocab]; a pipeline stage: see GPT.forward."""
+        if self.tok_emb is not None:
+            if idx.shape[1] > self.cfg.block_size:
+                raise ValueError(f"sequence length {idx.shape[1]} exceeds block_size {self.cfg.block_size}")
+            x = self.drop(self.tok_emb(idx))
+        else:
+            x = idx
+        for block in self.blocks.values():
+            x = block(x)
+        if self.norm_f is not None:
+            x = self.norm_f(x)
+        return self.lm_head(x) if self.lm_head is not None else x
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Every parameter (a tied weight once); non_embedding: without the input embedding table
+        when it is not the head's weight (a lookup, no matmul FLOPs)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding and not self.cfg.tie_embeddings:
+            n -= self.tok_emb.weight.numel()
+        return n
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6N for the matmuls (the head included) plus attention scores
+        and values, 12 L (n_head x head_dim) T (PaLM appendix B; GQA shares k/v, not scores)."""
+        c = self.cfg
+        return 6.0 * self.num_params() + 12.0 * c.n_layer * c.n_head * c.head_dim * c.block_size
