@@ -38,11 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--text-column; needs pyarrow) or directories (searched recursively, in "
                         "sorted order, for .txt/.text/.md/.rst/.jsonl/.parquet or --extensions; "
                         "hidden entries skipped). Documents are numbered in the order given.")
-    s.add_argument("--extensions", default=None, metavar=".EXT,...",
-                   help="file extensions to take from directories, e.g. .py,.txt (.jsonl and "
-                        ".parquet files are read as such, any other as one text document)")
-    s.add_argument("--text-column", default="text", metavar="NAME",
-                   help="the Parquet column holding each document's text (default text)")
+    _add_input_flags(s)
     s.add_argument("--output", required=True, metavar="DIR",
                    help="dataset directory; must be new, empty, or a previous hpctrain dataset "
                         "(which is replaced)")
@@ -127,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "document. Read-only; parallel under mpiexec. "
                                     "`shard --filter` applies the same rules.")
     va.add_argument("--input", nargs="+", required=True, metavar="PATH")
+    _add_input_flags(va)
     va.add_argument("--min-chars", type=int, default=1, metavar="N",
                     help="minimum characters after stripping whitespace (default 1)")
     _add_heartbeat_flag(va)
@@ -136,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "<|endoftext|> as end-of-text; writes tokenizer.json for "
                                     "`shard --tokenizer PATH`.")
     tt.add_argument("--input", nargs="+", required=True, metavar="PATH")
+    _add_input_flags(tt)
     tt.add_argument("--output", required=True, metavar="PATH",
                     help="a .json file path, or a directory to write tokenizer.json into")
     tt.add_argument("--vocab-size", type=int, default=8192, metavar="N",
@@ -143,6 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
     tt.add_argument("--min-frequency", type=int, default=2, metavar="N",
                     help="merge only pairs seen at least N times (default 2)")
     return p
+
+
+def _add_input_flags(parser) -> None:
+    parser.add_argument("--extensions", default=None, metavar=".EXT,...",
+                        help="file extensions to take from directories, e.g. .py,.txt (.jsonl and "
+                             ".parquet files are read as such, any other as one text document)")
+    parser.add_argument("--text-column", default="text", metavar="NAME",
+                        help="the Parquet column holding each document's text (default text)")
 
 
 def _add_heartbeat_flag(parser) -> None:
@@ -192,7 +198,8 @@ def _run_mpi_command(args, comm) -> None:
             from .documents import enumerate_documents
             from .validate import describe_report, filter_documents
 
-            table = root_then_bcast(comm, enumerate_documents, args.input)
+            table = root_then_bcast(comm, enumerate_documents, args.input, args.extensions,
+                                    args.text_column)
             _, report = filter_documents(table, args.min_chars, comm)
             if comm.Get_rank() == 0:
                 print(describe_report(report, args.min_chars))
@@ -226,7 +233,8 @@ def main(argv=None) -> int:
         elif args.command == "train-tokenizer":
             from .train_tokenizer import train_tokenizer
 
-            info = train_tokenizer(args.input, args.output, args.vocab_size, args.min_frequency)
+            info = train_tokenizer(args.input, args.output, args.vocab_size, args.min_frequency,
+                                   args.extensions, args.text_column)
             print(f"{info['path']}: byte-level BPE, vocab {info['vocab_size']}, eot id "
                   f"{info['eot_id']}, trained on {info['documents']} documents")
         elif args.command == "stats":

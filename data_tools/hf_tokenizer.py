@@ -158,7 +158,9 @@ class HFTokenizer:
         self.path, self.sha256 = path, sha256_file(path)
         kind = str((spec.get("model") or {}).get("type", "hf")).lower()
         self.name = f"{kind}-{self.sha256[:12]}"
-        self.vocab_size = int(self.tok.get_vocab_size(with_added_tokens=True))
+        # ids may leave holes: the vocabulary (embedding rows) is the largest id + 1
+        ids = self.tok.get_vocab(with_added_tokens=True).values()
+        self.vocab_size = max(int(self.tok.get_vocab_size(with_added_tokens=True)), max(ids, default=-1) + 1)
         self.eot_id = resolve_eot(self.tok, path, eot_token, eot_id)
         self.fast = tiktoken_engine(spec)
         if self.fast is not None and not np.array_equal(self._fast_ids(PROBE_TEXT),

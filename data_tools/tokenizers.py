@@ -178,9 +178,10 @@ def get_tokenizer(name: str, eot_token=None, eot_id=None) -> Tokenizer:
 
 
 def tokenizer_file_of(data_path: str, manifest: dict) -> dict:
-    """{"file", "path"} of the tokenizer.json a dataset (or a blend's first component holding
-    it) was made with, the path absolute: what a run records so ``sample`` finds it; {} for
-    gpt2/bytes."""
+    """What a run records (in every checkpoint) about the tokenizer.json a dataset (or a blend's
+    component holding it) was made with: {"file", "path" (absolute), "files": {name: text} of
+    tokenizer.json and tokenizer_config.json}, so ``sample`` / ``export`` have it even when the
+    dataset moved; {} for gpt2/bytes."""
     tok = manifest["tokenizer"]
     if "sha256" not in tok:
         return {}
@@ -188,16 +189,40 @@ def tokenizer_file_of(data_path: str, manifest: dict) -> dict:
     for d in dirs:
         path = os.path.abspath(os.path.join(d, tok.get("file", "tokenizer.json")))
         if os.path.isfile(path):
-            return {"file": os.path.basename(path), "path": path}
+            files = {}
+            for name in (os.path.basename(path), "tokenizer_config.json"):
+                if os.path.isfile(os.path.join(d, name)):
+                    with open(os.path.join(d, name), "rb") as f:
+                        files[name] = f.read().decode("utf-8")
+            return {"file": os.path.basename(path), "path": path, "files": files}
     return {}
+
+
+def _carried_tokenizer(info: dict) -> Tokenizer:
+    """The tokenizer.json text a checkpoint carries (``info["files"]``), checked by sha256."""
+    import hashlib
+    import tempfile
+
+    files = info["files"]
+    if hashlib.sha256(files[info["file"]].encode("utf-8")).hexdigest() != info["sha256"]:
+        raise DataError(f"checkpoint tokenizer {info['name']}", "the carried tokenizer.json does not "
+                                                                "match its sha256")
+    with tempfile.TemporaryDirectory(prefix="hpctrain-tok-") as tmp:
+        for name, text in files.items():
+            with open(os.path.join(tmp, name), "wb") as f:
+                f.write(text.encode("utf-8"))
+        return FileTokenizer(os.path.join(tmp, info["file"]), eot_id=info.get("eot_id"))
 
 
 def dataset_tokenizer(info: dict, dataset_dir: str) -> Tokenizer:
     """The tokenizer a dataset (or a checkpoint trained on it) records: ``info`` is the
-    manifest's "tokenizer" entry; a tokenizer.json is the copy in ``dataset_dir`` (or the
-    absolute ``path`` recorded by training), checked against the recorded sha256."""
+    manifest's "tokenizer" entry (or a checkpoint's); a tokenizer.json is the text the checkpoint
+    carries, else the copy in ``dataset_dir``, else the absolute ``path`` recorded by training,
+    each checked against the recorded sha256."""
     if "file" not in info and "sha256" not in info:
         return get_tokenizer(info["name"])
+    if info.get("files") and info.get("file") in info["files"]:
+        return _carried_tokenizer(info)
     from .format import sha256_file
 
     tried = [os.path.join(str(dataset_dir), info.get("file", "tokenizer.json"))]

@@ -20,7 +20,7 @@ DEFAULT_VOCAB = 8192
 
 
 def train_tokenizer(inputs: list[str], output: str, vocab_size: int = DEFAULT_VOCAB,
-                    min_frequency: int = 2) -> dict:
+                    min_frequency: int = 2, extensions=None, text_column: str = "text") -> dict:
     """Train and save; returns {path, vocab_size, eot_id, documents}."""
     try:
         from tokenizers import ByteLevelBPETokenizer
@@ -30,7 +30,7 @@ def train_tokenizer(inputs: list[str], output: str, vocab_size: int = DEFAULT_VO
         raise DataError("--vocab-size", f"must be in [257, 2**20], got {vocab_size}")
     if os.path.isdir(output) or not output.endswith(".json"):  # a directory: put it inside
         output = os.path.join(output, "tokenizer.json")
-    table = documents.enumerate_documents(inputs)
+    table = documents.enumerate_documents(inputs, extensions=extensions, text_column=text_column)
     tok = ByteLevelBPETokenizer()
     tok.train_from_iterator((t for _, t in documents.iter_texts(table, 0, len(table))),
                             vocab_size=vocab_size, min_frequency=min_frequency,

@@ -366,6 +366,9 @@ def test_parquet_input_rows_are_documents(tmp_path, capsys):
                  "--text-column", "content", "--filter"]) == 0
     toks, _ = stream(tmp_path / "c", "train")
     assert bytes(toks[toks != 256].astype(np.uint8)).decode() == "".join(texts[3:])
+    assert main(["train-tokenizer", "--input", str(d / "part-1.parquet"), "--text-column", "content",
+                 "--output", str(tmp_path / "tok"), "--vocab-size", "300"]) == 0
+    assert "trained on 2 documents" in capsys.readouterr().out
 
 
 def test_parquet_without_pyarrow_is_one_line(tmp_path):
@@ -402,3 +405,6 @@ def test_extensions_pick_files_from_directories(tmp_path, capsys):
     toks, starts = stream(tmp_path / "o", "train")
     assert bytes(toks[toks != 256].astype(np.uint8)).decode() == "x = 1\nhiprint(2)\n"
     assert len(starts) == 3  # a.py, notes.txt, pkg/b.py; data.csv left out
+    capsys.readouterr()
+    assert main(["validate", "--input", str(d / "pkg"), "--extensions", ".py"]) == 0
+    assert capsys.readouterr().out.startswith("1 documents: kept 1")

@@ -4,6 +4,7 @@ Unigram, and a 74k-word WordLevel vocabulary that needs uint32 shards; the token
 the dataset into a run, so `hpctrain sample` decodes with it unprompted."""
 import json
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -101,6 +102,21 @@ def test_missing_eot_is_one_line(tmp_path):
     assert r.returncode == 1 and "--eot-token/--eot-id" in r.stderr
 
 
+def test_sparse_ids_size_the_vocabulary(tmp_path):
+    """A vocabulary with holes (ids up to 70,000 among 4 tokens) is 70,001 ids: uint32 shards."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "to": 5, "be": 70000, "</s>": 9}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "doc.txt").write_text("to be or")
+    r = _shard([tmp_path / "doc.txt"], tmp_path / "data", tmp_path / "tokenizer.json")
+    assert r.returncode == 0, r.stderr
+    m, toks = _tokens(tmp_path / "data")
+    assert m["tokenizer"]["vocab_size"] == 70001 and m["dtype"] == "uint32"
+    assert toks.tolist() == [5, 70000, 0, 9]
+
+
 def test_sentencepiece_style_unigram(tmp_path):
     """Mistral / Llama 2 style: Metaspace pre-tokenizer, Unigram model, </s> as end-of-text."""
     from tokenizers import SentencePieceUnigramTokenizer
@@ -156,6 +172,7 @@ def test_uint32_round_trip_train_and_sample(words_dir, tmp_path):
                                                                            "vocab_size = 74320"))
     r = run_cmd([sys.executable, "-m", "hpctrain", "train", "--config", str(cfg)], timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+    shutil.rmtree(data)  # the checkpoint carries the tokenizer: sample needs no dataset
     r = run_cmd([sys.executable, "-m", "hpctrain", "sample", "--checkpoint", str(run), "--prompt",
                  "KING HENRY", "--tokens", "5"], timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
