@@ -3,7 +3,8 @@
 
 The tiny GPT run of test_parallel_parity.py (same data, config and helpers) turned into a
 Llama-family model by overrides: grouped-query attention (4 heads, 2 key/value heads), untied
-embeddings, Llama-3 rope_theta and a qkv bias (Qwen2), 4 steps.
+embeddings, Llama-3 rope_theta and a qkv bias (Qwen2), 4 steps. DiLoCo, bf16, fp16 and tp=2 with
+torch.compile run it through the same layout code (checked by hand: 46 s under compile, not here).
 """
 import pytest
 
@@ -22,8 +23,11 @@ LAYOUTS = {  # every layout: 8 sequences per step, as the reference's 4 x 2
     "tp2": (2, ["--parallel.tp=2", "--train.micro_batch_size=8", "--train.grad_accum=1"]),
     "pp2_1f1b": (2, PP + ["--parallel.pp_schedule=1f1b"]),
     "dp2_ac_full": (2, ["--train.grad_accum=1", "--parallel.activation_checkpoint=full"]),
+    "pp2_interleaved": (2, PP + ["--parallel.pp_schedule=interleaved", "--parallel.pp_virtual_stages=2"]),
+    "tp2_loss_chunk": (2, ["--parallel.tp=2", "--train.micro_batch_size=8", "--train.grad_accum=1",
+                           "--train.loss_chunk=64"]),
 }
-SLOW = {"pp2_1f1b", "dp2_ac_full"}
+SLOW = {"pp2_1f1b", "dp2_ac_full", "pp2_interleaved"}
 
 
 @pytest.fixture(scope="module")
