@@ -126,7 +126,7 @@ def test_sentencepiece_style_unigram(tmp_path):
                            unk_token="<unk>", show_progress=False)
     sp.save(str(tmp_path / "tokenizer.json"))
     tok = get_tokenizer(str(tmp_path / "tokenizer.json"))
-    assert tok.name.startswith("unigram-") and tok.engine == "tokenizers"
+    assert tok.name.startswith("unigram-") and tok.engine == "tokenizers"  # pieces would differ
     assert tok.eot_id == tok.tok.token_to_id("</s>")
     line = "Now is the winter of our discontent"
     assert tok.decode(tok.encode(line)).strip() == line
@@ -135,6 +135,24 @@ def test_sentencepiece_style_unigram(tmp_path):
     assert r.returncode == 0, r.stderr
     m, toks = _tokens(tmp_path / "data")
     assert m["tokenizer"]["name"] == tok.name and toks.tolist() == tok.encode(line).tolist() + [tok.eot_id]
+
+
+def test_sentencepiece_style_bpe_long_documents_in_pieces(tmp_path):
+    """Metaspace BPE (Mistral / Llama 2 style): long documents are encoded in pieces cut before
+    spaces (the library is ~2x faster so) only because that gives the whole document's ids."""
+    from tokenizers import SentencePieceBPETokenizer
+
+    from data_tools.hf_tokenizer import space_cuts
+
+    sp = SentencePieceBPETokenizer()
+    sp.train_from_iterator(_plays(3), vocab_size=2000, special_tokens=["<unk>", "<s>", "</s>"],
+                           show_progress=False)
+    sp.save(str(tmp_path / "tokenizer.json"))
+    tok = get_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert tok.chunk_chars > 0 and tok.eot_id == tok.tok.token_to_id("</s>")
+    hamlet = _plays(42)[20]
+    assert len(space_cuts(hamlet, tok.chunk_chars)) > 10 and "".join(space_cuts(hamlet, 50)) == hamlet
+    assert np.array_equal(tok.encode_batch([hamlet])[0], tok._slow_ids([hamlet])[0])
 
 
 @pytest.fixture(scope="module")
