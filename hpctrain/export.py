@@ -1,5 +1,6 @@
 """`python -m hpctrain export --checkpoint DIR --format hf --output OUT`: a checkpoint as a Hugging
-Face GPT-2 model folder (config.json + model.safetensors) that `GPT2LMHeadModel.from_pretrained` loads.
+Face GPT-2 model folder (config.json + model.safetensors) that `GPT2LMHeadModel.from_pretrained` loads;
+a model.arch = "llama" checkpoint as a LlamaForCausalLM (Qwen2ForCausalLM with q/k/v bias) folder.
 
 Owns the name and layout mapping from our GPT (hpctrain/model/gpt.py) to HF GPT-2: separate q/k/v
 Linear layers -> one `c_attn` Conv1D (concatenated on the output dim), Linear weights [out, in] ->
@@ -89,6 +90,17 @@ def to_hf_gpt2(sd: dict, m: dict) -> tuple[dict, dict]:
     return out, config
 
 
+def to_hf_llama(sd: dict, m: dict) -> tuple[dict, dict]:
+    """(HF state dict, config.json dict) of a model.arch = "llama" checkpoint: Qwen2ForCausalLM
+    with model.qkv_bias, else LlamaForCausalLM (names: hpctrain/interop/hf_llama.py)."""
+    from hpctrain.interop import hf_llama
+
+    config = hf_llama.hf_config(m, "qwen2" if m.get("qkv_bias") else "llama")
+    tied = bool(m.get("tie_embeddings"))
+    tensors = hf_llama.to_hf_state_dict({k: v.float().contiguous() for k, v in sd.items()}, tied)
+    return tensors, config
+
+
 # The files an export writes; with --force they are replaced, nothing else in the folder is touched
 EXPORT_FILES = ("config.json", "model.safetensors")
 
@@ -110,7 +122,10 @@ def export_hf(checkpoint: str | Path, output: str | Path, force: bool = False) -
     check_output(Path(output), force)
     ckpt = find_checkpoint(checkpoint)
     sd, model_cfg = load_model_state(ckpt)
-    tensors, config = to_hf_gpt2(sd, model_cfg)
+    if model_cfg.get("arch", "gpt2") == "llama":
+        tensors, config = to_hf_llama(sd, model_cfg)
+    else:
+        tensors, config = to_hf_gpt2(sd, model_cfg)
     tok = disk_format.read_trainer_state(ckpt).get("trainer", {}).get("tokenizer") or {}
     if isinstance(tok.get("eot_id"), int):
         config["bos_token_id"] = config["eos_token_id"] = tok["eot_id"]
@@ -119,7 +134,7 @@ def export_hf(checkpoint: str | Path, output: str | Path, force: bool = False) -
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     print(f"exported {ckpt} (step {json.loads((ckpt / disk_format.COMMIT_FILE).read_text())['step']}) "
-          f"-> {out} (Hugging Face GPT-2: config.json, model.safetensors)")
+          f"-> {out} (Hugging Face {config['architectures'][0]}: config.json, model.safetensors)")
     return out
 
 
@@ -127,7 +142,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hpctrain export", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True,
                         help="step_N directory, checkpoint root or run directory (newest intact)")
-    parser.add_argument("--format", default="hf", choices=["hf"], help="hf: Hugging Face GPT-2")
+    parser.add_argument("--format", default="hf", choices=["hf"],
+                        help="hf: Hugging Face GPT-2, or Llama / Qwen2 for model.arch = 'llama'")
     parser.add_argument("--output", required=True, help="output folder (new or empty)")
     parser.add_argument("--force", action="store_true",
                         help="export into a folder that is not empty: replace its config.json and "

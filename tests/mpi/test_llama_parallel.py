@@ -6,8 +6,13 @@ Llama-family model by overrides: grouped-query attention (4 heads, 2 key/value h
 embeddings, Llama-3 rope_theta and a qkv bias (Qwen2), 4 steps. DiLoCo, bf16, fp16 and tp=2 with
 torch.compile run it through the same layout code (checked by hand: 46 s under compile, not here).
 """
-import pytest
+import shutil
+import sys
 
+import pytest
+import torch
+
+from tests.conftest import run_cmd
 from tests.mpi.test_parallel_parity import assert_same_curve, dataset, losses, train  # noqa: F401
 
 pytestmark = pytest.mark.mpi
@@ -47,11 +52,20 @@ def test_llama_loss_parity(tmp_path, dataset, llama_reference, layout):  # noqa:
     assert llama_reference[4] < llama_reference[1]  # and it learns
 
 
-def test_llama_resume_resharded_is_exact(tmp_path, dataset, llama_reference):  # noqa: F811
+@pytest.fixture(scope="module")
+def tp2_run(tmp_path_factory, dataset):  # noqa: F811
+    """A run stopped at step 2 on tp=2 (its config toml beside it)."""
+    tmp = tmp_path_factory.mktemp("llama_tp2")
+    train(2, tmp, dataset, "rs", *LLAMA, "--parallel.tp=2", "--train.micro_batch_size=8",
+          "--train.grad_accum=1", "--train.stop_at_step=2")
+    return tmp
+
+
+def test_llama_resume_resharded_is_exact(tmp_path, dataset, llama_reference, tp2_run):  # noqa: F811
     """Stop at step 2 on tp=2, resume to 4 on 1 rank: the uninterrupted curve, exactly as gpt2's
     resharded resume (weights, AdamW state, data position)."""
-    train(2, tmp_path, dataset, "rs", *LLAMA, "--parallel.tp=2", "--train.micro_batch_size=8",
-          "--train.grad_accum=1", "--train.stop_at_step=2")
+    shutil.copytree(tp2_run, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "rs.toml").write_text((tp2_run / "rs.toml").read_text().replace(str(tp2_run), str(tmp_path)))
     r, run = train(1, tmp_path, dataset, "rs", *LLAMA)
     assert "resumed from" in r.stderr and "step_00000002" in r.stderr
     assert_same_curve(llama_reference, losses(run), STEPS)
@@ -63,3 +77,24 @@ def test_llama_resume_same_layout_bit_exact(tmp_path, dataset, llama_reference):
     assert "step_00000002" in r.stderr
     got = losses(run)
     assert [got[s] for s in STEPS] == [llama_reference[s] for s in STEPS]
+
+
+def test_llama_tp2_export_loads_in_transformers(tmp_path, tp2_run):
+    """`hpctrain export --format hf` of the tp=2 checkpoint: transformers' Qwen2ForCausalLM (the
+    run has a q/k/v bias) gives our logits (max |d| <= 1e-4, fp32)."""
+    transformers = pytest.importorskip("transformers")
+    from hpctrain.export import find_checkpoint, load_model_state
+    from hpctrain.model import build_model_from_section
+
+    out = tmp_path / "hf"
+    r = run_cmd([sys.executable, "-m", "hpctrain", "export", "--checkpoint", tp2_run / "rs",
+                 "--format", "hf", "--output", out], timeout=120, check=True)
+    assert "Qwen2ForCausalLM" in r.stdout
+    sd, section = load_model_state(find_checkpoint(tp2_run / "rs"))
+    ours = build_model_from_section(section).eval()
+    ours.load_state_dict(sd)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == "Qwen2ForCausalLM"
+    ids = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(ids) - hf(ids).logits).abs().max().item() <= 1e-4
