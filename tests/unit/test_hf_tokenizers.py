@@ -186,10 +186,15 @@ def test_uint32_round_trip_train_and_sample(words_dir, tmp_path):
     r = run_cmd([sys.executable, "-m", "data_tools", "verify", str(data)])
     assert r.returncode == 0, r.stderr
     cfg = tmp_path / "c.toml"
-    cfg.write_text(TINY_TRAIN.format(run=run, data=data, steps=2).replace("vocab_size = 257",
-                                                                           "vocab_size = 74320"))
+    blend = tmp_path / "blend"  # uint32 through a blend and the node cache too
+    r = run_cmd([sys.executable, "-m", "data_tools", "blend", "--input", f"{data}:1", "--output", str(blend)])
+    assert r.returncode == 0, r.stderr
+    cfg.write_text(TINY_TRAIN.format(run=run, data=blend, steps=2).replace(
+        "vocab_size = 257", "vocab_size = 74320").replace(
+        f'path = "{blend}"', f'path = "{blend}"\ncache_dir = "{tmp_path / "cache"}"'))
     r = run_cmd([sys.executable, "-m", "hpctrain", "train", "--config", str(cfg)], timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert any(p.name.endswith("train_00000.h5") for p in (tmp_path / "cache").rglob("*"))
     shutil.rmtree(data)  # the checkpoint carries the tokenizer: sample needs no dataset
     r = run_cmd([sys.executable, "-m", "hpctrain", "sample", "--checkpoint", str(run), "--prompt",
                  "KING HENRY", "--tokens", "5"], timeout=300)
