@@ -201,3 +201,31 @@ def test_uint32_round_trip_train_and_sample(words_dir, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout.splitlines()[-1].split()
     assert out[:2] == ["KING", "HENRY"] and len(out) == 7  # the words' own vocabulary, unprompted
+
+
+def test_hf_tokenizer_files_load_in_transformers(llama3_dir, tmp_path):
+    """What `export --format hf` writes: AutoTokenizer loads it offline with our ids and eos."""
+    from transformers import AutoTokenizer
+
+    from data_tools.tokenizer_files import write_hf_tokenizer
+    from data_tools.tokenizers import tokenizer_file_of
+
+    (tmp_path / "gpt2").mkdir()
+    write_hf_tokenizer({"name": "gpt2", "eot_id": 50256}, "", str(tmp_path / "gpt2"))
+    hf = AutoTokenizer.from_pretrained(str(tmp_path / "gpt2"), local_files_only=True)
+    assert hf("Hello world")["input_ids"] == [15496, 995] and hf.eos_token_id == 50256
+    docs = tmp_path / "d.txt"
+    docs.write_text("To be, or not to be")
+    assert _shard([docs], tmp_path / "data", llama3_dir / "tokenizer.json").returncode == 0
+    m = read_manifest(str(tmp_path / "data"))
+    info = dict(m["tokenizer"], **tokenizer_file_of(str(tmp_path / "data"), m))
+    shutil.rmtree(tmp_path / "data")  # the record carries the files
+    (tmp_path / "out").mkdir()
+    names = write_hf_tokenizer(info, str(tmp_path / "data"), str(tmp_path / "out"))
+    assert names == ["tokenizer.json", "tokenizer_config.json"]
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (llama3_dir / "tokenizer.json").read_bytes()
+    hf = AutoTokenizer.from_pretrained(str(tmp_path / "out"), local_files_only=True)
+    ours = get_tokenizer(str(llama3_dir / "tokenizer.json"))
+    text = "Now is the winter of our discontent"
+    assert hf(text, add_special_tokens=False)["input_ids"] == ours.encode(text).tolist()
+    assert hf.eos_token_id == ours.eot_id
