@@ -44,6 +44,7 @@ class Job:
     activation_checkpoint: str = "none"  # none | full | selective
     ac_every: int = 2
     precision: str = "bf16"             # fp32 | bf16 | fp16
+    loss_chunk: int = 0                 # train.loss_chunk: 0 = full logits, else tokens per chunk
     sync_mode: str = "sync"             # sync | diloco
     inner_steps: int = 16
     compression: str = "none"           # none | bf16 | int8 (diloco)

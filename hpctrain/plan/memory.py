@@ -36,6 +36,9 @@ Owns the memory model of OUR code, per pipeline rank (the largest is what must f
   keeps whole. Korthikanti et al. 2022 count s b h (34 + 5 a s / h) for Megatron's blocks.
   A checkpointed block keeps its fp32 input (4 s b h / t) and recomputes one block in backward.
   The head keeps its logits (2|4 b s V / t) and log-softmax (4 b s V / t), +8 b s V / t in backward.
+  With train.loss_chunk = n (train/loss.py) it keeps the gradients its forward computed, dh
+  (4 b s h, gathered under tp) and dW (4 V h / t, fp32), and briefly one chunk's logits
+  (4 n V / t, + a 16-bit copy 2 n V / t and of h 2 b s h under 16-bit autocast).
 - peak = parameters + optimizer state + working copies + the highest activations + gradients of
   a step (FSDP with one micro-batch: the sweep above): with grad_accum > 1, micro-batches in
   flight (pipeline) or DDP (gradients are views of its buckets, allocated once) all gradients
@@ -111,9 +114,15 @@ def checkpointed_layer_bytes(shape: ModelShape, micro_batch: int, tp: int) -> in
     return 4 * shape.block_size * micro_batch * shape.n_embd // tp
 
 
-def head_bytes(shape: ModelShape, micro_batch: int, tp: int, half: bool) -> tuple[int, int]:
-    """(stored, transient in backward) of norm_f + lm_head + loss for one micro-batch."""
+def head_bytes(shape: ModelShape, micro_batch: int, tp: int, half: bool,
+               chunk: int = 0) -> tuple[int, int]:
+    """(stored, transient in backward) of norm_f + lm_head + loss for one micro-batch;
+    `chunk` > 0: train.loss_chunk's chunked loss (transient: in its forward)."""
     s, b, h, v = shape.block_size, micro_batch, shape.n_embd, shape.vocab_size
+    if chunk:
+        n = min(chunk, s * b)
+        stored = 4 * s * b * h // tp + 4 * s * b * h + 4 * v * h // tp
+        return stored, (6 if half else 4) * n * v // tp + (2 * s * b * h if half else 0)
     logits = (2 if half else 4) * s * b * v // tp
     stored = 4 * s * b * h // tp + (2 if half else 4) * s * b * h + logits + 4 * s * b * v // tp
     return stored, 8 * s * b * v // tp
@@ -136,7 +145,7 @@ def stage_activations(shape: ModelShape, job: Job, stage: Stage, mode: str) -> i
     per_chunk = kept // job.virtual if job.pp > 1 else kept
     stored = stage.in_flight * per_chunk
     if stage.has_last:
-        head_stored, head_transient = head_bytes(shape, b, t, half)
+        head_stored, head_transient = head_bytes(shape, b, t, half, job.loss_chunk)
         stored += head_stored + head_transient
     return stored + (full if wrapped else 0)  # one block recomputed in backward
 
@@ -206,7 +215,7 @@ def fsdp_backward_sweep(shape: ModelShape, job: Job, stage: Stage) -> int:
     rs_input = 4 * block * (2 if job.backend == "gloo" else 1)
     high = sum(b for b, _ in blocks)
     if stage.has_last:
-        high += sum(head_bytes(shape, job.micro_batch, job.tp, job.half))
+        high += sum(head_bytes(shape, job.micro_batch, job.tp, job.half, job.loss_chunk))
     n = len(blocks)
     for i in range(n - 1, -1, -1):
         later = shard * (n - 1 - i)
@@ -244,7 +253,8 @@ def fsdp_accum_sweep(shape: ModelShape, job: Job, stage: Stage) -> int:
     def kept(i: int) -> int:  # activations of blocks < i
         return sum(b for b, _ in blocks[:i])
 
-    head = sum(head_bytes(shape, job.micro_batch, job.tp, job.half)) if stage.has_last else 0
+    head = (sum(head_bytes(shape, job.micro_batch, job.tp, job.half, job.loss_chunk))
+            if stage.has_last else 0)
     high = kept(n) + head + acc * n  # the loss of every micro-batch after the first
     for i in range(n - 1, -1, -1):
         here = kept(i + 1) + (full if blocks[i][1] else 0) + pbytes * block  # block i's backward
@@ -306,7 +316,7 @@ def backward_sweep(shape: ModelShape, job: Job, stage: Stage) -> int:
     head_grad, head = 0, 0
     if stage.has_last:
         head_grad = 4 * shape.embedding_params_tp(job.tp)
-        head = sum(head_bytes(shape, job.micro_batch, job.tp, job.half))
+        head = sum(head_bytes(shape, job.micro_batch, job.tp, job.half, job.loss_chunk))
     high = sum(b for b, _ in blocks) + head + head_grad
     for i in range(len(blocks) - 1, -1, -1):
         here = (sum(b for b, _ in blocks[:i + 1]) + (full if blocks[i][1] else 0) + head_grad

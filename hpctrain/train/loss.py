@@ -61,10 +61,14 @@ def _vocab_shard(w: torch.Tensor):
     return w.to_local(), mesh.get_local_rank(d) * rows, mesh.get_group(d)
 
 
-def _chunk_loss_and_grad(hc, wc, t, offset, group, weight):
+def _chunk_loss_and_grad(hc, wc, t, offset, group, weight, buf):
     """One chunk: (sum of token losses, d(weight * sum)/d logits as hc's dtype or None).
-    `weight`: per-token factor for the gradient (valid / count), or None for forward only."""
-    logits = (hc @ wc.t()).float()  # the only [chunk x vocab] tensor alive
+    `weight`: per-token factor for the gradient (valid / count), or None for forward only.
+    `buf`: a reused fp32 [chunk, vocab] buffer for the logits (fp32 compute), or None."""
+    if buf is not None:  # the only [chunk x vocab] tensor alive, allocated once per call
+        logits = torch.matmul(hc, wc.t(), out=buf[:len(t)])
+    else:
+        logits = (hc @ wc.t()).float()
     local_t = t - offset
     owned = (local_t >= 0) & (local_t < wc.shape[0]) & (t != IGNORE_INDEX)
     idx = torch.where(owned, local_t, 0).unsqueeze(1)
@@ -82,10 +86,10 @@ def _chunk_loss_and_grad(hc, wc, t, offset, group, weight):
     loss_sum = torch.where(valid, sum_exp.log() - target, 0.0).sum()
     if weight is None:
         return loss_sum, None
-    probs = logits.div_(sum_exp.unsqueeze(1))  # softmax
+    # (softmax - one-hot) x weight, in one pass over the chunk's logits
+    probs = logits.mul_((weight / sum_exp).unsqueeze(1))
     rows = torch.arange(len(t), device=t.device)[owned]
-    probs[rows, idx.squeeze(1)[owned]] -= 1.0
-    probs.mul_(weight.unsqueeze(1))
+    probs[rows, idx.squeeze(1)[owned]] -= weight[rows]
     return loss_sum, probs.to(hc.dtype)
 
 
@@ -99,12 +103,18 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(h) if need_grad else None
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_grad else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
+        fp32 = dtype == torch.float32
+        buf = (torch.empty(min(chunk, h.shape[0]), w.shape[0], dtype=torch.float32,
+                           device=h.device) if fp32 else None)
         for s in range(0, h.shape[0], chunk):
             e = min(s + chunk, h.shape[0])
             part, g = _chunk_loss_and_grad(hc[s:e], wc, targets[s:e], offset, group,
-                                           weight[s:e] if need_grad else None)
+                                           weight[s:e] if need_grad else None, buf)
             total += part
-            if need_grad:
+            if need_grad and fp32 and h.dtype == torch.float32:
+                torch.matmul(g, wc, out=grad_h[s:e])
+                grad_w.addmm_(g.t(), hc[s:e])
+            elif need_grad:
                 grad_h[s:e] = g @ wc
                 grad_w += (g.t() @ hc[s:e]).float()
         if need_grad:
@@ -115,8 +125,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_loss, grad_w * grad_loss, None, None, None, None, None, None
+        grad_h, grad_w = ctx.saved_tensors  # ours, used once: scaled in place (no [V, C] copy)
+        return grad_h.mul_(grad_loss), grad_w.mul_(grad_loss), None, None, None, None, None, None
 
 
 def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

@@ -92,3 +92,23 @@ def test_only_one_chunk_of_logits_is_alive():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
         _plain(h.unsqueeze(0), w, t.unsqueeze(0)).backward()
     assert max(biggest) >= n * v  # the plain path keeps the full logits
+
+
+def test_planner_models_the_chunked_head():
+    """plan's head bytes with train.loss_chunk: what autograd keeps (dh, dW) exactly, and at the
+    GPT-2 vocabulary >= 8x less than the full logits' (micro-batch 8 x 128, chunks of 128)."""
+    from hpctrain.plan import memory
+    from hpctrain.plan.shape import ModelShape
+
+    shape = ModelShape(1, 16, 2, 97, 24)  # n_layer, n_embd, n_head, vocab, block_size
+    h = torch.randn(3, 24, 16, requires_grad=True)
+    w = torch.randn(97, 16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+        chunked_lm_loss(h, w, torch.randint(0, 97, (3, 24)), 10)
+    stored, _ = memory.head_bytes(shape, 3, 1, False, chunk=10)
+    norm_input = 4 * 3 * 24 * 16
+    assert sum(x.numel() * x.element_size() for x in saved) == stored - norm_input
+    gpt2 = ModelShape(4, 128, 4, 50304, 128)
+    plain = sum(memory.head_bytes(gpt2, 8, 1, False))
+    assert sum(memory.head_bytes(gpt2, 8, 1, False, chunk=128)) * 8 <= plain
