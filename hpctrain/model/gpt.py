@@ -110,19 +110,20 @@ class GPT(nn.Module):
 
         A pipeline stage is this module with some pieces set to None (no embeddings: the input is
         the previous stage's hidden states; no head: the output is hidden states)."""
-        if self.tok_emb is not None:
-            t = idx.shape[1]
-            if t > self.cfg.block_size:
-                raise ValueError(f"sequence length {t} exceeds block_size {self.cfg.block_size}")
-            pos = torch.arange(t, device=idx.device)
-            x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
-        else:
-            x = idx
+        x = self.embed(idx) if self.tok_emb is not None else idx
         for block in self.blocks.values():
             x = block(x)
         if self.norm_f is not None:
             x = self.norm_f(x)
         return self.lm_head(x) if self.lm_head is not None else x
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids [B, T] -> the first block's input: token + learned position embeddings."""
+        t = idx.shape[1]
+        if t > self.cfg.block_size:
+            raise ValueError(f"sequence length {t} exceeds block_size {self.cfg.block_size}")
+        pos = torch.arange(t, device=idx.device)
+        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
 
     def num_params(self, non_embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())  # tied weight counted once

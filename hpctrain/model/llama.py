@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hpctrain.model.gpt import GPT
+from hpctrain.model.gpt import GPT, Block
 
 
 @dataclass(frozen=True)
@@ -153,17 +153,15 @@ class SwiGLU(nn.Module):
         return self.drop(self.proj(F.silu(self.gate(x)) * self.up(x)))
 
 
-class LlamaBlock(nn.Module):
+class LlamaBlock(Block):
+    """GPT's pre-norm residual block (its forward) with llama's pieces."""
+
     def __init__(self, cfg: LlamaConfig):
-        super().__init__()
+        nn.Module.__init__(self)
         self.norm1 = RMSNorm(cfg.n_embd, cfg.rms_norm_eps)
         self.attn = Attention(cfg)
         self.norm2 = RMSNorm(cfg.n_embd, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
 
 
 class Llama(nn.Module):
@@ -183,19 +181,13 @@ class Llama(nn.Module):
     reset_parameters = GPT.reset_parameters  # N(0, 0.02), wo / mlp.proj by 1/sqrt(2L), norms 1
     generate = GPT.generate
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids [B, T] -> logits [B, T, vocab]; a pipeline stage: see GPT.forward."""
-        if self.tok_emb is not None:
-            if idx.shape[1] > self.cfg.block_size:
-                raise ValueError(f"sequence length {idx.shape[1]} exceeds block_size {self.cfg.block_size}")
-            x = self.drop(self.tok_emb(idx))
-        else:
-            x = idx
-        for block in self.blocks.values():
-            x = block(x)
-        if self.norm_f is not None:
-            x = self.norm_f(x)
-        return self.lm_head(x) if self.lm_head is not None else x
+    forward = GPT.forward  # embed -> blocks -> norm_f -> lm_head; a pipeline stage: pieces None
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids [B, T] -> the first block's input (positions are rotary, inside attention)."""
+        if idx.shape[1] > self.cfg.block_size:
+            raise ValueError(f"sequence length {idx.shape[1]} exceeds block_size {self.cfg.block_size}")
+        return self.drop(self.tok_emb(idx))
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Every parameter (a tied weight once); non_embedding: without the input embedding table
