@@ -135,3 +135,21 @@ def test_config_errors_one_line(tmp_path, overrides, key):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and key in lines[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_meta_init_bit_identical(tied):
+    """parallel.meta_init (the default) replays llama's init: the same weights as a plain build,
+    bit for bit, the tie kept (RMSNorm weights and rotary tables hold no unreplayable state)."""
+    from hpctrain.parallel.meta_init import build_on_meta, materialize
+
+    section = {**BASE, "n_kv_head": 2, "qkv_bias": True, "tie_embeddings": tied}
+    torch.manual_seed(7)
+    ref = build_model_from_section(section)
+    recipe, model = build_on_meta(lambda: build_model_from_section(section))
+    materialize(model, recipe, 7, torch.device("cpu"))
+    assert (model.lm_head.weight is model.tok_emb.weight) == tied
+    got = dict(model.named_parameters())
+    assert got.keys() == dict(ref.named_parameters()).keys()
+    for k, v in ref.named_parameters():
+        assert torch.equal(got[k], v), k
