@@ -181,7 +181,7 @@ class HFTokenizer:
         self.eot_id = resolve_eot(self.tok, path, eot_token, eot_id)
         self.fast = tiktoken_engine(spec)
         if self.fast is not None and not np.array_equal(self._fast_ids(PROBE_TEXT),
-                                                        self._slow_ids([PROBE_TEXT])[0]):
+                                                        self._one_ids(PROBE_TEXT)):
             self.fast = None  # the tiktoken engine must give exactly the file's ids
         self.chunk_chars = 0 if self.fast is not None else self._chunking_is_exact()
         self.engine = ("tiktoken" if self.fast is not None else
@@ -192,13 +192,17 @@ class HFTokenizer:
         whole text (per-word pre-tokenizers: Metaspace, Whitespace, ...; checked on the probe cut
         every few characters), else 0. Long documents then go through the library ~2x faster."""
         probe = PROBE_TEXT * 3
-        whole = self._slow_ids([probe])[0]
-        pieces = np.concatenate(self._slow_ids(space_cuts(probe, 5)))
+        whole = self._one_ids(probe)
+        pieces = np.concatenate([self._one_ids(p) for p in space_cuts(probe, 5)])
         return CHUNK_CHARS if np.array_equal(whole, pieces) else 0
 
     def _fast_ids(self, text: str) -> np.ndarray:
         enc, rank_to_id = self.fast
         return rank_to_id[enc.encode_to_numpy(text, disallowed_special=())]
+
+    def _one_ids(self, text: str) -> np.ndarray:
+        """One text, no thread pool (the batch call starts Rust's pool, sized at its first use)."""
+        return np.asarray(self.tok.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
 
     def _slow_ids(self, texts: list[str]) -> list[np.ndarray]:
         batch = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)  # no offsets: faster
