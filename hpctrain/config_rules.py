@@ -81,6 +81,17 @@ def _validate_model(m: ModelConfig) -> None:
     _validate_llama(m)
 
 
+def llama_ffn_hidden(n_embd: int, ffn_hidden: int, multiple_of: int, ffn_dim_multiplier: float) -> int:
+    """llama's SwiGLU width: ffn_hidden, or Llama's rule (Meta's reference model.py): 2/3 of
+    4 n_embd, times ffn_dim_multiplier, rounded up to a multiple of multiple_of."""
+    if ffn_hidden:
+        return ffn_hidden
+    hidden = int(2 * 4 * n_embd / 3)
+    if ffn_dim_multiplier != 1.0:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
 def _validate_llama(m: ModelConfig) -> None:
     """llama's keys: refused on gpt2 when set (they would be silently ignored), ranges, GQA."""
     import dataclasses
@@ -183,6 +194,10 @@ def _validate_parallel(p: ParallelConfig, m: ModelConfig, compile: bool = False)
     _check(m.arch == "gpt2" or (m.n_kv_head or m.n_head) % p.tp == 0, "parallel.tp",
            f"tp={p.tp} must divide model.n_kv_head={m.n_kv_head or m.n_head} (each rank holds "
            f"n_kv_head / tp key/value heads)")
+    hidden = m.arch == "llama" and llama_ffn_hidden(m.n_embd, m.ffn_hidden, m.multiple_of, m.ffn_dim_multiplier)
+    _check(not hidden or hidden % p.tp == 0, "parallel.tp",
+           f"tp={p.tp} must divide the SwiGLU width {hidden} (model.ffn_hidden, or Llama's rule from "
+           f"model.multiple_of)")
     _check(m.block_size % p.tp == 0, "parallel.tp",
            f"tp={p.tp} must divide model.block_size={m.block_size} (sequence parallelism)")
     stages = p.pp * (p.pp_virtual_stages if p.pp_schedule == "interleaved" and p.pp > 1 else 1)

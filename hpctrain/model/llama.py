@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hpctrain.config_rules import llama_ffn_hidden
 from hpctrain.model.gpt import GPT, Block
 
 
@@ -59,14 +60,8 @@ class LlamaConfig:
 
     @property
     def ffn_hidden_size(self) -> int:
-        """ffn_hidden, or Llama's rule: 2/3 of 4 n_embd, times ffn_dim_multiplier, rounded up to
-        a multiple of multiple_of (Meta's reference model.py)."""
-        if self.ffn_hidden:
-            return self.ffn_hidden
-        hidden = int(2 * 4 * self.n_embd / 3)
-        if self.ffn_dim_multiplier != 1.0:
-            hidden = int(self.ffn_dim_multiplier * hidden)
-        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+        """ffn_hidden, or Llama's rule (config_rules.llama_ffn_hidden, also checked against tp)."""
+        return llama_ffn_hidden(self.n_embd, self.ffn_hidden, self.multiple_of, self.ffn_dim_multiplier)
 
 
 def rope_inv_freq(cfg: LlamaConfig, device=None) -> torch.Tensor:

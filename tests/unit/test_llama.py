@@ -127,6 +127,8 @@ TRAIN = ["--run.dir={run}", "--data.path={run}/nodata", "--model.n_layer=2", "--
     (["--model.arch=llama", "--model.n_head=4", "--model.rope_scaling_factor=8",
       "--model.rope_low_freq_factor=4", "--model.rope_high_freq_factor=1"], "model.rope_high_freq_factor"),
     (["--model.arch=mamba", "--model.n_head=4"], "model.arch"),
+    (["--model.arch=llama", "--model.n_head=4", "--model.ffn_hidden=171", "--parallel.tp=2"],
+     "parallel.tp"),
 ])
 def test_config_errors_one_line(tmp_path, overrides, key):
     args = [a.format(run=tmp_path) for a in TRAIN] + overrides
