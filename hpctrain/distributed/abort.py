@@ -18,6 +18,7 @@ from hpctrain.errors import UserError
 EXIT_USER_ERROR = 2
 EXIT_BUG = 1
 QUIET_RANK_EXIT_DELAY_S = 3.0  # a silent rank's exit waits for rank 0's line
+LINE_OUT_DELAY_S = 1.0  # a launched rank 0 waits after its line: srun may see the exit first
 
 
 LAUNCHER_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
@@ -51,8 +52,8 @@ def _report_and_abort(exc: BaseException) -> None:
     user = isinstance(exc, UserError)
     code = EXIT_USER_ERROR if user else EXIT_BUG
     if comm is None and rank != 0 and user:
-        # Before MPI starts every rank sees the same input: rank 0 reports it. Exit a little after
-        # it, or `srun --kill-on-bad-exit` (or mpiexec) kills rank 0 before its line is out.
+        # Before MPI starts every rank sees the same input: rank 0 reports it. Exit well after
+        # it: `srun --kill-on-bad-exit` (or mpiexec) ends the step at the first bad exit.
         time.sleep(QUIET_RANK_EXIT_DELAY_S)
         os._exit(code)
     if size > 1 and rank != 0:
@@ -66,6 +67,10 @@ def _report_and_abort(exc: BaseException) -> None:
         lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
         sys.stderr.write("".join(f"[rank {rank}] {ln}" for ln in "".join(lines).splitlines(True)))
         sys.stderr.flush()
+    if comm is None and any(v in os.environ for v in LAUNCHER_RANK_VARS):
+        # srun forwards our stderr apart from the news of our exit; with --kill-on-bad-exit it
+        # ends the step on the exit, and a line still in flight was lost (1 job of 5 on 2 nodes)
+        time.sleep(LINE_OUT_DELAY_S)
     if comm is not None and size > 1:
         # The launcher forwards our stderr asynchronously (hydra/srun proxies) and stops forwarding
         # when Abort tears the job down: give the line a moment to get out, or it is lost.
