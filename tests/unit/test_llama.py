@@ -155,3 +155,22 @@ def test_meta_init_bit_identical(tied):
     assert got.keys() == dict(ref.named_parameters()).keys()
     for k, v in ref.named_parameters():
         assert torch.equal(got[k], v), k
+
+
+def test_hf_configs_we_cannot_represent_are_refused():
+    """Never a silently different model: each refusal names the config.json key."""
+    from hpctrain.errors import UserError
+
+    llama = hf_llama.hf_config(BASE, "llama")
+    for change, key in [({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope"),
+                        ({"attention_bias": True}, "attention_bias"),
+                        ({"model_type": "mistral", "sliding_window": 16}, "sliding_window"),
+                        ({"hidden_act": "gelu"}, "hidden_act"),
+                        ({"model_type": "gpt_neox"}, "model_type")]:
+        with pytest.raises(UserError, match=key):
+            hf_llama.model_section_from_hf({**llama, **change})
+    with pytest.raises(UserError, match="qwen2"):
+        hf_llama.hf_config({**BASE, "qkv_bias": True}, "llama")
+    with pytest.raises(UserError, match="model.layers.0.self_attn.o_proj.bias"):
+        hf_llama.from_hf_state_dict({"model.layers.0.self_attn.o_proj.bias": torch.zeros(1)}, False)
+    assert hf_llama.from_hf_name("model.layers.3.self_attn.rotary_emb.inv_freq") is None
