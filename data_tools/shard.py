@@ -168,15 +168,17 @@ def shard_dataset(inputs, output, tokenizer="gpt2", shard_tokens=DEFAULT_SHARD_T
         held.append(OutputLock(output).acquire())
         return _plan(inputs, output, val_fraction, seed, extensions, text_column)
 
+    stage, planned = staging.staging_dir(output), False
     try:
-        table, is_val = root_then_bcast(comm, lock_and_plan)
-        stage = staging.staging_dir(output)
         try:
+            table, is_val = root_then_bcast(comm, lock_and_plan)
+            planned = True
             manifest, gathered, t_plan = _build(comm, tok, dtype, table, is_val, stage, output,
                                                 shard_tokens, val_fraction, seed, progress, log,
                                                 round_bytes, filter, min_chars)
         except BaseException:
-            staging.abandon(stage)  # every rank: the destination was never touched
+            if planned or held:  # the staging folder is ours (a Ctrl-C may come right after
+                staging.abandon(stage)  # the plan made it); the destination was never touched
             raise
     finally:
         for lock in held:
