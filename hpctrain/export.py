@@ -1,6 +1,9 @@
 """`python -m hpctrain export --checkpoint DIR --format hf --output OUT`: a checkpoint as a Hugging
 Face GPT-2 model folder (config.json + model.safetensors) that `GPT2LMHeadModel.from_pretrained` loads;
 a model.arch = "llama" checkpoint as a LlamaForCausalLM (Qwen2ForCausalLM with q/k/v bias) folder.
+Weights above --max-shard-size are sharded as transformers does (hpctrain/interop/hf_files.py), and
+the run's dataset tokenizer goes with them (data_tools/tokenizer_files.py), so that
+`pipeline("text-generation", OUT)` works offline.
 
 Owns the name and layout mapping from our GPT (hpctrain/model/gpt.py) to HF GPT-2: separate q/k/v
 Linear layers -> one `c_attn` Conv1D (concatenated on the output dim), Linear weights [out, in] ->
@@ -23,6 +26,7 @@ from hpctrain.checkpoint import CheckpointManager, directory, disk_format
 from hpctrain.checkpoint.cli import is_checkpoint_dir, resolve_root
 from hpctrain.checkpoint.safe_load import read_metadata
 from hpctrain.errors import UserError
+from hpctrain.interop import hf_files
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -102,7 +106,7 @@ def to_hf_llama(sd: dict, m: dict) -> tuple[dict, dict]:
 
 
 # The files an export writes; with --force they are replaced, nothing else in the folder is touched
-EXPORT_FILES = ("config.json", "model.safetensors")
+EXPORT_FILES = ("config.json", "model*.safetensors", "tokenizer files")
 
 
 def check_output(out: Path, force: bool) -> None:
@@ -113,12 +117,27 @@ def check_output(out: Path, force: bool) -> None:
     if held and not force:
         more = f" (+{len(held) - 3} more)" if len(held) > 3 else ""
         raise UserError(f"{out}: not empty (holds {', '.join(held[:3])}{more}); export into a new "
-                        f"or empty folder, or pass --force to replace its {' and '.join(EXPORT_FILES)}")
+                        f"or empty folder, or pass --force to replace its {', '.join(EXPORT_FILES)}")
 
 
-def export_hf(checkpoint: str | Path, output: str | Path, force: bool = False) -> Path:
-    from safetensors.torch import save_file
+def write_tokenizer(trainer: dict, out: Path, block_size: int) -> list[str]:
+    """The run's dataset tokenizer (as the checkpoint records it) as Hugging Face tokenizer files;
+    none, with a one-line warning, for a tokenizer that has no Hugging Face form (bytes)."""
+    from data_tools.format import DataError
+    from data_tools.tokenizer_files import write_hf_tokenizer
 
+    info = trainer.get("tokenizer") or {}
+    data_path = str(((trainer.get("config") or {}).get("data") or {}).get("path", ""))
+    try:
+        return write_hf_tokenizer(info, data_path, str(out), max_length=block_size)
+    except DataError as e:
+        print(f"warning: no tokenizer files exported: {e}", file=sys.stderr)
+        return []
+
+
+def export_hf(checkpoint: str | Path, output: str | Path, force: bool = False,
+              max_shard_size: str | int = "5GB") -> Path:
+    max_bytes = hf_files.parse_size(max_shard_size)
     check_output(Path(output), force)
     ckpt = find_checkpoint(checkpoint)
     sd, model_cfg = load_model_state(ckpt)
@@ -126,15 +145,18 @@ def export_hf(checkpoint: str | Path, output: str | Path, force: bool = False) -
         tensors, config = to_hf_llama(sd, model_cfg)
     else:
         tensors, config = to_hf_gpt2(sd, model_cfg)
-    tok = disk_format.read_trainer_state(ckpt).get("trainer", {}).get("tokenizer") or {}
+    trainer = disk_format.read_trainer_state(ckpt).get("trainer", {})
+    tok = trainer.get("tokenizer") or {}
     if isinstance(tok.get("eot_id"), int):
         config["bos_token_id"] = config["eos_token_id"] = tok["eot_id"]
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    written = hf_files.save_weights(tensors, out, max_bytes)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    written = ["config.json", *written, *write_tokenizer(trainer, out, int(model_cfg["block_size"]))]
+    shown = written if len(written) <= 6 else [*written[:5], f"... ({len(written)} files)"]
     print(f"exported {ckpt} (step {json.loads((ckpt / disk_format.COMMIT_FILE).read_text())['step']}) "
-          f"-> {out} (Hugging Face {config['architectures'][0]}: config.json, model.safetensors)")
+          f"-> {out} (Hugging Face {config['architectures'][0]}: {', '.join(shown)})")
     return out
 
 
@@ -147,9 +169,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--output", required=True, help="output folder (new or empty)")
     parser.add_argument("--force", action="store_true",
                         help="export into a folder that is not empty: replace its config.json and "
-                             "model.safetensors (other files stay)")
+                             "weights and tokenizer files (other files stay)")
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="above this size the weights are split into model-0000k-of-0000n."
+                             "safetensors + model.safetensors.index.json, as transformers does "
+                             "(default 5GB; units B, KB, MB, GB, KiB, MiB, GiB)")
     args = parser.parse_args(argv)
-    export_hf(args.checkpoint, args.output, args.force)
+    export_hf(args.checkpoint, args.output, args.force, args.max_shard_size)
     return 0
 
 

@@ -1,0 +1,107 @@
+"""Hugging Face model folders both ways, as a user runs them (subprocess), checked against
+transformers (a test-only dependency, never downloading: HF_HUB_OFFLINE=1).
+
+Export: `hpctrain export --format hf` writes the run's tokenizer files beside the weights, so that
+`pipeline("text-generation", OUT)` generates, and shards the weights above --max-shard-size as
+transformers does; gpt2 and llama, logits equal ours within 1e-4.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from hpctrain.checkpoint import CheckpointManager
+from hpctrain.model import build_model_from_section
+from tests.conftest import run_cmd
+
+# the GPT-2 tokenizer's 50257 ids, padded as our configs do; tiny widths keep the files ~7-13 MB
+GPT2 = {"arch": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 32,
+        "vocab_size": 50304, "dropout": 0.0}
+LLAMA = {"arch": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32, "block_size": 32,
+         "vocab_size": 50304, "dropout": 0.0, "rope_theta": 500000.0}
+GPT2_TOKENIZER = {"name": "gpt2", "eot_id": 50256, "vocab_size": 50257}
+OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def hpctrain(*args, **kw):
+    return run_cmd([sys.executable, "-m", "hpctrain", *args], timeout=180, env=OFFLINE, **kw)
+
+
+def save_run(run, section: dict, seed: int = 5):
+    """A run dir with one checkpoint of `section`'s model, random (not init-time) weights."""
+    torch.manual_seed(seed)
+    model = build_model_from_section(section)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    msd, _ = get_state_dict(model, [])
+    mgr = CheckpointManager(run / "checkpoints", keep=1, rank=0, world_size=1)
+    mgr.save(7, {"model": msd}, {"step": 7, "config": {"model": section, "data": {"path": ""}},
+                                 "tokenizer": GPT2_TOKENIZER})
+    return model.eval()
+
+
+def hf_logits(folder, tokens):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
+    with torch.no_grad():
+        return hf(tokens).logits
+
+
+def pipeline_generates(folder) -> str:
+    """The text `pipeline("text-generation")` makes in a fresh, offline process."""
+    code = ("import sys, transformers; p = transformers.pipeline('text-generation', sys.argv[1]); "
+            "print(repr(p('KING HENRY', max_new_tokens=6, do_sample=False)[0]['generated_text']))")
+    r = run_cmd([sys.executable, "-c", code, str(folder)], timeout=180, env=OFFLINE)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return eval(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("section", [GPT2, LLAMA], ids=["gpt2", "llama"])
+def test_export_shards_and_writes_the_tokenizer(section, tmp_path):
+    model = save_run(tmp_path / "run", section)
+    out = tmp_path / "hf"
+    r = hpctrain("export", "--checkpoint", tmp_path / "run", "--output", out,
+                 "--max-shard-size", "2MB", check=True)
+    names = sorted(p.name for p in out.iterdir())
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    n = len(shards)
+    assert n >= 2 and shards == [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+    assert "model.safetensors" not in names and set(shards) <= set(names)
+    assert {"vocab.json", "merges.txt", "tokenizer_config.json"} <= set(names)
+    total = 0
+    for shard in shards:  # a 50304 x 32 embedding (6.4 MB) is a shard of its own, the rest < 2 MB
+        with safe_open(str(out / shard), "pt") as f:
+            sizes = [f.get_slice(k).get_shape() for k in f.keys()]
+            assert all(index["weight_map"][k] == shard for k in f.keys())
+        nbytes = sum(4 * torch.Size(s).numel() for s in sizes)
+        assert nbytes <= 2_000_000 or len(sizes) == 1
+        total += nbytes
+    assert index["metadata"]["total_size"] == total
+    tokens = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(tokens)
+    assert (hf_logits(out, tokens) - ours).abs().max().item() < 1e-4
+    text = pipeline_generates(out)
+    assert text.startswith("KING HENRY") and len(text) > len("KING HENRY")
+
+    # one file again below the limit, the old shards replaced (--force)
+    r = hpctrain("export", "--checkpoint", tmp_path / "run", "--output", out, "--force", check=True)
+    names = sorted(p.name for p in out.iterdir())
+    assert [n for n in names if "safetensors" in n] == ["model.safetensors"], names
+    assert (hf_logits(out, tokens) - ours).abs().max().item() < 1e-4
+
+
+def test_export_bad_shard_size_is_one_line(tmp_path):
+    r = hpctrain("export", "--checkpoint", tmp_path, "--output", tmp_path / "o",
+                 "--max-shard-size", "5XB")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert r.stderr.startswith("error: --max-shard-size '5XB'")
