@@ -44,7 +44,7 @@ BIN = Path(sys.executable).parent
 
 from hpctrain.checkpoint import directory  # noqa: E402
 from hpctrain.export import load_model_state  # noqa: E402
-from hpctrain.model import GPT, GPTConfig  # noqa: E402
+from hpctrain.model import build_model_from_section  # noqa: E402
 
 ASYNC = ["--sync.mode=async_diloco", "--sync.ps_servers=1"]
 
@@ -101,7 +101,7 @@ def score(run: Path, t0: float, val: torch.Tensor) -> list[tuple[float, float]]:
         if info.status != "committed":
             continue
         state, model_cfg = load_model_state(info.path)
-        model = GPT(GPTConfig(**model_cfg))
+        model = build_model_from_section(model_cfg)
         model.load_state_dict(state)
         model.eval()
         total = sum(F.cross_entropy(model(c[:, :-1]).flatten(0, 1), c[:, 1:].flatten(), reduction="sum").item()

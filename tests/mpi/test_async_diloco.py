@@ -20,10 +20,10 @@ def records(run, rank=0):
 def model_parameters(cfg_path) -> int:
     import tomllib
 
-    from hpctrain.model import GPT, GPTConfig
+    from hpctrain.model import build_model_from_section
 
     m = tomllib.loads(Path(cfg_path).read_text())["model"]
-    return sum(p.numel() for p in GPT(GPTConfig(**m)).parameters())
+    return sum(p.numel() for p in build_model_from_section(m).parameters())
 
 
 SGD = ["--train.optimizer=sgd", "--train.lr=0.05", "--train.min_lr=0.005", "--train.grad_clip=0",
@@ -85,12 +85,12 @@ def held_out_losses(run, data, windows=64) -> dict:
     from hpctrain.checkpoint import directory
     from hpctrain.data import open_split
     from hpctrain.export import load_model_state
-    from hpctrain.model import GPT, GPTConfig
+    from hpctrain.model import build_model_from_section
 
     out = {}
     for info in directory.list_checkpoints(Path(run) / "checkpoints"):
         state, model_cfg = load_model_state(info.path)
-        model = GPT(GPTConfig(**model_cfg)).eval()
+        model = build_model_from_section(model_cfg).eval()
         model.load_state_dict(state)
         val = open_split(data, "val", model_cfg["block_size"])
         chunk = torch.as_tensor(val.batch(np.linspace(0, len(val) - 1, windows).astype(np.int64)), dtype=torch.long)
