@@ -26,7 +26,7 @@ from hpctrain.errors import ConfigError
 
 
 # Spellings accepted for a key: TOML `async` is a Python keyword, so the field is `async_save`.
-ALIASES = {"checkpoint.async": "async_save"}
+ALIASES = {"checkpoint.async": "async_save", "init.from": "from_dir"}
 # keys that moved to another section: named in the error (run dirs written before the move hold them)
 MOVED = {"train.debug_delay_rank": "debug.delay_rank", "train.debug_delay_s": "debug.delay_s",
          "train.inject_nan_at_step": "debug.inject_nan_at_step",
@@ -112,6 +112,10 @@ def from_dict(raw: dict, source: str = "config", cli_keys: frozenset = frozenset
             where = "on the command line" if any(k.startswith(f"{name}.") for k in cli_keys) else f"in {source}"
             known = ", ".join([*sections, *OTHER_SECTIONS])
             raise ConfigError(f"unknown config section '{name}' {where} (known: {known})")
+    if isinstance(raw.get("init"), dict) and raw["init"].get("from"):
+        from hpctrain.interop.hf_import import fill_model_section  # [model] from its config.json
+
+        raw = fill_model_section(raw, lambda key, value, like: _coerce(key, value, type(like)))
     for name, cls in sections.items():
         values = raw.get(name, {})
         if not isinstance(values, dict):

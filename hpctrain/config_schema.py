@@ -294,6 +294,16 @@ class DebugConfig:
 
 
 @dataclass
+class InitConfig:
+    from_dir: str = field(default="", metadata={
+        "help": "'init.from': a local Hugging Face model folder (config.json + model.safetensors or "
+                "shards with model.safetensors.index.json; Llama, Mistral, Qwen2 or GPT-2; fp32 or "
+                "bf16) to start a fresh run from: its config.json fills [model] (a conflicting key "
+                "is an error), each rank reads only its part of the weights. Seeds a fresh run "
+                "only: a checkpoint in the run dir takes precedence on resume ('' = random init)"})
+
+
+@dataclass
 class Config:
     run: RunConfig
     data: DataConfig
@@ -305,6 +315,7 @@ class Config:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    init: InitConfig = field(default_factory=InitConfig)
 
     def validate(self) -> "Config":
         from hpctrain.config_rules import validate  # the rules on values, per key and across keys

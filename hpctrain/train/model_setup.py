@@ -4,7 +4,8 @@ Owns: which way the model is built. parallel.meta_init (default): on the meta de
 then only this rank's shards materialized and initialized (hpctrain/parallel/meta_init.py);
 otherwise whole in fp32 on every rank, moved to the device, then laid out. Both give bit-identical
 initial weights for a seed (tests/mpi/test_meta_init.py). It must never apply a layout itself
-(parallelize does) or know how a layout shards a tensor (meta_init does).
+(parallelize does) or know how a layout shards a tensor (meta_init does). With init.from, a Hugging
+Face model's weights replace the initial ones after that (hpctrain/interop/hf_import.py).
 """
 from __future__ import annotations
 
@@ -42,4 +43,18 @@ def build_model(cfg: Config, mesh: Mesh, device: torch.device) -> BuiltModel:
     n_params, flops = model.num_params(), model.flops_per_token()  # before a pipeline split
     if cfg.train.loss_chunk:
         use_chunked_head(model)  # lm_head hands hidden states to the chunked loss (train/loss.py)
+    if cfg.init.from_dir:  # then each rank reads its part of a Hugging Face model's weights
+        init = with_hf_weights(init, cfg.init.from_dir, section)
     return BuiltModel(parallelize(model, mesh, cfg, materialize=init), n_params, flops)
+
+
+def with_hf_weights(init, folder: str, section: dict):
+    """`init` (meta-device materialization, or None), then the weights of init.from's folder
+    copied into the parts this rank holds (hpctrain/interop/hf_import.py)."""
+    from hpctrain.interop.hf_import import load_weights
+
+    def init_and_load(model: torch.nn.Module) -> None:
+        if init is not None:
+            init(model)
+        load_weights(model, folder, section)
+    return init_and_load

@@ -105,3 +105,69 @@ def test_export_bad_shard_size_is_one_line(tmp_path):
                  "--max-shard-size", "5XB")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     assert r.stderr.startswith("error: --max-shard-size '5XB'")
+
+
+# Import: tiny HF models built here from small configs (random weights, save_pretrained)
+HF_CASES = {
+    "llama_gqa_untied": ("LlamaConfig", dict(num_key_value_heads=2, rope_theta=500000.0)),
+    "mistral": ("MistralConfig", dict(num_key_value_heads=1, sliding_window=None)),
+    "qwen2_tied": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "gpt2": ("GPT2Config", dict(n_layer=2, n_head=4, n_embd=32, n_positions=32, vocab_size=131)),
+}
+
+
+def make_hf_model(kind: str, folder, dtype=torch.float32, max_shard_size="5GB", **sizes):
+    """A transformers model of HF_CASES[kind] (sizes: LlamaConfig-style keys to change), saved."""
+    import transformers
+
+    cls_name, extra = HF_CASES[kind]
+    if cls_name == "GPT2Config":
+        cfg = transformers.GPT2Config(**extra)
+    else:
+        cfg = getattr(transformers, cls_name)(**{
+            "vocab_size": 131, "hidden_size": 32, "intermediate_size": 80, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "max_position_embeddings": 32, **extra, **sizes})
+    torch.manual_seed(3)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():  # not init-time values: every norm and bias matters
+            p.normal_(0.0, 0.2)
+    hf.to(dtype).save_pretrained(folder, max_shard_size=max_shard_size)
+    return hf.float()
+
+
+@pytest.mark.parametrize("kind", list(HF_CASES))
+def test_import_gives_transformers_logits(kind, tmp_path):
+    from hpctrain.interop import hf_import
+
+    hf = make_hf_model(kind, tmp_path / "hf")
+    section = hf_import.model_section(tmp_path / "hf")
+    model = build_model_from_section({**section, "dropout": 0.0}).eval()
+    assert hf_import.load_weights(model, tmp_path / "hf", section) > 0
+    tokens = torch.randint(0, 131, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (model(tokens) - hf(tokens).logits).abs().max().item() < 1e-4
+
+
+def test_import_bf16_sharded_and_conflicting_key(tmp_path):
+    from hpctrain.config import from_dict
+    from hpctrain.interop import hf_import
+
+    hf = make_hf_model("llama_gqa_untied", tmp_path / "hf", torch.bfloat16, "20KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    section = hf_import.model_section(tmp_path / "hf")
+    model = build_model_from_section({**section, "dropout": 0.0}).eval()
+    hf_import.load_weights(model, tmp_path / "hf", section)
+    tokens = torch.randint(0, 131, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # hf: the bf16 values, in fp32
+        assert (model(tokens) - hf(tokens).logits).abs().max().item() < 1e-4
+
+    raw = {"run": {"dir": str(tmp_path)}, "data": {"path": str(tmp_path)},
+           "train": {"steps": 1, "warmup_steps": 0, "micro_batch_size": 1}, "init": {"from": str(tmp_path / "hf")}}
+    cfg = from_dict({**raw, "model": {"n_layer": "2"}})  # the same value, as an override gives it
+    assert (cfg.model.arch, cfg.model.n_kv_head, cfg.init.from_dir) == ("llama", 2, str(tmp_path / "hf"))
+    r = hpctrain("train", f"--run.dir={tmp_path}", f"--data.path={tmp_path}", "--train.steps=1", "--train.warmup_steps=0", "--train.micro_batch_size=1",
+                 f"--init.from={tmp_path / 'hf'}", "--model.n_layer=4")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert r.stderr.startswith("error: config key 'model.n_layer': '4' conflicts with init.from ")
+    assert "config.json" in r.stderr

@@ -1,0 +1,92 @@
+"""init.from a Hugging Face folder under a real mpiexec, and back: a LlamaForCausalLM built here
+(GQA, untied, random weights; tests/unit/test_hf_import_export.py) seeds runs on 1 rank, tp=2 and
+FSDP (dp=2), whose loss curves agree (<= 1e-5 relative: each rank read only its slices); the tp=2
+run exported with --format hf gives transformers the logits of our model (<= 1e-4), offline (the
+byte dataset has no HF tokenizer; pipeline generation: test_hf_import_export.py's export tests).
+"""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import mpirun, run_cmd
+from tests.mpi.test_parallel_parity import assert_same_curve, dataset, losses  # noqa: F401
+from tests.unit.test_hf_import_export import OFFLINE, hf_logits, make_hf_model
+
+pytestmark = pytest.mark.mpi
+
+# no [model] section: init.from's config.json gives it
+CONFIG = """
+[run]
+dir = "{run}"
+[data]
+path = "{data}"
+verify = "size"
+[init]
+from = "{hf}"
+[train]
+steps = 3
+warmup_steps = 0
+micro_batch_size = 8
+eval_interval = 0
+log_interval = 1
+[checkpoint]
+interval = 3
+"""
+SIZES = dict(vocab_size=257, hidden_size=64, intermediate_size=128)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf_src") / "llama"
+    make_hf_model("llama_gqa_untied", folder, **SIZES)
+    return folder
+
+
+def train(n, tmp, data, hf, name, *overrides):
+    cfg = Path(tmp) / f"{name}.toml"
+    cfg.write_text(CONFIG.format(run=Path(tmp) / name, data=data, hf=hf))
+    args = ["-m", "hpctrain", "train", "--config", cfg, *overrides]
+    r = run_cmd([sys.executable, *args], timeout=300) if n == 1 else mpirun(n, args, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return Path(tmp) / name
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory, dataset, hf_dir):  # noqa: F811
+    return losses(train(1, tmp_path_factory.mktemp("hf_one"), dataset, hf_dir, "one"))
+
+
+def test_fsdp_import_matches_one_rank(tmp_path, dataset, hf_dir, one_rank):  # noqa: F811
+    run = train(2, tmp_path, dataset, hf_dir, "fsdp", "--parallel.data_parallel=fsdp",
+                "--train.micro_batch_size=4")
+    assert_same_curve(one_rank, losses(run), range(1, 4))
+
+
+def test_tp2_import_train_export_roundtrip(tmp_path, dataset, hf_dir, one_rank):  # noqa: F811
+    from hpctrain.export import find_checkpoint, load_model_state
+    from hpctrain.model import build_model_from_section
+
+    run = train(2, tmp_path, dataset, hf_dir, "tp2", "--parallel.tp=2")
+    assert_same_curve(one_rank, losses(run), range(1, 4))
+
+    out = tmp_path / "hf_out"
+    r = run_cmd([sys.executable, "-m", "hpctrain", "export", "--checkpoint", run, "--output", out],
+                timeout=180, env=OFFLINE)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    sd, section = load_model_state(find_checkpoint(run))
+    ours = build_model_from_section({**section, "dropout": 0.0}).eval()
+    ours.load_state_dict(sd)
+    tokens = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (hf_logits(out, tokens) - ours(tokens)).abs().max().item() < 1e-4
+    # the imported weights were trained: 3 AdamW steps at lr 1e-3 move each by <= ~3e-3, while
+    # they are N(0, 0.2) apart from any other init
+    from safetensors.torch import load_file
+    before, after = load_file(hf_dir / "model.safetensors"), load_file(out / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    moved = max((after[k] - before[k]).abs().max().item() for k in before)
+    assert 0 < moved < 0.01, moved
