@@ -1,8 +1,8 @@
 """init.from a Hugging Face folder under a real mpiexec, and back: a LlamaForCausalLM built here
 (GQA, untied, random weights; tests/unit/test_hf_import_export.py) seeds runs on 1 rank, tp=2 and
 FSDP (dp=2), whose loss curves agree (<= 1e-5 relative: each rank read only its slices); the tp=2
-run exported with --format hf gives transformers the logits of our model (<= 1e-4), offline (the
-byte dataset has no HF tokenizer; pipeline generation: test_hf_import_export.py's export tests).
+run exported with --format hf gives transformers the logits of our model (<= 1e-4) and, with the
+dataset's GPT-2 tokenizer, a text-generation pipeline that generates, offline.
 """
 import json
 import sys
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tests.conftest import mpirun, run_cmd
-from tests.mpi.test_parallel_parity import assert_same_curve, dataset, losses  # noqa: F401
-from tests.unit.test_hf_import_export import OFFLINE, hf_logits, make_hf_model
+from tests.mpi.test_parallel_parity import assert_same_curve, losses
+from tests.unit.test_hf_import_export import OFFLINE, hf_logits, make_hf_model, pipeline_generates
 
 pytestmark = pytest.mark.mpi
 
@@ -35,7 +35,19 @@ log_interval = 1
 [checkpoint]
 interval = 3
 """
-SIZES = dict(vocab_size=257, hidden_size=64, intermediate_size=128)
+SIZES = dict(vocab_size=50304, hidden_size=64, intermediate_size=128)  # GPT-2's tokenizer, padded
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """Two plays in GPT-2 tokens: the export carries that tokenizer, so a pipeline can run."""
+    from data_tools.corpora import shakespeare_files
+
+    out = tmp_path_factory.mktemp("gpt2data") / "plays"
+    run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", *sorted(shakespeare_files())[:2],
+             "--output", out, "--tokenizer", "gpt2", "--val-fraction", "0.1", "--seed", "3"],
+            timeout=300, check=True)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -55,17 +67,17 @@ def train(n, tmp, data, hf, name, *overrides):
 
 
 @pytest.fixture(scope="module")
-def one_rank(tmp_path_factory, dataset, hf_dir):  # noqa: F811
+def one_rank(tmp_path_factory, dataset, hf_dir):
     return losses(train(1, tmp_path_factory.mktemp("hf_one"), dataset, hf_dir, "one"))
 
 
-def test_fsdp_import_matches_one_rank(tmp_path, dataset, hf_dir, one_rank):  # noqa: F811
+def test_fsdp_import_matches_one_rank(tmp_path, dataset, hf_dir, one_rank):
     run = train(2, tmp_path, dataset, hf_dir, "fsdp", "--parallel.data_parallel=fsdp",
                 "--train.micro_batch_size=4")
     assert_same_curve(one_rank, losses(run), range(1, 4))
 
 
-def test_tp2_import_train_export_roundtrip(tmp_path, dataset, hf_dir, one_rank):  # noqa: F811
+def test_tp2_import_train_export_roundtrip(tmp_path, dataset, hf_dir, one_rank):
     from hpctrain.export import find_checkpoint, load_model_state
     from hpctrain.model import build_model_from_section
 
@@ -80,7 +92,7 @@ def test_tp2_import_train_export_roundtrip(tmp_path, dataset, hf_dir, one_rank):
     sd, section = load_model_state(find_checkpoint(run))
     ours = build_model_from_section({**section, "dropout": 0.0}).eval()
     ours.load_state_dict(sd)
-    tokens = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (hf_logits(out, tokens) - ours(tokens)).abs().max().item() < 1e-4
     # the imported weights were trained: 3 AdamW steps at lr 1e-3 move each by <= ~3e-3, while
@@ -90,3 +102,16 @@ def test_tp2_import_train_export_roundtrip(tmp_path, dataset, hf_dir, one_rank):
     assert sorted(before) == sorted(after)
     moved = max((after[k] - before[k]).abs().max().item() for k in before)
     assert 0 < moved < 0.01, moved
+    text = pipeline_generates(out)  # the dataset's GPT-2 tokenizer went with it
+    assert text.startswith("KING HENRY") and len(text) > len("KING HENRY")
+
+
+def test_folder_without_weights_is_one_line(tmp_path, dataset, hf_dir):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text((hf_dir / "config.json").read_text())
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONFIG.format(run=tmp_path / "run", data=dataset, hf=tmp_path / "hf"))
+    r = mpirun(2, ["-m", "hpctrain", "train", "--config", cfg, "--parallel.tp=2"], timeout=120)
+    errors = [l for l in r.stderr.splitlines() if "error" in l.lower()]  # (+ mpiexec's Abort notice)
+    assert r.returncode != 0 and len(errors) == 1 and errors[0].startswith("error: "), r.stderr
+    assert f"{tmp_path / 'hf'}: no model.safetensors" in errors[0] and "Traceback" not in r.stderr
