@@ -90,9 +90,10 @@ def test_export_shards_and_writes_the_tokenizer(section, tmp_path):
     with torch.no_grad():
         ours = model(tokens)
     assert (hf_logits(out, tokens) - ours).abs().max().item() < 1e-4
-    text = pipeline_generates(out)
-    assert text.startswith("KING HENRY") and len(text) > len("KING HENRY")
-
+    if section["arch"] == "gpt2":  # llama's: tests/mpi/test_hf_roundtrip.py (on its tp=2 export)
+        text = pipeline_generates(out)
+        assert text.startswith("KING HENRY") and len(text) > len("KING HENRY")
+        return
     # one file again below the limit, the old shards replaced (--force)
     r = hpctrain("export", "--checkpoint", tmp_path / "run", "--output", out, "--force", check=True)
     names = sorted(p.name for p in out.iterdir())
