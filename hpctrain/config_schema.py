@@ -107,6 +107,9 @@ class TrainConfig:
                 "without bf16 (V100, T4): dynamic loss scaling, overflow steps skipped and counted. "
                 "auto: bf16 on GPUs that have it; on CPUs bf16 where a matmul of the model's shape "
                 "measures >= 1.3x faster than fp32 at start, else fp32"})
+    tf32: bool = field(default=True, metadata={
+        "help": "CUDA GPUs with TF32 (A100, H100, ...): fp32 matmuls on tensor cores "
+                "(torch.set_float32_matmul_precision('high')); false keeps full fp32. No effect on CPUs"})
     loss_scale_init: float = field(default=65536.0, metadata={
         "help": "fp16: the initial loss scale (torch.amp.GradScaler init_scale); it halves on every "
                 "overflow and doubles after loss_scale_growth_interval clean steps"})

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.distributed import netif, slurm
+from hpctrain.errors import ConfigError
 
 RENDEZVOUS_PROBE_S = 15.0  # a rank that cannot reach rank 0's store says so after this long
 
@@ -213,6 +214,41 @@ def choose_backend(requested: str = "auto") -> str:
     return requested
 
 
+def cuda_device_index(node_rank: int, node_size: int, visible: int) -> int:
+    """The GPU of the `node_rank`-th of `node_size` ranks on a node that sees `visible` GPUs:
+    its own index where each rank has one, 0 where the launcher gave each task its own single GPU
+    (srun --gpus-per-task=1: CUDA_VISIBLE_DEVICES differs per task; `gpus_shared` checks that)."""
+    if visible < 1:
+        raise ConfigError("dist.backend = 'nccl' but no GPU is visible to this rank "
+                          "(CUDA_VISIBLE_DEVICES empty?)")
+    return node_rank if node_size <= visible else node_rank % visible
+
+
+def gpus_shared(gpu_ids: list[str]) -> dict[str, list[int]]:
+    """{GPU id: the node ranks on it} for every GPU that more than one rank of a node would use."""
+    users: dict[str, list[int]] = {}
+    for node_rank, gpu in enumerate(gpu_ids):
+        users.setdefault(gpu, []).append(node_rank)
+    return {gpu: ranks for gpu, ranks in users.items() if len(ranks) > 1}
+
+
+def _pick_gpu(job_node_comm) -> torch.device:
+    """Collective over the node's ranks of the WHOLE job (PBT members included, which share the
+    node's GPUs): one distinct GPU per rank, or a ConfigError naming the host and the ranks."""
+    index = cuda_device_index(job_node_comm.Get_rank(), job_node_comm.Get_size(),
+                              torch.cuda.device_count())
+    props = torch.cuda.get_device_properties(index)
+    mine = str(getattr(props, "uuid", None) or f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')}:{index}")
+    shared = gpus_shared(job_node_comm.allgather(mine))
+    if shared:
+        gpu, ranks = next(iter(shared.items()))
+        raise ConfigError(f"{socket.gethostname()}: {job_node_comm.Get_size()} ranks but "
+                          f"{torch.cuda.device_count()} GPU(s) visible: node ranks {ranks} would share "
+                          f"GPU {gpu} (NCCL: 'Duplicate GPU detected'); launch one task per GPU "
+                          f"(srun --ntasks-per-node=<GPUs> --gpus-per-task=1)")
+    return torch.device("cuda", index)
+
+
 def init_distributed(backend: str = "auto", timeout_s: float = 300.0, comm=None) -> DistContext:
     """Bootstrap torch.distributed from MPI. Collective calls time out after `timeout_s` seconds.
 
@@ -228,9 +264,11 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, comm=None)
     local_rank, local_size = node_comm.Get_rank(), node_comm.Get_size()
     node_rank, n_nodes = _node_index(MPI, comm, node_comm)
 
+    # PBT: the member's ranks are not all of the node's; GPUs are counted over the whole job
+    job_node_comm = node_comm if whole_job else _node_comm(MPI, MPI.COMM_WORLD)
     backend = choose_backend(backend)
     if backend == "nccl":
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        device = _pick_gpu(job_node_comm)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")

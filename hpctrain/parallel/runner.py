@@ -117,6 +117,8 @@ class StepRunner(ABC):
 
     def _replica_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """L2 norm of this replica's gradients (DTensor shards are combined over their mesh)."""
+        if not grads:  # on the device: a pp stage's norm goes into an all-reduce (NCCL: no CPU)
+            return torch.zeros((), device=self.device)
         return _value(torch.nn.utils.get_total_norm(grads, 2.0))
 
     def clip_grad_norm_(self, max_norm: float) -> float:

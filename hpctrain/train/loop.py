@@ -45,7 +45,7 @@ from hpctrain.train.bad_steps import BadStepPolicy, all_finite
 from hpctrain.train.loss_scaling import LossScaling
 from hpctrain.train.model_setup import build_model
 from hpctrain.train.optim import build_optimizer, lr_at, set_lr
-from hpctrain.train.precision import resolve_precision
+from hpctrain.train.precision import apply_tf32, resolve_precision
 from hpctrain.train.states import ModelState, OptimState, RNGStates
 
 
@@ -68,6 +68,7 @@ class Trainer:
         self.precision_given = t.precision
         t.precision = resolve_precision(t.precision, ctx.device, t.micro_batch_size * cfg.model.block_size,
                                         cfg.model.n_embd)
+        self.tf32 = apply_tf32(ctx.device, t.tf32)  # before the MFU peak (tf32's datasheet row)
         self.data = TrainData(modes.data_config(cfg), ctx, self.position)
         # the model in this job's layout, initialized from t.seed (on the meta device first, then
         # only this rank's shards: parallel.meta_init)
@@ -338,7 +339,8 @@ class Trainer:
                  f"{ctx.n_nodes} node(s), rendezvous {ctx.master_addr}:{ctx.master_port}"
                  f"{f' via {ctx.iface}' if ctx.iface else ''}, "
                  f"{tokens_per_step} tokens/step, {t.precision}"
-                 f"{' (auto)' if self.precision_given == 'auto' else ''}, "
+                 f"{' (auto)' if self.precision_given == 'auto' else ''}"
+                 f"{' (tf32 matmuls)' if self.tf32 else ''}, "
                  f"steps {self.step} -> {end} of {t.steps}{self.sync.describe()}")
         if t.global_batch:  # how the global batch splits on this world (elastic restarts)
             log(ctx, global_batch_line(t, self.position.dp_size))

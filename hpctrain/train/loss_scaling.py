@@ -21,6 +21,7 @@ import torch.distributed as dist
 class LossScaling:
     def __init__(self, device: torch.device, init_scale: float, growth_interval: int, enabled: bool):
         self.enabled = enabled
+        self.device = device  # where the overflow flag goes: NCCL refuses CPU tensors
         self.scaler = torch.amp.GradScaler(device.type, init_scale=init_scale,
                                            growth_interval=growth_interval, enabled=enabled)
         if enabled:  # creates the scale tensor on `device` (we multiply the loss ourselves)
@@ -39,12 +40,12 @@ class LossScaling:
             return False
         self.scaler.unscale_(optimizer)
         found = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        flag = torch.zeros((), dtype=torch.float32)
+        # on this rank's device even where it holds no gradients (found is empty): a CPU flag
+        # in the default group's all-reduce stops a NCCL job ("No backend type ... cpu")
+        flag = torch.zeros((), dtype=torch.float32, device=self.device)
         for f in found.values():
-            flag = torch.maximum(flag, f.detach().float().cpu().reshape(()))
+            flag = torch.maximum(flag, f.detach().float().to(self.device).reshape(()))
         if dist.is_available() and dist.is_initialized():
-            device = next(iter(found.values())).device if found else flag.device
-            flag = flag.to(device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         for f in found.values():  # every rank now skips (or takes) the same step
             f.fill_(float(flag.item()))

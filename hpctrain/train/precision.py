@@ -8,7 +8,11 @@ in fp32 and in bf16 on every rank. bf16 is chosen when the job-wide average spee
 `MIN_SPEEDUP`: the product is most of a training step, and autocast adds casts the product does
 not show. Measured here (2 cores, AMD EPYC with avx512_bf16): ~4x on the product, 1.2x on the whole
 step of configs/recipe.toml, the same final loss; an Intel Xeon without AMX ran bf16 slower than
-fp32 (docs/benchmarks.md), and there auto keeps fp32.
+fp32 (docs/benchmarks.md), and there auto keeps fp32. On CUDA only native bf16 counts (compute
+capability >= 8.0): V100/T4 emulate it, far slower than fp32.
+
+Also owns TF32 (`train.tf32`, on by default): fp32 matmuls on CUDA GPUs with TF32 units (compute
+capability >= 8.0) run on tensor cores (torch.set_float32_matmul_precision("high")).
 """
 from __future__ import annotations
 
@@ -42,8 +46,28 @@ def resolve_precision(precision: str, device: torch.device, tokens: int, n_embd:
     if precision != "auto":
         return precision
     if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+        return cuda_auto_precision(torch.cuda.is_bf16_supported(including_emulation=False))
     speedup = torch.tensor(bf16_speedup(tokens, n_embd, 4 * n_embd), dtype=torch.float64)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(speedup, op=dist.ReduceOp.AVG)
     return "bf16" if float(speedup) >= MIN_SPEEDUP else "fp32"
+
+
+def cuda_auto_precision(native_bf16: bool) -> str:
+    """"auto" on a GPU: bf16 where the GPU computes it natively, else fp32 (never emulated bf16)."""
+    return "bf16" if native_bf16 else "fp32"
+
+
+def tf32_wanted(capability: tuple[int, int] | None, tf32: bool) -> bool:
+    """TF32 matmuls: asked for (train.tf32) on a CUDA GPU (capability not None) that has them."""
+    return tf32 and capability is not None and capability >= (8, 0)
+
+
+def apply_tf32(device: torch.device, tf32: bool) -> bool:
+    """Set torch's fp32 matmul precision for this rank's device; True where TF32 is now on."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    on = tf32_wanted(capability, tf32)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high" if on else "highest")
+        torch.backends.cudnn.allow_tf32 = on
+    return on

@@ -1,0 +1,174 @@
+"""GPU-path safety checks that run on CPU (shared/GPU.md): device tensors only in default-group
+collectives, one distinct GPU per rank (PBT members included), and the precision / TF32 decisions.
+
+How item 1 is held on CPU: NCCL refuses any CPU tensor ("No backend type associated with device
+type cpu"); a default group made as `init_process_group("cuda:gloo")` refuses them the same way
+(checked below), but on a CPU machine it refuses every tensor, so the step cannot run under it.
+The workers instead give the default group a backend for CPU only ("cpu:gloo") and make torch's
+default device "meta": a tensor the code builds without naming its device (the class of defect:
+a host tensor where the rank's device was meant) lands on meta. Meta tensors never reach a backend
+(their kernels are fakes), so the workers' collectives refuse any tensor off the rank's device with
+NCCL's message before calling the real one; tensors built on the rank's device (CPU) go through.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.conftest import mpirun, run_cmd
+
+PREMISE = """
+import torch, torch.distributed as dist
+dist.init_process_group("cuda:gloo", store=dist.HashStore(), rank=0, world_size=1)
+try:
+    dist.all_reduce(torch.zeros(1))
+    print("accepted")
+except RuntimeError as e:
+    print("refused:", str(e).splitlines()[0])
+"""
+
+# Each site of the step / metrics / checkpoint / sync code that puts a tensor into a collective
+# of the default group (or of a group made from it, which inherits its backend), with the device
+# the trainer gives it. Rank 1 holds no gradients (a rank without a shard of the weights).
+WORKER = """
+import types
+import torch, torch.distributed as dist
+from mpi4py import MPI
+rank = MPI.COMM_WORLD.Get_rank()
+comm = MPI.COMM_WORLD
+store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False) if rank == 0 else None
+port = comm.bcast(store.port if rank == 0 else 0, root=0)
+store = store or dist.TCPStore("127.0.0.1", port, 2, is_master=False)
+dist.init_process_group("cpu:gloo", store=store, rank=rank, world_size=2)
+cpu = torch.device("cpu")
+w = torch.nn.Parameter(torch.ones(4, device=cpu))
+opt = torch.optim.SGD([w], lr=0.1)
+if rank == 0:
+    w.grad = torch.full((4,), float("inf"), device=cpu)
+torch.set_default_device("meta")
+
+def device_only(collective):
+    # meta tensors skip the backend (their kernels are fakes): refuse them here, as NCCL a CPU one
+    def checked(*args, **kwargs):
+        for t in args:
+            if isinstance(t, torch.Tensor) and t.device != cpu:
+                raise RuntimeError(f"No backend type associated with device type {t.device.type}")
+        return collective(*args, **kwargs)
+    return checked
+
+for name in ("all_reduce", "all_to_all_single", "all_gather_single", "all_gather_into_tensor"):
+    if hasattr(dist, name):
+        setattr(dist, name, device_only(getattr(dist, name)))
+
+results = []  # printed by rank 0 alone (two ranks' prints interleave)
+
+def site(name, fn):
+    try:
+        results.append(f"{name} ok {fn()}")
+    except Exception as e:
+        results.append(f"{name} FAILED {type(e).__name__} {str(e).splitlines()[0][:160]}")
+
+from hpctrain.train.loss_scaling import LossScaling
+from hpctrain.train.bad_steps import BadStepPolicy, all_finite
+from hpctrain.parallel.runner import StepRunner
+from hpctrain.sync.compress import average
+scaling = LossScaling(cpu, 1024.0, 100, enabled=True)
+site("fp16_overflow_flag", lambda: scaling.unscale_(opt))
+site("bad_step_vote", lambda: BadStepPolicy(3, 0, rank, 2).should_skip(
+    1, torch.ones((), device=cpu), 1.0))
+site("all_finite", lambda: all_finite([w], cpu))
+site("pp_stage_grad_norm", lambda: dist.all_reduce(
+    StepRunner._replica_grad_norm(types.SimpleNamespace(device=cpu), [])))
+site("diloco_average_none", lambda: float(average(torch.ones(10, device=cpu), None, "none")[0]))
+site("diloco_average_int8", lambda: float(average(torch.ones(10, device=cpu), None, "int8")[0]))
+torch.set_default_device("cpu")
+every = comm.gather(results, root=0)
+if rank == 0:
+    print("\\n".join(f"rank {r}: {line}" for r, lines in enumerate(every) for line in lines))
+comm.Barrier()
+dist.destroy_process_group()
+comm.Barrier()  # rank 0's store outlives every client
+del store
+"""
+
+
+def test_cuda_gloo_group_refuses_cpu_tensors_like_nccl():
+    r = run_cmd([sys.executable, "-c", PREMISE], timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "refused: No backend type associated with device type cpu" in r.stdout
+
+
+@pytest.mark.mpi
+def test_default_group_collectives_get_device_tensors_only(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    r = mpirun(2, [script], timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if " ok " in ln or " FAILED " in ln]
+    failed = [ln for ln in lines if " FAILED " in ln]
+    assert not failed, "\n".join(failed)
+    assert len(lines) == 2 * 6, r.stdout  # every site on both ranks
+    # rank 0's Inf reached the rank without gradients: both skip the step
+    assert [ln for ln in lines if "fp16_overflow_flag" in ln] == \
+        ["rank 0: fp16_overflow_flag ok True", "rank 1: fp16_overflow_flag ok True"]
+
+
+# ---- item 2 / 10: one distinct GPU per rank ------------------------------------------------------
+@pytest.mark.parametrize("node_size,visible,expected", [
+    (4, 4, [0, 1, 2, 3]),   # one rank per GPU
+    (4, 8, [0, 1, 2, 3]),   # fewer ranks than GPUs
+    (4, 1, [0, 0, 0, 0]),   # srun --gpus-per-task=1: each task sees only its own GPU
+])
+def test_each_node_rank_gets_its_gpu(node_size, visible, expected):
+    from hpctrain.distributed.bootstrap import cuda_device_index
+    assert [cuda_device_index(r, node_size, visible) for r in range(node_size)] == expected
+
+
+def test_pbt_members_on_one_node_get_distinct_gpus():
+    """2 members x 2 ranks on a 4-GPU node: counted inside each member they were 0, 1, 0, 1."""
+    from hpctrain.distributed.bootstrap import cuda_device_index, gpus_shared
+    job_wide = [cuda_device_index(r, 4, 4) for r in range(4)]
+    per_member = [cuda_device_index(r % 2, 2, 4) for r in range(4)]
+    assert job_wide == [0, 1, 2, 3] and gpus_shared([str(i) for i in job_wide]) == {}
+    assert gpus_shared([str(i) for i in per_member]) == {"0": [0, 2], "1": [1, 3]}
+
+
+def test_more_ranks_than_gpus_is_named():
+    from hpctrain.distributed.bootstrap import cuda_device_index, gpus_shared
+    from hpctrain.errors import ConfigError
+    ids = [f"GPU-{cuda_device_index(r, 6, 4)}" for r in range(6)]
+    assert gpus_shared(ids) == {"GPU-0": [0, 4], "GPU-1": [1, 5]}
+    with pytest.raises(ConfigError):
+        cuda_device_index(0, 2, 0)
+
+
+# ---- items 6 / 7: precision "auto" and TF32 -------------------------------------------------------
+@pytest.mark.parametrize("native_bf16,expected", [(True, "bf16"), (False, "fp32")])
+def test_auto_never_picks_emulated_bf16(monkeypatch, native_bf16, expected):
+    """A V100/T4 answers is_bf16_supported() True (emulation counted) and False without it."""
+    import torch
+
+    from hpctrain.train.precision import resolve_precision
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: including_emulation or native_bf16)
+    assert resolve_precision("auto", torch.device("cuda", 0), 64, 32) == expected
+
+
+@pytest.mark.parametrize("capability,tf32,expected", [
+    ((9, 0), True, True), ((8, 0), True, True), ((8, 0), False, False),
+    ((7, 0), True, False),   # V100: no TF32 units
+    (None, True, False),     # CPU
+])
+def test_tf32_decision(capability, tf32, expected):
+    from hpctrain.train.precision import tf32_wanted
+    assert tf32_wanted(capability, tf32) is expected
+
+
+def test_tf32_leaves_cpu_matmul_precision_alone():
+    import torch
+
+    from hpctrain.train.precision import apply_tf32
+    before = torch.get_float32_matmul_precision()
+    assert apply_tf32(torch.device("cpu"), True) is False
+    assert torch.get_float32_matmul_precision() == before
