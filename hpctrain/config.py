@@ -112,7 +112,7 @@ def from_dict(raw: dict, source: str = "config", cli_keys: frozenset = frozenset
             where = "on the command line" if any(k.startswith(f"{name}.") for k in cli_keys) else f"in {source}"
             known = ", ".join([*sections, *OTHER_SECTIONS])
             raise ConfigError(f"unknown config section '{name}' {where} (known: {known})")
-    if isinstance(raw.get("init"), dict) and raw["init"].get("from"):
+    if isinstance(raw.get("init"), dict) and (raw["init"].get("from") or raw["init"].get("from_dir")):
         from hpctrain.interop.hf_import import fill_model_section  # [model] from its config.json
 
         raw = fill_model_section(raw, lambda key, value, like: _coerce(key, value, type(like)))

@@ -62,7 +62,8 @@ def model_section(folder: str | Path) -> dict:
 def fill_model_section(raw: dict, coerce) -> dict:
     """raw (TOML + overrides) with [model] filled from init.from's config.json; `coerce(key, value,
     like)` turns a user's value into the type of HF's for the comparison."""
-    folder = (raw.get("init") or {}).get("from") if isinstance(raw.get("init"), dict) else None
+    init = raw.get("init") if isinstance(raw.get("init"), dict) else {}
+    folder = init.get("from") or init.get("from_dir")  # the key's two spellings (config.ALIASES)
     if not folder:
         return raw
     given = dict(raw.get("model") or {})

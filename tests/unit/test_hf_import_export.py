@@ -167,6 +167,8 @@ def test_import_bf16_sharded_and_conflicting_key(tmp_path):
            "train": {"steps": 1, "warmup_steps": 0, "micro_batch_size": 1}, "init": {"from": str(tmp_path / "hf")}}
     cfg = from_dict({**raw, "model": {"n_layer": "2"}})  # the same value, as an override gives it
     assert (cfg.model.arch, cfg.model.n_kv_head, cfg.init.from_dir) == ("llama", 2, str(tmp_path / "hf"))
+    raw["init"] = {"from_dir": str(tmp_path / "hf")}  # the spelling --help shows
+    assert from_dict(raw).model.n_kv_head == 2
     r = hpctrain("train", f"--run.dir={tmp_path}", f"--data.path={tmp_path}", "--train.steps=1", "--train.warmup_steps=0", "--train.micro_batch_size=1",
                  f"--init.from={tmp_path / 'hf'}", "--model.n_layer=4")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
