@@ -43,9 +43,9 @@ def stage(tensors: dict, buffers: dict) -> dict:
         if DTensor and isinstance(node, DTensor):
             local = node.to_local()
             used_cuda |= local.device.type == "cuda"
-            return DTensor.from_local(_copy_into(buffers, path, local), node.device_mesh,
-                                      node.placements, run_check=False, shape=node.shape,
-                                      stride=node.stride())
+            # around the host copy as it is: DTensor.from_local would move it to the mesh's
+            # device (under FSDP/TP on GPUs, one more copy of the shard in GPU memory)
+            return DTensor(_copy_into(buffers, path, local), node._spec, requires_grad=False)
         if isinstance(node, torch.Tensor):
             used_cuda |= node.device.type == "cuda"
             return _copy_into(buffers, path, node)
@@ -98,12 +98,16 @@ class InFlight:
         self._value = self._error = None
         self._pacer = pacer
         self.duration_s = 0.0
+        # the writer's CUDA calls go to the caller's device, not device 0 (each rank owns one GPU)
+        self._device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
         self._thread.start()
 
     def _run(self, fn) -> None:
         t0 = time.perf_counter()
         try:
+            if self._device is not None:
+                torch.cuda.set_device(self._device)
             self._value = fn()
         except BaseException as e:  # noqa: BLE001 - re-raised by result() on the caller's thread
             self._error = e

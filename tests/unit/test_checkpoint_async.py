@@ -190,3 +190,23 @@ def test_full_speed_cuts_a_long_sleep_short():
     pacer.full_speed()
     writer.join(30)
     assert not writer.is_alive()
+
+
+def test_staged_dtensor_stays_in_host_memory(world, monkeypatch):
+    """A DTensor shard staged for an async save keeps the host buffer as its local tensor, whatever
+    the mesh's device (from_local moved it back onto the mesh's device: under FSDP/TP on GPUs one
+    more copy of the shard in GPU memory). The mesh here claims device type 'meta' to show a move."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from hpctrain.checkpoint import background
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    dt = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
+    monkeypatch.setattr(type(mesh), "device_type", property(lambda self: "meta"))
+    buffers = {}
+    staged = background.stage({"w": dt}, buffers)["w"]
+    assert isinstance(staged, DTensor) and staged.shape == dt.shape
+    assert staged.to_local().device.type == "cpu"
+    assert staged.to_local().data_ptr() == buffers[".w"].data_ptr()
+    assert torch.equal(staged.to_local(), dt.to_local())
