@@ -199,6 +199,12 @@ def _to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
             setattr(module, name, getattr(first_module, first_name))
 
 
+def allocate(model: nn.Module, device: torch.device) -> None:
+    """This rank's (meta) parameters allocated on `device`, uninitialized (ties kept): for a
+    caller that writes every parameter itself (init.from: hpctrain/interop/hf_import.py)."""
+    _to_empty_keeping_ties(model, device)
+
+
 @torch.no_grad()
 def _copy_part(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copy the part of `full` (the whole tensor, CPU) that `param` holds on this rank."""

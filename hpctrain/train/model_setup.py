@@ -18,7 +18,7 @@ from hpctrain.config import Config
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.model import build_model_from_section
 from hpctrain.parallel import Layout, parallelize
-from hpctrain.parallel.meta_init import build_on_meta, materialize
+from hpctrain.parallel.meta_init import allocate, build_on_meta, materialize
 from hpctrain.train.loss import use_chunked_head
 
 
@@ -43,18 +43,19 @@ def build_model(cfg: Config, mesh: Mesh, device: torch.device) -> BuiltModel:
     n_params, flops = model.num_params(), model.flops_per_token()  # before a pipeline split
     if cfg.train.loss_chunk:
         use_chunked_head(model)  # lm_head hands hidden states to the chunked loss (train/loss.py)
-    if cfg.init.from_dir:  # then each rank reads its part of a Hugging Face model's weights
-        init = with_hf_weights(init, cfg.init.from_dir, section)
+    if cfg.init.from_dir:  # each rank reads its part of a Hugging Face model's weights instead
+        init = load_hf_weights(cfg.init.from_dir, section, device if cfg.parallel.meta_init else None)
     return BuiltModel(parallelize(model, mesh, cfg, materialize=init), n_params, flops)
 
 
-def with_hf_weights(init, folder: str, section: dict):
-    """`init` (meta-device materialization, or None), then the weights of init.from's folder
-    copied into the parts this rank holds (hpctrain/interop/hf_import.py)."""
+def load_hf_weights(folder: str, section: dict, meta_device: torch.device | None):
+    """The materialize step for init.from: a meta-built model's shards are allocated on
+    `meta_device` without replaying the seed's init (every parameter is overwritten), then the
+    folder's weights are copied into the parts this rank holds (hpctrain/interop/hf_import.py)."""
     from hpctrain.interop.hf_import import load_weights
 
-    def init_and_load(model: torch.nn.Module) -> None:
-        if init is not None:
-            init(model)
+    def allocate_and_load(model: torch.nn.Module) -> None:
+        if meta_device is not None:
+            allocate(model, meta_device)
         load_weights(model, folder, section)
-    return init_and_load
+    return allocate_and_load
