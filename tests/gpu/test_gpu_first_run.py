@@ -4,32 +4,17 @@ per rank and oversubscription refused. Skipped, with the reason, where CUDA is n
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import TINY_TRAIN, mpirun
+from tests.mpi.test_parallel_parity import dataset  # noqa: F401  (the same Shakespeare fixture)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")]
 
 STEPS = 20
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    from data_tools.corpora import shakespeare_files
-
-    out = tmp_path_factory.mktemp("data") / "tiny"
-    r = subprocess.run([sys.executable, "-m", "data_tools", "shard", "--input",
-                        *sorted(shakespeare_files())[:2], "--output", str(out), "--tokenizer",
-                        "bytes", "--shard-tokens", "400000", "--val-fraction", "0.1", "--seed", "3"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    return out
 
 
 def train_one(tmp_path, dataset, name, *overrides):
