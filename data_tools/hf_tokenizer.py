@@ -4,9 +4,10 @@ Owns: loading a tokenizer.json (byte-level BPE as GPT-2 / Llama 3 / Qwen2, Sente
 Metaspace / Unigram / BPE with byte fallback as Llama 2 / Mistral, WordLevel, ...), finding its
 end-of-text id (a flag, else tokenizer_config.json's ``eos_token`` beside the file, else a
 well-known special token of the file), and encoding fast: a byte-level BPE whose vocabulary is
-exactly 256 bytes + its merges runs on tiktoken (the engine gpt2 uses, ~10x faster per core than
-the tokenizers library on long documents), checked at load against the tokenizers library on a
-probe text; anything else runs on the tokenizers library's batch encoder, its Rust threads
+exactly 256 bytes + its merges runs on tiktoken (fast_bpe.py; the engine gpt2 uses, ~7-10x faster
+per core than the tokenizers library on long documents), checked against the tokenizers library
+on a probe text at load and on the corpus's first SAMPLE_CHARS characters at the first encode
+(any difference: one warning line, then the library); anything else runs on the tokenizers library's batch encoder, its Rust threads
 limited to the rank's share of the cores (RAYON_NUM_THREADS).
 
 Must never: touch the network, or encode special-token text found inside a document as the
@@ -16,10 +17,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from .fast_bpe import fast_bpe
 from .format import DataError, sha256_file
 
 CONFIG_FILE = "tokenizer_config.json"
@@ -33,6 +36,8 @@ PROBE_TEXT = ("Hello world! It's 2024: naïve café, ünïcode — 日本語の�
               "I'll we've they're DON'T 12345678 3.14159 <|endoftext|> end.  \n \n")
 
 
+# The corpus's first characters (per rank) are encoded both ways before the tiktoken engine is trusted.
+SAMPLE_CHARS = 200_000
 CHUNK_CHARS = 8192  # piece size for libraries slow on long inputs (see HFTokenizer._chunked_ids)
 
 
@@ -89,73 +94,6 @@ def resolve_eot(tok, path: str, eot_token=None, eot_id=None) -> int:
                           f"{EOT_HELP}")
 
 
-def _merge_pair(m):
-    return tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1))
-
-
-def _byte_level_regex(spec: dict):
-    """The split regex of a byte-level pre-tokenizer (GPT-2's, or a Split + ByteLevel sequence
-    as Llama 3's), or None for anything else."""
-    from .tokenizers import GPT2_PAT_STR
-
-    if spec is None:
-        return None
-    if spec.get("type") == "ByteLevel":
-        ok = spec.get("use_regex", True) and not spec.get("add_prefix_space", False)
-        return GPT2_PAT_STR if ok else None
-    if spec.get("type") != "Sequence" or len(spec.get("pretokenizers", [])) != 2:
-        return None
-    split, byte_level = spec["pretokenizers"]
-    if (split.get("type") != "Split" or "Regex" not in split.get("pattern", {})
-            or split.get("behavior") != "Isolated" or split.get("invert")
-            or byte_level.get("type") != "ByteLevel" or byte_level.get("use_regex", True)
-            or byte_level.get("add_prefix_space", False)):
-        return None
-    return split["pattern"]["Regex"]
-
-
-def tiktoken_engine(spec: dict):
-    """(tiktoken Encoding, rank -> id array) for a byte-level BPE of exactly 256 bytes + its
-    merges, no normalizer and only special added tokens; None when the file is anything else."""
-    from .tokenizers import _data_gym_bytes
-
-    model = spec.get("model") or {}
-    pat = _byte_level_regex(spec.get("pre_tokenizer"))
-    added = spec.get("added_tokens") or []
-    if (model.get("type") != "BPE" or pat is None or spec.get("normalizer") is not None
-            or model.get("dropout") or model.get("byte_fallback") or model.get("continuing_subword_prefix")
-            or model.get("end_of_word_suffix") or not all(a.get("special") for a in added)):
-        return None
-    specials = {a["content"] for a in added}
-    vocab = {k: v for k, v in model["vocab"].items() if k not in specials}
-    table = _data_gym_bytes()
-    try:
-        as_bytes = {k: k.translate(table).encode("latin-1") for k in vocab}
-    except UnicodeEncodeError:
-        return None  # not GPT-2's byte alphabet
-    ranks = {b: b[0] for b in as_bytes.values() if len(b) == 1}
-    for i, m in enumerate(model.get("merges", [])):
-        a, b = _merge_pair(m)
-        merged = (a + b).translate(table).encode("latin-1")
-        ranks.setdefault(merged, 256 + i)
-    if len(ranks) != 256 + len(model.get("merges", [])) or len(ranks) != len(vocab):
-        return None  # tokens that no merge makes, or merges that repeat a token
-    rank_to_id = np.zeros(len(ranks), dtype=np.uint32)
-    try:
-        for k, b in as_bytes.items():
-            rank_to_id[ranks[b]] = vocab[k]
-    except (KeyError, IndexError):
-        return None
-    import tiktoken
-
-    try:
-        enc = tiktoken.Encoding(name="hf-byte-level", pat_str=pat, mergeable_ranks=ranks,
-                                special_tokens={})
-    except Exception:  # noqa: BLE001 - a regex tiktoken cannot compile: use the slow path
-        return None
-    return enc, rank_to_id
-
-
 class HFTokenizer:
     """A tokenizer.json; ``name`` = ``<model type>-<first 12 hex of the file's sha256>``
     (``bpe-...`` for BPE, as `train-tokenizer` files have always been named)."""
@@ -179,10 +117,11 @@ class HFTokenizer:
         ids = self.tok.get_vocab(with_added_tokens=True).values()
         self.vocab_size = max(int(self.tok.get_vocab_size(with_added_tokens=True)), max(ids, default=-1) + 1)
         self.eot_id = resolve_eot(self.tok, path, eot_token, eot_id)
-        self.fast = tiktoken_engine(spec)
-        if self.fast is not None and not np.array_equal(self._fast_ids(PROBE_TEXT),
+        self.fast = fast_bpe(spec)
+        if self.fast is not None and not np.array_equal(self.fast.encode(PROBE_TEXT),
                                                         self._one_ids(PROBE_TEXT)):
             self.fast = None  # the tiktoken engine must give exactly the file's ids
+        self.unchecked_chars = SAMPLE_CHARS  # of the corpus, compared with the library first
         self.chunk_chars = 0 if self.fast is not None else self._chunking_is_exact()
         self.engine = ("tiktoken" if self.fast is not None else
                        "tokenizers, long documents in pieces" if self.chunk_chars else "tokenizers")
@@ -197,8 +136,22 @@ class HFTokenizer:
         return CHUNK_CHARS if np.array_equal(whole, pieces) else 0
 
     def _fast_ids(self, text: str) -> np.ndarray:
-        enc, rank_to_id = self.fast
-        return rank_to_id[enc.encode_to_numpy(text, disallowed_special=())]
+        return self.fast.encode(text)
+
+    def _check_sample(self, texts: list[str]) -> None:
+        """Compare the tiktoken engine with the library on the first SAMPLE_CHARS of the corpus
+        (each text's head); on any difference use the library from now on, with one warning."""
+        for t in texts:
+            if self.unchecked_chars <= 0 or self.fast is None:
+                return
+            head = t[:self.unchecked_chars]
+            self.unchecked_chars -= len(head)
+            if not np.array_equal(self._fast_ids(head), self._one_ids(head)):
+                self.fast, self.engine = None, "tokenizers"
+                self.chunk_chars = self._chunking_is_exact()
+                print(f"warning: {self.path}: the tiktoken engine's ids differ from the tokenizers "
+                      f"library's on this corpus; encoding with the library (slower)",
+                      file=sys.stderr, flush=True)
 
     def _one_ids(self, text: str) -> np.ndarray:
         """One text, no thread pool (the batch call starts Rust's pool, sized at its first use)."""
@@ -225,6 +178,7 @@ class HFTokenizer:
         return self.encode_batch([text])[0].astype(np.int64)
 
     def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[np.ndarray]:
+        self._check_sample(texts)
         if self.fast is None:
             # Rust's pool starts at the first parallel call: size it to this rank's cores.
             os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, num_threads)))
