@@ -5,8 +5,12 @@ COMMIT.json -> rename -> fsync -> retention), with tensors saved by torch.distri
 resharding to another world size or layout comes from torch) and the rest as JSON (state.py), and
 turning any failure on any rank into the same one-line CheckpointError raised on every rank.
 `save_async` splits a save: validation, agreement and the copy to host memory on the caller's
-thread; write, agreement and commit in a background thread whose collectives use their own gloo
-group (never the training's), one save in flight at a time (background.py).
+thread; write, agreement and commit in a background thread, one save in flight at a time
+(background.py). The write, agreement and commit of every save (sync or async) run on the
+manager's own gloo group with a long timeout (COMMIT_TIMEOUT_S): while rank 0 commits on a slow
+file system the other ranks wait on host sockets, never in a device (NCCL) collective whose
+watchdog would end the job after dist.timeout_s. A rank that dies meanwhile is still seen at once
+(its sockets close) or by the heartbeat watchdog (dist.heartbeat_timeout_s).
 
 It does not know the model's layout, and it must never: leave a rank waiting in a collective that
 another rank skipped (every rank-local failure is agreed on before the next step), touch a previously
@@ -34,6 +38,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from hpctrain.checkpoint import background, directory, disk_format, faults
 from hpctrain.checkpoint.dcp_io import RecordingFileSystem, describe, failure, no_zip_crc32
 from hpctrain.errors import CheckpointError, NoIntactCheckpoint
+
+COMMIT_TIMEOUT_S = 1800.0  # at least: the save group's timeout (torch's own Gloo default)
 from hpctrain.checkpoint.safe_load import SafeFileSystemReader, TensorOnlyLoadPlanner
 from hpctrain.checkpoint.state import check_json, json_part, merge_values, overlay, split_state
 from hpctrain.train.run_lock import assert_held
@@ -76,8 +82,8 @@ class CheckpointManager:
         if not self._dist and world_size != 1:
             raise ValueError("CheckpointManager with world_size > 1 needs torch.distributed initialized")
         self.last_save_s = self.last_load_s = self.last_write_s = self.last_hash_s = 0.0
-        self._timeout = datetime.timedelta(seconds=timeout_s)  # of the background group
-        self._bg_group = None                                   # made by the first save_async
+        self._timeout = datetime.timedelta(seconds=max(timeout_s, COMMIT_TIMEOUT_S))
+        self._save_group = None                                 # made by the first save
         self._inflight: background.InFlight | None = None
         self._staging: dict = {}                                # reused host buffers (async)
 
@@ -153,7 +159,7 @@ class CheckpointManager:
         self.wait()
         t0 = time.perf_counter()
         job = self._prepare(step, state, json_state)
-        path = self._write_and_commit(job, group=None)
+        path = self._write_and_commit(job, group=self.save_group())
         self.last_save_s = self.last_write_s = time.perf_counter() - t0
         return path
 
@@ -176,13 +182,19 @@ class CheckpointManager:
         except CheckpointError:
             self._discard(job.tmp)
             raise
-        if self._bg_group is None and self._dist:
-            self._bg_group = dist.new_group(backend="gloo", timeout=self._timeout)
+        group = self.save_group()
         pacer = background.Pacer(self.async_cpu_share)
         self._inflight = background.InFlight(
-            lambda: self._write_and_commit(job, group=self._bg_group, pacer=pacer),
+            lambda: self._write_and_commit(job, group=group, pacer=pacer),
             name=f"checkpoint-{step}", pacer=pacer)
         self.last_save_s = time.perf_counter() - t0
+
+    def save_group(self):
+        """Collective (made by the first save on every rank). The gloo group of the write,
+        agreement and commit phases (module docstring); None without torch.distributed."""
+        if self._save_group is None and self._dist:
+            self._save_group = dist.new_group(backend="gloo", timeout=self._timeout)
+        return self._save_group
 
     def wait(self) -> Path | None:
         """Block until the in-flight async save is committed; its path, or None if there was none.

@@ -34,6 +34,30 @@ from hpctrain.distributed import netif, slurm
 from hpctrain.errors import ConfigError
 
 RENDEZVOUS_PROBE_S = 15.0  # a rank that cannot reach rank 0's store says so after this long
+_timeout = datetime.timedelta(seconds=300.0)  # dist.timeout_s, set by init_distributed
+
+
+def collective_timeout() -> datetime.timedelta:
+    """dist.timeout_s as init_distributed got it: the timeout of every process group we make."""
+    return _timeout
+
+
+def new_group(ranks=None, **kwargs) -> dist.ProcessGroup:
+    """dist.new_group with dist.timeout_s (torch's own default is 10 min for NCCL, 30 for Gloo,
+    whatever the world group has). Collective: every rank calls it for every group."""
+    kwargs.setdefault("timeout", _timeout)
+    return dist.new_group(ranks, **kwargs)
+
+
+def apply_timeout(group: dist.ProcessGroup) -> None:
+    """Give a group torch made (a DeviceMesh axis) dist.timeout_s."""
+    dist.distributed_c10d._set_pg_timeout(_timeout, group)
+
+
+def group_timeout(group: dist.ProcessGroup) -> datetime.timedelta:
+    """The timeout a group's backend applies (its device's backend: NCCL on GPUs, else Gloo)."""
+    device = torch.device("cuda") if torch.device("cuda") in group._device_types else torch.device("cpu")
+    return group._get_backend(device).options._timeout
 
 
 @dataclass(frozen=True)
@@ -275,7 +299,8 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, comm=None)
     threads = _threads_per_rank(local_size)
     torch.set_num_threads(threads)
 
-    timeout = datetime.timedelta(seconds=timeout_s)
+    global _timeout
+    timeout = _timeout = datetime.timedelta(seconds=timeout_s)
     # Rank 0 owns the TCP store; port 0 lets the OS pick a free port (no race), then it is broadcast.
     hosts = comm.allgather(socket.gethostname())
     addr, iface = _rendezvous(comm, rank, hosts)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from hpctrain.distributed.bootstrap import DistContext
+from hpctrain.distributed.bootstrap import DistContext, apply_timeout
 from hpctrain.errors import ConfigError
 
 AXES = ("pp", "dp", "tp")
@@ -99,6 +99,8 @@ class Mesh:
         self.world_comm = ctx.comm  # mpi4py COMM_WORLD, for MPI-backed collectives (grad sync)
         self.device_mesh: DeviceMesh = init_device_mesh(
             ctx.device.type, dims.axis_sizes, mesh_dim_names=dims.axis_names)
+        for axis in AXES:  # torch gives its groups its own default timeout, not dist.timeout_s
+            apply_timeout(self.device_mesh[axis].get_group())
         if ctx.n_nodes > 1 and dims.tp > 1 and ctx.local_size % dims.tp and ctx.is_main:
             print(f"warning: parallel.tp={dims.tp} does not divide the {ctx.local_size} ranks per "
                   f"node: some tensor-parallel groups span nodes (slow)", file=sys.stderr)

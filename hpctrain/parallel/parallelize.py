@@ -20,6 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpctrain.config import Config, DistConfig
+from hpctrain.distributed.bootstrap import new_group
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.errors import ConfigError
 from hpctrain.metrics.wait_clock import WaitClock
@@ -87,7 +88,7 @@ def tied_weight_group(mesh: Mesh) -> dist.ProcessGroup | None:
     for d in range(dims.dp):
         for k in range(dims.tp):
             ranks = [dims.rank_of(0, d, k), dims.rank_of(dims.pp - 1, d, k)]
-            group = dist.new_group(ranks)
+            group = new_group(ranks)
             if mesh.rank in ranks:
                 mine = group
     return mine

@@ -38,6 +38,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from hpctrain.config import SyncConfig
+from hpctrain.distributed.bootstrap import new_group
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.errors import ConfigError
 from hpctrain.sync.compress import average, bytes_sent
@@ -64,7 +65,7 @@ def _dp_group(mesh: Mesh):
     for pp in range(dims.pp):
         for tp in range(dims.tp):
             ranks = [dims.rank_of(pp, d, tp) for d in range(dims.dp)]
-            group = dist.new_group(ranks)
+            group = new_group(ranks)
             if mesh.rank in ranks:
                 mine = group
     return mine

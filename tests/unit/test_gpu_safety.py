@@ -172,3 +172,56 @@ def test_tf32_leaves_cpu_matmul_precision_alone():
     before = torch.get_float32_matmul_precision()
     assert apply_tf32(torch.device("cpu"), True) is False
     assert torch.get_float32_matmul_precision() == before
+
+
+# ---- item 9: dist.timeout_s on every group; a slow commit waits on host sockets -------------------
+GROUPS_WORKER = """
+import sys, time
+import torch
+from hpctrain.distributed.bootstrap import init_distributed, group_timeout
+from hpctrain.distributed.mesh import AXES, Mesh, ParallelDims
+from hpctrain.parallel.parallelize import tied_weight_group
+from hpctrain.sync.diloco import _dp_group
+from hpctrain.checkpoint import directory
+from hpctrain.checkpoint.manager import CheckpointManager
+from hpctrain.train import run_lock
+ctx = init_distributed("gloo", timeout_s=5)
+seen = {}
+for name, dims in (("tp", ParallelDims.from_world(2, tp=2)), ("pp", ParallelDims.from_world(2, pp=2)),
+                   ("dp", ParallelDims.from_world(2, dp=2))):
+    mesh = Mesh(dims, ctx)
+    for axis in AXES:
+        seen[f"mesh_{name}2.{axis}"] = group_timeout(mesh.group(axis))
+    if name == "pp":
+        seen["tied_weights"] = group_timeout(tied_weight_group(mesh))
+    if name == "dp":
+        seen["diloco_dp"] = group_timeout(_dp_group(mesh))
+mgr = CheckpointManager(sys.argv[1], keep=1, rank=ctx.rank, world_size=2, timeout_s=5)
+seen["checkpoint_save"] = group_timeout(mgr.save_group())
+if ctx.rank == 0:  # a commit on a slow parallel file system: 8 s > dist.timeout_s
+    install = directory.install
+    directory.install = lambda *a: (time.sleep(8), install(*a))[1]
+t0 = time.monotonic()
+with run_lock.hold(sys.argv[1], ctx):
+    path = mgr.save(3, {"w": torch.ones(4)}, {"step": 3})
+print(f"rank {ctx.rank}: saved {path.name} after {time.monotonic() - t0:.1f} s")
+for name, timeout in seen.items():
+    print(f"rank {ctx.rank}: {name} {timeout.total_seconds():g}")
+"""
+
+
+@pytest.mark.mpi
+def test_every_group_has_the_timeout_and_a_slow_commit_passes(tmp_path):
+    script = tmp_path / "groups.py"
+    script.write_text(GROUPS_WORKER)
+    r = mpirun(2, [script, tmp_path / "run"], timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    timeouts = dict(ln.split(": ", 1)[1].rsplit(" ", 1) for ln in r.stdout.splitlines()
+                    if ln.startswith("rank ") and " saved " not in ln)
+    groups = [f"mesh_{n}2.{a}" for n in ("tp", "pp", "dp") for a in ("pp", "dp", "tp")]
+    assert {k: float(timeouts[k]) for k in groups + ["tied_weights", "diloco_dp"]} == \
+        {k: 5.0 for k in groups + ["tied_weights", "diloco_dp"]}
+    assert float(timeouts["checkpoint_save"]) == 1800.0
+    # rank 1 waited ~8 s for rank 0's commit, past dist.timeout_s (5 s), on the save's gloo group
+    saved = [ln for ln in r.stdout.splitlines() if " saved step_" in ln]
+    assert len(saved) == 2 and all(float(ln.split()[-2]) >= 7.5 for ln in saved), r.stdout
