@@ -202,17 +202,40 @@ def read_raw(path: str | Path | None, overrides: list[str] | None = None
     return raw, source, frozenset(cli_keys)
 
 
+_TOML_ESCAPES = {"\\": "\\\\", '"': '\\"'}
+
+
+def toml_string(text: str) -> str:
+    """A TOML basic string: the backslash, the quote and every control character escaped."""
+    out = []
+    for ch in text:
+        if ch in _TOML_ESCAPES:
+            out.append(_TOML_ESCAPES[ch])
+        elif ch < " " or ch == "\x7f":
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def toml_value(value) -> str:
+    """One TOML value that tomllib reads back as `value` (str, bool, int, float, list of those)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return toml_string(value)
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf") if math.isinf(value) else repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
 def to_toml(cfg: Config) -> str:
     lines = []
     for section, values in cfg.to_dict().items():
         lines.append(f"[{section}]")
-        for key, value in values.items():
-            if isinstance(value, bool):
-                lines.append(f"{key} = {'true' if value else 'false'}")
-            elif isinstance(value, str):
-                lines.append(f'{key} = "{value}"')
-            else:
-                lines.append(f"{key} = {value!r}")
+        lines.extend(f"{key} = {toml_value(value)}" for key, value in values.items())
         lines.append("")
     return "\n".join(lines)
 

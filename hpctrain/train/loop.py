@@ -328,7 +328,7 @@ class Trainer:
         if cfg.train.global_batch:
             given = dataclasses.replace(given, grad_accum=1)
         saved = dataclasses.replace(cfg, train=given)
-        (Path(cfg.run.dir) / "config.toml").write_text(config_mod.to_toml(saved))
+        (Path(cfg.run.dir) / "config.toml").write_text(config_mod.to_toml(saved), encoding="utf-8")
 
     def _log_start(self, end: int) -> None:
         ctx, t = self.ctx, self.cfg.train

@@ -47,6 +47,16 @@ def test_roundtrip_through_toml(toml, tmp_path):
     assert config.load(again) == cfg
 
 
+@pytest.mark.parametrize("run_dir", ['runs/a"b', "runs\\x\\y", "runs/tab\there", "runs/ünï €", "runs/\x7f\x01"])
+def test_roundtrip_escapes_strings(toml, tmp_path, run_dir):
+    """A run.dir with a quote, backslash, control character or non-ASCII text wrote a config.toml
+    that tomllib could not read (unescaped basic string): now it reads back equal."""
+    cfg = config.load(toml, [f"--run.dir={run_dir}"])
+    again = tmp_path / "again.toml"
+    again.write_text(config.to_toml(cfg), encoding="utf-8")
+    assert config.load(again).run.dir == cfg.run.dir == run_dir
+
+
 @pytest.mark.parametrize("overrides, key", [
     (["--train.stepz=3"], "train.stepz"),
     (["--bogus.x=1"], "bogus"),
