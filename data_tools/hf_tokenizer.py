@@ -4,11 +4,12 @@ Owns: loading a tokenizer.json (byte-level BPE as GPT-2 / Llama 3 / Qwen2, Sente
 Metaspace / Unigram / BPE with byte fallback as Llama 2 / Mistral, WordLevel, ...), finding its
 end-of-text id (a flag, else tokenizer_config.json's ``eos_token`` beside the file, else a
 well-known special token of the file), and encoding fast: a byte-level BPE whose vocabulary is
-exactly 256 bytes + its merges runs on tiktoken (fast_bpe.py; the engine gpt2 uses, ~7-10x faster
-per core than the tokenizers library on long documents), checked against the tokenizers library
-on a probe text at load and on the corpus's first SAMPLE_CHARS characters at the first encode
-(any difference: one warning line, then the library); anything else runs on the tokenizers library's batch encoder, its Rust threads
-limited to the rank's share of the cores (RAYON_NUM_THREADS).
+exactly 256 bytes + its merges (fast_bpe.py), or a SentencePiece-style BPE with byte fallback as
+Llama 2's / Mistral's (fast_spm.py), runs on tiktoken (the engine gpt2 uses, 3-10x faster per core
+than the tokenizers library), checked against the library on a probe text at load and on the
+corpus's first SAMPLE_CHARS characters at the first encode (any difference: one warning line,
+then the library); anything else (Unigram, NFKC, WordLevel, ...) runs on the library's batch
+encoder, its Rust threads limited to the rank's share of the cores (RAYON_NUM_THREADS).
 
 Must never: touch the network, or encode special-token text found inside a document as the
 special id (as for gpt2, ``<|endoftext|>`` in a document is ordinary text).
@@ -23,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from .fast_bpe import fast_bpe
+from .fast_spm import fast_spm
 from .format import DataError, sha256_file
 
 CONFIG_FILE = "tokenizer_config.json"
@@ -117,7 +119,7 @@ class HFTokenizer:
         ids = self.tok.get_vocab(with_added_tokens=True).values()
         self.vocab_size = max(int(self.tok.get_vocab_size(with_added_tokens=True)), max(ids, default=-1) + 1)
         self.eot_id = resolve_eot(self.tok, path, eot_token, eot_id)
-        self.fast = fast_bpe(spec)
+        self.fast = fast_bpe(spec) or fast_spm(spec)
         if self.fast is not None and not np.array_equal(self.fast.encode(PROBE_TEXT),
                                                         self._one_ids(PROBE_TEXT)):
             self.fast = None  # the tiktoken engine must give exactly the file's ids
