@@ -12,6 +12,7 @@ Round of fragment f (parameters P_f), every H inner steps at its offset f * H //
     m        = mu * m + avg;  anchor -= lr * (avg + mu * m)     (Nesterov; mu = 0: plain SGD)
     local    = start = anchor                    (every replica starts the next round equal)
 With sync.overlap, `avg` of round k is computed in a background thread on its own process group
+(on GPUs a gloo group over host copies: no NCCL from a second thread, `averages_on_host`)
 while round k+1 runs, and applied to the anchor at the end of round k+1 (one round late). So that
 round k+1 neither waits for it nor redoes round k's progress, each replica starts round k+1 from an
 eager estimate (after Kale, Douillard & Donchev 2025, "Eager updates"): the outer step taken with
@@ -59,13 +60,27 @@ def split_fragments(sizes: list[int], n: int) -> list[list[int]]:
     return [g for g in groups if g]
 
 
-def _dp_group(mesh: Mesh):
+def averages_on_host(device: torch.device, overlap: bool) -> bool:
+    """With sync.overlap on a GPU the averages run over host copies on a gloo group: the pool
+    thread never issues NCCL collectives beside the main thread's (two threads' NCCL kernels,
+    queued in an order that can differ between ranks, can deadlock). Without overlap, or on CPU
+    (gloo already), the average stays where the parameters are."""
+    return overlap and device.type == "cuda"
+
+
+def _use_device(device: torch.device) -> None:
+    """The pool thread's CUDA calls go to this rank's GPU, not device 0."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def _dp_group(mesh: Mesh, backend: str | None = None):
     """A process group of my dp ranks used only by DiLoCo (a background thread may drive it)."""
     dims, mine = mesh.dims, None
     for pp in range(dims.pp):
         for tp in range(dims.tp):
             ranks = [dims.rank_of(pp, d, tp) for d in range(dims.dp)]
-            group = new_group(ranks)
+            group = new_group(ranks, **({"backend": backend} if backend else {}))
             if mesh.rank in ranks:
                 mine = group
     return mine
@@ -80,7 +95,9 @@ class DiLoCo(SyncStrategy):
         self.module, self.cfg, self.total_steps = module, cfg, total_steps
         self.replicas, self.replica = mesh.dp_size, mesh.dp_rank
         self.params = list(module.parameters())  # tied weights once
-        self.group = _dp_group(mesh)
+        device = _local(self.params[0]).device
+        self.on_host = averages_on_host(device, cfg.overlap)
+        self.group = _dp_group(mesh, "gloo" if self.on_host else None)
         with torch.no_grad():
             self.anchor = [p.detach().clone() for p in self.params]
             self.momentum = [torch.zeros_like(p) for p in self.params]
@@ -92,7 +109,8 @@ class DiLoCo(SyncStrategy):
         self.offsets = [f * cfg.inner_steps // len(self.fragments) for f in range(len(self.fragments))]
         self.has_pending = [False] * len(self.fragments)
         self.inflight: list[Future | None] = [None] * len(self.fragments)
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="diloco") if cfg.overlap else None
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="diloco", initializer=_use_device,
+                                       initargs=(device,)) if cfg.overlap else None
         self.bytes_sent = 0  # by this rank, cumulative (restored on resume)
         self.syncs = 0
         self.is_main = mesh.rank == 0  # measures what its round line says
@@ -136,7 +154,7 @@ class DiLoCo(SyncStrategy):
                 self._outer_step(idx, [_local(self.pending[i]) for i in idx])
                 self.has_pending[f] = False
             if not flush:
-                self.inflight[f] = self.pool.submit(self._average, delta)
+                self.inflight[f] = self.pool.submit(self._average, self._to_wire(delta))
                 # eager start of the next round: the outer step with this replica's own delta,
                 # less half of its previous start's offset from the anchor (module docstring)
                 for i, d in zip(idx, self._unflatten(idx, delta)):
@@ -144,7 +162,7 @@ class DiLoCo(SyncStrategy):
                     start.copy_(self._outer_step_value(i, d - 0.5 * (start - anchor)))
                     _local(self.params[i]).copy_(start)
                 return
-        avg = self._average(delta)
+        avg = self._average(self._to_wire(delta))
         self._waited(t0)
         self._outer_step(idx, self._unflatten(idx, avg))
         for i in idx:  # the next round starts from the global model
@@ -173,6 +191,11 @@ class DiLoCo(SyncStrategy):
         self.round_log, self.logged_step = {}, step
         return line
 
+    def _to_wire(self, delta: torch.Tensor) -> torch.Tensor:
+        """The pseudo-gradient as the average's group takes it (host memory: averages_on_host),
+        copied on the main thread: the pool thread runs no CUDA work of its own."""
+        return delta.cpu() if self.on_host else delta
+
     def _average(self, delta: torch.Tensor) -> torch.Tensor:
         return average(delta, self.group, self.cfg.compression, self.cfg.int8_block)
 
@@ -184,14 +207,14 @@ class DiLoCo(SyncStrategy):
         """anchor_i after an outer step with pseudo-gradient g, without changing any state."""
         lr, mu = self.cfg.outer_lr, self.cfg.outer_momentum
         a, m = _local(self.anchor[i]), _local(self.momentum[i])
-        g = g.to(a.dtype)
+        g = g.to(a.device, a.dtype)
         return a - lr * (g + mu * (mu * m + g)) if mu else a - lr * g
 
     def _outer_step(self, idx: list[int], grads: list[torch.Tensor]) -> None:
         lr, mu = self.cfg.outer_lr, self.cfg.outer_momentum
         for i, g in zip(idx, grads):
             a, m = _local(self.anchor[i]), _local(self.momentum[i])
-            g = g.to(a.dtype)
+            g = g.to(a.device, a.dtype)
             if mu:
                 m.mul_(mu).add_(g)
                 a.sub_(g.add(m, alpha=mu), alpha=lr)

@@ -225,3 +225,16 @@ def test_every_group_has_the_timeout_and_a_slow_commit_passes(tmp_path):
     # rank 1 waited ~8 s for rank 0's commit, past dist.timeout_s (5 s), on the save's gloo group
     saved = [ln for ln in r.stdout.splitlines() if " saved step_" in ln]
     assert len(saved) == 2 and all(float(ln.split()[-2]) >= 7.5 for ln in saved), r.stdout
+
+
+# ---- item 8: DiLoCo overlap never issues NCCL from its pool thread --------------------------------
+@pytest.mark.parametrize("device,overlap,on_host", [
+    ("cuda", True, True),    # the pool thread averages host copies on a gloo group
+    ("cuda", False, False),  # the main thread alone: NCCL on the device
+    ("cpu", True, False),    # gloo already
+])
+def test_diloco_overlap_averages_on_host_on_gpus(device, overlap, on_host):
+    import torch
+
+    from hpctrain.sync.diloco import averages_on_host
+    assert averages_on_host(torch.device(device, 0), overlap) is on_host
