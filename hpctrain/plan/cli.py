@@ -33,6 +33,11 @@ def size(text: str) -> int:
 
 
 MODEL_KEYS = ("n_layer", "n_embd", "n_head", "vocab_size", "block_size")
+# the architecture's keys (shape.py): from --config's [model] or --preset, some also as options
+ARCH_KEYS = ("arch", "n_kv_head", "ffn_hidden", "multiple_of", "ffn_dim_multiplier", "qkv_bias",
+             "tie_embeddings")
+ARCH_OPTIONS = {"n_kv_head": "model.n_kv_head (llama: key/value heads; 0 = n_head)",
+                "ffn_hidden": "model.ffn_hidden (llama: SwiGLU width; 0 = Llama's rule)"}
 # option -> (config section, key) read from --config
 FROM_CONFIG = {"dp": ("parallel", "dp"), "tp": ("parallel", "tp"), "pp": ("parallel", "pp"),
                "data_parallel": ("parallel", "data_parallel"), "pp_schedule": ("parallel", "pp_schedule"),
@@ -90,19 +95,24 @@ HELP = {
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hpctrain plan", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Per-rank memory, communication, checkpoint and data-pipeline figures of a GPT "
-                    "shape and parallel layout on a cluster (arithmetic over this code's layouts; "
-                    "docs/scale.md). Sizes take units: 80GB, 80GiB, 1e12.",
+        description="Per-rank memory, communication, checkpoint and data-pipeline figures of a "
+                    "model shape (gpt2 or llama) and parallel layout on a cluster (arithmetic over "
+                    "this code's layouts; docs/scale.md). Sizes take units: 80GB, 80GiB, 1e12.",
         epilog="Precedence: --preset or --config give the defaults, explicit options override them. "
                "Warnings name the budget option that is exceeded. The layout options also take "
                "train's spelling (--parallel.tp=2, --train.micro_batch_size=1): a `recommended:` "
                "line's flags paste back.")
-    p.add_argument("--preset", choices=sorted(PRESETS), help="model shape: 1b (24 x 2048), 7b "
-                   "(32 x 4096), 70b (80 x 8192); vocab 50304, block 2048")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="model shape: gpt2 1b (24 x 2048), 7b "
+                   "(32 x 4096), 70b (80 x 8192; ~65B parameters), vocab 50304, block 2048; Meta's "
+                   "llama3-8b (32 x 4096) and llama3-70b (80 x 8192): 8 kv heads, vocab 128256, "
+                   "untied, block 8192")
     p.add_argument("--config", help="a training TOML: its [model], [parallel], [train], [sync], "
                    "[data] and [checkpoint] keys (train.precision auto counts as bf16)")
     for key in MODEL_KEYS:
         p.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int, help=f"model.{key}")
+    p.add_argument("--arch", choices=("gpt2", "llama"), help="model.arch (default gpt2)")
+    for key, text in ARCH_OPTIONS.items():
+        p.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int, help=text)
     p.add_argument("--summary", action="store_true", help="print one Markdown table row (with its "
                    "header) instead of the full report")
     p.add_argument("--json", action="store_true", help="print the layout search as JSON: the "
@@ -142,12 +152,12 @@ def shape_and_job(args: argparse.Namespace) -> tuple[ModelShape, Job]:
         from hpctrain import config
 
         cfg = config.load(args.config)  # a training config: its errors name the key
-        model = {k: getattr(cfg.model, k) for k in (*MODEL_KEYS, "dropout")}
+        model = {k: getattr(cfg.model, k) for k in (*MODEL_KEYS, "dropout", *ARCH_KEYS)}
         for opt, (section, key) in FROM_CONFIG.items():
             job[opt] = getattr(getattr(cfg, section), key)
         job["precision"] = "bf16" if job["precision"] == "auto" else job["precision"]
         job["backend"] = "nccl" if job["backend"] == "auto" else job["backend"]  # GPUs
-    for key in MODEL_KEYS:
+    for key in (*MODEL_KEYS, "arch", *ARCH_OPTIONS):
         if getattr(args, key) is not None:
             model[key] = getattr(args, key)
     missing = [k for k in MODEL_KEYS if k not in model]

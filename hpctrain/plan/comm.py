@@ -81,7 +81,8 @@ def pp_bytes(shape: ModelShape, job: Job, has_first: bool, has_last: bool) -> in
         return 0
     act = shape.block_size * job.micro_batch * shape.n_embd // job.tp * 4
     boundaries = job.virtual * 2 - (1 if has_first else 0) - (1 if has_last else 0)
-    tied = 4 * shape.embedding_params_tp(job.tp) if (has_first or has_last) else 0  # 2-rank all-reduce
+    tied = (4 * shape.embedding_params_tp(job.tp) if shape.tied and (has_first or has_last)
+            else 0)  # 2-rank all-reduce of the tied weight's gradient
     # each boundary this rank borders: send activations one way, gradients the other
     return act * job.grad_accum * boundaries + tied
 

@@ -1,8 +1,9 @@
 """The job the planner describes: cluster, parallel layout, batch, precision, sync mode, budgets.
 
 Owns: `Job` (everything `hpctrain plan` is asked about besides the model shape) and its checks,
-which mirror what `train` refuses (dp x tp x pp = world, tp divides n_head and block_size, no
-more pipeline stages than blocks), each one line naming the option. It must never compute bytes.
+which mirror what `train` refuses (dp x tp x pp = world, tp divides n_head, n_kv_head, the SwiGLU
+width and block_size, no more pipeline stages than blocks), each one line naming the option. It must
+never compute bytes.
 """
 from __future__ import annotations
 
@@ -107,9 +108,9 @@ class Job:
         if self.dp_size * self.tp * self.pp != self.world:
             raise ValueError(f"--dp/--tp/--pp: dp={self.dp_size} x tp={self.tp} x pp={self.pp} does not "
                              f"match the world size {self.world} (nodes x gpus per node)")
-        if shape.n_head % self.tp or shape.block_size % self.tp:
-            raise ValueError(f"--tp {self.tp} must divide n_head {shape.n_head} and block_size "
-                             f"{shape.block_size}")
+        problem = shape.tp_problem(self.tp)
+        if problem:
+            raise ValueError(f"--tp {self.tp} {problem}")
         if self.pp * self.virtual > shape.n_layer:
             raise ValueError(f"--pp {self.pp} x {self.virtual} virtual stages > n_layer {shape.n_layer}")
         if self.sync_mode == "diloco" and self.data_parallel == "fsdp":

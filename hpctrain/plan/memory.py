@@ -34,8 +34,12 @@ Owns the memory model of OUR code, per pipeline rank (the largest is what must f
   residual and LayerNorm inputs, three separate 16-bit casts of the q/k/v input), 56 in fp32;
   the "+ 8" is the all-gathered (sequence-parallel) input of q/k/v and fc, which torch's DTensor
   keeps whole. Korthikanti et al. 2022 count s b h (34 + 5 a s / h) for Megatron's blocks.
+  Llama's blocks (`llama_layer_bytes`: RMSNorm, GQA's kv-wide k and v, SwiGLU's f-wide gate, up,
+  silu and product) store s b (W h + (R h + K kv + M f + 4 a + 8) / t) + the rotary tables, W, R,
+  K, M = 8, 24, 8, 16 in fp32 and 10, 20, 4, 8 under 16-bit autocast: what autograd saves, exactly.
   A checkpointed block keeps its fp32 input (4 s b h / t) and recomputes one block in backward.
-  The head keeps its logits (2|4 b s V / t) and log-softmax (4 b s V / t), +8 b s V / t in backward.
+  The head keeps its logits (2|4 b s V / t) and log-softmax (4 b s V / t), +8 b s V / t in
+  backward (llama: + RMSNorm's normalized copy, 4 b s h / t, with or without chunking).
   With train.loss_chunk = n (train/loss.py) it keeps the gradients its forward computed, dh
   (4 b s h, gathered under tp) and dW (4 V h / t, fp32), and briefly one chunk's logits
   (4 n V / t, + a 16-bit copy 2 n V / t and of h 2 b s h under 16-bit autocast).
@@ -97,16 +101,36 @@ def pipeline_stages(shape: ModelShape, job: Job) -> list[Stage]:
     return out
 
 
-def activation_formula(half: bool) -> str:
+def activation_formula(half: bool, llama: bool = False) -> str:
+    if llama:
+        w, r, k, m = (10, 20, 4, 8) if half else (8, 24, 8, 16)
+        return (f"s*b*({w}*h + ({r}*h + {k}*kv + {m}*f + 4*a + 8)/t) + 2*s*head_dim*{4 - 2 * half} "
+                f"bytes per layer")
     a = 32 if half else 56
     return f"s*b*h*({a}/t + 8) + (4*a + 16)*s*b/t bytes per layer"
 
 
 def layer_activation_bytes(shape: ModelShape, micro_batch: int, tp: int, half: bool) -> int:
     """One block's stored activations for one micro-batch (see the module docstring)."""
+    if shape.llama:
+        return llama_layer_bytes(shape, micro_batch, tp, half)
     s, b, h, a = shape.block_size, micro_batch, shape.n_embd, shape.n_head
     sharded = 32 if half else 56
     return s * b * h * sharded // tp + 8 * s * b * h + (4 * a + 16) * s * b // tp
+
+
+def llama_layer_bytes(shape: ModelShape, micro_batch: int, tp: int, half: bool) -> int:
+    """A LlamaBlock's saved tensors per token (exactly what autograd saves at tp = 1): the fp32
+    residual input and RMSNorm's normalized fp32 copy of each half (4 h each, + its 4-byte rsqrt),
+    the q/k/v/fc input (fp32: one tensor, 4 h; 16-bit: one cast per Linear, 3 x 2 h and 2 x 2 h),
+    SDPA's rotated q (h) and k (kv) and v (kv) and its output (= wo's input, h), fp32 logsumexp
+    (4 a), SwiGLU's gate, silu(gate), up and product (4 f); the rotary cos/sin tables (2 s
+    head_dim). Under tp the q/k/v and MLP inputs are whole (sequence-parallel all-gather), the
+    norms' on a sequence shard, the heads and f on a head / column shard: all those / t."""
+    s, b, h, a = shape.block_size, micro_batch, shape.n_embd, shape.n_head
+    whole, rest, kv, mlp = (10, 20, 4, 8) if half else (8, 24, 8, 16)
+    sharded = rest * h + kv * shape.kv_dim + mlp * shape.ffn + 4 * a + 8
+    return s * b * whole * h + s * b * sharded // tp + 2 * s * (h // a) * (2 if half else 4)
 
 
 def checkpointed_layer_bytes(shape: ModelShape, micro_batch: int, tp: int) -> int:
@@ -119,12 +143,14 @@ def head_bytes(shape: ModelShape, micro_batch: int, tp: int, half: bool,
     """(stored, transient in backward) of norm_f + lm_head + loss for one micro-batch;
     `chunk` > 0: train.loss_chunk's chunked loss (transient: in its forward)."""
     s, b, h, v = shape.block_size, micro_batch, shape.n_embd, shape.vocab_size
+    rms = 4 * s * b * (h + 1) // tp if shape.llama else 0  # RMSNorm's normalized copy + rsqrt
     if chunk:
         n = min(chunk, s * b)
-        stored = 4 * s * b * h // tp + 4 * s * b * h + 4 * v * h // tp
+        stored = rms + 4 * s * b * h // tp + 4 * s * b * h + 4 * v * h // tp
         return stored, (6 if half else 4) * n * v // tp + (2 * s * b * h if half else 0)
     logits = (2 if half else 4) * s * b * v // tp
-    stored = 4 * s * b * h // tp + (2 if half else 4) * s * b * h + logits + 4 * s * b * v // tp
+    stored = (rms + 4 * s * b * h // tp + (2 if half else 4) * s * b * h + logits
+              + 4 * s * b * v // tp)
     return stored, 8 * s * b * v // tp
 
 
@@ -170,8 +196,8 @@ def local_params(shape: ModelShape, job: Job, stage: Stage) -> tuple[int, int]:
         n += shape.embedding_params_tp(t) + shape.position_params_tp(t)
     if stage.has_last:
         n += shape.norm_f_params
-        mm += shape.embedding_params_tp(t)  # lm_head (tied; a second copy on the last stage)
-        if not stage.has_first:
+        mm += shape.embedding_params_tp(t)  # lm_head (tied: a second copy on a later stage)
+        if not (stage.has_first and shape.tied):
             n += shape.embedding_params_tp(t)
     return n, mm
 
@@ -182,7 +208,8 @@ def _fsdp_root_params(shape: ModelShape, job: Job, stage: Stage) -> int:
     if stage.has_first:
         root += shape.embedding_params_tp(t) + shape.position_params_tp(t)
     if stage.has_last:
-        root += shape.norm_f_params + (0 if stage.has_first else shape.embedding_params_tp(t))
+        root += shape.norm_f_params + (0 if stage.has_first and shape.tied
+                                       else shape.embedding_params_tp(t))
     return root
 
 
@@ -356,9 +383,9 @@ def largest_rank(shape: ModelShape, job: Job) -> RankMemory:
 
 
 def largest_parameter(shape: ModelShape) -> int:
-    """Elements of the largest single parameter: the (tied) embedding, an MLP matrix or pos_emb."""
+    """Elements of the largest single parameter: the embedding (or head), an MLP matrix or pos_emb."""
     c = shape.n_embd
-    return max(shape.vocab_size * c, 4 * c * c, shape.block_size * c)
+    return max(shape.vocab_size * c, shape.ffn * c, shape.position_params)
 
 
 def setup_bytes(shape: ModelShape, job: Job, rank: RankMemory) -> dict:

@@ -111,17 +111,26 @@ def _memory_lines(p: Plan) -> list[str]:
     st = m.stage
     title = (f"## Memory per rank (pipeline rank {st.pp_rank}: {len(st.block_ids)} blocks, "
              f"{st.in_flight} micro-batch(es) in flight, {m.local_params:,} parameters before FSDP)")
-    note = (f"Activations by checkpointing mode ({memory.activation_formula(j.half)}, plus the head; "
+    formula = memory.activation_formula(j.half, p.shape.llama)
+    note = (f"Activations by checkpointing mode ({formula}, plus the head; "
             "one block recomputed when any is checkpointed):")
     return ([title, ""] + _table(("what", "bytes"), rows) + ["", note, ""]
             + _table(("activation_checkpoint", "activations"), acts))
 
 
+def _shape_name(s: ModelShape) -> str:
+    if not s.llama:
+        return (f"{s.n_layer} x {s.n_embd} ({s.n_head} heads, vocab {s.vocab_size}, block "
+                f"{s.block_size}), {fmt_params(s.num_params())} parameters")
+    return (f"llama {s.n_layer} x {s.n_embd} ({s.n_head} heads, {s.kv_heads} kv heads, ffn {s.ffn}, "
+            f"vocab {s.vocab_size}, {'tied' if s.tied else 'untied'}, block {s.block_size}), "
+            f"{fmt_params(s.total_params())} parameters")
+
+
 def render(p: Plan) -> str:
     s, j = p.shape, p.job
     tokens_step = j.batch * s.block_size
-    lines = [f"# Plan: {s.n_layer} x {s.n_embd} ({s.n_head} heads, vocab {s.vocab_size}, block "
-             f"{s.block_size}), {fmt_params(s.num_params())} parameters; {j.nodes} nodes x "
+    lines = [f"# Plan: {_shape_name(s)}; {j.nodes} nodes x "
              f"{j.gpus_per_node} = {j.world} ranks", "",
              f"Layout: dp {j.dp_size} ({j.data_parallel}) x tp {j.tp} x pp {j.pp} ({j.pp_schedule}), "
              f"micro_batch {j.micro_batch} x grad_accum {j.grad_accum} -> global batch "

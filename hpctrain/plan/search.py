@@ -130,7 +130,7 @@ def frugal_layouts(shape: ModelShape, base: Job) -> list[Job]:
     """The least memory per GPU each pipeline depth allows: the widest tp that divides the heads,
     FSDP (sync), micro-batch 1, full checkpointing, the fewest micro-batches a pipeline runs."""
     tp = max(t for t in divisors(base.gpus_per_node)
-             if shape.n_head % t == 0 and shape.block_size % t == 0)
+             if not shape.tp_problem(t))
     mode = "fsdp" if base.sync_mode == "sync" else "ddp"
     return [replace(base, dp=0, tp=tp, pp=pp, data_parallel=mode, pp_schedule="1f1b", micro_batch=1,
                     grad_accum=pp, global_batch=0, activation_checkpoint="full")
