@@ -6,11 +6,13 @@ the initial weights of building the whole model on every rank (bit for bit).
 LAYOUT is name=override,override,... (e.g. "fsdp2=parallel.data_parallel=fsdp"; "dp2=" for none).
 For each, every rank builds the tiny GPT twice in the layout, with parallel.meta_init false and
 true, and compares each parameter it holds (DTensors gathered whole with full_tensor) with the
-other build's and with a plain `torch.manual_seed(seed); GPT(cfg)` on CPU. Rank 0 prints one line
+other build's and with a plain `torch.manual_seed(seed); GPT(cfg)` on CPU (a Llama with
+model.arch=llama among the overrides). Rank 0 prints one line
 per rank and layout: `SAME <layout> <rank> <n_params>` or `DIFF <layout> <rank> <fqn ...>`.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
@@ -20,7 +22,7 @@ from hpctrain import config as config_mod
 from hpctrain.distributed.abort import run_or_abort
 from hpctrain.distributed.bootstrap import init_distributed, teardown
 from hpctrain.distributed.mesh import Mesh, ParallelDims
-from hpctrain.model import GPT, GPTConfig
+from hpctrain.model import build_model_from_section
 from hpctrain.parallel.meta_init import WRAPPER_PREFIXES
 from hpctrain.train.model_setup import build_model
 
@@ -44,20 +46,22 @@ def build(ctx, overrides: list[str], meta: bool):
             *[f"--model.{k}={v}" for k, v in MODEL.items()], *overrides]
     cfg = config_mod.load(None, args)
     mesh = Mesh(ParallelDims.from_config(ctx.world_size, cfg.parallel), ctx)
-    layout = build_model(cfg, mesh, ctx.device).layout
-    tied = layout.module.tok_emb is None or layout.module.lm_head is None or \
-        layout.module.lm_head.weight is layout.module.tok_emb.weight
-    return full_params(layout.module), tied
+    module = build_model(cfg, mesh, ctx.device).layout.module
+    tied = None if module.tok_emb is None or module.lm_head is None else \
+        module.lm_head.weight is module.tok_emb.weight  # None: the other one is on another stage
+    return full_params(module), tied, cfg
 
 
 def check(ctx, name: str, overrides: list[str]) -> None:
-    torch.manual_seed(SEED)
-    ref = {k: v.detach() for k, v in GPT(GPTConfig(**MODEL)).named_parameters(remove_duplicate=False)}
-    old, old_tied = build(ctx, overrides, meta=False)
-    new, new_tied = build(ctx, overrides, meta=True)
+    old, old_tied, cfg = build(ctx, overrides, meta=False)
+    new, new_tied, _ = build(ctx, overrides, meta=True)
+    torch.manual_seed(SEED)  # the plain model of the [model] section (gpt2, or llama by overrides)
+    plain = build_model_from_section(dataclasses.asdict(cfg.model))
+    ref = {k: v.detach() for k, v in plain.named_parameters(remove_duplicate=False)}
     diff = [k for k in new if not (torch.equal(new[k], old.get(k, torch.empty(0)))
                                    and torch.equal(new[k], ref[k]))]
-    if set(new) != set(old) or not new_tied or not old_tied:
+    want_tied = cfg.model.arch == "gpt2" or cfg.model.tie_embeddings
+    if set(new) != set(old) or {old_tied, new_tied} - {None, want_tied}:
         diff.append(f"names/ties differ: {sorted(set(new) ^ set(old))} tied={old_tied},{new_tied}")
     line = (f"SAME {name} {ctx.rank} {len(new)}" if not diff
             else f"DIFF {name} {ctx.rank} {' '.join(diff)}")
