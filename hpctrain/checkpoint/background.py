@@ -1,7 +1,9 @@
 """Async checkpointing support: staging a state dict into host memory, and the one in-flight save.
 
 Owns the copy of the tensors the step loop pays for (`stage`: into reused host buffers, pinned when
-the source is on a GPU) and the background thread that runs the rest of a save (`InFlight`). The
+the source is on a GPU), which rank stages a plain tensor several ranks hold (`assign_writers`:
+one of them; DCP writes such a replicated tensor once, so DDP ranks each stage ~1/world of the
+model + optimizer instead of all of it, in buffers kept between saves) and the background thread that runs the rest of a save (`InFlight`). The
 manager decides what that thread does and which process group it uses; this module must never run
 a collective itself, never share a tensor with the live model (the trainer keeps stepping while the
 copy is written), and never swallow the thread's error: `result()` re-raises it on the caller.
@@ -31,16 +33,51 @@ def _copy_into(buffers: dict, key: str, src: torch.Tensor) -> torch.Tensor:
     return buf
 
 
-def stage(tensors: dict, buffers: dict) -> dict:
+def plain_sizes(tensors: dict, path: str = "") -> dict[str, int]:
+    """{path: bytes} of the plain (non-DTensor) tensors of a nested state dict: what DCP writes once
+    for all the ranks that hold the same key (DDP's replicas, a pipeline stage's dp ranks)."""
+    out = {}
+    for k, v in tensors.items():
+        if isinstance(v, dict):
+            out.update(plain_sizes(v, f"{path}.{k}"))
+        elif isinstance(v, torch.Tensor) and not (DTensor and isinstance(v, DTensor)):
+            out[f"{path}.{k}"] = v.numel() * v.element_size()
+    return out
+
+
+def assign_writers(sizes_per_rank: list[dict[str, int]]) -> dict[str, int]:
+    """Each plain tensor's path -> the one rank among those holding it that stages and writes it:
+    largest first, to the holder with the fewest bytes so far (ties: the lowest rank)."""
+    holders: dict[str, list[int]] = {}
+    for rank, sizes in enumerate(sizes_per_rank):
+        for path in sizes:
+            holders.setdefault(path, []).append(rank)
+    load, owner = [0] * len(sizes_per_rank), {}
+    for path in sorted(holders, key=lambda p: (-sizes_per_rank[holders[p][0]][p], p)):
+        rank = min(holders[path], key=lambda r: (load[r], r))
+        owner[path] = rank
+        load[rank] += sizes_per_rank[rank][path]
+    return owner
+
+
+def stage(tensors: dict, buffers: dict, keep: set | None = None) -> dict:
     """A copy of a (nested) dict of tensors in host memory; DTensors stay DTensors (same mesh,
-    placements and global shape) around a host copy of their local shard."""
-    used_cuda = False
+    placements and global shape) around a host copy of their local shard. `keep`: the paths of
+    the plain tensors to stage (assign_writers); the others are left out (another rank writes
+    them). Buffers of paths not staged this time are freed."""
+    used_cuda, used = False, set()
+    dropped = object()
 
     def walk(node, path):
         nonlocal used_cuda
         if isinstance(node, dict):
-            return {k: walk(v, f"{path}.{k}") for k, v in node.items()}
-        if DTensor and isinstance(node, DTensor):
+            items = {k: walk(v, f"{path}.{k}") for k, v in node.items()}
+            return {k: v for k, v in items.items() if v is not dropped}
+        is_dtensor = DTensor and isinstance(node, DTensor)
+        if keep is not None and isinstance(node, torch.Tensor) and not is_dtensor and path not in keep:
+            return dropped
+        used.add(path)
+        if is_dtensor and isinstance(node, DTensor):
             local = node.to_local()
             used_cuda |= local.device.type == "cuda"
             # around the host copy as it is: DTensor.from_local would move it to the mesh's
@@ -52,6 +89,8 @@ def stage(tensors: dict, buffers: dict) -> dict:
         raise TypeError(f"async checkpoint: cannot stage {path} ({type(node).__name__})")
 
     out = walk(tensors, "")
+    for path in set(buffers) - used:
+        del buffers[path]
     if used_cuda:
         torch.cuda.synchronize()
     return out

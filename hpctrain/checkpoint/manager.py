@@ -171,9 +171,12 @@ class CheckpointManager:
         self.wait()
         t0 = time.perf_counter()
         job = self._prepare(step, state, json_state)
+        # a plain tensor several ranks hold (replicated) is staged and written by one of them
+        writers = background.assign_writers(self._gather(background.plain_sizes(job.tensors)))
         err = None
         try:
-            job.tensors = background.stage(job.tensors, self._staging)
+            mine = {path for path, rank in writers.items() if rank == self.rank}
+            job.tensors = background.stage(job.tensors, self._staging, keep=mine)
             faults.hit("save.staged")
         except Exception as e:  # noqa: BLE001 - agreed below
             err = failure(e, self.rank)
