@@ -10,8 +10,12 @@ Environment overrides (they win over discovery):
   MASTER_ADDR / MASTER_PORT   rendezvous address and port of rank 0's TCP store
   HPCTRAIN_IFACE              network interface whose IPv4 address rank 0 advertises (e.g. ib0);
                               without it, a job spanning nodes uses the interface whose subnet
-                              reaches every node (never loopback: netif.py), and Gloo/NCCL bind
-                              there too (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME unless set)
+                              reaches every node (never loopback: netif.py), and Gloo binds there
+                              too (GLOO_SOCKET_IFNAME unless set); NCCL only when HPCTRAIN_IFACE
+                              names it (NCCL_SOCKET_IFNAME unless set), else NCCL chooses
+  MPIR_CVAR_ENABLE_GPU / OMPI_MCA_opal_cuda_support   default 0: hpctrain gives MPI host memory
+                              only, so a CUDA-aware MPI opens no CUDA context at MPI_Init (which
+                              runs before the rank's GPU is chosen: it would land on GPU 0)
   HPCTRAIN_RANKS_PER_NODE     split one machine's ranks into "nodes" of this many ranks (tests)
   HPCTRAIN_THREADS            intra-op threads per rank (else derived from cores per node / local ranks)
   TORCH_CPP_LOG_LEVEL         set: torch's C++ warnings are shown as the user asked, also while the
@@ -85,7 +89,12 @@ class DistContext:
         return self.rank == 0
 
 
+MPI_HOST_MEMORY_ONLY = {"MPIR_CVAR_ENABLE_GPU": "0", "OMPI_MCA_opal_cuda_support": "0"}
+
+
 def _mpi():
+    for key, value in MPI_HOST_MEMORY_ONLY.items():  # before MPI_Init (module docstring)
+        os.environ.setdefault(key, value)
     from mpi4py import MPI  # imported lazily: MPI_Init happens here
 
     return MPI
@@ -176,11 +185,15 @@ def _rendezvous(comm, rank: int, hosts: list[str]) -> tuple[str, str | None]:
     return addr, local.name if local else None
 
 
-def _use_interface(iface: str | None) -> None:
-    """Gloo and NCCL bind to the rendezvous network unless the user chose their interface."""
+def _use_interface(iface: str | None, asked: bool) -> None:
+    """Gloo binds to the rendezvous network unless the user chose its interface. NCCL only where
+    the user asked for the interface (`asked`: HPCTRAIN_IFACE) and did not set NCCL_SOCKET_IFNAME:
+    the network that reaches rank 0's store can be a management network, and NCCL's own choice
+    (InfiniBand / its fastest interface) is the better default for the gradients."""
     if iface:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
+        if asked:
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
 
 
 def _threads_per_rank(local_size: int) -> int:
@@ -304,7 +317,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, comm=None)
     # Rank 0 owns the TCP store; port 0 lets the OS pick a free port (no race), then it is broadcast.
     hosts = comm.allgather(socket.gethostname())
     addr, iface = _rendezvous(comm, rank, hosts)
-    _use_interface(iface)
+    _use_interface(iface, asked=bool(os.environ.get("HPCTRAIN_IFACE")))
     port = int(os.environ.get("MASTER_PORT", "0")) if whole_job else 0  # members: one store each
     store = None
     if rank == 0:  # its own client connects to addr too

@@ -43,10 +43,10 @@ from hpctrain.config import Config
 from hpctrain.distributed import DistContext
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.errors import ConfigError
-from hpctrain.sync.asynchronous import AsynchronousStrategy, assign, flat, local_part
+from hpctrain.sync.asynchronous import AsynchronousStrategy, add_into, assign, flat, local_part
 from hpctrain.sync.global_model import GlobalModelWindows
 from hpctrain.sync.inbox import ArrivalInbox
-from hpctrain.sync.outer import apply_arrival, dynamic_local_steps, with_updates_since
+from hpctrain.sync.outer import apply_arrival, dynamic_local_steps
 from hpctrain.train.optim import lr_at
 
 
@@ -157,7 +157,7 @@ class AsyncDiLoCo(AsynchronousStrategy):
             self.team.Barrier()
             if self.leader:
                 self.windows.end_arrival()
-        assign(self.params, with_updates_since(flat(self.params), self.start, theta))
+        add_into(self.params, theta - self.start)  # outer.with_updates_since, without a copy back
         self.start = theta
         self.round_caught_up += arrivals - self.last_arrival
         self.last_arrival = arrivals

@@ -62,6 +62,18 @@ def assign(params, vector: np.ndarray) -> None:
             at += local.numel()
 
 
+def add_into(params, vector: np.ndarray) -> None:
+    """Add a flat host vector to this rank's part of the parameters in place: one copy to the
+    device, none back (`assign(params, flat(params) + vector)` would copy the model both ways);
+    the same fp32 sum (a lower-precision part rounds it as its copy_ would)."""
+    src, at = torch.from_numpy(vector), 0
+    with torch.no_grad():
+        for p in params:
+            local = local_part(p)
+            local.add_(src[at:at + local.numel()].view_as(local).to(local.device))
+            at += local.numel()
+
+
 class AsynchronousStrategy(SyncStrategy):
     global_each_step = True  # each worker decides about its own update alone: no vote
     collective_steps = False

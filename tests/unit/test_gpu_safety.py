@@ -238,3 +238,98 @@ def test_diloco_overlap_averages_on_host_on_gpus(device, overlap, on_host):
 
     from hpctrain.sync.diloco import averages_on_host
     assert averages_on_host(torch.device(device, 0), overlap) is on_host
+
+
+# ---- item 5: async staging of replicated (DDP) state: each rank stages only what it writes ---------
+def test_each_replicated_tensor_is_staged_by_one_holder():
+    from hpctrain.checkpoint.background import assign_writers
+    both = {".a": 400, ".b": 300, ".c": 200, ".d": 100}
+    owner = assign_writers([both, dict(both)])
+    assert sorted(owner) == sorted(both)
+    assert [sum(both[p] for p, r in owner.items() if r == rank) for rank in (0, 1)] == [500, 500]
+    # a pipeline stage's tensor is staged by a rank of that stage
+    owner = assign_writers([{".s0": 8, ".x": 4}, {".s1": 8, ".x": 4}])
+    assert owner[".s0"] == 0 and owner[".s1"] == 1 and owner[".x"] in (0, 1)
+
+
+STAGING_WORKER = """
+import sys
+import torch
+from hpctrain.distributed.bootstrap import init_distributed
+from hpctrain.checkpoint.manager import CheckpointManager
+from hpctrain.train import run_lock
+ctx = init_distributed("gloo", timeout_s=60)
+torch.manual_seed(0)  # the same replicated state on both ranks (DDP)
+state = {"model": {f"w{i}": torch.randn(64, 64) for i in range(8)}, "optim": {"step": torch.ones(())}}
+mgr = CheckpointManager(sys.argv[1], keep=1, rank=ctx.rank, world_size=2)
+with run_lock.hold(sys.argv[1], ctx):
+    mgr.save_async(1, state, {"step": 1})
+    staged = sum(b.numel() * b.element_size() for b in mgr._staging.values())
+    path = mgr.wait()
+    fresh = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+             "optim": {"step": torch.zeros(())}}
+    mgr.load(path, fresh)
+same = all(torch.equal(fresh[s][k], state[s][k]) for s in state for k in state[s])
+total = sum(t.numel() * t.element_size() for s in state.values() for t in s.values())
+print(f"rank {ctx.rank}: staged {staged} of {total} bytes, loaded equal {same}")
+"""
+
+
+@pytest.mark.mpi
+def test_ddp_async_staging_holds_only_this_ranks_share(tmp_path):
+    script = tmp_path / "staging.py"
+    script.write_text(STAGING_WORKER)
+    r = mpirun(2, [script, tmp_path / "run"], timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [ln.split() for ln in r.stdout.splitlines() if " staged " in ln]
+    assert len(lines) == 2 and all(ln[-1] == "True" for ln in lines), r.stdout
+    staged, total = [int(ln[3]) for ln in lines], int(lines[0][5])
+    assert sum(staged) == total and max(staged) <= 0.6 * total, (staged, total)
+
+
+# ---- item 13: NCCL's interface is the user's choice; MPI gets host memory only --------------------
+@pytest.mark.parametrize("asked,user_nccl,gloo,nccl", [
+    (False, None, "eth1", None),      # discovered rendezvous network: Gloo only, NCCL chooses
+    (True, None, "ib0", "ib0"),       # HPCTRAIN_IFACE=ib0: both
+    (True, "ib1", "ib0", "ib1"),      # the user's NCCL_SOCKET_IFNAME wins
+])
+def test_nccl_interface_only_when_asked(monkeypatch, asked, user_nccl, gloo, nccl):
+    import os
+
+    from hpctrain.distributed.bootstrap import _use_interface
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    if user_nccl:
+        monkeypatch.setenv("NCCL_SOCKET_IFNAME", user_nccl)
+    _use_interface(gloo, asked)
+    assert (os.environ.get("GLOO_SOCKET_IFNAME"), os.environ.get("NCCL_SOCKET_IFNAME")) == (gloo, nccl)
+
+
+def test_mpi_is_told_host_memory_only_before_mpi_init():
+    keys = ("MPIR_CVAR_ENABLE_GPU", "OMPI_MCA_opal_cuda_support")
+    code = ("import os\nfor k in {keys}: os.environ.pop(k, None)\n{user}"
+            "from hpctrain.distributed.bootstrap import _mpi\n_mpi()\n"
+            "print(*(os.environ[k] for k in {keys}))")
+    r = run_cmd([sys.executable, "-c", code.format(keys=keys, user="")], timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["0", "0"], r.stdout + r.stderr
+    user = "os.environ['MPIR_CVAR_ENABLE_GPU'] = '1'\n"
+    r = run_cmd([sys.executable, "-c", code.format(keys=keys, user=user)], timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["1", "0"], r.stdout + r.stderr  # the user's wins
+
+
+# ---- item 11: async_diloco's catch-up copies the update to the device, never the model back -------
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_catch_up_in_place_equals_the_copy_both_ways(dtype):
+    import numpy as np
+    import torch
+
+    from hpctrain.sync.asynchronous import add_into, assign, flat
+    from hpctrain.sync.outer import with_updates_since
+    torch.manual_seed(0)
+    made = [torch.randn(33, 7), torch.randn(5)]
+    a = [t.clone().to(getattr(torch, dtype)) for t in made]
+    b = [t.clone().to(getattr(torch, dtype)) for t in made]
+    start, theta = flat(a) + np.float32(0.01), flat(a) - np.float32(0.003)
+    assign(a, with_updates_since(flat(a), start, theta))  # before: device -> host -> device
+    add_into(b, theta - start)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
