@@ -7,7 +7,8 @@ user set to another value is a one-line error naming it), and loading the weight
 model (`load_weights`): each rank reads only the part of each tensor it holds (safetensors
 `get_slice`; a TP / FSDP shard's rows and columns, nothing for a parameter another pipeline stage
 owns), after meta-device init. Never a whole copy of the model per rank, never transformers, never
-a download. A checkpoint in the run dir still wins on resume (the loop loads it over these weights).
+a download. A run that has checkpoints resumes from them alone: [model] from the newest one's
+trainer_state.json and no weights read, so the folder may be moved away or deleted after the start.
 """
 from __future__ import annotations
 
@@ -59,14 +60,47 @@ def model_section(folder: str | Path) -> dict:
         raise ConfigError(f"config key 'init.from': {Path(folder)}/{e}") from None
 
 
+def checkpoint_root(raw: dict) -> Path:
+    """The run's checkpoint root as Config.checkpoint_dir names it, from raw (TOML + overrides)."""
+    run = raw.get("run") if isinstance(raw.get("run"), dict) else {}
+    ckpt = raw.get("checkpoint") if isinstance(raw.get("checkpoint"), dict) else {}
+    return Path(ckpt["dir"]) if ckpt.get("dir") else Path(run.get("dir", "")) / "checkpoints"
+
+
+def run_has_checkpoints(root: str | Path) -> bool:
+    """True when the run will resume (or refuse to start over): a checkpoint lies under root. Its
+    weights then replace init.from's, so the folder is neither read nor needed."""
+    from hpctrain.checkpoint.directory import scan
+
+    return any(kind in ("checkpoint", "aside") for _, kind, _ in scan(Path(root)))
+
+
+def resumed_model_section(root: Path) -> dict | None:
+    """[model] as the newest checkpoint under root records it (trainer_state.json), or None."""
+    from hpctrain.checkpoint.directory import scan
+
+    for _, kind, path in scan(root):
+        try:
+            if kind in ("checkpoint", "aside"):
+                state = json.loads((path / "trainer_state.json").read_text())
+                return dict(state["trainer"]["config"]["model"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # unreadable: an older one, else init.from's config.json
+    return None
+
+
 def fill_model_section(raw: dict, coerce) -> dict:
-    """raw (TOML + overrides) with [model] filled from init.from's config.json; `coerce(key, value,
-    like)` turns a user's value into the type of HF's for the comparison."""
+    """raw (TOML + overrides) with [model] filled from init.from's config.json, or, when the run
+    resumes, from its newest checkpoint (the folder may have moved away since the start);
+    `coerce(key, value, like)` turns a user's value into the type of HF's for the comparison."""
     init = raw.get("init") if isinstance(raw.get("init"), dict) else {}
     folder = init.get("from") or init.get("from_dir")  # the key's two spellings (config.ALIASES)
     if not folder:
         return raw
     given = dict(raw.get("model") or {})
+    resumed = resumed_model_section(checkpoint_root(raw))
+    if resumed:  # a key given that differs: the resume's model check names it and the checkpoint
+        return {**raw, "model": {**resumed, **given}}
     for key, value in model_section(folder).items():
         if key in given and coerce(f"model.{key}", given[key], value) != value:
             raise ConfigError(f"config key 'model.{key}': {given[key]!r} conflicts with init.from "

@@ -5,7 +5,8 @@ then only this rank's shards materialized and initialized (hpctrain/parallel/met
 otherwise whole in fp32 on every rank, moved to the device, then laid out. Both give bit-identical
 initial weights for a seed (tests/mpi/test_meta_init.py). It must never apply a layout itself
 (parallelize does) or know how a layout shards a tensor (meta_init does). With init.from, a Hugging
-Face model's weights replace the initial ones after that (hpctrain/interop/hf_import.py).
+Face model's weights replace the initial ones after that (hpctrain/interop/hf_import.py), unless
+the run has checkpoints (it resumes from them).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 
 from hpctrain.config import Config
 from hpctrain.distributed.mesh import Mesh
+from hpctrain.interop.hf_import import run_has_checkpoints
 from hpctrain.model import build_model_from_section
 from hpctrain.parallel import Layout, parallelize
 from hpctrain.parallel.meta_init import allocate, build_on_meta, materialize
@@ -43,7 +45,9 @@ def build_model(cfg: Config, mesh: Mesh, device: torch.device) -> BuiltModel:
     n_params, flops = model.num_params(), model.flops_per_token()  # before a pipeline split
     if cfg.train.loss_chunk:
         use_chunked_head(model)  # lm_head hands hidden states to the chunked loss (train/loss.py)
-    if cfg.init.from_dir:  # each rank reads its part of a Hugging Face model's weights instead
+    if cfg.init.from_dir and not run_has_checkpoints(cfg.checkpoint_dir):
+        # each rank reads its part of a Hugging Face model's weights instead (on resume the
+        # checkpoint's replace the seed's: the folder is not read, it may be gone)
         init = load_hf_weights(cfg.init.from_dir, section, device if cfg.parallel.meta_init else None)
     return BuiltModel(parallelize(model, mesh, cfg, materialize=init), n_params, flops)
 

@@ -115,3 +115,20 @@ def test_folder_without_weights_is_one_line(tmp_path, dataset, hf_dir):
     errors = [l for l in r.stderr.splitlines() if "error" in l.lower()]  # (+ mpiexec's Abort notice)
     assert r.returncode != 0 and len(errors) == 1 and errors[0].startswith("error: "), r.stderr
     assert f"{tmp_path / 'hf'}: no model.safetensors" in errors[0] and "Traceback" not in r.stderr
+
+
+def test_resume_after_the_folder_is_gone(tmp_path, dataset, hf_dir):
+    """A run started from init.from resumes from its checkpoint alone: [model] and the weights come
+    from the checkpoint, the tokenizer from its dataset record (before: 'config key 'init.from':
+    DIR/config.json not found' on resume)."""
+    import shutil
+
+    hf = shutil.copytree(hf_dir, tmp_path / "hf")
+    straight = losses(train(1, tmp_path, dataset, hf, "straight", "--train.steps=5"))
+    train(1, tmp_path, dataset, hf, "resumed", "--train.steps=5", "--train.stop_at_step=3")
+    shutil.rmtree(hf)
+    run = train(1, tmp_path, dataset, hf, "resumed", "--train.steps=5")
+    assert losses(run) == straight and sorted(straight) == [1, 2, 3, 4, 5], (losses(run), straight)
+    r = run_cmd([sys.executable, "-m", "hpctrain", "sample", "--checkpoint", run, "--prompt", "KING",
+                 "--tokens", "8"], timeout=120, env=OFFLINE)
+    assert r.returncode == 0 and "step_00000005" in r.stdout and "KING" in r.stdout, r.stderr
