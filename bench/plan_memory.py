@@ -48,12 +48,13 @@ def predicted(cfg, world: int, backend: str):
     from hpctrain.plan.report import make_plan
     from hpctrain.plan.shape import ModelShape
 
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    shape = ModelShape(m.n_layer, m.n_embd, m.n_head, m.vocab_size, m.block_size)
+    p, t = cfg.parallel, cfg.train
+    shape = ModelShape.of_model_config(cfg.model)
     job = Job(nodes=1, gpus_per_node=world, tokens=1e9, dp=p.dp, tp=p.tp, pp=p.pp,
               data_parallel=p.data_parallel, pp_schedule=p.pp_schedule,
               pp_virtual_stages=p.pp_virtual_stages, micro_batch=t.micro_batch_size,
-              grad_accum=t.grad_accum, activation_checkpoint=p.activation_checkpoint,
+              grad_accum=t.grad_accum, loss_chunk=t.loss_chunk,
+              activation_checkpoint=p.activation_checkpoint,
               ac_every=p.ac_every, precision=t.precision, sync_mode=cfg.sync.mode,
               inner_steps=cfg.sync.inner_steps, overlap=cfg.sync.overlap, backend=backend)
     return make_plan(shape, job)

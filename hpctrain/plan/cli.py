@@ -33,9 +33,7 @@ def size(text: str) -> int:
 
 
 MODEL_KEYS = ("n_layer", "n_embd", "n_head", "vocab_size", "block_size")
-# the architecture's keys (shape.py): from --config's [model] or --preset, some also as options
-ARCH_KEYS = ("arch", "n_kv_head", "ffn_hidden", "multiple_of", "ffn_dim_multiplier", "qkv_bias",
-             "tie_embeddings")
+# llama's keys also as options (all of shape.py's come from --config's [model] or --preset)
 ARCH_OPTIONS = {"n_kv_head": "model.n_kv_head (llama: key/value heads; 0 = n_head)",
                 "ffn_hidden": "model.ffn_hidden (llama: SwiGLU width; 0 = Llama's rule)"}
 # option -> (config section, key) read from --config
@@ -152,7 +150,7 @@ def shape_and_job(args: argparse.Namespace) -> tuple[ModelShape, Job]:
         from hpctrain import config
 
         cfg = config.load(args.config)  # a training config: its errors name the key
-        model = {k: getattr(cfg.model, k) for k in (*MODEL_KEYS, "dropout", *ARCH_KEYS)}
+        model = dataclasses.asdict(ModelShape.of_model_config(cfg.model))
         for opt, (section, key) in FROM_CONFIG.items():
             job[opt] = getattr(getattr(cfg, section), key)
         job["precision"] = "bf16" if job["precision"] == "auto" else job["precision"]

@@ -334,17 +334,19 @@ def _kept_per_block(shape: ModelShape, job: Job, stage: Stage) -> list[tuple[int
 
 def backward_sweep(shape: ModelShape, job: Job, stage: Stage) -> int:
     """Highest activations + gradients over one backward when gradients start at zero: at the
-    loss (all activations, the head's gradient, the loss's transient), then at each block from the
+    loss (all activations, the head's gradient (under train.loss_chunk: the head's dW, counted
+    once), the loss's transient), then at each block from the
     last (the activations of the blocks before it, its recomputation if checkpointed, and the
     gradients of it and the blocks after it)."""
     blocks = _kept_per_block(shape, job, stage)
     full = layer_activation_bytes(shape, job.micro_batch, job.tp, job.half)
     block_grad = 4 * shape.block_params_tp(job.tp)
-    head_grad, head = 0, 0
+    head_grad, head, dw = 0, 0, 0
     if stage.has_last:
         head_grad = 4 * shape.embedding_params_tp(job.tp)
         head = sum(head_bytes(shape, job.micro_batch, job.tp, job.half, job.loss_chunk))
-    high = sum(b for b, _ in blocks) + head + head_grad
+        dw = head_grad if job.loss_chunk else 0  # the chunked loss's dW becomes the head's grad
+    high = sum(b for b, _ in blocks) + head + head_grad - dw
     for i in range(len(blocks) - 1, -1, -1):
         here = (sum(b for b, _ in blocks[:i + 1]) + (full if blocks[i][1] else 0) + head_grad
                 + block_grad * (len(blocks) - i))

@@ -13,6 +13,7 @@ presets of `hpctrain plan --preset`.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -34,6 +35,12 @@ class ModelShape:
     ffn_dim_multiplier: float = 1.0
     qkv_bias: bool = False
     tie_embeddings: bool = False    # gpt2 always ties
+
+    @classmethod
+    def of_model_config(cls, model) -> "ModelShape":
+        """The shape of a training config's [model] (config_schema.ModelConfig)."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{k: getattr(model, k) for k in names})
 
     def check(self) -> "ModelShape":
         for key in ("n_layer", "n_embd", "n_head", "vocab_size", "block_size"):

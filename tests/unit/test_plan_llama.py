@@ -188,3 +188,18 @@ def test_config_loads_builds_and_its_layouts_are_the_planners(name, preset):
 def build_model_from_section_on_meta(section: dict):
     with torch.device("meta"):
         return build_model_from_section(section)
+
+
+@pytest.mark.parametrize("shape", [SMALL[0], ModelShape(2, 64, 4, 5000, 32)])  # the loss: the peak
+def test_chunked_heads_dw_is_its_gradient_counted_once(shape):
+    """With train.loss_chunk the head's dW, computed in forward, becomes lm_head's gradient: the
+    1-rank peak at the loss holds it once (counted twice, the plan was 0.87-0.91 of the measured
+    bench/plan_memory.py peak; docs/benchmarks.md)."""
+    job = Job(nodes=1, gpus_per_node=1, micro_batch=8, precision="fp32", loss_chunk=16).check(shape)
+    stage = memory.pipeline_stages(shape, job)[0]
+    blocks = shape.n_layer * memory.layer_activation_bytes(shape, 8, 1, False)
+    at_loss = blocks + sum(memory.head_bytes(shape, 8, 1, False, 16))
+    assert memory.backward_sweep(shape, job, stage) == at_loss
+    plain = dataclasses.replace(job, loss_chunk=0)
+    assert memory.backward_sweep(shape, plain, stage) == (
+        blocks + sum(memory.head_bytes(shape, 8, 1, False)) + 4 * shape.embedding_params)
