@@ -175,6 +175,15 @@ def test_tf32_leaves_cpu_matmul_precision_alone():
 
 
 # ---- item 9: dist.timeout_s on every group; a slow commit waits on host sockets -------------------
+def two_ranks(tmp_path, source: str):
+    """`source` run by 2 ranks under mpiexec with a run directory as argv[1]; must exit 0."""
+    script = tmp_path / "worker.py"
+    script.write_text(source)
+    r = mpirun(2, [script, tmp_path / "run"], timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
 GROUPS_WORKER = """
 import sys, time
 import torch
@@ -212,10 +221,7 @@ for name, timeout in seen.items():
 
 @pytest.mark.mpi
 def test_every_group_has_the_timeout_and_a_slow_commit_passes(tmp_path):
-    script = tmp_path / "groups.py"
-    script.write_text(GROUPS_WORKER)
-    r = mpirun(2, [script, tmp_path / "run"], timeout=240)
-    assert r.returncode == 0, r.stdout + r.stderr
+    r = two_ranks(tmp_path, GROUPS_WORKER)
     timeouts = dict(ln.split(": ", 1)[1].rsplit(" ", 1) for ln in r.stdout.splitlines()
                     if ln.startswith("rank ") and " saved " not in ln)
     groups = [f"mesh_{n}2.{a}" for n in ("tp", "pp", "dp") for a in ("pp", "dp", "tp")]
@@ -277,10 +283,7 @@ print(f"rank {ctx.rank}: staged {staged} of {total} bytes, loaded equal {same}")
 
 @pytest.mark.mpi
 def test_ddp_async_staging_holds_only_this_ranks_share(tmp_path):
-    script = tmp_path / "staging.py"
-    script.write_text(STAGING_WORKER)
-    r = mpirun(2, [script, tmp_path / "run"], timeout=240)
-    assert r.returncode == 0, r.stdout + r.stderr
+    r = two_ranks(tmp_path, STAGING_WORKER)
     lines = [ln.split() for ln in r.stdout.splitlines() if " staged " in ln]
     assert len(lines) == 2 and all(ln[-1] == "True" for ln in lines), r.stdout
     staged, total = [int(ln[3]) for ln in lines], int(lines[0][5])
