@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo llama-demo test test-fast bench clean
 
 install: $(STAMP)
 
@@ -19,6 +19,9 @@ $(STAMP): setup.cfg pyproject.toml requirements/constraints.txt requirements/dat
 
 demo: $(STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH bash scripts/demo.sh
+
+llama-demo: $(STAMP)
+	PATH=$(abspath $(VENV))/bin:$$PATH bash scripts/llama_demo.sh
 
 test: $(STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest tests

@@ -8,11 +8,7 @@ RUN=runs/demo
 NP=${NP:-2}
 
 echo "== 1/4 shard the Shakespeare plays (byte tokenizer) into $DATA"
-if ! python -m data_tools verify "$DATA" >/dev/null 2>&1; then
-  rm -rf "$DATA"
-  python -m data_tools shard --input $(python -m data_tools.corpora shakespeare) \
-      --output "$DATA" --tokenizer bytes --val-fraction 0.05 --seed 1
-fi
+bash scripts/shard_shakespeare.sh "$DATA" bytes
 python -m data_tools inspect "$DATA"
 
 echo "== 2/4 train on $NP ranks, stopping at step 900 (a checkpoint is committed there)"
