@@ -82,6 +82,16 @@ def _ranks(model: dict, vocab: dict):
     return ranks, rank_to_id
 
 
+def encoding(name: str, pat: str, ranks: dict):
+    """A tiktoken Encoding with one special token that is never allowed (so never produced): with
+    none, tiktoken's special-token search is an empty regex tried at every character (~30% of
+    the encode time); with one, a literal search. Special-token text stays plain text."""
+    import tiktoken
+
+    return tiktoken.Encoding(name=name, pat_str=pat, mergeable_ranks=ranks,
+                             special_tokens={"<|hpctrain: never a token|>": len(ranks)})
+
+
 def _cutter(tokens: list[str]):
     """A regex finding ``tokens`` leftmost-longest (longer alternatives first)."""
     return re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)))
@@ -140,11 +150,8 @@ def fast_bpe(spec: dict):
     got = _ranks(model, vocab)
     if got is None:
         return None
-    import tiktoken
-
     try:
-        enc = tiktoken.Encoding(name="hf-byte-level", pat_str=pat, mergeable_ranks=got[0],
-                                special_tokens={})
+        enc = encoding("hf-byte-level", pat, got[0])
     except Exception:  # noqa: BLE001 - a regex tiktoken cannot compile: use the library
         return None
     return FastBPE(enc, got[1], added)

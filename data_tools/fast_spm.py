@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .fast_bpe import encoding
+
 SPACE = "▁"
 PIECES = {True: f"{SPACE}[^{SPACE}]*|[^{SPACE}]+", False: f"{SPACE}+[^{SPACE}]*|[^{SPACE}]+"}
 
@@ -111,8 +113,5 @@ def fast_spm(spec: dict):
     got = _ranks(model, vocab)
     if got is None:
         return None
-    import tiktoken
-
-    enc = tiktoken.Encoding(name="hf-sentencepiece", pat_str=PIECES[rule[2]],
-                            mergeable_ranks=got[0], special_tokens={})
+    enc = encoding("hf-sentencepiece", PIECES[rule[2]], got[0])
     return FastSPM(enc, got[1], rule)
