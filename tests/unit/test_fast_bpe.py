@@ -110,20 +110,26 @@ def test_ids_identical_to_the_tokenizers_library(kind, corpus, tmp_path):
         assert lib.token_to_id("<|end_of_text|>") not in joined  # special text stays text
 
 
-def test_a_file_tiktoken_gets_wrong_is_caught_on_the_corpus_and_sharded_by_the_library(tmp_path):
-    """'qua' built by the merge q+ua, not qu+a: the library (ignore_merges off) gives [qu, a],
-    tiktoken's whole-piece lookup [qua]. The load probe has no 'qu'; the corpus sample does."""
+def _qua_tokenizer(ignore_merges):
+    """'qua' built by the merge q+ua, not qu+a: in 'quack' the library gives [qu, a, ...],
+    tiktoken (which merges any pair that makes a token) [qua, ...]; in 'qua' alone, without
+    ignore_merges, the library gives [qu, a] and tiktoken's whole-piece lookup [qua]."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {c: i for i, c in enumerate(alphabet)}
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     merges = [("q", "u"), ("u", "a"), ("q", "ua")]
     for a, b in merges:
         vocab[a + b] = len(vocab)
     vocab["<|endoftext|>"] = len(vocab)
-    lib = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+    lib = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
     lib.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     lib.add_special_tokens(["<|endoftext|>"])
+    return lib, vocab
+
+
+def test_a_file_tiktoken_gets_wrong_is_caught_on_the_corpus_and_sharded_by_the_library(tmp_path):
+    """The load probe has no 'qu'; the corpus sample does: one warning, the library's ids."""
+    lib, vocab = _qua_tokenizer(ignore_merges=True)
     lib.save(str(tmp_path / "tokenizer.json"))
     assert get_tokenizer(str(tmp_path / "tokenizer.json")).engine == "tiktoken"
     docs = tmp_path / "docs.jsonl"
@@ -139,6 +145,16 @@ def test_a_file_tiktoken_gets_wrong_is_caught_on_the_corpus_and_sharded_by_the_l
     assert toks.tolist() == want and vocab["qua"] not in want and vocab["qu"] in want
     r = run_cmd([sys.executable, "-m", "data_tools", "verify", str(tmp_path / "data")])
     assert r.returncode == 0, r.stderr
+
+
+def test_a_token_its_merges_do_not_build_keeps_the_library_at_load(tmp_path):
+    """Without ignore_merges, 'qua' as a whole piece is [qu, a] in the library: checked on the
+    vocabulary at load, whatever the corpus holds."""
+    lib, vocab = _qua_tokenizer(ignore_merges=False)
+    lib.save(str(tmp_path / "tokenizer.json"))
+    tok = get_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert tok.engine.startswith("tokenizers") and tok.fast is None
+    assert tok.encode("qua").tolist() == [vocab["qu"], vocab["a"]]
 
 
 @pytest.mark.parametrize("shape", ["llama2", "mistral", "metaspace-split"])
