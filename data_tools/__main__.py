@@ -22,10 +22,17 @@ See docs/data.md for the format."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .shard import DEFAULT_SEED, DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION, ROUND_BYTES
-
     p = argparse.ArgumentParser(prog="python -m data_tools", description=DESCRIPTION)
     sub = p.add_subparsers(dest="command", required=True, metavar="{shard,blend,verify,inspect,stats,validate,train-tokenizer}")
+    _add_shard_parser(sub)
+    _add_blend_parser(sub)
+    _add_read_only_parsers(sub)
+    _add_validate_parser(sub)
+    _add_train_tokenizer_parser(sub)
+    return p
+
+
+def _add_shard_parser(sub) -> None:
     s = sub.add_parser(
         "shard", help="tokenize text into a sharded dataset",
         description="Tokenize documents, append end-of-text to each, split them into train/val "
@@ -49,12 +56,31 @@ def build_parser() -> argparse.ArgumentParser:
                         "tokenizer_config.json next to it, sha256 in the manifest; vocabularies "
                         "over 65,536 give uint32 shards); "
                         "bytes: UTF-8 bytes, vocab 257, eot 256")
+    _add_tokenizer_flags(s)
+    _add_layout_flags(s)
+    s.add_argument("--filter", action="store_true",
+                   help="drop invalid-UTF-8/malformed, empty, short (< --min-chars) and exactly "
+                        "duplicated documents first (see `validate`); recorded in the manifest")
+    s.add_argument("--min-chars", type=int, default=1, metavar="N",
+                   help="with --filter: minimum characters after stripping whitespace (default 1)")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    _add_heartbeat_flag(s)
+
+
+def _add_tokenizer_flags(s) -> None:
+    """shard's --eot-token and --eot-id (a tokenizer.json's end-of-text)."""
     s.add_argument("--eot-token", default=None, metavar="TEXT",
                    help="tokenizer.json only: the end-of-text token appended to each document "
                         "(default: tokenizer_config.json's eos_token beside the file, else "
                         "<|endoftext|>, <|end_of_text|>, </s>, <eos> or <|im_end|>)")
     s.add_argument("--eot-id", type=int, default=None, metavar="N",
                    help="tokenizer.json only: the end-of-text id (instead of --eot-token)")
+
+
+def _add_layout_flags(s) -> None:
+    """shard's --shard-tokens, --val-fraction, --seed and --round-bytes (shard.py's defaults)."""
+    from .shard import DEFAULT_SEED, DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION, ROUND_BYTES
+
     s.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, metavar="N",
                    help="tokens per shard; the last shard of each split is shorter "
                         f"(default {DEFAULT_SHARD_TOKENS:,})")
@@ -66,13 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--round-bytes", type=int, default=ROUND_BYTES, metavar="B",
                    help="under mpiexec, text each rank tokenizes per round; bounds memory "
                         f"(default {ROUND_BYTES >> 20} MiB; never changes the output)")
-    s.add_argument("--filter", action="store_true",
-                   help="drop invalid-UTF-8/malformed, empty, short (< --min-chars) and exactly "
-                        "duplicated documents first (see `validate`); recorded in the manifest")
-    s.add_argument("--min-chars", type=int, default=1, metavar="N",
-                   help="with --filter: minimum characters after stripping whitespace (default 1)")
-    s.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    _add_heartbeat_flag(s)
+
+
+def _add_blend_parser(sub) -> None:
     b = sub.add_parser(
         "blend", help="mix sharded datasets by weight (a manifest only, no token copies)",
         description="Write OUTPUT/manifest.json describing a weighted mixture of datasets made by "
@@ -95,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tokens", type=int, default=None, metavar="N",
                    help="also print how many epochs of each component N training tokens make "
                         "(summary only; not recorded)")
+
+
+def _add_read_only_parsers(sub) -> None:
+    """verify, inspect and stats: they only read a dataset directory."""
     v = sub.add_parser(
         "verify", help="check a dataset (or every component of a blend) against its manifest",
         description="Check manifest, shard presence, sizes, sha256, HDF5 layout and attributes, "
@@ -116,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "manifest and the shards' doc_offsets).")
     st.add_argument("dir", metavar="DIR", help="dataset directory (holds manifest.json)")
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _add_validate_parser(sub) -> None:
     va = sub.add_parser("validate", help="report documents the quality filters would drop",
                         description="Scan inputs (same rules as `shard --input`) and report "
                                     "documents that are not valid UTF-8 / malformed JSONL, empty, "
@@ -127,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     va.add_argument("--min-chars", type=int, default=1, metavar="N",
                     help="minimum characters after stripping whitespace (default 1)")
     _add_heartbeat_flag(va)
+
+
+def _add_train_tokenizer_parser(sub) -> None:
     tt = sub.add_parser("train-tokenizer", help="train a byte-level BPE on text (offline)",
                         description="Train a byte-level BPE (HF tokenizers) on the documents of "
                                     "--input (same rules and order as shard), with "
@@ -140,7 +172,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="vocabulary size including 256 bytes and <|endoftext|> (default 8192)")
     tt.add_argument("--min-frequency", type=int, default=2, metavar="N",
                     help="merge only pairs seen at least N times (default 2)")
-    return p
 
 
 def _add_input_flags(parser) -> None:
@@ -211,64 +242,20 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     comm = None
     try:
-        if args.command in MPI_COMMANDS:
-            from .mpiutil import get_comm
+        if args.command not in MPI_COMMANDS:
+            return _run_local_command(args)
+        from .mpiutil import get_comm
 
-            comm = get_comm()
-            _run_mpi_command(args, comm)
-        elif args.command == "verify":
-            from .verify import verify_dataset
-
-            problems = verify_dataset(args.dir, checksums=not args.no_checksums)
-            if problems:
-                more = f" (+{len(problems) - 1} more problems)" if len(problems) > 1 else ""
-                print(problems[0] + more, file=sys.stderr)
-                return 1
-            from .blend import data_manifest
-
-            m = data_manifest(args.dir)
-            what = "tokens verified" if not args.no_checksums else "tokens, checksums skipped"
-            print(f"{args.dir}: OK ({len(m['shards'])} shards, "
-                  f"{sum(m['n_tokens'].values()):,} {what})")
-        elif args.command == "train-tokenizer":
-            from .train_tokenizer import train_tokenizer
-
-            info = train_tokenizer(args.input, args.output, args.vocab_size, args.min_frequency,
-                                   args.extensions, args.text_column)
-            print(f"{info['path']}: byte-level BPE, vocab {info['vocab_size']}, eot id "
-                  f"{info['eot_id']}, trained on {info['documents']} documents")
-        elif args.command == "stats":
-            import json
-
-            from .stats import dataset_stats, describe_stats
-
-            st = dataset_stats(args.dir)
-            print(json.dumps(st, indent=2) if args.json else describe_stats(args.dir, st))
-        else:
-            from .verify import describe_dataset
-
-            print(describe_dataset(args.dir))
+        comm = get_comm()
+        _run_mpi_command(args, comm)
     except DataError as e:
-        size = comm.Get_size() if comm is not None else 1
-        if size > 1 and not e.collective:
-            print(e, file=sys.stderr, flush=True)
-            comm.Abort(1)  # only this rank failed: the others would hang in a collective
-        if comm is None or comm.Get_rank() == 0:
-            print(e, file=sys.stderr)
-        return 1
+        return _report_data_error(e, comm)
     except KeyboardInterrupt:  # one rank (under mpiexec the heartbeat thread handles SIGINT)
         print(f"error: interrupted (SIGINT) during {args.command}; nothing was changed",
               file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     except OSError as e:  # a missing, truncated or unreadable file, a full or read-only disk
-        if os.environ.get("HPCTRAIN_DEBUG"):
-            traceback.print_exc()
-        rank = comm.Get_rank() if comm is not None else 0
-        tag = f"[rank {rank}] " if rank else ""
-        print(f"{tag}{_describe_os_error(e)}", file=sys.stderr, flush=True)
-        if comm is not None and comm.Get_size() > 1:
-            comm.Abort(1)  # the others may wait in a collective
-        return 1
+        return _report_os_error(e, comm)
     except Exception:
         if comm is not None and comm.Get_size() > 1:
             traceback.print_exc()
@@ -276,6 +263,72 @@ def main(argv=None) -> int:
             comm.Abort(1)
         raise
     return 0
+
+
+def _run_local_command(args) -> int:
+    """verify, train-tokenizer, stats and inspect: one process, no MPI; the exit code."""
+    if args.command == "verify":
+        return _verify(args)
+    if args.command == "train-tokenizer":
+        from .train_tokenizer import train_tokenizer
+
+        info = train_tokenizer(args.input, args.output, args.vocab_size, args.min_frequency,
+                               args.extensions, args.text_column)
+        print(f"{info['path']}: byte-level BPE, vocab {info['vocab_size']}, eot id "
+              f"{info['eot_id']}, trained on {info['documents']} documents")
+    elif args.command == "stats":
+        import json
+
+        from .stats import dataset_stats, describe_stats
+
+        st = dataset_stats(args.dir)
+        print(json.dumps(st, indent=2) if args.json else describe_stats(args.dir, st))
+    else:
+        from .verify import describe_dataset
+
+        print(describe_dataset(args.dir))
+    return 0
+
+
+def _verify(args) -> int:
+    """One OK line (0), or the first problem and how many more on stderr (1)."""
+    from .verify import verify_dataset
+
+    problems = verify_dataset(args.dir, checksums=not args.no_checksums)
+    if problems:
+        more = f" (+{len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        print(problems[0] + more, file=sys.stderr)
+        return 1
+    from .blend import data_manifest
+
+    m = data_manifest(args.dir)
+    what = "tokens verified" if not args.no_checksums else "tokens, checksums skipped"
+    print(f"{args.dir}: OK ({len(m['shards'])} shards, "
+          f"{sum(m['n_tokens'].values()):,} {what})")
+    return 0
+
+
+def _report_data_error(e: DataError, comm) -> int:
+    """The DataError's one line (rank 0's; a rank failing alone prints it and aborts the job)."""
+    size = comm.Get_size() if comm is not None else 1
+    if size > 1 and not e.collective:
+        print(e, file=sys.stderr, flush=True)
+        comm.Abort(1)  # only this rank failed: the others would hang in a collective
+    if comm is None or comm.Get_rank() == 0:
+        print(e, file=sys.stderr)
+    return 1
+
+
+def _report_os_error(e: OSError, comm) -> int:
+    """One line naming the file (and the rank, if not 0); aborts the job under mpiexec."""
+    if os.environ.get("HPCTRAIN_DEBUG"):
+        traceback.print_exc()
+    rank = comm.Get_rank() if comm is not None else 0
+    tag = f"[rank {rank}] " if rank else ""
+    print(f"{tag}{_describe_os_error(e)}", file=sys.stderr, flush=True)
+    if comm is not None and comm.Get_size() > 1:
+        comm.Abort(1)  # the others may wait in a collective
+    return 1
 
 
 def _describe_os_error(e: OSError) -> str:

@@ -114,14 +114,29 @@ class RoundExchange:
         """``held``: chunk index -> {split: (tokens, doc starts local to the chunk's tokens)}
         for the chunks of this round this rank tokenized."""
         from mpi4py import MPI
-        from mpi4py.util.dtlib import from_numpy_dtype
 
-        comm, rank, S = self.comm, self.rank, self.S
+        holder, layout = self._gather_layout(held, n_chunks)
+        types = []  # committed MPI datatypes, freed once every request completed
+        requests = self._post_sends(layout, types)
+        first_err = self._receive_owned(layout, holder, n_chunks, types)
+        if final:  # the short last shard of each split
+            for s, k in sorted(self.open):
+                first_err = self._write(s, k, first_err)
+        MPI.Request.Waitall(requests)
+        for t in types:
+            t.Free()
+        self.base = layout.starts[-1].copy()
+        if first_err is not None:
+            raise first_err
+
+    def _gather_layout(self, held: dict, n_chunks: int):
+        """Allgather every chunk's token count per split and its holder rank; return (holder,
+        the round's _RoundLayout)."""
         mine = sorted(held)
         counts = np.zeros((n_chunks, len(SPLITS)), np.int64)
         holder = np.full(n_chunks, -1)
-        for r, lst in enumerate(comm.allgather([(c, [held[c][s][0].size for s in SPLITS])
-                                                for c in mine])):
+        for r, lst in enumerate(self.comm.allgather([(c, [held[c][s][0].size for s in SPLITS])
+                                                     for c in mine])):
             for c, cnt in lst:
                 counts[c], holder[c] = cnt, r
         assert (holder >= 0).all(), "a chunk of the round was claimed by no rank"
@@ -129,28 +144,24 @@ class RoundExchange:
                                         np.cumsum(counts, axis=0)])  # global, per chunk
         local = {c: {s: (held[c][s][0], held[c][s][1] + starts[c, si])
                      for si, s in enumerate(SPLITS)} for c in mine}
+        return holder, _RoundLayout(starts, local, self.S)
 
-        def piece(c, si, k):  # [a, b) of shard k of split si in chunk c, global offsets
-            return max(k * S, int(starts[c, si])), min((k + 1) * S, int(starts[c + 1, si]))
+    def _post_sends(self, layout: "_RoundLayout", types: list) -> list:
+        """Post this rank's pieces of every shard another rank owns; return the requests.
+        One token message and one doc-offset message per (peer, shard): a rank's pieces of a
+        shard go out in chunk order as one message (an hindexed MPI datatype over the pieces
+        where they lie) and land straight in the owner's buffer (an indexed datatype built
+        from the allgathered counts)."""
+        from mpi4py import MPI
+        from mpi4py.util.dtlib import from_numpy_dtype
 
-        def part(c, s, si, a, b):  # chunk c's tokens [a, b) and its documents starting there
-            toks, gdocs = local[c][s]
-            g0 = int(starts[c, si])
-            return toks[a - g0:b - g0], starts_in(gdocs, a, b)
-
-        plan = [(si, s, k) for si, s in enumerate(SPLITS) if starts[-1, si] > starts[0, si]
-                for k in range(int(starts[0, si]) // S, (int(starts[-1, si]) - 1) // S + 1)]
-        # One token message and one doc-offset message per (peer, shard): a rank's pieces of a
-        # shard go out in chunk order as one message (an hindexed MPI datatype over the pieces
-        # where they lie) and land straight in the owner's buffer (an indexed datatype built
-        # from the allgathered counts).
-        requests, types, first_err = [], [], None
-        for si, s, k in plan:
+        comm, S, requests = self.comm, self.S, []
+        for si, s, k in layout.plan():
             dest = self.owner(si, k)
-            if dest == rank:
+            if dest == self.rank:
                 continue
-            spans = [(c, *piece(c, si, k)) for c in mine]
-            parts = [part(c, s, si, a, b) for c, a, b in spans if a < b]
+            spans = [(c, *layout.piece(c, si, k)) for c in sorted(layout.local)]
+            parts = [layout.part(c, s, si, a, b) for c, a, b in spans if a < b]
             if len(parts) == 1:
                 requests.append(comm.Isend(parts[0][0], dest=dest, tag=_TAG_TOKENS))
             elif parts:  # the pieces in place (absolute addresses from MPI_BOTTOM): no send copy
@@ -161,43 +172,47 @@ class RoundExchange:
             if parts:
                 requests.append(comm.isend(np.concatenate([d for _, d in parts]) - k * S, dest=dest,
                                            tag=_TAG_DOCS))
-        for si, s, k in plan:
-            if self.owner(si, k) != rank:
+        return requests
+
+    def _receive_owned(self, layout: "_RoundLayout", holder, n_chunks: int, types: list):
+        """Fill the buffers of the shards this rank owns (own pieces copied, the others'
+        received in rank order); emit each one that is full.  Returns the first emit error."""
+        first_err = None
+        for si, s, k in layout.plan():
+            if self.owner(si, k) != self.rank:
                 continue
-            slot = self.open.setdefault((s, k), [np.empty(S, dtype=self.dtype), [], 0])
-            out, lo = slot[0], k * S
+            slot = self.open.setdefault((s, k), [np.empty(self.S, dtype=self.dtype), [], 0])
             by_rank = {}
             for c in range(n_chunks):
-                a, b = piece(c, si, k)
+                a, b = layout.piece(c, si, k)
                 if a < b:
                     by_rank.setdefault(int(holder[c]), []).append((c, a, b))
                     slot[2] += b - a
-            for c, a, b in by_rank.pop(rank, []):
-                toks, docs = part(c, s, si, a, b)
-                out[a - lo:b - lo] = toks
-                slot[1].append(docs - lo)
+            for c, a, b in by_rank.pop(self.rank, []):
+                toks, docs = layout.part(c, s, si, a, b)
+                slot[0][a - k * self.S:b - k * self.S] = toks
+                slot[1].append(docs - k * self.S)
             for src in sorted(by_rank):
-                spans = by_rank[src]
-                if len(spans) == 1:
-                    _, a, b = spans[0]
-                    comm.Recv(out[a - lo:b - lo], source=src, tag=_TAG_TOKENS)
-                else:
-                    mpi_type = from_numpy_dtype(out.dtype).Create_indexed(
-                        [b - a for _, a, b in spans], [a - lo for _, a, b in spans]).Commit()
-                    types.append(mpi_type)
-                    comm.Recv([out, 1, mpi_type], source=src, tag=_TAG_TOKENS)
-                slot[1].append(comm.recv(source=src, tag=_TAG_DOCS))
-            if slot[2] == S:
+                self._receive_from(src, by_rank[src], slot, k * self.S, types)
+            if slot[2] == self.S:
                 first_err = self._write(s, k, first_err)
-        if final:  # the short last shard of each split
-            for s, k in sorted(self.open):
-                first_err = self._write(s, k, first_err)
-        MPI.Request.Waitall(requests)
-        for t in types:
-            t.Free()
-        self.base = starts[-1].copy()
-        if first_err is not None:
-            raise first_err
+        return first_err
+
+    def _receive_from(self, src: int, spans: list, slot: list, lo: int, types: list) -> None:
+        """Rank ``src``'s token message (its ``spans`` [a, b) of the shard starting at global
+        offset ``lo``, straight into the buffer) and its doc-offset message."""
+        from mpi4py.util.dtlib import from_numpy_dtype
+
+        out = slot[0]
+        if len(spans) == 1:
+            _, a, b = spans[0]
+            self.comm.Recv(out[a - lo:b - lo], source=src, tag=_TAG_TOKENS)
+        else:
+            mpi_type = from_numpy_dtype(out.dtype).Create_indexed(
+                [b - a for _, a, b in spans], [a - lo for _, a, b in spans]).Commit()
+            types.append(mpi_type)
+            self.comm.Recv([out, 1, mpi_type], source=src, tag=_TAG_TOKENS)
+        slot[1].append(self.comm.recv(source=src, tag=_TAG_DOCS))
 
     def _write(self, s, k, first_err):
         out, offs, n = self.open.pop((s, k))
@@ -208,3 +223,29 @@ class RoundExchange:
             except Exception as exc:  # noqa: BLE001 - re-raised after the exchange
                 return exc
         return first_err
+
+
+class _RoundLayout:
+    """One round's geometry: ``starts[c, si]`` = global offset of chunk c's first token of split
+    si (row n_chunks = the round's end); ``local`` = this rank's chunks, doc starts made global."""
+
+    def __init__(self, starts: np.ndarray, local: dict, shard_tokens: int):
+        self.starts, self.local, self.S = starts, local, shard_tokens
+
+    def plan(self) -> list[tuple[int, str, int]]:
+        """(split index, split, shard k) of every shard the round touches, in the order every
+        rank posts and receives them."""
+        st, S = self.starts, self.S
+        return [(si, s, k) for si, s in enumerate(SPLITS) if st[-1, si] > st[0, si]
+                for k in range(int(st[0, si]) // S, (int(st[-1, si]) - 1) // S + 1)]
+
+    def piece(self, c: int, si: int, k: int) -> tuple[int, int]:
+        """[a, b) of shard k of split si in chunk c, global offsets (empty: a >= b)."""
+        return (max(k * self.S, int(self.starts[c, si])),
+                min((k + 1) * self.S, int(self.starts[c + 1, si])))
+
+    def part(self, c: int, s: str, si: int, a: int, b: int):
+        """Chunk c's tokens [a, b) of split s and its documents starting there (global)."""
+        toks, gdocs = self.local[c][s]
+        g0 = int(self.starts[c, si])
+        return toks[a - g0:b - g0], starts_in(gdocs, a, b)

@@ -194,13 +194,7 @@ def _build(comm, tok, dtype, table, is_val, output, final, shard_tokens, val_fra
     rank, size = comm.Get_rank(), comm.Get_size()
     report = None
     if filter:  # drop bad/short/duplicate documents, then number and split the kept ones
-        from .validate import describe_report, filter_documents, subset
-
-        keep, report = filter_documents(table, min_chars, comm)
-        table = subset(table, keep)
-        is_val = documents.assign_val(len(table), val_fraction, seed)
-        if rank == 0:
-            log("filter: " + describe_report(report, min_chars))
+        table, is_val, report = _filter_table(comm, table, val_fraction, seed, min_chars, log)
     t_plan = time.perf_counter()
     # Rounds of ~ROUND_BYTES of text per rank bound memory (MPI); 1 rank streams in one round.
     rounds = round_cuts(table.length, round_bytes * size) if size > 1 else [(0, len(table))]
@@ -212,38 +206,9 @@ def _build(comm, tok, dtype, table, is_val, output, final, shard_tokens, val_fra
         entries.append(write_shard(path, toks, offs, split=split, tokenizer=tok.name,
                                    vocab_size=tok.vocab_size, eot_id=tok.eot_id))
 
-    bar = None
-    if rank == 0 and progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=int(table.length.sum()), unit="B", unit_scale=True, file=sys.stderr,
-                   disable=None, desc=f"tokenize ({size} rank{'s' if size > 1 else ''})")
-
-    def tokenize(lo, hi, add):
-        """Documents [lo, hi) in order: add(split, tokens + end-of-text) for each."""
-        batch, nbytes = [], 0
-
-        def run(batch):
-            arrs = tok.encode_batch([t for _, t in batch], num_threads=threads)
-            for (i, _), ids in zip(batch, arrs):
-                if ids.size and int(ids.max()) >= tok.vocab_size:  # never a silent wrap to uint16
-                    raise DataError(documents.where(table, i), f"token id {int(ids.max())} >= "
-                                    f"the vocabulary size {tok.vocab_size} of {tok.name}")
-                doc = np.empty(ids.size + 1, dtype)  # one copy: ids cast in place, then end-of-text
-                doc[:-1] = ids
-                doc[-1] = tok.eot_id
-                add("val" if is_val[i] else "train", doc)
-                if bar is not None and size == 1:
-                    bar.update(int(table.length[i]))
-
-        for i, text in documents.iter_texts(table, lo, hi):
-            batch.append((i, text))
-            nbytes += len(text)
-            if nbytes >= BATCH_BYTES or len(batch) >= BATCH_DOCS:
-                run(batch)
-                batch, nbytes = [], 0
-        run(batch)
-
+    bar = _progress_bar(table, size) if rank == 0 and progress else None
+    tokenize = _document_tokenizer(tok, dtype, table, is_val, threads,
+                                   bar if size == 1 else None)
     if size == 1:
         stream = _StreamWriter(emit, shard_tokens, dtype)
         tokenize(0, len(table), stream.add)
@@ -258,22 +223,8 @@ def _build(comm, tok, dtype, table, is_val, output, final, shard_tokens, val_fra
     def finish():
         if rank != 0:
             return None
-        order = {s: i for i, s in enumerate(SPLITS)}
-        shards = sorted((e for part, _ in gathered for e in part),
-                        key=lambda e: (order[e["split"]], e["file"]))
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "tokenizer": {"name": tok.name, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id},
-            "dtype": dtype.name, "seed": seed, "val_fraction": val_fraction,
-            "shard_tokens": shard_tokens,
-            "n_documents": {"train": int((~is_val).sum()), "val": int(is_val.sum())},
-            "n_tokens": {s: sum(e["n_tokens"] for e in shards if e["split"] == s) for s in SPLITS},
-            "shards": shards,
-        }
-        if report is not None:
-            manifest["filter"] = {"min_chars": int(min_chars), "total": report["total"],
-                                  "dropped": {r: report[r] for r in
-                                              ("invalid", "empty", "short", "duplicate")}}
+        manifest = _manifest(tok, dtype, seed, val_fraction, shard_tokens, is_val,
+                             _sorted_shards(gathered), report, min_chars)
         if getattr(tok, "path", None):  # a tokenizer.json: saved beside the data, pinned by sha256
             _copy_tokenizer_files(tok, output)
             manifest["tokenizer"].update(file=TOKENIZER_FILE, sha256=tok.sha256)
@@ -283,6 +234,81 @@ def _build(comm, tok, dtype, table, is_val, output, final, shard_tokens, val_fra
         return manifest
 
     return comm.bcast(agree(comm, finish), root=0), gathered, t_plan
+
+
+def _filter_table(comm, table, val_fraction, seed, min_chars, log):
+    """--filter: the kept documents' table, their fresh train/val split and the filter report."""
+    from .validate import describe_report, filter_documents, subset
+
+    keep, report = filter_documents(table, min_chars, comm)
+    table = subset(table, keep)
+    is_val = documents.assign_val(len(table), val_fraction, seed)
+    if comm.Get_rank() == 0:
+        log("filter: " + describe_report(report, min_chars))
+    return table, is_val, report
+
+
+def _progress_bar(table, size):
+    """Rank 0's tqdm bar on stderr over the text's bytes."""
+    from tqdm import tqdm
+
+    return tqdm(total=int(table.length.sum()), unit="B", unit_scale=True, file=sys.stderr,
+                disable=None, desc=f"tokenize ({size} rank{'s' if size > 1 else ''})")
+
+
+def _document_tokenizer(tok, dtype, table, is_val, threads, bar):
+    """tokenize(lo, hi, add): documents [lo, hi) in order, add(split, tokens + end-of-text) for
+    each, in batches of BATCH_BYTES / BATCH_DOCS; ``bar`` (1 rank only) advances per document."""
+
+    def run(batch, add):
+        arrs = tok.encode_batch([t for _, t in batch], num_threads=threads)
+        for (i, _), ids in zip(batch, arrs):
+            if ids.size and int(ids.max()) >= tok.vocab_size:  # never a silent wrap to uint16
+                raise DataError(documents.where(table, i), f"token id {int(ids.max())} >= "
+                                f"the vocabulary size {tok.vocab_size} of {tok.name}")
+            doc = np.empty(ids.size + 1, dtype)  # one copy: ids cast in place, then end-of-text
+            doc[:-1] = ids
+            doc[-1] = tok.eot_id
+            add("val" if is_val[i] else "train", doc)
+            if bar is not None:
+                bar.update(int(table.length[i]))
+
+    def tokenize(lo, hi, add):
+        batch, nbytes = [], 0
+        for i, text in documents.iter_texts(table, lo, hi):
+            batch.append((i, text))
+            nbytes += len(text)
+            if nbytes >= BATCH_BYTES or len(batch) >= BATCH_DOCS:
+                run(batch, add)
+                batch, nbytes = [], 0
+        run(batch, add)
+
+    return tokenize
+
+
+def _sorted_shards(gathered) -> list[dict]:
+    """Every rank's shard entries, train before val, by file name."""
+    order = {s: i for i, s in enumerate(SPLITS)}
+    return sorted((e for part, _ in gathered for e in part),
+                  key=lambda e: (order[e["split"]], e["file"]))
+
+
+def _manifest(tok, dtype, seed, val_fraction, shard_tokens, is_val, shards, report, min_chars):
+    """manifest.json's content (before the tokenizer file's name and sha256 are added)."""
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "tokenizer": {"name": tok.name, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id},
+        "dtype": dtype.name, "seed": seed, "val_fraction": val_fraction,
+        "shard_tokens": shard_tokens,
+        "n_documents": {"train": int((~is_val).sum()), "val": int(is_val.sum())},
+        "n_tokens": {s: sum(e["n_tokens"] for e in shards if e["split"] == s) for s in SPLITS},
+        "shards": shards,
+    }
+    if report is not None:
+        manifest["filter"] = {"min_chars": int(min_chars), "total": report["total"],
+                              "dropped": {r: report[r] for r in
+                                          ("invalid", "empty", "short", "duplicate")}}
+    return manifest
 
 
 def _copy_tokenizer_files(tok, output) -> None:
