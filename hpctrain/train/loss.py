@@ -24,7 +24,6 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 IGNORE_INDEX = -100  # as F.cross_entropy
-VOCAB_BLOCKS = 8  # 16-bit compute: [chunk x V] and [V x C] work in this many vocabulary blocks
 
 
 class ChunkedLossHead(nn.Linear):
@@ -62,42 +61,18 @@ def _vocab_shard(w: torch.Tensor):
     return w.to_local(), mesh.get_local_rank(d) * rows, mesh.get_group(d)
 
 
-def _vocab_blocks(v: int):
-    step = -(-v // VOCAB_BLOCKS)
-    return [(v0, min(v0 + step, v)) for v0 in range(0, v, step)]
-
-
-def _logits_into(buf, hc, wc):
-    """hc @ wc^T as fp32 in `buf` (the only [chunk x vocab] tensor alive, reused by every chunk);
-    a 16-bit product goes through it a vocabulary block at a time (no 16-bit [chunk x V] copy)."""
-    if hc.dtype == torch.float32:
-        return torch.matmul(hc, wc.t(), out=buf)
-    for v0, v1 in _vocab_blocks(wc.shape[0]):
-        buf[:, v0:v1] = hc @ wc[v0:v1].t()
-    return buf
-
-
-def _grads_16bit(g, hc, wc, grad_h, grad_w):
-    """grad_h = g @ wc and grad_w += g^T @ hc for a 16-bit wc, a vocabulary block at a time: the
-    16-bit copies of g and the products stay block-sized (not [chunk x V] / [V x C]); grad_h sums
-    the blocks' products in fp32."""
-    acc = torch.zeros(grad_h.shape, dtype=torch.float32, device=grad_h.device)
-    for v0, v1 in _vocab_blocks(wc.shape[0]):
-        gb = g[:, v0:v1].to(wc.dtype)
-        acc += gb @ wc[v0:v1]
-        grad_w[v0:v1] += gb.t() @ hc
-    grad_h.copy_(acc)
-
-
 def _chunk_loss_and_grad(hc, wc, t, offset, group, weight, buf):
-    """One chunk: (sum of token losses, d(weight * sum)/d logits in fp32 (in `buf`) or None).
+    """One chunk: (sum of token losses, d(weight * sum)/d logits as hc's dtype or None).
     `weight`: per-token factor for the gradient (valid / count), or None for forward only.
-    `buf`: the reused fp32 [chunk, vocab] buffer for the logits."""
-    logits = _logits_into(buf[:len(t)], hc, wc)
+    `buf`: a reused fp32 [chunk, vocab] buffer for the logits (fp32 compute), or None."""
+    if buf is not None:  # the only [chunk x vocab] tensor alive, allocated once per call
+        logits = torch.matmul(hc, wc.t(), out=buf[:len(t)])
+    else:
+        logits = (hc @ wc.t()).float()
     local_t = t - offset
     owned = (local_t >= 0) & (local_t < wc.shape[0]) & (t != IGNORE_INDEX)
     idx = torch.where(owned, local_t, 0).unsqueeze(1)
-    row_max = logits.amax(dim=1)  # no argmax (max(dim) also finds the index: 10x slower)
+    row_max = logits.amax(dim=1)  # values only: max(dim=1) also computes the argmax
     if group is not None:
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
     logits -= row_max.unsqueeze(1)
@@ -115,7 +90,7 @@ def _chunk_loss_and_grad(hc, wc, t, offset, group, weight, buf):
     probs = logits.mul_((weight / sum_exp).unsqueeze(1))
     rows = torch.arange(len(t), device=t.device)[owned]
     probs[rows, idx.squeeze(1)[owned]] -= weight[rows]
-    return loss_sum, probs
+    return loss_sum, probs.to(hc.dtype)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -129,7 +104,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_grad else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         fp32 = dtype == torch.float32
-        buf = torch.empty(min(chunk, h.shape[0]), w.shape[0], dtype=torch.float32, device=h.device)
+        buf = (torch.empty(min(chunk, h.shape[0]), w.shape[0], dtype=torch.float32,
+                           device=h.device) if fp32 else None)
         for s in range(0, h.shape[0], chunk):
             e = min(s + chunk, h.shape[0])
             part, g = _chunk_loss_and_grad(hc[s:e], wc, targets[s:e], offset, group,
@@ -139,7 +115,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 torch.matmul(g, wc, out=grad_h[s:e])
                 grad_w.addmm_(g.t(), hc[s:e])
             elif need_grad:
-                _grads_16bit(g, hc[s:e], wc, grad_h[s:e], grad_w)
+                grad_h[s:e] = g @ wc
+                grad_w += (g.t() @ hc[s:e]).float()
         if need_grad:
             if group is not None:
                 dist.all_reduce(grad_h, group=group)  # every vocabulary slice's share
