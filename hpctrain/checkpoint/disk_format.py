@@ -256,8 +256,6 @@ def check_checkpoint(ckpt: Path, full: bool = False):
     """(problems, commit, dcp_metadata). Quick by default: sizes of all files, sha256 of the small
     ones, a safe parse of `.metadata` (every storage file it names is listed and long enough).
     `full` also checks the checksums of data files when COMMIT.json recorded them."""
-    from hpctrain.checkpoint.safe_load import read_metadata  # here: this module itself needs no torch
-
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
         return ["not a directory"], None, None
@@ -265,36 +263,7 @@ def check_checkpoint(ckpt: Path, full: bool = False):
         commit = read_commit(ckpt)
     except CheckpointError as e:
         return [str(e)], None, None
-    problems = []
-    parsed = parse_dir_name(ckpt.name)
-    if parsed and parsed[0] != commit["step"]:
-        problems.append(f"{COMMIT_FILE} says step {commit['step']}, directory name says {parsed[0]}")
-    files = commit["files"]
-    outside = [rel for rel in files if os.path.isabs(rel) or ".." in Path(rel).parts]
-    if outside:
-        return [f"{COMMIT_FILE} lists files outside the checkpoint: {outside[:3]}"], commit, None
-    for name in SMALL_FILES:
-        if name not in files:
-            problems.append(f"{COMMIT_FILE} does not list {name}")
-    for rel, entry in sorted(files.items()):
-        p = ckpt / rel
-        if not isinstance(entry, dict):
-            problems.append(f"{COMMIT_FILE} entry for {rel} is malformed")
-            continue
-        try:
-            size = os.stat(p).st_size
-        except FileNotFoundError:
-            problems.append(f"{rel} is missing")
-            continue
-        except OSError as e:
-            problems.append(f"{rel}: {e}")
-            continue
-        if size != entry.get("size"):
-            problems.append(f"{rel} has {size} bytes, {COMMIT_FILE} says {entry.get('size')}")
-            continue
-        if rel in SMALL_FILES or full:
-            if (bad := hash_problem(ckpt, rel, entry)) is not None:
-                problems.append(bad)
+    problems = _listed_file_problems(ckpt, commit, full)
     if problems:
         return problems, commit, None
     try:
@@ -303,24 +272,73 @@ def check_checkpoint(ckpt: Path, full: bool = False):
         return [f"{TRAINER_STATE_FILE} unreadable ({e})"], commit, None
     if not isinstance(state, dict):
         return [f"{TRAINER_STATE_FILE} is not a JSON object"], commit, None
-    try:
-        metadata = read_metadata(ckpt / DCP_METADATA_FILE)
-        ends: dict[str, int] = {}
-        for info in metadata.storage_data.values():
-            rel = str(info.relative_path)
-            if os.path.isabs(rel) or ".." in Path(rel).parts:
-                return [f".metadata points outside the checkpoint: {rel}"], commit, None
-            ends[rel] = max(ends.get(rel, 0), int(info.offset) + int(info.length))
-    except CheckpointError as e:
-        return [str(e)], commit, None
-    except (AttributeError, TypeError, ValueError) as e:
-        return [f".metadata is malformed ({type(e).__name__}: {e})"], commit, None
+    problem, metadata, ends = _storage_ends(ckpt)
+    if problem is not None:
+        return [problem], commit, None
+    files = commit["files"]
     for rel, end in sorted(ends.items()):
         if rel not in files:
             problems.append(f".metadata refers to {rel}, which {COMMIT_FILE} does not list")
         elif files[rel]["size"] < end:
             problems.append(f"{rel} is shorter ({files[rel]['size']} bytes) than .metadata needs ({end})")
     return problems, commit, (None if problems else metadata)
+
+
+def _listed_file_problems(ckpt: Path, commit: dict, full: bool) -> list[str]:
+    """The directory name's step, then every file COMMIT.json lists: present, its size, the
+    sha256 of the small ones (of all, with ``full``).  A file outside the checkpoint is the only
+    problem reported."""
+    problems = []
+    parsed = parse_dir_name(ckpt.name)
+    if parsed and parsed[0] != commit["step"]:
+        problems.append(f"{COMMIT_FILE} says step {commit['step']}, directory name says {parsed[0]}")
+    files = commit["files"]
+    outside = [rel for rel in files if os.path.isabs(rel) or ".." in Path(rel).parts]
+    if outside:
+        return [f"{COMMIT_FILE} lists files outside the checkpoint: {outside[:3]}"]
+    for name in SMALL_FILES:
+        if name not in files:
+            problems.append(f"{COMMIT_FILE} does not list {name}")
+    for rel, entry in sorted(files.items()):
+        if (bad := _listed_file_problem(ckpt, rel, entry, full)) is not None:
+            problems.append(bad)
+    return problems
+
+
+def _listed_file_problem(ckpt: Path, rel: str, entry, full: bool) -> str | None:
+    """What is wrong with one file COMMIT.json lists (malformed entry, missing, size, sha256)."""
+    if not isinstance(entry, dict):
+        return f"{COMMIT_FILE} entry for {rel} is malformed"
+    try:
+        size = os.stat(ckpt / rel).st_size
+    except FileNotFoundError:
+        return f"{rel} is missing"
+    except OSError as e:
+        return f"{rel}: {e}"
+    if size != entry.get("size"):
+        return f"{rel} has {size} bytes, {COMMIT_FILE} says {entry.get('size')}"
+    if rel in SMALL_FILES or full:
+        return hash_problem(ckpt, rel, entry)
+    return None
+
+
+def _storage_ends(ckpt: Path):
+    """(problem or None, the DCP metadata, {storage file: bytes .metadata needs of it})."""
+    from hpctrain.checkpoint.safe_load import read_metadata  # here: this module itself needs no torch
+
+    try:
+        metadata = read_metadata(ckpt / DCP_METADATA_FILE)
+        ends: dict[str, int] = {}
+        for info in metadata.storage_data.values():
+            rel = str(info.relative_path)
+            if os.path.isabs(rel) or ".." in Path(rel).parts:
+                return f".metadata points outside the checkpoint: {rel}", None, None
+            ends[rel] = max(ends.get(rel, 0), int(info.offset) + int(info.length))
+    except CheckpointError as e:
+        return str(e), None, None
+    except (AttributeError, TypeError, ValueError) as e:
+        return f".metadata is malformed ({type(e).__name__}: {e})", None, None
+    return None, metadata, ends
 
 
 def verify_checkpoint(path: str | os.PathLike, full: bool = False) -> list[str]:

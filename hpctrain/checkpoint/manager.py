@@ -284,7 +284,33 @@ class CheckpointManager:
         """Phases 2-4 (any thread; collectives on `group`): DCP write, agreement, commit, retention."""
         tmp, prefix = job.tmp, job.prefix
         # 2. every rank writes its DCP shards; rank 0 the JSON files. Agree on success.
-        digest, hashes = hashlib.sha256(job.values_json.encode()).hexdigest(), {}
+        digest = hashlib.sha256(job.values_json.encode()).hexdigest()
+        err, hashes = self._write(job, group, pacer)
+        try:
+            results = self._gather((err, digest, hashes), group)
+            self._raise_first([e for e, _, _ in results], prefix)
+            if any(d != results[0][1] for _, d, _ in results):
+                raise CheckpointError(f"{prefix} failed: non-tensor state entries (optimizer "
+                                      f"hyper-parameters etc.) differ between ranks")
+        except CheckpointError:
+            self._discard(tmp)
+            raise
+        faults.hit("save.agreed")
+        # 3. rank 0 commits; 4. retention (rank 0; a failure there is only a warning).
+        self._commit(job, {k: v for _, _, h in results for k, v in h.items()}, group)
+        if self.rank == 0:
+            assert_held()
+            try:
+                directory.prune(self.root, self.keep)
+            except Exception as e:  # noqa: BLE001 - the new checkpoint is committed regardless
+                directory.warn(f"checkpoint retention in {self.root} failed: {describe(e)}")
+        faults.hit("save.end")
+        return job.final
+
+    def _write(self, job: "_Job", group, pacer: background.Pacer | None):
+        """Phase 2 on this rank: its DCP shards (rank 0 also the JSON files) into job.tmp.
+        Returns (the failure to agree on or None, {data file: sha256} when full_checksums)."""
+        tmp, hashes = job.tmp, {}
         fs = RecordingFileSystem(pacer, hash_writes=self.full_checksums)
         try:
             writer = dcp.FileSystemWriter(tmp, sync_files=True, thread_count=self.writer_threads)
@@ -303,48 +329,29 @@ class CheckpointManager:
                 faults.hit("save.trainer_state")
                 disk_format.write_bytes_durably(tmp / disk_format.NONTENSOR_FILE, job.values_json.encode())
                 faults.hit("save.nontensor")
-            err = None
+            return None, hashes
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
-            err = failure(e, self.rank, fs.first_error)
-        try:
-            results = self._gather((err, digest, hashes), group)
-            self._raise_first([e for e, _, _ in results], prefix)
-            if any(d != results[0][1] for _, d, _ in results):
-                raise CheckpointError(f"{prefix} failed: non-tensor state entries (optimizer "
-                                      f"hyper-parameters etc.) differ between ranks")
-        except CheckpointError:
-            self._discard(tmp)
-            raise
-        faults.hit("save.agreed")
+            return failure(e, self.rank, fs.first_error), hashes
 
-        # 3. rank 0 commits: COMMIT.json, fsync, rename into place, fsync root. Everyone learns.
+    def _commit(self, job: "_Job", data_sha: dict, group) -> None:
+        """Phase 3: rank 0 commits (COMMIT.json, fsync, rename into place, fsync root); every
+        rank learns the outcome and raises the same CheckpointError on a failure."""
         err = None
         if self.rank == 0:
             assert_held()  # never commit (or discard) into a run dir another job owns now
             try:
-                data_sha = {k: v for _, _, h in results for k, v in h.items()}
-                disk_format.write_commit(tmp, job.step, self.world_size, data_sha)
+                disk_format.write_commit(job.tmp, job.step, self.world_size, data_sha)
                 faults.hit("commit.marker_written")
-                disk_format.fsync_dir(tmp)
+                disk_format.fsync_dir(job.tmp)
                 faults.hit("commit.before_rename")
-                directory.install(tmp, job.final)
+                directory.install(job.tmp, job.final)
                 faults.hit("commit.done")
             except Exception as e:  # noqa: BLE001
                 err = describe(e)
-                self._discard(tmp)
+                self._discard(job.tmp)
         err = self._bcast(err, group)
         if err:
-            raise CheckpointError(f"{prefix} failed: {err}")
-
-        # 4. retention (rank 0; a failure here is a warning: the new checkpoint is committed).
-        if self.rank == 0:
-            assert_held()
-            try:
-                directory.prune(self.root, self.keep)
-            except Exception as e:  # noqa: BLE001 - the new checkpoint is committed regardless
-                directory.warn(f"checkpoint retention in {self.root} failed: {describe(e)}")
-        faults.hit("save.end")
-        return job.final
+            raise CheckpointError(f"{job.prefix} failed: {err}")
 
     def load(self, path: str | os.PathLike, state: dict) -> dict:
         """Collective. Loads checkpoint `path` into `state` in place (tensors via DCP, resharded to
