@@ -47,7 +47,7 @@ def raw_write(path: Path, nbytes: int, block: int = 16 << 20) -> float:
     return dt
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--width", type=int, default=512)
@@ -62,58 +62,62 @@ def main() -> None:
                     help="the background writer's duty cycle (checkpoint.async_cpu_share)")
     ap.add_argument("--threads", type=int, default=0,
                     help="compute threads per rank (0 = all cores / ranks; fewer leaves cores for I/O)")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    ctx = init_distributed("gloo", 300)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    r, w = ctx.rank, ctx.world_size
-    root = Path(args.dir or tempfile.gettempdir()) / f"hpctrain-bench-ckpt-{os.getppid()}"
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(args.layers, max(1, args.width // 64), args.width, args.seq, args.vocab))
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if w > 1 else model
-    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(r)
 
-    def step() -> float:
+class Training:
+    """Our GPT under DDP (world > 1) with AdamW on random tokens: timed steps and its state."""
+
+    def __init__(self, args, rank: int, world: int):
+        torch.manual_seed(0)
+        self.args = args
+        self.model = GPT(GPTConfig(args.layers, max(1, args.width // 64), args.width, args.seq,
+                                   args.vocab))
+        self.ddp = torch.nn.parallel.DistributedDataParallel(self.model) if world > 1 else self.model
+        self.opt = torch.optim.AdamW(self.ddp.parameters(), lr=1e-4)
+        self.gen = torch.Generator().manual_seed(rank)
+
+    def step(self) -> float:
         t0 = time.perf_counter()
-        x = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
-        loss = F.cross_entropy(ddp(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+        x = torch.randint(0, self.args.vocab, (self.args.batch, self.args.seq + 1), generator=self.gen)
+        loss = F.cross_entropy(self.ddp(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
         return time.perf_counter() - t0
 
-    def state():
-        msd, osd = get_state_dict(ddp, opt)
+    def state(self) -> dict:
+        msd, osd = get_state_dict(self.ddp, self.opt)
         return {"model": msd, "optim": osd}
 
-    for _ in range(3):
-        step()
-    mgr = CheckpointManager(root, keep=1, rank=r, world_size=w, timeout_s=300,
-                            async_cpu_share=args.async_cpu_share)
 
-    # sync DCP save (twice: the first one also creates files/dirs for the first time)
-    mgr.save(1, state(), {"step": 1})
+def time_sync_save(mgr, train: Training, root: Path, r: int) -> tuple[float, int, int]:
+    """Two sync DCP saves (the first also creates files/dirs): (the second's seconds, this
+    rank's shard bytes, the checkpoint's bytes)."""
+    mgr.save(1, train.state(), {"step": 1})
     dist.barrier()
     t0 = time.perf_counter()
-    mgr.save(2, state(), {"step": 2})
+    mgr.save(2, train.state(), {"step": 2})
     sync_s = time.perf_counter() - t0
     shard = sum(p.stat().st_size for p in (root / "step_00000002").glob(f"__{r}_*.distcp"))
     total = sum(p.stat().st_size for p in (root / "step_00000002").iterdir())
+    return sync_s, shard, total
 
-    # the default checksums (xxh3-128 of every byte while it is written) against none: sync saves
-    # alternating between the two, medians of each and of the per-pair ratios
+
+def time_checksums(train: Training, root: Path, r: int, w: int, cycles: int):
+    """The default checksums (xxh3-128 of every byte while it is written) against none: sync
+    saves alternating between the two.  (median save with, without, median ratio, median share
+    of the hash, pairs)."""
     plain = CheckpointManager(root / "plain", keep=1, rank=r, world_size=w, timeout_s=300,
                               full_checksums=False)
     summed = CheckpointManager(root / "summed", keep=1, rank=r, world_size=w, timeout_s=300)
     pairs, hash_s = [], []
-    for c in range(2 * args.cycles + 1):  # the first pair also creates the directories: dropped
+    for c in range(2 * cycles + 1):  # the first pair also creates the directories: dropped
         times = []
         for m in ((summed, plain) if c % 2 else (plain, summed)):
             dist.barrier()
             t0 = time.perf_counter()
-            m.save(10 + c, state(), {"step": 10 + c})
+            m.save(10 + c, train.state(), {"step": 10 + c})
             times.append(time.perf_counter() - t0)
             if m is summed and c:
                 hash_s.append(summed.last_hash_s)
@@ -127,32 +131,77 @@ def main() -> None:
     sum_s, plain_s = (statistics.median(r[i] for r in rows_sph) for i in (0, 1))
     sum_ratio = statistics.median(r[0] / r[1] for r in rows_sph)
     hash_share = statistics.median(r[2] / r[0] for r in rows_sph)
+    return sum_s, plain_s, sum_ratio, hash_share, len(pairs)
 
-    # raw sequential write of this rank's shard size, all ranks at once (same contention)
-    dist.barrier()
-    raw_s = raw_write(root / f"raw.{r}", shard)
 
-    # async save: steps keep running while the background thread writes. The first one allocates
-    # the host staging buffers (page faults); the measured ones reuse them (steady state). Windows
-    # of normal steps and of steps overlapping a write alternate, `--cycles` times, so that drift
-    # of this shared machine's speed hits both sides alike; medians over all windows.
-    mgr.save_async(3, state(), {"step": 3})
+def time_async(mgr, train: Training, steps: int, cycles: int):
+    """Async saves while steps keep running.  The first one allocates the host staging buffers
+    (page faults); the measured ones reuse them (steady state).  Windows of normal steps and of
+    steps overlapping a write alternate, ``cycles`` times, so that drift of this shared machine's
+    speed hits both sides alike.  Medians over all windows: (normal step, step during a write,
+    what the step loop paid, the write), and the number of overlapping steps."""
+    mgr.save_async(3, train.state(), {"step": 3})
     mgr.wait()
     normal_steps, during, blocked, write_s = [], [], [], []
-    for c in range(args.cycles):
-        normal_steps += [step() for _ in range(args.steps)]
+    for c in range(cycles):
+        normal_steps += [train.step() for _ in range(steps)]
         dist.barrier()
         t0 = time.perf_counter()
-        mgr.save_async(4 + c, state(), {"step": 4 + c})
+        mgr.save_async(4 + c, train.state(), {"step": 4 + c})
         blocked.append(time.perf_counter() - t0)
         n0 = len(during)
         while not mgr.poll() or len(during) == n0:
-            during.append(step())
+            during.append(train.step())
         mgr.wait()
         write_s.append(mgr.last_write_s)
-    normal = statistics.median(normal_steps)
-    during_med = statistics.median(during)
-    blocked, write_s = statistics.median(blocked), statistics.median(write_s)
+    return (statistics.median(normal_steps), statistics.median(during),
+            statistics.median(blocked), statistics.median(write_s), len(during))
+
+
+def report(g: torch.Tensor, args, train: Training, total: int, root: Path, w: int,
+           n_during: int, n_pairs: int) -> None:
+    """Rank 0's lines from every rank's row (the slowest rank's times)."""
+    normal, during_med, blocked, write_s, sync_s, raw_s, _, sum_s, plain_s, sum_ratio, \
+        hash_share = g.max(0).values.tolist()
+    shard_mb = g[:, 6].mean().item() / 1e6
+    params = sum(p.numel() for p in train.model.parameters()) / 1e6
+    print(f"model {params:.1f}M params; checkpoint {total / 1e6:.1f} MB ({w} rank(s), "
+          f"{shard_mb:.1f} MB per rank shard) in {root}")
+    print(f"normal step              {normal * 1e3:8.1f} ms   (median of {args.cycles} windows of "
+          f"{args.steps} steps, alternating with the writes)")
+    print(f"async: step loop paid    {blocked * 1e3:8.1f} ms   (stage to host memory)")
+    print(f"async: background write  {write_s * 1e3:8.1f} ms   "
+          f"{total / write_s / 1e6:8.1f} MB/s job-wide, {n_during / args.cycles:.0f} steps "
+          f"overlap one write")
+    print(f"async: step during write {during_med * 1e3:8.1f} ms   "
+          f"{during_med / normal:6.2f}x a normal step")
+    print(f"sync DCP save            {sync_s * 1e3:8.1f} ms   {total / sync_s / 1e6:8.1f} MB/s")
+    print(f"save with checksums      {sum_s * 1e3:8.1f} ms   vs {plain_s * 1e3:.1f} ms without: "
+          f"{sum_ratio:.3f}x (median of {n_pairs} alternating pairs; xxh3-128 while writing)")
+    print(f"  time inside the hash     {hash_share * 100:6.2f} % of the save with checksums "
+          f"(measured around every hash update, slowest rank)")
+    print(f"raw write + fsync        {raw_s * 1e3:8.1f} ms   {total / raw_s / 1e6:8.1f} MB/s "
+          f"(same bytes per rank, 16 MiB blocks)")
+
+
+def main() -> None:
+    args = parse_args()
+    ctx = init_distributed("gloo", 300)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    r, w = ctx.rank, ctx.world_size
+    root = Path(args.dir or tempfile.gettempdir()) / f"hpctrain-bench-ckpt-{os.getppid()}"
+    train = Training(args, r, w)
+    for _ in range(3):
+        train.step()
+    mgr = CheckpointManager(root, keep=1, rank=r, world_size=w, timeout_s=300,
+                            async_cpu_share=args.async_cpu_share)
+    sync_s, shard, total = time_sync_save(mgr, train, root, r)
+    sum_s, plain_s, sum_ratio, hash_share, n_pairs = time_checksums(train, root, r, w, args.cycles)
+    # raw sequential write of this rank's shard size, all ranks at once (same contention)
+    dist.barrier()
+    raw_s = raw_write(root / f"raw.{r}", shard)
+    normal, during_med, blocked, write_s, n_during = time_async(mgr, train, args.steps, args.cycles)
 
     rows = torch.tensor([normal, during_med, blocked, write_s, sync_s, raw_s, shard, sum_s, plain_s,
                          sum_ratio, hash_share],
@@ -160,28 +209,7 @@ def main() -> None:
     gathered = [torch.zeros_like(rows) for _ in range(w)]
     dist.all_gather(gathered, rows)
     if r == 0:
-        g = torch.stack(gathered)
-        normal, during_med, blocked, write_s, sync_s, raw_s, _, sum_s, plain_s, sum_ratio, \
-            hash_share = g.max(0).values.tolist()
-        shard_mb = g[:, 6].mean().item() / 1e6
-        params = sum(p.numel() for p in model.parameters()) / 1e6
-        print(f"model {params:.1f}M params; checkpoint {total / 1e6:.1f} MB ({w} rank(s), "
-              f"{shard_mb:.1f} MB per rank shard) in {root}")
-        print(f"normal step              {normal * 1e3:8.1f} ms   (median of {args.cycles} windows of "
-              f"{args.steps} steps, alternating with the writes)")
-        print(f"async: step loop paid    {blocked * 1e3:8.1f} ms   (stage to host memory)")
-        print(f"async: background write  {write_s * 1e3:8.1f} ms   "
-              f"{total / write_s / 1e6:8.1f} MB/s job-wide, {len(during) / args.cycles:.0f} steps "
-              f"overlap one write")
-        print(f"async: step during write {during_med * 1e3:8.1f} ms   "
-              f"{during_med / normal:6.2f}x a normal step")
-        print(f"sync DCP save            {sync_s * 1e3:8.1f} ms   {total / sync_s / 1e6:8.1f} MB/s")
-        print(f"save with checksums      {sum_s * 1e3:8.1f} ms   vs {plain_s * 1e3:.1f} ms without: "
-              f"{sum_ratio:.3f}x (median of {len(pairs)} alternating pairs; xxh3-128 while writing)")
-        print(f"  time inside the hash     {hash_share * 100:6.2f} % of the save with checksums "
-              f"(measured around every hash update, slowest rank)")
-        print(f"raw write + fsync        {raw_s * 1e3:8.1f} ms   {total / raw_s / 1e6:8.1f} MB/s "
-              f"(same bytes per rank, 16 MiB blocks)")
+        report(torch.stack(gathered), args, train, total, root, w, n_during, n_pairs)
     mgr.wait()
     dist.barrier()
     if r == 0:

@@ -473,6 +473,87 @@ def table(rows: list[tuple[str, str]]) -> str:
     return "\n".join(out)
 
 
+def write_inputs(tmp: str) -> tuple[list, list]:
+    """BAD and EDGE as (label, config path, overrides, key / whether ours accepts it), their TOML
+    texts written into ``tmp`` (the first config where an entry has none)."""
+    bad = []
+    for i, (label, text, overrides, key) in enumerate(BAD):
+        path = CONFIGS[0]
+        if text is not None:
+            path = Path(tmp) / f"bad{i}.toml"
+            path.write_text(text)
+        bad.append((label, path, overrides, key))
+    edge = []
+    for i, (label, text, overrides) in enumerate(EDGE):
+        path = CONFIGS[0]
+        if text is not None:
+            path = Path(tmp) / f"edge{i}.toml"
+            path.write_text(text)
+        edge.append((label, path, overrides, accepts(C.load, path, overrides)))
+    return bad, edge
+
+
+def startup_rows(a, s: dict, base: dict) -> list[tuple[str, str]]:
+    """Import and first-parse costs of approach ``a`` (``base``: ours', the reference)."""
+    rows = [("start-up: import hpctrain.config (incl. numpy via data_tools)",
+             f"{s['config_s'] * 1e3:.0f} ms, {s['config_modules']:.0f} modules")]
+    if a.module:
+        rows.append((f"start-up: import {a.module} on top",
+                     f"{s['lib_s'] * 1e3:.0f} ms, {s['lib_modules']:.0f} modules"))
+    rows.append(("start-up: first parse (demo.toml + overrides, one-time builds)",
+                 f"{s['first_parse_s'] * 1e3:.1f} ms, {s['first_parse_modules']:.0f} more modules"))
+    if a.module and base:
+        added = s["lib_s"] + s["first_parse_s"] - base["first_parse_s"]
+        modules = s["lib_modules"] + s["first_parse_modules"] - base["first_parse_modules"]
+        rows.append(("start-up added per rank vs ours (import + first parse)",
+                     f"+{added * 1e3:.0f} ms, +{modules:.0f} modules"))
+    return rows
+
+
+def judgement_rows(a, variants, bad, edge) -> list[tuple[str, str]]:
+    """Field-by-field equality with ours, each bad input's first error line, disagreements on
+    the edge inputs."""
+    rows = [(f"equals ours field by field{tag}", equality(load)) for tag, load in variants]
+    for label, path, overrides, key in bad:
+        for tag, load in variants:
+            first, ok, n = judge(error_of(load, path, overrides), key)
+            more = "" if n == 1 else f" ({n} lines)"
+            rows.append((f"{label}{tag}", f"{'✓' if ok else '✗'} `{first}`{more}"))
+    for tag, load in variants if a.module else ():
+        disagree = [f"{label} {'accepted' if ok else 'rejected'}, ours {'rejects' if ok else 'accepts'}"
+                    for label, path, overrides, ours_ok in edge
+                    if (ok := accepts(load, path, overrides)) != ours_ok]
+        rows.append((f"edge inputs where it disagrees with ours{tag}", "; ".join(disagree) or "none"))
+    return rows
+
+
+def help_row(a) -> tuple[str, str]:
+    """Whether the approach's --help shows every key, its help text and its choices."""
+    if a.name == "ours":
+        return ("--help: every key, help text, choices", help_check(C.describe(), "|"))
+    if a.name == "tyro":
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+            os.environ["COLUMNS"] = "100"
+            tyro_help()
+        return ("--help: every key, help text, choices", help_check(out.getvalue(), ","))
+    return ("--help: every key, help text, choices", "none of its own (no CLI): our describe() stays")
+
+
+def lines_row(a, ours_lines: int) -> tuple[str, str]:
+    """Our parser's code lines the approach replaces / keeps / needs as glue (ours: its own)."""
+    if not a.module:
+        return ("our parser lines (config.py less declarations, to_toml)",
+                f"{ours_lines}: " + ", ".join(f"{n} {code_lines(n)}" for n in PARSER))
+    repl = sum(code_lines(n) for n in a.replaces)
+    keep = sum(code_lines(n) for n in a.keeps)
+    glue = sum(code_lines(f) for f in a.glue)
+    return ("our parser lines replaced / kept / glue written here",
+            f"{repl} / {keep} / {glue} (net {glue - repl:+d}); replaces "
+            f"{', '.join(a.replaces)}; glue: "
+            + ", ".join(f"{f.__name__} {code_lines(f)}" for f in a.glue))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=int, default=9, help="fresh interpreters per approach (start-up)")
@@ -483,20 +564,7 @@ def main() -> int:
     ours_lines = sum(code_lines(n) for n in PARSER)
     base: dict = {}  # ours' start-up, the reference
     with tempfile.TemporaryDirectory() as tmp:
-        bad = []
-        for i, (label, text, overrides, key) in enumerate(BAD):
-            path = CONFIGS[0]
-            if text is not None:
-                path = Path(tmp) / f"bad{i}.toml"
-                path.write_text(text)
-            bad.append((label, path, overrides, key))
-        edge = []
-        for i, (label, text, overrides) in enumerate(EDGE):
-            path = CONFIGS[0]
-            if text is not None:
-                path = Path(tmp) / f"edge{i}.toml"
-                path.write_text(text)
-            edge.append((label, path, overrides, accepts(C.load, path, overrides)))
+        bad, edge = write_inputs(tmp)
         usable = [a.name for a in APPROACHES.values() if available(a) is None]
         starts = startup(usable, args.runs)
         for a in APPROACHES.values():
@@ -504,59 +572,17 @@ def main() -> int:
             if a.name not in usable:
                 print(f"skipped: {a.module} {available(a)}\n")
                 continue
-            s = starts[a.name]
-            rows = [("start-up: import hpctrain.config (incl. numpy via data_tools)",
-                     f"{s['config_s'] * 1e3:.0f} ms, {s['config_modules']:.0f} modules")]
-            if a.module:
-                rows.append((f"start-up: import {a.module} on top",
-                             f"{s['lib_s'] * 1e3:.0f} ms, {s['lib_modules']:.0f} modules"))
-            rows.append(("start-up: first parse (demo.toml + overrides, one-time builds)",
-                         f"{s['first_parse_s'] * 1e3:.1f} ms, {s['first_parse_modules']:.0f} more modules"))
+            rows = startup_rows(a, starts[a.name], base)
             if not a.module:
-                base = s
-            elif base:
-                added = s["lib_s"] + s["first_parse_s"] - base["first_parse_s"]
-                modules = s["lib_modules"] + s["first_parse_modules"] - base["first_parse_modules"]
-                rows.append(("start-up added per rank vs ours (import + first parse)",
-                             f"+{added * 1e3:.0f} ms, +{modules:.0f} modules"))
+                base = starts[a.name]
             rows.append(("parse time, warm (median)", f"{parse_time(a, args.parses) * 1e3:.3f} ms"))
             variants = [("", a.load)] if a.raw_load is None else [(" raw", a.raw_load), (" +glue", a.load)]
-            for tag, load in variants:
-                rows.append((f"equals ours field by field{tag}", equality(load)))
-            for label, path, overrides, key in bad:
-                for tag, load in variants:
-                    first, ok, n = judge(error_of(load, path, overrides), key)
-                    more = "" if n == 1 else f" ({n} lines)"
-                    rows.append((f"{label}{tag}", f"{'✓' if ok else '✗'} `{first}`{more}"))
-            for tag, load in variants if a.module else ():
-                disagree = [f"{label} {'accepted' if ok else 'rejected'}, ours {'rejects' if ok else 'accepts'}"
-                            for label, path, overrides, ours_ok in edge
-                            if (ok := accepts(load, path, overrides)) != ours_ok]
-                rows.append((f"edge inputs where it disagrees with ours{tag}", "; ".join(disagree) or "none"))
+            rows += judgement_rows(a, variants, bad, edge)
             if a.name == "ours":
                 rows.append(("edge inputs accepted", "; ".join(f"{label} {'yes' if ok else 'no'}"
                                                              for label, _, _, ok in edge)))
-                rows.append(("--help: every key, help text, choices", help_check(C.describe(), "|")))
-            elif a.name == "tyro":
-                out = io.StringIO()
-                with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
-                    os.environ["COLUMNS"] = "100"
-                    tyro_help()
-                rows.append(("--help: every key, help text, choices", help_check(out.getvalue(), ",")))
-            else:
-                rows.append(("--help: every key, help text, choices",
-                             "none of its own (no CLI): our describe() stays"))
-            if a.module:
-                repl = sum(code_lines(n) for n in a.replaces)
-                keep = sum(code_lines(n) for n in a.keeps)
-                glue = sum(code_lines(f) for f in a.glue)
-                rows.append(("our parser lines replaced / kept / glue written here",
-                             f"{repl} / {keep} / {glue} (net {glue - repl:+d}); replaces "
-                             f"{', '.join(a.replaces)}; glue: "
-                             + ", ".join(f"{f.__name__} {code_lines(f)}" for f in a.glue)))
-            else:
-                rows.append(("our parser lines (config.py less declarations, to_toml)",
-                             f"{ours_lines}: " + ", ".join(f"{n} {code_lines(n)}" for n in PARSER)))
+            rows.append(help_row(a))
+            rows.append(lines_row(a, ours_lines))
             print(table(rows) + "\n")
     return 0
 

@@ -88,6 +88,54 @@ def build(args):
     return raw, model, opt
 
 
+class Batches:
+    """nanoGPT's get_batch: B random windows of T + 1 tokens from a split's memmap."""
+
+    def __init__(self, splits: dict, block_size: int, micro_batch: int, seed: int):
+        self.splits, self.T, self.B = splits, block_size, micro_batch
+        self.rng = np.random.default_rng(seed)
+
+    def get(self, split):
+        data, T = self.splits[split], self.T
+        ix = self.rng.integers(0, len(data) - T - 1, self.B)
+        xy = torch.from_numpy(np.stack([data[i:i + T + 1].astype(np.int64) for i in ix]))
+        return xy[:, :-1], xy[:, 1:]
+
+
+@torch.no_grad()
+def estimate_loss(model, raw, batches: Batches, amp, eval_iters: int) -> dict:
+    """nanoGPT: rank 0 only, both splits, then back to train mode."""
+    model.eval()
+    out = {}
+    for split in ("train", "val"):
+        losses = []
+        for _ in range(eval_iters):
+            x, y = batches.get(split)
+            with amp:
+                logits = raw(x)
+            losses.append(F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).item())
+        out[split] = sum(losses) / len(losses)
+    model.train()
+    return out
+
+
+def train_step(model, opt, batches: Batches, amp, grad_accum: int):
+    """One optimizer step: grad_accum micro-batches (no_sync but the last), clip, AdamW; the
+    last micro-batch's loss (divided by grad_accum)."""
+    for micro in range(grad_accum):
+        x, y = batches.get("train")
+        ctx = model.no_sync() if micro < grad_accum - 1 else contextlib.nullcontext()
+        with ctx:
+            with amp:
+                logits = model(x)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / grad_accum
+            loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
 def main():
     args = parse_args()
     t_launch = time.perf_counter()
@@ -99,35 +147,12 @@ def main():
     raw, model, opt = build(args)
     amp = (torch.autocast("cpu", dtype=torch.bfloat16) if args.precision == "bf16"
            else contextlib.nullcontext())
-    rng = np.random.default_rng(args.seed + rank)
-    T, B = args.block_size, args.micro_batch
-
-    def get_batch(split):
-        data = splits[split]
-        ix = rng.integers(0, len(data) - T - 1, B)
-        xy = torch.from_numpy(np.stack([data[i:i + T + 1].astype(np.int64) for i in ix]))
-        return xy[:, :-1], xy[:, 1:]
-
-    @torch.no_grad()
-    def estimate_loss():  # nanoGPT: rank 0 only, both splits, then back to train mode
-        model.eval()
-        out = {}
-        for split in ("train", "val"):
-            losses = []
-            for _ in range(args.eval_iters):
-                x, y = get_batch(split)
-                with amp:
-                    logits = raw(x)
-                losses.append(F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).item())
-            out[split] = sum(losses) / len(losses)
-        model.train()
-        return out
-
+    batches = Batches(splits, args.block_size, args.micro_batch, args.seed + rank)
     times = []
     total = args.steps + (0 if args.recipe else args.warmup)
     for step in range(total + (1 if args.recipe else 0)):
         if args.recipe and (step % args.eval_interval == 0 or step == total) and rank == 0:
-            est = estimate_loss()
+            est = estimate_loss(model, raw, batches, amp, args.eval_iters)
             print(json.dumps({"step": step, "train_loss": est["train"], "val_loss": est["val"],
                               "wall_s": time.perf_counter() - t_launch}), flush=True)
         if step == total:
@@ -136,17 +161,7 @@ def main():
             for group in opt.param_groups:
                 group["lr"] = nanogpt_lr(step, args)
         t0 = time.perf_counter()
-        for micro in range(args.grad_accum):
-            x, y = get_batch("train")
-            ctx = model.no_sync() if micro < args.grad_accum - 1 else contextlib.nullcontext()
-            with ctx:
-                with amp:
-                    logits = model(x)
-                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / args.grad_accum
-                loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = train_step(model, opt, batches, amp, args.grad_accum)
         if not args.recipe:
             dist.all_reduce(loss.detach())  # the loss a user would log
         elif rank == 0 and step % 100 == 0:
@@ -156,7 +171,7 @@ def main():
     if rank == 0 and args.recipe and args.save:
         torch.save(raw.state_dict(), args.save)
     if rank == 0 and not args.recipe:
-        tok_per_step = B * T * args.grad_accum * world
+        tok_per_step = args.micro_batch * args.block_size * args.grad_accum * world
         print(json.dumps({"tokens_per_s": tok_per_step / statistics.median(times),
                           "threads": torch.get_num_threads()}))
     dist.destroy_process_group()
