@@ -22,22 +22,14 @@ from pathlib import Path
 
 import torch
 
-from hpctrain.checkpoint import CheckpointManager, directory, disk_format
-from hpctrain.checkpoint.cli import is_checkpoint_dir, resolve_root
+from hpctrain.checkpoint import CheckpointManager, disk_format
+from hpctrain.checkpoint.cli import resolve_checkpoint
 from hpctrain.checkpoint.safe_load import read_metadata
 from hpctrain.errors import UserError
 from hpctrain.interop import hf_files
 
 
-def find_checkpoint(path: str | Path) -> Path:
-    """A step_N dir as given, or the newest intact checkpoint under a run dir / checkpoint root."""
-    p = Path(path)
-    if p.is_dir() and is_checkpoint_dir(p):
-        return p
-    found, _ = directory.find_latest(resolve_root(p))
-    if found is None:
-        raise UserError(f"{p}: no committed checkpoint found")
-    return found
+find_checkpoint = resolve_checkpoint  # the name bench/recipe.py and the tests import
 
 
 def load_model_state(ckpt: Path) -> tuple[dict, dict]:
@@ -139,7 +131,7 @@ def export_hf(checkpoint: str | Path, output: str | Path, force: bool = False,
               max_shard_size: str | int = "5GB") -> Path:
     max_bytes = hf_files.parse_size(max_shard_size)
     check_output(Path(output), force)
-    ckpt = find_checkpoint(checkpoint)
+    ckpt = resolve_checkpoint(checkpoint)
     sd, model_cfg = load_model_state(ckpt)
     if model_cfg.get("arch", "gpt2") == "llama":
         tensors, config = to_hf_llama(sd, model_cfg)

@@ -8,23 +8,10 @@ from __future__ import annotations
 
 import argparse
 import math
-from pathlib import Path
 
 import torch
 
 from hpctrain.errors import UserError
-
-
-def _resolve(path: Path):
-    from hpctrain.checkpoint import CheckpointManager
-
-    if (path / "COMMIT.json").exists():
-        return path
-    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    latest = CheckpointManager(root, keep=1, rank=0, world_size=1).latest()
-    if latest is None:
-        raise UserError(f"{path}: no committed checkpoint found")
-    return latest
 
 
 def _print_real_words(text: str, dataset: str) -> None:
@@ -64,6 +51,7 @@ def main(argv: list[str]) -> int:
 
     from data_tools.tokenizers import dataset_tokenizer
     from hpctrain.checkpoint import CheckpointManager, disk_format
+    from hpctrain.checkpoint.cli import resolve_checkpoint
     from hpctrain.distributed import init_distributed, teardown
     from hpctrain.model import build_model_from_section
 
@@ -73,7 +61,7 @@ def main(argv: list[str]) -> int:
             from hpctrain.errors import UserError
             raise UserError(f"sample runs as one process but was started as {ctx.world_size} ranks: "
                             f"run `python -m hpctrain sample ...` without mpiexec/srun")
-        path = _resolve(Path(args.checkpoint))
+        path = resolve_checkpoint(args.checkpoint)
         mgr = CheckpointManager(path.parent, keep=1, rank=0, world_size=1)
         saved = disk_format.read_trainer_state(path)["trainer"]
         m = saved["config"]["model"]

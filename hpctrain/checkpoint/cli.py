@@ -1,7 +1,7 @@
 """`python -m hpctrain ckpt list|verify`: inspect checkpoints from a shell (one process, no MPI).
 
 Owns turning a user-given path (a run directory, a checkpoint root, or one `step_N` directory) into
-checkpoint directories, and printing their status. It must never modify a checkpoint and never
+checkpoint directories (`resolve_checkpoint`: the one used by sample and export too), and printing their status. It must never modify a checkpoint and never
 unpickle anything (it goes through disk_format.check_checkpoint and safe_load).
 
     ckpt list RUN_DIR [--full]      every step_* directory: step, status, commit time, size, problem
@@ -31,6 +31,21 @@ def resolve_root(path: str | Path) -> Path:
 
 def is_checkpoint_dir(p: Path) -> bool:
     return (p / disk_format.COMMIT_FILE).exists() or disk_format.parse_dir_name(p.name) is not None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The one answer to "which checkpoint does this path mean" (sample, export): a step dir
+    (COMMIT.json, or a step_N name) as given; under a run dir or a checkpoint root the newest
+    committed and intact one (damaged newer ones are skipped with one warning line each;
+    NoIntactCheckpoint when none is intact). CheckpointError naming the path when it is missing,
+    not a directory, or holds no checkpoint."""
+    p = Path(path)
+    if p.is_dir() and is_checkpoint_dir(p):
+        return p
+    found, _ = directory.find_latest(resolve_root(p))
+    if found is None:
+        raise CheckpointError(f"{p}: no committed checkpoint found")
+    return found
 
 
 def _size(n: int) -> str:
