@@ -1,6 +1,14 @@
-"""Shared fixtures: paths, a real `mpiexec` runner, the real Shakespeare corpus, a small dataset."""
+"""Shared fixtures and helpers: paths, a real `mpiexec` runner, the session's Shakespeare byte
+dataset, a run's metrics (`records`, `losses`) and the TOML sections the training tests share.
+
+Test modules import shared code from here and from the helper modules beside it (helpers.py:
+training configs and runs; processes.py: jobs as processes; hf_models.py; tokenizer_files.py),
+never from another test module.
+"""
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -43,6 +51,124 @@ def root():
     return ROOT
 
 
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory):
+    """The first 6 Shakespeare plays, byte tokenizer, 400,000-token shards, 20% held out (seed 3),
+    sharded once per session. The MPI modules' reference curves are measured on exactly this; a
+    module that needs other data defines its own `dataset` fixture, which overrides this one."""
+    from data_tools.corpora import shakespeare_files
+
+    out = tmp_path_factory.mktemp("shakespeare") / "bytes"
+    run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", *sorted(shakespeare_files())[:6],
+             "--output", out, "--tokenizer", "bytes", "--shard-tokens", "400000", "--val-fraction",
+             "0.2", "--seed", "3", "--no-progress"], timeout=300, check=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def two_plays(tmp_path_factory):
+    """The first two plays, byte tokenizer, one shard, nothing held out: the preemption runs'."""
+    from data_tools.corpora import shakespeare_files
+
+    out = tmp_path_factory.mktemp("two_plays") / "d"
+    run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", *sorted(shakespeare_files())[:2],
+             "--output", out, "--tokenizer", "bytes", "--val-fraction", "0", "--no-progress"],
+            timeout=120, check=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def gpt2_two_plays(tmp_path_factory):
+    """The first two plays in GPT-2 tokens, 10% held out (seed 3): an exported run carries that
+    tokenizer, so a transformers pipeline can run on it."""
+    from data_tools.corpora import shakespeare_files
+
+    out = tmp_path_factory.mktemp("gpt2data") / "plays"
+    run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", *sorted(shakespeare_files())[:2],
+             "--output", out, "--tokenizer", "gpt2", "--val-fraction", "0.1", "--seed", "3",
+             "--no-progress"], timeout=300, check=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def one_play(tmp_path_factory):
+    """The first play, byte tokenizer, 60,000-token shards, 10% held out: the failure and
+    bad-input tables' dataset (several shards, seconds to train on)."""
+    from data_tools.corpora import shakespeare_files
+
+    out = tmp_path_factory.mktemp("one_play") / "ds"
+    run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", sorted(shakespeare_files())[0],
+             "--output", out, "--tokenizer", "bytes", "--shard-tokens", "60000", "--val-fraction",
+             "0.1", "--no-progress"], check=True, timeout=120)
+    return out
+
+
+def checksums(root: Path) -> dict[str, str]:
+    """{relative path: sha256} of every file under `root`."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def fill(path: Path) -> None:
+    """Write `path` until its file system is full."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, b"x" * 4096):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class Mounts:
+    """tmpfs mounts made by a test (removed at the end, also after a failure)."""
+
+    def __init__(self):
+        self.made: list[Path] = []
+
+    def tmpfs(self, path: Path, size: str, readonly: bool = False) -> Path:
+        path.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip() or 'not root'})")
+        self.made.append(path)
+        if readonly:
+            subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True)
+        return path
+
+    def remove(self):
+        for p in reversed(self.made):
+            subprocess.run(["umount", "-l", str(p)], capture_output=True)
+
+
+@pytest.fixture()
+def mounts():
+    m = Mounts()
+    yield m
+    m.remove()
+
+
+def records(run, rank: int = 0) -> list[dict]:
+    """The records of a run's metrics.jsonl (rank 0's), or of metrics.rank{rank}.jsonl."""
+    name = "metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl"
+    return [json.loads(line) for line in (Path(run) / name).read_text().splitlines()]
+
+
+def losses(run, key: str = "loss", rank: int = 0) -> dict:
+    """{step: value} of the run's records that carry `key`."""
+    return {r["step"]: r[key] for r in records(run, rank) if key in r}
+
+
+# The [run] and [data] sections every training test's TOML starts with: RUN_DATA.format(run, data).
+RUN_DATA = """
+[run]
+dir = "{run}"
+[data]
+path = "{data}"
+"""
+
 # The [run], [data] and [model] sections of the MPI / tune tests' TOMLs: a 1-layer, 32-wide GPT on
 # a byte-level dataset, size-checked, no node cache. TINY_SECTIONS + "[train] ..." .format(run, data)
 TINY_MODEL = """[model]
@@ -52,23 +178,13 @@ n_embd = 32
 block_size = 32
 vocab_size = 257
 """
-TINY_SECTIONS = """
-[run]
-dir = "{run}"
-[data]
-path = "{data}"
-verify = "size"
+TINY_SECTIONS = RUN_DATA + """verify = "size"
 cache_dir = "off"
 """ + TINY_MODEL
 
 # The smallest training config a subprocess test needs (byte tokenizer, 2 steps by default):
 # TINY_TRAIN.format(run=..., data=..., steps=...).
-TINY_TRAIN = """
-[run]
-dir = "{run}"
-[data]
-path = "{data}"
-""" + TINY_MODEL + """[train]
+TINY_TRAIN = RUN_DATA + TINY_MODEL + """[train]
 steps = {steps}
 warmup_steps = 0
 micro_batch_size = 2

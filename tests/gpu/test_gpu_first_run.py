@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from tests.conftest import TINY_TRAIN, mpirun
-from tests.mpi.test_parallel_parity import dataset  # noqa: F401  (the same Shakespeare fixture)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")]

@@ -1,20 +1,15 @@
 """Asynchronous Local-SGD (sync.mode = "async_diloco") under a real mpiexec: replicas + 1 server."""
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.mpi.test_preempt import CFG, data, signal_rank_midrun  # noqa: F401 (fixture)
-from tests.mpi.test_train import dataset, losses, train, write_config  # noqa: F401 (fixture)
+from tests.conftest import losses, records
+from tests.helpers import PREEMPT_GPT, fault_config, held_out_losses, train, write_config
+from tests.processes import finish, launch, rank_pid, signal_rank_midrun
 
 pytestmark = pytest.mark.mpi
 
 ASYNC = ["--sync.mode=async_diloco", "--sync.ps_servers=1"]
-
-
-def records(run, rank=0):
-    name = "metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl"
-    return [json.loads(line) for line in (Path(run) / name).read_text().splitlines()]
 
 
 def model_parameters(cfg_path) -> int:
@@ -74,29 +69,6 @@ def test_delayed_nesterov_per_lr_on_one_replica_with_one_local_step_is_sgd_with_
         assert sorted(b) == list(range(1, 21)) and b[20] < b[1] - 0.5
         gaps[per_lr] = max(abs(a[s] - b[s]) for s in a)
     assert gaps["true"] <= 1e-5 < 1e-3 < gaps["false"], gaps
-
-
-def held_out_losses(run, data, windows=64) -> dict:
-    """{step: held-out loss of the global model in that step's checkpoint}, on fixed windows."""
-    import numpy as np
-    import torch
-    import torch.nn.functional as F
-
-    from hpctrain.checkpoint import directory
-    from hpctrain.data import open_split
-    from hpctrain.export import load_model_state
-    from hpctrain.model import build_model_from_section
-
-    out = {}
-    for info in directory.list_checkpoints(Path(run) / "checkpoints"):
-        state, model_cfg = load_model_state(info.path)
-        model = build_model_from_section(model_cfg).eval()
-        model.load_state_dict(state)
-        val = open_split(data, "val", model_cfg["block_size"])
-        chunk = torch.as_tensor(val.batch(np.linspace(0, len(val) - 1, windows).astype(np.int64)), dtype=torch.long)
-        with torch.no_grad():
-            out[info.step] = F.cross_entropy(model(chunk[:, :-1]).flatten(0, 1), chunk[:, 1:].flatten()).item()
-    return out
 
 
 def test_delayed_nesterov_at_equal_speeds_follows_synchronous_diloco(tmp_path, dataset):
@@ -242,11 +214,11 @@ def test_a_replica_adds_the_others_arrivals_to_its_weights_mid_round(tmp_path, d
     assert losses(run, "val_loss")[48] < 3.9  # the global model learns (from ~5.5)
 
 
-def test_usr1_to_one_replica_stops_every_rank_then_resumes(tmp_path, data):
+def test_usr1_to_one_replica_stops_every_rank_then_resumes(tmp_path, two_plays):
     """USR1 to replica 1 only: both replicas and the server stop at one step with a checkpoint
     (exit 75 on every rank); the same command finishes the run with every batch trained once."""
     run = tmp_path / "async"
-    (tmp_path / "async.toml").write_text(CFG.format(run=run, data=data))
+    (tmp_path / "async.toml").write_text(PREEMPT_GPT.format(run=run, data=two_plays))
     code, err = signal_rank_midrun(3, tmp_path / "async.toml", run, 1, *ASYNC, "--sync.inner_steps=4")
     assert code == 75, err[-3000:]
     stops = [line for line in err.splitlines() if line.startswith("stopping at step")]
@@ -258,7 +230,7 @@ def test_usr1_to_one_replica_stops_every_rank_then_resumes(tmp_path, data):
     r = train(3, tmp_path / "async.toml", *ASYNC, "--sync.inner_steps=4")
     assert f"at step {s}" in r.stderr
     done = [rec["step"] for r in (0, 1) for rec in records(run, r) if "loss" in rec]
-    total = int(CFG.split("steps = ")[1].split()[0])
+    total = int(PREEMPT_GPT.split("steps = ")[1].split()[0])
     assert sorted(done) == list(range(1, total + 1)), sorted(done)
 
 
@@ -272,9 +244,7 @@ def test_a_lost_replica_ends_the_job_with_its_name_and_an_intact_checkpoint(tmp_
     import time
 
     from hpctrain.checkpoint import list_checkpoints, verify_checkpoint
-    from tests.mpi.test_fault_tolerance import _rank_pid, config, finish, launch
-
-    cfg, run = config(tmp_path, dataset)
+    cfg, run = fault_config(tmp_path, dataset)
     proc = launch(3, cfg, *ASYNC, "--train.steps=100000", "--checkpoint.interval=8",
                   "--checkpoint.keep=2", "--dist.heartbeat_timeout_s=5", "--sync.inner_steps=4",
                   mpi_flags=["-disable-auto-cleanup"])
@@ -283,7 +253,7 @@ def test_a_lost_replica_ends_the_job_with_its_name_and_an_intact_checkpoint(tmp_
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         assert time.monotonic() - t0 < 120, "no checkpoint written"
         time.sleep(0.2)
-    os.kill(_rank_pid(proc.pid, 1), signal.SIGKILL)
+    os.kill(rank_pid(proc.pid, 1), signal.SIGKILL)
     t_fault = time.monotonic()
     rc, out = finish(proc, timeout=60)
     assert rc != 0 and time.monotonic() - t_fault < 5 + 3 * 0.5 + 3 + 5, out[-3000:]

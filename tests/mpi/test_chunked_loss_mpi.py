@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import mpirun, run_cmd
-from tests.mpi.test_parallel_parity import dataset  # noqa: F401  (the same Shakespeare fixture)
 
 pytestmark = pytest.mark.mpi
 

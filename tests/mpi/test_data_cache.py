@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from data_tools.format import read_manifest
-from tests.conftest import ROOT, mpiexec_path, mpirun, run_cmd
-from tests.mpi.test_train import TINY, losses
+from tests.conftest import ROOT, losses, mpiexec_path, records, mpirun, run_cmd
+from tests.helpers import SMALL_GPT
 
 pytestmark = pytest.mark.mpi
 NODES = {"HPCTRAIN_RANKS_PER_NODE": "2"}
@@ -48,7 +48,7 @@ def reference(tmp_path_factory, dataset):
 def config(tmp, data, name):
     run = tmp / name
     cfg = tmp / f"{name}.toml"
-    cfg.write_text(TINY.format(run=run, data=data).replace("steps = 40", "steps = 20"))
+    cfg.write_text(SMALL_GPT.format(run=run, data=data).replace("steps = 40", "steps = 20"))
     return cfg, run
 
 
@@ -68,10 +68,6 @@ def node_stats(cache):
     """stats.json of each pretend node (<cache>/node<i>/hpctrain-<uid>/<dataset key>/)."""
     found = sorted(Path(cache).glob("node*/hpctrain-*/hpctrain-*/stats.json"))
     return [json.loads(p.read_text()) for p in found]
-
-
-def records(run):
-    return [json.loads(l) for l in (Path(run) / "metrics.jsonl").read_text().splitlines()]
 
 
 def descendants(pid):

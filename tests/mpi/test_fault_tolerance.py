@@ -12,6 +12,7 @@ and a timeout kills that process group.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -24,38 +25,11 @@ from pathlib import Path
 import pytest
 
 from hpctrain.checkpoint import disk_format, list_checkpoints, verify_checkpoint
-from tests.conftest import BIN, mpiexec_path
+from tests.conftest import losses
+from tests.helpers import fault_config as config
+from tests.processes import descendants, finish, launch, rank_pid
 
 pytestmark = pytest.mark.mpi
-
-TINY = """
-[run]
-dir = "{run}"
-[data]
-path = "{data}"
-verify = "size"
-[model]
-n_layer = 2
-n_head = 2
-n_embd = 64
-block_size = 64
-vocab_size = 257
-[train]
-steps = 6
-micro_batch_size = 4
-lr = 3e-3
-min_lr = 3e-4
-warmup_steps = 2
-eval_interval = 0
-log_interval = 1
-[checkpoint]
-interval = 2
-keep = 1
-full_checksums = true
-[dist]
-heartbeat_timeout_s = 10
-"""
-
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
@@ -70,45 +44,11 @@ def dataset(tmp_path_factory):
     return out
 
 
-def config(tmp_path, data, name="run", **over) -> tuple[Path, Path]:
-    run = tmp_path / name
-    cfg = tmp_path / f"{name}.toml"
-    cfg.write_text(TINY.format(run=run, data=data))
-    return cfg, run
-
-
-def launch(n, cfg, *overrides, env=None, timeout=180, mpi_flags=()):
-    """Start `mpiexec -n N python -m hpctrain train` in its own session; returns the Popen."""
-    full_env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-                    PYTHONUNBUFFERED="1")
-    full_env.pop("HPCTRAIN_FAULT_POINT", None)
-    full_env.update(env or {})
-    cmd = [mpiexec_path(), *mpi_flags, "-n", str(n), sys.executable, "-m", "hpctrain", "train",
-           "--config", str(cfg), *overrides]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=full_env, start_new_session=True)
-
-
-def finish(proc, timeout=180) -> tuple[int, str]:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"launch timed out after {timeout}s:\n{out[-4000:]}")
-    return proc.returncode, out
-
-
 def train(n, cfg, *overrides, env=None, check=True, timeout=180):
     rc, out = finish(launch(n, cfg, *overrides, env=env), timeout)
     if check:
         assert rc == 0, out[-4000:]
     return rc, out
-
-
-def losses(run) -> dict[int, float]:
-    recs = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in recs if "loss" in r}
 
 
 @pytest.fixture(scope="module")
@@ -255,7 +195,7 @@ def test_second_job_on_a_run_dir_is_refused_and_the_first_is_unharmed(tmp_path, 
 
     killed = launch(2, cfg, "--train.steps=60", *slow[1:])
     _wait_for_steps(killed, run, 33)
-    ranks = _descendants(killed.pid)
+    ranks = descendants(killed.pid)
     os.killpg(killed.pid, signal.SIGKILL)
     for pid in ranks:  # in case the launcher put a rank in a process group of its own
         try:
@@ -287,17 +227,6 @@ def test_ctrl_c_stops_with_a_checkpoint_and_resumes_exactly(tmp_path, dataset, b
 
 
 # ---- a rank lost mid-training -----------------------------------------------------------------
-def _descendants(pid: int) -> list[int]:
-    out = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            for child in Path(f"/proc/{pid}/task/{tid}/children").read_text().split():
-                out += [int(child), *_descendants(int(child))]
-    except (FileNotFoundError, ProcessLookupError):
-        pass
-    return out
-
-
 def _wait_until_exited(pids, timeout=30):
     def running(pid):
         try:
@@ -308,18 +237,6 @@ def _wait_until_exited(pids, timeout=30):
     while any(running(p) for p in pids):
         assert time.monotonic() - t0 < timeout, [p for p in pids if running(p)]
         time.sleep(0.1)
-
-
-def _rank_pid(launcher: int, rank: int) -> int:
-    for pid in _descendants(launcher):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if f"PMI_RANK={rank}".encode() in env and b"hpctrain" in cmd:
-            return pid
-    raise AssertionError(f"rank {rank} not found under {launcher}")
 
 
 @pytest.mark.parametrize("sig, lost", [("SIGKILL", 1), ("SIGSTOP", 1), ("SIGSTOP", 0)])
@@ -338,7 +255,7 @@ def test_lost_rank_ends_job_with_its_name(tmp_path, dataset, sig, lost):
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         assert time.monotonic() - t0 < 120, "training did not start"
         time.sleep(0.2)
-    os.kill(_rank_pid(proc.pid, lost), getattr(signal, sig))
+    os.kill(rank_pid(proc.pid, lost), getattr(signal, sig))
     t_fault = time.monotonic()
     rc, out = finish(proc, timeout=60)
     elapsed = time.monotonic() - t_fault
@@ -366,9 +283,9 @@ def test_nan_step_is_skipped_on_every_rank(tmp_path, dataset, baseline):
     rc, out = train(2, cfg, "--debug.inject_nan_at_step=3")
     recs = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
     assert recs[3]["skipped"] is True and recs[3]["bad_steps"] == 1
-    assert recs[3]["loss"] != recs[3]["loss"]  # NaN (all-reduced from the poisoned rank)
+    assert math.isnan(recs[3]["loss"])  # all-reduced from the poisoned rank
     assert [recs[s]["loss"] for s in (1, 2)] == [baseline[1], baseline[2]]
-    assert all(recs[s]["loss"] == recs[s]["loss"] for s in (4, 5, 6))  # finite again
+    assert all(math.isfinite(recs[s]["loss"]) for s in (4, 5, 6))  # finite again (not inf, not NaN)
     assert recs[4]["loss"] != baseline[4]  # step 3's batch was dropped: a different trajectory
     assert recs[6]["bad_steps"] == 1 and recs[6]["skipped"] is False
     assert "step 3: loss nan" in out and "update skipped" in out

@@ -5,17 +5,13 @@ import math
 
 import pytest
 
-from tests.mpi.test_train import dataset, losses, train, write_config  # noqa: F401 - fixture
+from tests.conftest import losses, records
+from tests.helpers import train, write_config
 
 pytestmark = pytest.mark.mpi
 
 FAST = ("--train.steps=12", "--train.eval_interval=0", "--checkpoint.interval=100",
         "--train.warmup_steps=2")
-
-
-def records(run):
-    import json
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_fp16_trains_like_fp32_and_reports_its_loss_scale(tmp_path, dataset):

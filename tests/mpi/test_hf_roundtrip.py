@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import mpirun, run_cmd
-from tests.mpi.test_parallel_parity import assert_same_curve, losses
-from tests.unit.test_hf_import_export import OFFLINE, hf_logits, make_hf_model, pipeline_generates
+from tests.conftest import losses, mpirun, run_cmd
+from tests.helpers import assert_same_curve
+from tests.hf_models import OFFLINE, hf_logits, make_hf_model, pipeline_generates
 
 pytestmark = pytest.mark.mpi
 
@@ -39,15 +39,9 @@ SIZES = dict(vocab_size=50304, hidden_size=64, intermediate_size=128)  # GPT-2's
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
+def dataset(gpt2_two_plays):
     """Two plays in GPT-2 tokens: the export carries that tokenizer, so a pipeline can run."""
-    from data_tools.corpora import shakespeare_files
-
-    out = tmp_path_factory.mktemp("gpt2data") / "plays"
-    run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", *sorted(shakespeare_files())[:2],
-             "--output", out, "--tokenizer", "gpt2", "--val-fraction", "0.1", "--seed", "3"],
-            timeout=300, check=True)
-    return out
+    return gpt2_two_plays
 
 
 @pytest.fixture(scope="module")

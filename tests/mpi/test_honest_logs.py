@@ -14,9 +14,14 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import BIN, TINY_TRAIN, mpirun, run_cmd
-from tests.unit.test_failure_table import dataset  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture(scope="module")
+def dataset(one_play):
+    return one_play
+
 
 CACHE = "peak_flops.json"
 

@@ -11,10 +11,9 @@ import math
 
 import pytest
 
-from tests.mpi.test_async_diloco import held_out_losses, records
-from tests.mpi.test_meta_init import probe
-from tests.mpi.test_parallel_parity import dataset, train  # noqa: F401 (fixture)
-from tests.mpi.test_train import losses
+from tests.conftest import losses, records
+from tests.helpers import held_out_losses, probe
+from tests.helpers import train_layout as train
 
 pytestmark = pytest.mark.mpi
 

@@ -12,8 +12,9 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import run_cmd
-from tests.mpi.test_parallel_parity import assert_same_curve, dataset, losses, train  # noqa: F401
+from tests.conftest import losses, run_cmd
+from tests.helpers import assert_same_curve
+from tests.helpers import train_layout as train
 
 pytestmark = pytest.mark.mpi
 

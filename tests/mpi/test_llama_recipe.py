@@ -9,17 +9,15 @@ import re
 
 import pytest
 
-from tests.conftest import mpirun
-from tests.mpi.test_hf_roundtrip import dataset  # noqa: F401  (two plays in GPT-2 tokens)
-from tests.mpi.test_parallel_parity import losses
+from tests.conftest import losses, mpirun
 
 pytestmark = pytest.mark.mpi
 
 
-def test_recipe_trains_3_steps_with_10_to_20M_params(tmp_path, dataset, root):  # noqa: F811
+def test_recipe_trains_3_steps_with_10_to_20M_params(tmp_path, gpt2_two_plays, root):
     run = tmp_path / "run"
     r = mpirun(2, ["-m", "hpctrain", "train", "--config", root / "configs" / "llama_shakespeare.toml",
-                   f"--run.dir={run}", f"--data.path={dataset}", "--data.verify=size",
+                   f"--run.dir={run}", f"--data.path={gpt2_two_plays}", "--data.verify=size",
                    "--train.steps=3", "--train.warmup_steps=1", "--train.eval_interval=0",
                    "--train.log_interval=1", "--checkpoint.interval=1000"], timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -8,22 +8,11 @@ each rank's parameters, gathered whole, with the other build's and with a plain 
 
 import pytest
 
-from tests.conftest import ROOT, mpirun
-from tests.mpi.test_parallel_parity import LAYOUTS, dataset, losses, train  # noqa: F401 (fixture)
+from tests.conftest import ROOT, losses, mpirun
+from tests.helpers import LAYOUTS, probe
+from tests.helpers import train_layout as train
 
 pytestmark = pytest.mark.mpi
-
-PROBE = ROOT / "tests" / "mpi" / "scripts" / "meta_init_probe.py"
-
-
-def probe(n: int, layouts: dict[str, str]) -> None:
-    r = mpirun(n, [PROBE, *(f"{k}={v}" for k, v in layouts.items())], timeout=300)
-    lines = [l for l in r.stdout.splitlines() if l.startswith(("SAME", "DIFF"))]
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert not [l for l in lines if l.startswith("DIFF")], "\n".join(lines)
-    got = sorted((l.split()[1], int(l.split()[2])) for l in lines)
-    assert got == sorted((k, rank) for k in layouts for rank in range(n)), lines
-
 
 def test_weights_identical_two_ranks():
     probe(2, {"dp2": "", "tp2": "parallel.tp=2", "pp2": "parallel.pp=2",

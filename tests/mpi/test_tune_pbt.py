@@ -137,7 +137,7 @@ def test_a_hung_member_rank_ends_the_population_naming_it(tmp_path, data):
     """Member 1's only rank is SIGSTOPped mid-run: member 0 waits for it in the stop vote or the
     round's allgather over COMM_WORLD, which only the heartbeat sees; the job ends within its bound
     with one line naming rank 1 and its host (#30: it hung for good)."""
-    from tests.mpi.test_fault_tolerance import _rank_pid
+    from tests.processes import rank_pid
 
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1",
                HPCTRAIN_THREADS="1")
@@ -150,7 +150,7 @@ def test_a_hung_member_rank_ends_the_population_naming_it(tmp_path, data):
         while len(train_steps(tmp_path / "hang", 1)) < 2 and time.monotonic() < deadline:
             assert proc.poll() is None, proc.communicate()[0][-3000:]
             time.sleep(0.1)
-        os.kill(_rank_pid(proc.pid, 1), signal.SIGSTOP)
+        os.kill(rank_pid(proc.pid, 1), signal.SIGSTOP)
         t_fault = time.monotonic()
         out, _ = proc.communicate(timeout=60)
         elapsed = time.monotonic() - t_fault

@@ -15,8 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY_TRAIN, run_cmd
-from tests.unit.test_failure_table import checksums, dataset  # noqa: F401 - a module fixture
+from tests.conftest import TINY_TRAIN, checksums, run_cmd
+
+
+@pytest.fixture(scope="module")
+def dataset(one_play):
+    return one_play
 
 
 @pytest.fixture(scope="module")

@@ -97,6 +97,38 @@ def test_export_hf_matches_transformers_logits(saved, tmp_path):
     assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()  # tied
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_export_of_a_trained_run_gives_its_weights_logits(dataset, tmp_path):
+    """A checkpoint the trainer wrote (optimizer, sampler and RNG state beside the model): the HF
+    folder gives the logits of the trained weights, read here with torch's own DCP loader."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import GPT2LMHeadModel
+
+    from hpctrain.model import build_model_from_section
+    from tests.conftest import TINY_TRAIN
+
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(TINY_TRAIN.format(run=tmp_path / "run", data=dataset, steps=3))
+    run_cmd([sys.executable, "-m", "hpctrain", "train", "--config", cfg, "--train.lr=0.01"],
+            timeout=300, check=True)
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000003"
+    out = tmp_path / "hf"
+    hpctrain("export", "--checkpoint", tmp_path / "run", "--format", "hf", "--output", out, check=True)
+
+    section = json.loads((ckpt / "trainer_state.json").read_text())["trainer"]["config"]["model"]
+    trained = build_model_from_section(section)
+    init = {k: v.clone() for k, v in trained.state_dict().items()}
+    state = {"model": trained.state_dict()}
+    dcp.load(state, checkpoint_id=ckpt, no_dist=True)
+    trained.load_state_dict(state["model"])
+    assert not torch.equal(init["blocks.0.attn.wq.weight"], state["model"]["blocks.0.attn.wq.weight"])
+    tokens = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = trained.eval()(tokens)
+        theirs = GPT2LMHeadModel.from_pretrained(out).eval()(tokens).logits
+    assert (ours - theirs).abs().max().item() < 1e-4
+
+
 def test_export_refuses_a_corrupt_checkpoint(saved, tmp_path):
     import shutil
 

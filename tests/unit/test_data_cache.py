@@ -152,7 +152,7 @@ def test_disk_full_mid_run_reads_data_path_still_verified(dataset, tmp_path):
     """A cache disk (real tmpfs) with room for 1.5 shards and a budget for all: the second shard
     meets ENOSPC, the leader stops writing there (no temp file, no error.txt) and hands out
     data.path's copy (verified: the third, corrupt there, is a DataError naming it)."""
-    from tests.unit.test_failure_table import Mounts
+    from tests.conftest import Mounts
 
     m = read_manifest(str(dataset))
     src = tmp_path / "src"

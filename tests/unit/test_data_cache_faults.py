@@ -20,8 +20,7 @@ import pytest
 
 from data_tools.format import read_manifest
 from hpctrain.data.cache import dataset_key
-from tests.conftest import BIN, ROOT, TINY_TRAIN, run_cmd
-from tests.unit.test_failure_table import Mounts, checksums
+from tests.conftest import BIN, ROOT, TINY_TRAIN, Mounts, checksums, run_cmd
 
 USER_ROOT = f"hpctrain-{os.geteuid()}"
 STEPS = 6
@@ -36,13 +35,6 @@ def dataset(tmp_path_factory):
              "--output", out, "--tokenizer", "bytes", "--shard-tokens", "40000",
              "--val-fraction", "0.1", "--no-progress"], check=True, timeout=120)
     return out
-
-
-@pytest.fixture()
-def mounts():
-    m = Mounts()
-    yield m
-    m.remove()
 
 
 def config(tmp: Path, data: Path, steps: int = STEPS) -> tuple[Path, Path]:

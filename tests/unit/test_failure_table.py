@@ -6,61 +6,18 @@ elsewhere, with the reason).
 """
 from __future__ import annotations
 
-import hashlib
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY_TRAIN, run_cmd
-
-
-
-def checksums(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+from tests.conftest import TINY_TRAIN, checksums, run_cmd
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    from data_tools.corpora import shakespeare_files
-
-    out = tmp_path_factory.mktemp("ftable") / "ds"
-    run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", sorted(shakespeare_files())[0],
-             "--output", out, "--tokenizer", "bytes", "--shard-tokens", "60000", "--val-fraction",
-             "0.1", "--no-progress"], check=True, timeout=120)
-    return out
-
-
-class Mounts:
-    """tmpfs mounts made by this test (removed at the end, also after a failure)."""
-
-    def __init__(self):
-        self.made: list[Path] = []
-
-    def tmpfs(self, path: Path, size: str, readonly: bool = False) -> Path:
-        path.mkdir(parents=True, exist_ok=True)
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip() or 'not root'})")
-        self.made.append(path)
-        if readonly:
-            subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True)
-        return path
-
-    def remove(self):
-        for p in reversed(self.made):
-            subprocess.run(["umount", "-l", str(p)], capture_output=True)
-
-
-@pytest.fixture()
-def mounts():
-    m = Mounts()
-    yield m
-    m.remove()
+def dataset(one_play):
+    return one_play
 
 
 def _copy(src: Path, dst: Path) -> Path:

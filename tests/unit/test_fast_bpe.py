@@ -15,7 +15,10 @@ import pytest
 from bench.shard_tokenizers import sentencepiece_bpe_spec
 from data_tools.tokenizers import get_tokenizer
 from tests.conftest import run_cmd
-from tests.unit.test_hf_tokenizers import LLAMA3_PAT, LLAMA3_SPECIALS, _plays, _shard, _tokens
+from tests.tokenizer_files import LLAMA3_PAT, LLAMA3_SPECIALS
+from tests.tokenizer_files import plays as _plays
+from tests.tokenizer_files import shard as _shard
+from tests.tokenizer_files import tokens as _tokens
 
 # Unicode, whitespace runs, tabs, CRLF, digits, contractions and special-token text after spaces.
 STRESS = ("  Ünïcödé naïve café — 日本語のテキスト 中文 한국어 🎉🎉 👨‍👩‍👧 e\u0301 \u00a0nbsp\u2003em\n"

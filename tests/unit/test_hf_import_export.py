@@ -8,7 +8,6 @@ transformers does; gpt2 and llama, logits equal ours within 1e-4.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import pytest
@@ -19,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from hpctrain.checkpoint import CheckpointManager
 from hpctrain.model import build_model_from_section
 from tests.conftest import run_cmd
+from tests.hf_models import HF_CASES, OFFLINE, hf_logits, make_hf_model, pipeline_generates
 
 # the GPT-2 tokenizer's 50257 ids, padded as our configs do; tiny widths keep the files ~7-13 MB
 GPT2 = {"arch": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 32,
@@ -26,7 +26,6 @@ GPT2 = {"arch": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 3
 LLAMA = {"arch": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32, "block_size": 32,
          "vocab_size": 50304, "dropout": 0.0, "rope_theta": 500000.0}
 GPT2_TOKENIZER = {"name": "gpt2", "eot_id": 50256, "vocab_size": 50257}
-OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
 def hpctrain(*args, **kw):
@@ -45,23 +44,6 @@ def save_run(run, section: dict, seed: int = 5):
     mgr.save(7, {"model": msd}, {"step": 7, "config": {"model": section, "data": {"path": ""}},
                                  "tokenizer": GPT2_TOKENIZER})
     return model.eval()
-
-
-def hf_logits(folder, tokens):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
-    with torch.no_grad():
-        return hf(tokens).logits
-
-
-def pipeline_generates(folder) -> str:
-    """The text `pipeline("text-generation")` makes in a fresh, offline process."""
-    code = ("import sys, transformers; p = transformers.pipeline('text-generation', sys.argv[1]); "
-            "print(repr(p('KING HENRY', max_new_tokens=6, do_sample=False)[0]['generated_text']))")
-    r = run_cmd([sys.executable, "-c", code, str(folder)], timeout=180, env=OFFLINE)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return eval(r.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("section", [GPT2, LLAMA], ids=["gpt2", "llama"])
@@ -106,35 +88,6 @@ def test_export_bad_shard_size_is_one_line(tmp_path):
                  "--max-shard-size", "5XB")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     assert r.stderr.startswith("error: --max-shard-size '5XB'")
-
-
-# Import: tiny HF models built here from small configs (random weights, save_pretrained)
-HF_CASES = {
-    "llama_gqa_untied": ("LlamaConfig", dict(num_key_value_heads=2, rope_theta=500000.0)),
-    "mistral": ("MistralConfig", dict(num_key_value_heads=1, sliding_window=None)),
-    "qwen2_tied": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True)),
-    "gpt2": ("GPT2Config", dict(n_layer=2, n_head=4, n_embd=32, n_positions=32, vocab_size=131)),
-}
-
-
-def make_hf_model(kind: str, folder, dtype=torch.float32, max_shard_size="5GB", **sizes):
-    """A transformers model of HF_CASES[kind] (sizes: LlamaConfig-style keys to change), saved."""
-    import transformers
-
-    cls_name, extra = HF_CASES[kind]
-    if cls_name == "GPT2Config":
-        cfg = transformers.GPT2Config(**extra)
-    else:
-        cfg = getattr(transformers, cls_name)(**{
-            "vocab_size": 131, "hidden_size": 32, "intermediate_size": 80, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "max_position_embeddings": 32, **extra, **sizes})
-    torch.manual_seed(3)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for p in hf.parameters():  # not init-time values: every norm and bias matters
-            p.normal_(0.0, 0.2)
-    hf.to(dtype).save_pretrained(folder, max_shard_size=max_shard_size)
-    return hf.float()
 
 
 @pytest.mark.parametrize("kind", list(HF_CASES))

@@ -3,42 +3,19 @@ Shakespeare: a Llama-3-style byte-level BPE with special tokens, a SentencePiece
 Unigram, and a 74k-word WordLevel vocabulary that needs uint32 shards; the tokenizer travels with
 the dataset into a run, so `hpctrain sample` decodes with it unprompted."""
 import json
-import os
 import shutil
 import sys
 
 import numpy as np
 import pytest
 
-from data_tools.corpora import shakespeare_files
-from data_tools.format import DataError, open_shard_layout, read_manifest, shards_of
+from data_tools.format import DataError, read_manifest
 from data_tools.tokenizers import get_tokenizer
 from tests.conftest import TINY_TRAIN, run_cmd
-
-# Llama 3's pre-tokenizer regex (as published in its tokenizer.json).
-LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
-              r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
-
-
-def _plays(n):
-    return [open(f, encoding="utf-8").read() for f in shakespeare_files()[:n]]
-
-
-def _shard(inputs, out, tokenizer, *extra):
-    return run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", *map(str, inputs),
-                    "--output", str(out), "--tokenizer", str(tokenizer), "--no-progress",
-                    "--val-fraction", "0", *extra], timeout=300)
-
-
-def _tokens(data):
-    m = read_manifest(str(data))
-    out = []
-    for e in shards_of(m, "train"):
-        lay = open_shard_layout(os.path.join(str(data), e["file"]), e, m)
-        out.append(np.fromfile(lay.path, dtype=lay.dtype, offset=lay.offset, count=lay.n_tokens))
-    return m, np.concatenate(out)
-
+from tests.tokenizer_files import LLAMA3_PAT, LLAMA3_SPECIALS
+from tests.tokenizer_files import plays as _plays
+from tests.tokenizer_files import shard as _shard
+from tests.tokenizer_files import tokens as _tokens
 
 @pytest.fixture(scope="module")
 def llama3_dir(tmp_path_factory):

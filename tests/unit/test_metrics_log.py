@@ -14,9 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY_TRAIN, run_cmd
-from tests.unit.test_failure_table import checksums, dataset, mounts  # noqa: F401 - fixtures
-from tests.unit.test_run_lock import fill
+from tests.conftest import TINY_TRAIN, checksums, fill, run_cmd
+
+
+@pytest.fixture(scope="module")
+def dataset(one_play):
+    return one_play
 
 
 def _train(cfg: Path, *overrides, env=None):

@@ -35,8 +35,13 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from tests.conftest import BIN, ROOT, TINY_TRAIN, run_cmd  # noqa: E402
-from tests.unit.test_failure_table import dataset, mounts  # noqa: E402,F401 - fixtures
+from tests.conftest import BIN, ROOT, TINY_TRAIN, fill, run_cmd  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def dataset(one_play):
+    return one_play
+
 
 LEASE = "2"  # HPCTRAIN_RUN_LOCK_LEASE_S for these tests: a frozen holder loses its lock quickly
 
@@ -58,18 +63,6 @@ def _wait_for(predicate, proc, what: str, timeout: float = 120) -> None:
         assert proc.poll() is None, f"exited ({proc.returncode}) before {what}"
         assert time.monotonic() - t0 < timeout, f"no {what} after {timeout} s"
         time.sleep(0.1)
-
-
-def fill(path: Path) -> None:
-    """Write `path` until its file system is full."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
-    try:
-        while os.write(fd, b"x" * 4096):
-            pass
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _steps(path: Path) -> list[int]:

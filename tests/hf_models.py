@@ -1,0 +1,59 @@
+"""What the tests against Hugging Face transformers share (a test-only dependency, never
+downloading: HF_HUB_OFFLINE=1): tiny HF models of each imported family, an HF folder's logits, and
+what `pipeline("text-generation")` makes of an exported folder."""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from tests.conftest import run_cmd
+
+OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def hf_logits(folder, tokens):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
+    with torch.no_grad():
+        return hf(tokens).logits
+
+
+def pipeline_generates(folder) -> str:
+    """The text `pipeline("text-generation")` makes in a fresh, offline process."""
+    code = ("import sys, transformers; p = transformers.pipeline('text-generation', sys.argv[1]); "
+            "print(repr(p('KING HENRY', max_new_tokens=6, do_sample=False)[0]['generated_text']))")
+    r = run_cmd([sys.executable, "-c", code, str(folder)], timeout=180, env=OFFLINE)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return eval(r.stdout.strip().splitlines()[-1])
+
+
+# Import: tiny HF models built here from small configs (random weights, save_pretrained)
+HF_CASES = {
+    "llama_gqa_untied": ("LlamaConfig", dict(num_key_value_heads=2, rope_theta=500000.0)),
+    "mistral": ("MistralConfig", dict(num_key_value_heads=1, sliding_window=None)),
+    "qwen2_tied": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "gpt2": ("GPT2Config", dict(n_layer=2, n_head=4, n_embd=32, n_positions=32, vocab_size=131)),
+}
+
+
+def make_hf_model(kind: str, folder, dtype=torch.float32, max_shard_size="5GB", **sizes):
+    """A transformers model of HF_CASES[kind] (sizes: LlamaConfig-style keys to change), saved."""
+    import transformers
+
+    cls_name, extra = HF_CASES[kind]
+    if cls_name == "GPT2Config":
+        cfg = transformers.GPT2Config(**extra)
+    else:
+        cfg = getattr(transformers, cls_name)(**{
+            "vocab_size": 131, "hidden_size": 32, "intermediate_size": 80, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "max_position_embeddings": 32, **extra, **sizes})
+    torch.manual_seed(3)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():  # not init-time values: every norm and bias matters
+            p.normal_(0.0, 0.2)
+    hf.to(dtype).save_pretrained(folder, max_shard_size=max_shard_size)
+    return hf.float()
