@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -171,3 +172,46 @@ def assert_same_files(got: Path, want: Path) -> None:
     assert names == sorted(p.name for p in got.iterdir()) and "manifest.json" in names
     for name in names:
         assert (got / name).read_bytes() == (want / name).read_bytes(), name
+
+
+# The tiny GPT the Slurm job tests train: STEPS steps, validation every 10, no periodic checkpoint.
+STEPS = 40
+TINY = """
+[run]
+dir = "{run}"
+[data]
+path = "{data}"
+[model]
+n_layer = 2
+n_head = 2
+n_embd = 64
+block_size = 64
+vocab_size = 257
+[train]
+steps = 40
+micro_batch_size = 4
+lr = 3e-3
+min_lr = 3e-4
+warmup_steps = 5
+eval_interval = 10
+eval_batches = 2
+log_interval = 10
+[checkpoint]
+interval = 1000
+keep = 2
+[slurm]
+time_check_s = 1
+"""
+
+
+def stop_step(log: str) -> int:
+    steps = [int(s) for s in re.findall(r"stopping at step (\d+)", log)]
+    assert len(steps) == 1, log
+    return steps[0]
+
+
+def assert_same_curve(run, reference):
+    got = losses(run)
+    assert sorted(got) == list(range(1, STEPS + 1))  # every step exactly once
+    for step, loss in reference.items():
+        assert got[step] == loss, f"step {step}: {got[step]!r} != {loss!r}"

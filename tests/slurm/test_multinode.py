@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, mpirun, run_cmd
-from tests.slurm.conftest import SMALL_SCRATCH_NODE, assert_same_files, last_step, losses, metrics
-from tests.slurm.test_slurm_jobs import STEPS, TINY, assert_same_curve, stop_step
+from tests.slurm.conftest import (SMALL_SCRATCH_NODE, STEPS, TINY, assert_same_files, last_step, losses,
+                                  metrics, stop_step)
 from tests.slurm.vcluster import VirtualCluster, pids_in_netns
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]

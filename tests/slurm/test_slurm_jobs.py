@@ -13,38 +13,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, mpirun
-from tests.slurm.conftest import assert_same_files, last_step, losses
+from tests.slurm.conftest import STEPS, TINY, assert_same_curve, assert_same_files, last_step, losses, stop_step
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 TRAIN = ROOT / "slurm" / "train.sbatch"
-STEPS = 40
-TINY = """
-[run]
-dir = "{run}"
-[data]
-path = "{data}"
-[model]
-n_layer = 2
-n_head = 2
-n_embd = 64
-block_size = 64
-vocab_size = 257
-[train]
-steps = 40
-micro_batch_size = 4
-lr = 3e-3
-min_lr = 3e-4
-warmup_steps = 5
-eval_interval = 10
-eval_batches = 2
-log_interval = 10
-[checkpoint]
-interval = 1000
-keep = 2
-[slurm]
-time_check_s = 1
-"""
 SLOW = "--debug.step_sleep_s=0.25"   # 40 steps take >= 10 s: time to send a signal
 
 
@@ -93,19 +66,6 @@ def submit_train(jobs, tmp_path, cfg, *overrides, sbatch_args=(), env=None):
 def signal_mid_run(jobs, jid, run, at_step=6):
     jobs.wait_for(lambda: last_step(run) >= at_step, f"step {at_step} in {run}", job_id=jid)
     jobs.scancel("--signal=USR1", "--batch", jid)
-
-
-def stop_step(log: str) -> int:
-    steps = [int(s) for s in re.findall(r"stopping at step (\d+)", log)]
-    assert len(steps) == 1, log
-    return steps[0]
-
-
-def assert_same_curve(run, reference):
-    got = losses(run)
-    assert sorted(got) == list(range(1, STEPS + 1))  # every step exactly once
-    for step, loss in reference.items():
-        assert got[step] == loss, f"step {step}: {got[step]!r} != {loss!r}"
 
 
 def test_train_sbatch_matches_mpiexec(jobs, dataset, reference, tmp_path):
