@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.plan_memory import allocation_records, live_peaks  # noqa: E402
 from hpctrain.model import GPT, GPTConfig  # noqa: E402
 from hpctrain.parallel.runner import lm_loss  # noqa: E402
-from hpctrain.train.loss import chunked_lm_loss, use_chunked_head  # noqa: E402
+from hpctrain.parallel.loss import chunked_lm_loss, use_chunked_head  # noqa: E402
 
 SHAPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=128)
 MICRO_BATCH = 8

@@ -8,7 +8,7 @@ PYTHONPATH=/tmp/cfg-venv/lib/python3.11/site-packages .venv/bin/python bench/con
 A library that does not import is reported and skipped.
 
 Every approach builds the config from each configs/*.toml plus the same command-line overrides:
-  ours      hpctrain.config.load (TOML -> _coerce per key -> dataclasses; --section.key=value)
+  ours      hpctrain.config.load (TOML -> coerce per key -> dataclasses; --section.key=value)
   tyro      tyro.cli(Config, default=<the TOML's values>, args=overrides) on our dataclasses
   pydantic  TypeAdapter(Config) on our dataclasses (extra='forbid'); overrides merged into the
             TOML dict (our parse_overrides), then validate_python
@@ -86,7 +86,7 @@ def tyro_raw_default(path):
 
     raw = glue_read_toml(path)
     built = {}
-    for name, cls in C._sections().items():
+    for name, cls in C.sections().items():
         values = dict(raw.get(name, {}))
         for f in dataclasses.fields(cls):
             if f.name not in values and f.default is C.REQUIRED and f.default_factory is C.REQUIRED:
@@ -104,15 +104,15 @@ def tyro_raw_load(path, overrides):
 
 
 def glue_tyro_default(path):
-    """Parity: the TOML's values checked and converted per key (our _coerce, ALIASES, MOVED) before
+    """Parity: the TOML's values checked and converted per key (our coerce, ALIASES, MOVED) before
     they become tyro's default: from_dict again, less validate() and with MISSING for required."""
     import tyro
 
     raw, built = glue_read_toml(path), {}
     for name in raw:
-        if name not in C._sections():
+        if name not in C.sections():
             raise ConfigError(f"unknown config section '{name}' in {path}")
-    for name, cls in C._sections().items():
+    for name, cls in C.sections().items():
         hints, known, values = typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}, {}
         for key, value in raw.get(name, {}).items():
             key = C.ALIASES.get(f"{name}.{key}", key)
@@ -120,7 +120,7 @@ def glue_tyro_default(path):
                 moved = C.MOVED.get(f"{name}.{key}")
                 hint = f": it is now '{moved}' (the [debug] section)" if moved else ""
                 raise ConfigError(f"unknown config key '{name}.{key}' in {path}{hint}")
-            values[key] = C._coerce(f"{name}.{key}", value, hints[key])
+            values[key] = C.coerce(f"{name}.{key}", value, hints[key])
         for key, f in known.items():
             if key not in values and f.default is C.REQUIRED and f.default_factory is C.REQUIRED:
                 values[key] = tyro.MISSING
@@ -200,7 +200,7 @@ def glue_pydantic_adapter():
     if _ADAPTER is None:
         from pydantic import ConfigDict, TypeAdapter
 
-        for cls in (C.Config, *C._sections().values()):
+        for cls in (C.Config, *C.sections().values()):
             cls.__pydantic_config__ = ConfigDict(extra="forbid")
         _ADAPTER = TypeAdapter(C.Config)
     return _ADAPTER
@@ -261,18 +261,18 @@ class Approach:
     glue: tuple  # functions in this file it needs
 
 
-PARSER = ("_sections", "_coerce", "_choices", "_type_name", "from_dict", "parse_overrides", "load",
+PARSER = ("sections", "coerce", "choices", "type_name", "from_dict", "parse_overrides", "load",
           "describe", "ALIASES", "MOVED")  # our parser: config.py less the declarations and to_toml
 APPROACHES = {
     "ours": Approach("ours", None, C.load, None, (), PARSER, ()),
     "tyro": Approach("tyro", "tyro", glue_tyro_load, tyro_raw_load,
                      replaces=("from_dict", "parse_overrides", "load", "describe"),
-                     keeps=("_sections", "_coerce", "_choices", "_type_name", "ALIASES", "MOVED"),
+                     keeps=("sections", "coerce", "choices", "type_name", "ALIASES", "MOVED"),
                      glue=(glue_read_toml, glue_tyro_default, glue_tyro_registry, glue_tyro_bool,
                            glue_tyro_hook, glue_tyro_load)),
     "pydantic": Approach("pydantic", "pydantic", glue_pydantic_load, pydantic_raw_load,
-                         replaces=("_coerce", "from_dict", "load"),
-                         keeps=("_sections", "_choices", "_type_name", "parse_overrides", "describe",
+                         replaces=("coerce", "from_dict", "load"),
+                         keeps=("sections", "choices", "type_name", "parse_overrides", "describe",
                                 "ALIASES", "MOVED"),
                          glue=(glue_read_toml, glue_pydantic_adapter, glue_pydantic_load,
                                glue_pydantic_one_line)),
@@ -431,15 +431,15 @@ def help_check(text: str, sep: str) -> str:
     """Every key's flag, its help text and, for Literal keys, its choices joined by sep."""
     flat = " ".join(re.sub(r"[│╭╮╰╯─]", " ", text).split())
     keys = helps = lits = n_lit = 0
-    for section, cls in C._sections().items():
+    for section, cls in C.sections().items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             keys += f"--{section}.{f.name}" in flat
             helps += " ".join(f.metadata.get("help", "").split()) in flat
-            choices = C._choices(hints[f.name])
+            choices = C.choices(hints[f.name])
             n_lit += bool(choices)
             lits += bool(choices) and sep.join(choices) in flat
-    total = sum(len(dataclasses.fields(c)) for c in C._sections().values())
+    total = sum(len(dataclasses.fields(c)) for c in C.sections().values())
     return f"flags {keys}/{total}, help text {helps}/{total}, choices {lits}/{n_lit}"
 
 

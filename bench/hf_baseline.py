@@ -89,10 +89,10 @@ def save_init(out: Path) -> None:
 
 
 def lr_at(step: int, steps: int) -> float:
-    """hpctrain's warmup + cosine (hpctrain/train/optim.py), the one schedule both sides follow."""
+    """hpctrain's warmup + cosine (hpctrain/model/optim.py), the one schedule both sides follow."""
     from types import SimpleNamespace
 
-    from hpctrain.train.optim import lr_at as schedule
+    from hpctrain.model.optim import lr_at as schedule
     return schedule(step, SimpleNamespace(steps=steps, **TRAIN))
 
 

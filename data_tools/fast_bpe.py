@@ -23,6 +23,20 @@ import re
 import numpy as np
 
 
+# The standard GPT-2 pre-tokenisation regex (as published with GPT-2 / tiktoken's gpt2).
+GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def data_gym_bytes() -> dict[str, str]:
+    """GPT-2's byte <-> printable-character map ("data gym" encoding of encoder.json keys), as a
+    str.translate table from each character to the latin-1 character of its byte."""
+    printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
+    others = [b for b in range(256) if b not in printable]
+    table = {ord(chr(b)): chr(b) for b in printable}
+    table.update({256 + n: chr(b) for n, b in enumerate(others)})
+    return table
+
+
 def _merge_pair(m):
     return tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1))
 
@@ -30,8 +44,6 @@ def _merge_pair(m):
 def _byte_level_regex(spec: dict):
     """The split regex of a byte-level pre-tokenizer (GPT-2's, or a Split + ByteLevel sequence
     as Llama 3's), or None for anything else."""
-    from .tokenizers import GPT2_PAT_STR
-
     if spec is None:
         return None
     if spec.get("type") == "ByteLevel":
@@ -59,9 +71,7 @@ def _supported(spec: dict, model: dict) -> bool:
 def _ranks(model: dict, vocab: dict):
     """(mergeable ranks, rank -> id) for a vocabulary of exactly 256 bytes + one token per merge,
     or None."""
-    from .tokenizers import _data_gym_bytes
-
-    table = _data_gym_bytes()
+    table = data_gym_bytes()
     try:
         as_bytes = {k: k.translate(table).encode("latin-1") for k in vocab}
     except UnicodeEncodeError:

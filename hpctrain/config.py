@@ -1,7 +1,7 @@
 """The one source of truth for a run's settings: TOML loading, `--section.key=value` overrides.
 
 Owns: parsing and type coercion into the schema (config_schema.py: every key, its type, default and
-meaning; re-exported here); the rules on values live in config_rules.py (`Config.validate`).
+meaning; re-exported here); the rules on values live in config_rules.py (`validate`, run by `from_dict`).
 Unknown keys, missing required keys and ill-typed values are `ConfigError`s naming the key. It must
 never import torch or touch the filesystem beyond reading the TOML file.
 """
@@ -11,7 +11,6 @@ import dataclasses
 import math
 import sys
 import typing
-from typing import Literal
 from pathlib import Path
 
 if sys.version_info >= (3, 11):
@@ -21,7 +20,9 @@ else:  # pragma: no cover
 
 from hpctrain.config_schema import (  # noqa: F401 - the sections are re-exported from here
     REQUIRED, CheckpointConfig, Config, DataConfig, DebugConfig, DistConfig, ModelConfig,
-    ParallelConfig, RunConfig, SlurmConfig, SyncConfig, TrainConfig)
+    ParallelConfig, RunConfig, SlurmConfig, SyncConfig, TrainConfig, choices, coerce, sections,
+    type_name)
+from hpctrain.config_rules import validate
 from hpctrain.errors import ConfigError
 
 
@@ -40,66 +41,13 @@ def _moved_hint(moved: str | None) -> str:
     return f": it is now '{moved}'" + (" (the [debug] section)" if moved.startswith("debug.") else "")
 
 
-def _sections() -> dict[str, type]:
-    hints = typing.get_type_hints(Config)
-    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
-
-
-def _coerce(key: str, value, typ: type):
-    """Convert a TOML value or an override string to the field's type, or raise naming the key."""
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-    elif typ is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-    elif typ is float:
-        number = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
-        elif isinstance(value, str):
-            try:
-                number = float(value)
-            except ValueError:
-                pass
-        if number is not None and not math.isfinite(number):  # no key means nan or inf
-            raise ConfigError(f"config key '{key}': {value!r} is not a finite number")
-        if number is not None:
-            return number
-    elif typ is str:
-        if isinstance(value, str):
-            return value
-    elif _choices(typ):
-        text = ("true" if value else "false") if isinstance(value, bool) else value  # `requeue = true`
-        if isinstance(text, str) and text in _choices(typ):
-            return text
-        raise ConfigError(f"config key '{key}': {value!r}: expected one of {', '.join(_choices(typ))}")
-    raise ConfigError(f"config key '{key}': expected {_type_name(typ)}, got {value!r}")
-
-
-def _choices(typ) -> tuple[str, ...]:
-    """The allowed values of a Literal[...] field (the one declaration --help and parsing read)."""
-    return typing.get_args(typ) if typing.get_origin(typ) is Literal else ()
-
-
-def _type_name(typ) -> str:
-    return "|".join(_choices(typ)) if _choices(typ) else typ.__name__
-
-
 # Sections of a training TOML that are not training settings: [tune] is `hpctrain tune`'s search
 # space (hpctrain/tune/space.py); `from_dict` checks it and leaves it out of the Config.
 OTHER_SECTIONS = ("tune",)
 
 
 def from_dict(raw: dict, source: str = "config", cli_keys: frozenset = frozenset()) -> Config:
-    sections = _sections()
+    by_name = sections()
     built = {}
     if "tune" in raw:
         from hpctrain.tune.space import parse  # no torch, no optuna: only the schema
@@ -108,15 +56,15 @@ def from_dict(raw: dict, source: str = "config", cli_keys: frozenset = frozenset
     for name in raw:
         if name in OTHER_SECTIONS:
             continue
-        if name not in sections:
+        if name not in by_name:
             where = "on the command line" if any(k.startswith(f"{name}.") for k in cli_keys) else f"in {source}"
-            known = ", ".join([*sections, *OTHER_SECTIONS])
+            known = ", ".join([*by_name, *OTHER_SECTIONS])
             raise ConfigError(f"unknown config section '{name}' {where} (known: {known})")
     if isinstance(raw.get("init"), dict) and (raw["init"].get("from") or raw["init"].get("from_dir")):
         from hpctrain.interop.hf_import import fill_model_section  # [model] from its config.json
 
-        raw = fill_model_section(raw, lambda key, value, like: _coerce(key, value, type(like)))
-    for name, cls in sections.items():
+        raw = fill_model_section(raw, lambda key, value, like: coerce(key, value, type(like)))
+    for name, cls in by_name.items():
         values = raw.get(name, {})
         if not isinstance(values, dict):
             raise ConfigError(f"config key '{name}': expected a [{name}] table in {source}")
@@ -130,12 +78,12 @@ def from_dict(raw: dict, source: str = "config", cli_keys: frozenset = frozenset
                 hint = _moved_hint(moved)
                 where = "on the command line" if f"{name}.{key}" in cli_keys else f"in {source}"
                 raise ConfigError(f"unknown config key '{name}.{key}' {where}{hint}")
-            kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
+            kwargs[key] = coerce(f"{name}.{key}", value, hints[key])
         for key, f in known.items():
             if key not in kwargs and f.default is REQUIRED and f.default_factory is REQUIRED:
-                raise ConfigError(_missing_key(f"{name}.{key}", source, sections))
+                raise ConfigError(_missing_key(f"{name}.{key}", source, by_name))
         built[name] = cls(**kwargs)
-    return Config(**built).validate()
+    return validate(Config(**built))
 
 
 def _missing_key(key: str, source: str, sections: dict) -> str:
@@ -243,7 +191,7 @@ def to_toml(cfg: Config) -> str:
 def describe() -> str:
     """Every option with its type, default and meaning, for `--help`."""
     out = []
-    for section, cls in _sections().items():
+    for section, cls in sections().items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             if f.default is not REQUIRED:
@@ -252,5 +200,5 @@ def describe() -> str:
                 default = repr(f.default_factory())
             else:
                 default = "required"
-            out.append(f"  --{section}.{f.name}={_type_name(hints[f.name]):<6} [{default}] {f.metadata.get('help', '')}")
+            out.append(f"  --{section}.{f.name}={type_name(hints[f.name]):<6} [{default}] {f.metadata.get('help', '')}")
     return "\n".join(out)

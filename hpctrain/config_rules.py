@@ -2,22 +2,20 @@
 no world size (the mesh checks dp x tp x pp against the world size at start-up); once dp is known,
 `resolve_grad_accum` turns train.global_batch into the accumulation.
 
-Owns: every check `Config.validate` runs; each failure is one `ConfigError` naming the key.
+Owns: every check `validate` runs (config.from_dict calls it); each failure is one `ConfigError` naming the key.
 It must never import torch or look at anything but the config's values.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
 
+from hpctrain.config_schema import (Config, ModelConfig, ParallelConfig, SlurmConfig, SyncConfig,
+                                    TrainConfig)
 from hpctrain.errors import ConfigError
 
-if TYPE_CHECKING:
-    from hpctrain.config import (Config, ModelConfig, ParallelConfig, SlurmConfig, SyncConfig,
-                                 TrainConfig)
 
-
-def validate(cfg: Config) -> None:
-    """Raise ConfigError naming the first key whose value breaks a rule."""
+def validate(cfg: Config) -> Config:
+    """`cfg`, or raise ConfigError naming the first key whose value breaks a rule."""
     m, t = cfg.model, cfg.train
     _validate_model(m)
     _check(t.steps >= 1, "train.steps", "must be >= 1")
@@ -63,6 +61,7 @@ def validate(cfg: Config) -> None:
     _validate_sync(cfg.sync, cfg.parallel)
     _validate_parallel(cfg.parallel, m, t.compile)
     _validate_slurm(cfg.slurm)
+    return cfg
 
 
 # The largest train.lr accepted: AdamW moves every weight by about lr per step, so above this a
@@ -94,10 +93,6 @@ def llama_ffn_hidden(n_embd: int, ffn_hidden: int, multiple_of: int, ffn_dim_mul
 
 def _validate_llama(m: ModelConfig) -> None:
     """llama's keys: refused on gpt2 when set (they would be silently ignored), ranges, GQA."""
-    import dataclasses
-
-    from hpctrain.config_schema import ModelConfig
-
     llama_keys = [f for f in dataclasses.fields(ModelConfig)
                   if f.metadata.get("help", "").startswith("llama:")]
     if m.arch == "gpt2":

@@ -2,14 +2,20 @@
 and meaning (the `help` that `hpctrain train --help` prints).
 
 Owns: the keys. Reading TOML and `--section.key=value` overrides into these lives in config.py, the
-rules on values in config_rules.py (`Config.validate`). It must never import torch or read files.
+rules on values in config_rules.py. Also owns a value's coercion into its key's type (`coerce`,
+which every parser of TOML tables uses) and a Literal key's choices. It must never import torch
+or read files.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+
+from hpctrain.errors import ConfigError
 
 REQUIRED = dataclasses.MISSING
 
@@ -320,15 +326,67 @@ class Config:
     debug: DebugConfig = field(default_factory=DebugConfig)
     init: InitConfig = field(default_factory=InitConfig)
 
-    def validate(self) -> "Config":
-        from hpctrain.config_rules import validate  # the rules on values, per key and across keys
-
-        validate(self)
-        return self
-
     @property
     def checkpoint_dir(self) -> Path:
         return Path(self.checkpoint.dir) if self.checkpoint.dir else Path(self.run.dir) / "checkpoints"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def sections() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+
+
+def coerce(key: str, value, typ: type):
+    """Convert a TOML value or an override string to the field's type, or raise naming the key."""
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif typ is float:
+        number = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        elif isinstance(value, str):
+            try:
+                number = float(value)
+            except ValueError:
+                pass
+        if number is not None and not math.isfinite(number):  # no key means nan or inf
+            raise ConfigError(f"config key '{key}': {value!r} is not a finite number")
+        if number is not None:
+            return number
+    elif typ is str:
+        if isinstance(value, str):
+            return value
+    elif choices(typ):
+        text = ("true" if value else "false") if isinstance(value, bool) else value  # `requeue = true`
+        if isinstance(text, str) and text in choices(typ):
+            return text
+        raise ConfigError(f"config key '{key}': {value!r}: expected one of {', '.join(choices(typ))}")
+    raise ConfigError(f"config key '{key}': expected {type_name(typ)}, got {value!r}")
+
+
+def choices(typ) -> tuple[str, ...]:
+    """The allowed values of a Literal[...] field (the one declaration --help and parsing read)."""
+    return typing.get_args(typ) if typing.get_origin(typ) is Literal else ()
+
+
+def key_choices(section: type, key: str) -> tuple[str, ...]:
+    """The allowed values of one Literal key of a section, e.g. (SyncConfig, "compression")."""
+    return choices(typing.get_type_hints(section)[key])
+
+
+def type_name(typ) -> str:
+    return "|".join(choices(typ)) if choices(typ) else typ.__name__

@@ -42,7 +42,7 @@ from hpctrain.errors import CheckpointError, NoIntactCheckpoint
 COMMIT_TIMEOUT_S = 1800.0  # at least: the save group's timeout (torch's own Gloo default)
 from hpctrain.checkpoint.safe_load import SafeFileSystemReader, TensorOnlyLoadPlanner
 from hpctrain.checkpoint.state import check_json, json_part, merge_values, overlay, split_state
-from hpctrain.train.run_lock import assert_held
+from hpctrain.distributed.run_lock import assert_held
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """`metrics.jsonl`: one JSON object per optimizer step, written by rank 0 only (the run-dir lock's
-holder: every write first checks that the lock is still this job's, see train/run_lock.py).
+holder: every write first checks that the lock is still this job's, see distributed/run_lock.py).
 
 On resume from step S, records with step > S (written after the checkpoint by a run that was then
 stopped or killed, or by a run whose checkpoints were moved away: S = 0) are dropped, so the log
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from hpctrain.errors import UserError
 from hpctrain.metrics import tensorboard
-from hpctrain.train.run_lock import assert_held
+from hpctrain.distributed.run_lock import assert_held
 
 
 class MetricsLog:

@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from hpctrain.config import Config
 from hpctrain.errors import ConfigError
 from hpctrain.parallel.parallelize import Layout
-from hpctrain.train.loss import chunked_lm_loss
+from hpctrain.parallel.loss import chunked_lm_loss
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

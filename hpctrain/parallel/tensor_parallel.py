@@ -51,7 +51,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         plan["norm_f"] = SequenceParallel()
     if model.lm_head is not None:
         # train.loss_chunk: the head returns the gathered hidden states (Replicate) for the
-        # chunked vocabulary-parallel loss (hpctrain/train/loss.py) instead of logits
+        # chunked vocabulary-parallel loss (hpctrain/parallel/loss.py) instead of logits
         chunked = getattr(model.lm_head, "returns_hidden", False)
         plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1),
                                           output_layouts=Replicate() if chunked else Shard(-1),

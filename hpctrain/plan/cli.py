@@ -13,6 +13,7 @@ import json
 import re
 import sys
 
+from hpctrain.config_schema import ModelConfig, key_choices
 from hpctrain.plan import recommend
 from hpctrain.plan.layout import Job
 from hpctrain.plan.report import SUMMARY_HEAD, make_plan, render, summary_row
@@ -108,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "[data] and [checkpoint] keys (train.precision auto counts as bf16)")
     for key in MODEL_KEYS:
         p.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int, help=f"model.{key}")
-    p.add_argument("--arch", choices=("gpt2", "llama"), help="model.arch (default gpt2)")
+    p.add_argument("--arch", choices=key_choices(ModelConfig, "arch"), help="model.arch (default gpt2)")
     for key, text in ARCH_OPTIONS.items():
         p.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int, help=text)
     p.add_argument("--summary", action="store_true", help="print one Markdown table row (with its "

@@ -10,7 +10,7 @@ Owns the communication model (ring collectives: an all-reduce of M bytes over p 
 - DP (parallel/parallelize.py): DDP or the flat after-backward all-reduce of fp32 gradients once
   per step; FSDP all-gathers parameters (16-bit under autocast) in forward and again in backward
   for every micro-batch and reduce-scatters fp32 gradients once per step; DiLoCo averages the
-  pseudo-gradient once per round of inner_steps (sync/compress.py bytes_sent, on the wire fp32,
+  pseudo-gradient once per round of inner_steps (plan/wire.py bytes_sent, on the wire fp32,
   bf16 or int8 + a scale per block), nothing in between.
 - PP (parallel/pipeline.py): each micro-batch's fp32 residual stream (b, s / tp, h) to the next
   stage and its gradient back, per model chunk; the tied embedding / head gradient all-reduced
@@ -20,31 +20,13 @@ then pp: distributed/mesh.py), else "inter-node". It must never compute memory.
 """
 from __future__ import annotations
 
-import math
-
 from hpctrain.plan.layout import Job
 from hpctrain.plan.memory import RankMemory, checkpointed_blocks
 from hpctrain.plan.shape import ModelShape
-
-WIRE_BYTES = {"none": 4, "bf16": 2, "int8": 1}  # sync/compress.py
-
+from hpctrain.plan.wire import bytes_sent
 
 def ring_share(p: int) -> float:
     return (p - 1) / p if p > 1 else 0.0
-
-
-def diloco_round_bytes(n: int, p: int, kind: str, block: int = 256) -> int:
-    """sync/compress.bytes_sent: fp32 ring all-reduce, or a two-phase compressed average."""
-    if p <= 1:
-        return 0
-    if kind == "none":
-        return int(2 * (p - 1) / p * n * WIRE_BYTES["none"])
-    chunk = math.ceil(n / p)
-    if kind == "int8":
-        block = min(block, chunk) if block else chunk
-        chunk = math.ceil(chunk / block) * block
-    per_chunk = chunk * WIRE_BYTES[kind] + (chunk // block * 4 if kind == "int8" else 0)
-    return 2 * (p - 1) * per_chunk
 
 
 def tp_bytes(shape: ModelShape, job: Job, n_blocks: int, n_ckpt: int, ends: int) -> int:
@@ -66,7 +48,7 @@ def dp_bytes(shape: ModelShape, job: Job, n_local: int) -> tuple[int, str]:
     if p == 1:
         return 0, "none (dp = 1)"
     if job.sync_mode == "diloco":
-        per_round = diloco_round_bytes(n_local, p, job.compression)
+        per_round = bytes_sent(n_local, p, job.compression)
         return per_round // job.inner_steps, (f"DiLoCo: {per_round / 1e9:.3g} GB per round of "
                                                f"{job.inner_steps} steps ({job.compression})")
     if job.data_parallel == "fsdp":

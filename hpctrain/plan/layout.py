@@ -9,10 +9,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from hpctrain.config_schema import (DataConfig, DistConfig, ParallelConfig, SyncConfig, TrainConfig,
+                                    key_choices)
 from hpctrain.plan.shape import ModelShape
 
 GB = 10 ** 9
 GiB = 1 << 30
+
+
+# The values each option takes: the config's own (its Literal types), less what a plan cannot
+# assume ("auto" precision / backend) or does not model (sync.mode ps and async_diloco).
+CHOICES = {"data_parallel": key_choices(ParallelConfig, "data_parallel"),
+           "pp_schedule": key_choices(ParallelConfig, "pp_schedule"),
+           "activation_checkpoint": key_choices(ParallelConfig, "activation_checkpoint"),
+           "precision": tuple(c for c in key_choices(TrainConfig, "precision") if c != "auto"),
+           "sync_mode": tuple(c for c in key_choices(SyncConfig, "mode") if c in ("sync", "diloco")),
+           "compression": key_choices(SyncConfig, "compression"),
+           "shuffle": key_choices(DataConfig, "shuffle"),
+           "backend": tuple(c for c in key_choices(DistConfig, "backend") if c != "auto")}
 
 
 @dataclass(frozen=True)
@@ -91,12 +105,7 @@ class Job:
 
     def check(self, shape: ModelShape) -> "Job":
         """The job with train.global_batch resolved into grad_accum, or one line naming the option."""
-        choices = {"data_parallel": ("ddp", "fsdp"), "pp_schedule": ("gpipe", "1f1b", "interleaved"),
-                   "activation_checkpoint": ("none", "full", "selective"),
-                   "precision": ("fp32", "bf16", "fp16"), "sync_mode": ("sync", "diloco"),
-                   "compression": ("none", "bf16", "int8"), "shuffle": ("block", "global"),
-                   "backend": ("nccl", "gloo")}
-        for key, allowed in choices.items():
+        for key, allowed in CHOICES.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"--{key.replace('_', '-')} {getattr(self, key)!r}: expected one of "
                                  f"{', '.join(allowed)}")

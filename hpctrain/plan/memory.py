@@ -1,7 +1,7 @@
 """Bytes one rank holds while training: model state, activations, working copies, setup.
 
 Owns the memory model of OUR code, per pipeline rank (the largest is what must fit):
-- model state (train/optim.py, parallel/parallelize.py, train/precision.py): fp32 parameters,
+- model state (model/optim.py, parallel/parallelize.py, train/precision.py): fp32 parameters,
   fp32 gradients and fused AdamW's fp32 m and v: 4 + 4 + 8 = 16 bytes per parameter in every
   precision (autocast keeps master weights fp32), divided by dp under FSDP. Under bf16 / fp16
   autocast adds a 16-bit copy of each Linear weight, alive from forward to the end of backward
@@ -40,7 +40,7 @@ Owns the memory model of OUR code, per pipeline rank (the largest is what must f
   A checkpointed block keeps its fp32 input (4 s b h / t) and recomputes one block in backward.
   The head keeps its logits (2|4 b s V / t) and log-softmax (4 b s V / t), +8 b s V / t in
   backward (llama: + RMSNorm's normalized copy, 4 b s h / t, with or without chunking).
-  With train.loss_chunk = n (train/loss.py) it keeps the gradients its forward computed, dh
+  With train.loss_chunk = n (parallel/loss.py) it keeps the gradients its forward computed, dh
   (4 b s h, gathered under tp) and dW (4 V h / t, fp32), and briefly one chunk's logits
   (4 n V / t, + a 16-bit copy 2 n V / t and of h 2 b s h under 16-bit autocast).
 - peak = parameters + optimizer state + working copies + the highest activations + gradients of
@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 
 from hpctrain.plan.layout import Job
 from hpctrain.plan.shape import ModelShape
+from hpctrain.plan.stages import layer_costs, split_stages, stages_of_rank
 
 ADAM_BYTES = 8  # fused AdamW: exp_avg + exp_avg_sq, fp32
 ZERO_PAPER = {"param (16-bit)": 2, "grad (16-bit)": 2, "fp32 param, m, v": 12}
@@ -82,8 +83,6 @@ def pipeline_stages(shape: ModelShape, job: Job) -> list[Stage]:
     m = job.grad_accum
     if job.pp == 1:
         return [Stage(0, tuple(range(shape.n_layer)), True, True, 1)]
-    from hpctrain.parallel.pipeline import layer_costs, split_stages, stages_of_rank  # torch
-
     n_stages = job.pp * job.virtual
     bounds = split_stages(n_stages, *layer_costs(shape.n_layer, shape.n_embd, shape.block_size,
                                                  shape.vocab_size))

@@ -47,7 +47,7 @@ from hpctrain.sync.asynchronous import AsynchronousStrategy, add_into, assign, f
 from hpctrain.sync.global_model import GlobalModelWindows
 from hpctrain.sync.inbox import ArrivalInbox
 from hpctrain.sync.outer import apply_arrival, dynamic_local_steps
-from hpctrain.train.optim import lr_at
+from hpctrain.model.optim import lr_at
 
 
 class AsyncDiLoCo(AsynchronousStrategy):

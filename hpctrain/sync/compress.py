@@ -1,7 +1,7 @@
 """Averaging a flat fp32 tensor over a process group, optionally compressed on the wire.
 
 Owns: the wire formats (fp32, bf16, int8 with one fp32 scale per block) and the collective that
-averages with them, plus the byte count each rank sends. It must never know about models or rounds.
+averages with them (their sizes and the bytes each rank sends: plan/wire.py, shared with the planner). It must never know about models or rounds.
 
 Compressed averaging is two-phase, like a ring all-reduce, so the bytes per rank stay ~2n/elem
 whatever the group size: (1) all-to-all: rank j receives everyone's encoded chunk j, decodes, and
@@ -11,13 +11,11 @@ quantization step in each phase: |avg - exact| <= mean_r(s1_r) / 2 + s2 / 2, s =
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
-WIRE_BYTES = {"none": 4, "bf16": 2, "int8": 1}
-SCALE_BYTES = 4
+from hpctrain.plan.wire import wire_layout
+
 
 
 def quantize_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,26 +50,6 @@ class Codec:
             return parts[0].contiguous().view(torch.bfloat16).float()
         return dequantize_int8(parts[0].contiguous().view(torch.int8),
                                parts[1].contiguous().view(torch.float32), self.block)
-
-
-def wire_layout(n: int, p: int, kind: str, block: int) -> tuple[int, int]:
-    """(chunk, block): per-rank chunk length (a multiple of the int8 block) and the block used."""
-    chunk = math.ceil(n / p)
-    if kind == "int8":
-        block = min(block, chunk) if block else chunk
-        chunk = math.ceil(chunk / block) * block
-    return chunk, block
-
-
-def bytes_sent(n: int, p: int, kind: str, block: int = 256) -> int:
-    """Bytes one rank sends to average n elements over p ranks (ring all-reduce for fp32)."""
-    if p <= 1:
-        return 0
-    if kind == "none":
-        return int(2 * (p - 1) / p * n * WIRE_BYTES["none"])
-    chunk, block = wire_layout(n, p, kind, block)
-    per_chunk = chunk * WIRE_BYTES[kind] + (chunk // block * SCALE_BYTES if kind == "int8" else 0)
-    return 2 * (p - 1) * per_chunk
 
 
 def average(flat: torch.Tensor, group, kind: str = "none", block: int = 256) -> torch.Tensor:

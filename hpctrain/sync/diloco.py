@@ -42,7 +42,8 @@ from hpctrain.config import SyncConfig
 from hpctrain.distributed.bootstrap import new_group
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.errors import ConfigError
-from hpctrain.sync.compress import average, bytes_sent
+from hpctrain.plan.wire import bytes_sent
+from hpctrain.sync.compress import average
 from hpctrain.sync.strategy import SyncStrategy
 
 

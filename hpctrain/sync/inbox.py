@@ -28,7 +28,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from hpctrain.sync.compress import SCALE_BYTES, WIRE_BYTES, Codec, wire_layout
+from hpctrain.plan.wire import SCALE_BYTES, WIRE_BYTES, wire_layout
+from hpctrain.sync.compress import Codec
 
 APPLIED = 0  # header word 0 on every server; then (arrival, lr_scale bits) per replica
 

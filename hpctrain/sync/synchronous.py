@@ -3,7 +3,7 @@ strategy has nothing to do between steps; it says what a checkpoint holds and wh
 """
 from __future__ import annotations
 
-from hpctrain.sync.compress import bytes_sent
+from hpctrain.plan.wire import bytes_sent
 from hpctrain.sync.strategy import SyncStrategy, refuse_other_mode
 
 

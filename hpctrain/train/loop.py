@@ -39,12 +39,12 @@ from hpctrain.metrics.straggler import StragglerDetector
 from hpctrain.parallel import build_runner
 from hpctrain.sync import modes
 from hpctrain.train import rng
-from hpctrain.train import run_lock
+from hpctrain.distributed import run_lock
 from hpctrain.train.data import TrainData
 from hpctrain.train.bad_steps import BadStepPolicy, all_finite
 from hpctrain.train.loss_scaling import LossScaling
 from hpctrain.train.model_setup import build_model
-from hpctrain.train.optim import build_optimizer, lr_at, set_lr
+from hpctrain.model.optim import build_optimizer, lr_at, set_lr
 from hpctrain.train.precision import apply_tf32, resolve_precision
 from hpctrain.train.states import ModelState, OptimState, RNGStates
 

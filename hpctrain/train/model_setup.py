@@ -21,7 +21,7 @@ from hpctrain.interop.hf_import import run_has_checkpoints
 from hpctrain.model import build_model_from_section
 from hpctrain.parallel import Layout, parallelize
 from hpctrain.parallel.meta_init import allocate, build_on_meta, materialize
-from hpctrain.train.loss import use_chunked_head
+from hpctrain.parallel.loss import use_chunked_head
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def build_model(cfg: Config, mesh: Mesh, device: torch.device) -> BuiltModel:
         model, init = build_model_from_section(section).to(device), None
     n_params, flops = model.num_params(), model.flops_per_token()  # before a pipeline split
     if cfg.train.loss_chunk:
-        use_chunked_head(model)  # lm_head hands hidden states to the chunked loss (train/loss.py)
+        use_chunked_head(model)  # lm_head hands hidden states to the chunked loss (parallel/loss.py)
     if cfg.init.from_dir and not run_has_checkpoints(cfg.checkpoint_dir):
         # each rank reads its part of a Hugging Face model's weights instead (on resume the
         # checkpoint's replace the seed's: the folder is not read, it may be gone)

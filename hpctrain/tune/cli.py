@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
     pp.add_argument("--output", "-o", help="PNG path (default: RUN_DIR/pbt.png)")
     args, overrides = parser.parse_known_args(argv)
     if args.command == "pbt":
-        from hpctrain.tune.pbt import pbt
+        from hpctrain.tune.pbt_job import pbt
 
         return pbt(args.config, overrides)
     if args.command == "pbt-plot":

@@ -11,7 +11,8 @@ population's state (every member's values, the explorer's RNG, the round) inside
 population goes on as if never stopped (the same lineage). One heartbeat watchdog spans
 COMM_WORLD: a member rank that dies or hangs ends the whole job with one line naming it.
 
-Owns: that loop, the population's state and the lineage file. It must never change the Trainer's
+Owns: the population's state, its config and the lineage file (the job's entry is pbt_job.py,
+the loop pbt_loop.py). It must never change the Trainer's
 step (it drives the Trainer's own pieces), sample or perturb values itself, or move tensors.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ import sys
 from pathlib import Path
 
 from hpctrain.errors import ConfigError, UserError
-from hpctrain.tune import pbt_members, pbt_space
+from hpctrain.tune import pbt_space, space
 from hpctrain.tune.space import TuneConfig
 
 LINEAGE = "lineage.jsonl"
@@ -35,10 +36,10 @@ def log(msg: str) -> None:
 
 def load(config_path: str, overrides: list[str]):
     """(training Config, TuneConfig, PbtConfig), checked for PBT, or one ConfigError."""
-    from hpctrain.tune import space
+    from hpctrain.tune import study
 
-    raw, cfg, tune, source = space.read(config_path, overrides, "[tune.params] bounds and [tune.pbt]")
-    pbt = pbt_space.parse_pbt(raw["tune"].get("pbt"), source)
+    raw, cfg, tune, source = study.read(config_path, overrides, "[tune.params] bounds and [tune.pbt]")
+    pbt = space.parse_pbt(raw["tune"].get("pbt"), source)
     pbt_space.check_mutable(tune)
     if cfg.sync.mode != "sync":
         raise ConfigError(f"config key 'sync.mode': '{cfg.sync.mode}' in {source}; PBT members "
@@ -68,7 +69,7 @@ class Population:
     """Every member's current values, the explorer's RNG and the rounds done: a Stateful saved
     (as JSON) in every member's checkpoint."""
 
-    def __init__(self, tune: TuneConfig, pbt: pbt_space.PbtConfig):
+    def __init__(self, tune: TuneConfig, pbt: space.PbtConfig):
         import random
 
         self.tune, self.pbt = tune, pbt
@@ -129,61 +130,6 @@ class LineageLog:
 def read_lineage(run_dir) -> list[dict]:
     path = Path(run_dir) / LINEAGE
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def pbt(config_path: str, overrides: list[str]) -> int:
-    """Every rank of the job: split into members, train them as a population, exit status."""
-    cfg, tune, pbt_cfg = load(config_path, overrides)
-    from mpi4py import MPI
-
-    from hpctrain.distributed import init_distributed, teardown
-    from hpctrain.distributed.preempt import install_signal_handlers, requeue_if_requested
-    from hpctrain.distributed.watchdog import watch_peers
-    from hpctrain.train import run_lock
-    from hpctrain.tune.pbt_loop import PopulationRun
-
-    install_signal_handlers(cfg.slurm.signals)
-    world = MPI.COMM_WORLD
-    member, member_comm, k = pbt_members.split_members(world, pbt_cfg.population)
-    mcfg = member_config(cfg, member)
-    ctx = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, comm=member_comm)
-    if world.Get_rank() == 0:
-        log(f"{pbt_cfg.population} members of {k} rank(s) in {cfg.run.dir}; every {pbt_cfg.ready} "
-            f"steps the worst {pbt_cfg.n_exchanged()} copy one of the best {pbt_cfg.n_exchanged()}")
-    # one heartbeat over COMM_WORLD (the stop vote and the rounds' allgather span the members)
-    watched = world_watch(world, cfg.dist.heartbeat_timeout_s)
-    with watch_peers(watched, cfg.dist.heartbeat_timeout_s), run_lock.hold(mcfg.run.dir, ctx):
-        run = PopulationRun(mcfg, ctx, tune, pbt_cfg, world, member, k, Path(cfg.run.dir))
-        status = run.fit()
-    world.Barrier()  # every rank's watcher has stopped before world rank 0 ends their store
-    watched.server = None
-    teardown()
-    requeue_if_requested(world)
-    return status
-
-
-def world_watch(world, timeout_s: float):
-    """What watch_peers needs to watch every rank of the job, not only this member's: world ranks
-    and hosts, and a heartbeat store of its own on world rank 0 (`server`: kept alive by the
-    caller until every rank's watcher has stopped)."""
-    import datetime
-    import socket
-    from types import SimpleNamespace
-
-    import torch.distributed as dist
-
-    from hpctrain.distributed.bootstrap import _rendezvous
-
-    rank, hosts = world.Get_rank(), world.allgather(socket.gethostname())
-    addr, _ = _rendezvous(world, rank, hosts)  # reachable from every node, like the members' own
-    server = None
-    if rank == 0 and timeout_s > 0 and world.Get_size() > 1:
-        server = dist.TCPStore(addr, 0, world.Get_size(), is_master=True, wait_for_workers=False,
-                               timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)))
-    port = world.bcast(server.port if server is not None else 0, root=0)
-    world.Barrier()  # the port has reached every rank before rank 0 goes on (init_distributed)
-    return SimpleNamespace(rank=rank, world_size=world.Get_size(), comm=world, master_addr=addr,
-                           master_port=port, hosts=tuple(hosts), server=server)
 
 
 def check_same_step(world, step: int) -> None:

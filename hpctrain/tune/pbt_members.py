@@ -88,7 +88,7 @@ def apply_values(trainer, values: dict) -> None:
     for key, value in values.items():
         setattr(t, key.split(".", 1)[1], value)
     groups = trainer.optimizer.param_groups
-    groups[0]["weight_decay"] = t.weight_decay  # the matrices' group (hpctrain/train/optim.py)
+    groups[0]["weight_decay"] = t.weight_decay  # the matrices' group (hpctrain/model/optim.py)
     for group in groups:
         if "betas" in group:
             group["betas"] = (t.beta1, t.beta2)

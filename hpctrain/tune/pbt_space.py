@@ -11,67 +11,22 @@ members' first hyperparameters, exploit (who copies whom) and explore (perturbin
     exploit = true          # false: the members train their first values to the end (a baseline)
 
 The bounds are the [tune.params] distributions (hpctrain/tune/space.py); only keys the trainer reads
-again at every step can be changed while it trains (PBT_MUTABLE). Owns: that schema, parsing and
-checking it (one ConfigError naming the key), and the explorer: a `random.Random` whose state is
+again at every step can be changed while it trains (PBT_MUTABLE). The table's schema and its parsing
+(`PbtConfig`, `parse_pbt`) live in space.py with the rest of [tune]. Owns: which keys are mutable,
+and the explorer: a `random.Random` whose state is
 saved with the population. It must never import torch, MPI, or touch the file system.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
-import typing
-from dataclasses import dataclass
 
-from hpctrain.tune.space import Param, TuneConfig, _check
+from hpctrain.tune.space import Param, PbtConfig, TuneConfig, _check
 
 # Keys the trainer reads anew at every step (lr_at: lr, min_lr, warmup_steps; the clip: grad_clip)
 # or that live in the optimizer's parameter groups (weight_decay, beta1, beta2).
 PBT_MUTABLE = ("train.lr", "train.min_lr", "train.warmup_steps", "train.weight_decay",
                "train.grad_clip", "train.beta1", "train.beta2")
-
-
-@dataclass(frozen=True)
-class PbtConfig:
-    population: int = 4
-    ready: int = 50
-    quantile: float = 0.25
-    perturb: tuple = (0.8, 1.2)
-    resample_probability: float = 0.25
-    seed: int = 0
-    exploit: bool = True
-
-    def n_exchanged(self) -> int:
-        """How many members are replaced each round (and how many are the donors' pool)."""
-        if self.population < 2 or not self.exploit:
-            return 0
-        return max(1, min(self.population // 2, int(self.population * self.quantile)))
-
-
-def parse_pbt(raw, source: str = "config") -> PbtConfig:
-    """The [tune.pbt] table (absent: the defaults) -> PbtConfig, or one ConfigError naming the key."""
-    from hpctrain.config import _coerce
-
-    raw = {} if raw is None else raw
-    _check(isinstance(raw, dict), "tune.pbt", f"expected a [tune.pbt] table in {source}")
-    hints = typing.get_type_hints(PbtConfig)
-    known = [f.name for f in dataclasses.fields(PbtConfig)]
-    kwargs = {}
-    for key, value in raw.items():
-        _check(key in known, f"tune.pbt.{key}", f"unknown key in {source} (known: {', '.join(known)})")
-        if key == "perturb":
-            _check(isinstance(value, (list, tuple)) and len(value) >= 1 and all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in value),
-                "tune.pbt.perturb", f"expected a list of positive factors such as [0.8, 1.2], got {value!r}")
-            kwargs[key] = tuple(float(v) for v in value)
-        else:
-            kwargs[key] = _coerce(f"tune.pbt.{key}", value, hints[key])
-    pbt = PbtConfig(**kwargs)
-    _check(pbt.population >= 1, "tune.pbt.population", "must be >= 1")
-    _check(pbt.ready >= 1, "tune.pbt.ready", "must be >= 1 (steps between rounds)")
-    _check(0.0 < pbt.quantile <= 0.5, "tune.pbt.quantile", "must be in (0, 0.5]")
-    _check(0.0 <= pbt.resample_probability <= 1.0, "tune.pbt.resample_probability", "must be in [0, 1]")
-    return pbt
 
 
 def check_mutable(tune: TuneConfig) -> None:

@@ -30,7 +30,7 @@ def load(config_path: str, overrides: list[str]):
     """(training Config, TuneConfig with an absolute journal, the overrides for training)."""
     from hpctrain import config
 
-    _, cfg, tune, source = space.read(config_path, overrides, "the search space")
+    _, cfg, tune, source = study_mod.read(config_path, overrides, "the search space")
     space.check_base(cfg, tune, source)
     tune = dataclasses.replace(tune, journal=str(Path(tune.journal).resolve()))
     train_overrides = [f"--{section}.{key}={value}"  # every trial's; --tune.* are the study's

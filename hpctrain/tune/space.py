@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from hpctrain.config_schema import coerce, sections
 from hpctrain.errors import ConfigError
 
 KINDS = ("log_uniform", "uniform", "int", "choice")
@@ -91,14 +92,53 @@ class TuneConfig:
         return self.study_dir / f"trial_{number}"
 
 
+@dataclass(frozen=True)
+class PbtConfig:
+    population: int = 4
+    ready: int = 50
+    quantile: float = 0.25
+    perturb: tuple = (0.8, 1.2)
+    resample_probability: float = 0.25
+    seed: int = 0
+    exploit: bool = True
+
+    def n_exchanged(self) -> int:
+        """How many members are replaced each round (and how many are the donors' pool)."""
+        if self.population < 2 or not self.exploit:
+            return 0
+        return max(1, min(self.population // 2, int(self.population * self.quantile)))
+
+
+def parse_pbt(raw, source: str = "config") -> PbtConfig:
+    """The [tune.pbt] table (absent: the defaults) -> PbtConfig, or one ConfigError naming the key."""
+    raw = {} if raw is None else raw
+    _check(isinstance(raw, dict), "tune.pbt", f"expected a [tune.pbt] table in {source}")
+    hints = typing.get_type_hints(PbtConfig)
+    known = [f.name for f in dataclasses.fields(PbtConfig)]
+    kwargs = {}
+    for key, value in raw.items():
+        _check(key in known, f"tune.pbt.{key}", f"unknown key in {source} (known: {', '.join(known)})")
+        if key == "perturb":
+            _check(isinstance(value, (list, tuple)) and len(value) >= 1 and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in value),
+                "tune.pbt.perturb", f"expected a list of positive factors such as [0.8, 1.2], got {value!r}")
+            kwargs[key] = tuple(float(v) for v in value)
+        else:
+            kwargs[key] = coerce(f"tune.pbt.{key}", value, hints[key])
+    pbt = PbtConfig(**kwargs)
+    _check(pbt.population >= 1, "tune.pbt.population", "must be >= 1")
+    _check(pbt.ready >= 1, "tune.pbt.ready", "must be >= 1 (steps between rounds)")
+    _check(0.0 < pbt.quantile <= 0.5, "tune.pbt.quantile", "must be in (0, 0.5]")
+    _check(0.0 <= pbt.resample_probability <= 1.0, "tune.pbt.resample_probability", "must be in [0, 1]")
+    return pbt
+
+
 def parse(raw, source: str = "config", run_dir: str = "", cli_keys: frozenset = frozenset()
           ) -> TuneConfig:
     """The [tune] table (with any --tune.key=value overrides merged) -> TuneConfig, or one
     ConfigError naming the key (and where it was given)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"config key 'tune': expected a [tune] table in {source}")
-    from hpctrain.config import _coerce  # the one type coercion of every config key
-
     raw = fold_pbt_overrides(raw)
     hints = typing.get_type_hints(TuneConfig)
     known = {f.name for f in dataclasses.fields(TuneConfig)} - {"params"}
@@ -110,30 +150,15 @@ def parse(raw, source: str = "config", run_dir: str = "", cli_keys: frozenset = 
             where = "on the command line" if f"tune.{key}" in cli_keys else f"in {source}"
             raise ConfigError(f"unknown config key 'tune.{key}' {where} (known: params, pbt, "
                               f"{', '.join(sorted(known))})")
-        kwargs[key] = _coerce(f"tune.{key}", value, hints[key])
+        kwargs[key] = coerce(f"tune.{key}", value, hints[key])
     kwargs["params"] = _parse_params(raw.get("params"), source)
     if "pbt" in raw:
-        from hpctrain.tune.pbt_space import parse_pbt
-
         parse_pbt(raw["pbt"], source)
     if not kwargs.get("journal"):
         kwargs["journal"] = str(Path(run_dir or ".") / "study.journal")
     tune = TuneConfig(**kwargs)
     _validate(tune)
     return tune
-
-
-def read(config_path: str, overrides: list[str], needs: str):
-    """(raw sections, training Config, TuneConfig, source) of a training TOML with a [tune]
-    section; `needs` says what that section must give when it is missing (one ConfigError)."""
-    from hpctrain import config
-
-    raw, source, cli_keys = config.read_raw(config_path, overrides)
-    if "tune" not in raw:
-        raise ConfigError(f"missing config section 'tune' in {source}: give {needs} (docs/tuning.md)")
-    raw["tune"] = fold_pbt_overrides(raw["tune"])
-    cfg = config.from_dict(raw, source, cli_keys)
-    return raw, cfg, parse(raw["tune"], source, run_dir=cfg.run.dir), source
 
 
 def fold_pbt_overrides(raw: dict) -> dict:
@@ -181,12 +206,10 @@ def _flatten(node, prefix: str, out: list) -> None:
 
 
 def _param(key: str, spec: dict) -> Param:
-    from hpctrain.config import _sections
-
     where = f"tune.params.{key}"
     section, _, name = key.partition(".")
-    sections = _sections()
-    hints = typing.get_type_hints(sections[section]) if section in sections else {}
+    by_name = sections()
+    hints = typing.get_type_hints(by_name[section]) if section in by_name else {}
     if name not in hints or "." in name:
         raise ConfigError(f"config key '{where}': '{key}' is not a training config key (see "
                           f"`python -m hpctrain train --help`)")
@@ -224,11 +247,9 @@ def _int(key: str, where: str, low, high, step, typ) -> Param:
 
 
 def _choice(key: str, where: str, values, typ) -> Param:
-    from hpctrain.config import _coerce
-
     _check(isinstance(values, list) and len(values) >= 1, where,
            f"choice = [a, b, ...]: expected a non-empty list, got {values!r}")
-    coerced = tuple(_coerce(where, v, typ) for v in values)
+    coerced = tuple(coerce(where, v, typ) for v in values)
     _check(len(set(coerced)) == len(coerced), where, f"choice: repeated values in {values!r}")
     return Param(key, "choice", choices=coerced)
 

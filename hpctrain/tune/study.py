@@ -20,9 +20,21 @@ import time
 import warnings
 from pathlib import Path
 
-from hpctrain.errors import UserError
-from hpctrain.tune import locks
+from hpctrain import config
+from hpctrain.errors import ConfigError, UserError
+from hpctrain.tune import locks, space
 from hpctrain.tune.space import TuneConfig
+
+
+def read(config_path: str, overrides: list[str], needs: str):
+    """(raw sections, training Config, TuneConfig, source) of a training TOML with a [tune]
+    section; `needs` says what that section must give when it is missing (one ConfigError)."""
+    raw, source, cli_keys = config.read_raw(config_path, overrides)
+    if "tune" not in raw:
+        raise ConfigError(f"missing config section 'tune' in {source}: give {needs} (docs/tuning.md)")
+    raw["tune"] = space.fold_pbt_overrides(raw["tune"])
+    cfg = config.from_dict(raw, source, cli_keys)
+    return raw, cfg, space.parse(raw["tune"], source, run_dir=cfg.run.dir), source
 
 
 def import_optuna():

@@ -27,7 +27,7 @@ from pathlib import Path
 MARKER_ENV = "HPCTRAIN_TUNE_TRIAL"
 PR_SET_PDEATHSIG = 1
 ORPHAN_GRACE_S = 90.0  # a stopped training commits its checkpoint at the next step, then exits
-RUN_LOCK = ".hpctrain.lock"  # hpctrain/train/run_lock.py: rank 0's host and pid, as JSON
+RUN_LOCK = ".hpctrain.lock"  # hpctrain/distributed/run_lock.py: rank 0's host and pid, as JSON
 
 
 def _die_with_parent(parent: int):

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from hpctrain.model import GPT, GPTConfig
-from hpctrain.train.loss import ChunkedLossHead, chunked_lm_loss, use_chunked_head
+from hpctrain.parallel.loss import ChunkedLossHead, chunked_lm_loss, use_chunked_head
 
 
 def _rel(a, b):

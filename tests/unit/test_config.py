@@ -108,7 +108,7 @@ def _float_keys() -> list[str]:
     import dataclasses
     import typing
 
-    return [f"{section}.{f.name}" for section, cls in config._sections().items()
+    return [f"{section}.{f.name}" for section, cls in config.sections().items()
             for f in dataclasses.fields(cls) if typing.get_type_hints(cls)[f.name] is float]
 
 
@@ -135,7 +135,7 @@ def test_good_values_at_the_bounds_are_accepted(toml):
 
 def test_a_min_lr_above_lr_is_taken_as_lr(toml):
     """Accepted (a search over train.lr keeps one min_lr): the rate never rises after warmup."""
-    from hpctrain.train.optim import lr_at
+    from hpctrain.model.optim import lr_at
 
     t = config.load(toml, ["--train.lr=1e-5", "--train.min_lr=1e-4", "--train.warmup_steps=2"]).train
     assert [lr_at(s, t) for s in range(t.steps)] == [5e-6] + [1e-5] * 9

@@ -193,7 +193,7 @@ from hpctrain.parallel.parallelize import tied_weight_group
 from hpctrain.sync.diloco import _dp_group
 from hpctrain.checkpoint import directory
 from hpctrain.checkpoint.manager import CheckpointManager
-from hpctrain.train import run_lock
+from hpctrain.distributed import run_lock
 ctx = init_distributed("gloo", timeout_s=5)
 seen = {}
 for name, dims in (("tp", ParallelDims.from_world(2, tp=2)), ("pp", ParallelDims.from_world(2, pp=2)),
@@ -263,7 +263,7 @@ import sys
 import torch
 from hpctrain.distributed.bootstrap import init_distributed
 from hpctrain.checkpoint.manager import CheckpointManager
-from hpctrain.train import run_lock
+from hpctrain.distributed import run_lock
 ctx = init_distributed("gloo", timeout_s=60)
 torch.manual_seed(0)  # the same replicated state on both ranks (DDP)
 state = {"model": {f"w{i}": torch.randn(64, 64) for i in range(8)}, "optim": {"step": torch.ones(())}}

@@ -4,7 +4,7 @@ import pytest
 from hpctrain import config
 from hpctrain.distributed.mesh import ParallelDims
 from hpctrain.errors import ConfigError
-from hpctrain.parallel.pipeline import layer_costs, split_stages, stages_of_rank
+from hpctrain.plan.stages import layer_costs, split_stages, stages_of_rank
 
 BASE = {"run": {"dir": "r"}, "data": {"path": "d"},
         "model": {"n_layer": 4, "n_head": 4, "n_embd": 64, "block_size": 32, "vocab_size": 257},

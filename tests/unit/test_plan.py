@@ -17,7 +17,8 @@ from hpctrain.plan.cli import main as plan_main, size
 from hpctrain.plan.layout import Job
 from hpctrain.plan.report import make_plan
 from hpctrain.plan.shape import PRESETS, ModelShape
-from hpctrain.sync.compress import bytes_sent
+from hpctrain.plan.wire import bytes_sent, wire_layout
+from hpctrain.sync.compress import Codec
 
 SHAPES = [ModelShape(2, 64, 4, 97, 32), ModelShape(3, 48, 6, 257, 16), ModelShape(1, 32, 2, 50, 8)]
 
@@ -298,9 +299,15 @@ def test_block_sampler_bytes_match_the_real_sampler():
         shape, Job(tokens=job.tokens, shard_tokens=job.shard_tokens, shuffle="global"))["per rank (kept)"] / 10
 
 
-def test_diloco_bytes_are_compress_bytes_sent():
-    for n, p, kind in [(10_000, 4, "none"), (10_001, 3, "bf16"), (123_457, 8, "int8"), (5, 1, "none")]:
-        assert comm.diloco_round_bytes(n, p, kind) == bytes_sent(n, p, kind)
+def test_diloco_bytes_are_the_encoded_bytes_the_average_moves():
+    """bytes_sent (plan's DiLoCo row, diloco's counter) against what compress.average really sends:
+    phase 1 all-to-all and phase 2 all-gather each move (p - 1) encoded chunks per rank."""
+    for n, p, kind, block in [(10_001, 3, "bf16", 256), (123_457, 8, "int8", 256), (1_000, 4, "int8", 0)]:
+        chunk, blk = wire_layout(n, p, kind, block)
+        encoded = sum(t.numel() for t in Codec(kind, chunk, blk).encode(torch.zeros(chunk)))
+        assert bytes_sent(n, p, kind, block) == 2 * (p - 1) * encoded
+    job = Job(dp=4, sync_mode="diloco", inner_steps=10, compression="int8")
+    assert comm.dp_bytes(None, job, 123_457)[0] == bytes_sent(123_457, 4, "int8") // 10
 
 
 def test_checkpoint_files_one_per_rank_plus_four():

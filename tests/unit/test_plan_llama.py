@@ -18,7 +18,7 @@ from hpctrain.plan import comm, memory, recommend
 from hpctrain.plan.cli import build_parser, shape_and_job
 from hpctrain.plan.layout import Job
 from hpctrain.plan.shape import PRESETS, ModelShape
-from hpctrain.train.loss import chunked_lm_loss, use_chunked_head
+from hpctrain.parallel.loss import chunked_lm_loss, use_chunked_head
 
 LLAMA_KEYS = ("n_kv_head", "ffn_hidden", "multiple_of", "ffn_dim_multiplier", "qkv_bias",
               "tie_embeddings")

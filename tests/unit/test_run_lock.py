@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from hpctrain.train.run_lock import _pid_gone
+from hpctrain.distributed.run_lock import _pid_gone
 
 
 def test_running_zombie_and_reaped_processes():

@@ -5,7 +5,8 @@ import sys
 import pytest
 import torch
 
-from hpctrain.sync.compress import bytes_sent, dequantize_int8, quantize_int8
+from hpctrain.plan.wire import bytes_sent
+from hpctrain.sync.compress import dequantize_int8, quantize_int8
 from hpctrain.sync.diloco import split_fragments
 from tests.conftest import ROOT, mpirun
 

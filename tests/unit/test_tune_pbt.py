@@ -9,7 +9,7 @@ import random
 import pytest
 
 from hpctrain.errors import ConfigError
-from hpctrain.tune import pbt_space
+from hpctrain.tune import pbt_space, space
 from hpctrain.tune.pbt import LineageLog, Population
 from hpctrain.tune.space import Param, parse
 
@@ -23,11 +23,11 @@ def tune_table(**pbt):
 
 
 def test_pbt_table_defaults_and_overrides():
-    assert pbt_space.parse_pbt(None) == pbt_space.PbtConfig()
-    got = pbt_space.parse_pbt({"population": "8", "ready": 10, "perturb": [0.5, 2], "exploit": "false"})
+    assert space.parse_pbt(None) == space.PbtConfig()
+    got = space.parse_pbt({"population": "8", "ready": 10, "perturb": [0.5, 2], "exploit": "false"})
     assert (got.population, got.ready, got.perturb, got.exploit) == (8, 10, (0.5, 2.0), False)
     assert got.n_exchanged() == 0  # exploit off: a baseline of fixed members
-    assert [pbt_space.PbtConfig(population=p).n_exchanged() for p in (1, 2, 3, 4, 8, 10)] == [0, 1, 1, 1, 2, 2]
+    assert [space.PbtConfig(population=p).n_exchanged() for p in (1, 2, 3, 4, 8, 10)] == [0, 1, 1, 1, 2, 2]
 
 
 @pytest.mark.parametrize("table,key", [({"ready": 0}, "tune.pbt.ready"),
@@ -65,7 +65,7 @@ def within(p: Param, v) -> bool:
 
 @pytest.mark.parametrize("resample", [0.0, 0.25, 1.0])
 def test_explore_stays_within_bounds_over_many_draws(resample):
-    rng, cfg = random.Random(7), pbt_space.PbtConfig(resample_probability=resample, perturb=(0.5, 0.8, 1.2, 3.0))
+    rng, cfg = random.Random(7), space.PbtConfig(resample_probability=resample, perturb=(0.5, 0.8, 1.2, 3.0))
     values = pbt_space.first_values(PARAMS, 1, rng)[0]
     seen = {p.key: set() for p in PARAMS}
     for _ in range(3000):
@@ -97,17 +97,17 @@ def test_perturb_moves_by_a_factor_and_choices_to_a_neighbour():
 
 def test_exploit_plan_worst_quarter_copies_best_quarter():
     losses = [3.0, 1.0, math.nan, 2.0, 0.5, 4.0, 2.5, 1.5]
-    plan = pbt_space.exploit_plan(losses, pbt_space.PbtConfig(population=8), random.Random(1))
+    plan = pbt_space.exploit_plan(losses, space.PbtConfig(population=8), random.Random(1))
     assert [loser for loser, _ in plan] == [2, 5]  # NaN ranks last
     assert all(donor in (4, 1) for _, donor in plan)
-    off = pbt_space.PbtConfig(population=8, exploit=False)
+    off = space.PbtConfig(population=8, exploit=False)
     assert pbt_space.exploit_plan(losses, off, random.Random(1)) == []
 
 
 def test_same_seed_same_lineage_and_rng_survives_json():
     tune = parse({"params": {"train": {"lr": {"log_uniform": [1e-4, 1e-2]},
                                        "warmup_steps": {"int": [0, 40], "step": 10}}}})
-    cfg = pbt_space.PbtConfig(population=4, seed=3)
+    cfg = space.PbtConfig(population=4, seed=3)
     a, b = Population(tune, cfg), Population(tune, cfg)
     a.next_round(4, [1.0, 2.0, 3.0, 4.0])
     b.load_state_dict(json.loads(json.dumps(a.state_dict())))  # as a checkpoint holds it
@@ -117,7 +117,7 @@ def test_same_seed_same_lineage_and_rng_survives_json():
     assert (exploit["member"], exploit["round"], exploit["step"]) == (2, 3, 12)
     assert a.values[2] == exploit["new"] and exploit["donor"] == a.values[exploit["copied_from"]]
     with pytest.raises(ConfigError, match="'tune.pbt.population': 2, but the checkpoint holds 4"):
-        Population(tune, pbt_space.PbtConfig(population=2)).load_state_dict(a.state_dict())
+        Population(tune, space.PbtConfig(population=2)).load_state_dict(a.state_dict())
 
 
 def test_lineage_drops_records_after_the_resumed_step(tmp_path):
