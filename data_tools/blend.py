@@ -21,9 +21,9 @@ import os
 from dataclasses import dataclass
 from fractions import Fraction
 
-from .format import (KIND_BLEND, MANIFEST_NAME, SPLITS, TMP_PREFIX, DataError,
-                     FORMAT_VERSION, manifest_kind, manifest_path, read_blend_manifest,
-                     read_manifest, write_manifest)
+from .format import (KIND_BLEND, KIND_SHARDS, MANIFEST_NAME, SPLITS, TMP_PREFIX, DataError,
+                     FORMAT_VERSION, load_manifest_json, manifest_kind, manifest_path,
+                     read_blend_manifest, read_manifest, write_manifest)
 from .output_lock import OutputLock
 
 MAX_PERIOD = 1 << 16  # largest sum of parts: weights are exact up to this resolution
@@ -192,10 +192,10 @@ def is_blend(path: str) -> bool:
     return manifest_kind(path) == KIND_BLEND
 
 
-def resolve_blend(root: str) -> tuple[dict, list[Component]]:
+def resolve_blend(root: str, loaded: dict | None = None) -> tuple[dict, list[Component]]:
     """The blend manifest and its components, each checked: manifest present and unchanged
     (sha256 as recorded), a sharded dataset, the blend's tokenizer.  DataError names the file."""
-    m = read_blend_manifest(root)
+    m = read_blend_manifest(root, loaded)  # loaded: root's manifest.json, already read
     out = []
     for i, c in enumerate(m["components"]):
         path = c["path"] if os.path.isabs(c["path"]) else os.path.normpath(
@@ -230,14 +230,16 @@ def shard_bases(components: list[Component]) -> list[int]:
     return bases
 
 
-def data_manifest(path: str) -> dict:
+def data_manifest(path: str, loaded: dict | None = None) -> dict:
     """What the trainer, verify and the node cache index: a sharded dataset's manifest as is, or
     for a blend a manifest-like dict whose ``shards`` are all components' shards in component
     order, each with ``file`` = its cache name, ``src`` = its path and ``component`` = its index
-    (plus the blend's tokenizer, dtype, ``kind`` and ``components``)."""
-    if not is_blend(path):
-        return read_manifest(path)
-    m, comps = resolve_blend(path)
+    (plus the blend's tokenizer, dtype, ``kind`` and ``components``). manifest.json is read once
+    (not at all when given as ``loaded``)."""
+    loaded = load_manifest_json(path)[0] if loaded is None else loaded
+    if loaded.get("kind", KIND_SHARDS) != KIND_BLEND:
+        return read_manifest(path, loaded)
+    m, comps = resolve_blend(path, loaded)
     shards = [dict(e, file=cache_name(c.index, e["file"]), src=os.path.join(c.path, e["file"]),
                    component=c.index) for c in comps for e in c.manifest["shards"]]
     n_tokens = {s: sum(c.manifest["n_tokens"].get(s, 0) for c in comps) for s in SPLITS}

@@ -242,14 +242,22 @@ def write_manifest(root: str, manifest: dict) -> None:
 
 def _load_manifest_json(root: str) -> dict:
     """manifest.json as a dict with a supported format_version (schema not checked yet)."""
+    return load_manifest_json(root)[0]
+
+
+def load_manifest_json(root: str) -> tuple[dict, bytes]:
+    """(manifest.json as a dict with a supported format_version and kind, its bytes), read once by
+    a caller that passes the dict on as ``loaded`` (read_manifest, read_blend_manifest,
+    data_manifest, verify_dataset) and the bytes to what hashes them (the node cache's key)."""
     path = manifest_path(root)
     if not os.path.isfile(path):
         where = "" if os.path.isabs(root) else f" (a relative path: resolved from the current directory {os.getcwd()})"
         what = "missing" if os.path.isdir(root) else f"missing: {root} does not exist"
         raise DataError(path, f"{what} — not an hpctrain dataset or an incomplete shard run{where}")
     try:
-        with open(path, encoding="utf-8") as f:
-            m = json.load(f)
+        with open(path, "rb") as f:
+            raw = f.read()
+        m = json.loads(raw.decode("utf-8"))
     except (OSError, ValueError) as e:
         raise DataError(path, f"unreadable ({e})") from None
     if not isinstance(m, dict):
@@ -261,7 +269,7 @@ def _load_manifest_json(root: str) -> dict:
     if kind not in (KIND_SHARDS, KIND_BLEND):
         raise DataError(path, f"unknown kind {kind!r} (this code reads {KIND_SHARDS!r}, "
                               f"{KIND_BLEND!r})")
-    return m
+    return m, raw
 
 
 def manifest_kind(root: str) -> str:
@@ -277,11 +285,12 @@ def _check_tokenizer(path: str, tok) -> None:
         raise DataError(path, f"eot_id {tok['eot_id']} outside vocab_size {tok['vocab_size']}")
 
 
-def read_manifest(root: str) -> dict:
+def read_manifest(root: str, loaded: dict | None = None) -> dict:
     """Load and validate the manifest.json of a SHARDED dataset; raises DataError naming the
-    manifest on any problem (including when ``root`` is a blend: see read_blend_manifest)."""
+    manifest on any problem (including when ``root`` is a blend: see read_blend_manifest).
+    ``loaded``: root's manifest.json as load_manifest_json returned it (not read again)."""
     path = manifest_path(root)
-    m = _load_manifest_json(root)
+    m = _load_manifest_json(root) if loaded is None else loaded
     if m.get("kind", KIND_SHARDS) == KIND_BLEND:
         names = ", ".join(str(c.get("path")) for c in m.get("components", [])
                           if isinstance(c, dict))
@@ -320,11 +329,12 @@ def read_manifest(root: str) -> dict:
     return m
 
 
-def read_blend_manifest(root: str) -> dict:
+def read_blend_manifest(root: str, loaded: dict | None = None) -> dict:
     """Load and validate the manifest.json of a BLEND (schema only: the components are resolved
-    and checked against their recorded sha256 by data_tools.blend.resolve_blend)."""
+    and checked against their recorded sha256 by data_tools.blend.resolve_blend). ``loaded`` as
+    in read_manifest."""
     path = manifest_path(root)
-    m = _load_manifest_json(root)
+    m = _load_manifest_json(root) if loaded is None else loaded
     if m.get("kind", KIND_SHARDS) != KIND_BLEND:
         raise DataError(path, "a sharded dataset, not a blend (kind 'blend')")
     missing = [k for k in BLEND_KEYS if k not in m]

@@ -14,8 +14,9 @@ import os
 
 import numpy as np
 
-from .format import (KIND_BLEND, SHARD_RE, SPLITS, DataError, check_shard_size, manifest_kind,
-                     manifest_path, open_shard_layout, read_manifest, sha256_file, shards_of)
+from .format import (KIND_BLEND, KIND_SHARDS, SHARD_RE, SPLITS, DataError, check_shard_size,
+                     load_manifest_json, manifest_kind, manifest_path, open_shard_layout,
+                     read_manifest, sha256_file, shards_of)
 
 SCAN_TOKENS = 1 << 24  # tokens per chunk when scanning a shard
 
@@ -97,7 +98,8 @@ def check_shard(root: str, m: dict, entry: dict, checksums: bool = True) -> tupl
     return None, n_eot
 
 
-def verify_dataset(path: str, shard_indices=None, checksums: bool = True) -> list[str]:
+def verify_dataset(path: str, shard_indices=None, checksums: bool = True,
+                   loaded: dict | None = None) -> list[str]:
     """Problems found in the dataset at ``path`` (empty list = OK).  Each is one line starting
     with the offending file.  ``shard_indices`` (indices into manifest["shards"]) restricts the
     per-shard checks, e.g. ``range(rank, n, world)``; per-split end-of-text totals are only
@@ -105,11 +107,13 @@ def verify_dataset(path: str, shard_indices=None, checksums: bool = True) -> lis
     checks (manifest, presence, size, HDF5 layout/attrs, doc offsets) and skips reading every
     byte (sha256 and the token-id range scan).  Read-only.  For a blend, the components are
     resolved and checked (data_tools.blend.resolve_blend) and ``shard_indices`` index the
-    flattened shard list of ``data_tools.blend.data_manifest`` (every component's shards)."""
+    flattened shard list of ``data_tools.blend.data_manifest`` (every component's shards).
+    ``loaded``: path's manifest.json as already read (format.load_manifest_json)."""
     try:
-        if manifest_kind(path) == KIND_BLEND:
-            return verify_blend(path, shard_indices, checksums)
-        m = read_manifest(path)
+        loaded = load_manifest_json(path)[0] if loaded is None else loaded
+        if loaded.get("kind", KIND_SHARDS) == KIND_BLEND:
+            return verify_blend(path, shard_indices, checksums, loaded)
+        m = read_manifest(path, loaded)
     except DataError as e:
         return [str(e)]
     problems = check_manifest(path, m)
@@ -132,13 +136,14 @@ def verify_dataset(path: str, shard_indices=None, checksums: bool = True) -> lis
     return problems
 
 
-def verify_blend(path: str, shard_indices=None, checksums: bool = True) -> list[str]:
+def verify_blend(path: str, shard_indices=None, checksums: bool = True,
+                 loaded: dict | None = None) -> list[str]:
     """verify_dataset for a blend: the blend manifest and its components (present, unchanged
     since blending, one tokenizer), then each component exactly as verify_dataset checks it."""
     from .blend import resolve_blend, shard_bases
 
     try:
-        _, comps = resolve_blend(path)
+        _, comps = resolve_blend(path, loaded)
     except DataError as e:
         return [str(e)]
     bases = shard_bases(comps)

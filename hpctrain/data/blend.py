@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from data_tools.blend import is_blend, resolve_blend, shard_bases
-from data_tools.format import SPLITS, DataError, manifest_path, shards_of
+from data_tools.format import KIND_BLEND, KIND_SHARDS, SPLITS, DataError, manifest_path, shards_of
 
 from .mixture import MixtureSampler
 from .sampler import GlobalSampler
@@ -41,12 +41,12 @@ class BlendShards:
 
     def __init__(self, path: str, split: str, block_size: int,
                  expected_vocab_size: int | None = None, max_open: int = 128, cache=None,
-                 range_checked: bool = False, optional: bool = False):
+                 range_checked: bool = False, optional: bool = False, loaded: dict | None = None):
         self.path, self.split, self.block_size = path, split, int(block_size)
         if split not in SPLITS:
             raise DataError(manifest_path(path), f"unknown split {split!r} (splits are "
                                                  f"{', '.join(SPLITS)})")
-        self.manifest, comps = resolve_blend(path)
+        self.manifest, comps = resolve_blend(path, loaded)  # loaded: manifest.json already read
         self.seed = int(self.manifest["seed"])
         tok = self.manifest["tokenizer"]
         self.vocab_size, self.eot_id, self.tokenizer = tok["vocab_size"], tok["eot_id"], tok["name"]
@@ -140,11 +140,14 @@ class BlendShards:
                 f"samples={self.n_samples})")
 
 
-def open_split(path: str, split: str, block_size: int, optional: bool = False, **kw):
-    """The reader of ``split`` of ``path``: a TokenShards, or a BlendShards for a blend."""
-    if is_blend(path):
-        return BlendShards(path, split, block_size, optional=optional, **kw)
-    return TokenShards(path, split, block_size, **kw)
+def open_split(path: str, split: str, block_size: int, optional: bool = False,
+               loaded: dict | None = None, **kw):
+    """The reader of ``split`` of ``path``: a TokenShards, or a BlendShards for a blend.
+    ``loaded``: path's manifest.json as already read (hpctrain.data.dataset.Dataset), else read."""
+    blend = is_blend(path) if loaded is None else loaded.get("kind", KIND_SHARDS) == KIND_BLEND
+    if blend:
+        return BlendShards(path, split, block_size, optional=optional, loaded=loaded, **kw)
+    return TokenShards(path, split, block_size, loaded=loaded, **kw)
 
 
 def make_sampler(reader, global_batch: int, seed: int, shuffle: str = "global",

@@ -64,10 +64,11 @@ class NodeCache:
     the leader (local rank 0) then call ``start(k0, needs, end)`` before the first ``acquire``."""
 
     def __init__(self, root: str, data_path: str, manifest: dict, node_comm, budget: int = 0,
-                 prefetch: int = 4, timeout_s: float = 300.0, prefetch_blocks: int = 1):
+                 prefetch: int = 4, timeout_s: float = 300.0, prefetch_blocks: int = 1,
+                 manifest_bytes: bytes | None = None):
         self.data_path, self.manifest, self.entries = data_path, manifest, manifest["shards"]
         self.root, self.dir_fd = root, None
-        self.dir = os.path.join(root, user_root_name(), dataset_key(data_path))
+        self.dir = os.path.join(root, user_root_name(), dataset_key(data_path, manifest_bytes))
         self.local_rank, self.n_local = node_comm.Get_rank(), node_comm.Get_size()
         self.leader = self.local_rank == 0
         self.prefetch, self.timeout_s = max(0, int(prefetch)), float(timeout_s)

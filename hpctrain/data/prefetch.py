@@ -38,16 +38,18 @@ class DataFeed:
         self.data_s = 0.0  # time spent producing micro-batches since the last metrics()
 
     @classmethod
-    def open(cls, cfg, ctx, manifest: dict) -> "DataFeed":
-        """Every rank calls this at start (node_comm collectives inside when the cache is on)."""
+    def open(cls, cfg, ctx, dataset) -> "DataFeed":
+        """Every rank calls this at start (node_comm collectives inside when the cache is on);
+        ``dataset``: hpctrain.data.dataset.Dataset, data.path opened once."""
         root = resolve_cache_dir(cfg.data.cache_dir, ctx.node_rank)
         cache = None
         if root is not None:
             try:
-                cache = NodeCache(root, cfg.data.path, manifest, ctx.node_comm,
+                cache = NodeCache(root, dataset.path, dataset.manifest, ctx.node_comm,
                                   budget=cfg.data.cache_bytes, prefetch=cfg.data.prefetch,
                                   timeout_s=cfg.dist.timeout_s,
-                                  prefetch_blocks=cfg.data.prefetch_blocks)
+                                  prefetch_blocks=cfg.data.prefetch_blocks,
+                                  manifest_bytes=dataset.manifest_bytes)
             except CacheUnavailable as e:
                 if ctx.local_rank == 0:
                     print(f"warning: node {socket.gethostname()}: node cache unusable ({e}); its "
@@ -64,13 +66,16 @@ class DataFeed:
     def cached(self) -> bool:
         return self.cache is not None
 
-    def bind(self, data, node_comm) -> None:
-        """Learn the node's dp ranks (collective on node_comm) and the pinned val shards."""
-        self.data = data
+    def bind(self, data, node_comm, val_indices, last_step: int) -> None:
+        """Learn the node's dp ranks (collective on node_comm) and the pinned val shards.
+        ``data``: what the plan reads (``sampler``, ``train``, ``val``, ``dp_rank``,
+        ``micro_batch``, ``grad_accum``); ``val_indices()``: the fixed evaluation set's global val
+        sample indices (or None); ``last_step``: where the prefetch stops."""
+        self.data, self.last_step = data, last_step
         if self.cache is None:
             return
         self.local_dp = sorted(set(node_comm.allgather(data.dp_rank)))
-        val_idx = data._val_indices() if data.val is not None else None
+        val_idx = val_indices()
         self.pinned = set() if val_idx is None else set(data.val.shard_ids_of(val_idx).tolist())
 
     def _needs(self, k: int) -> list[int]:
@@ -103,8 +108,7 @@ class DataFeed:
         self._plan_sampler = d.sampler.copy()  # the thread's own copy of the order
         if not self.cache.leader:
             return
-        t = d.cfg.train
-        self.cache.start(d.sampler.steps_done, t.stop_at_step or t.steps, self._needs, self.pinned,
+        self.cache.start(d.sampler.steps_done, self.last_step, self._needs, self.pinned,
                          block_plan=self.lookahead_plan(d.sampler.state_dict()["epoch"]))
 
     def lookahead_plan(self, epoch: int):

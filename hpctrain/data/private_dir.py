@@ -35,12 +35,15 @@ def resolve_cache_dir(setting: str, node_rank: int) -> str | None:
     return base
 
 
-def dataset_key(data_path: str) -> str:
+def dataset_key(data_path: str, manifest_bytes: bytes | None = None) -> str:
     """Cache sub-directory name: a hash of the dataset's real path and manifest bytes (another
-    dataset, a re-sharded one, or a copy elsewhere = another directory)."""
+    dataset, a re-sharded one, or a copy elsewhere = another directory); ``manifest_bytes``: its
+    manifest.json as already read (hpctrain.data.dataset.Dataset), else read here."""
     h = hashlib.sha256(os.path.realpath(data_path).encode() + b"\0")
-    with open(os.path.join(data_path, "manifest.json"), "rb") as f:
-        h.update(f.read())
+    if manifest_bytes is None:
+        with open(os.path.join(data_path, "manifest.json"), "rb") as f:
+            manifest_bytes = f.read()
+    h.update(manifest_bytes)
     return "hpctrain-" + h.hexdigest()[:16]
 
 

@@ -78,11 +78,11 @@ class TokenShards:
 
     def __init__(self, path: str, split: str, block_size: int,
                  expected_vocab_size: int | None = None, max_open: int = 128, cache=None,
-                 range_checked: bool = False):
+                 range_checked: bool = False, loaded: dict | None = None):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.path, self.split, self.block_size = path, split, int(block_size)
-        self.manifest = read_manifest(path)
+        self.manifest = read_manifest(path, loaded)  # loaded: manifest.json already read
         tok = self.manifest["tokenizer"]
         self.vocab_size, self.eot_id, self.tokenizer = tok["vocab_size"], tok["eot_id"], tok["name"]
         mpath = os.path.join(path, "manifest.json")

@@ -12,56 +12,55 @@ import sys
 import numpy as np
 import torch
 
-from data_tools.blend import data_manifest
 from data_tools.format import DataError, shards_of
-from data_tools.tokenizers import tokenizer_file_of
-from data_tools.verify import verify_dataset
 from hpctrain.config import Config
 from hpctrain.distributed import DistContext
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.errors import ConfigError
-from hpctrain.data import make_sampler, open_split, split_for_rank
+from hpctrain.data import make_sampler, split_for_rank
+from hpctrain.data.dataset import Dataset
 from hpctrain.data.prefetch import DataFeed
 
 
-def verify_everywhere(path: str, ctx: DistContext, checksums: bool) -> None:
+def verify_everywhere(dataset: Dataset, ctx: DistContext, checksums: bool) -> None:
     """Each rank checks every world_size-th shard (of every component, for a blend); all ranks
     raise the same first problem."""
-    manifest = data_manifest(path)
-    n = len(manifest["shards"])
+    n = len(dataset.manifest["shards"])
     mine = list(range(ctx.rank, n, ctx.world_size))
-    problems = verify_dataset(path, shard_indices=mine, checksums=checksums) if mine else []
+    problems = dataset.verify(mine, checksums) if mine else []
     every = [p for rank_problems in ctx.comm.allgather(problems) for p in rank_problems]
     if every:
-        extra = f" (+{len(every) - 1} more problems; run `data_tools verify {path}`)" if len(every) > 1 else ""
+        extra = (f" (+{len(every) - 1} more problems; run `data_tools verify {dataset.path}`)"
+                 if len(every) > 1 else "")
         raise DataError(every[0] + extra)
 
 
 class TrainData:
-    def __init__(self, cfg: Config, ctx: DistContext, mesh: Mesh):
+    def __init__(self, cfg: Config, ctx: DistContext, mesh: Mesh, dataset: Dataset | None = None):
         self.cfg, self.ctx = cfg, ctx
         self.dp_rank, self.dp_size = mesh.dp_rank, mesh.dp_size
         t, m = cfg.train, cfg.model
+        # data.path's manifest.json is read here, once (a blend: its components' shards flattened)
+        self.dataset = dataset if dataset is not None else Dataset.open(cfg.data.path)
+        self.manifest = self.dataset.manifest
+        self.feed = DataFeed.open(cfg, ctx, self.dataset)
         # With the node cache, sha256 is checked as each shard is staged (once per node), not here.
-        self.manifest = data_manifest(cfg.data.path)  # a blend: its components' shards, flattened
-        self.feed = DataFeed.open(cfg, ctx, self.manifest)
         if not self.feed.all_cached:  # the cache checks sha256 + layout as it stages each shard
-            verify_everywhere(cfg.data.path, ctx, checksums=cfg.data.verify == "checksum")
+            verify_everywhere(self.dataset, ctx, checksums=cfg.data.verify == "checksum")
         tok = self.manifest["tokenizer"]
-        self.tokenizer_info = dict(tok)  # + where its tokenizer.json is, for `sample`
-        self.tokenizer_info.update(tokenizer_file_of(cfg.data.path, self.manifest))
+        self.tokenizer_info = self.dataset.tokenizer_info()  # + its tokenizer.json, for `sample`
         if tok["vocab_size"] > m.vocab_size:
             raise ConfigError(f"config key 'model.vocab_size': {m.vocab_size} is smaller than the "
                               f"dataset's vocab size {tok['vocab_size']} ({cfg.data.path})")
-        self.train = open_split(cfg.data.path, cfg.data.train_split, m.block_size,
-                                cache=self.feed.cache,
-                                range_checked=self.cfg.data.verify == "checksum")
+        self.train = self.dataset.open_split(cfg.data.train_split, m.block_size,
+                                             cache=self.feed.cache,
+                                             range_checked=self.cfg.data.verify == "checksum")
         self.val = self._open_optional(cfg.data.val_split)
         self.micro_batch, self.grad_accum = t.micro_batch_size, t.grad_accum
         self.global_batch = self.micro_batch * self.grad_accum * self.dp_size
         self.sampler = make_sampler(self.train, self.global_batch, t.seed, cfg.data.shuffle,
                                     cfg.data.shuffle_block_shards)  # or a blend's mixture
-        self.feed.bind(self, ctx.node_comm)
+        self.feed.bind(self, ctx.node_comm, self.val_indices, last_step=t.stop_at_step or t.steps)
 
     def _open_optional(self, split: str):
         """The validation split, or None (with a warning) when it is empty or too short."""
@@ -72,8 +71,9 @@ class TrainData:
                 print(f"warning: {self.cfg.data.path}: split '{split}' has no window of "
                       f"{self.cfg.model.block_size + 1} tokens; validation is off", file=sys.stderr)
             return None
-        val = open_split(self.cfg.data.path, split, self.cfg.model.block_size, optional=True,
-                         cache=self.feed.cache, range_checked=self.cfg.data.verify == "checksum")
+        val = self.dataset.open_split(split, self.cfg.model.block_size, optional=True,
+                                      cache=self.feed.cache,
+                                      range_checked=self.cfg.data.verify == "checksum")
         for note in getattr(val, "notes", ()) if self.ctx.is_main else ():
             print(f"warning: {note}", file=sys.stderr)
         return val
@@ -101,14 +101,17 @@ class TrainData:
         """Data metrics of the step just taken (every rank calls this once per step)."""
         return self.feed.metrics()
 
-    def _val_indices(self) -> np.ndarray | None:
-        """The fixed evaluation set (global val sample indices), or None when it is empty."""
+    def _eval_micro(self) -> int:
+        """Samples per evaluation micro-batch (0: the validation split is too small)."""
         n_eval = self.cfg.train.eval_batches
         total = min(len(self.val), n_eval * self.micro_batch * self.dp_size)
-        per_micro = total // (n_eval * self.dp_size)
-        if per_micro == 0:
+        return total // (n_eval * self.dp_size)
+
+    def val_indices(self) -> np.ndarray | None:
+        """The fixed evaluation set (global val sample indices), or None when there is none."""
+        if self.val is None or self._eval_micro() == 0:
             return None
-        return self.val.eval_indices(per_micro * n_eval * self.dp_size)
+        return self.val.eval_indices(self._eval_micro() * self.cfg.train.eval_batches * self.dp_size)
 
     def val_micro_batches(self) -> list[torch.Tensor] | None:
         """The same evaluation set every time: `eval_batches` micro-batches per rank spread evenly
@@ -116,11 +119,9 @@ class TrainData:
         if self.val is None:
             return None
         self.feed.ensure_started()
-        n_eval = self.cfg.train.eval_batches
-        total = min(len(self.val), n_eval * self.micro_batch * self.dp_size)
-        per_micro = total // (n_eval * self.dp_size)
-        if per_micro == 0:
+        indices = self.val_indices()
+        if indices is None:
             return None
-        indices = self.val.eval_indices(per_micro * n_eval * self.dp_size)
-        parts = split_for_rank(indices, self.dp_rank, self.dp_size, per_micro, n_eval)
+        parts = split_for_rank(indices, self.dp_rank, self.dp_size, self._eval_micro(),
+                               self.cfg.train.eval_batches)
         return [self._to_device(self.val.batch(p)) for p in parts]
