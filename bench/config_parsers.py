@@ -100,7 +100,7 @@ def tyro_raw_load(path, overrides):
 
     cfg = tyro.cli(C.Config, default=tyro_raw_default(path), args=overrides, prog="hpctrain train",
                    use_underscores=True, config=(tyro.conf.FlagConversionOff,))
-    return cfg.validate()
+    return C.validate(cfg)
 
 
 def glue_tyro_default(path):
@@ -176,7 +176,7 @@ def glue_tyro_load(path, overrides):
         cfg = tyro.cli(C.Config, default=glue_tyro_default(path), args=overrides, prog="hpctrain train",
                        use_underscores=True, registry=glue_tyro_registry(),
                        config=(tyro.conf.FlagConversionOff,))
-    return cfg.validate()
+    return C.validate(cfg)
 
 
 def tyro_help():
@@ -210,7 +210,7 @@ def pydantic_raw_load(path, overrides):
     raw = glue_read_toml(path)
     for section, values in C.parse_overrides(overrides).items():
         raw.setdefault(section, {}).update(values)
-    return glue_pydantic_adapter().validate_python(raw).validate()
+    return C.validate(glue_pydantic_adapter().validate_python(raw))
 
 
 def glue_pydantic_load(path, overrides):
@@ -231,7 +231,7 @@ def glue_pydantic_load(path, overrides):
         cfg = glue_pydantic_adapter().validate_python(raw)
     except ValidationError as e:
         raise ConfigError(glue_pydantic_one_line(e, path)) from None
-    return cfg.validate()
+    return C.validate(cfg)
 
 
 def glue_pydantic_one_line(e, source):
@@ -445,14 +445,13 @@ def help_check(text: str, sep: str) -> str:
 
 def code_lines(obj) -> int:
     """Code lines of a function (less docstring, comments, blank lines) or of a module-level name."""
-    if isinstance(obj, str):
-        tree = ast.parse(Path(C.__file__).read_text())
-        for node in tree.body:
-            if isinstance(node, (ast.FunctionDef, ast.Assign)) and (
-                    getattr(node, "name", None) == obj
-                    or any(getattr(t, "id", None) == obj for t in getattr(node, "targets", []))):
-                src = ast.get_source_segment(Path(C.__file__).read_text(), node)
-                return _count(textwrap.dedent(src))
+    if isinstance(obj, str):  # our parser: config.py and the coercion it takes from config_schema.py
+        for text in (Path(C.__file__).read_text(), Path(C.__file__).with_name("config_schema.py").read_text()):
+            for node in ast.parse(text).body:
+                if isinstance(node, (ast.FunctionDef, ast.Assign)) and (
+                        getattr(node, "name", None) == obj
+                        or any(getattr(t, "id", None) == obj for t in getattr(node, "targets", []))):
+                    return _count(textwrap.dedent(ast.get_source_segment(text, node)))
         raise KeyError(obj)
     return _count(textwrap.dedent(inspect.getsource(obj)))
 
