@@ -300,8 +300,12 @@ def test_nccl_interface_only_when_asked(monkeypatch, asked, user_nccl, gloo, ncc
     import os
 
     from hpctrain.distributed.bootstrap import _use_interface
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        # setenv first so that monkeypatch restores the variable's absence after the test:
+        # _use_interface writes os.environ, and a leaked GLOO_SOCKET_IFNAME=eth1 broke every later
+        # test that starts ranks ("Unable to find address for: eth1")
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     if user_nccl:
         monkeypatch.setenv("NCCL_SOCKET_IFNAME", user_nccl)
     _use_interface(gloo, asked)
