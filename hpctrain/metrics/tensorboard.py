@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 ENV = "HPCTRAIN_TENSORBOARD"
 _OFF = {"0", "false", "no", "off"}
 
-_PERF = {"tokens_per_s", "mfu", "step_time_s", "rank_step_s_max", "straggler"}
+_PERF = {"tokens_per_s", "mfu", "step_time_s", "rank_step_s_max", "straggler", "gpu_mem_gib"}
 
 
 def enabled_by_env() -> bool:

@@ -293,6 +293,8 @@ class Trainer:
                "comm_bytes": self.sync.comm_bytes(self.step), **self.sync.step_metrics()}
         if rec["mfu"] is None:  # a GPU not in the datasheet table: said once at start-up
             del rec["mfu"]
+        if ctx.device.type == "cuda":  # the high-water mark since start (no sync: allocator counters)
+            rec["gpu_mem_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**30
         collective = self.sync.collective_steps
         if collective and t.eval_interval and (self.step % t.eval_interval == 0 or self.step == t.steps):
             val = self.evaluate()

@@ -187,7 +187,7 @@ def two_ranks(tmp_path, source: str):
 GROUPS_WORKER = """
 import sys, time
 import torch
-from hpctrain.distributed.bootstrap import init_distributed, group_timeout
+from hpctrain.distributed.bootstrap import init_distributed, group_timeout, teardown
 from hpctrain.distributed.mesh import AXES, Mesh, ParallelDims
 from hpctrain.parallel.parallelize import tied_weight_group
 from hpctrain.sync.diloco import _dp_group
@@ -216,6 +216,7 @@ with run_lock.hold(sys.argv[1], ctx):
 print(f"rank {ctx.rank}: saved {path.name} after {time.monotonic() - t0:.1f} s")
 for name, timeout in seen.items():
     print(f"rank {ctx.rank}: {name} {timeout.total_seconds():g}")
+teardown()  # without it the gloo group's threads can abort the exit ("terminate called ...")
 """
 
 
@@ -261,7 +262,7 @@ def test_each_replicated_tensor_is_staged_by_one_holder():
 STAGING_WORKER = """
 import sys
 import torch
-from hpctrain.distributed.bootstrap import init_distributed
+from hpctrain.distributed.bootstrap import init_distributed, teardown
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.distributed import run_lock
 ctx = init_distributed("gloo", timeout_s=60)
@@ -278,6 +279,7 @@ with run_lock.hold(sys.argv[1], ctx):
 same = all(torch.equal(fresh[s][k], state[s][k]) for s in state for k in state[s])
 total = sum(t.numel() * t.element_size() for s in state.values() for t in s.values())
 print(f"rank {ctx.rank}: staged {staged} of {total} bytes, loaded equal {same}")
+teardown()
 """
 
 

