@@ -317,13 +317,14 @@ class CheckpointManager:
             writer.fs = fs
             faults.hit("save.before_write")
             with self._quiet(), no_zip_crc32():
-                metadata = dcp.save(job.tensors, storage_writer=writer, no_dist=not self._dist,
-                                    process_group=group)
+                dcp.save(job.tensors, storage_writer=writer, no_dist=not self._dist,
+                         process_group=group)
             faults.hit("save.dcp_done")
             self.last_hash_s = fs.hash_seconds
-            if self.full_checksums:  # what this rank wrote, hashed as it was written
-                data_files = {str(info.relative_path) for info in metadata.storage_data.values()}
-                hashes = {f: d for f, d in fs.digests().items() if f in data_files}
+            if self.full_checksums:  # the data files this rank wrote (DCP names each
+                # `__<rank>_<n>.distcp`), hashed as written; never dcp.save's returned metadata,
+                # whose storage_data torch 2.11 left None (seen on an H200)
+                hashes = {f: d for f, d in fs.digests().items() if f.endswith(".distcp")}
             if self.rank == 0:
                 disk_format.write_json_durably(tmp / disk_format.TRAINER_STATE_FILE, job.json_state)
                 faults.hit("save.trainer_state")
