@@ -1,0 +1,69 @@
+"""Test-only faults in the training step: stragglers, slow replicas, NaN losses and sleeps on cue.
+
+Owns the one switch that arms them, the environment variable
+
+    HPCTRAIN_TEST_FAULTS="key=value,key=value"    e.g. "delay_rank=1,delay_s=0.5"
+
+with the keys of `StepFaults` below. Unset (production and every user run) every fault is off; they
+are never part of the config a user writes, of config.toml or of a checkpoint. The variable reaches
+every rank through mpiexec/srun's environment. (The checkpoint save path has its own named fault
+points, armed by HPCTRAIN_FAULT_POINT: hpctrain/checkpoint/faults.py.)
+
+It must never be armed by anything but that variable. A malformed value is a one-line error naming
+the variable and the key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from hpctrain.errors import ConfigError
+
+ENV = "HPCTRAIN_TEST_FAULTS"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFaults:
+    delay_rank: int = -1            # this rank sleeps delay_s every step (a straggler); -1: none
+    delay_s: float = 0.0
+    inject_nan_at_step: int = 0     # the last rank's loss is NaN at this step (0: never)
+    slow_factor: float = 1.0        # delay_rank computes this many times slower (sleeps
+                                    # (factor - 1) x its measured step time every step)
+    compute_sleep_s: float = 0.0    # every rank sleeps this long inside each step, counted as compute
+    step_sleep_s: float = 0.0       # every rank sleeps this long every step (long enough to preempt)
+
+
+_cache: tuple[str, StepFaults] | None = None
+
+
+def step_faults() -> StepFaults:
+    """The armed step faults (all off when HPCTRAIN_TEST_FAULTS is unset or empty)."""
+    global _cache
+    raw = os.environ.get(ENV, "")
+    if _cache is None or _cache[0] != raw:
+        _cache = (raw, parse(raw))
+    return _cache[1]
+
+
+def parse(raw: str) -> StepFaults:
+    fields = {f.name: f.type for f in dataclasses.fields(StepFaults)}
+    values: dict[str, int | float] = {}
+    for item in filter(None, (part.strip() for part in raw.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in fields:
+            raise ConfigError(f"{ENV}: unknown item '{item}' (keys: {', '.join(fields)})")
+        try:
+            values[key] = int(value) if fields[key] == "int" else float(value)
+        except ValueError:
+            raise ConfigError(f"{ENV}: {key}={value!r} is not a number") from None
+    faults = StepFaults(**values)
+    if faults.slow_factor < 1 or min(faults.delay_s, faults.compute_sleep_s, faults.step_sleep_s,
+                                     faults.inject_nan_at_step) < 0:
+        raise ConfigError(f"{ENV}: slow_factor must be >= 1 and the other values >= 0 ({raw})")
+    return faults
+
+
+def env(**faults) -> dict[str, str]:
+    """{HPCTRAIN_TEST_FAULTS: "k=v,..."} for a test's subprocess environment."""
+    return {ENV: ",".join(f"{k}={v}" for k, v in faults.items())}
