@@ -37,6 +37,7 @@ from hpctrain.metrics.mfu import MfuMeter
 from hpctrain.metrics.peak import job_meter
 from hpctrain.metrics.straggler import StragglerDetector
 from hpctrain.parallel import build_runner
+from hpctrain.step_faults import step_faults
 from hpctrain.sync import modes
 from hpctrain.train import rng
 from hpctrain.distributed import run_lock
@@ -82,13 +83,13 @@ class Trainer:
                                       full_checksums=cfg.checkpoint.full_checksums,
                                       async_cpu_share=cfg.checkpoint.async_cpu_share)
         self.preempt = Preemption(cfg.slurm, ctx.comm, ctx.rank,  # signals + wall-time guard
-                                       step_sleep_s=cfg.debug.step_sleep_s, run_dir=cfg.run.dir)
+                                       step_sleep_s=step_faults().step_sleep_s, run_dir=cfg.run.dir)
         # what happens between steps and what a checkpoint holds (hpctrain/sync/strategy.py)
         self.sync = modes.build_strategy(cfg, ctx, self.mesh, self.model)
         # forward/backward, clip and eval in this layout; losses averaged over dp where replicas
         # step together (every mode but ps)
         self.runner = build_runner(self.layout, cfg, mean_over_dp=self.sync.collective_steps)
-        self.bad_steps = BadStepPolicy(t.max_bad_steps, cfg.debug.inject_nan_at_step, ctx.rank, ctx.world_size)
+        self.bad_steps = BadStepPolicy(t.max_bad_steps, step_faults().inject_nan_at_step, ctx.rank, ctx.world_size)
         self.step_skipped = False
         half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
         self.autocast = (torch.autocast(ctx.device.type, dtype=half) if half is not None
@@ -153,9 +154,9 @@ class Trainer:
         t = self.cfg.train
         t0 = time.perf_counter()
         micro_batches = self.data.next_train_micro_batches(self.sync.batch_index(self.step))
-        debug = self.cfg.debug
-        if debug.delay_s and self.ctx.rank == debug.delay_rank:
-            time.sleep(debug.delay_s)  # test-only straggler
+        faults = step_faults()
+        if faults.delay_s and self.ctx.rank == faults.delay_rank:
+            time.sleep(faults.delay_s)  # test-only straggler
         # forward/backward of every micro-batch in training mode (DDP/FSDP/TP loop or pipeline
         # schedule); the loss is the mean over the global batch; test-only NaN injection via the hook
         loss_avg = self.runner.forward_backward(micro_batches, self.autocast,
@@ -173,10 +174,10 @@ class Trainer:
         self.loss_scaling.step(self.optimizer, skip=self.step_skipped)
         self.optimizer.zero_grad(set_to_none=True)
         loss = loss_avg.item()
-        if debug.compute_sleep_s > 0:  # test-only: accelerator time on a shared CPU
-            time.sleep(debug.compute_sleep_s)
-        if debug.slow_factor > 1 and self.ctx.rank == debug.delay_rank:  # test-only: k x slower
-            time.sleep((debug.slow_factor - 1.0) * (time.perf_counter() - t0))
+        if faults.compute_sleep_s > 0:  # test-only: accelerator time on a shared CPU
+            time.sleep(faults.compute_sleep_s)
+        if faults.slow_factor > 1 and self.ctx.rank == faults.delay_rank:  # test-only: k x slower
+            time.sleep((faults.slow_factor - 1.0) * (time.perf_counter() - t0))
         return loss, float(grad_norm)
 
     @torch.no_grad()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from hpctrain.distributed.preempt import NONE, Preemption
 from hpctrain.errors import ConfigError
+from hpctrain.step_faults import step_faults
 from hpctrain.train.loop import Trainer, log, stop_at_step_line
 from hpctrain.tune import pbt_members
 from hpctrain.tune.pbt import LINEAGE, LineageLog, Population, check_same_step
@@ -53,7 +54,7 @@ class PopulationRun:
         self.trainer.population = Population(tune, pbt)
         # one stop vote for the whole population: every member stops at the same step
         self.trainer.preempt = Preemption(cfg.slurm, world, world.Get_rank(),
-                                          step_sleep_s=cfg.debug.step_sleep_s)
+                                          step_sleep_s=step_faults().step_sleep_s)
 
     @property
     def population(self) -> Population:
