@@ -25,6 +25,7 @@ import numpy as np
 
 from .fast_bpe import fast_bpe
 from .fast_spm import fast_spm
+from .word_cache import word_cache
 from .format import DataError, sha256_file
 
 CONFIG_FILE = "tokenizer_config.json"
@@ -123,10 +124,13 @@ class HFTokenizer:
         if self.fast is not None and not (self._merges_build_every_token(spec) and np.array_equal(
                 self.fast.encode(PROBE_TEXT), self._one_ids(PROBE_TEXT))):
             self.fast = None  # the tiktoken engine must give exactly the file's ids
+        self.engine = "tiktoken"
+        if self.fast is None:  # Unigram, WordPiece, ...: the library, once per distinct word
+            self.fast, self.engine = word_cache(spec, self.tok, PROBE_TEXT * 3), "tokenizers, per-word cache"
         self.unchecked_chars = SAMPLE_CHARS  # of the corpus, compared with the library first
         self.chunk_chars = 0 if self.fast is not None else self._chunking_is_exact()
-        self.engine = ("tiktoken" if self.fast is not None else
-                       "tokenizers, long documents in pieces" if self.chunk_chars else "tokenizers")
+        if self.fast is None:
+            self.engine = "tokenizers, long documents in pieces" if self.chunk_chars else "tokenizers"
 
     def _merges_build_every_token(self, spec: dict) -> bool:
         """tiktoken takes a piece that is a whole token as that token; the library (without

@@ -103,7 +103,12 @@ def test_sentencepiece_style_unigram(tmp_path):
                            unk_token="<unk>", show_progress=False)
     sp.save(str(tmp_path / "tokenizer.json"))
     tok = get_tokenizer(str(tmp_path / "tokenizer.json"))
-    assert tok.name.startswith("unigram-") and tok.engine == "tokenizers"  # pieces would differ
+    # no tiktoken form: the library, once per distinct word (word-by-word is exact for this file)
+    assert tok.name.startswith("unigram-") and tok.engine == "tokenizers, per-word cache"
+    plays = _plays(2)
+    assert [ids.tolist() for ids in tok.encode_batch(plays)] == \
+        [tok.tok.encode(t, add_special_tokens=False).ids for t in plays]
+    assert len(tok.fast.ids) > 1000  # the words were cached (a bypass of the cache would pass above)
     assert tok.eot_id == tok.tok.token_to_id("</s>")
     line = "Now is the winter of our discontent"
     assert tok.decode(tok.encode(line)).strip() == line
