@@ -19,22 +19,29 @@ MAX_WORDS = 1_000_000  # cached words (a few hundred MB at most); the cache rest
 
 
 class WordCache:
-    def __init__(self, tok):
-        self.tok, self.ids = tok, {}
-        self.batch = getattr(tok, "encode_batch_fast", tok.encode_batch)  # no offsets: faster
+    """`encode_words(list of words) -> list of id lists`, called once per distinct word; `pattern`
+    cuts a text into the words the engine encodes independently."""
+
+    def __init__(self, encode_words, pattern: re.Pattern = WORD):
+        self.encode_words, self.pattern, self.ids = encode_words, pattern, {}
 
     def encode(self, text: str) -> np.ndarray:
-        words = WORD.findall(text)
+        words = self.pattern.findall(text)
         ids = self.ids
         new = [w for w in dict.fromkeys(words) if w not in ids]
         if new:
             if len(ids) + len(new) > MAX_WORDS:
                 ids.clear()
                 new = list(dict.fromkeys(words))
-            for w, e in zip(new, self.batch(new, add_special_tokens=False)):
-                ids[w] = e.ids
+            ids.update(zip(new, self.encode_words(new)))
         flat = itertools.chain.from_iterable(map(ids.__getitem__, words))
         return np.fromiter(flat, dtype=np.uint32)
+
+
+def library_words(tok):
+    """encode_words for the tokenizers library (its batch call, without offsets where it can)."""
+    batch = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    return lambda words: [e.ids for e in batch(words, add_special_tokens=False)]
 
 
 def word_cache(spec: dict, tok, probe: str) -> WordCache | None:
@@ -44,4 +51,4 @@ def word_cache(spec: dict, tok, probe: str) -> WordCache | None:
         return None
     whole = tok.encode(probe, add_special_tokens=False).ids
     by_word = [i for w in WORD.findall(probe) for i in tok.encode(w, add_special_tokens=False).ids]
-    return WordCache(tok) if whole == by_word else None
+    return WordCache(library_words(tok)) if whole == by_word else None
