@@ -145,10 +145,11 @@ def dp_reduction(mesh: Mesh, cfg: Config) -> DpReduce:
     return "ddp" if mesh.tp_size == 1 and mesh.pp_size == 1 else "after_backward"
 
 
-def parallelize(model: nn.Module, mesh: Mesh, cfg: Config,
+def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, precision: str,
                 materialize: Callable[[nn.Module], None] | None = None) -> Layout:
     """Apply cfg.parallel's layout to `model` in place (pipeline stages delete what they do not own).
 
+    `precision`: the resolved train.precision (FSDP2's mixed precision; never "auto").
     `materialize`: for a model built on the meta device (meta_init.py), allocates and initializes
     this rank's parameters; called once they are sharded (TP, FSDP2) and before DDP (which
     broadcasts rank 0's)."""
@@ -160,7 +161,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config,
     roots = tuple(split.make_views()) if split else (model,)
     dp_reduce, mpi_grad_allreduce = dp_reduction(mesh, cfg), None
     if dp_reduce == "fsdp":
-        apply_fsdp(model, roots, mesh, cfg.train.precision)
+        apply_fsdp(model, roots, mesh, precision)
     if materialize is not None:
         materialize(model)
     clock = WaitClock(next(model.parameters()).device)

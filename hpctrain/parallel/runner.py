@@ -276,16 +276,17 @@ class PipelineRunner(StepRunner):
         dist.all_reduce(_local(weight.grad), group=self.layout.tie_group)
 
 
-def build_runner(layout: Layout, cfg: Config, mean_over_dp: bool = True) -> StepRunner:
-    """The runner for `layout`: a pipeline schedule where it is split into stages, else a loop.
+def build_runner(layout: Layout, cfg: Config, grad_accum: int, mean_over_dp: bool = True) -> StepRunner:
+    """The runner for `layout`: a pipeline schedule where it is split into stages, else a loop;
+    `grad_accum`: the resolved micro-batches per step (the pipeline's micro-batches).
     `mean_over_dp=False`: reported losses stay this replica's (replicas that never step together)."""
     if layout.split is None:
         return PlainRunner(layout, mean_over_dp, cfg.train.loss_chunk)
     p, t = cfg.parallel, cfg.train
     try:
-        return PipelineRunner(layout, p.pp_schedule, t.grad_accum, mean_over_dp, t.loss_chunk)
+        return PipelineRunner(layout, p.pp_schedule, grad_accum, mean_over_dp, t.loss_chunk)
     except ValueError as e:
         key = "train.global_batch" if t.global_batch else "train.grad_accum"  # derived or given
-        raise ConfigError(f"config key '{key}': {t.grad_accum} micro-batches do not fit "
+        raise ConfigError(f"config key '{key}': {grad_accum} micro-batches do not fit "
                           f"parallel.pp_schedule={p.pp_schedule!r} with pp={layout.mesh.pp_size} "
                           f"({e})") from None

@@ -36,7 +36,8 @@ def verify_everywhere(dataset: Dataset, ctx: DistContext, checksums: bool) -> No
 
 
 class TrainData:
-    def __init__(self, cfg: Config, ctx: DistContext, mesh: Mesh, dataset: Dataset | None = None):
+    def __init__(self, cfg: Config, ctx: DistContext, mesh: Mesh, grad_accum: int,
+                 dataset: Dataset | None = None):
         self.cfg, self.ctx = cfg, ctx
         self.dp_rank, self.dp_size = mesh.dp_rank, mesh.dp_size
         t, m = cfg.train, cfg.model
@@ -56,7 +57,7 @@ class TrainData:
                                              cache=self.feed.cache,
                                              range_checked=self.cfg.data.verify == "checksum")
         self.val = self._open_optional(cfg.data.val_split)
-        self.micro_batch, self.grad_accum = t.micro_batch_size, t.grad_accum
+        self.micro_batch, self.grad_accum = t.micro_batch_size, grad_accum  # the resolved one
         self.global_batch = self.micro_batch * self.grad_accum * self.dp_size
         self.sampler = make_sampler(self.train, self.global_batch, t.seed, cfg.data.shuffle,
                                     cfg.data.shuffle_block_shards)  # or a blend's mixture

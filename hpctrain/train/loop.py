@@ -13,7 +13,6 @@ checkpoint files itself (the checkpoint manager does).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 import time
@@ -24,7 +23,7 @@ import torch
 from hpctrain import config as config_mod
 from hpctrain.checkpoint import CheckpointManager
 from hpctrain.config import Config
-from hpctrain.config_rules import check_resume_batch, global_batch_line, resolve_grad_accum
+from hpctrain.config_rules import check_resume_batch, global_batch_line
 from hpctrain.data.sampler import check_same_dataset
 from hpctrain.distributed import DistContext
 from hpctrain.distributed.bootstrap import mpi_library
@@ -37,16 +36,15 @@ from hpctrain.metrics.mfu import MfuMeter
 from hpctrain.metrics.peak import job_meter
 from hpctrain.metrics.straggler import StragglerDetector
 from hpctrain.parallel import build_runner
-from hpctrain.step_faults import step_faults
 from hpctrain.sync import modes
-from hpctrain.train import rng
+from hpctrain.train import rng, run_plan
 from hpctrain.distributed import run_lock
 from hpctrain.train.data import TrainData
-from hpctrain.train.bad_steps import BadStepPolicy, all_finite
-from hpctrain.train.loss_scaling import LossScaling
+from hpctrain.train.bad_steps import all_finite
+from hpctrain.train.engine import StepEngine
+from hpctrain.train.hooks import LoopHooks
 from hpctrain.train.model_setup import build_model
 from hpctrain.model.optim import build_optimizer, lr_at, set_lr
-from hpctrain.train.precision import apply_tf32, resolve_precision
 from hpctrain.train.states import ModelState, OptimState, RNGStates
 
 
@@ -57,23 +55,17 @@ def log(ctx: DistContext, msg: str) -> None:
 
 class Trainer:
     def __init__(self, cfg: Config, ctx: DistContext):
-        self.cfg, self.ctx = cfg, ctx
-        t = cfg.train
+        self.cfg, self.ctx = cfg, ctx  # cfg: the user's, never written
         self.mesh = Mesh(ParallelDims.from_config(ctx.world_size, cfg.parallel), ctx)
-        self.position = modes.data_position(cfg, ctx, self.mesh)  # where this rank reads the data
-        # The one place dp is known: with train.global_batch the accumulation follows it (elastic
-        # restart on another node count); data, pipeline micro-batches, prefetch and the resume
-        # check below all read the resolved train.grad_accum.
-        t.grad_accum = resolve_grad_accum(t, self.position.dp_size)
-        # and the one place the device is known: "auto" becomes bf16 or fp32 (measured, job-wide)
-        self.precision_given = t.precision
-        t.precision = resolve_precision(t.precision, ctx.device, t.micro_batch_size * cfg.model.block_size,
-                                        cfg.model.n_embd)
-        self.tf32 = apply_tf32(ctx.device, t.tf32)  # before the MFU peak (tf32's datasheet row)
-        self.data = TrainData(modes.data_config(cfg), ctx, self.position)
+        # resolved once: where this rank reads the data, train.grad_accum (from train.global_batch
+        # and dp: elastic restarts), train.precision ("auto": measured, job-wide), TF32, the faults
+        self.plan = run_plan.resolve(cfg, ctx, self.mesh)
+        t = self.plan.train
+        self.hparams = t  # the values each step reads (lr schedule, clip): a PBT member's its own
+        self.data = TrainData(modes.data_config(cfg), ctx, self.plan.position, t.grad_accum)
         # the model in this job's layout, initialized from t.seed (on the meta device first, then
         # only this rank's shards: parallel.meta_init)
-        built = build_model(cfg, self.mesh, ctx.device)
+        built = build_model(cfg, self.mesh, ctx.device, t.precision)
         self.n_params, self.flops_per_token = built.n_params, built.flops_per_token
         self.layout = built.layout  # the modules in this job's layout
         self.model = self.layout.module  # this rank's parameters (a pipeline stage holds a subset)
@@ -83,19 +75,19 @@ class Trainer:
                                       full_checksums=cfg.checkpoint.full_checksums,
                                       async_cpu_share=cfg.checkpoint.async_cpu_share)
         self.preempt = Preemption(cfg.slurm, ctx.comm, ctx.rank,  # signals + wall-time guard
-                                       step_sleep_s=step_faults().step_sleep_s, run_dir=cfg.run.dir)
+                                       step_sleep_s=self.plan.faults.step_sleep_s, run_dir=cfg.run.dir)
         # what happens between steps and what a checkpoint holds (hpctrain/sync/strategy.py)
         self.sync = modes.build_strategy(cfg, ctx, self.mesh, self.model)
         # forward/backward, clip and eval in this layout; losses averaged over dp where replicas
         # step together (every mode but ps)
-        self.runner = build_runner(self.layout, cfg, mean_over_dp=self.sync.collective_steps)
-        self.bad_steps = BadStepPolicy(t.max_bad_steps, step_faults().inject_nan_at_step, ctx.rank, ctx.world_size)
-        self.step_skipped = False
-        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
-        self.autocast = (torch.autocast(ctx.device.type, dtype=half) if half is not None
-                         else contextlib.nullcontext())
-        self.loss_scaling = LossScaling(ctx.device, t.loss_scale_init, t.loss_scale_growth_interval,
-                                        enabled=t.precision == "fp16")
+        runner = build_runner(self.layout, cfg, t.grad_accum, mean_over_dp=self.sync.collective_steps)
+        # one optimizer step in this layout and precision (hpctrain/train/engine.py)
+        self.engine = StepEngine(runner, self.optimizer, t, self.plan.faults, ctx.device, ctx.rank,
+                                 ctx.world_size, agreed=self.sync.global_each_step)
+        # the loop's named hook points (hpctrain/train/hooks.py): the strategy's saves, PBT's rounds
+        self.hooks = LoopHooks()
+        self.hooks.add("before_save", self.sync.before_save)  # ps, async_diloco: the servers' model
+        self.hooks.add("after_save", self.sync.after_save)
         self.step = 0
         self.stragglers = StragglerDetector(ctx.comm, window=t.straggler_window)
         rng.seed_rank(t.seed, ctx.rank)
@@ -103,7 +95,8 @@ class Trainer:
     # ---- checkpoint state -------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The checkpoint's "trainer" entry (the trainer is one of its Stateful objects)."""
-        return {"step": self.step, "world_size": self.ctx.world_size, "config": self.cfg.to_dict(),
+        config = self.plan.resolved_config(self.cfg, self.hparams)  # as checkpoints always held it
+        return {"step": self.step, "world_size": self.ctx.world_size, "config": config.to_dict(),
                 "tokenizer": self.data.tokenizer_info}
 
     def load_state_dict(self, state: dict) -> None:
@@ -117,18 +110,18 @@ class Trainer:
         states = self.sync.checkpoint_states(model, optim, None if saved is None else saved.get("sync", {}))
         return {**states, "trainer": self, "sampler": self.data.sampler,
                 "rng": RNGStates(self.ctx.comm, self.cfg.train.seed, lambda: self.step),
-                "loss_scaling": self.loss_scaling}
+                "loss_scaling": self.engine.loss_scaling}
 
     def save(self) -> None:
         t0 = time.perf_counter()
         background = self.cfg.checkpoint.async_save
-        self.sync.before_save()  # ps, async_diloco: the servers' parameters into the model
+        self.hooks.run("before_save")  # ps, async_diloco: the servers' parameters into the model
         self.data.sampler.seek(self.step)  # where batches are claimed out of order, the agreed step
         states = self.checkpoint_states()
         if not all_finite(self.model.parameters(), self.ctx.device):  # never save a broken state
             raise FloatingPointError(f"step {self.step}: non-finite weights; not saving a checkpoint")
         path = self.ckpt.save_states(self.step, states, background=background)
-        self.sync.after_save()
+        self.hooks.run("after_save")
         if background:  # returned after the copy to host memory
             log(self.ctx, f"checkpoint: step {self.step} staged in {time.perf_counter() - t0:.2f}s, "
                           f"writing in the background")
@@ -143,42 +136,11 @@ class Trainer:
         saved = self.ckpt.read_trainer_state(path)
         _check_same_model(saved["trainer"]["config"]["model"], self.cfg.to_dict()["model"], path)
         states = self.checkpoint_states(saved)  # the sync strategy refuses another mode's first
-        check_resume_batch(int(saved["sampler"]["global_batch"]), self.cfg.train, self.position.dp_size, path)
+        check_resume_batch(int(saved["sampler"]["global_batch"]), self.plan.train, self.plan.dp_size, path)
         check_same_dataset(self.data.sampler, saved, self.cfg.data.path, path)
         self.ckpt.load_states(path, states)
         self.sync.after_load(self.step)
         log(self.ctx, f"resumed from {path} at step {self.step}")
-
-    # ---- one optimizer step -----------------------------------------------------------------
-    def train_step(self) -> tuple[float, float]:
-        t = self.cfg.train
-        t0 = time.perf_counter()
-        micro_batches = self.data.next_train_micro_batches(self.sync.batch_index(self.step))
-        faults = step_faults()
-        if faults.delay_s and self.ctx.rank == faults.delay_rank:
-            time.sleep(faults.delay_s)  # test-only straggler
-        # forward/backward of every micro-batch in training mode (DDP/FSDP/TP loop or pipeline
-        # schedule); the loss is the mean over the global batch; test-only NaN injection via the hook
-        loss_avg = self.runner.forward_backward(micro_batches, self.autocast,
-                                                loss_hook=lambda loss: self.bad_steps.poison(self.step + 1, loss),
-                                                loss_scale=self.loss_scaling.factor)
-        overflow = self.loss_scaling.unscale_(self.optimizer)  # fp16: agreed by every rank
-        grad_norm = self.runner.clip_grad_norm_(t.grad_clip)  # global norm over shards and stages
-        # a NaN/Inf loss or grad norm on any rank: every rank skips the update; the loss is the
-        # global mean and, where gradients are synchronized every step (all but DiLoCo's inner
-        # steps), so is the norm: no vote needed then. An fp16 overflow is the loss scale's
-        # business (skipped, counted apart), not a bad step
-        self.step_skipped = self.bad_steps.should_skip(self.step + 1, loss_avg,
-                                                   0.0 if overflow else grad_norm,
-                                                   agreed=self.sync.global_each_step)
-        self.loss_scaling.step(self.optimizer, skip=self.step_skipped)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = loss_avg.item()
-        if faults.compute_sleep_s > 0:  # test-only: accelerator time on a shared CPU
-            time.sleep(faults.compute_sleep_s)
-        if faults.slow_factor > 1 and self.ctx.rank == faults.delay_rank:  # test-only: k x slower
-            time.sleep((faults.slow_factor - 1.0) * (time.perf_counter() - t0))
-        return loss, float(grad_norm)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -186,45 +148,69 @@ class Trainer:
         batches = self.data.val_micro_batches() if self.sync.trains else None
         if batches is None:
             return None
-        return self.sync.mean_over_replicas(self.runner.eval_loss(batches, self.autocast))
+        return self.sync.mean_over_replicas(self.engine.eval_loss(batches))
 
     # ---- the loop ---------------------------------------------------------------------------
     def fit(self) -> int:
-        cfg, ctx, t = self.cfg, self.ctx, self.cfg.train
+        """Train up to train.stop_at_step / train.steps in spans that end at checkpoint steps and at
+        the boundaries hooks add, calling self.hooks at their named points."""
+        t, hooks = self.cfg.train, self.hooks
         self.maybe_resume()
+        hooks.run("resumed")
         if t.stop_at_step and self.step >= t.stop_at_step:  # a rerun of a stopped run, unchanged
-            log(ctx, stop_at_step_line(t, self.step, resumed=True))
+            log(self.ctx, stop_at_step_line(t, self.step, resumed=True))
             self.sync.close()
             return 0
-        end = t.stop_at_step or t.steps
+        end = self.plan.end_step
+        metrics = self._start(end)
+        stop = NONE
+        while self.step < end and stop == NONE:
+            checkpoint_at = min(end, _next_multiple(self.step, self.cfg.checkpoint.interval))
+            until = hooks.next_boundary(self.step, checkpoint_at)
+            stop = self._run_until(until, end, metrics)
+            stop = self._meet(stop, end, metrics)
+            hooks.run("at_meeting")
+            if stop != NONE or until == checkpoint_at:
+                self.save()
+        return self._end_of_run(metrics)
+
+    def _start(self, end: int) -> MetricsLog:
+        """config.toml, metrics.jsonl, the start-up lines, the "start" hooks and the starting point
+        of the validation curve."""
         self._write_run_config()
         metrics = self._metrics_log()
         self.peak = self._peak_flops()
         self._log_start(end)
-        if self.step == 0 and t.eval_interval and self.sync.collective_steps:
+        self.hooks.run("start")
+        validate = self.cfg.train.eval_interval or self.hooks.validate_at_start
+        if self.step == 0 and validate and self.sync.collective_steps:
             self._validate(metrics)  # the starting point of the validation curve
         self.t_start, self.start_step = time.perf_counter(), self.step
-        stop = NONE
-        while self.step < end and stop == NONE:
-            interval = cfg.checkpoint.interval
-            until = min(end, (self.step // interval + 1) * interval)  # the next checkpoint step
-            stop = self._run_until(until, end, metrics)
-            step, stop = self.sync.meet(self.preempt, self.step, stop, end)
-            if self.sync.meeting_metrics():  # async_diloco: the last, partial round's arrival
-                metrics.write({"step": max(self.step, step), **self.sync.meeting_metrics()})
-            while self.sync.trains and self.sync.every_worker_steps and self.step < step:
-                metrics.write(self._one_step(end, stop_aware=False))  # ps: catch up with the furthest
-            self.step = max(self.step, step)
-            self.save()
+        return metrics
+
+    def _meet(self, stop: int, end: int, metrics: MetricsLog) -> int:
+        """Where every rank stops at the end of a span (the strategy decides the step); the agreed
+        stop reason."""
+        step, stop = self.sync.meet(self.preempt, self.step, stop, end)
+        if self.sync.meeting_metrics():  # async_diloco: the last, partial round's arrival
+            metrics.write({"step": max(self.step, step), **self.sync.meeting_metrics()})
+        while self.sync.trains and self.sync.every_worker_steps and self.step < step:
+            metrics.write(self._one_step(end, stop_aware=False))  # ps: catch up with the furthest
+        self.step = max(self.step, step)
+        return stop
+
+    def _end_of_run(self, metrics: MetricsLog) -> int:
+        t = self.cfg.train
         self.ckpt.wait()  # an async save still in flight: commit it (or raise its error) first
         if not self.sync.collective_steps and not self.preempt.stopped:
             self._validate(metrics)  # ps: the final parameters (pulled by the save)
+        self.hooks.run("end_of_run")
         self.sync.close()
         metrics.close()
         if self.preempt.stopped:
             return self.preempt.finish(self.step, resumed_at=self.start_step)  # requeue and/or exit 75
         if t.stop_at_step and self.step < t.steps:
-            log(ctx, stop_at_step_line(t, self.step))
+            log(self.ctx, stop_at_step_line(t, self.step))
         return 0
 
     def _run_until(self, until: int, end: int, metrics: MetricsLog) -> int:
@@ -245,12 +231,13 @@ class Trainer:
         if not self.sync.before_step(self.step, stop_aware, until):
             return None
         claimed = self.sync.batch_index(self.step)  # async_diloco: the global batch this step trains
-        lr = lr_at(self.step if claimed is None else claimed, self.cfg.train)
+        lr = lr_at(self.step if claimed is None else claimed, self.hparams)
         set_lr(self.optimizer, lr)
         clock = self.layout.wait_clock  # this rank's waiting for peers inside the step
         clock.begin()
         t0 = time.perf_counter()
-        loss, grad_norm = self.train_step()
+        micro_batches = self.data.next_train_micro_batches(claimed)
+        loss, grad_norm = self.engine.step(micro_batches, self.step + 1, self.hparams.grad_clip, started=t0)
         dt = time.perf_counter() - t0
         wait = clock.take()  # before validation, DiLoCo's round and the metrics collectives
         self.step = self.sync.next_step(self.step)
@@ -259,6 +246,7 @@ class Trainer:
         if round_line:  # DiLoCo, async_diloco: a round ended (at most one line per log_interval)
             log(self.ctx, round_line)
         rec = self._step_record(loss, grad_norm, lr, dt, wait)
+        self.hooks.run("after_step", rec)
         if self.ctx.is_main and (self.step % self.cfg.train.log_interval == 0 or self.step == end):
             done = max(1, self.step - self.start_step)
             eta = (time.perf_counter() - self.t_start) / done * (end - self.step)
@@ -301,14 +289,15 @@ class Trainer:
             val = self.evaluate()
             if val is not None:
                 rec["val_loss"] = val
-        if self.loss_scaling.enabled:
-            rec.update(loss_scale=self.loss_scaling.factor, overflow=self.loss_scaling.last_overflowed,
-                       overflow_steps=self.loss_scaling.overflow_steps)
-        if self.step_skipped or self.bad_steps.skipped:
-            rec.update(skipped=self.step_skipped, bad_steps=self.bad_steps.skipped)
-            if self.step_skipped:
+        scaling, bad_steps, skipped = self.engine.loss_scaling, self.engine.bad_steps, self.engine.skipped
+        if scaling.enabled:
+            rec.update(loss_scale=scaling.factor, overflow=scaling.last_overflowed,
+                       overflow_steps=scaling.overflow_steps)
+        if skipped or bad_steps.skipped:
+            rec.update(skipped=skipped, bad_steps=bad_steps.skipped)
+            if skipped:
                 log(ctx, f"step {self.step}: loss {loss} / grad norm {grad_norm}: not finite, "
-                         f"update skipped ({self.bad_steps.in_a_row} in a row, "
+                         f"update skipped ({bad_steps.in_a_row} in a row, "
                          f"train.max_bad_steps={t.max_bad_steps})")
         if not collective:
             return rec
@@ -321,20 +310,15 @@ class Trainer:
         return rec
 
     def _write_run_config(self) -> None:
-        """<run.dir>/config.toml: the config as given (train.grad_accum and train.precision not
-        the resolved ones)."""
+        """<run.dir>/config.toml: the config as given (the run plan holds what was resolved)."""
         cfg = self.cfg
         if not self.ctx.is_main:
             return
         Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-        given = dataclasses.replace(cfg.train, precision=self.precision_given)
-        if cfg.train.global_batch:
-            given = dataclasses.replace(given, grad_accum=1)
-        saved = dataclasses.replace(cfg, train=given)
-        (Path(cfg.run.dir) / "config.toml").write_text(config_mod.to_toml(saved), encoding="utf-8")
+        (Path(cfg.run.dir) / "config.toml").write_text(config_mod.to_toml(cfg), encoding="utf-8")
 
     def _log_start(self, end: int) -> None:
-        ctx, t = self.ctx, self.cfg.train
+        ctx, t = self.ctx, self.plan.train
         tokens_per_step = self.data.global_batch * self.cfg.model.block_size
         log(ctx, f"training: {self.n_params / 1e6:.2f}M params, world {ctx.world_size} "
                  f"[{self.mesh.dims.describe()}] "
@@ -342,15 +326,15 @@ class Trainer:
                  f"{ctx.n_nodes} node(s), rendezvous {ctx.master_addr}:{ctx.master_port}"
                  f"{f' via {ctx.iface}' if ctx.iface else ''}, "
                  f"{tokens_per_step} tokens/step, {t.precision}"
-                 f"{' (auto)' if self.precision_given == 'auto' else ''}"
-                 f"{' (tf32 matmuls)' if self.tf32 else ''}{', torch.compile' if t.compile else ''}, "
+                 f"{' (auto)' if self.plan.precision_given == 'auto' else ''}"
+                 f"{' (tf32 matmuls)' if self.plan.tf32 else ''}{', torch.compile' if t.compile else ''}, "
                  f"steps {self.step} -> {end} of {t.steps}{self.sync.describe()}")
         if t.global_batch:  # how the global batch splits on this world (elastic restarts)
-            log(ctx, global_batch_line(t, self.position.dp_size))
+            log(ctx, global_batch_line(t, self.plan.dp_size))
 
     def _peak_flops(self) -> MfuMeter:
         """MFU of each step against the job's peak (hpctrain/metrics/peak.py), said once."""
-        meter, line = job_meter(self.ctx, self.cfg.train.precision, self.flops_per_token,
+        meter, line = job_meter(self.ctx, self.plan.precision, self.flops_per_token,
                                 self.sync.ranks_per_record)
         log(self.ctx, line)
         return meter
@@ -363,6 +347,10 @@ def stop_at_step_line(t, step: int, resumed: bool = False) -> str:
             else f"stopped at train.stop_at_step={t.stop_at_step}: step {step}")
     return (f"{what} of train.steps={t.steps}; to go on, raise or remove train.stop_at_step and run "
             f"again: it resumes from step {step}")
+
+
+def _next_multiple(step: int, every: int) -> int:
+    return (step // every + 1) * every
 
 
 def _percent(value: float | None) -> str:

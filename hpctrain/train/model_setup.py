@@ -31,9 +31,10 @@ class BuiltModel:
     flops_per_token: float   # of the whole model
 
 
-def build_model(cfg: Config, mesh: Mesh, device: torch.device) -> BuiltModel:
+def build_model(cfg: Config, mesh: Mesh, device: torch.device, precision: str) -> BuiltModel:
     """The GPT of cfg.model in cfg.parallel's layout; weights as `torch.manual_seed(seed);
-    GPT(...)` makes them, on every rank (the same values before sharding)."""
+    GPT(...)` makes them, on every rank (the same values before sharding). `precision`: the
+    resolved train.precision (FSDP's mixed precision)."""
     section = dataclasses.asdict(cfg.model)  # model.arch picks GPT or Llama (hpctrain/model)
     seed = cfg.train.seed
     if cfg.parallel.meta_init:
@@ -49,7 +50,7 @@ def build_model(cfg: Config, mesh: Mesh, device: torch.device) -> BuiltModel:
         # each rank reads its part of a Hugging Face model's weights instead (on resume the
         # checkpoint's replace the seed's: the folder is not read, it may be gone)
         init = load_hf_weights(cfg.init.from_dir, section, device if cfg.parallel.meta_init else None)
-    return BuiltModel(parallelize(model, mesh, cfg, materialize=init), n_params, flops)
+    return BuiltModel(parallelize(model, mesh, cfg, precision, materialize=init), n_params, flops)
 
 
 def load_hf_weights(folder: str, section: dict, meta_device: torch.device | None):

@@ -1,23 +1,22 @@
-"""One member's side of population-based training: the Trainer's loop with rounds in it.
+"""One member's side of population-based training: PBT's hooks on the Trainer's one loop.
 
-Per member: resume (the member's checkpoint holds the population's state) -> set this member's
-values -> per span up to the next round or checkpoint step { train (the Trainer's own steps; the
-stop vote over COMM_WORLD) -> round when due: validation loss, gathered over COMM_WORLD; exploit
-copies rank to rank; explore; the lineage -> checkpoint when due or stopped }. Every rank of every
-member runs the same number of steps, rounds and saves, so the collectives line up.
+Per member (hpctrain/train/hooks.py's points): resumed -> every member at the same step, this
+member's values (the member's checkpoint holds the population's state); start -> the lineage's
+start record; a span boundary at every `ready` step, and at_meeting -> the round when due:
+validation loss, gathered over COMM_WORLD; exploit copies rank to rank; explore; the lineage. The
+loop itself trains (the stop vote over COMM_WORLD) and saves at checkpoint steps or a stop. Every
+rank of every member runs the same number of steps, rounds and saves, so the collectives line up.
 
-Owns: that order. It must never decide who copies whom (pbt.Population), move tensors
-(pbt_members.py), or save files but through the Trainer's checkpoint manager and LineageLog.
+Owns: the rounds' place in the loop. It must never decide who copies whom (pbt.Population), move
+tensors (pbt_members.py), or save files but through the Trainer's checkpoint manager and LineageLog.
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
-from hpctrain.distributed.preempt import NONE, Preemption
+from hpctrain.distributed.preempt import Preemption
 from hpctrain.errors import ConfigError
-from hpctrain.step_faults import step_faults
-from hpctrain.train.loop import Trainer, log, stop_at_step_line
+from hpctrain.train.loop import Trainer
 from hpctrain.tune import pbt_members
 from hpctrain.tune.pbt import LINEAGE, LineageLog, Population, check_same_step
 
@@ -47,6 +46,10 @@ def _next_multiple(step: int, every: int) -> int:
 
 
 class PopulationRun:
+    """A member's Trainer with PBT's hooks on its one loop: the population's step and this member's
+    values after the resume, the lineage's start, a round at every `ready` step (a span boundary:
+    the members meet there; a checkpoint only at checkpoint steps)."""
+
     def __init__(self, cfg, ctx, tune, pbt, world, member: int, k: int, pbt_dir: Path):
         self.cfg, self.ctx, self.pbt, self.world = cfg, ctx, pbt, world
         self.member, self.k, self.pbt_dir = member, k, pbt_dir
@@ -54,47 +57,38 @@ class PopulationRun:
         self.trainer.population = Population(tune, pbt)
         # one stop vote for the whole population: every member stops at the same step
         self.trainer.preempt = Preemption(cfg.slurm, world, world.Get_rank(),
-                                          step_sleep_s=step_faults().step_sleep_s)
+                                          step_sleep_s=self.trainer.plan.faults.step_sleep_s)
+        self.lineage: LineageLog | None = None
+        hooks = self.trainer.hooks
+        hooks.add("resumed", self._take_values)
+        hooks.add("start", self._start)
+        hooks.add_boundary(lambda step: _next_multiple(step, pbt.ready))
+        hooks.add("at_meeting", self._round_if_due)
+        hooks.validate_at_start = True  # round 0's losses: the starting point of every member
 
     @property
     def population(self) -> Population:
         return self.trainer.population
 
     def fit(self) -> int:
-        tr, t = self.trainer, self.cfg.train
-        tr.maybe_resume()
-        check_same_step(self.world, tr.step)
-        pbt_members.apply_values(tr, self.population.values[self.member])
-        end = t.stop_at_step or t.steps
-        tr._write_run_config()
-        metrics = tr._metrics_log()
-        lineage = LineageLog(self.pbt_dir / LINEAGE, self.world.Get_rank() == 0, tr.step)
-        tr.peak = tr._peak_flops()
-        tr._log_start(end)
-        if tr.step == 0:
-            lineage.write({"step": 0, "round": 0, "event": "start",
-                           "values": [dict(v) for v in self.population.values]})
-            tr._validate(metrics)
-        tr.t_start, tr.start_step = time.perf_counter(), tr.step
-        stop = NONE
-        while tr.step < end and stop == NONE:
-            until = min(end, _next_multiple(tr.step, self.pbt.ready),
-                        _next_multiple(tr.step, self.cfg.checkpoint.interval))
-            if self._round_due():  # resumed from a stop that came before the round
-                self._round(lineage)
-            stop = tr._run_until(until, end, metrics)
-            if self._round_due():
-                self._round(lineage)
-            if stop != NONE or tr.step % self.cfg.checkpoint.interval == 0 or tr.step == end:
-                tr.save()
-        tr.ckpt.wait()
-        tr.sync.close()
-        metrics.close()
-        if tr.preempt.stopped:
-            return tr.preempt.finish(tr.step)
-        if t.stop_at_step and tr.step < t.steps:
-            log(self.ctx, stop_at_step_line(t, tr.step))
-        return 0
+        return self.trainer.fit()
+
+    def _take_values(self) -> None:
+        """After the resume: every member at the same step, with its own values."""
+        check_same_step(self.world, self.trainer.step)
+        pbt_members.apply_values(self.trainer, self.population.values[self.member])
+
+    def _start(self) -> None:
+        step = self.trainer.step
+        self.lineage = LineageLog(self.pbt_dir / LINEAGE, self.world.Get_rank() == 0, step)
+        if step == 0:
+            self.lineage.write({"step": 0, "round": 0, "event": "start",
+                                "values": [dict(v) for v in self.population.values]})
+        self._round_if_due()  # resumed from a stop that came before the round
+
+    def _round_if_due(self) -> None:
+        if self._round_due():
+            self._round(self.lineage)
 
     def _round_due(self) -> bool:
         step = self.trainer.step

@@ -10,6 +10,8 @@ files (pbt.py does).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from hpctrain.errors import ConfigError
@@ -52,7 +54,7 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def send_state(trainer, world, dest: int) -> None:
     tensors = member_tensors(trainer.model, trainer.optimizer)
-    world.send((len(tensors), trainer.loss_scaling.state_dict()), dest=dest, tag=TAG_OBJECT)
+    world.send((len(tensors), trainer.engine.loss_scaling.state_dict()), dest=dest, tag=TAG_OBJECT)
     for t in tensors:
         world.Send(_as_bytes(t.cpu()).numpy(), dest=dest, tag=TAG_TENSOR)
 
@@ -68,7 +70,7 @@ def receive_state(trainer, world, source: int) -> None:
         buf = torch.empty(t.numel() * t.element_size(), dtype=torch.uint8)
         world.Recv(buf.numpy(), source=source, tag=TAG_TENSOR)
         t.copy_(buf.view(t.dtype).reshape(t.shape))
-    trainer.loss_scaling.load_state_dict(scaling)
+    trainer.engine.loss_scaling.load_state_dict(scaling)
 
 
 def copy_members(trainer, world, plan: list[tuple[int, int]], member: int, k: int) -> None:
@@ -82,11 +84,11 @@ def copy_members(trainer, world, plan: list[tuple[int, int]], member: int, k: in
 
 
 def apply_values(trainer, values: dict) -> None:
-    """Set a member's hyperparameters ({"train.lr": ...}) on its live trainer: the config keys the
-    lr schedule and the clip read at every step, and the optimizer's parameter groups."""
-    t = trainer.cfg.train
-    for key, value in values.items():
-        setattr(t, key.split(".", 1)[1], value)
+    """Set a member's hyperparameters ({"train.lr": ...}) on its live trainer: the values the lr
+    schedule and the clip read at every step (`trainer.hparams`; the config stays as given), and the
+    optimizer's parameter groups."""
+    t = dataclasses.replace(trainer.hparams, **{key.split(".", 1)[1]: value for key, value in values.items()})
+    trainer.hparams = t
     groups = trainer.optimizer.param_groups
     groups[0]["weight_decay"] = t.weight_decay  # the matrices' group (hpctrain/model/optim.py)
     for group in groups:

@@ -46,7 +46,7 @@ def build(ctx, overrides: list[str], meta: bool):
             *[f"--model.{k}={v}" for k, v in MODEL.items()], *overrides]
     cfg = config_mod.load(None, args)
     mesh = Mesh(ParallelDims.from_config(ctx.world_size, cfg.parallel), ctx)
-    module = build_model(cfg, mesh, ctx.device).layout.module
+    module = build_model(cfg, mesh, ctx.device, cfg.train.precision).layout.module
     tied = None if module.tok_emb is None or module.lm_head is None else \
         module.lm_head.weight is module.tok_emb.weight  # None: the other one is on another stage
     return full_params(module), tied, cfg
