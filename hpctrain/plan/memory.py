@@ -150,7 +150,9 @@ def head_bytes(shape: ModelShape, micro_batch: int, tp: int, half: bool,
     logits = (2 if half else 4) * s * b * v // tp
     stored = (rms + 4 * s * b * h // tp + (2 if half else 4) * s * b * h + logits
               + 4 * s * b * v // tp)
-    return stored, 8 * s * b * v // tp
+    # under TP the vocabulary-parallel loss's backward holds one more fp32 logits shard (exp, its
+    # sum, the gradient: measured, bench/plan_memory.py, llama 50k tp 2)
+    return stored, (12 if tp > 1 else 8) * s * b * v // tp
 
 
 def checkpointed_blocks(job: Job, stage: Stage) -> int:
@@ -365,7 +367,8 @@ def _peak(shape: ModelShape, job: Job, stage: Stage, p: dict) -> int:
     fsdp = job.data_parallel == "fsdp" and job.dp_size > 1
     if fsdp and stage.in_flight == 1 and (job.grad_accum == 1 or job.pp == 1):
         sweep = fsdp_backward_sweep if job.grad_accum == 1 else fsdp_accum_sweep
-        return state + max(sweep(shape, job, stage), grads)  # reduce-scattered block by block
+        return state + max(sweep(shape, job, stage),  # reduce-scattered block by block
+                           grads + _tp_embedding_grad(shape, job, stage))
     if fsdp:  # pipelines (torch's stage: reshard_after_backward(False) until the last
         # micro-batch; not measured): every FSDP part summed at once
         head_grad = 4 * shape.embedding_params_tp(job.tp) if stage.has_last else 0
@@ -374,8 +377,17 @@ def _peak(shape: ModelShape, job: Job, stage: Stage, p: dict) -> int:
         during = acts + grads  # gradients live through the forward passes
     else:
         during = backward_sweep(shape, job, stage)
-    step_end = grads + p.get("DiLoCo round delta + average (transient)", 0)
+    step_end = (grads + p.get("DiLoCo round delta + average (transient)", 0)
+                + _tp_embedding_grad(shape, job, stage))
     return state + max(work + during, step_end)
+
+
+def _tp_embedding_grad(shape: ModelShape, job: Job, stage: Stage) -> int:
+    """Under TP the vocabulary-parallel embedding's backward (aten::embedding_dense_backward)
+    allocates a gradient for the whole [vocab, width] table, not this rank's shard, at the end of
+    the backward while every other gradient is alive (measured: 24.6 MiB at vocab 50,304 x 128 on
+    2 ranks, bench/plan_memory.py --top)."""
+    return 4 * shape.vocab_size * shape.n_embd if job.tp > 1 and stage.has_first else 0
 
 
 def largest_rank(shape: ModelShape, job: Job) -> RankMemory:
