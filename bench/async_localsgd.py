@@ -4,8 +4,8 @@ Run:  python bench/async_localsgd.py [--data data/shakespeare_bytes] [--steps 24
           [--replicas 2] [--compute-sleep 0] [--compression none|bf16|int8]
 
 Two replicas train the demo GPT (128 wide, block 128, 0.8M parameters) on byte-level Shakespeare;
-rank 1 computes `--slow`x slower (debug.slow_factor: it sleeps (k - 1) x its own step's compute
-time, a test-only knob). Every mode trains the same number of tokens (`--steps` synchronous steps
+rank 1 computes `--slow`x slower (the test fault slow_factor in HPCTRAIN_TEST_FAULTS: it sleeps
+(k - 1) x its own step's compute time). Every mode trains the same number of tokens (`--steps` synchronous steps
 of 2 x 8 sequences; the asynchronous modes claim 2 x --steps batches of 8 sequences):
   ddp              synchronous data parallelism (both ranks wait for the slow one every step)
   sync DiLoCo      H inner AdamW steps, then the averaged pseudo-gradient (Nesterov 0.7 / 0.5);
@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 BIN = Path(sys.executable).parent
 
+from hpctrain import step_faults  # noqa: E402
 from hpctrain.checkpoint import directory  # noqa: E402
 from hpctrain.export import load_model_state  # noqa: E402
 from hpctrain.model import build_model_from_section  # noqa: E402
@@ -79,9 +80,9 @@ def train(name: str, ranks: int, extra: list[str], args, tmp: Path, slow: float)
            f"--train.warmup_steps={warmup}", f"--train.seed={args.seed}", "--train.eval_interval=0",
            f"--checkpoint.interval={steps // 8}",
            "--checkpoint.keep=100", "--data.verify=size", "--data.cache_dir=off",
-           "--dist.heartbeat_timeout_s=0", "--debug.delay_rank=1", f"--debug.slow_factor={slow}",
-           f"--debug.compute_sleep_s={args.compute_sleep}", *extra]
-    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", HPCTRAIN_TENSORBOARD="0")
+           "--dist.heartbeat_timeout_s=0", *extra]
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", HPCTRAIN_TENSORBOARD="0",
+               **step_faults.env(delay_rank=1, slow_factor=slow, compute_sleep_s=args.compute_sleep))
     if args.replicas > 2:  # more ranks than cores: one thread each
         env.setdefault("HPCTRAIN_THREADS", "1")
     t0 = time.time()
@@ -165,7 +166,7 @@ def main() -> None:
     ap.add_argument("--compression", default="none", choices=["none", "bf16", "int8"],
                     help="pseudo-gradient wire format of sync DiLoCo and the asynchronous modes")
     ap.add_argument("--compute-sleep", type=float, default=0.0,
-                    help="seconds every step sleeps as stand-in accelerator time (debug.compute_sleep_s): "
+                    help="seconds every step sleeps as stand-in accelerator time (compute_sleep_s fault): "
                          "with many replicas on few cores, keeps the CPU from being what times them")
     args = ap.parse_args()
     val = held_out(args.data, args.windows)

@@ -121,7 +121,7 @@ def glue_tyro_default(path):
             key = C.ALIASES.get(f"{name}.{key}", key)
             if key not in known:
                 moved = C.MOVED.get(f"{name}.{key}")
-                hint = f": it is now '{moved}' (the [debug] section)" if moved else ""
+                hint = f": it is now '{moved}'" if moved else ""
                 raise ConfigError(f"unknown config key '{name}.{key}' in {path}{hint}")
             values[key] = C.coerce(f"{name}.{key}", value, hints[key])
         for key, f in known.items():
@@ -243,7 +243,7 @@ def glue_pydantic_one_line(e, source):
     key = ".".join(str(part) for part in err["loc"])
     if err["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
         moved = C.MOVED.get(key)
-        hint = f": it is now '{moved}' (the [debug] section)" if moved else ""
+        hint = f": it is now '{moved}'" if moved else ""
         return f"unknown config key '{key}' in {source}{hint}"
     if err["type"] == "missing":
         return f"missing required config key '{key}' in {source}"
@@ -387,8 +387,8 @@ BAD = [
     ("outside the Literal (`--sync.mode=async`)", None, ["--sync.mode=async"], "sync.mode"),
     ("negative, rejected by our rules (`--data.prefetch=-1`)", None, ["--data.prefetch=-1"],
      "data.prefetch"),
-    ("renamed key (MOVED: `[train] inject_nan_at_step = 5`)",
-     DEMO_TOML.replace("[train]\n", "[train]\ninject_nan_at_step = 5\n"), [], "debug.inject_nan_at_step"),
+    ("renamed key (MOVED: `[dist] grad_sync = \"mpi\"`)", DEMO_TOML + '\n[dist]\ngrad_sync = "mpi"\n', [],
+     "dist.grad_allreduce"),
 ]
 # edge inputs: does the approach accept what ours accepts and reject what ours rejects?
 EDGE = [

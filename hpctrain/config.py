@@ -19,26 +19,39 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from hpctrain.config_schema import (  # noqa: F401 - the sections are re-exported from here
-    REQUIRED, CheckpointConfig, Config, DataConfig, DebugConfig, DistConfig, ModelConfig,
-    ParallelConfig, RunConfig, SlurmConfig, SyncConfig, TrainConfig, choices, coerce, sections,
-    type_name)
+    REQUIRED, CheckpointConfig, Config, DataConfig, DistConfig, ModelConfig, ParallelConfig,
+    RunConfig, SlurmConfig, SyncConfig, TrainConfig, choices, coerce, sections, type_name)
 from hpctrain.config_rules import validate
 from hpctrain.errors import ConfigError
+from hpctrain.step_faults import ENV as TEST_FAULTS_ENV
 
 
 # Spellings accepted for a key: TOML `async` is a Python keyword, so the field is `async_save`.
 ALIASES = {"checkpoint.async": "async_save", "init.from": "from_dir"}
 # keys that moved to another section: named in the error (run dirs written before the move hold them)
-MOVED = {"train.debug_delay_rank": "debug.delay_rank", "train.debug_delay_s": "debug.delay_s",
-         "train.inject_nan_at_step": "debug.inject_nan_at_step",
-         "slurm.debug_step_sleep_s": "debug.step_sleep_s",
-         "dist.grad_sync": "dist.grad_allreduce"}  # 'sync' is the [sync] section's word
+MOVED = {"dist.grad_sync": "dist.grad_allreduce"}  # 'sync' is the [sync] section's word
+# The test-only faults, once config keys (the [debug] section, before it these four), are no config
+# at all now: the environment variable of hpctrain/step_faults.py. Each is an error naming it.
+TEST_FAULT_KEYS = {"train.debug_delay_rank": "delay_rank", "train.debug_delay_s": "delay_s",
+                   "train.inject_nan_at_step": "inject_nan_at_step",
+                   "slurm.debug_step_sleep_s": "step_sleep_s"}
+GONE_SECTION = "debug"
 
 
-def _moved_hint(moved: str | None) -> str:
-    if moved is None:
-        return ""
-    return f": it is now '{moved}'" + (" (the [debug] section)" if moved.startswith("debug.") else "")
+def _test_faults_hint(faults: dict) -> str:
+    """How the given test-only faults are set now."""
+    items = ",".join(f"{k}={v}" for k, v in faults.items())
+    return (f": test-only faults are no config (the [{GONE_SECTION}] section is gone): set "
+            f"{TEST_FAULTS_ENV}=\"{items}\" in the environment (hpctrain/step_faults.py)")
+
+
+def _unknown_key(section: str, key: str, value, where: str) -> ConfigError:
+    name = f"{section}.{key}"
+    if name in TEST_FAULT_KEYS:
+        hint = _test_faults_hint({TEST_FAULT_KEYS[name]: value})
+    else:
+        hint = f": it is now '{MOVED[name]}'" if name in MOVED else ""
+    return ConfigError(f"unknown config key '{name}' {where}{hint}")
 
 
 # Sections of a training TOML that are not training settings: [tune] is `hpctrain tune`'s search
@@ -58,6 +71,8 @@ def from_dict(raw: dict, source: str = "config", cli_keys: frozenset = frozenset
             continue
         if name not in by_name:
             where = "on the command line" if any(k.startswith(f"{name}.") for k in cli_keys) else f"in {source}"
+            if name == GONE_SECTION and isinstance(raw[name], dict):
+                raise ConfigError(f"unknown config section '{name}' {where}{_test_faults_hint(raw[name])}")
             known = ", ".join([*by_name, *OTHER_SECTIONS])
             raise ConfigError(f"unknown config section '{name}' {where} (known: {known})")
     if isinstance(raw.get("init"), dict) and (raw["init"].get("from") or raw["init"].get("from_dir")):
@@ -74,10 +89,8 @@ def from_dict(raw: dict, source: str = "config", cli_keys: frozenset = frozenset
         for key, value in values.items():
             key = ALIASES.get(f"{name}.{key}", key)
             if key not in known:
-                moved = MOVED.get(f"{name}.{key}")
-                hint = _moved_hint(moved)
                 where = "on the command line" if f"{name}.{key}" in cli_keys else f"in {source}"
-                raise ConfigError(f"unknown config key '{name}.{key}' {where}{hint}")
+                raise _unknown_key(name, key, value, where)
             kwargs[key] = coerce(f"{name}.{key}", value, hints[key])
         for key, f in known.items():
             if key not in kwargs and f.default is REQUIRED and f.default_factory is REQUIRED:

@@ -33,7 +33,6 @@ def validate(cfg: Config) -> Config:
     _check(t.precision != "fp16" or cfg.sync.mode not in ("ps", "async_diloco"), "train.precision",
            f"fp16 needs loss scaling agreed by every rank each step, which sync.mode="
            f"'{cfg.sync.mode}' workers do not do: use fp32 or bf16 there")
-    _check(cfg.debug.slow_factor >= 1.0, "debug.slow_factor", "must be >= 1")
     _check(t.loss_scale_init > 0, "train.loss_scale_init", "must be > 0")
     _check(t.loss_scale_growth_interval >= 1, "train.loss_scale_growth_interval", "must be >= 1")
     _check(0 <= t.warmup_steps <= t.steps, "train.warmup_steps", "must be in [0, train.steps]")
@@ -41,11 +40,7 @@ def validate(cfg: Config) -> Config:
     _check(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
     _check(0 < cfg.checkpoint.async_cpu_share <= 1, "checkpoint.async_cpu_share", "must be in (0, 1]")
     _check(t.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1")
-    _check(cfg.debug.inject_nan_at_step >= 0, "debug.inject_nan_at_step", "must be >= 0")
     _check(t.straggler_window >= 2, "train.straggler_window", "must be >= 2")
-    _check(cfg.debug.delay_s >= 0, "debug.delay_s", "must be >= 0")
-    _check(cfg.debug.step_sleep_s >= 0, "debug.step_sleep_s", "must be >= 0")
-    _check(cfg.debug.compute_sleep_s >= 0, "debug.compute_sleep_s", "must be >= 0")
     _check(cfg.dist.heartbeat_timeout_s >= 0, "dist.heartbeat_timeout_s", "must be >= 0")
     _check(cfg.data.cache_bytes >= 0, "data.cache_bytes", "must be >= 0 (0 = auto)")
     _check(cfg.data.prefetch >= 0, "data.prefetch", "must be >= 0")

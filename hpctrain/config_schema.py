@@ -4,7 +4,7 @@ and meaning (the `help` that `hpctrain train --help` prints).
 Owns: the keys. Reading TOML and `--section.key=value` overrides into these lives in config.py, the
 rules on values in config_rules.py. Also owns a value's coercion into its key's type (`coerce`,
 which every parser of TOML tables uses) and a Literal key's choices. It must never import torch
-or read files.
+or read files. Test-only faults are no keys of it: hpctrain/step_faults.py (HPCTRAIN_TEST_FAULTS).
 """
 from __future__ import annotations
 
@@ -282,27 +282,6 @@ class SlurmConfig:
 
 
 @dataclass
-class DebugConfig:
-    """Test-only fault and timing injections: what the tests use to make a failure happen on cue.
-    Not for training runs; every default is off."""
-    delay_rank: int = field(default=-1, metadata={
-        "help": "TEST ONLY: this rank sleeps debug.delay_s in every step: a straggler on cue (-1 = off)"})
-    delay_s: float = field(default=0.0, metadata={"help": "TEST ONLY: see debug.delay_rank"})
-    inject_nan_at_step: int = field(default=0, metadata={
-        "help": "TEST ONLY: make the loss NaN on the last rank at this step (0 = never)"})
-    slow_factor: float = field(default=1.0, metadata={
-        "help": "TEST ONLY: debug.delay_rank computes this many times slower (it sleeps "
-                "(factor - 1) x its measured step time every step): an uneven cluster on cue"})
-    compute_sleep_s: float = field(default=0.0, metadata={
-        "help": "TEST ONLY: every rank sleeps this long inside each training step, counted as its "
-                "compute (a stand-in for accelerator time, so that many replicas can share a few "
-                "cores; debug.slow_factor scales it) (0 = off)"})
-    step_sleep_s: float = field(default=0.0, metadata={
-        "help": "TEST ONLY: every rank sleeps this long every step, so a tiny model runs long enough to be "
-                "preempted (0 = off)"})
-
-
-@dataclass
 class InitConfig:
     from_dir: str = field(default="", metadata={
         "help": "'init.from': a local Hugging Face model folder (config.json + model.safetensors or "
@@ -323,7 +302,6 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
-    debug: DebugConfig = field(default_factory=DebugConfig)
     init: InitConfig = field(default_factory=InitConfig)
 
     @property

@@ -10,7 +10,11 @@ every rank through mpiexec/srun's environment. (The checkpoint save path has its
 points, armed by HPCTRAIN_FAULT_POINT: hpctrain/checkpoint/faults.py.)
 
 It must never be armed by anything but that variable. A malformed value is a one-line error naming
-the variable and the key.
+the variable and the key. `nan_trial=N` confines inject_nan_at_step to trial N of a `hpctrain tune
+search` study (the one whose HPCTRAIN_TUNE_TRIAL marker, its run directory, is named trial_N), so
+that one trial of a study crashes on cue while the others train normally. `HPCTRAIN_TEST_FAULTS=@/path/file`
+reads the items from that file, once per process: a requeued Slurm job keeps its environment, and a
+test that rewrites the file gives the job's next start other faults.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import os
 from hpctrain.errors import ConfigError
 
 ENV = "HPCTRAIN_TEST_FAULTS"
+TRIAL_MARKER_ENV = "HPCTRAIN_TUNE_TRIAL"  # set by hpctrain/tune/trial_process.py for a trial's ranks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,18 +36,31 @@ class StepFaults:
                                     # (factor - 1) x its measured step time every step)
     compute_sleep_s: float = 0.0    # every rank sleeps this long inside each step, counted as compute
     step_sleep_s: float = 0.0       # every rank sleeps this long every step (long enough to preempt)
+    nan_trial: int = -1             # inject_nan_at_step only in this tune trial (the one whose
+                                    # HPCTRAIN_TUNE_TRIAL is named trial_N); -1: in every run
 
 
-_cache: tuple[str, StepFaults] | None = None
+_cache: tuple[tuple[str, str], StepFaults] | None = None
 
 
 def step_faults() -> StepFaults:
     """The armed step faults (all off when HPCTRAIN_TEST_FAULTS is unset or empty)."""
     global _cache
-    raw = os.environ.get(ENV, "")
-    if _cache is None or _cache[0] != raw:
-        _cache = (raw, parse(raw))
+    key = (os.environ.get(ENV, ""), os.environ.get(TRIAL_MARKER_ENV, ""))
+    if _cache is None or _cache[0] != key:
+        faults = parse(_read(key[0][1:]) if key[0].startswith("@") else key[0])
+        if faults.nan_trial >= 0 and os.path.basename(key[1]) != f"trial_{faults.nan_trial}":
+            faults = dataclasses.replace(faults, inject_nan_at_step=0)
+        _cache = (key, faults)
     return _cache[1]
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError as e:
+        raise ConfigError(f"{ENV}=@{path}: cannot read it ({e.strerror})") from None
 
 
 def parse(raw: str) -> StepFaults:

@@ -131,12 +131,13 @@ def fault_config(tmp_path, data, name="run"):
     return write_config(tmp_path, data, name, FAULT_GPT)
 
 
-def train(n, cfg, *overrides, check=True, timeout=600):
-    """`hpctrain train --config CFG OVERRIDES` on n ranks (n = 1: without mpiexec)."""
+def train(n, cfg, *overrides, check=True, timeout=600, env=None):
+    """`hpctrain train --config CFG OVERRIDES` on n ranks (n = 1: without mpiexec); `env` adds to
+    the environment (step_faults.env(...): test faults)."""
     args = ["-m", "hpctrain", "train", "--config", cfg, *overrides]
     if n == 1:
-        return run_cmd([sys.executable, *args], timeout=timeout, check=check)
-    return mpirun(n, args, timeout=timeout, check=check)
+        return run_cmd([sys.executable, *args], timeout=timeout, check=check, env=env)
+    return mpirun(n, args, timeout=timeout, check=check, env=env)
 
 
 def train_layout(n, tmp, data, name, *overrides, check=True, timeout=300):

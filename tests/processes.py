@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from hpctrain import step_faults
 from tests.conftest import BIN, mpiexec_path
 
 
@@ -87,11 +88,13 @@ def pmi_rank(pid):
     return next(int(e.split(b"=", 1)[1]) for e in env if e.startswith(b"PMI_RANK="))
 
 
-def signal_rank_midrun(n, cfg, run, rank, *extra):
-    """Start `n` ranks, wait for 4 logged steps, SIGUSR1 to `rank` only; (exit status, stderr)."""
-    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", PYTHONUNBUFFERED="1")
+def signal_rank_midrun(n, cfg, run, rank, *extra, faults=None):
+    """Start `n` ranks (every step sleeping 0.25 s, plus the test `faults`: a dict of StepFaults
+    keys), wait for 4 logged steps, SIGUSR1 to `rank` only; (exit status, stderr)."""
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", PYTHONUNBUFFERED="1",
+               **step_faults.env(step_sleep_s=0.25, **(faults or {})))
     proc = subprocess.Popen([mpiexec_path(), "-n", str(n), sys.executable, "-m", "hpctrain", "train",
-                             "--config", str(cfg), "--debug.step_sleep_s=0.25", *extra],
+                             "--config", str(cfg), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + 180

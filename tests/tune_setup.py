@@ -1,10 +1,12 @@
 """What the `hpctrain tune` tests share: a small byte-level dataset with a validation split, a
-training TOML with a [tune] section, and a study whose trials' values are fixed in advance
-(enqueued), so that which trial fails or is pruned does not depend on the sampler."""
+training TOML with a [tune] section, a study whose trials' values are fixed in advance
+(enqueued), so that which trial is pruned does not depend on the sampler, and the test faults a
+search worker passes on to every trial (one trial's training crashes at step 3 on cue)."""
 from __future__ import annotations
 
 import sys
 
+from hpctrain import step_faults
 from tests.conftest import TINY_SECTIONS, run_cmd
 
 STEPS = 16
@@ -18,15 +20,12 @@ log_interval = 4
 max_bad_steps = 1
 [checkpoint]
 interval = 1000
-[debug]
-step_sleep_s = {sleep}
 [tune]
 n_trials = {n_trials}
 pruner = "{pruner}"
 prune_startup_trials = 1
 [tune.params]
 train.lr = {{ log_uniform = [1e-6, 1e-2] }}
-debug.inject_nan_at_step = {{ choice = [0, 3] }}
 """
 
 
@@ -39,19 +38,25 @@ def make_dataset(out):
     return out
 
 
-def write_study(tmp_path, data, points, pruner="none", sleep=0.0):
-    """CONFIG.toml for a study in tmp_path/study whose trial n gets points[n] = (lr, nan_step)."""
+def write_study(tmp_path, data, lrs, pruner="none"):
+    """CONFIG.toml for a study in tmp_path/study whose trial n gets train.lr = lrs[n]."""
     from hpctrain.tune.search import load
     from hpctrain.tune.study import open_study
 
     cfg = tmp_path / "tune.toml"
-    cfg.write_text(TUNE_TOML.format(run=tmp_path / "study", data=data, sleep=sleep,
-                                    n_trials=len(points), pruner=pruner))
+    cfg.write_text(TUNE_TOML.format(run=tmp_path / "study", data=data, n_trials=len(lrs), pruner=pruner))
     _, tune, _ = load(str(cfg), [])
     study = open_study(tune)
-    for lr, nan_step in points:
-        study.enqueue_trial({"train.lr": lr, "debug.inject_nan_at_step": nan_step})
+    for lr in lrs:
+        study.enqueue_trial({"train.lr": lr})
     return cfg, tune
+
+
+def worker_faults(sleep: float, failing: int | None = None) -> dict[str, str]:
+    """The environment of a search worker whose trials sleep `sleep` s per step and whose trial
+    `failing` gets a NaN loss at step 3 (with train.max_bad_steps = 1: exit status 2)."""
+    nan = {} if failing is None else {"inject_nan_at_step": 3, "nan_trial": failing}
+    return step_faults.env(step_sleep_s=sleep, **nan)
 
 
 def trials(tune):

@@ -3,6 +3,7 @@ from pathlib import Path
 
 import pytest
 
+from hpctrain import step_faults
 from tests.conftest import losses, records
 from tests.helpers import PREEMPT_GPT, fault_config, held_out_losses, train, write_config
 from tests.processes import finish, launch, rank_pid, signal_rank_midrun
@@ -10,6 +11,7 @@ from tests.processes import finish, launch, rank_pid, signal_rank_midrun
 pytestmark = pytest.mark.mpi
 
 ASYNC = ["--sync.mode=async_diloco", "--sync.ps_servers=1"]
+SLOW_RANK_1 = step_faults.env(delay_rank=1, slow_factor=2)  # replica 1 computes 2x slower
 
 
 def model_parameters(cfg_path) -> int:
@@ -160,7 +162,7 @@ def test_two_tensor_parallel_replicas_train_every_batch_once_across_a_resume(tmp
 
 
 def test_a_2x_slower_replica_takes_half_the_local_steps_and_every_batch_once(tmp_path, dataset):
-    """2 replicas + 1 server, replica 1 computes 2x slower (debug.slow_factor), dynamic local
+    """2 replicas + 1 server, replica 1 computes 2x slower (a slow_factor test fault), dynamic local
     steps: replica 1 settles at about half of replica 0's steps per round; the fast replica trains
     more batches; every batch index is trained exactly once, across a stop and resume. Outer SGD:
     its global model is steady run to run (delayed Nesterov with dynamic steps is not yet: final
@@ -168,10 +170,9 @@ def test_a_2x_slower_replica_takes_half_the_local_steps_and_every_batch_once(tmp
     cfg, run = write_config(tmp_path, dataset, "uneven")
     common = [*ASYNC, "--sync.local_steps=dynamic", "--sync.inner_steps=8", "--train.steps=60",
               "--sync.outer_optimizer=sgd",
-              "--checkpoint.interval=30", "--debug.delay_rank=1", "--debug.slow_factor=2",
-              "--train.eval_interval=0"]
-    train(3, cfg, *common, "--train.stop_at_step=30")
-    r = train(3, cfg, *common)
+              "--checkpoint.interval=30", "--train.eval_interval=0"]
+    train(3, cfg, *common, "--train.stop_at_step=30", env=SLOW_RANK_1)
+    r = train(3, cfg, *common, env=SLOW_RANK_1)
     assert "resumed from" in r.stderr and "at step 30" in r.stderr
     fast, slow = records(run, 0), records(run, 1)
     fast_steps = [rec["step"] for rec in fast if "loss" in rec]
@@ -197,8 +198,7 @@ def test_a_replica_adds_the_others_arrivals_to_its_weights_mid_round(tmp_path, d
     mid-round; without, it never does."""
     cfg, run = write_config(tmp_path, dataset, f"catch_up_{catch_up}")
     r = train(3, cfg, *ASYNC, "--sync.inner_steps=4", "--train.steps=48", "--checkpoint.interval=100",
-              "--debug.delay_rank=1", "--debug.slow_factor=2", "--train.eval_interval=0",
-              f"--sync.catch_up={catch_up}")
+              "--train.eval_interval=0", f"--sync.catch_up={catch_up}", env=SLOW_RANK_1)
     assert ("catch-up" in r.stderr) == (catch_up == "true")
     seen = {}
     for replica in (0, 1):

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from hpctrain import step_faults
 from hpctrain.checkpoint import disk_format, list_checkpoints, verify_checkpoint
 from tests.conftest import losses
 from tests.helpers import fault_config as config
@@ -176,13 +177,13 @@ def test_second_job_on_a_run_dir_is_refused_and_the_first_is_unharmed(tmp_path, 
     naming the holder; the first finishes with every step in metrics.jsonl and an intact
     checkpoint. A SIGKILLed job's lock (same host, process gone) is taken over with a warning."""
     cfg, run = config(tmp_path, dataset)
-    slow = ["--train.steps=30", "--checkpoint.interval=10", "--debug.step_sleep_s=0.1"]
+    slow, sleep = ["--train.steps=30", "--checkpoint.interval=10"], step_faults.env(step_sleep_s=0.1)
     # the first job must outlast the second's start-up (~2 s idle, more on a loaded CI machine):
     # 28 more steps of >= 0.4 s
-    first = launch(2, cfg, *slow[:-1], "--debug.step_sleep_s=0.4")
+    first = launch(2, cfg, *slow, env=step_faults.env(step_sleep_s=0.4))
     _wait_for_steps(first, run, 2)
     t0 = time.monotonic()
-    rc, out = train(2, cfg, *slow, check=False)
+    rc, out = train(2, cfg, *slow, check=False, env=sleep)
     assert rc != 0 and time.monotonic() - t0 < 30, out[-3000:]
     errors = [l for l in out.splitlines() if "another job trains here" in l]
     assert len(errors) == 1 and str(run) in errors[0] and f"on {socket.gethostname()}" in errors[0], out
@@ -193,7 +194,7 @@ def test_second_job_on_a_run_dir_is_refused_and_the_first_is_unharmed(tmp_path, 
     assert [i.step for i in list_checkpoints(run / "checkpoints") if i.status == "committed"] == [30]
     assert not (run / ".hpctrain.lock").exists()  # released at the end
 
-    killed = launch(2, cfg, "--train.steps=60", *slow[1:])
+    killed = launch(2, cfg, "--train.steps=60", *slow[1:], env=sleep)
     _wait_for_steps(killed, run, 33)
     ranks = descendants(killed.pid)
     os.killpg(killed.pid, signal.SIGKILL)
@@ -214,7 +215,7 @@ def test_ctrl_c_stops_with_a_checkpoint_and_resumes_exactly(tmp_path, dataset, b
     """SIGINT to mpiexec (Ctrl-C in a terminal): hydra passes it to the ranks, which stop at a
     step boundary with a checkpoint (exit 75), no KeyboardInterrupt traceback; rerun resumes."""
     cfg, run = config(tmp_path, dataset)
-    proc = launch(2, cfg, "--debug.step_sleep_s=0.5")
+    proc = launch(2, cfg, env=step_faults.env(step_sleep_s=0.5))
     _wait_for_steps(proc, run, 2)
     os.kill(proc.pid, signal.SIGINT)
     rc, out = finish(proc, timeout=60)
@@ -280,7 +281,7 @@ def test_lost_rank_ends_job_with_its_name(tmp_path, dataset, sig, lost):
 def test_nan_step_is_skipped_on_every_rank(tmp_path, dataset, baseline):
     """NaN loss on the last rank only at step 3: all ranks skip that update and carry on."""
     cfg, run = config(tmp_path, dataset)
-    rc, out = train(2, cfg, "--debug.inject_nan_at_step=3")
+    rc, out = train(2, cfg, env=step_faults.env(inject_nan_at_step=3))
     recs = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
     assert recs[3]["skipped"] is True and recs[3]["bad_steps"] == 1
     assert math.isnan(recs[3]["loss"])  # all-reduced from the poisoned rank
@@ -294,7 +295,7 @@ def test_nan_step_is_skipped_on_every_rank(tmp_path, dataset, baseline):
 
 def test_too_many_bad_steps_stop_and_keep_last_good_checkpoint(tmp_path, dataset):
     cfg, run = config(tmp_path, dataset)
-    rc, out = train(2, cfg, "--debug.inject_nan_at_step=3", "--train.max_bad_steps=1", check=False)
+    rc, out = train(2, cfg, "--train.max_bad_steps=1", check=False, env=step_faults.env(inject_nan_at_step=3))
     assert rc != 0
     errors = [line for line in out.splitlines() if "error:" in line]
     assert errors and "not finite for 1 steps in a row" in errors[0], out[-3000:]

@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+from hpctrain import step_faults
 from tests.conftest import losses
 from tests.helpers import train, write_config
 
@@ -33,12 +34,12 @@ def test_two_workers_bounded_staleness_learn_and_resume(tmp_path, dataset):
     """2 workers + 1 server: staleness stays within the bound; a stopped run resumes from the
     servers' parameters saved in its checkpoint."""
     cfg, run = write_config(tmp_path, dataset, "ps2")
-    common = ["--sync.mode=ps", "--sync.staleness=1", "--train.steps=30", "--checkpoint.interval=10",
-              "--debug.delay_rank=1", "--debug.delay_s=0.02"]
-    train(3, cfg, *common, "--train.stop_at_step=10")
+    common = ["--sync.mode=ps", "--sync.staleness=1", "--train.steps=30", "--checkpoint.interval=10"]
+    straggler = step_faults.env(delay_rank=1, delay_s=0.02)
+    train(3, cfg, *common, "--train.stop_at_step=10", env=straggler)
     state = json.loads(next((run / "checkpoints").glob("step_*/trainer_state.json")).read_text())
     assert state["sync"] == {"mode": "ps", "workers": 2, "bytes_moved": state["sync"]["bytes_moved"]}
-    r = train(3, cfg, *common)
+    r = train(3, cfg, *common, env=straggler)
     assert "resumed from" in r.stderr and "at step 10" in r.stderr
     loss, stale = losses(run), losses(run, "staleness")
     assert sorted(loss) == list(range(1, 31))

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from hpctrain import step_faults
 from tests.conftest import losses, mpirun
 from tests.helpers import PREEMPT_GPT
 from tests.processes import signal_rank_midrun
@@ -48,8 +49,8 @@ def test_ps_signal_to_one_worker_stops_every_worker_at_one_step(tmp_path, two_pl
     rank; the same command finishes the run."""
     run = tmp_path / "ps2"
     (tmp_path / "ps2.toml").write_text(PREEMPT_GPT.format(run=run, data=two_plays))
-    common = [*PS, "--sync.staleness=1", "--debug.delay_rank=1", "--debug.delay_s=0.05"]
-    code, err = signal_rank_midrun(3, tmp_path / "ps2.toml", run, 1, *common)
+    common, straggler = [*PS, "--sync.staleness=1"], {"delay_rank": 1, "delay_s": 0.05}
+    code, err = signal_rank_midrun(3, tmp_path / "ps2.toml", run, 1, *common, faults=straggler)
     assert code == 75, err[-3000:]
     stops = [l for l in err.splitlines() if l.startswith("stopping at step")]
     assert len(stops) == 1, err[-3000:]
@@ -60,6 +61,6 @@ def test_ps_signal_to_one_worker_stops_every_worker_at_one_step(tmp_path, two_pl
     assert state["trainer"]["step"] == s
 
     r = mpirun(3, ["-m", "hpctrain", "train", "--config", tmp_path / "ps2.toml", *common],
-               timeout=300, check=True)
+               timeout=300, check=True, env=step_faults.env(**straggler))
     assert f"at step {s}" in r.stderr
     assert sorted(losses(run)) == list(range(1, 25))

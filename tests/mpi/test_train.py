@@ -8,14 +8,17 @@ import re
 import shutil
 import string
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
+from hpctrain import step_faults
 from tests.conftest import losses, run_cmd
 from tests.helpers import train, write_config
 
 pytestmark = pytest.mark.mpi
+DELAY_RANK_1 = step_faults.env(delay_rank=1, delay_s=0.15)  # a straggler on cue
 
 def tree_digest(path):
     h = {}
@@ -129,12 +132,30 @@ def english_char_fraction(text: str) -> float:
     return sum(c in ENGLISH_CHARS for c in text) / len(text)
 
 
+def add_old_debug_section(ckpt):
+    """Make `ckpt` a checkpoint of a version before issue 33, whose config held [debug] (every
+    fault off, as each run wrote it), re-hashed in COMMIT.json as that version committed it."""
+    state_file, commit_file = ckpt / "trainer_state.json", ckpt / "COMMIT.json"
+    state = json.loads(state_file.read_text())
+    state["trainer"]["config"]["debug"] = {"delay_rank": -1, "delay_s": 0.0, "inject_nan_at_step": 0,
+                                           "slow_factor": 1.0, "compute_sleep_s": 0.0, "step_sleep_s": 0.0}
+    state_file.write_text(json.dumps(state))
+    commit = json.loads(commit_file.read_text())
+    commit["files"]["trainer_state.json"] = {"size": state_file.stat().st_size,
+                                             "sha256": hashlib.sha256(state_file.read_bytes()).hexdigest()}
+    commit_file.write_text(json.dumps(commit))
+
+
 def test_sample_prints_text(tmp_path, dataset):
     """The sample comes from the trained weights: 10 steps teach the model English letters, spaces
     and punctuation (measured 98%); the initial weights write any of 257 bytes (25-40%, mostly
-    undecodable), so a sample that skipped loading the checkpoint fails the bound."""
+    undecodable), so a sample that skipped loading the checkpoint fails the bound. The run's
+    config.toml has no [debug] section; a checkpoint whose config holds one (written before issue
+    33) samples all the same."""
     cfg, run = write_config(tmp_path, dataset)
     train(1, cfg, "--train.steps=10")
+    assert "debug" not in tomllib.loads((run / "config.toml").read_text())
+    add_old_debug_section(run / "checkpoints" / "step_00000010")
     r = run_cmd([sys.executable, "-m", "hpctrain", "sample", "--checkpoint", run, "--prompt", "KING",
                  "--tokens", "200", "--seed", "1"], timeout=120, check=True)
     assert "step 10" in r.stdout
@@ -323,7 +344,7 @@ def test_mpi_grad_allreduce_bit_identical_to_gloo(tmp_path, dataset, ranks):
 def test_straggler_detector_flags_the_slow_rank(tmp_path, dataset):
     cfg, run = write_config(tmp_path, dataset)
     r = train(2, cfg, "--train.steps=14", "--train.eval_interval=0", "--train.straggler_window=5",
-              "--debug.delay_rank=1", "--debug.delay_s=0.15", "--dist.grad_allreduce=mpi")
+              "--dist.grad_allreduce=mpi", env=DELAY_RANK_1)
     assert "warning: rank 1 is a straggler" in r.stderr
     recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
     busy = [r["rank_busy_s"] for r in recs]
@@ -341,8 +362,7 @@ def _step_records(run):
     return [json.loads(l) for l in (Path(run) / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
 
 
-DELAY = ["--train.steps=12", "--train.eval_interval=0", "--train.straggler_window=5",
-         "--debug.delay_rank=1", "--debug.delay_s=0.15"]
+DELAY = ["--train.steps=12", "--train.eval_interval=0", "--train.straggler_window=5"]
 
 
 @pytest.mark.parametrize("path", [["--dist.grad_allreduce=backend"], ["--dist.grad_allreduce=powersgd"],
@@ -353,7 +373,7 @@ def test_straggler_found_by_its_own_compute_time(tmp_path, dataset, path):
     or PowerSGD hook, from its last bucket to the end of backward; DiLoCo's per-step loss mean).
     Busy time is each rank's own work: rank 1's holds the delay, rank 0's does not."""
     cfg, run = write_config(tmp_path, dataset)
-    r = train(2, cfg, *DELAY, *path)
+    r = train(2, cfg, *DELAY, *path, env=DELAY_RANK_1)
     assert "warning: rank 1 is a straggler" in r.stderr
     recs = _step_records(run)
     gaps = sorted(rec["rank_busy_s"][1] - rec["rank_busy_s"][0] for rec in recs)
@@ -369,7 +389,7 @@ def test_straggler_busy_is_wall_time_under_fsdp(tmp_path, dataset):
     """FSDP's collectives run inside forward/backward: waiting is not told from compute there, so
     the record says busy is wall time and nobody is flagged (rather than a wrong rank)."""
     cfg, run = write_config(tmp_path, dataset)
-    r = train(2, cfg, *DELAY, "--parallel.data_parallel=fsdp")
+    r = train(2, cfg, *DELAY, "--parallel.data_parallel=fsdp", env=DELAY_RANK_1)
     assert "is a straggler" not in r.stderr
     recs = _step_records(run)
     assert all(rec["rank_busy_measure"] == "wall" and "straggler" not in rec for rec in recs)

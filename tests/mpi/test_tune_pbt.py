@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from hpctrain import step_faults
 from tests.conftest import BIN, ROOT, TINY_SECTIONS, mpiexec_path, mpirun
 from tests.tune_setup import make_dataset
 
@@ -28,8 +29,6 @@ eval_batches = 2
 log_interval = 8
 [checkpoint]
 interval = 1000
-[debug]
-step_sleep_s = {sleep}
 [tune.pbt]
 population = 2
 ready = 4
@@ -45,9 +44,9 @@ def data(tmp_path_factory):
     return make_dataset(tmp_path_factory.mktemp("pbt-data") / "d")
 
 
-def write_config(tmp_path, data, run, sleep=0.0):
+def write_config(tmp_path, data, run):
     cfg = tmp_path / f"{run}.toml"
-    cfg.write_text(PBT_TOML.format(run=tmp_path / run, data=data, sleep=sleep))
+    cfg.write_text(PBT_TOML.format(run=tmp_path / run, data=data))
     return cfg
 
 
@@ -71,9 +70,9 @@ def test_exploit_copies_weights_and_optimizer_state_bit_for_bit(tmp_path, data, 
     assert len(set(got["losses"])) == 1, got["losses"]  # the next step is the same step
 
 
-def start(cfg, *overrides):
+def start(cfg, *overrides, faults=None):
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1",
-               HPCTRAIN_THREADS="1")
+               HPCTRAIN_THREADS="1", **(faults or {}))
     return subprocess.Popen([mpiexec_path(), "-n", "2", sys.executable, "-m", "hpctrain", "tune", "pbt",
                              str(cfg), *overrides], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -117,8 +116,7 @@ def test_resumed_population_writes_the_same_lineage(tmp_path, data):
     assert (tmp_path / "knob" / "lineage.jsonl").read_text() == whole
 
     # preempted by USR1 mid-run (mpiexec passes it on to every rank): exit 75, then run again
-    cfg = write_config(tmp_path, data, "usr1", sleep=0.25)
-    proc = start(cfg)
+    proc = start(write_config(tmp_path, data, "usr1"), faults=step_faults.env(step_sleep_s=0.25))
     deadline = time.monotonic() + 120
     while len(train_steps(tmp_path / "usr1", 0)) < 6 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -140,9 +138,9 @@ def test_a_hung_member_rank_ends_the_population_naming_it(tmp_path, data):
     from tests.processes import rank_pid
 
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1",
-               HPCTRAIN_THREADS="1")
+               HPCTRAIN_THREADS="1", **step_faults.env(step_sleep_s=0.25))
     proc = subprocess.Popen([mpiexec_path(), "-n", "2", sys.executable, "-m", "hpctrain", "tune", "pbt",
-                             str(write_config(tmp_path, data, "hang", sleep=0.25)),
+                             str(write_config(tmp_path, data, "hang")),
                              "--dist.heartbeat_timeout_s=5"], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:

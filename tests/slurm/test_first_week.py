@@ -12,6 +12,7 @@ import subprocess
 
 import pytest
 
+from hpctrain import step_faults
 from tests.conftest import ROOT, TINY_TRAIN, run_cmd
 from tests.slurm.conftest import last_step
 
@@ -94,18 +95,20 @@ def test_ranks_report_a_start_up_error_once_under_srun_and_mpiexec(vjobs, data, 
 
 def test_requeue_is_reported_and_a_restart_without_progress_stops(jobs, data, tmp_path):
     """Restart 0: USR1 mid-run under the default launcher (mpiexec) -> checkpoint -> requeued, said
-    so (status 75), without the launcher's teardown lines. Restart 1 (its config now sleeps 60 s
+    so (status 75), without the launcher's teardown lines. Restart 1 (its step now sleeps 60 s
     before the first stop check): stopped there by the wall-time guard, one step past its resume
     step, so it is not requeued again. (The template's USR1@300 would come at once under --time=3,
-    at a moment Slurm picks: an ignored URG replaces it, as in test_slurm_jobs.py.)"""
-    cfg, run = write_config(tmp_path, data, steps=400,
-                            extra="[debug]\nstep_sleep_s = 0.25\n[slurm]\ntime_check_s = 1\n")
+    at a moment Slurm picks: an ignored URG replaces it, as in test_slurm_jobs.py.) The step sleep
+    is a test fault read from a file (a requeued job keeps its environment), rewritten for restart 1."""
+    cfg, run = write_config(tmp_path, data, steps=400, extra="[slurm]\ntime_check_s = 1\n")
+    faults = tmp_path / "faults.txt"
+    faults.write_text("step_sleep_s=0.25")
     jid, out = submit(jobs, tmp_path, cfg, "--slurm.time_margin_s=120",
-                      sbatch_args=["--time=3", "--signal=B:URG@1"])
+                      sbatch_args=["--time=3", "--signal=B:URG@1"], env={step_faults.ENV: f"@{faults}"})
     jobs.wait_for(lambda: last_step(run) >= 3, "step 3", job_id=jid)
     jobs.scancel("--signal=USR1", "--batch", jid)
     jobs.wait_for(lambda: "[train.sbatch] requeued" in out.read_text(), "the requeue", job_id=jid)
-    cfg.write_text(cfg.read_text().replace("step_sleep_s = 0.25", "step_sleep_s = 60"))
+    faults.write_text("step_sleep_s=60")
     (rec,) = jobs.wait(jid, timeout=300)
     log = out.read_text()
     first, second = log.split(f"[train.sbatch] job {jid} restart 1", 1)

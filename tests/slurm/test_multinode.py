@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from hpctrain import step_faults
 from tests.conftest import ROOT, mpirun, run_cmd
 from tests.slurm.conftest import (SMALL_SCRATCH_NODE, STEPS, TINY, assert_same_files, last_step, losses,
                                   metrics, stop_step)
@@ -62,7 +63,7 @@ def retry_on_pmi2_flake(test, tries: int = 3):
 
 
 TRAIN = ROOT / "slurm" / "train.sbatch"
-SLOW = "--debug.step_sleep_s=0.25"
+SLOW = step_faults.env(step_sleep_s=0.25)  # the sbatch environment reaches every rank
 
 
 def shard_args(out):
@@ -208,7 +209,7 @@ def test_preempted_three_nodes_resume_with_the_losses_of_one_node(vjobs, dataset
     resumed (wherever Slurm puts it) -> the curve of `mpiexec -n 3` on one node."""
     ref = one_node(tmp_path, dataset, "mpiexec3", 3)
     cfg, run = config(tmp_path, dataset, "pre")
-    jid, out = submit(vjobs, tmp_path, cfg, 3, 1, SLOW)
+    jid, out = submit(vjobs, tmp_path, cfg, 3, 1, env=SLOW)
     vjobs.wait_for(lambda: last_step(run) >= 6, "step 6", job_id=jid)
     first = sum(m.get("cache_copies", 0) for m in metrics(run))
     vjobs.scancel("--signal=USR1", "--batch", jid)
@@ -248,7 +249,7 @@ def test_async_diloco_preempted_on_three_nodes_trains_every_batch_once(vjobs, da
     # UCX would call them one host and move the RMA through SysV shared memory and CMA
     # (UCX_PROTO_INFO=y: "intra-node ... cma/memory"); with tcp,self it is "inter-node ... tcp/eth0",
     # Get by software emulation, which the server's own MPI progress must serve
-    jid, out = submit(vjobs, tmp_path, cfg, 3, 1, SLOW, *ASYNC, env={"UCX_TLS": "tcp,self"})
+    jid, out = submit(vjobs, tmp_path, cfg, 3, 1, *ASYNC, env={**SLOW, "UCX_TLS": "tcp,self"})
     vjobs.wait_for(lambda: last_step(run) >= 6, "step 6", job_id=jid)
     vjobs.scancel("--signal=USR1", "--batch", jid)
     (rec,) = vjobs.wait(jid, timeout=300)
@@ -316,7 +317,7 @@ def test_node_dies_survivors_name_it_and_training_resumes_on_the_rest(vcluster, 
     mpirun(3, ["-m", "hpctrain", "train", "--config", cfg_ref], timeout=300, check=True)
     ref = losses(run_ref)
     cfg, run = toml("elastic")
-    jid, out = submit(vjobs, tmp_path, cfg, 3, 1, SLOW, env={"HPCTRAIN_LAUNCHER": "srun"})
+    jid, out = submit(vjobs, tmp_path, cfg, 3, 1, env={**SLOW, "HPCTRAIN_LAUNCHER": "srun"})
     try:
         vjobs.wait_for(lambda: last_step(run) >= 12, "step 12", job_id=jid)
         vcluster.kill_node("node3")

@@ -1,8 +1,9 @@
 """The sbatch templates on a real local Slurm cluster: preprocess, train, preempt -> checkpoint ->
 requeue -> resume, --no-requeue + resubmit, the wall-time guard, a sweep array.
 
-A tiny GPT on Shakespeare bytes; `debug.step_sleep_s` stretches steps so that a signal lands
-mid-run. Every loss curve is compared step for step with one uninterrupted `mpiexec -n 2` run.
+A tiny GPT on Shakespeare bytes; the test fault step_sleep_s (HPCTRAIN_TEST_FAULTS in the sbatch
+environment) stretches steps so that a signal lands mid-run. Every loss curve is compared step for
+step with one uninterrupted `mpiexec -n 2` run.
 """
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from hpctrain import step_faults
 from tests.conftest import ROOT, mpirun
 from tests.slurm.conftest import STEPS, TINY, assert_same_curve, assert_same_files, last_step, losses, stop_step
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 TRAIN = ROOT / "slurm" / "train.sbatch"
-SLOW = "--debug.step_sleep_s=0.25"   # 40 steps take >= 10 s: time to send a signal
+SLOW = step_faults.env(step_sleep_s=0.25)   # 40 steps take >= 10 s: time to send a signal
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +120,7 @@ def test_open_mpi_under_srun_pmix_matches_mpiexec(jobs, dataset, reference, open
 
 def test_usr1_checkpoints_requeues_and_resumes(jobs, dataset, reference, tmp_path):
     cfg, run = write_config(tmp_path, dataset, "preempted")
-    jid, out = submit_train(jobs, tmp_path, cfg, SLOW)
+    jid, out = submit_train(jobs, tmp_path, cfg, env=SLOW)
     signal_mid_run(jobs, jid, run)
     (rec,) = jobs.wait(jid, timeout=240)
     log = out.read_text()
@@ -137,8 +139,8 @@ def test_usr1_checkpoints_requeues_and_resumes(jobs, dataset, reference, tmp_pat
 def test_no_requeue_exits_75_and_resubmit_resumes(jobs, dataset, reference, tmp_path):
     """First run under mpiexec inside the allocation, the resubmission under srun."""
     cfg, run = write_config(tmp_path, dataset, "norequeue")
-    jid, out = submit_train(jobs, tmp_path, cfg, SLOW, sbatch_args=["--no-requeue"],
-                            env={"HPCTRAIN_LAUNCHER": "mpiexec"})
+    jid, out = submit_train(jobs, tmp_path, cfg, sbatch_args=["--no-requeue"],
+                            env={**SLOW, "HPCTRAIN_LAUNCHER": "mpiexec"})
     signal_mid_run(jobs, jid, run)
     (rec,) = jobs.wait(jid)
     log = out.read_text()
@@ -149,7 +151,7 @@ def test_no_requeue_exits_75_and_resubmit_resumes(jobs, dataset, reference, tmp_
             f"allow requeue (submitted with --no-requeue))") in log
     assert "stopped early with a checkpoint" in log
     assert last_step(run) == s
-    jid2, out2 = submit_train(jobs, tmp_path, cfg, SLOW)
+    jid2, out2 = submit_train(jobs, tmp_path, cfg, env=SLOW)
     (rec2,) = jobs.wait(jid2)
     log2 = out2.read_text()
     assert rec2["JobState"] == "COMPLETED", log2
@@ -162,7 +164,7 @@ def test_walltime_guard_checkpoints_before_the_limit(jobs, dataset, tmp_path):
     (The template's --signal=B:USR1@300 is replaced by an ignored SIGURG, so only the guard acts.)"""
     cfg, run = write_config(tmp_path, dataset, "walltime")
     jid, out = submit_train(jobs, tmp_path, cfg, "--train.steps=100000", "--train.eval_interval=0",
-                            "--debug.step_sleep_s=0.02", "--slurm.time_margin_s=100",
+                            "--slurm.time_margin_s=100", env=step_faults.env(step_sleep_s=0.02),
                             sbatch_args=["--time=2", "--no-requeue", "--signal=B:URG@1"])
     (rec,) = jobs.wait(jid, timeout=180)
     log = out.read_text()

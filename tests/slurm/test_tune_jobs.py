@@ -13,12 +13,12 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.slurm.conftest import last_step, losses
-from tests.tune_setup import STEPS, make_dataset, trials, write_study
+from tests.tune_setup import STEPS, make_dataset, trials, worker_faults, write_study
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-# (train.lr, debug.inject_nan_at_step) of trials 0..4: trial 2 crashes at step 3
-POINTS = [(3e-3, 0), (1e-3, 0), (3e-3, 3), (2e-3, 0), (5e-3, 0)]
+# train.lr of trials 0..4; trial FAILING crashes at step 3 (a test fault in the array's environment)
+POINTS = [3e-3, 1e-3, 3e-3, 2e-3, 5e-3]
 FAILING = 2
 
 
@@ -32,9 +32,9 @@ def claimed(tune, worker: str):
 
 def test_array_tasks_share_a_study_and_a_preempted_task_resumes_its_trial(jobs, tmp_path):
     data = make_dataset(tmp_path / "data")
-    cfg, tune = write_study(tmp_path, data, POINTS, sleep=0.2)
+    cfg, tune = write_study(tmp_path, data, POINTS)
     jid = jobs.sbatch(f"--output={tmp_path}/tune-%A_%a.out", "--chdir", tmp_path, "--array=0-1",
-                      ROOT / "slurm" / "tune.sbatch", cfg)
+                      ROOT / "slurm" / "tune.sbatch", cfg, env=worker_faults(0.2, failing=FAILING))
     jobs.wait_for(lambda: [r.get("JobState") for r in jobs.show(jid)] == ["RUNNING"] * 2,
                   "both tasks running", job_id=jid)
     # the task whose own job id is the array's: `scontrol requeue <its SLURM_JOB_ID>` would
@@ -61,7 +61,7 @@ def test_array_tasks_share_a_study_and_a_preempted_task_resumes_its_trial(jobs, 
     assert {t.number: t.state.name for t in done} == {
         n: "FAIL" if n == FAILING else "COMPLETE" for n in range(len(POINTS))}, logs
     for t in done:
-        assert (t.params["train.lr"], t.params["debug.inject_nan_at_step"]) == POINTS[t.number]
+        assert t.params == {"train.lr": POINTS[t.number]}
         assert tune.trial_dir(t.number).is_dir()
         if t.number != FAILING:  # every step once, the preempted trial's included
             assert sorted(losses(tune.trial_dir(t.number))) == list(range(1, STEPS + 1))
@@ -81,9 +81,10 @@ def test_a_resubmitted_array_takes_over_a_trial_left_by_a_task_not_requeued(jobs
     """--no-requeue: the preempted task ends (exit 75) with its trial RUNNING; a new array (new
     task ids) trains the remaining trial, then resumes the orphaned one from its checkpoint."""
     data = make_dataset(tmp_path / "data")
-    cfg, tune = write_study(tmp_path, data, POINTS[:2], sleep=0.2)
+    cfg, tune = write_study(tmp_path, data, POINTS[:2])
     submit = ("--chdir", tmp_path, "--array=0-0", ROOT / "slurm" / "tune.sbatch", cfg)
-    first = jobs.sbatch(f"--output={tmp_path}/tune-%A_%a.out", "--no-requeue", *submit)
+    first = jobs.sbatch(f"--output={tmp_path}/tune-%A_%a.out", "--no-requeue", *submit,
+                        env=worker_faults(0.2))
     me = f"{first}_0"
     jobs.wait_for(lambda: claimed(tune, me) == 0 and last_step(tune.trial_dir(0)) >= 4,
                   f"task {me} 4 steps into trial 0", timeout=180, job_id=first)
@@ -92,7 +93,7 @@ def test_a_resubmitted_array_takes_over_a_trial_left_by_a_task_not_requeued(jobs
     assert (rec["JobState"], rec["ExitCode"], rec["Restarts"]) == ("FAILED", "75:0", "0")
     assert [(t.number, t.state.name) for t in trials(tune)] == [(0, "RUNNING"), (1, "WAITING")]
 
-    second = jobs.sbatch(f"--output={tmp_path}/tune-%A_%a.out", *submit)
+    second = jobs.sbatch(f"--output={tmp_path}/tune-%A_%a.out", *submit, env=worker_faults(0.2))
     (rec,) = jobs.wait(second, timeout=180)
     log = (tmp_path / f"tune-{second}_0.out").read_text()
     assert rec["JobState"] == "COMPLETED", log

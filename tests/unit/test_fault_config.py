@@ -1,12 +1,17 @@
 """Config keys of issue 6 (async checkpoints, heartbeat, bad-step policy): the `async` spelling, defaults,
-validation naming the key, and --help listing them; the bad-step policy's counting in one process."""
+validation naming the key, and --help listing them; the bad-step policy's counting in one process.
+The test-only faults (issue 33): no config keys, one environment variable (hpctrain/step_faults.py);
+an old [debug] key is one error naming it (an old checkpoint holding one still samples: test_train.py)."""
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
 
 from hpctrain import config
 from hpctrain.errors import ConfigError
+from tests.conftest import TINY_TRAIN, run_cmd
 
 BASE = {"run": {"dir": "r"}, "data": {"path": "d"},
         "model": {"n_layer": 1, "n_head": 1, "n_embd": 8, "block_size": 8, "vocab_size": 16},
@@ -23,7 +28,8 @@ def build(**sections):
 def test_defaults_and_async_spellings():
     c = build()
     assert (c.checkpoint.async_save, c.checkpoint.full_checksums) == (False, True)
-    assert (c.dist.heartbeat_timeout_s, c.train.max_bad_steps, c.debug.inject_nan_at_step) == (60.0, 5, 0)
+    assert (c.dist.heartbeat_timeout_s, c.train.max_bad_steps) == (60.0, 5)
+    assert "debug" not in c.to_dict()
     assert build(checkpoint={"async": True}).checkpoint.async_save is True
     assert build(checkpoint={"async_save": True}).checkpoint.async_save is True
     over = config.parse_overrides(["--checkpoint.async=true"])
@@ -31,25 +37,71 @@ def test_defaults_and_async_spellings():
 
 
 @pytest.mark.parametrize("section, key, value", [
-    ("train", "max_bad_steps", 0), ("debug", "inject_nan_at_step", -1), ("debug", "delay_s", -0.5),
-    ("dist", "heartbeat_timeout_s", -1.0)])
+    ("train", "max_bad_steps", 0), ("dist", "heartbeat_timeout_s", -1.0)])
 def test_bad_values_name_the_key(section, key, value):
     with pytest.raises(ConfigError, match=f"config key '{section}.{key}'"):
         build(**{section: {key: value}})
 
 
-def test_a_moved_test_only_key_names_its_new_place():
-    with pytest.raises(ConfigError, match=r"'train.inject_nan_at_step'.*'debug.inject_nan_at_step'"):
+def test_an_old_test_only_key_names_the_environment_variable():
+    with pytest.raises(ConfigError, match=r"'train.inject_nan_at_step'.*HPCTRAIN_TEST_FAULTS=\"inject_nan_at_step=3\""):
         build(train={"inject_nan_at_step": 3})
-    assert build(debug={"inject_nan_at_step": 3}).debug.inject_nan_at_step == 3
+    with pytest.raises(ConfigError, match=r"section 'debug'.*HPCTRAIN_TEST_FAULTS=\"delay_rank=1,delay_s=0.5\""):
+        build(debug={"delay_rank": 1, "delay_s": 0.5})
+    with pytest.raises(ConfigError, match=r"'dist.grad_sync'.*it is now 'dist.grad_allreduce'"):
+        build(dist={"grad_sync": "mpi"})
+
+
+@pytest.mark.parametrize("where", ["toml", "cli"])
+def test_a_debug_key_is_one_error_line_naming_the_environment_variable(tmp_path, where):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(TINY_TRAIN.format(run=tmp_path / "run", data=tmp_path / "no-data", steps=2)
+                   + ("[debug]\ndelay_s = 1.0\n" if where == "toml" else ""))
+    given = ["--debug.delay_s=1.0"] if where == "cli" else []
+    r = run_cmd([sys.executable, "-m", "hpctrain", "train", "--config", cfg, *given], timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+    assert "'debug'" in lines[0] and 'HPCTRAIN_TEST_FAULTS="delay_s=1.0"' in lines[0], lines
+    assert (str(cfg) in lines[0]) == (where == "toml") and not (tmp_path / "run").exists()
 
 
 def test_help_lists_the_keys():
     text = config.describe()
     for key in ("--checkpoint.async_save", "--checkpoint.full_checksums", "--dist.heartbeat_timeout_s",
-                "--train.max_bad_steps", "--debug.inject_nan_at_step"):
+                "--train.max_bad_steps"):
         assert key in text
-    assert "TEST ONLY" in text
+    assert "--debug." not in text and "TEST ONLY" not in text
+
+
+def test_step_faults_come_from_one_environment_variable(tmp_path, monkeypatch):
+    from hpctrain.step_faults import ENV, StepFaults, step_faults
+
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv("HPCTRAIN_TUNE_TRIAL", raising=False)
+    assert step_faults() == StepFaults()  # unset: every fault off
+    monkeypatch.setenv(ENV, "delay_rank=1,delay_s=0.5,slow_factor=2")
+    assert (step_faults().delay_rank, step_faults().delay_s, step_faults().slow_factor) == (1, 0.5, 2.0)
+    faults = tmp_path / "faults"
+    faults.write_text("step_sleep_s=0.25\n")
+    monkeypatch.setenv(ENV, f"@{faults}")  # read from a file: a requeued job's next start
+    assert step_faults().step_sleep_s == 0.25
+    monkeypatch.setenv(ENV, "inject_nan_at_step=3,nan_trial=2")  # one trial of a study only
+    monkeypatch.setenv("HPCTRAIN_TUNE_TRIAL", str(tmp_path / "study" / "trial_12"))
+    assert step_faults().inject_nan_at_step == 0
+    monkeypatch.setenv("HPCTRAIN_TUNE_TRIAL", str(tmp_path / "study" / "trial_2"))
+    assert step_faults().inject_nan_at_step == 3
+
+
+@pytest.mark.parametrize("raw, named", [("delay_s", "delay_s"), ("sleep=1", "sleep=1"),
+                                        ("delay_s=x", "delay_s"), ("slow_factor=0.5", "slow_factor"),
+                                        ("@/nonexistent/faults", "/nonexistent/faults")])
+def test_a_bad_step_fault_is_one_error_naming_the_variable(monkeypatch, raw, named):
+    from hpctrain.step_faults import ENV, step_faults
+
+    monkeypatch.setenv(ENV, raw)
+    with pytest.raises(ConfigError, match=ENV) as e:
+        step_faults()
+    assert named in str(e.value) and "\n" not in str(e.value)
 
 
 def test_bad_step_policy_skips_counts_and_stops():

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+from hpctrain import step_faults
 from hpctrain.distributed.run_lock import _pid_gone
 
 
@@ -51,9 +52,9 @@ def _env() -> dict:
             "PYTHONUNBUFFERED": "1", "HPCTRAIN_RUN_LOCK_LEASE_S": LEASE, "HPCTRAIN_TENSORBOARD": "0"}
 
 
-def _start(cfg: Path, log: Path, *overrides) -> subprocess.Popen:
+def _start(cfg: Path, log: Path, faults: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "hpctrain", "train", "--config", str(cfg),
-                             "--checkpoint.interval=20", *overrides], cwd=ROOT, env=_env(),
+                             "--checkpoint.interval=20"], cwd=ROOT, env={**_env(), **(faults or {})},
                             stdout=subprocess.DEVNULL, stderr=open(log, "w"))
 
 
@@ -76,7 +77,7 @@ def test_a_holder_frozen_past_the_lease_stops_at_once_and_the_new_holder_owns_th
     run, cfg = tmp_path / "run", tmp_path / "t.toml"
     cfg.write_text(TINY_TRAIN.format(run=run, data=dataset, steps=60))
     metrics = run / "metrics.jsonl"
-    first = _start(cfg, tmp_path / "first.log", "--debug.step_sleep_s=0.05")
+    first = _start(cfg, tmp_path / "first.log", step_faults.env(step_sleep_s=0.05))
     second = None
     try:
         _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 25, first, "step 25")

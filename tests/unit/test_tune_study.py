@@ -140,8 +140,7 @@ def test_metrics_tail_reads_only_complete_new_lines_and_restarts_on_a_replaced_f
 def _journal_with_a_finished_study(tmp_path):
     """A study of 1 trial, told, and the TOML a `tune search` over it reads."""
     cfg = tmp_path / "tune.toml"
-    cfg.write_text(TUNE_TOML.format(run=tmp_path, data=tmp_path / "no-data", sleep=0, n_trials=1,
-                                    pruner="none"))
+    cfg.write_text(TUNE_TOML.format(run=tmp_path, data=tmp_path / "no-data", n_trials=1, pruner="none"))
     tune = space.parse({"n_trials": 1, "journal": str(tmp_path / "study.journal"), "params": PARAMS})
     study = study_mod.open_study(tune)
     study.tell(study_mod.ask_new(study, tune).number, 0.5)
