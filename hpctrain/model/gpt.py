@@ -100,7 +100,7 @@ class GPT(nn.Module):
                 nn.init.zeros_(p)
             elif "norm" in name:
                 nn.init.ones_(p)
-            elif name.endswith(("attn.wo.weight", "mlp.proj.weight")):
+            elif name.endswith(("attn.wo.weight", "mlp.proj.weight", "mlp.experts.w2", "mlp.shared.w2")):
                 nn.init.normal_(p, 0.0, resid_std)
             else:
                 nn.init.normal_(p, 0.0, 0.02)

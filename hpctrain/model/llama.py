@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from hpctrain.config_rules import llama_ffn_hidden
 from hpctrain.model.gpt import GPT, Block
+from hpctrain.model.moe import MoEConfig, MoEFeedForward
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,13 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-5
     qkv_bias: bool = False
     tie_embeddings: bool = False
+    moe: MoEConfig | None = None    # mixture-of-experts feed-forward in the sparse layers (moe.py)
+    moe_every: int = 1              # layer i is sparse when (i + 1) % moe_every == 0 (Qwen2-MoE's
+    moe_first_dense: int = 0        # decoder_sparse_step) and i >= moe_first_dense (DeepSeek's)
+
+    def is_sparse(self, layer: int) -> bool:
+        return (self.moe is not None and layer >= self.moe_first_dense
+                and (layer + 1) % self.moe_every == 0)
 
     @property
     def kv_heads(self) -> int:
@@ -151,12 +159,13 @@ class SwiGLU(nn.Module):
 class LlamaBlock(Block):
     """GPT's pre-norm residual block (its forward) with llama's pieces."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, layer: int = 0):
         nn.Module.__init__(self)
         self.norm1 = RMSNorm(cfg.n_embd, cfg.rms_norm_eps)
         self.attn = Attention(cfg)
         self.norm2 = RMSNorm(cfg.n_embd, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = (MoEFeedForward(cfg.n_embd, cfg.ffn_hidden_size, cfg.moe) if cfg.is_sparse(layer)
+                    else SwiGLU(cfg))
 
 
 class Llama(nn.Module):
@@ -166,7 +175,7 @@ class Llama(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos_emb = None  # rotary positions, inside attention
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleDict({str(i): LlamaBlock(cfg) for i in range(cfg.n_layer)})
+        self.blocks = nn.ModuleDict({str(i): LlamaBlock(cfg, i) for i in range(cfg.n_layer)})
         self.norm_f = RMSNorm(cfg.n_embd, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -192,8 +201,19 @@ class Llama(nn.Module):
             n -= self.tok_emb.weight.numel()
         return n
 
+    def active_params(self) -> int:
+        """num_params() with each sparse layer's routed experts counted top_k / n_experts: the
+        parameters one token's matmuls use (the MFU's N; equal to num_params() when dense)."""
+        n = self.num_params()
+        for block in self.blocks.values():
+            if isinstance(block.mlp, MoEFeedForward):
+                m = block.mlp.cfg
+                n -= sum(p.numel() for p in block.mlp.experts.parameters()) * (m.n_experts - m.top_k) // m.n_experts
+        return n
+
     def flops_per_token(self) -> float:
-        """Training FLOPs per token: 6N for the matmuls (the head included) plus attention scores
-        and values, 12 L (n_head x head_dim) T (PaLM appendix B; GQA shares k/v, not scores)."""
+        """Training FLOPs per token: 6N for the matmuls (the head included; N = the active
+        parameters under MoE) plus attention scores and values, 12 L (n_head x head_dim) T (PaLM
+        appendix B; GQA shares k/v, not scores)."""
         c = self.cfg
-        return 6.0 * self.num_params() + 12.0 * c.n_layer * c.n_head * c.head_dim * c.block_size
+        return 6.0 * self.active_params() + 12.0 * c.n_layer * c.n_head * c.head_dim * c.block_size

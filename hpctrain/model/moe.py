@@ -1,0 +1,172 @@
+"""Mixture-of-experts feed-forward for the Llama-family model (architecture only): a token-choice
+top-k router, SwiGLU experts stored as 3-D weights, optional shared experts, dropless.
+
+Owns: the router (softmax gates as Mixtral / Qwen2-MoE, or sigmoid gates with DeepSeek-V3's
+auxiliary-loss-free balancing bias), the experts' parameters and their names, the dropless
+computation (tokens sorted by expert, one matmul per expert over its contiguous rows: a Python loop
+over experts, never over tokens; no capacity, no token dropped whatever the imbalance), the
+Switch/Mixtral auxiliary load-balancing loss (added to the gradient inside the layer, so no loss
+code, pipeline stage or activation checkpoint has to carry it), and the per-layer load statistics
+a metrics hook reads. Like llama.py it must never import distributed, checkpoint, data or loss
+code: expert parallelism is applied from outside, and the balancing bias is updated from outside
+(`update_balance_bias`, after an optimizer step, with the load summed over the data-parallel ranks).
+
+Shapes: experts.w1 / w3 [E, H, C] (gate / up), experts.w2 [E, C, H] (down), router.weight [E, C],
+router.bias [E] (a parameter with requires_grad False: checkpointed, replicated, never trained).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+GATES = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    n_experts: int = 8
+    top_k: int = 2
+    expert_hidden: int = 0          # 0: the dense model's SwiGLU width
+    n_shared_experts: int = 0       # always-on experts (Qwen2-MoE, DeepSeek), each expert_hidden wide
+    gate: str = "softmax"           # "softmax" (Mixtral) | "sigmoid" (DeepSeek-V3)
+    norm_topk_prob: bool = True     # renormalize the k selected gates to sum to 1
+    aux_loss_coef: float = 0.0      # Switch/Mixtral load-balancing loss weight (0: off)
+    bias_update_rate: float = 0.0   # DeepSeek-V3 auxiliary-loss-free balancing step (0: off)
+
+
+class AuxLossInGradient(torch.autograd.Function):
+    """Identity on `out`; in backward it adds d(scale x aux)/d(aux) = scale to `aux`'s gradient, so
+    the auxiliary loss trains the router wherever the layer sits (pipeline stage, recomputation).
+    `scale` is the loss weight times the micro-batch weight the runner gives the main loss."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float):
+        ctx.scale, ctx.aux_dtype = scale, aux.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return grad_out, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=grad_out.device), None
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as three 3-D weights; `forward` runs rows already sorted by expert."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+
+    def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x_sorted [N, C], rows grouped by expert, counts[e] rows for local expert e."""
+        outs, start = [], 0
+        for e, n in enumerate(counts):  # one matmul per expert over its contiguous rows
+            x = x_sorted[start:start + n]
+            outs.append(F.linear(F.silu(F.linear(x, self.w1[e])) * F.linear(x, self.w3[e]), self.w2[e]))
+            start += n
+        return torch.cat(outs) if outs else x_sorted.new_zeros(0, self.w2.shape[1])
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_experts, dim))
+        self.bias = nn.Parameter(torch.zeros(cfg.n_experts), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, C] -> (gates [T, k] in x's dtype's fp32, expert ids [T, k], scores [T, E] fp32)."""
+        logits = F.linear(x, self.weight).float()
+        scores = logits.softmax(-1) if self.cfg.gate == "softmax" else logits.sigmoid()
+        # the balancing bias moves the choice only, never a gate's value (DeepSeek-V3 eq. 16)
+        choice = scores + self.bias.float() if self.cfg.bias_update_rate > 0 else scores
+        ids = choice.topk(self.cfg.top_k, dim=-1).indices
+        gates = scores.gather(-1, ids)
+        if self.cfg.norm_topk_prob:
+            gates = gates / gates.sum(-1, keepdim=True)
+        return gates, ids, scores
+
+
+class MoEFeedForward(nn.Module):
+    """The block's `mlp` where the layer is sparse: routed experts (+ shared ones)."""
+
+    aux_scale: float = 1.0  # the runner's micro-batch weight (1 / grad_accum); set from outside
+
+    def __init__(self, dim: int, hidden: int, cfg: MoEConfig):
+        super().__init__()
+        if cfg.gate not in GATES or not 1 <= cfg.top_k <= cfg.n_experts:
+            raise ValueError(f"moe: gate must be one of {GATES} and 1 <= top_k <= n_experts")
+        self.cfg, hidden = cfg, cfg.expert_hidden or hidden
+        self.router = Router(dim, cfg)
+        self.experts = Experts(cfg.n_experts, dim, hidden)
+        self.shared = Experts(1, dim, hidden * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        self.load = torch.zeros(cfg.n_experts, dtype=torch.int64)  # tokens routed, since the last read
+        self.last_aux_loss: torch.Tensor | None = None  # detached, read by the metrics hook
+        self.last_entropy: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        gates, ids, scores = self.router(x)
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)  # routed rows grouped by expert, token order inside
+        counts = torch.bincount(flat, minlength=self.cfg.n_experts)
+        out_sorted = self.experts(x[order // self.cfg.top_k], counts.tolist())
+        weighted = out_sorted * gates.reshape(-1)[order, None]  # fp32 gates, as transformers
+        out = torch.zeros_like(x).index_add_(0, order // self.cfg.top_k, weighted.to(x.dtype))
+        if self.shared is not None:
+            out = out + self.shared(x, [x.shape[0]])
+        self._observe(counts, scores)
+        if self.training and self.cfg.aux_loss_coef > 0 and torch.is_grad_enabled():
+            aux = load_balancing_loss(scores, counts, self.cfg.top_k)
+            self.last_aux_loss = aux.detach()
+            out = AuxLossInGradient.apply(out, aux, self.cfg.aux_loss_coef * self.aux_scale)
+        return out.reshape(shape)
+
+    def _observe(self, counts: torch.Tensor, scores: torch.Tensor) -> None:
+        """Load and router entropy of a forward (a recomputation in backward is not counted twice)."""
+        if torch._C._current_graph_task_id() != -1:  # inside autograd's backward: recomputation
+            return
+        with torch.no_grad():
+            self.load = self.load.to(counts.device) + counts
+            p = scores / scores.sum(-1, keepdim=True)
+            self.last_entropy = -(p * p.clamp_min(1e-20).log()).sum(-1).mean()
+
+    def take_load(self) -> torch.Tensor:
+        """Tokens routed to each expert since the last call (then reset)."""
+        load, self.load = self.load, torch.zeros_like(self.load)
+        return load
+
+    @torch.no_grad()
+    def update_balance_bias(self, load: torch.Tensor) -> None:
+        """DeepSeek-V3's auxiliary-loss-free step: raise the bias of under-loaded experts, lower
+        it for over-loaded ones, by bias_update_rate (`load`: tokens per expert, summed over the
+        ranks that share this router, so every rank makes the same step)."""
+        rate = self.cfg.bias_update_rate
+        if rate > 0:
+            load = load.to(self.router.bias.device, torch.float32)
+            self.router.bias.add_(rate * torch.sign(load.mean() - load))
+
+
+def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Switch Transformer / Mixtral: E x sum_e f_e P_e, f_e the fraction of routed slots that went
+    to expert e, P_e its mean router probability (1.0 when perfectly balanced)."""
+    n_experts = scores.shape[-1]
+    probs = scores / scores.sum(-1, keepdim=True)
+    f = counts.to(probs.dtype) / (scores.shape[0] * top_k)
+    return n_experts * (f * probs.mean(0)).sum()
+
+
+def init_moe_(moe: MoEFeedForward, std: float, out_std: float) -> None:
+    """N(0, std) for the router and w1/w3, N(0, out_std) for w2 (the residual projection), as
+    the dense block's reset_parameters does; the balancing bias 0."""
+    nn.init.normal_(moe.router.weight, 0.0, std)
+    moe.router.bias.zero_()
+    for experts in filter(None, (moe.experts, moe.shared)):
+        nn.init.normal_(experts.w1, 0.0, std)
+        nn.init.normal_(experts.w3, 0.0, std)
+        nn.init.normal_(experts.w2, 0.0, out_std)
