@@ -12,7 +12,8 @@ code: expert parallelism is applied from outside, and the balancing bias is upda
 (`update_balance_bias`, after an optimizer step, with the load summed over the data-parallel ranks).
 
 Shapes: experts.w1 / w3 [E, H, C] (gate / up), experts.w2 [E, C, H] (down), router.weight [E, C],
-router.bias [E] (a parameter with requires_grad False: checkpointed, replicated, never trained).
+router.bias [E] (a parameter with requires_grad False: checkpointed, replicated, never trained),
+shared.w1 / w3 [1, S, C], shared.w2 [1, C, S], shared_gate.weight [1, C].
 """
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ class MoEConfig:
     n_experts: int = 8
     top_k: int = 2
     expert_hidden: int = 0          # 0: the dense model's SwiGLU width
-    n_shared_experts: int = 0       # always-on experts (Qwen2-MoE, DeepSeek), each expert_hidden wide
+    n_shared_experts: int = 0       # always-on experts (Qwen2-MoE, DeepSeek), run as one SwiGLU
+    shared_hidden: int = 0          # its width (0: n_shared_experts x the routed experts' width)
+    shared_gate: bool = False       # Qwen2-MoE: the shared output scaled by sigmoid(x . w_gate)
     gate: str = "softmax"           # "softmax" (Mixtral) | "sigmoid" (DeepSeek-V3)
     norm_topk_prob: bool = True     # renormalize the k selected gates to sum to 1
     aux_loss_coef: float = 0.0      # Switch/Mixtral load-balancing loss weight (0: off)
@@ -103,7 +106,9 @@ class MoEFeedForward(nn.Module):
         self.cfg, hidden = cfg, cfg.expert_hidden or hidden
         self.router = Router(dim, cfg)
         self.experts = Experts(cfg.n_experts, dim, hidden)
-        self.shared = Experts(1, dim, hidden * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        shared = cfg.shared_hidden or hidden * cfg.n_shared_experts
+        self.shared = Experts(1, dim, shared) if cfg.n_shared_experts else None
+        self.shared_gate = nn.Linear(dim, 1, bias=False) if cfg.n_shared_experts and cfg.shared_gate else None
         self.load = torch.zeros(cfg.n_experts, dtype=torch.int64)  # tokens routed, since the last read
         self.last_aux_loss: torch.Tensor | None = None  # detached, read by the metrics hook
         self.last_entropy: torch.Tensor | None = None
@@ -119,7 +124,10 @@ class MoEFeedForward(nn.Module):
         weighted = out_sorted * gates.reshape(-1)[order, None]  # fp32 gates, as transformers
         out = torch.zeros_like(x).index_add_(0, order // self.cfg.top_k, weighted.to(x.dtype))
         if self.shared is not None:
-            out = out + self.shared(x, [x.shape[0]])
+            shared = self.shared(x, [x.shape[0]])
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x)) * shared
+            out = out + shared
         self._observe(counts, scores)
         if self.training and self.cfg.aux_loss_coef > 0 and torch.is_grad_enabled():
             aux = load_balancing_loss(scores, counts, self.cfg.top_k)
@@ -166,6 +174,8 @@ def init_moe_(moe: MoEFeedForward, std: float, out_std: float) -> None:
     the dense block's reset_parameters does; the balancing bias 0."""
     nn.init.normal_(moe.router.weight, 0.0, std)
     moe.router.bias.zero_()
+    if moe.shared_gate is not None:
+        nn.init.normal_(moe.shared_gate.weight, 0.0, std)
     for experts in filter(None, (moe.experts, moe.shared)):
         nn.init.normal_(experts.w1, 0.0, std)
         nn.init.normal_(experts.w3, 0.0, std)

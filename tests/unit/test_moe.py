@@ -40,13 +40,16 @@ def _reference(moe: MoEFeedForward, x: torch.Tensor) -> tuple[torch.Tensor, torc
             out[t] += g * (e.w2[i] @ (F.silu(e.w1[i] @ x[t]) * (e.w3[i] @ x[t])))
         if moe.shared is not None:
             s = moe.shared
-            out[t] += s.w2[0] @ (F.silu(s.w1[0] @ x[t]) * (s.w3[0] @ x[t]))
+            gate = torch.sigmoid(moe.shared_gate.weight[0] @ x[t]) if moe.shared_gate is not None else 1.0
+            out[t] += gate * (s.w2[0] @ (F.silu(s.w1[0] @ x[t]) * (s.w3[0] @ x[t])))
         chosen.append(ids)
     return out, torch.bincount(torch.cat(chosen), minlength=cfg.n_experts)
 
 
 @pytest.mark.parametrize("cfg", [dict(n_experts=4, top_k=2), dict(n_experts=6, top_k=1),
                                  dict(n_experts=4, top_k=2, n_shared_experts=1),
+                                 dict(n_experts=4, top_k=2, n_shared_experts=1, shared_hidden=40,
+                                      shared_gate=True, norm_topk_prob=False),
                                  dict(n_experts=8, top_k=3, gate="sigmoid", bias_update_rate=0.01)])
 def test_dropless_equals_the_per_token_reference_under_skewed_routing(cfg):
     moe = _moe(skew=2.0, **cfg)
@@ -75,6 +78,28 @@ def test_matches_transformers_mixtral_block():
         hf.gate.weight.copy_(moe.router.weight)
         hf.experts.gate_up_proj.copy_(torch.cat([moe.experts.w1, moe.experts.w3], dim=1))
         hf.experts.down_proj.copy_(moe.experts.w2)
+        x = torch.randn(3, 20, DIM)
+        assert (hf(x) - moe(x)).abs().max() <= 1e-5
+
+
+def test_matches_transformers_qwen2_moe_block():
+    """Qwen2-MoE: softmax top-k without renormalization, a gated shared expert of its own width."""
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    hf = Qwen2MoeSparseMoeBlock(Qwen2MoeConfig(
+        hidden_size=DIM, moe_intermediate_size=HIDDEN, shared_expert_intermediate_size=40,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=False)).eval()
+    moe = _moe(n_experts=4, top_k=2, n_shared_experts=1, shared_hidden=40, shared_gate=True,
+               norm_topk_prob=False).eval()
+    with torch.no_grad():
+        hf.gate.weight.copy_(moe.router.weight)
+        hf.experts.gate_up_proj.copy_(torch.cat([moe.experts.w1, moe.experts.w3], dim=1))
+        hf.experts.down_proj.copy_(moe.experts.w2)
+        hf.shared_expert.gate_proj.weight.copy_(moe.shared.w1[0])
+        hf.shared_expert.up_proj.weight.copy_(moe.shared.w3[0])
+        hf.shared_expert.down_proj.weight.copy_(moe.shared.w2[0])
+        hf.shared_expert_gate.weight.copy_(moe.shared_gate.weight)
         x = torch.randn(3, 20, DIM)
         assert (hf(x) - moe(x)).abs().max() <= 1e-5
 
