@@ -1,0 +1,47 @@
+"""Run under mpiexec -n EP: one MoE layer with its experts sharded over every rank
+(hpctrain/parallel/expert.py) against the same layer on one rank, under deliberately skewed
+routing. Prints, per rank, the max |difference| of its tokens' outputs, of its experts' weight
+gradients and of the router's gradient (summed over ranks, relative to its largest entry), and the rows its experts computed."""
+import copy
+import sys
+
+import torch
+import torch.distributed as dist
+
+from hpctrain.distributed import init_distributed, teardown
+from hpctrain.model.moe import MoEConfig, MoEFeedForward, init_moe_
+from hpctrain.parallel.expert import shard_experts
+
+E, TOP_K, DIM, HIDDEN, TOKENS = int(sys.argv[1]), 2, 16, 24, 192
+ctx = init_distributed("gloo", 60)
+r, ep = ctx.rank, ctx.world_size
+torch.manual_seed(0)  # the same layer, batch and output weights on every rank
+moe = MoEFeedForward(DIM, HIDDEN, MoEConfig(n_experts=E, top_k=TOP_K, n_shared_experts=1))
+init_moe_(moe, 0.3, 0.3)
+with torch.no_grad():
+    moe.router.weight[0] += 0.5  # expert 0 favoured (the tokens' mean is positive)
+x = torch.randn(TOKENS, DIM) + 0.5
+w = torch.randn(TOKENS, DIM)
+
+ref = copy.deepcopy(moe)  # one rank, every token
+(ref(x) * w).sum().backward()
+share = slice(r * TOKENS // ep, (r + 1) * TOKENS // ep)
+out_ref = ref(x).detach()[share]
+
+moe.experts = shard_experts(moe.experts, E, dist.group.WORLD)
+out = moe(x[share])
+(out * w[share]).sum().backward()
+rows = slice(r * E // ep, (r + 1) * E // ep)
+d_out = (out.detach() - out_ref).abs().max()
+d_experts = max((getattr(moe.experts.local, n).grad - getattr(ref.experts, n).grad[rows]).abs().max()
+                for n in ("w1", "w3", "w2"))
+router_grad = moe.router.weight.grad.clone()
+dist.all_reduce(router_grad)
+d_router = (router_grad - ref.router.weight.grad).abs().max() / ref.router.weight.grad.abs().max()
+computed = torch.tensor(int(moe.experts.local_rows_computed))
+dist.all_reduce(computed)
+load = moe.take_load()
+dist.all_reduce(load)
+print(f"rank {r}: out {float(d_out):.3g} experts {float(d_experts):.3g} router {float(d_router):.3g} "
+      f"computed {int(computed)} routed {int(load.sum())} max_load {int(load.max())}", flush=True)
+teardown()

@@ -1,0 +1,27 @@
+"""Expert parallelism (hpctrain/parallel/expert.py, #34): one MoE layer's 8 experts sharded over 2
+and 4 ranks, tokens exchanged with all-to-all, against the same layer on one rank under
+deliberately skewed routing: every rank's outputs and its experts' weight gradients equal, the
+router's gradient (summed over ranks) within 1e-5, and dropless: the rows the experts computed,
+summed over ranks, are exactly the routed slots (192 tokens x top-2)."""
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import ROOT, mpirun
+
+PROBE = ROOT / "tests/mpi/scripts/expert_parallel_probe.py"
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ep", [2, 4])
+def test_sharded_experts_equal_one_rank(ep):
+    r = mpirun(ep, [PROBE, "8"], timeout=240)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    lines = [ln.split() for ln in r.stdout.splitlines() if ln.startswith("rank ")]
+    assert len(lines) == ep, r.stdout
+    for ln in lines:
+        fields = dict(zip(ln[2::2], ln[3::2]))
+        assert float(fields["out"]) <= 1e-6 and float(fields["experts"]) <= 1e-6, ln
+        assert float(fields["router"]) <= 1e-5, ln
+        assert int(fields["computed"]) == int(fields["routed"]) == 192 * 2, ln
+        assert int(fields["max_load"]) > 1.5 * 192 * 2 / 8, ln  # really unbalanced
