@@ -1,0 +1,59 @@
+"""Per-layer MoE metrics and the hot-expert warning (hpctrain/metrics/moe.py, #34)."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hpctrain.metrics.moe import MoEMonitor
+from hpctrain.model.llama import Llama, LlamaConfig
+from hpctrain.model.moe import MoEConfig
+
+
+def _model(**moe) -> Llama:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=64, multiple_of=16,
+                      moe=MoEConfig(n_experts=4, top_k=2, **moe))
+    model = Llama(cfg)
+    with torch.no_grad():
+        for block in model.blocks.values():  # every token makes the same choice
+            block.mlp.router.weight.zero_()
+            block.mlp.router.weight[3] += 1.0
+    return model
+
+
+def _tokens() -> torch.Tensor:
+    return torch.full((2, 16), 5)  # one token id: the same hidden state, the same choice
+
+
+def test_each_layer_reports_its_load_and_a_hot_expert_is_warned_once(caplog):
+    model = _model(aux_loss_coef=0.01)
+    monitor = MoEMonitor(model, warn_ratio=1.5, warn_steps=3)
+    recs = []
+    with caplog.at_level(logging.WARNING, logger="hpctrain.moe"):
+        for step in range(1, 6):
+            model(_tokens()).float().mean().backward()
+            recs.append(monitor.after_step(step))
+    rec = recs[-1]
+    for layer in ("0", "1"):
+        load = rec[f"moe.{layer}.load"]
+        assert sum(load) == 2 * 16 * 2 and sorted(load) == [0, 0, 32, 32]  # one choice for all
+        assert rec[f"moe.{layer}.max_mean"] == 32 / 16
+        assert rec[f"moe.{layer}.aux_loss"] > 1.0 and 0 <= rec[f"moe.{layer}.entropy"] <= torch.log(torch.tensor(4.0))
+    warnings = [r.getMessage() for r in caplog.records if "MoE layer" in r.getMessage()]
+    assert len(warnings) == 2 and all("step 3" in w for w in warnings)  # one per layer, at step 3
+    hot = rec["moe.0.load"].index(32)
+    assert f"expert {hot} " in warnings[0]
+
+
+def test_bias_step_is_taken_from_the_loads_and_reported():
+    model = _model(gate="sigmoid", bias_update_rate=0.1)
+    monitor = MoEMonitor(model)
+    with torch.no_grad():
+        model(_tokens())
+    rec = monitor.after_step(1)
+    load = torch.tensor(rec["moe.0.load"], dtype=torch.float32)
+    bias = model.blocks["0"].mlp.router.bias
+    assert torch.equal(bias, 0.1 * torch.sign(load.mean() - load))  # hot experts pushed down
+    assert abs(rec["moe.0.bias_spread"] - 0.2) < 1e-6
+    assert monitor.after_step(2)["moe.0.load"] == [0, 0, 0, 0]  # loads are read once
