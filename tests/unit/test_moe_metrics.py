@@ -1,11 +1,11 @@
-"""Per-layer MoE metrics and the hot-expert warning (hpctrain/metrics/moe.py, #34)."""
+"""Per-layer MoE metrics and the hot-expert warning (hpctrain/train/moe_monitor.py, #34)."""
 from __future__ import annotations
 
 import logging
 
 import torch
 
-from hpctrain.metrics.moe import MoEMonitor
+from hpctrain.train.moe_monitor import MoEMonitor
 from hpctrain.model.llama import Llama, LlamaConfig
 from hpctrain.model.moe import MoEConfig
 
