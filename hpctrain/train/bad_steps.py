@@ -4,8 +4,8 @@ Owns the decision "is this step's update usable", agreed by all ranks with one M
 flag over the whole world (robust for any layout: under TP/PP/FSDP ranks may see different partial
 losses or norms), the count of skipped steps, and stopping with a clear error after
 `train.max_bad_steps` bad steps in a row (the caller must then not save: the newest checkpoint stays
-the last good state). Also the test-only fault `debug.inject_nan_at_step` (NaN loss on the last
-rank only, so agreement is what makes the other ranks skip too).
+the last good state). Also the test-only fault inject_nan_at_step (hpctrain/step_faults.py: NaN
+loss on the last rank only, so agreement is what makes the other ranks skip too).
 
 It must never step or zero the optimizer itself (the loop does), and never decide on one rank alone.
 """
