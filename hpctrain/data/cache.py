@@ -30,7 +30,6 @@ import json
 import os
 import socket
 import stat
-import sys
 import threading
 import time
 
@@ -38,6 +37,8 @@ import numpy as np
 
 from data_tools.format import (CACHED_SHARD_RE, TMP_PREFIX, DataError, open_shard_layout,
                                sha256_file)
+
+from hpctrain import logs
 
 from .lookahead import BlockLookahead
 from .private_dir import (UnsafeDir, dataset_key, open_private_dir, resolve_cache_dir,  # noqa: F401
@@ -311,8 +312,8 @@ class NodeCache:
                 if not must:
                     return False
                 if not getattr(self, "_warned", False):
-                    print(f"warning: {self.dir}: data.cache_bytes={self.budget} is smaller than "
-                          f"one step's shards; going over it", file=sys.stderr, flush=True)
+                    logs.warning(f"warning: {self.dir}: data.cache_bytes={self.budget} is smaller "
+                                 f"than one step's shards; going over it")
                     self._warned = True
                 break
             self._evict(victim)
@@ -376,9 +377,8 @@ class NodeCache:
         yet staged are verified on data.path and read there."""
         if not self.shared_only:
             self.shared_only = True
-            print(f"warning: node {socket.gethostname()}: node cache {self.dir}: {reason}; its "
-                  f"ranks read {self.data_path} on the shared file system from now on",
-                  file=sys.stderr, flush=True)
+            logs.warning(f"warning: node {socket.gethostname()}: node cache {self.dir}: {reason}; "
+                         f"its ranks read {self.data_path} on the shared file system from now on")
 
     def _checked_offset(self, path: str, e: dict, name: str) -> int:
         """HDF5 attrs/layout against the manifest, then every token id < vocab_size (once per

@@ -16,10 +16,11 @@ every rank once per step; ``open`` by every rank at start).
 from __future__ import annotations
 
 import socket
-import sys
 import time
 
 import numpy as np
+
+from hpctrain import logs
 
 from .cache import CacheUnavailable, NodeCache, resolve_cache_dir
 from .lookahead import BlockPlan
@@ -52,9 +53,8 @@ class DataFeed:
                                   manifest_bytes=dataset.manifest_bytes)
             except CacheUnavailable as e:
                 if ctx.local_rank == 0:
-                    print(f"warning: node {socket.gethostname()}: node cache unusable ({e}); its "
-                          f"ranks read {cfg.data.path} on the shared file system", file=sys.stderr,
-                          flush=True)
+                    logs.warning(f"warning: node {socket.gethostname()}: node cache unusable ({e}); "
+                                 f"its ranks read {cfg.data.path} on the shared file system")
         feed = cls(cache, ctx.device, ctx.comm)
         # metric keys are decided on rank 0, whose node may be the one without a cache; a node
         # without one makes every rank verify the shared copy (a world collective)
@@ -116,7 +116,7 @@ class DataFeed:
         ``epoch`` do not fit the budget: then the leader warns once and stages per step only."""
         warning = self.budget_warning(epoch)
         if warning:
-            print(f"warning: {self.cache.dir}: {warning}", file=sys.stderr, flush=True)
+            logs.warning(f"warning: {self.cache.dir}: {warning}")
         return None if warning else self._block_plan
 
     def working_set_bytes(self, epoch: int) -> int | None:

@@ -13,6 +13,7 @@ import threading
 import time
 import traceback
 
+from hpctrain import logs
 from hpctrain.errors import UserError
 
 EXIT_USER_ERROR = 2
@@ -60,9 +61,8 @@ def _report_and_abort(exc: BaseException) -> None:
         # Let rank 0 speak first: errors from bad input are usually raised on every rank alike, and
         # one line is what the user should see. If rank 0 is fine, it is killed by our Abort below.
         time.sleep(1.0)
-    tag = f"[rank {rank}] " if size > 1 and rank != 0 else ""
     if user:
-        print(f"{tag}error: {exc}", file=sys.stderr, flush=True)
+        logs.error(f"error: {exc}")  # "[rank N] " before it on a rank other than 0
     else:
         lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
         sys.stderr.write("".join(f"[rank {rank}] {ln}" for ln in "".join(lines).splitlines(True)))

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hpctrain import logs
 from hpctrain.distributed import netif, slurm
 from hpctrain.errors import ConfigError
 
@@ -131,9 +132,9 @@ def _node_comm(MPI, comm):
         return shared
     shared.Free()
     if rank == 0:
-        print(f"[rank 0] warning: {mpi_library()} reports no shared-memory locality (each of "
-              f"{len(hosts)} ranks alone, on {len(set(hosts))} host name(s)); grouping node-local "
-              f"ranks by host name", flush=True)
+        logs.warning(f"warning: {mpi_library()} reports no shared-memory locality (each of "
+                     f"{len(hosts)} ranks alone, on {len(set(hosts))} host name(s)); grouping "
+                     f"node-local ranks by host name")
     return comm.Split(color=sorted(set(hosts)).index(hosts[rank]), key=rank)
 
 
@@ -297,6 +298,8 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, comm=None)
     whole_job = comm is None
     comm = MPI.COMM_WORLD if whole_job else comm
     rank, world = comm.Get_rank(), comm.Get_size()
+    # who logs what from here on (hpctrain/logs.py), by the launcher's rank (a PBT member's too)
+    logs.setup(MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size())
     node_comm = _node_comm(MPI, comm)
     local_rank, local_size = node_comm.Get_rank(), node_comm.Get_size()
     node_rank, n_nodes = _node_index(MPI, comm, node_comm)

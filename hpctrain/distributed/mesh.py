@@ -16,12 +16,12 @@ only activations between neighbours, are the outermost axis. See docs/parallelis
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from hpctrain import logs
 from hpctrain.distributed.bootstrap import DistContext, apply_timeout
 from hpctrain.errors import ConfigError
 
@@ -102,10 +102,10 @@ class Mesh:
         for axis in AXES:  # torch gives its groups its own default timeout, not dist.timeout_s
             apply_timeout(self.device_mesh[axis].get_group())
         if ctx.n_nodes > 1 and dims.tp > 1 and ctx.local_size % dims.tp and ctx.is_main:
-            print(f"warning: parallel.tp={dims.tp} does not divide the {ctx.local_size} ranks per "
-                  f"node: some tensor-parallel groups span nodes (slow)", file=sys.stderr)
-        if ctx.n_nodes > 1 and dims.tp > 1 and ctx.is_main and ctx.hosts:
-            print(f"tensor-parallel groups: {tp_group_hosts(ctx.hosts, dims.tp)}", file=sys.stderr)
+            logs.warning(f"warning: parallel.tp={dims.tp} does not divide the {ctx.local_size} ranks "
+                         f"per node: some tensor-parallel groups span nodes (slow)")
+        if ctx.n_nodes > 1 and dims.tp > 1 and ctx.hosts:
+            logs.info(f"tensor-parallel groups: {tp_group_hosts(ctx.hosts, dims.tp)}")
 
     def __getitem__(self, axis: str) -> DeviceMesh:
         return self.device_mesh[axis]

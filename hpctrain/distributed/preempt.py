@@ -26,17 +26,17 @@ import json
 import math
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
-from hpctrain import signals
+from hpctrain import logs, signals
 from hpctrain.distributed import slurm
 from hpctrain.errors import ConfigError
 
 EXIT_PREEMPTED = 75
 TIMING_FILE = "slurm_timing.json"  # in run.dir: {"first_checkpoint_s": seconds from job start}
 REQUEUED_FILE_VAR = "HPCTRAIN_REQUEUED_FILE"  # the templates read it: this stop was requeued
+log = logs.get_logger(__name__)  # INFO: rank 0 of the job (the Preemption's rank 0, in PBT too)
 
 # Agreed stop reasons; the all-reduce takes the MAX, so a higher code wins when several hit at once.
 NONE, WALLTIME, SIGNAL = 0, 1, 2
@@ -45,11 +45,6 @@ NONE, WALLTIME, SIGNAL = 0, 1, 2
 def install_signal_handlers(spec: str) -> None:
     """Catch these signals from now on (see hpctrain/signals.py)."""
     signals.install(spec)
-
-
-def _log(rank: int, msg: str) -> None:
-    if rank == 0:
-        print(msg, file=sys.stderr, flush=True)
 
 
 class Preemption:
@@ -83,9 +78,9 @@ class Preemption:
         if self.rank == 0:
             left = slurm.remaining_seconds(self.job)
             left_txt = "unlimited" if left is None else _hms(left)
-            _log(self.rank, f"{self.job.describe()}, time left {left_txt}, stop on "
-                            f"{self.cfg.signals or 'no signal'}"
-                            + (f" or < {self.cfg.time_margin_s:.0f}s left" if self._time_guard else ""))
+            log.info(f"{self.job.describe()}, time left {left_txt}, stop on "
+                     f"{self.cfg.signals or 'no signal'}"
+                     + (f" or < {self.cfg.time_margin_s:.0f}s left" if self._time_guard else ""))
             self.limit_s = slurm.time_limit_seconds(self.job) if self._time_guard else None
             err = time_limit_error(self.job, self.limit_s, self.cfg.time_margin_s, self.run_dir)
         err = self.comm.bcast(err, root=0)
@@ -134,7 +129,7 @@ class Preemption:
                 self._stop_at = time.monotonic()
             if not self.detail:
                 self.detail = "signal on another rank" if reason == SIGNAL else "wall time"
-            _log(self.rank, f"stopping at step {step}: {self.detail}; saving a checkpoint")
+            log.info(f"stopping at step {step}: {self.detail}; saving a checkpoint")
         return reason != NONE
 
     @property
@@ -158,12 +153,12 @@ class Preemption:
         ok, why = self.comm.bcast((ok, why) if self.rank == 0 else None, root=0)
         if ok:
             _pending_requeue.append((self.job, step))
-            _log(self.rank, f"requeueing Slurm job {self.job.slurm_id} once all ranks have exited: "
-                            f"its next run resumes from step {step}")
+            log.info(f"requeueing Slurm job {self.job.slurm_id} once all ranks have exited: "
+                     f"its next run resumes from step {step}")
         else:
             then = "" if stalled else ": run the same command again to resume"
-            _log(self.rank, f"stopped at step {step} with a committed checkpoint; not requeued "
-                            f"({why}){then} (exit status {EXIT_PREEMPTED})")
+            log.info(f"stopped at step {step} with a committed checkpoint; not requeued "
+                     f"({why}){then} (exit status {EXIT_PREEMPTED})")
         return EXIT_PREEMPTED
 
     def _no_progress(self, step: int, resumed_at: int | None) -> str:
@@ -194,7 +189,7 @@ class Preemption:
             tmp.write_text(json.dumps({"first_checkpoint_s": round(seconds, 1)}) + "\n")
             os.replace(tmp, path)
         except OSError as e:
-            _log(0, f"warning: {path}: cannot record the time to a first checkpoint ({e})")
+            log.warning(f"warning: {path}: cannot record the time to a first checkpoint ({e})")
 
 
 def measured_first_checkpoint_s(run_dir) -> float | None:
@@ -244,12 +239,12 @@ def requeue_if_requested(comm) -> None:
     marker = _mark_requeued(step)  # before the requeue: the batch script reads it when it ends
     ok, err = slurm.requeue(job)
     if ok:
-        _log(0, f"requeued Slurm job {job.slurm_id}")
+        log.info(f"requeued Slurm job {job.slurm_id}")
     else:
         if marker is not None:
             marker.unlink(missing_ok=True)
-        _log(0, f"error: scontrol requeue {job.slurm_id} failed ({err}): the "
-                f"checkpoint is committed, submit the job again to resume")
+        log.error(f"error: scontrol requeue {job.slurm_id} failed ({err}): the "
+                  f"checkpoint is committed, submit the job again to resume")
 
 
 def _mark_requeued(step: int) -> Path | None:
@@ -260,7 +255,7 @@ def _mark_requeued(step: int) -> Path | None:
     try:
         Path(name).write_text(f"{step}\n")
     except OSError as e:
-        _log(0, f"warning: {name}: cannot mark the requeue for the batch script ({e})")
+        log.warning(f"warning: {name}: cannot mark the requeue for the batch script ({e})")
         return None
     return Path(name)
 

@@ -24,12 +24,12 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from hpctrain import logs
 from hpctrain.errors import RunDirBusy, UserError  # noqa: F401 - re-exported
 
 LOCK_NAME = ".hpctrain.lock"
@@ -285,7 +285,7 @@ def hold(run_dir, ctx):
     stop = threading.Event()
     if lease is not None:
         if text:
-            print(f"warning: run dir {run_dir}: {text}", file=sys.stderr, flush=True)
+            logs.warning(f"warning: run dir {run_dir}: {text}")
         _held = lease
         threading.Thread(target=_renew, args=(lease, stop), name="hpctrain-run-lock", daemon=True).start()
     try:

@@ -84,7 +84,7 @@ def choose_launcher(env: dict | None = None) -> tuple[str, str, str, str]:
 
 def check(argv: list[str]) -> int:
     """Load the config as `train` would and refuse a time limit that leaves no time to train."""
-    from hpctrain import config
+    from hpctrain import config, logs
     from hpctrain.distributed import preempt, slurm
     from hpctrain.errors import UserError
 
@@ -100,7 +100,7 @@ def check(argv: list[str]) -> int:
         if err:
             raise UserError(err)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        logs.error(f"error: {e}")
         return 2
     return 0
 

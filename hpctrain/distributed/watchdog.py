@@ -29,6 +29,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
+from hpctrain import logs
 from hpctrain.errors import PeerLostError  # noqa: F401 - re-exported
 
 EXIT_PEER_LOST = 3
@@ -129,8 +130,7 @@ class Watchdog:
         self._record_lost_node(lost)
         grace = min(3.0, 2 * self.interval + 0.5)
         time.sleep(speak_after * (grace + 1.5))
-        tag = f"[rank {self.rank}] " if self.rank else ""
-        print(f"{tag}error: {msg}", file=sys.stderr, flush=True)
+        logs.error(f"error: {msg}")  # "[rank N] " before it on a rank other than 0
         time.sleep(grace)
         try:
             if self.comm is not None:

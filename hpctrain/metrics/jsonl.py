@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
+from hpctrain import logs
 from hpctrain.errors import UserError
 from hpctrain.metrics import tensorboard
 from hpctrain.distributed.run_lock import assert_held
+
+log = logs.get_logger(__name__)
 
 
 class MetricsLog:
@@ -78,8 +80,8 @@ class MetricsLog:
             raise _cannot_write(self.path, e, "keep a copy of") from e
         if kept_as is not None:
             why = f"re-run from the checkpoint of step {step}" if step else "no checkpoint: a start over"
-            print(f"metrics: {self.path}: {dropped} record(s) after step {step} are dropped ({why}); "
-                  f"the log as it was is kept as {kept_as}", file=sys.stderr, flush=True)
+            log.warning(f"metrics: {self.path}: {dropped} record(s) after step {step} are dropped "
+                        f"({why}); the log as it was is kept as {kept_as}")
 
     def write(self, record: dict) -> None:
         if self._fd is None:
@@ -97,7 +99,7 @@ class MetricsLog:
             try:
                 self._tb.write(record)
             except Exception as e:  # a view of the log: never worth stopping training for
-                print(f"warning: TensorBoard logging off after an error: {e}", file=sys.stderr)
+                log.warning(f"warning: TensorBoard logging off after an error: {e}")
                 self._close_tb()
 
     def _close_tb(self) -> None:

@@ -18,14 +18,14 @@ step > S from earlier files, so steps re-run after the checkpoint appear once, w
 """
 from __future__ import annotations
 
-import logging
 import math
 import os
 import statistics
-import sys
 from pathlib import Path
 
-log = logging.getLogger(__name__)
+from hpctrain import logs
+
+log = logs.get_logger(__name__)
 
 ENV = "HPCTRAIN_TENSORBOARD"
 _OFF = {"0", "false", "no", "off"}
@@ -118,6 +118,6 @@ def open_writer(log_dir: str | Path, resume_step: int = 0) -> TensorBoardWriter 
     try:
         writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step, flush_secs=10)
     except Exception as e:
-        print(f"warning: TensorBoard logging off: {log_dir}: {e}", file=sys.stderr)
+        log.warning(f"warning: TensorBoard logging off: {log_dir}: {e}")
         return None
     return TensorBoardWriter(writer)

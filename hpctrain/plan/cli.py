@@ -11,8 +11,8 @@ import argparse
 import dataclasses
 import json
 import re
-import sys
 
+from hpctrain import logs
 from hpctrain.config_schema import ModelConfig, key_choices
 from hpctrain.plan import recommend
 from hpctrain.plan.layout import Job
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = make_plan(shape, job)
         advice = None if args.summary else recommend.advise(shape, job)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        logs.error(f"error: {e}")
         return 2
     if args.json:
         print(json.dumps(recommend.as_json(advice, args.config)))

@@ -7,12 +7,11 @@ does not depend on the data-parallel size.
 """
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import torch
 
 from data_tools.format import DataError, shards_of
+from hpctrain import logs
 from hpctrain.config import Config
 from hpctrain.distributed import DistContext
 from hpctrain.distributed.mesh import Mesh
@@ -69,14 +68,14 @@ class TrainData:
         longest = max((e["n_tokens"] for e in entries), default=0)
         if longest <= self.cfg.model.block_size:
             if self.ctx.is_main:
-                print(f"warning: {self.cfg.data.path}: split '{split}' has no window of "
-                      f"{self.cfg.model.block_size + 1} tokens; validation is off", file=sys.stderr)
+                logs.warning(f"warning: {self.cfg.data.path}: split '{split}' has no window of "
+                             f"{self.cfg.model.block_size + 1} tokens; validation is off")
             return None
         val = self.dataset.open_split(split, self.cfg.model.block_size, optional=True,
                                       cache=self.feed.cache,
                                       range_checked=self.cfg.data.verify == "checksum")
         for note in getattr(val, "notes", ()) if self.ctx.is_main else ():
-            print(f"warning: {note}", file=sys.stderr)
+            logs.warning(f"warning: {note}")
         return val
 
     def _to_device(self, batch: torch.Tensor) -> torch.Tensor:

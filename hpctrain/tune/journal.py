@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 from hpctrain.errors import UserError
+from hpctrain.logs import get_logger
+
+logger = get_logger(__name__)
 
 CHUNK = 1 << 16  # bytes read at a time when looking back for the last complete record
 
@@ -113,8 +115,8 @@ def cut_torn_tail(path: Path) -> int:
         f.truncate(keep)
         f.flush()
         os.fsync(f.fileno())
-    print(f"[tune] {path}: dropped a torn last record ({size - keep} bytes at byte {keep}: its "
-          f"writer was killed mid-append)", file=sys.stderr, flush=True)
+    logger.warning(f"[tune] {path}: dropped a torn last record ({size - keep} bytes at byte "
+                   f"{keep}: its writer was killed mid-append)")
     return size - keep
 
 

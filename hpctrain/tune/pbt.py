@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import sys
 from pathlib import Path
 
 from hpctrain.errors import ConfigError, UserError
@@ -28,10 +27,6 @@ from hpctrain.tune import pbt_space, space
 from hpctrain.tune.space import TuneConfig
 
 LINEAGE = "lineage.jsonl"
-
-
-def log(msg: str) -> None:
-    print(f"[pbt] {msg}", file=sys.stderr, flush=True)
 
 
 def load(config_path: str, overrides: list[str]):

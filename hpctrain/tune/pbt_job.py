@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hpctrain import logs
 from hpctrain.tune import pbt_members
-from hpctrain.tune.pbt import load, log, member_config
+from hpctrain.tune.pbt import load, member_config
 
 
 def pbt(config_path: str, overrides: list[str]) -> int:
@@ -30,8 +31,9 @@ def pbt(config_path: str, overrides: list[str]) -> int:
     mcfg = member_config(cfg, member)
     ctx = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, comm=member_comm)
     if world.Get_rank() == 0:
-        log(f"{pbt_cfg.population} members of {k} rank(s) in {cfg.run.dir}; every {pbt_cfg.ready} "
-            f"steps the worst {pbt_cfg.n_exchanged()} copy one of the best {pbt_cfg.n_exchanged()}")
+        logs.info(f"[pbt] {pbt_cfg.population} members of {k} rank(s) in {cfg.run.dir}; every "
+                  f"{pbt_cfg.ready} steps the worst {pbt_cfg.n_exchanged()} copy one of the best "
+                  f"{pbt_cfg.n_exchanged()}")
     # one heartbeat over COMM_WORLD (the stop vote and the rounds' allgather span the members)
     watched = world_watch(world, cfg.dist.heartbeat_timeout_s)
     with watch_peers(watched, cfg.dist.heartbeat_timeout_s), run_lock.hold(mcfg.run.dir, ctx):

@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import sys
 from pathlib import Path
 
-from hpctrain import signals
+from hpctrain import logs, signals
 from hpctrain.tune import space, study as study_mod
 from hpctrain.tune.trial_run import PREEMPTED, EXIT_PREEMPTED, Launch, finish, run_trial
 
+log = logs.get_logger(__name__)
 STOP_SIGNALS = "USR1,TERM,INT"  # Slurm's preemption / time-limit signals, Ctrl-C
-
-
-def log(msg: str) -> None:
-    print(f"[tune] {msg}", file=sys.stderr, flush=True)
 
 
 def load(config_path: str, overrides: list[str]):
@@ -57,29 +53,30 @@ def search(config_path: str, overrides: list[str], launch_prefix: list[str],
     study = study_mod.open_study(tune, {"config": path, "toml": Path(path).read_text(),
                                         "overrides": train_overrides})
     launch = Launch(launch_prefix, path, train_overrides)
-    log(f"worker {worker}: study '{tune.study_name}' in {tune.journal}, {tune.n_trials} trials, "
-        f"pruner {tune.pruner}; space: {'; '.join(p.describe() for p in tune.params)}")
+    log.info(f"[tune] worker {worker}: study '{tune.study_name}' in {tune.journal}, "
+             f"{tune.n_trials} trials, pruner {tune.pruner}; "
+             f"space: {'; '.join(p.describe() for p in tune.params)}")
     while not signals.received():
         study_mod.check_claim_free(tune, worker)
         # its own trial; a new one; once the budget is spent, one whose worker has gone
         trial = (_claimed_trial(study, tune, worker) or study_mod.ask_new(study, tune)
                  or _orphan(study, tune, worker))
         if trial is None:
-            log(f"worker {worker}: the study has its {tune.n_trials} trials; done")
+            log.info(f"[tune] worker {worker}: the study has its {tune.n_trials} trials; done")
             return 0
         study_mod.write_claim(tune, worker, trial.number)
         result = run_trial(trial, launch, tune.trial_dir(trial.number),
                            lambda: bool(signals.received()))
         if result.outcome == PREEMPTED:
-            log(f"trial {trial.number}: preempted at step {result.steps}; it stays with worker "
-                f"{worker} and resumes from its checkpoint")
+            log.info(f"[tune] trial {trial.number}: preempted at step {result.steps}; it stays "
+                     f"with worker {worker} and resumes from its checkpoint")
             return _requeue(cfg)
         finish(study, trial, result)
         study_mod.drop_claim(tune, worker)
         value = "" if result.value is None else f" val_loss {result.value:.4f}"
         error = f" ({result.detail})" if result.detail else ""
-        log(f"trial {trial.number}: {result.outcome}{value} after {result.steps} steps "
-            f"{' '.join(space.overrides(trial.params))}{error}")
+        log.info(f"[tune] trial {trial.number}: {result.outcome}{value} after {result.steps} "
+                 f"steps {' '.join(space.overrides(trial.params))}{error}")
     return _requeue(cfg)
 
 
@@ -94,8 +91,8 @@ def _claimed_trial(study, tune, worker: str):
     if frozen is None or frozen.state != TrialState.RUNNING:
         study_mod.drop_claim(tune, worker)  # told already (the worker stopped right after)
         return None
-    log(f"worker {worker}: resuming its trial {number} "
-        f"({' '.join(space.overrides(frozen.params))})")
+    log.info(f"[tune] worker {worker}: resuming its trial {number} "
+             f"({' '.join(space.overrides(frozen.params))})")
     return study_mod.trial_by_number(study, number)
 
 
@@ -105,7 +102,8 @@ def _orphan(study, tune, worker: str):
     number = study_mod.adopt_orphan(study, tune, worker, _slurm_job_ended)
     if number is None:
         return None
-    log(f"worker {worker}: taking over trial {number}, whose worker's Slurm job has ended")
+    log.info(f"[tune] worker {worker}: taking over trial {number}, whose worker's Slurm job "
+             f"has ended")
     return study_mod.trial_by_number(study, number)
 
 
@@ -122,10 +120,10 @@ def _requeue(cfg) -> int:
     job = slurm.SlurmJob.from_env()
     ok, why = slurm.requeue_decision(cfg.slurm.requeue, job)
     if ok:
-        log(f"requeueing Slurm job {job.slurm_id}")
+        log.info(f"[tune] requeueing Slurm job {job.slurm_id}")
         ok, why = slurm.requeue(job)
     if not ok:
-        log(f"not requeued ({why}): the trial stays RUNNING; run the same command again, or "
-            f"submit the array again: a worker takes over the trial of a task that has ended "
-            f"(exit status {EXIT_PREEMPTED})")
+        log.info(f"[tune] not requeued ({why}): the trial stays RUNNING; run the same command "
+                 f"again, or submit the array again: a worker takes over the trial of a task that "
+                 f"has ended (exit status {EXIT_PREEMPTED})")
     return EXIT_PREEMPTED

@@ -24,6 +24,9 @@ import sys
 import time
 from pathlib import Path
 
+from hpctrain import logs
+
+log = logs.get_logger(__name__)
 MARKER_ENV = "HPCTRAIN_TUNE_TRIAL"
 PR_SET_PDEATHSIG = 1
 ORPHAN_GRACE_S = 90.0  # a stopped training commits its checkpoint at the next step, then exits
@@ -92,10 +95,6 @@ def _wait_gone(pids: list[int], timeout_s: float) -> bool:
     return True
 
 
-def log(msg: str) -> None:
-    print(f"[tune] {msg}", file=sys.stderr, flush=True)
-
-
 def end_orphan(run_dir: Path, trial_marker: str, grace_s: float = ORPHAN_GRACE_S) -> None:
     """A previous worker's training of this trial still runs here (its launcher did not pass the
     parent-death TERM on, or it is still committing its checkpoint): stop it the preemption way
@@ -105,14 +104,15 @@ def end_orphan(run_dir: Path, trial_marker: str, grace_s: float = ORPHAN_GRACE_S
     if not orphans:
         return
     holder = _lock_holder(run_dir)
-    log(f"{run_dir}: the training of a previous worker (pids {orphans}) still runs: stopping it "
-        f"(USR1 to pid {holder}: checkpoint and exit), then resuming from its checkpoint")
+    log.info(f"[tune] {run_dir}: the training of a previous worker (pids {orphans}) still runs: "
+             f"stopping it (USR1 to pid {holder}: checkpoint and exit), then resuming from its "
+             f"checkpoint")
     if holder in orphans:
         os.kill(holder, signal.SIGUSR1)
     if _wait_gone(orphans, grace_s if holder in orphans else 10.0):
         return
     left = [p for p in orphans if _alive(p)]
-    log(f"{run_dir}: pids {left} did not stop within {grace_s:g} s: killing them")
+    log.info(f"[tune] {run_dir}: pids {left} did not stop within {grace_s:g} s: killing them")
     for pid in left:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
