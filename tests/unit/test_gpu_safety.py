@@ -16,27 +16,83 @@ import sys
 
 import pytest
 
-from tests.conftest import mpirun, run_cmd
+from tests.conftest import mpiexec_path, run_cmd
 
-PREMISE = """
+# Every check that needs processes runs in ONE 2-rank mpiexec launch (the module's `two_ranks`
+# fixture; one launch instead of six processes: ~45 s less on 2 cores), section after section, each
+# rank's lines gathered to rank 0 and printed as "rank R: SECTION ...". Rank 0 is started with the
+# user's MPIR_CVAR_ENABLE_GPU=1 (an MPMD launch: argv[2] "user"), rank 1 without it.
+HEAD_SECTION = """
+import os, sys, time, types
+for key in ("MPIR_CVAR_ENABLE_GPU", "OMPI_MCA_opal_cuda_support"):
+    os.environ.pop(key, None)
+if sys.argv[2] == "user":  # the user asked MPI for GPU memory
+    os.environ["MPIR_CVAR_ENABLE_GPU"] = "1"
+from hpctrain.distributed.bootstrap import _mpi
+MPI = _mpi()  # MPI_Init: what MPI was told about GPU memory must be in the environment by now
+comm, rank = MPI.COMM_WORLD, MPI.COMM_WORLD.Get_rank()
+out = ["host_memory_only " + " ".join(os.environ.get(key, "unset") for key in
+                                     ("MPIR_CVAR_ENABLE_GPU", "OMPI_MCA_opal_cuda_support"))]
 import torch, torch.distributed as dist
+
+# the premise: a "cuda:gloo" default group refuses a CPU tensor as NCCL does
 dist.init_process_group("cuda:gloo", store=dist.HashStore(), rank=0, world_size=1)
 try:
     dist.all_reduce(torch.zeros(1))
-    print("accepted")
+    out.append("premise accepted")
 except RuntimeError as e:
-    print("refused:", str(e).splitlines()[0])
+    out.append("premise refused: " + str(e).splitlines()[0])
+dist.destroy_process_group()
 """
+TAIL_SECTION = """
+every = comm.gather(out, root=0)
+if rank == 0:
+    print("\\n".join(f"rank {r}: {line}" for r, lines in enumerate(every) for line in lines))
+teardown()  # without it the gloo group's threads can abort the exit ("terminate called ...")
+"""
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """The worker's launch: {section: [its lines, rank 0's first]}, and the process."""
+    tmp = tmp_path_factory.mktemp("gpu_safety")
+    script = tmp / "worker.py"
+    script.write_text(HEAD_SECTION + SITES + GROUPS + STAGING + TAIL_SECTION)
+    python = [sys.executable, script, tmp / "run"]  # rank 0 as a user who set MPIR_CVAR_ENABLE_GPU
+    r = run_cmd([mpiexec_path(), "-n", "1", *python, "user", ":", "-n", "1", *python, "none"],
+                timeout=300)
+    sections: dict[str, list[str]] = {}
+    for line in r.stdout.splitlines():
+        if line.startswith("rank ") and ": " in line:
+            who, rest = line.split(": ", 1)
+            sections.setdefault(rest.split()[0], []).append(f"{who}: {rest}")
+    return sections, r
+
+
+def section(two_ranks, name) -> list[str]:
+    sections, r = two_ranks
+    assert r.returncode == 0 and name in sections, r.stdout + r.stderr
+    return sections[name]
+
+
+@pytest.mark.mpi
+def test_cuda_gloo_group_refuses_cpu_tensors_like_nccl(two_ranks):
+    assert section(two_ranks, "premise") == \
+        [f"rank {r}: premise refused: No backend type associated with device type cpu" for r in (0, 1)]
+
+
+@pytest.mark.mpi
+def test_mpi_is_told_host_memory_only_before_mpi_init(two_ranks):
+    """MPI is told host memory only (both keys "0") unless the user set MPIR_CVAR_ENABLE_GPU=1
+    (rank 0): the user's wins."""
+    assert section(two_ranks, "host_memory_only") == \
+        ["rank 0: host_memory_only 1 0", "rank 1: host_memory_only 0 0"]
+
 
 # Each site of the step / metrics / checkpoint / sync code that puts a tensor into a collective
 # of the default group (or of a group made from it, which inherits its backend), with the device
 # the trainer gives it. Rank 1 holds no gradients (a rank without a shard of the weights).
-WORKER = """
-import types
-import torch, torch.distributed as dist
-from mpi4py import MPI
-rank = MPI.COMM_WORLD.Get_rank()
-comm = MPI.COMM_WORLD
+SITES = """
 store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False) if rank == 0 else None
 port = comm.bcast(store.port if rank == 0 else 0, root=0)
 store = store or dist.TCPStore("127.0.0.1", port, 2, is_master=False)
@@ -57,17 +113,16 @@ def device_only(collective):
         return collective(*args, **kwargs)
     return checked
 
-for name in ("all_reduce", "all_to_all_single", "all_gather_single", "all_gather_into_tensor"):
-    if hasattr(dist, name):
-        setattr(dist, name, device_only(getattr(dist, name)))
-
-results = []  # printed by rank 0 alone (two ranks' prints interleave)
+NAMES = ("all_reduce", "all_to_all_single", "all_gather_single", "all_gather_into_tensor")
+real = {name: getattr(dist, name) for name in NAMES if hasattr(dist, name)}
+for name, collective in real.items():
+    setattr(dist, name, device_only(collective))
 
 def site(name, fn):
     try:
-        results.append(f"{name} ok {fn()}")
+        out.append(f"site {name} ok {fn()}")
     except Exception as e:
-        results.append(f"{name} FAILED {type(e).__name__} {str(e).splitlines()[0][:160]}")
+        out.append(f"site {name} FAILED {type(e).__name__} {str(e).splitlines()[0][:160]}")
 
 from hpctrain.train.loss_scaling import LossScaling
 from hpctrain.train.bad_steps import BadStepPolicy, all_finite
@@ -83,9 +138,8 @@ site("pp_stage_grad_norm", lambda: dist.all_reduce(
 site("diloco_average_none", lambda: float(average(torch.ones(10, device=cpu), None, "none")[0]))
 site("diloco_average_int8", lambda: float(average(torch.ones(10, device=cpu), None, "int8")[0]))
 torch.set_default_device("cpu")
-every = comm.gather(results, root=0)
-if rank == 0:
-    print("\\n".join(f"rank {r}: {line}" for r, lines in enumerate(every) for line in lines))
+for name, collective in real.items():
+    setattr(dist, name, collective)
 comm.Barrier()
 dist.destroy_process_group()
 comm.Barrier()  # rank 0's store outlives every client
@@ -93,25 +147,15 @@ del store
 """
 
 
-def test_cuda_gloo_group_refuses_cpu_tensors_like_nccl():
-    r = run_cmd([sys.executable, "-c", PREMISE], timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert "refused: No backend type associated with device type cpu" in r.stdout
-
-
 @pytest.mark.mpi
-def test_default_group_collectives_get_device_tensors_only(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    r = mpirun(2, [script], timeout=240)
-    assert r.returncode == 0, r.stdout + r.stderr
-    lines = [ln for ln in r.stdout.splitlines() if " ok " in ln or " FAILED " in ln]
+def test_default_group_collectives_get_device_tensors_only(two_ranks):
+    lines = section(two_ranks, "site")
     failed = [ln for ln in lines if " FAILED " in ln]
     assert not failed, "\n".join(failed)
-    assert len(lines) == 2 * 6, r.stdout  # every site on both ranks
+    assert len(lines) == 2 * 6 and all(" ok " in ln for ln in lines), lines  # every site, both ranks
     # rank 0's Inf reached the rank without gradients: both skip the step
     assert [ln for ln in lines if "fp16_overflow_flag" in ln] == \
-        ["rank 0: fp16_overflow_flag ok True", "rank 1: fp16_overflow_flag ok True"]
+        ["rank 0: site fp16_overflow_flag ok True", "rank 1: site fp16_overflow_flag ok True"]
 
 
 # ---- item 2 / 10: one distinct GPU per rank ------------------------------------------------------
@@ -175,18 +219,7 @@ def test_tf32_leaves_cpu_matmul_precision_alone():
 
 
 # ---- item 9: dist.timeout_s on every group; a slow commit waits on host sockets -------------------
-def two_ranks(tmp_path, source: str):
-    """`source` run by 2 ranks under mpiexec with a run directory as argv[1]; must exit 0."""
-    script = tmp_path / "worker.py"
-    script.write_text(source)
-    r = mpirun(2, [script, tmp_path / "run"], timeout=240)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return r
-
-
-GROUPS_WORKER = """
-import sys, time
-import torch
+GROUPS = """
 from hpctrain.distributed.bootstrap import init_distributed, group_timeout, teardown
 from hpctrain.distributed.mesh import AXES, Mesh, ParallelDims
 from hpctrain.parallel.parallelize import tied_weight_group
@@ -207,31 +240,29 @@ for name, dims in (("tp", ParallelDims.from_world(2, tp=2)), ("pp", ParallelDims
         seen["diloco_dp"] = group_timeout(_dp_group(mesh))
 mgr = CheckpointManager(sys.argv[1], keep=1, rank=ctx.rank, world_size=2, timeout_s=5)
 seen["checkpoint_save"] = group_timeout(mgr.save_group())
+install = directory.install
 if ctx.rank == 0:  # a commit on a slow parallel file system: 8 s > dist.timeout_s
-    install = directory.install
     directory.install = lambda *a: (time.sleep(8), install(*a))[1]
 t0 = time.monotonic()
 with run_lock.hold(sys.argv[1], ctx):
     path = mgr.save(3, {"w": torch.ones(4)}, {"step": 3})
-print(f"rank {ctx.rank}: saved {path.name} after {time.monotonic() - t0:.1f} s")
-for name, timeout in seen.items():
-    print(f"rank {ctx.rank}: {name} {timeout.total_seconds():g}")
-teardown()  # without it the gloo group's threads can abort the exit ("terminate called ...")
+directory.install = install
+out.append(f"saved {path.name} after {time.monotonic() - t0:.1f} s")
+out.extend(f"timeout {name} {timeout.total_seconds():g}" for name, timeout in seen.items())
 """
 
 
 @pytest.mark.mpi
-def test_every_group_has_the_timeout_and_a_slow_commit_passes(tmp_path):
-    r = two_ranks(tmp_path, GROUPS_WORKER)
-    timeouts = dict(ln.split(": ", 1)[1].rsplit(" ", 1) for ln in r.stdout.splitlines()
-                    if ln.startswith("rank ") and " saved " not in ln)
+def test_every_group_has_the_timeout_and_a_slow_commit_passes(two_ranks):
+    timeouts = dict(ln.split()[3:] for ln in section(two_ranks, "timeout"))
     groups = [f"mesh_{n}2.{a}" for n in ("tp", "pp", "dp") for a in ("pp", "dp", "tp")]
+    assert len(section(two_ranks, "timeout")) == 2 * len(timeouts)  # both ranks, the same names
     assert {k: float(timeouts[k]) for k in groups + ["tied_weights", "diloco_dp"]} == \
         {k: 5.0 for k in groups + ["tied_weights", "diloco_dp"]}
     assert float(timeouts["checkpoint_save"]) == 1800.0
     # rank 1 waited ~8 s for rank 0's commit, past dist.timeout_s (5 s), on the save's gloo group
-    saved = [ln for ln in r.stdout.splitlines() if " saved step_" in ln]
-    assert len(saved) == 2 and all(float(ln.split()[-2]) >= 7.5 for ln in saved), r.stdout
+    saved = section(two_ranks, "saved")
+    assert len(saved) == 2 and all(float(ln.split()[-2]) >= 7.5 for ln in saved), saved
 
 
 # ---- item 8: DiLoCo overlap never issues NCCL from its pool thread --------------------------------
@@ -259,17 +290,11 @@ def test_each_replicated_tensor_is_staged_by_one_holder():
     assert owner[".s0"] == 0 and owner[".s1"] == 1 and owner[".x"] in (0, 1)
 
 
-STAGING_WORKER = """
-import sys
-import torch
-from hpctrain.distributed.bootstrap import init_distributed, teardown
-from hpctrain.checkpoint.manager import CheckpointManager
-from hpctrain.distributed import run_lock
-ctx = init_distributed("gloo", timeout_s=60)
+STAGING = """
 torch.manual_seed(0)  # the same replicated state on both ranks (DDP)
 state = {"model": {f"w{i}": torch.randn(64, 64) for i in range(8)}, "optim": {"step": torch.ones(())}}
-mgr = CheckpointManager(sys.argv[1], keep=1, rank=ctx.rank, world_size=2)
-with run_lock.hold(sys.argv[1], ctx):
+mgr = CheckpointManager(os.path.join(sys.argv[1], "staging"), keep=1, rank=ctx.rank, world_size=2)
+with run_lock.hold(os.path.join(sys.argv[1], "staging"), ctx):
     mgr.save_async(1, state, {"step": 1})
     staged = sum(b.numel() * b.element_size() for b in mgr._staging.values())
     path = mgr.wait()
@@ -278,16 +303,14 @@ with run_lock.hold(sys.argv[1], ctx):
     mgr.load(path, fresh)
 same = all(torch.equal(fresh[s][k], state[s][k]) for s in state for k in state[s])
 total = sum(t.numel() * t.element_size() for s in state.values() for t in s.values())
-print(f"rank {ctx.rank}: staged {staged} of {total} bytes, loaded equal {same}")
-teardown()
+out.append(f"staged {staged} of {total} bytes, loaded equal {same}")
 """
 
 
 @pytest.mark.mpi
-def test_ddp_async_staging_holds_only_this_ranks_share(tmp_path):
-    r = two_ranks(tmp_path, STAGING_WORKER)
-    lines = [ln.split() for ln in r.stdout.splitlines() if " staged " in ln]
-    assert len(lines) == 2 and all(ln[-1] == "True" for ln in lines), r.stdout
+def test_ddp_async_staging_holds_only_this_ranks_share(two_ranks):
+    lines = [ln.split() for ln in section(two_ranks, "staged")]
+    assert len(lines) == 2 and all(ln[-1] == "True" for ln in lines), lines
     staged, total = [int(ln[3]) for ln in lines], int(lines[0][5])
     assert sum(staged) == total and max(staged) <= 0.6 * total, (staged, total)
 
@@ -312,18 +335,6 @@ def test_nccl_interface_only_when_asked(monkeypatch, asked, user_nccl, gloo, ncc
         monkeypatch.setenv("NCCL_SOCKET_IFNAME", user_nccl)
     _use_interface(gloo, asked)
     assert (os.environ.get("GLOO_SOCKET_IFNAME"), os.environ.get("NCCL_SOCKET_IFNAME")) == (gloo, nccl)
-
-
-def test_mpi_is_told_host_memory_only_before_mpi_init():
-    keys = ("MPIR_CVAR_ENABLE_GPU", "OMPI_MCA_opal_cuda_support")
-    code = ("import os\nfor k in {keys}: os.environ.pop(k, None)\n{user}"
-            "from hpctrain.distributed.bootstrap import _mpi\n_mpi()\n"
-            "print(*(os.environ[k] for k in {keys}))")
-    r = run_cmd([sys.executable, "-c", code.format(keys=keys, user="")], timeout=120)
-    assert r.returncode == 0 and r.stdout.split() == ["0", "0"], r.stdout + r.stderr
-    user = "os.environ['MPIR_CVAR_ENABLE_GPU'] = '1'\n"
-    r = run_cmd([sys.executable, "-c", code.format(keys=keys, user=user)], timeout=120)
-    assert r.returncode == 0 and r.stdout.split() == ["1", "0"], r.stdout + r.stderr  # the user's wins
 
 
 # ---- item 11: async_diloco's catch-up copies the update to the device, never the model back -------
