@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from . import logs
 from .fast_bpe import fast_bpe
 from .fast_spm import fast_spm
 from .word_cache import word_cache
@@ -169,9 +169,9 @@ class HFTokenizer:
             if not np.array_equal(self._fast_ids(head), self._one_ids(head)):
                 self.fast, self.engine = None, "tokenizers"
                 self.chunk_chars = self._chunking_is_exact()
-                print(f"warning: {self.path}: the tiktoken engine's ids differ from the tokenizers "
-                      f"library's on this corpus; encoding with the library (slower)",
-                      file=sys.stderr, flush=True)
+                logs.get_logger(__name__).warning(
+                    f"warning: {self.path}: the tiktoken engine's ids differ from the tokenizers "
+                    f"library's on this corpus; encoding with the library (slower)")
 
     def _one_ids(self, text: str) -> np.ndarray:
         """One text, no thread pool (the batch call starts Rust's pool, sized at its first use)."""
