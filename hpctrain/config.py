@@ -79,6 +79,7 @@ def from_dict(raw: dict, source: str = "config", cli_keys: frozenset = frozenset
         from hpctrain.interop.hf_import import fill_model_section  # [model] from its config.json
 
         raw = fill_model_section(raw, lambda key, value, like: coerce(key, value, type(like)))
+    raw = _flatten_moe_table(raw, source, cli_keys)
     for name, cls in by_name.items():
         values = raw.get(name, {})
         if not isinstance(values, dict):
@@ -97,6 +98,24 @@ def from_dict(raw: dict, source: str = "config", cli_keys: frozenset = frozenset
                 raise ConfigError(_missing_key(f"{name}.{key}", source, by_name))
         built[name] = cls(**kwargs)
     return validate(Config(**built))
+
+
+def _flatten_moe_table(raw: dict, source: str, cli_keys: frozenset) -> dict:
+    """A [model.moe] table (experts = 8, top_k = 2, ...) as the [model] keys moe_experts, ...
+    (a --model.moe_KEY override wins over the table's KEY)."""
+    model = raw.get("model")
+    if not isinstance(model, dict) or "moe" not in model:
+        return raw
+    if not isinstance(model["moe"], dict):
+        raise ConfigError(f"config key 'model.moe': expected a [model.moe] table in {source}")
+    flat = {k: v for k, v in model.items() if k != "moe"}
+    for key, value in model["moe"].items():
+        if f"model.moe_{key}" in cli_keys:
+            continue
+        if f"moe_{key}" in flat:
+            raise ConfigError(f"config key 'model.moe.{key}': given twice in {source} (also as model.moe_{key})")
+        flat[f"moe_{key}"] = value
+    return {**raw, "model": flat}
 
 
 def _missing_key(key: str, source: str, sections: dict) -> str:

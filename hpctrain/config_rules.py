@@ -18,6 +18,10 @@ def validate(cfg: Config) -> Config:
     """`cfg`, or raise ConfigError naming the first key whose value breaks a rule."""
     m, t = cfg.model, cfg.train
     _validate_model(m)
+    _check(m.moe_experts == 0 or cfg.parallel.tp == 1, "parallel.tp",
+           f"{cfg.parallel.tp} with model.moe_experts={m.moe_experts}: tensor parallelism of a "
+           f"mixture-of-experts model is not supported yet; use parallel.tp = 1 (DDP, FSDP and "
+           f"pipeline stages work)")
     _check(t.steps >= 1, "train.steps", "must be >= 1")
     _check(t.seed >= 0, "train.seed", "must be >= 0")
     _check(0 <= t.stop_at_step <= t.steps, "train.stop_at_step", f"must be in [0, train.steps={t.steps}]")
@@ -86,6 +90,21 @@ def llama_ffn_hidden(n_embd: int, ffn_hidden: int, multiple_of: int, ffn_dim_mul
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
+def _validate_moe(m: ModelConfig) -> None:
+    _check(m.moe_experts >= 0, "model.moe_experts", "must be >= 0 (0 = dense)")
+    if m.moe_experts == 0:
+        return
+    _check(1 <= m.moe_top_k <= m.moe_experts, "model.moe_top_k", f"{m.moe_top_k}: must be in [1, "
+           f"model.moe_experts={m.moe_experts}]")
+    for key in ("moe_expert_hidden", "moe_shared_experts", "moe_shared_hidden", "moe_first_dense"):
+        _check(getattr(m, key) >= 0, f"model.{key}", "must be >= 0")
+    _check(m.moe_aux_loss_coef >= 0, "model.moe_aux_loss_coef", "must be >= 0 (0 = off)")
+    _check(m.moe_bias_update_rate >= 0, "model.moe_bias_update_rate", "must be >= 0 (0 = off)")
+    _check(m.moe_every >= 1, "model.moe_every", "must be >= 1")
+    _check(m.moe_first_dense < m.n_layer, "model.moe_first_dense",
+           f"{m.moe_first_dense}: leaves no sparse layer of model.n_layer={m.n_layer}")
+
+
 def _validate_llama(m: ModelConfig) -> None:
     """llama's keys: refused on gpt2 when set (they would be silently ignored), ranges, GQA."""
     llama_keys = [f for f in dataclasses.fields(ModelConfig)
@@ -106,6 +125,7 @@ def _validate_llama(m: ModelConfig) -> None:
            "model.rope_high_freq_factor", f"{m.rope_high_freq_factor} must be > "
            f"model.rope_low_freq_factor={m.rope_low_freq_factor} > 0")
     _check(m.rope_original_max_positions >= 1, "model.rope_original_max_positions", "must be >= 1")
+    _validate_moe(m)
     _check(m.ffn_hidden >= 0, "model.ffn_hidden", "must be >= 0 (0 = Llama's rule)")
     _check(m.multiple_of >= 1, "model.multiple_of", "must be >= 1")
     _check(m.ffn_dim_multiplier > 0, "model.ffn_dim_multiplier", "must be > 0")

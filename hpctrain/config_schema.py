@@ -92,6 +92,31 @@ class ModelConfig:
     qkv_bias: bool = field(default=False, metadata={"help": "llama: bias on q/k/v (Qwen2: true)"})
     tie_embeddings: bool = field(default=False, metadata={
         "help": "llama: the head shares the embedding's weight (gpt2 always ties)"})
+    # mixture of experts (hpctrain/model/moe.py); a [model.moe] table's keys are these without moe_
+    moe_experts: int = field(default=0, metadata={
+        "help": "llama: MoE: routed experts per sparse layer (0 = dense model)"})
+    moe_top_k: int = field(default=2, metadata={"help": "llama: MoE: experts each token is routed to"})
+    moe_expert_hidden: int = field(default=0, metadata={
+        "help": "llama: MoE: each expert's SwiGLU width (0 = the dense ffn width)"})
+    moe_shared_experts: int = field(default=0, metadata={
+        "help": "llama: MoE: always-on shared experts (Qwen2-MoE, DeepSeek), run as one SwiGLU"})
+    moe_shared_hidden: int = field(default=0, metadata={
+        "help": "llama: MoE: the shared experts' width (0 = moe_shared_experts x moe_expert_hidden)"})
+    moe_shared_gate: bool = field(default=False, metadata={
+        "help": "llama: MoE: scale the shared output by a learned sigmoid gate (Qwen2-MoE)"})
+    moe_gate: Literal["softmax", "sigmoid"] = field(default="softmax", metadata={
+        "help": "llama: MoE: router gates, 'softmax' (Mixtral, Qwen2-MoE) or 'sigmoid' (DeepSeek-V3)"})
+    moe_norm_topk_prob: bool = field(default=True, metadata={
+        "help": "llama: MoE: renormalize the top-k gates to sum to 1 (Mixtral: true; Qwen2-MoE: false)"})
+    moe_aux_loss_coef: float = field(default=0.0, metadata={
+        "help": "llama: MoE: weight of the Switch/Mixtral load-balancing loss (0 = off; Mixtral 0.02)"})
+    moe_bias_update_rate: float = field(default=0.0, metadata={
+        "help": "llama: MoE: DeepSeek-V3's auxiliary-loss-free balancing: the routing bias step per "
+                "optimizer step (0 = off; DeepSeek-V3 0.001)"})
+    moe_every: int = field(default=1, metadata={
+        "help": "llama: MoE: layer i is sparse when (i + 1) % moe_every == 0 (Qwen2-MoE's decoder_sparse_step)"})
+    moe_first_dense: int = field(default=0, metadata={
+        "help": "llama: MoE: the first layers stay dense (DeepSeek's first_k_dense_replace)"})
 
 
 @dataclass

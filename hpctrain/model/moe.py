@@ -109,7 +109,8 @@ class MoEFeedForward(nn.Module):
         shared = cfg.shared_hidden or hidden * cfg.n_shared_experts
         self.shared = Experts(1, dim, shared) if cfg.n_shared_experts else None
         self.shared_gate = nn.Linear(dim, 1, bias=False) if cfg.n_shared_experts and cfg.shared_gate else None
-        self.load = torch.zeros(cfg.n_experts, dtype=torch.int64)  # tokens routed, since the last read
+        self.load: torch.Tensor | None = None  # tokens routed since the last read (made at first use:
+        # a model built on the meta device has no data for it)
         self.last_aux_loss: torch.Tensor | None = None  # detached, read by the metrics hook
         self.last_entropy: torch.Tensor | None = None
 
@@ -140,14 +141,14 @@ class MoEFeedForward(nn.Module):
         if torch._C._current_graph_task_id() != -1:  # inside autograd's backward: recomputation
             return
         with torch.no_grad():
-            self.load = self.load.to(counts.device) + counts
+            self.load = counts.clone() if self.load is None else self.load.to(counts.device) + counts
             p = scores / scores.sum(-1, keepdim=True)
             self.last_entropy = -(p * p.clamp_min(1e-20).log()).sum(-1).mean()
 
     def take_load(self) -> torch.Tensor:
         """Tokens routed to each expert since the last call (then reset)."""
-        load, self.load = self.load, torch.zeros_like(self.load)
-        return load
+        load, self.load = self.load, None
+        return torch.zeros(self.cfg.n_experts, dtype=torch.int64) if load is None else load
 
     @torch.no_grad()
     def update_balance_bias(self, load: torch.Tensor) -> None:
