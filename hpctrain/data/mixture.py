@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .block_order import BlockOrder
+from hpctrain.errors import CheckpointError, ConfigError
 
-SHUFFLES = ("global", "block")
-STATE_KEYS = ("kind", "seed", "blend_seed", "epoch", "position", "n_samples", "global_batch",
-              "sizes", "parts")
+from .block_order import BlockOrder
+from .sampler import SHUFFLES, refuse_other_batch, state_problem
 
 
 def interleave(parts, seed: int) -> np.ndarray:
@@ -205,33 +204,27 @@ class MixtureSampler:
     def load_state_dict(self, state: dict) -> None:
         """Resume at the saved position in the saved order: the saved seeds and ``shuffle`` win
         over the constructor's; a state without ``shuffle`` (saved before #21) continues the
-        full-permutation ("global") order it was saved with."""
+        full-permutation ("global") order it was saved with.  CheckpointError for a state no
+        dataset can resume (hpctrain.data.sampler.state_problem), ConfigError for one saved on
+        another dataset, blend or global batch."""
+        problem = state_problem(state)
+        if problem:
+            raise CheckpointError(problem)
         if state.get("kind") != "blend":
-            raise ValueError("sampler state was saved for a plain (unblended) dataset but "
-                             "data.path is now a blend: the sample order cannot be resumed")
-        missing = [k for k in STATE_KEYS if k not in state]
-        if missing:
-            raise ValueError(f"sampler state is missing {missing}")
-        if [int(n) for n in state["sizes"]] != self.sizes.tolist():
-            raise ValueError(f"sampler state was saved for components of {state['sizes']} samples, "
-                             f"now {self.sizes.tolist()}: a component (or block_size) changed, "
-                             f"so the sample order cannot be resumed")
-        if [int(p) for p in state["parts"]] != self.parts.tolist():
-            raise ValueError(f"sampler state was saved with blend parts {state['parts']}, now "
-                             f"{self.parts.tolist()}: the blend's weights changed, so the sample "
-                             f"order cannot be resumed")
-        if int(state["global_batch"]) != self.global_batch:
-            raise ValueError(f"sampler state was saved with global_batch {state['global_batch']}, "
-                             f"now {self.global_batch}: refusing to resume a different schedule")
-        epoch, position = int(state["epoch"]), int(state["position"])
-        if epoch < 0 or not 0 <= position < self.n_samples:
-            raise ValueError(f"sampler state has invalid epoch/position {state}")
-        shuffle = state.get("shuffle", "global")
-        if shuffle == "block" and "block_shards" not in state:
-            raise ValueError("sampler state is missing ['block_shards'] (saved with shuffle 'block')")
-        if int(state["blend_seed"]) != self.blend_seed:  # the saved seeds win, as in GlobalSampler
-            self.blend_seed = int(state["blend_seed"])
+            raise ConfigError("sampler state was saved for a plain (unblended) dataset but "
+                              "data.path is now a blend: the sample order cannot be resumed")
+        if state["sizes"] != self.sizes.tolist():
+            raise ConfigError(f"sampler state was saved for components of {state['sizes']} "
+                              f"samples, now {self.sizes.tolist()}: a component (or block_size) "
+                              f"changed, so the sample order cannot be resumed")
+        if state["parts"] != self.parts.tolist():
+            raise ConfigError(f"sampler state was saved with blend parts {state['parts']}, now "
+                              f"{self.parts.tolist()}: the blend's weights changed, so the sample "
+                              f"order cannot be resumed")
+        refuse_other_batch(state, self.global_batch)
+        if state["blend_seed"] != self.blend_seed:  # the saved seeds win, as in GlobalSampler
+            self.blend_seed = state["blend_seed"]
             self._set_pattern()
-        self.seed = int(state["seed"])
-        self.samples = epoch * self.n_samples + position
-        self._set_order(shuffle, int(state.get("block_shards", self.block_shards)))
+        self.seed = state["seed"]
+        self.samples = state["epoch"] * self.n_samples + state["position"]
+        self._set_order(state.get("shuffle", "global"), state.get("block_shards", self.block_shards))

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpctrain.errors import ConfigError
+from hpctrain.checkpoint.disk_format import TRAINER_STATE_FILE
+from hpctrain.errors import CheckpointError, ConfigError
 
 from .block_order import BlockOrder
 
 SHUFFLES = ("global", "block")
 STATE_KEYS = ("seed", "epoch", "position", "n_samples", "global_batch")
+BLEND_STATE_KEYS = ("kind", *STATE_KEYS, "blend_seed", "sizes", "parts")  # hpctrain.data.mixture's
+KINDS = ("shards", "blend")  # "kind" of a state; absent: "shards" (a plain sharded dataset)
 
 
 class GlobalSampler:
@@ -166,39 +169,99 @@ class GlobalSampler:
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at the saved position in the saved order: the saved seed and ``shuffle`` win
-        over the constructor's (a checkpoint without ``shuffle`` was saved by the "global" order)."""
+        over the constructor's (a checkpoint without ``shuffle`` was saved by the "global" order).
+        CheckpointError for a state no dataset can resume (``state_problem``), ConfigError for
+        one saved on another dataset or global batch."""
+        problem = state_problem(state)
+        if problem:
+            raise CheckpointError(problem)
         if state.get("kind", "shards") != "shards":
-            raise ValueError(f"sampler state was saved for a {state.get('kind')} dataset but "
-                             f"data.path is now a plain sharded dataset: the sample order cannot "
-                             f"be resumed")
-        missing = [k for k in STATE_KEYS if k not in state]
-        if missing:
-            raise ValueError(f"sampler state is missing {missing}")
-        if int(state["n_samples"]) != self.n_samples:
-            raise ValueError(f"sampler state was saved for {state['n_samples']} samples but the "
-                             f"dataset now has {self.n_samples}: the dataset (or block_size) "
-                             f"changed, so the sample order cannot be resumed")
-        if int(state["global_batch"]) != self.global_batch:
-            raise ValueError(f"sampler state was saved with global_batch {state['global_batch']}, "
-                             f"now {self.global_batch}: refusing to resume a different schedule")
-        position = int(state["position"])
-        if not 0 <= position <= self.n_samples or int(state["epoch"]) < 0:
-            raise ValueError(f"sampler state has invalid epoch/position {state}")
-        shuffle = state.get("shuffle", "global")
-        if shuffle == "block" and "block_shards" not in state:
-            raise ValueError("sampler state is missing ['block_shards'] (saved with shuffle 'block')")
-        self.seed, self.epoch, self.position = int(state["seed"]), int(state["epoch"]), position
-        self._set_order(shuffle, int(state.get("block_shards", self.block_shards)))
+            raise ConfigError(f"sampler state was saved for a {state['kind']} dataset but "
+                              f"data.path is now a plain sharded dataset: the sample order cannot "
+                              f"be resumed")
+        if state["n_samples"] != self.n_samples:
+            raise ConfigError(f"sampler state was saved for {state['n_samples']} samples but the "
+                              f"dataset now has {self.n_samples}: the dataset (or block_size) "
+                              f"changed, so the sample order cannot be resumed")
+        refuse_other_batch(state, self.global_batch)
+        self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
+        self._set_order(state.get("shuffle", "global"), state.get("block_shards", self.block_shards))
+
+
+def refuse_other_batch(state: dict, global_batch: int) -> None:
+    """ConfigError when a sampler state was saved with another global batch than ``global_batch``."""
+    if state["global_batch"] != global_batch:
+        raise ConfigError(f"sampler state was saved with global_batch {state['global_batch']}, "
+                          f"now {global_batch}: refusing to resume a different schedule")
+
+
+def _is_count(value, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _problem_of_value(state: dict) -> str | None:
+    """The first key of ``state`` whose value no sampler takes, as "'sampler.KEY' is V, not ..."."""
+    for key in ("seed", "epoch", "position", "n_samples", "global_batch", "blend_seed"):
+        if key in state and not _is_count(state[key], 0):
+            return f"'sampler.{key}' is {state[key]!r}, not an integer >= 0"
+    if state.get("shuffle", "global") not in SHUFFLES:
+        return f"'sampler.shuffle' is {state['shuffle']!r}, not one of {', '.join(SHUFFLES)}"
+    if "block_shards" in state and not _is_count(state["block_shards"], 1):
+        return f"'sampler.block_shards' is {state['block_shards']!r}, not an integer >= 1"
+    for key in ("sizes", "parts"):
+        value = state.get(key, [1])
+        if not isinstance(value, list) or not value or not all(_is_count(v, 1) for v in value):
+            return f"'sampler.{key}' is {value!r}, not a list of integers >= 1"
+    if len(state.get("sizes", ())) != len(state.get("parts", ())):
+        return "'sampler.sizes' and 'sampler.parts' differ in length"
+    if sum(state.get("sizes", [state["n_samples"]])) != state["n_samples"]:
+        return f"'sampler.n_samples' is {state['n_samples']}, not the sum of 'sampler.sizes'"
+    last = state["n_samples"] - (state.get("kind") == "blend")  # a blend's position wraps at n
+    if state["position"] > last:
+        return f"'sampler.position' {state['position']} is past {last}, the last of its samples"
+    return None
+
+
+def state_problem(state) -> str | None:
+    """What makes a checkpoint's sampler entry unusable on any dataset, or None: not a JSON
+    object, an unknown kind, a key of its kind missing, a value of the wrong type or range, a
+    position past its samples (a damaged or hand-edited checkpoint, not another dataset)."""
+    if not isinstance(state, dict):
+        return "'sampler' is not a JSON object"
+    kind = state.get("kind", "shards")
+    if kind not in KINDS:
+        return f"'sampler.kind' is {kind!r}, not one of {', '.join(KINDS)}"
+    need = BLEND_STATE_KEYS if kind == "blend" else STATE_KEYS
+    if state.get("shuffle") == "block":
+        need = (*need, "block_shards")
+    missing = [k for k in need if k not in state]
+    if missing:
+        return f"'sampler.{missing[0]}' is missing" + (f" (+{len(missing) - 1} more)" if missing[1:] else "")
+    return _problem_of_value(state)
+
+
+def saved_sampler_state(saved: dict, where) -> dict:
+    """Checkpoint ``where``'s sampler entry (``saved``: its JSON state), checked by
+    ``state_problem``: a CheckpointError naming the file and the key where it is damaged (the
+    checkpoint manager then tries an older checkpoint)."""
+    state = saved.get("sampler")
+    problem = state_problem(state)
+    if problem:
+        raise CheckpointError(f"{where}/{TRAINER_STATE_FILE}: {problem} (a damaged or hand-edited "
+                              f"checkpoint; resume from an older one)")
+    return state
 
 
 def check_same_dataset(sampler, saved: dict, data_path: str, where) -> None:
     """A ConfigError naming data.path when checkpoint ``where``'s sample order (``saved``: its JSON
     state) cannot continue on the configured dataset (another dataset, a re-sharded one, a blend
-    instead of a plain one); what the sampler's load_state_dict would refuse, before any tensor
-    is loaded."""
+    instead of a plain one), a CheckpointError naming the file and key when its sampler entry is
+    damaged (``saved_sampler_state``); what the sampler's load_state_dict would refuse, before any
+    tensor is loaded."""
+    state = saved_sampler_state(saved, where)
     try:
-        sampler.copy().load_state_dict(saved.get("sampler", {}))
-    except ValueError as e:
+        sampler.copy().load_state_dict(state)
+    except ConfigError as e:
         was = saved.get("trainer", {}).get("config", {}).get("data", {}).get("path")
         hint = (f"the dataset changed since {where} was saved" if was in (None, data_path) else
                 f"{where} was trained on {was}: set data.path = \"{was}\" to resume it")

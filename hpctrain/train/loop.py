@@ -24,7 +24,7 @@ from hpctrain import config as config_mod
 from hpctrain.checkpoint import CheckpointManager
 from hpctrain.config import Config
 from hpctrain.config_rules import check_resume_batch, global_batch_line
-from hpctrain.data.sampler import check_same_dataset
+from hpctrain.data.sampler import check_same_dataset, saved_sampler_state
 from hpctrain.distributed import DistContext
 from hpctrain.distributed.bootstrap import mpi_library
 from hpctrain.distributed.preempt import NONE, Preemption
@@ -136,7 +136,7 @@ class Trainer:
         saved = self.ckpt.read_trainer_state(path)
         _check_same_model(saved["trainer"]["config"]["model"], self.cfg.to_dict()["model"], path)
         states = self.checkpoint_states(saved)  # the sync strategy refuses another mode's first
-        check_resume_batch(int(saved["sampler"]["global_batch"]), self.plan.train, self.plan.dp_size, path)
+        check_resume_batch(saved_sampler_state(saved, path)["global_batch"], self.plan.train, self.plan.dp_size, path)
         check_same_dataset(self.data.sampler, saved, self.cfg.data.path, path)
         self.ckpt.load_states(path, states)
         self.sync.after_load(self.step)

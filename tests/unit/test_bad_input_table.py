@@ -85,20 +85,25 @@ def resume_on_another_dataset(s: Setup):
             ["data.path", str(s.other), str(s.dataset)])
 
 
+def rewrite_state(ckpt: Path, edit):
+    """Checkpoint `ckpt`'s trainer_state.json edited by `edit(state)` (returned) and its sha256
+    and size in COMMIT.json recomputed, so only the state's own check can refuse it."""
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    key = edit(state)
+    data = json.dumps(state).encode()
+    (ckpt / "trainer_state.json").write_bytes(data)
+    commit = json.loads((ckpt / "COMMIT.json").read_text())
+    commit["files"]["trainer_state.json"] = {"size": len(data),
+                                             "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "COMMIT.json").write_text(json.dumps(commit))
+    return key
+
+
 def edited_state(name: str, edit):
-    """The trained checkpoint with trainer_state.json edited and its sha256 and size in
-    COMMIT.json recomputed, so only the state's own check can refuse it."""
+    """The trained checkpoint with trainer_state.json edited (rewrite_state)."""
     def row(s: Setup):
         run = s.run_copy()
-        ckpt = run / "checkpoints" / "step_00000002"
-        state = json.loads((ckpt / "trainer_state.json").read_text())
-        key = edit(state)
-        data = json.dumps(state).encode()
-        (ckpt / "trainer_state.json").write_bytes(data)
-        commit = json.loads((ckpt / "COMMIT.json").read_text())
-        commit["files"]["trainer_state.json"] = {"size": len(data),
-                                                 "sha256": hashlib.sha256(data).hexdigest()}
-        (ckpt / "COMMIT.json").write_text(json.dumps(commit))
+        key = rewrite_state(run / "checkpoints" / "step_00000002", edit)
         # the one error line names the run's checkpoints (none can be resumed); the warning
         # above it names the file and the key
         return s.train_args("--train.steps=4", run=run), run, [str(run / "checkpoints")], \
@@ -111,6 +116,16 @@ def _set(entry, key, value):
     def edit(state):
         state[entry][key] = value
         return f"{entry}.{key}"
+    return edit
+
+
+def _drop(entry, key=None):
+    def edit(state):
+        if key:
+            del state[entry][key]
+            return f"{entry}.{key}"
+        del state[entry]
+        return entry
     return edit
 
 
@@ -145,6 +160,12 @@ ROWS = [config_row("--train.lr=-1", key="train.lr"),
         edited_state("state_step_negative", _set("trainer", "step", -5)),
         edited_state("state_position_past_the_data", _set("sampler", "position", 10**12)),
         edited_state("state_step_not_its_folders", _set("trainer", "step", 1)),
+        # the sampler's entry: KeyError tracebacks, or blamed on data.path, before #33
+        edited_state("state_sampler_missing", _drop("sampler")),
+        edited_state("state_sampler_global_batch_missing", _drop("sampler", "global_batch")),
+        edited_state("state_sampler_shuffle_unknown", _set("sampler", "shuffle", "zigzag")),
+        edited_state("state_sampler_block_shards_zero", _set("sampler", "block_shards", 0)),
+        edited_state("state_sampler_kind_unknown", _set("sampler", "kind", "mystery")),
         sample_row("--temperature", "nan"), sample_row("--top-k", "-3"),
         sample_row("--tokens", "-5"), export_into_a_folder_with_files]
 
@@ -162,6 +183,37 @@ def test_bad_input_is_one_line_naming_it(tmp_path, dataset, trained, other_datas
     assert all(n in r.stderr for n in (also[0] if also else ())), r.stderr
     assert checksums(watched) == before
     assert not (tmp_path / "new-run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("change", ["damaged_sampler", "other_dataset"])
+def test_only_a_damaged_checkpoint_falls_back_to_an_older_one(tmp_path, dataset, trained,  # noqa: F811
+                                                              other_dataset, change):
+    """Beside the newest checkpoint (step 2) an intact older one (step 1, the same state): a
+    damaged sampler entry in the newest is skipped with a warning naming it and the key, and step
+    1 resumes; a config change is refused on the newest with one error line naming data.path,
+    never by falling back (every checkpoint of the run would refuse it)."""
+    s = Setup(tmp_path, dataset, trained, other_dataset)
+    run = s.run_copy()
+    newest, older = run / "checkpoints" / "step_00000002", run / "checkpoints" / "step_00000001"
+    shutil.copytree(newest, older)
+    rewrite_state(older, _set("trainer", "step", 1))
+    commit = json.loads((older / "COMMIT.json").read_text())
+    (older / "COMMIT.json").write_text(json.dumps({**commit, "step": 1}))
+    if change == "damaged_sampler":
+        rewrite_state(newest, _set("sampler", "shuffle", "zigzag"))
+        args = s.train_args("--train.steps=3", run=run)
+    else:
+        args = s.train_args("--train.steps=3", f"--data.path={s.other}", run=run)
+    r = run_cmd([sys.executable, "-m", *map(str, args)], timeout=180)
+    assert "Traceback" not in r.stderr, r.stderr
+    if change == "damaged_sampler":
+        assert r.returncode == 0, r.stderr
+        assert f"skipping checkpoint {newest}" in r.stderr and "sampler.shuffle" in r.stderr, r.stderr
+        assert f"resumed from {older} at step 1" in r.stderr, r.stderr
+    else:
+        lines = [l for l in r.stderr.splitlines() if l.startswith("error: ")]
+        assert r.returncode == 2 and "skipping checkpoint" not in r.stderr, r.stderr
+        assert len(lines) == 1 and "'data.path'" in lines[0] and str(newest) in lines[0], r.stderr
 
 
 def test_export_force_replaces_only_its_own_files(tmp_path, trained):

@@ -20,6 +20,7 @@ from hpctrain.data import (BlendShards, GlobalSampler, MixtureSampler, TokenShar
                            open_split, split_for_rank)
 from hpctrain.data.cache import NodeCache
 from hpctrain.data.mixture import interleave
+from hpctrain.errors import ConfigError
 from tests.conftest import TINY_MODEL
 
 QUIET = dict(progress=False, log=lambda m: None)
@@ -179,13 +180,13 @@ def test_same_order_for_any_dp_size_and_exact_resume(parts_dir):
     assert r.steps_done == 23
     for k in range(23, 60):
         assert np.array_equal(r.next_indices(), ref[k])
-    with pytest.raises(ValueError, match="weights changed"):
+    with pytest.raises(ConfigError, match="weights changed"):
         MixtureSampler(ds.sizes, [2, 1], gb, 5, ds.seed).load_state_dict(state)
-    with pytest.raises(ValueError, match="component .* changed"):
+    with pytest.raises(ConfigError, match="component .* changed"):
         MixtureSampler(ds.sizes + 1, ds.parts, gb, 5, ds.seed).load_state_dict(state)
-    with pytest.raises(ValueError, match="plain .* now a blend"):
+    with pytest.raises(ConfigError, match="plain .* now a blend"):
         r.load_state_dict(GlobalSampler(len(ds), gb, 5).state_dict())
-    with pytest.raises(ValueError, match="blend dataset but data.path is now a plain"):
+    with pytest.raises(ConfigError, match="blend dataset but data.path is now a plain"):
         GlobalSampler(len(ds), gb, 5).load_state_dict(state)
 
 

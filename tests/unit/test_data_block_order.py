@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from hpctrain.data.sampler import GlobalSampler, split_for_rank
+from hpctrain.errors import CheckpointError
 
 
 def windows(n_shards, seed=0, high=40):
@@ -111,7 +112,7 @@ def test_state_records_the_order_and_resumes_exactly():
     for _ in range(30):
         assert np.array_equal(s.next_indices(), r.next_indices())
     del state["block_shards"]
-    with pytest.raises(ValueError, match="block_shards"):
+    with pytest.raises(CheckpointError, match="block_shards"):
         r.load_state_dict(state)
 
 

@@ -12,6 +12,7 @@ import pytest
 from hpctrain.data.mixture import MixtureSampler, interleave
 from hpctrain.data.prefetch import DataFeed
 from hpctrain.data.sampler import split_for_rank
+from hpctrain.errors import CheckpointError
 
 
 def windows(n_shards, seed, high=40):
@@ -94,7 +95,7 @@ def test_resume_mid_epoch_is_exact_and_the_saved_order_wins():
         assert np.array_equal(r.next_indices(), ref[k]), k
     assert np.array_equal(r.copy().indices_at(31), ref[31])
     del state["block_shards"]
-    with pytest.raises(ValueError, match="block_shards"):
+    with pytest.raises(CheckpointError, match="block_shards"):
         r.load_state_dict(state)
 
 

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from hpctrain.data.sampler import GlobalSampler, split_for_rank
+from hpctrain.errors import ConfigError
 
 
 def test_deterministic_and_matches_spec():
@@ -54,7 +55,7 @@ def test_state_round_trip_resumes_exactly():
     r.load_state_dict(state)
     for _ in range(20):
         assert np.array_equal(s.next_indices(), r.next_indices())
-    with pytest.raises(ValueError, match="dataset .* changed"):
+    with pytest.raises(ConfigError, match="dataset .* changed"):
         GlobalSampler(38, 5, seed=9).load_state_dict(state)
 
 
