@@ -89,12 +89,16 @@ def to_hf_gpt2(sd: dict, m: dict) -> tuple[dict, dict]:
 
 def to_hf_llama(sd: dict, m: dict) -> tuple[dict, dict]:
     """(HF state dict, config.json dict) of a model.arch = "llama" checkpoint: Qwen2ForCausalLM
-    with model.qkv_bias, else LlamaForCausalLM (names: hpctrain/interop/hf_llama.py)."""
+    with model.qkv_bias, else LlamaForCausalLM; with experts MixtralForCausalLM or, with a gated
+    shared expert, Qwen2MoeForCausalLM (names: hpctrain/interop/hf_llama.py, hf_moe.py)."""
     from hpctrain.interop import hf_llama
 
-    config = hf_llama.hf_config(m, "qwen2" if m.get("qkv_bias") else "llama")
+    from hpctrain.interop import hf_moe
+
+    moe_kind = hf_moe.moe_type(m) if m.get("moe_experts") else None
+    config = hf_llama.hf_config(m, moe_kind or ("qwen2" if m.get("qkv_bias") else "llama"))
     tied = bool(m.get("tie_embeddings"))
-    tensors = hf_llama.to_hf_state_dict({k: v.float().contiguous() for k, v in sd.items()}, tied)
+    tensors = hf_llama.to_hf_state_dict({k: v.float().contiguous() for k, v in sd.items()}, tied, moe_kind)
     return tensors, config
 
 

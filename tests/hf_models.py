@@ -36,6 +36,11 @@ HF_CASES = {
     "mistral": ("MistralConfig", dict(num_key_value_heads=1, sliding_window=None)),
     "qwen2_tied": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "gpt2": ("GPT2Config", dict(n_layer=2, n_head=4, n_embd=32, n_positions=32, vocab_size=131)),
+    "mixtral": ("MixtralConfig", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                      sliding_window=None)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                                         decoder_sparse_step=2, norm_topk_prob=False)),
 }
 
 

@@ -162,14 +162,18 @@ def gpt2_source(fqn: str, width: int) -> tuple[str, bool, int]:
     return hf + f"{name}.{kind}", transposed, 0
 
 
-def source_of(fqn: str, section: dict) -> tuple[str, bool, int]:
-    from hpctrain.interop import hf_llama
+def source_of(fqn: str, section: dict) -> tuple[str, bool, int] | None:
+    """(HF tensor name, transposed, row offset) our parameter is read from; '{e}' in the name: one
+    tensor per expert, stacked; None: a parameter HF does not have (the MoE balancing bias)."""
+    from hpctrain.interop import hf_llama, hf_moe
 
     if section.get("arch", "gpt2") == "gpt2":
         return gpt2_source(fqn, section["n_embd"])
     if fqn == "lm_head.weight" and section.get("tie_embeddings"):
         return "model.embed_tokens.weight", False, 0
-    return hf_llama.to_hf_name(fqn), False, 0
+    kind = hf_moe.moe_type(section) if section.get("moe_experts") else None
+    name = hf_llama.to_hf_name(fqn, kind)
+    return None if name is None else (name, False, 0)
 
 
 def local_region(param) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -185,8 +189,16 @@ def local_region(param) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def read_region(files: WeightFiles, source: tuple[str, bool, int], offset, shape):
-    """Our tensor's [offset : offset + shape] region, read from the file alone."""
+    """Our tensor's [offset : offset + shape] region, read from the file alone (a stacked-experts
+    tensor: the experts it holds, each one's region; a shared expert: HF's 2-D tensor)."""
+    import torch
+
     name, transposed, shift = source
+    if len(shape) == 3:
+        if "{e}" not in name:
+            return read_region(files, source, offset[1:], shape[1:])[None]
+        return torch.stack([read_region(files, (name.format(e=e), transposed, shift), offset[1:], shape[1:])
+                            for e in range(offset[0], offset[0] + shape[0])])
     sl = files.slice(name)
     rows = slice(shift + offset[0], shift + offset[0] + shape[0])
     if len(shape) == 1:
@@ -209,7 +221,10 @@ def load_weights(model, folder: str | Path, section: dict) -> int:
             if id(param) in done:
                 continue
             offset, shape = local_region(param)
-            part = read_region(files, source_of(fqn, section), offset, shape)
+            source = source_of(fqn, section)
+            if source is None:  # no HF tensor: keeps its initial value (the balancing bias: 0)
+                continue
+            part = read_region(files, source, offset, shape)
             local = param.to_local() if isinstance(param, DTensor) else param
             if tuple(part.shape) == tuple(local.shape) and tuple(shape) != tuple(param.shape):
                 local.copy_(part)

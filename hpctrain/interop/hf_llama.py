@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 from hpctrain.errors import UserError
+from hpctrain.interop import hf_moe
 
 # ours (inside blocks.{i}.) -> HF (inside model.layers.{i}.)
 _BLOCK = {"norm1.weight": "input_layernorm.weight", "norm2.weight": "post_attention_layernorm.weight",
@@ -27,14 +28,18 @@ _TOP_BACK = {v: k for k, v in _TOP.items()}
 _HF_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", **hf_moe.MOE_TYPES}
+_HF_MOE = re.compile(r"model\.layers\.(\d+)\.(block_sparse_moe\.|mlp\.(experts|gate|shared_expert|shared_expert_gate)\.)")
 
 
-def to_hf_name(name: str) -> str:
-    """Our parameter name (as in Llama.state_dict()) -> HF's."""
+def to_hf_name(name: str, moe_kind: str | None = None) -> str | None:
+    """Our parameter name (as in Llama.state_dict()) -> HF's ('{e}' in it: one per expert; None:
+    the MoE balancing bias, which HF has no tensor for)."""
     if name in _TOP:
         return _TOP[name]
     m = re.fullmatch(r"blocks\.(\d+)\.(.+)", name)
+    if m is not None and moe_kind is not None and hf_moe.is_moe_param(m.group(2)):
+        return hf_moe.hf_moe_name(m.group(1), m.group(2), moe_kind)
     if m is None or m.group(2) not in _BLOCK:
         raise UserError(f"parameter {name!r}: not a parameter of hpctrain's llama architecture")
     return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}"
@@ -52,18 +57,30 @@ def from_hf_name(name: str) -> str | None:
     return f"blocks.{m.group(1)}.{_BLOCK_BACK[m.group(2)]}"
 
 
-def to_hf_state_dict(state: dict, tied: bool) -> dict:
-    """Our state dict -> HF's (a tied head is saved once, as the embedding, as HF does)."""
-    return {to_hf_name(k): v for k, v in state.items() if not (tied and k == "lm_head.weight")}
+def to_hf_state_dict(state: dict, tied: bool, moe_kind: str | None = None) -> dict:
+    """Our state dict -> HF's (a tied head is saved once, as the embedding, as HF does; stacked
+    experts split one tensor per expert)."""
+    moe = {k: v for k, v in state.items() if moe_kind and re.fullmatch(r"blocks\.\d+\.mlp\..+", k)
+           and hf_moe.is_moe_param(k.split(".", 2)[2])}
+    dense = {to_hf_name(k): v for k, v in state.items()
+             if k not in moe and not (tied and k == "lm_head.weight")}
+    return {**dense, **(hf_moe.split_experts(moe, moe_kind) if moe else {})}
 
 
-def from_hf_state_dict(state: dict, tied: bool) -> dict:
-    """HF's state dict -> ours; with tied embeddings lm_head.weight is the embedding."""
-    out = {}
+def from_hf_state_dict(state: dict, tied: bool, moe_kind: str | None = None) -> dict:
+    """HF's state dict -> ours; with tied embeddings lm_head.weight is the embedding; the experts
+    of `moe_kind`'s sparse layers stacked."""
+    out, moe_layers = {}, set()
     for k, v in state.items():
+        hit = _HF_MOE.match(k) if moe_kind else None
+        if hit:
+            moe_layers.add(int(hit.group(1)))
+            continue
         ours = from_hf_name(k)
         if ours is not None:
             out[ours] = v
+    if moe_layers:
+        out.update(hf_moe.stack_experts(state, moe_kind, sorted(moe_layers)))
     if tied:
         out["lm_head.weight"] = out["tok_emb.weight"]
     return out
@@ -95,6 +112,8 @@ def hf_config(model: dict, model_type: str = "llama") -> dict:
                             "equivalent: export it as qwen2")
     elif model_type == "mistral":
         cfg["sliding_window"] = None
+    if model_type in hf_moe.MOE_TYPES:
+        cfg.update(hf_moe.hf_moe_config(c, model_type))
     return cfg
 
 
@@ -111,7 +130,7 @@ def model_section_from_hf(cfg: dict) -> dict:
     n_head, width = cfg["num_attention_heads"], cfg["hidden_size"]
     if cfg.get("head_dim") not in (None, width // n_head):
         raise UserError(f"config.json: head_dim {cfg['head_dim']} != hidden_size / num_attention_heads")
-    if kind == "mistral" and cfg.get("sliding_window") not in (None, 0) \
+    if kind in ("mistral", "mixtral") and cfg.get("sliding_window") not in (None, 0) \
             and cfg["sliding_window"] < cfg.get("max_position_embeddings", 0):
         raise UserError(f"config.json: sliding_window {cfg['sliding_window']}: not supported")
     # transformers >= 5 writes "rope_parameters" (theta inside), 4.x "rope_theta" + "rope_scaling"
@@ -121,7 +140,10 @@ def model_section_from_hf(cfg: dict) -> dict:
                "block_size": cfg.get("max_position_embeddings", 2048), "vocab_size": cfg["vocab_size"],
                "ffn_hidden": cfg["intermediate_size"], "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6),
                "rope_theta": float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-               "qkv_bias": kind == "qwen2", "tie_embeddings": bool(cfg.get("tie_word_embeddings", False))}
+               "qkv_bias": kind in ("qwen2", "qwen2_moe"),
+               "tie_embeddings": bool(cfg.get("tie_word_embeddings", False))}
+    if kind in hf_moe.MOE_TYPES:
+        section.update(hf_moe.moe_section_from_hf(cfg))
     rope_kind = rope.get("rope_type", rope.get("type", "default"))
     if rope_kind not in ("default", "llama3"):
         raise UserError(f"config.json: rope scaling {rope!r}: only rope_type 'llama3' is supported")

@@ -25,6 +25,10 @@ GPT2 = {"arch": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 3
         "vocab_size": 50304, "dropout": 0.0}
 LLAMA = {"arch": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32, "block_size": 32,
          "vocab_size": 50304, "dropout": 0.0, "rope_theta": 500000.0}
+MIXTRAL = {**LLAMA, "moe_experts": 4, "moe_top_k": 2}
+QWEN2_MOE = {**LLAMA, "qkv_bias": True, "ffn_hidden": 80, "moe_experts": 4, "moe_top_k": 2,
+             "moe_expert_hidden": 24, "moe_shared_experts": 1, "moe_shared_hidden": 40,
+             "moe_shared_gate": True, "moe_norm_topk_prob": False, "moe_every": 2}
 GPT2_TOKENIZER = {"name": "gpt2", "eot_id": 50256, "vocab_size": 50257}
 
 
@@ -46,7 +50,8 @@ def save_run(run, section: dict, seed: int = 5):
     return model.eval()
 
 
-@pytest.mark.parametrize("section", [GPT2, LLAMA], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("section", [GPT2, LLAMA, MIXTRAL, QWEN2_MOE],
+                         ids=["gpt2", "llama", "mixtral", "qwen2_moe"])
 def test_export_shards_and_writes_the_tokenizer(section, tmp_path):
     model = save_run(tmp_path / "run", section)
     out = tmp_path / "hf"
