@@ -160,12 +160,6 @@ ROWS = [config_row("--train.lr=-1", key="train.lr"),
         edited_state("state_step_negative", _set("trainer", "step", -5)),
         edited_state("state_position_past_the_data", _set("sampler", "position", 10**12)),
         edited_state("state_step_not_its_folders", _set("trainer", "step", 1)),
-        # the sampler's entry: KeyError tracebacks, or blamed on data.path, before #33
-        edited_state("state_sampler_missing", _drop("sampler")),
-        edited_state("state_sampler_global_batch_missing", _drop("sampler", "global_batch")),
-        edited_state("state_sampler_shuffle_unknown", _set("sampler", "shuffle", "zigzag")),
-        edited_state("state_sampler_block_shards_zero", _set("sampler", "block_shards", 0)),
-        edited_state("state_sampler_kind_unknown", _set("sampler", "kind", "mystery")),
         sample_row("--temperature", "nan"), sample_row("--top-k", "-3"),
         sample_row("--tokens", "-5"), export_into_a_folder_with_files]
 
@@ -185,35 +179,58 @@ def test_bad_input_is_one_line_naming_it(tmp_path, dataset, trained, other_datas
     assert not (tmp_path / "new-run" / "checkpoints").exists()
 
 
-@pytest.mark.parametrize("change", ["damaged_sampler", "other_dataset"])
-def test_only_a_damaged_checkpoint_falls_back_to_an_older_one(tmp_path, dataset, trained,  # noqa: F811
-                                                              other_dataset, change):
-    """Beside the newest checkpoint (step 2) an intact older one (step 1, the same state): a
-    damaged sampler entry in the newest is skipped with a warning naming it and the key, and step
-    1 resumes; a config change is refused on the newest with one error line naming data.path,
-    never by falling back (every checkpoint of the run would refuse it)."""
+def copy_as_step(run: Path, step: int, edit=None) -> Path:
+    """The run's step-2 checkpoint copied as step `step` (trainer.step and COMMIT.json's step
+    rewritten: an intact checkpoint), its trainer_state.json also edited by `edit`."""
+    ckpt = run / "checkpoints" / f"step_{step:08d}"
+    shutil.copytree(run / "checkpoints" / "step_00000002", ckpt)
+
+    def edits(state):
+        state["trainer"]["step"] = step
+        return edit(state) if edit else None
+    rewrite_state(ckpt, edits)
+    commit = json.loads((ckpt / "COMMIT.json").read_text())
+    (ckpt / "COMMIT.json").write_text(json.dumps({**commit, "step": step}))
+    return ckpt
+
+
+# A sampler entry damaged five ways (before #33: KeyError tracebacks, or refused as another data.path)
+DAMAGED_SAMPLER = {"sampler": _drop("sampler"), "sampler.global_batch": _drop("sampler", "global_batch"),
+                   "sampler.shuffle": _set("sampler", "shuffle", "zigzag"),
+                   "sampler.block_shards": _set("sampler", "block_shards", 0),
+                   "sampler.kind": _set("sampler", "kind", "mystery")}
+
+
+def test_damaged_sampler_entries_fall_back_to_an_intact_checkpoint(tmp_path, dataset, trained,  # noqa: F811
+                                                                   other_dataset):
+    """Steps 3-7: copies of the step-2 checkpoint, each with its sampler entry damaged one way of
+    DAMAGED_SAMPLER: one launch skips each with a warning naming its trainer_state.json and the
+    key, and resumes step 2."""
     s = Setup(tmp_path, dataset, trained, other_dataset)
     run = s.run_copy()
-    newest, older = run / "checkpoints" / "step_00000002", run / "checkpoints" / "step_00000001"
-    shutil.copytree(newest, older)
-    rewrite_state(older, _set("trainer", "step", 1))
-    commit = json.loads((older / "COMMIT.json").read_text())
-    (older / "COMMIT.json").write_text(json.dumps({**commit, "step": 1}))
-    if change == "damaged_sampler":
-        rewrite_state(newest, _set("sampler", "shuffle", "zigzag"))
-        args = s.train_args("--train.steps=3", run=run)
-    else:
-        args = s.train_args("--train.steps=3", f"--data.path={s.other}", run=run)
+    damaged = {key: copy_as_step(run, step, edit)
+               for step, (key, edit) in enumerate(DAMAGED_SAMPLER.items(), start=3)}
+    r = run_cmd([sys.executable, "-m", *map(str, s.train_args("--train.steps=3", run=run))], timeout=180)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    skipped = [line for line in r.stderr.splitlines() if "skipping checkpoint" in line]
+    assert len(skipped) == len(damaged), r.stderr
+    for key, ckpt in damaged.items():
+        assert sum(f"{ckpt}/trainer_state.json: '{key}'" in line for line in skipped) == 1, (key, r.stderr)
+    assert f"resumed from {run / 'checkpoints' / 'step_00000002'} at step 2" in r.stderr, r.stderr
+
+
+def test_a_config_change_never_falls_back_to_an_older_checkpoint(tmp_path, dataset, trained,  # noqa: F811
+                                                                 other_dataset):
+    """Another data.path with two intact checkpoints (steps 3 and 2): one error line naming
+    data.path and the newest, exit 2, nothing skipped (every checkpoint of the run would refuse it)."""
+    s = Setup(tmp_path, dataset, trained, other_dataset)
+    run = s.run_copy()
+    newest = copy_as_step(run, 3)
+    args = s.train_args("--train.steps=4", f"--data.path={s.other}", run=run)
     r = run_cmd([sys.executable, "-m", *map(str, args)], timeout=180)
-    assert "Traceback" not in r.stderr, r.stderr
-    if change == "damaged_sampler":
-        assert r.returncode == 0, r.stderr
-        assert f"skipping checkpoint {newest}" in r.stderr and "sampler.shuffle" in r.stderr, r.stderr
-        assert f"resumed from {older} at step 1" in r.stderr, r.stderr
-    else:
-        lines = [l for l in r.stderr.splitlines() if l.startswith("error: ")]
-        assert r.returncode == 2 and "skipping checkpoint" not in r.stderr, r.stderr
-        assert len(lines) == 1 and "'data.path'" in lines[0] and str(newest) in lines[0], r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "skipping" not in r.stderr, r.stderr
+    assert len(lines) == 1 and "'data.path'" in lines[0] and str(newest) in lines[0], r.stderr
 
 
 def test_export_force_replaces_only_its_own_files(tmp_path, trained):
