@@ -86,7 +86,7 @@ class AsyncDiLoCo(AsynchronousStrategy):
         self.round_lr_sum, self.train_cfg = 0.0, cfg.train  # the inner lr over the round (outer.py)
         self.round_caught_up = 0  # others' arrivals added to my weights during this round
         self.pending: dict = {}
-        self._optim = self._stash = self._outer = None
+        self._stash = self._outer = None
         self._arrivals, self._finished, self._step_at_meeting = 0, False, 0
         self._step_times = [0] * self.n_workers
         self.logged_step, self.arrivals_since_line, self.pseudo_grad_norm = 0, 0, 0.0
@@ -293,7 +293,7 @@ class AsyncDiLoCo(AsynchronousStrategy):
             counters = [self.round_steps, self.steps_this_round, self.last_arrival, self.windows.bytes_moved]
             state["replica"] = {self.state_key: {
                 "local": torch.from_numpy(local.copy()), "start": torch.from_numpy(self.start.copy()),
-                "optim": _local_optim_state(self._optim), "counters": torch.tensor(counters, dtype=torch.int64),
+                "optim": _local_optim_state(self.local_optim), "counters": torch.tensor(counters, dtype=torch.int64),
                 "round_compute_s": torch.tensor([self.round_compute_s], dtype=torch.float64),
                 "round_lr_sum": torch.tensor([self.round_lr_sum], dtype=torch.float64)}}
         return state
@@ -304,7 +304,7 @@ class AsyncDiLoCo(AsynchronousStrategy):
         if not self.trains:
             return
         mine = state["replica"][self.state_key]
-        _load_local_optim_state(self._optim, mine["optim"])
+        _load_local_optim_state(self.local_optim, mine["optim"])
         assign(self.params, mine["local"].numpy())
         self.start = mine["start"].numpy().copy()
         self.round_steps, self.steps_this_round, self.last_arrival, self.windows.bytes_moved = (

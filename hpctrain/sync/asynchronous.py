@@ -128,7 +128,7 @@ class AsynchronousStrategy(SyncStrategy):
 
     count_key = "workers"  # the checkpoint's "sync" entry: how many workers wrote it
 
-    def checkpoint_states(self, model, optim, saved: dict | None = None) -> dict:
+    def checkpoint_states(self, saved: dict | None = None) -> dict:
         """{"model": the global model, "sync": this strategy (per-worker state inside)}; a
         checkpoint of another mode or another number of workers is refused, naming the key."""
         if saved is not None:
@@ -137,8 +137,7 @@ class AsynchronousStrategy(SyncStrategy):
                 raise ConfigError(f"config key 'sync.ps_servers': the checkpoint was written with "
                                   f"{saved.get(self.count_key)} {self.count_key}, now {self.n_workers}; "
                                   f"resume with the same ranks and servers, or use a new run.dir")
-        self._optim = optim
-        return {"model": model, "sync": self}
+        return {"model": self.local_model, "sync": self}
 
     def mean_over_replicas(self, value: float) -> float:
         return self.workers.allreduce(value) / self.workers.size

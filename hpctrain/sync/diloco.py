@@ -117,8 +117,7 @@ class DiLoCo(SyncStrategy):
         self.is_main = mesh.rank == 0  # measures what its round line says
         self.round_log: dict = {}  # since the last round line: the last norm, the summed waits
         self.logged_step = 0
-        self._local = None  # (ModelState, OptimState) of this replica, from checkpoint_states
-        self._from_synchronous = False
+        self._from_synchronous = False  # before_load: the checkpoint was written with sync.mode='sync'
 
     # ---- the schedule -----------------------------------------------------------------------
     def due(self, step: int) -> list[int]:
@@ -241,19 +240,20 @@ class DiLoCo(SyncStrategy):
             self.pool.shutdown(wait=True)
 
     # ---- checkpoint state -------------------------------------------------------------------
-    def checkpoint_states(self, model, optim, saved: dict | None = None) -> dict:
+    def checkpoint_states(self, saved: dict | None = None) -> dict:
         """The checkpoint's entries: "model" is the global model (what export/sample read) and
         "sync" this object: outer momentum and pending averages (same on all replicas), and this
         replica's local weights + inner optimizer (+ with overlap its round start point) under
         "replica.<dp index>". `saved`: the "sync" entry of a checkpoint about to be loaded; one
-        written with sync.mode='sync' loads as it was saved and DiLoCo starts from it."""
-        self._local = (model, optim)
+        written with sync.mode='sync' loads as it was saved and DiLoCo starts from it (before_load)."""
         if saved is not None and saved.get("mode", "sync") != "diloco":
-            self._from_synchronous = True
-            return {"model": model, "optim": optim}
+            return {"model": self.local_model, "optim": self.local_optim}
         if saved is not None:
             self._check_saved(saved)
         return {"model": _GlobalModel(self), "sync": self}
+
+    def before_load(self, saved: dict) -> None:
+        self._from_synchronous = saved.get("mode", "sync") != "diloco"
 
     def _check_saved(self, saved: dict) -> None:
         if saved.get("replicas") != self.replicas:
@@ -274,7 +274,7 @@ class DiLoCo(SyncStrategy):
     def state_dict(self) -> dict:
         for f in range(len(self.fragments)):
             self._resolve(f)  # an in-flight average is part of the state: finish it first
-        model, optim = self._local
+        model, optim = self.local_model, self.local_optim
         local = model.state_dict()
         replica = {"model": local, "optim": optim.state_dict()}
         outer = {"momentum": self._by_name(self.momentum, local)}
@@ -289,7 +289,7 @@ class DiLoCo(SyncStrategy):
     def load_state_dict(self, state: dict) -> None:
         """Tensors (anchor, momentum, pending, start) were loaded in place; the local model and
         inner optimizer go through their own objects."""
-        model, optim = self._local
+        model, optim = self.local_model, self.local_optim
         replica = state["replica"][str(self.replica)]
         model.load_state_dict(replica["model"])
         optim.load_state_dict(replica["optim"])
@@ -318,7 +318,7 @@ class _GlobalModel:
         self.diloco = diloco
 
     def state_dict(self) -> dict:
-        local = self.diloco._local[0].state_dict()
+        local = self.diloco.local_model.state_dict()
         return {**local, **self.diloco._by_name(self.diloco.anchor, local)}
 
     def load_state_dict(self, state: dict) -> None:

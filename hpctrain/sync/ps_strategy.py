@@ -47,7 +47,6 @@ class ParameterServerSGD(AsynchronousStrategy):
         self.ps = ParameterServer(ctx.comm, flat(self.params), cfg.sync.ps_servers)
         self.flags = self.ps
         self._pulled, self.lag = None, 0
-        self._optim = None
 
     # ---- a worker's step ------------------------------------------------------------------------
     def before_step(self, step: int, stop_aware: bool = True, until: int | None = None) -> bool:
@@ -86,12 +85,12 @@ class ParameterServerSGD(AsynchronousStrategy):
     def state_dict(self) -> dict:
         state = {"mode": self.mode, "workers": self.n_workers, "bytes_moved": self.ps.bytes_moved}
         if self.trains:
-            state["replica"] = {str(self.ctx.rank): {"optim": self._optim.state_dict()}}
+            state["replica"] = {str(self.ctx.rank): {"optim": self.local_optim.state_dict()}}
         return state
 
     def load_state_dict(self, state: dict) -> None:
         if self.trains:
-            self._optim.load_state_dict(state["replica"][str(self.ctx.rank)]["optim"])
+            self.local_optim.load_state_dict(state["replica"][str(self.ctx.rank)]["optim"])
         self.ps.bytes_moved = int(state["bytes_moved"])
 
     def after_load(self, step: int) -> None:

@@ -5,9 +5,15 @@ training loop (hpctrain/train/loop.py) at fixed points:
     after_step(step)                         DiLoCo: end a round; ps: push the update
     stop_reason(preempt, step) -> int        per step: has the job been asked to stop?
     meet(preempt, step, stop, end) -> (step, stop)   at a checkpoint step: where every rank stops
-    before_save() / after_save()             around a checkpoint (ps: pull the servers' model)
-    checkpoint_states(model, optim, saved)   the checkpoint's entries in this mode
-    state_dict() / load_state_dict(), after_load()   its own "sync" entry
+    before_save() / after_save()             around a checkpoint (ps: pull the servers' model);
+                                             registered as the loop's save hooks (train/hooks.py)
+    bind_local_state(model, optim)           once, from the loop: this rank's model and optimizer
+                                             state (Stateful wrappers), what the checkpoint holds
+    checkpoint_states(saved) -> dict         the checkpoint's entries in this mode; reads only
+                                             (raises for a checkpoint it cannot resume)
+    before_load(saved) / after_load(step)    around loading a checkpoint (DiLoCo: one written
+                                             with sync.mode='sync' restarts its rounds from it)
+    state_dict() / load_state_dict()         its own "sync" entry
     step_metrics() / comm_bytes(step), mean_over_replicas(value), describe(), close()
     round_line(step, log_interval) -> str | None   DiLoCo, async_diloco: the log line of a round
 
@@ -42,6 +48,7 @@ class SyncStrategy:
     collective_steps = True
     every_worker_steps = True
     ranks_per_record: int | None = None  # the ranks whose tokens a metrics record counts (None: all)
+    local_model = local_optim = None  # bind_local_state: this rank's ModelState / OptimState
 
     @property
     def writes_metrics(self) -> bool:
@@ -70,6 +77,19 @@ class SyncStrategy:
 
     def before_save(self) -> None:
         pass
+
+    def bind_local_state(self, model, optim) -> None:
+        """Called once by the loop before any checkpoint: this rank's model and optimizer state."""
+        self.local_model, self.local_optim = model, optim
+
+    def checkpoint_states(self, saved: dict | None = None) -> dict:
+        """{name: Stateful} of a checkpoint in this mode. `saved`: the "sync" entry of one about
+        to be loaded; a mode that cannot resume it raises ConfigError naming the key. Changes
+        nothing (before_load does)."""
+        return {"model": self.local_model, "optim": self.local_optim, "sync": self}
+
+    def before_load(self, saved: dict) -> None:
+        """Before loading a checkpoint whose "sync" entry is `saved` (its states were checked)."""
 
     def after_save(self) -> None:
         pass

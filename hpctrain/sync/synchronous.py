@@ -13,11 +13,11 @@ class Synchronous(SyncStrategy):
     def __init__(self, local_numel: int, dp_size: int, grad_allreduce: str):
         self.local_numel, self.dp_size, self.grad_allreduce = local_numel, dp_size, grad_allreduce
 
-    def checkpoint_states(self, model, optim, saved: dict | None = None) -> dict:
+    def checkpoint_states(self, saved: dict | None = None) -> dict:
         if saved is not None:
             refuse_other_mode(saved, self.mode, "resume it with that mode, or export its global "
                                                 "model with `hpctrain export`")
-        return {"model": model, "optim": optim, "sync": self}
+        return super().checkpoint_states(saved)
 
     def describe(self) -> str:
         return f", sync every step (gradient all-reduce {self.grad_allreduce} over dp={self.dp_size})"

@@ -1,15 +1,19 @@
 """The training loop, one for every sync mode. It reads like the algorithm:
 
-config -> bootstrap -> mesh -> data -> model, parallelized from outside -> sync strategy -> resume
-if a committed checkpoint exists -> per checkpoint interval { per step { strategy.before_step ->
-batch -> forward/backward over micro-batches -> clip -> optimizer step -> strategy.after_step ->
-metrics -> maybe validate -> stop? } -> strategy.meet (where every rank stops) -> checkpoint ->
-stop? } -> final validation where steps were not collective -> teardown.
+config -> bootstrap -> mesh -> the run plan (train/run_plan.py: dp, grad_accum, precision, resolved
+once) -> data -> model, parallelized from outside -> sync strategy -> the step engine -> resume if a
+committed checkpoint exists -> per span (up to the next checkpoint step or a hook's boundary)
+{ per step { strategy.before_step -> batch -> engine.step (forward/backward over micro-batches ->
+clip -> optimizer step) -> strategy.after_step -> metrics -> maybe validate -> stop? } ->
+strategy.meet (where every rank stops) -> checkpoint at a checkpoint step or a stop } -> final
+validation where steps were not collective -> teardown. `self.hooks` (train/hooks.py) are called at
+the named points in between: PBT and the strategies' saves use them.
 
 Owns: the order of those steps and the trainer's checkpoint entry (step, world size, config,
 tokenizer). It must never parse MPI/Slurm environment (bootstrap does), build parallel wrappers
-(parallelize does), know what a sync mode does between steps (hpctrain/sync/strategy.py) or write
-checkpoint files itself (the checkpoint manager does).
+(parallelize does), know what a sync mode does between steps (hpctrain/sync/strategy.py), run the
+step's arithmetic (train/engine.py), write the user's Config, or write checkpoint files itself (the
+checkpoint manager does).
 """
 from __future__ import annotations
 
@@ -78,6 +82,8 @@ class Trainer:
                                        step_sleep_s=self.plan.faults.step_sleep_s, run_dir=cfg.run.dir)
         # what happens between steps and what a checkpoint holds (hpctrain/sync/strategy.py)
         self.sync = modes.build_strategy(cfg, ctx, self.mesh, self.model)
+        self.sync.bind_local_state(ModelState(self.model), OptimState(self.model, self.optimizer,
+                                                                      self.layout.tied_weight_is_head_copy))
         # forward/backward, clip and eval in this layout; losses averaged over dp where replicas
         # step together (every mode but ps)
         runner = build_runner(self.layout, cfg, t.grad_accum, mean_over_dp=self.sync.collective_steps)
@@ -104,10 +110,8 @@ class Trainer:
 
     def checkpoint_states(self, saved: dict | None = None) -> dict:
         """{name: Stateful} of a checkpoint of this run; `saved`, the JSON state of one about to be
-        loaded, lets the sync strategy refuse (or adapt to) a checkpoint of another mode."""
-        model, optim = ModelState(self.model), OptimState(self.model, self.optimizer,
-                                                          self.layout.tied_weight_is_head_copy)
-        states = self.sync.checkpoint_states(model, optim, None if saved is None else saved.get("sync", {}))
+        loaded, lets the sync strategy refuse a checkpoint of another mode (reads only)."""
+        states = self.sync.checkpoint_states(None if saved is None else saved.get("sync", {}))
         return {**states, "trainer": self, "sampler": self.data.sampler,
                 "rng": RNGStates(self.ctx.comm, self.cfg.train.seed, lambda: self.step),
                 "loss_scaling": self.engine.loss_scaling}
@@ -138,6 +142,7 @@ class Trainer:
         states = self.checkpoint_states(saved)  # the sync strategy refuses another mode's first
         check_resume_batch(saved_sampler_state(saved, path)["global_batch"], self.plan.train, self.plan.dp_size, path)
         check_same_dataset(self.data.sampler, saved, self.cfg.data.path, path)
+        self.sync.before_load(saved.get("sync", {}))  # DiLoCo: adopts a sync-mode checkpoint
         self.ckpt.load_states(path, states)
         self.sync.after_load(self.step)
         log(self.ctx, f"resumed from {path} at step {self.step}")

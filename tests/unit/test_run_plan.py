@@ -8,28 +8,12 @@ import torch
 from hpctrain import config
 from hpctrain.train import run_plan
 from hpctrain.train.hooks import POINTS, LoopHooks
-
-BASE = """
-[run]
-dir = "runs/x"
-[data]
-path = "data/x"
-[model]
-n_layer = 2
-n_head = 2
-n_embd = 32
-block_size = 16
-vocab_size = 257
-[train]
-steps = 10
-micro_batch_size = 4
-"""
-
+from tests.conftest import TINY_TRAIN
 
 def load(tmp_path, *overrides):
     p = tmp_path / "c.toml"
-    p.write_text(BASE)
-    return config.load(p, list(overrides))
+    p.write_text(TINY_TRAIN.format(run=tmp_path / "run", data=tmp_path / "data", steps=10))
+    return config.load(p, ["--train.micro_batch_size=4", *overrides])
 
 
 def ranks(dp_size: int):
