@@ -61,7 +61,7 @@ def measured_build(cfg, mesh, ctx, free: bool) -> tuple:
     """(baseline RSS, peak RSS, shard bytes, seconds, parameters) of one build_model; ``free``:
     drop the model and give its memory back to the system afterwards."""
     baseline, t0 = vm("VmRSS"), time.perf_counter()
-    built = build_model(cfg, mesh, ctx.device)
+    built = build_model(cfg, mesh, ctx.device, cfg.train.precision)  # as given: a bench resolves no run plan
     seconds, peak = time.perf_counter() - t0, vm("VmHWM")
     shard, n_params = held_bytes(built.layout.module), built.n_params
     if free:
