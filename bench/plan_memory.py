@@ -4,7 +4,7 @@ Run:  [mpiexec -n 2] python bench/plan_memory.py --config configs/demo.toml [--s
           [--top N [--top-at low] [--top-depth 6]] [--malloc] [--section.key=value ...]
 
 Builds the Trainer exactly as `python -m hpctrain train` does (data, model, layout, optimizer) and
-runs `--steps` train_step() calls (no validation, no checkpoint). Each rank reports (on a GPU the
+runs `--steps` optimizer steps (the step engine) (no validation, no checkpoint). Each rank reports (on a GPU the
 plan's figures would be device memory; here the model lives in host memory):
 - torch's CPU allocator, live tensor bytes: torch.profiler with profile_memory records every
   allocation and free with its address and time; pairing them by address and summing in time order
@@ -33,6 +33,7 @@ import argparse
 import ctypes
 import dataclasses
 import sys
+import time
 
 
 def vm(field: str) -> int:
@@ -151,8 +152,10 @@ def malloc_in_use() -> int:
 
 
 def run_steps(trainer, steps: int) -> None:
+    """`steps` optimizer steps through the trainer's step engine (at the optimizer's initial lr)."""
     for _ in range(steps):
-        trainer.train_step()
+        batches = trainer.data.next_train_micro_batches(None)
+        trainer.engine.step(batches, trainer.step + 1, trainer.hparams.grad_clip, time.perf_counter())
         trainer.step += 1
 
 
