@@ -18,13 +18,13 @@ checkpoint manager does).
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 from hpctrain import config as config_mod
+from hpctrain import logs
 from hpctrain.checkpoint import CheckpointManager
 from hpctrain.config import Config
 from hpctrain.config_rules import check_resume_batch, global_batch_line
@@ -53,8 +53,10 @@ from hpctrain.train.states import ModelState, OptimState, RNGStates
 
 
 def log(ctx: DistContext, msg: str) -> None:
+    """A progress line of this run (hpctrain.logs: rank 0 of the job by default,
+    HPCTRAIN_LOG_RANKS=all for every rank; a PBT member other than 0 logs only then)."""
     if ctx.is_main:
-        print(msg, file=sys.stderr, flush=True)
+        logs.info(msg)
 
 
 class Trainer:
