@@ -42,6 +42,10 @@ computed = torch.tensor(int(moe.experts.local_rows_computed))
 dist.all_reduce(computed)
 load = moe.take_load()
 dist.all_reduce(load)
-print(f"rank {r}: out {float(d_out):.3g} experts {float(d_experts):.3g} router {float(d_router):.3g} "
-      f"computed {int(computed)} routed {int(load.sum())} max_load {int(load.max())}", flush=True)
+# one write per line: unbuffered (PYTHONUNBUFFERED=1), print writes the newline apart and the
+# ranks' lines can interleave
+sys.stdout.write(f"rank {r}: out {float(d_out):.3g} experts {float(d_experts):.3g} router "
+                 f"{float(d_router):.3g} computed {int(computed)} routed {int(load.sum())} "
+                 f"max_load {int(load.max())}\n")
+sys.stdout.flush()
 teardown()
