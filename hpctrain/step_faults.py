@@ -6,8 +6,9 @@ Owns the one switch that arms them, the environment variable
 
 with the keys of `StepFaults` below. Unset (production and every user run) every fault is off; they
 are never part of the config a user writes, of config.toml or of a checkpoint. The variable reaches
-every rank through mpiexec/srun's environment. (The checkpoint save path has its own named fault
-points, armed by HPCTRAIN_FAULT_POINT: hpctrain/checkpoint/faults.py.)
+every rank through mpiexec/srun's environment. The item `save_point=NAME[:COUNT[:RANK[:ACTION]]]`
+arms one of the checkpoint save path's named fault points (their list and meaning:
+hpctrain/checkpoint/faults.py).
 
 It must never be armed by anything but that variable. A malformed value is a one-line error naming
 the variable and the key. `nan_trial=N` confines inject_nan_at_step to trial N of a `hpctrain tune
@@ -38,6 +39,7 @@ class StepFaults:
     step_sleep_s: float = 0.0       # every rank sleeps this long every step (long enough to preempt)
     nan_trial: int = -1             # inject_nan_at_step only in this tune trial (the one whose
                                     # HPCTRAIN_TUNE_TRIAL is named trial_N); -1: in every run
+    save_point: str = ""            # a checkpoint fault point (hpctrain/checkpoint/faults.py)
 
 
 _cache: tuple[tuple[str, str], StepFaults] | None = None
@@ -71,6 +73,9 @@ def parse(raw: str) -> StepFaults:
         key = key.strip()
         if not sep or key not in fields:
             raise ConfigError(f"{ENV}: unknown item '{item}' (keys: {', '.join(fields)})")
+        if fields[key] == "str":
+            values[key] = value.strip()
+            continue
         try:
             values[key] = int(value) if fields[key] == "int" else float(value)
         except ValueError:

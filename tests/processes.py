@@ -19,7 +19,7 @@ def launch(n, cfg, *overrides, env=None, timeout=180, mpi_flags=()):
     """Start `mpiexec -n N python -m hpctrain train` in its own session; returns the Popen."""
     full_env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
                     PYTHONUNBUFFERED="1")
-    full_env.pop("HPCTRAIN_FAULT_POINT", None)
+    full_env.pop(step_faults.ENV, None)
     full_env.update(env or {})
     cmd = [mpiexec_path(), *mpi_flags, "-n", str(n), sys.executable, "-m", "hpctrain", "train",
            "--config", str(cfg), *overrides]

@@ -1,11 +1,12 @@
 """Test-only fault injection at named points of the checkpoint save path.
 
-Owns the list of fault points (`POINTS`) and the `HPCTRAIN_FAULT_POINT` environment variable that
+Owns the list of fault points (`POINTS`) and the meaning of the `save_point` item of the one
+test-fault switch, the environment variable HPCTRAIN_TEST_FAULTS (hpctrain/step_faults.py), that
 arms one of them. Tests use it to kill a rank (SIGKILL: no cleanup, no flush, like a node failure) or
 to make a write fail with ENOSPC at an exact moment of a save, then check that the run resumes from
-an intact, committed checkpoint. Unset (production), `hit()` is a dict lookup and nothing else.
+an intact, committed checkpoint. Unset (production), `hit()` is a cached lookup and nothing else.
 
-    HPCTRAIN_FAULT_POINT=NAME[:COUNT[:RANK[:ACTION]]]
+    HPCTRAIN_TEST_FAULTS=save_point=NAME[:COUNT[:RANK[:ACTION]]]
 
 NAME is a point below (points inside DCP's file writes are `open:`, `write:` or `closed:` followed
 by the file name, e.g. `write:__1_0.distcp`, `closed:.metadata.tmp`); COUNT: act on the COUNT-th time
@@ -13,6 +14,7 @@ this process reaches it (default 1); RANK: only on this global rank (default: ev
 ACTION: `kill` (default) or `enospc` (raise OSError(ENOSPC) naming the file being written).
 
 It must never be armed by anything but that environment variable, and never catch what it raises.
+A malformed point is a one-line error naming the variable.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ import errno
 import os
 import signal
 
-ENV = "HPCTRAIN_FAULT_POINT"
+from hpctrain import step_faults
+from hpctrain.errors import ConfigError
 
 # In the order a save reaches them (rank 0 does the commit points; every rank the others).
 POINTS = (
@@ -50,25 +53,33 @@ _parsed: str | None = None
 
 def _armed():
     global _spec, _parsed
-    raw = os.environ.get(ENV, "")
-    if raw != _parsed:  # parsed again only when the variable changes (tests in one process)
+    raw = step_faults.step_faults().save_point
+    if raw != _parsed:  # parsed again only when the switch changes (tests in one process)
         _parsed, _spec = raw, None
         _counts.clear()
         if raw:
-            parts = raw.split(":")
-            if parts[0] in FILE_EVENTS and len(parts) > 1:  # "write:__1_0.distcp:2:1"
-                parts = [parts[0] + ":" + parts[1]] + parts[2:]
-            name = parts[0]
-            count = int(parts[1]) if len(parts) > 1 and parts[1] else 1
-            rank = int(parts[2]) if len(parts) > 2 and parts[2] != "" else None
-            action = parts[3] if len(parts) > 3 else "kill"
-            base = name.split(":")[0]
-            if name not in POINTS and base not in FILE_EVENTS:
-                raise ValueError(f"{ENV}={raw}: unknown fault point {name!r}")
-            if action not in ("kill", "enospc"):
-                raise ValueError(f"{ENV}={raw}: action must be kill or enospc")
-            _spec = (name, count, rank, action)
+            _spec = _parse_point(raw)
     return _spec
+
+
+def _parse_point(raw: str) -> tuple[str, int, int | None, str]:
+    """NAME[:COUNT[:RANK[:ACTION]]] -> (name, count, rank or None, action)."""
+    where = f"{step_faults.ENV}: save_point={raw}"
+    parts = raw.split(":")
+    if parts[0] in FILE_EVENTS and len(parts) > 1:  # "write:__1_0.distcp:2:1"
+        parts = [parts[0] + ":" + parts[1]] + parts[2:]
+    name = parts[0]
+    try:
+        count = int(parts[1]) if len(parts) > 1 and parts[1] else 1
+        rank = int(parts[2]) if len(parts) > 2 and parts[2] != "" else None
+    except ValueError:
+        raise ConfigError(f"{where}: COUNT and RANK must be integers") from None
+    action = parts[3] if len(parts) > 3 else "kill"
+    if name not in POINTS and name.split(":")[0] not in FILE_EVENTS:
+        raise ConfigError(f"{where}: unknown fault point {name!r}")
+    if action not in ("kill", "enospc"):
+        raise ConfigError(f"{where}: action must be kill or enospc")
+    return name, count, rank, action
 
 
 def _my_rank() -> int:
@@ -79,7 +90,7 @@ def _my_rank() -> int:
 
 
 def hit(name: str, path: str | os.PathLike | None = None) -> None:
-    """Called at fault point `name`; acts if HPCTRAIN_FAULT_POINT arms it (tests only)."""
+    """Called at fault point `name`; acts if HPCTRAIN_TEST_FAULTS' save_point arms it (tests only)."""
     spec = _armed()
     if spec is None or spec[0] != name:
         return

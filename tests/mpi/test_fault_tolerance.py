@@ -3,7 +3,7 @@ mid-training, non-finite losses, a full disk. Nothing is mocked: faults are real
 tmpfs (or ENOSPC injected at the file stream when the test cannot mount one), real gloo.
 
 The kill matrix: a baseline run saves steps 2, 4, 6 (checkpoint.keep = 1, full checksums). For each
-point, a run is SIGKILLed (HPCTRAIN_FAULT_POINT, see hpctrain/checkpoint/faults.py) during the
+point, a run is SIGKILLed (HPCTRAIN_TEST_FAULTS save_point=..., see hpctrain/checkpoint/faults.py) during the
 save at step 4; rerunning the same command must resume from a committed checkpoint (step 2, or 4 if
 the kill came after the commit) that verifies with full checksums, and the whole loss curve must equal
 the baseline's bit for bit. It must never leave processes behind: launches run in their own session
@@ -84,7 +84,7 @@ def _kill_and_resume(tmp_path, dataset, baseline, point, rank, *overrides):
     # during the save at step 4 on `rank`: the 2nd time the point is reached (retention first
     # removes something at step 4, with keep = 1)
     count = 1 if point == "retention.renamed" else 2
-    fault = {"HPCTRAIN_FAULT_POINT": f"{point}:{count}:{rank}"}
+    fault = step_faults.env(save_point=f"{point}:{count}:{rank}")
     rc, out = train(2, cfg, *overrides, env=fault, check=False)
     assert rc != 0, f"{point}: the fault did not fire\n{out[-3000:]}"
     ckpts = run / "checkpoints"
@@ -322,7 +322,7 @@ def test_disk_full_fails_that_save_and_previous_checkpoint_resumes(tmp_path, dat
     cfg, run = config(tmp_path, dataset)
     ckdir = tmp_path / "small_fs"
     mounted = _try_tmpfs(ckdir, "2560k")
-    env = {} if mounted else {"HPCTRAIN_FAULT_POINT": "write:__1_0.distcp:2:1:enospc"}
+    env = {} if mounted else step_faults.env(save_point="write:__1_0.distcp:2:1:enospc")
     try:
         rc, out = train(2, cfg, f"--checkpoint.dir={ckdir}", env=env, check=False)
         assert rc != 0

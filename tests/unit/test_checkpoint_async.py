@@ -2,7 +2,7 @@
 written even though training mutates the weights meanwhile; one save in flight at a time; a write
 error in the background surfaces at wait() and leaves the previous checkpoint intact.
 
-Failures are injected with the same HPCTRAIN_FAULT_POINT hook the MPI kill tests use (a real
+Failures are injected with the same save_point fault (HPCTRAIN_TEST_FAULTS) the MPI kill tests use (a real
 OSError(ENOSPC) raised at the file stream, below DCP); nothing mocks torch.distributed.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from hpctrain import step_faults
 from hpctrain.checkpoint import CheckpointError, CheckpointManager, verify_checkpoint
 
 
@@ -90,7 +91,7 @@ def test_background_write_error_surfaces_at_wait(world, tmp_path, monkeypatch):
     mgr = CheckpointManager(tmp_path, keep=2, rank=0, world_size=1)
     model, opt = make(0)
     mgr.save(1, state_of(model, opt), {"step": 1})
-    monkeypatch.setenv("HPCTRAIN_FAULT_POINT", "write:__0_0.distcp:1:0:enospc")
+    monkeypatch.setenv(step_faults.ENV, "save_point=write:__0_0.distcp:1:0:enospc")
     mgr.save_async(2, state_of(model, opt), {"step": 2})  # returns: the write fails later
     with pytest.raises(CheckpointError) as e:
         mgr.wait()
@@ -100,19 +101,25 @@ def test_background_write_error_surfaces_at_wait(world, tmp_path, monkeypatch):
     assert not (tmp_path / "step_00000002.tmp").exists()
     assert mgr.latest() == tmp_path / "step_00000001"
     assert verify_checkpoint(tmp_path / "step_00000001") == []
-    monkeypatch.delenv("HPCTRAIN_FAULT_POINT")
+    monkeypatch.delenv(step_faults.ENV)
     mgr.save_async(2, state_of(model, opt), {"step": 2})  # the manager is usable again
     assert mgr.wait() == tmp_path / "step_00000002"
 
 
 def test_fault_spec_is_validated(monkeypatch):
     from hpctrain.checkpoint import faults
+    from hpctrain.errors import ConfigError
 
-    monkeypatch.setenv(faults.ENV, "no.such.point")
-    with pytest.raises(ValueError, match="unknown fault point"):
-        faults.hit("save.begin")
-    monkeypatch.setenv(faults.ENV, "save.begin:1::explode")
-    with pytest.raises(ValueError, match="kill or enospc"):
+    for spec, named in (("no.such.point", "unknown fault point 'no.such.point'"),
+                        ("save.begin:1::explode", "kill or enospc"),
+                        ("save.begin:two", "COUNT and RANK")):
+        monkeypatch.setenv(step_faults.ENV, f"save_point={spec}")
+        with pytest.raises(ConfigError, match=f"HPCTRAIN_TEST_FAULTS: save_point={spec}: .*{named}"):
+            faults.hit("save.begin")
+    monkeypatch.setenv(step_faults.ENV, "save_point=save.begin:2")  # armed for the 2nd time only
+    faults.hit("save.begin")
+    monkeypatch.setenv(step_faults.ENV, "save_point=save.begin:1::enospc")
+    with pytest.raises(OSError, match="No space left"):
         faults.hit("save.begin")
 
 
