@@ -6,8 +6,9 @@
                                                          hits ENOSPC, then a load where only the
                                                          LAST rank's target state is invalid
 
-Every rank writes lines `LATEST <rank> <path>`, `OK <rank>` (`ERR <rank> <message>` in fail mode) to
-REPORT.<rank> (ranks' stdout interleaves under mpiexec) and echoes them to stdout.
+Every rank writes lines `LATEST <rank> <path>`, `OK <rank>` (`ERR <rank> <message>` in fail mode) and,
+after teardown(), `TORN <rank>` to REPORT.<rank> (ranks' stdout interleaves under mpiexec) and echoes
+them to stdout. A rank ends as `hpctrain train` does (exit_without_teardown).
 `save_reference` is also called in-process by the test (one rank, no process group).
 It must never load anything with pickle: the reference is read with torch.load(weights_only=True).
 """
@@ -138,8 +139,14 @@ def main(mode: str, root: str, report: str) -> int:
         say(f"LATEST {r} {mgr.latest()}")
     say(f"OK {r}")
     teardown()
+    say(f"TORN {r}")  # past teardown's barrier and destroy_process_group
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(run_or_abort(main, *sys.argv[1:4]))
+    # ends as `hpctrain train` does: MPI_Finalize, the launcher told, os._exit; never through the
+    # interpreter's teardown of torch, gloo and MPI, which the product never runs after a job
+    # (imported here: the test also imports this module, and hpctrain.__main__ sets a USR1 handler)
+    from hpctrain.__main__ import exit_without_teardown
+
+    exit_without_teardown(run_or_abort(main, *sys.argv[1:4]))

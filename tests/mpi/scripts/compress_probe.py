@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from hpctrain.distributed import init_distributed, teardown
+from hpctrain.distributed import init_distributed, run_or_abort, teardown
 from hpctrain.sync.compress import average
 
 
@@ -27,4 +27,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_or_abort(main))  # a failing rank ends the job: no peer left in a collective

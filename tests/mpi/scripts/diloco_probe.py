@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from hpctrain.config import ParallelConfig, SyncConfig
-from hpctrain.distributed import init_distributed, teardown
+from hpctrain.distributed import init_distributed, run_or_abort, teardown
 from hpctrain.distributed.mesh import Mesh, ParallelDims
 from hpctrain.sync.diloco import DiLoCo
 
@@ -45,4 +45,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_or_abort(main))  # a failing rank ends the job: no peer left in a collective
