@@ -27,21 +27,29 @@ SGD = ["--train.optimizer=sgd", "--train.lr=0.05", "--train.min_lr=0.005", "--tr
        "--train.steps=20", "--checkpoint.interval=100"]
 
 
-def plain_sgd_and_one_replica(tmp_path, dataset, *overrides):
-    """Plain SGD on 1 rank, and 1 replica + 1 server with H = 1 and outer SGD lr 1, momentum 0
-    (the global model is the replica's after every step): (plain run, async run, its result)."""
-    cfg_a, run_a = write_config(tmp_path, dataset, "plain")
+@pytest.fixture(scope="module")
+def plain_sgd(tmp_path_factory, dataset):
+    """The run dir of plain SGD on 1 rank: the reference of every one-replica SGD test (trained
+    once for the module; the tests only read its metrics)."""
+    cfg, run = write_config(tmp_path_factory.mktemp("plain_sgd"), dataset, "plain")
+    train(1, cfg, *SGD)
+    return run
+
+
+def one_replica(tmp_path, dataset, *overrides):
+    """1 replica + 1 server with H = 1 and outer SGD lr 1, momentum 0 (the global model is the
+    replica's after every step, so plain_sgd's curve): (async run, its result)."""
     cfg_b, run_b = write_config(tmp_path, dataset, "async")
-    train(1, cfg_a, *SGD)
     r = train(2, cfg_b, *SGD, *ASYNC, "--sync.inner_steps=1", "--sync.outer_optimizer=sgd",
               "--sync.outer_lr=1", "--sync.outer_momentum=0", *overrides)
-    return run_a, run_b, r
+    return run_b, r
 
 
-def test_one_replica_one_local_step_sgd_equals_plain_sgd(tmp_path, dataset):
+def test_one_replica_one_local_step_sgd_equals_plain_sgd(tmp_path, dataset, plain_sgd):
     """1 replica, H = 1, SGD inner, outer SGD with lr 1 and no momentum: the global model is the
     replica's model after every step, so the run is plain SGD (losses within 1e-5)."""
-    run_a, run_b, r = plain_sgd_and_one_replica(tmp_path, dataset)
+    run_a = plain_sgd
+    run_b, r = one_replica(tmp_path, dataset)
     assert "async_diloco: 1 replicas of 1 rank(s), 1 servers" in r.stderr
     a, b = losses(run_a), losses(run_b)
     assert sorted(a) == sorted(b) == list(range(1, 21)) and a[20] < a[1] - 0.5
@@ -98,13 +106,15 @@ def test_delayed_nesterov_at_equal_speeds_follows_synchronous_diloco(tmp_path, d
 
 @pytest.mark.parametrize("compression, tol", [("bf16", 4e-4), ("int8", 8e-4)])
 def test_compressed_pushes_are_applied_by_the_server_and_stay_close_to_plain_sgd(tmp_path, dataset,
-                                                                                  compression, tol):
+                                                                                  plain_sgd, compression,
+                                                                                  tol):
     """1 replica, H = 1, SGD, outer SGD lr 1: with bf16 / int8 pushes the server decodes and applies
     each pseudo-gradient, so the run stays within the codec's error of plain SGD (measured max loss
     gap 4.1e-5 in bf16, 7.5e-5 in int8; 10x that allowed), and an arrival moves exactly the encoded push
     (+16 header bytes) and a fp32 theta back: 6n + 16 bytes in bf16, ~5n in int8, not the 24n of
     the uncompressed arrival that reads and writes theta, momentum and accumulator."""
-    run_a, run_b, r = plain_sgd_and_one_replica(tmp_path, dataset, f"--sync.compression={compression}")
+    run_a = plain_sgd
+    run_b, r = one_replica(tmp_path, dataset, f"--sync.compression={compression}")
     assert f"{compression} pushes" in r.stderr
     a, b = losses(run_a), losses(run_b)
     assert sorted(b) == list(range(1, 21)) and b[20] < b[1] - 0.5
