@@ -101,6 +101,9 @@ def _validate_moe(m: ModelConfig) -> None:
     _check(m.moe_aux_loss_coef >= 0, "model.moe_aux_loss_coef", "must be >= 0 (0 = off)")
     _check(m.moe_bias_update_rate >= 0, "model.moe_bias_update_rate", "must be >= 0 (0 = off)")
     _check(m.moe_every >= 1, "model.moe_every", "must be >= 1")
+    _check(m.moe_warn_ratio > 1, "model.moe_warn_ratio", f"{m.moe_warn_ratio}: must be > 1 (a multiple "
+           f"of the mean load)")
+    _check(m.moe_warn_steps >= 1, "model.moe_warn_steps", "must be >= 1")
     _check(m.moe_first_dense < m.n_layer, "model.moe_first_dense",
            f"{m.moe_first_dense}: leaves no sparse layer of model.n_layer={m.n_layer}")
 

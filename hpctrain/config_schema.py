@@ -117,6 +117,11 @@ class ModelConfig:
         "help": "llama: MoE: layer i is sparse when (i + 1) % moe_every == 0 (Qwen2-MoE's decoder_sparse_step)"})
     moe_first_dense: int = field(default=0, metadata={
         "help": "llama: MoE: the first layers stay dense (DeepSeek's first_k_dense_replace)"})
+    moe_warn_ratio: float = field(default=3.0, metadata={
+        "help": "llama: MoE: warn when an expert receives more than this multiple of the layer's mean "
+                "load for moe_warn_steps steps in a row (metrics: moe.<layer>.max_mean)"})
+    moe_warn_steps: int = field(default=50, metadata={
+        "help": "llama: MoE: see moe_warn_ratio"})
 
 
 @dataclass

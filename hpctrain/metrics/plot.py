@@ -1,4 +1,6 @@
-"""`python -m hpctrain plot RUN_DIR`: a PNG of loss, validation loss, tokens/s and MFU over steps.
+"""`python -m hpctrain plot RUN_DIR`: a PNG of loss, validation loss, tokens/s and MFU over steps,
+and for a mixture-of-experts run a heat map of each MoE layer's expert load over steps beside it
+(expert_load.png: hpctrain/metrics/moe_plot.py).
 
 Owns: reading `metrics.jsonl` and drawing it. matplotlib is an optional dependency (extra `plot`);
 without it the command says how to install it. It must never write anywhere but the output path.
@@ -10,9 +12,11 @@ from pathlib import Path
 
 from hpctrain.errors import UserError
 from hpctrain.metrics.jsonl import read
+from hpctrain.metrics.moe_plot import plot_expert_load
 
 
-def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
+    """The PNGs written: metrics.png (or `out`), and expert_load.png beside it for an MoE run."""
     run_dir = Path(run_dir)
     path = run_dir / "metrics.jsonl" if run_dir.is_dir() else run_dir
     if not path.exists():
@@ -50,14 +54,17 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     out = Path(out) if out else (run_dir if run_dir.is_dir() else run_dir.parent) / "metrics.png"
     fig.savefig(out, dpi=100)
     plt.close(fig)
-    return out
+    heat_map = plot_expert_load(recs, out.with_name("expert_load.png"), str(run_dir))
+    return [out] + ([heat_map] if heat_map else [])
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="hpctrain plot",
-                                 description="Plot loss, val loss, lr, tokens/s and MFU of a run to a PNG.")
+                                 description="Plot loss, val loss, lr, tokens/s and MFU of a run to a PNG "
+                                             "(and an MoE run's expert load to expert_load.png).")
     ap.add_argument("run_dir", help="run directory (holding metrics.jsonl) or a metrics.jsonl file")
     ap.add_argument("--output", "-o", help="PNG path (default: RUN_DIR/metrics.png)")
     args = ap.parse_args(argv)
-    print(plot_run(args.run_dir, args.output))
+    for path in plot_run(args.run_dir, args.output):
+        print(path)
     return 0

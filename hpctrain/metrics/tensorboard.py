@@ -10,6 +10,10 @@ Every numeric field of a record becomes a scalar at global_step = record["step"]
 `train/loss`, `train/lr`, `train/grad_norm`, ...; `val/loss`; `perf/tokens_per_s`, `perf/mfu`,
 `perf/step_time_s`, `perf/comm_bytes`, ...; `data/data_time_s`, `data/cache_hits`, .... A list of per-rank numbers
 (`rank_busy_s`) becomes its min/median/max, so the number of tags does not grow with the world size.
+Mixture-of-experts layers (`moe.<layer>.<stat>`, hpctrain/train/moe_monitor.py) go under `moe/<layer>/`:
+`moe/3/max_mean`, `moe/3/entropy`, `moe/3/aux_loss`, `moe/3/bias_spread`, and the tokens per expert
+(`moe.<layer>.load`) as one scalar per expert, its load / the mean load (`moe/3/load/expert_5`, ids zero-padded; 1.0
+is balanced), the rows of `hpctrain plot`'s heat map.
 
 Resume: the loop reopens the log with the step of the checkpoint it resumed from (S). The writer
 then starts a new event file with `purge_step=S+1`, which tells TensorBoard to hide every event at
@@ -39,6 +43,8 @@ def enabled_by_env() -> bool:
 
 
 def tag_for(key: str) -> str:
+    if key.startswith("moe."):
+        return key.replace(".", "/")
     if key.startswith("val_"):
         return "val/" + key[len("val_"):]
     if key in _PERF or key.startswith(("rank_", "comm_")):
@@ -65,6 +71,9 @@ def scalars(record: dict) -> list[tuple[str, float]]:
     for key, v in record.items():
         if key == "step":
             continue
+        if isinstance(v, (list, tuple)) and key.startswith("moe."):
+            out += _expert_loads(tag_for(key), v)
+            continue
         if isinstance(v, (list, tuple)):
             nums = [x for x in map(_number, v) if x is not None and math.isfinite(x)]
             if nums:
@@ -76,6 +85,13 @@ def scalars(record: dict) -> list[tuple[str, float]]:
         if x is not None:
             out.append((tag_for(key), x))
     return out
+
+
+def _expert_loads(tag: str, load: list) -> list[tuple[str, float]]:
+    """One scalar per expert: its tokens / the mean over the layer's experts (1.0 = balanced)."""
+    mean = sum(load) / len(load) if load else 0
+    width = len(str(len(load) - 1))
+    return [(f"{tag}/expert_{e:0{width}d}", n / mean if mean else 0.0) for e, n in enumerate(load)]
 
 
 class TensorBoardWriter:

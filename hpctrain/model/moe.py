@@ -137,8 +137,9 @@ class MoEFeedForward(nn.Module):
         return out.reshape(shape)
 
     def _observe(self, counts: torch.Tensor, scores: torch.Tensor) -> None:
-        """Load and router entropy of a forward (a recomputation in backward is not counted twice)."""
-        if torch._C._current_graph_task_id() != -1:  # inside autograd's backward: recomputation
+        """Load and router entropy of a training forward (a recomputation in backward is not counted
+        twice; a validation forward, in eval mode, not at all)."""
+        if torch._C._current_graph_task_id() != -1 or not self.training:  # recomputation / eval
             return
         with torch.no_grad():
             self.load = counts.clone() if self.load is None else self.load.to(counts.device) + counts

@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from hpctrain.config import Config
 from hpctrain.errors import ConfigError
+from hpctrain.model.moe import MoEFeedForward
 from hpctrain.parallel.parallelize import Layout
 from hpctrain.parallel.loss import chunked_lm_loss
 
@@ -61,6 +62,9 @@ class StepRunner(ABC):
         # Parameters counted in the grad norm: the tied weight's second copy (last stage) is skipped.
         skip = {id(layout.module.lm_head.weight)} if layout.tied_weight_is_head_copy else set()
         self._norm_params = [q for q in layout.module.parameters() if id(q) not in skip]
+        # MoE layers: their auxiliary loss enters the gradient inside the layer, weighted like the
+        # main loss of a micro-batch (none in a dense model)
+        self._moe_layers = [m for m in layout.module.modules() if isinstance(m, MoEFeedForward)]
 
     # ---- the loss -------------------------------------------------------------------------
     def _loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -138,12 +142,18 @@ class StepRunner(ABC):
         `loss_hook(loss) -> loss`, if given, sees each micro-batch loss before backward."""
         self.layout.module.train()
         self._loss_hook, self._loss_scale = loss_hook, loss_scale
+        for moe in self._moe_layers:  # the aux loss is per optimizer step, as the main loss
+            moe.aux_scale = loss_scale * self._micro_batch_weight(len(micro_batches))
         try:
             total = self._forward_backward_sum(micro_batches, autocast, loss_scale)
         finally:
             self._loss_hook, self._loss_scale = None, 1.0
         self._finish_grads()
         return self._global_mean(total, len(micro_batches))
+
+    def _micro_batch_weight(self, n: int) -> float:
+        """What backward multiplies one micro-batch's loss by (besides the fp16 loss scale)."""
+        return 1.0 / n
 
     @torch.no_grad()
     def eval_loss(self, batches: list[torch.Tensor], autocast) -> float:
@@ -171,6 +181,9 @@ class PlainRunner(StepRunner):
         (self.forward_module,) = layout.forward_modules
         # the MPI hook sums: the loss is divided by dp before backward instead (no pass over grads)
         self._loss_divisor = layout.mesh.dp_size if layout.mpi_grad_allreduce is not None else 1
+
+    def _micro_batch_weight(self, n: int) -> float:
+        return 1.0 / n / self._loss_divisor  # as (loss / n / self._loss_divisor).backward()
 
     def _sync_context(self, last: bool):
         if self.layout.dp_reduce == "ddp" and not last:
@@ -217,6 +230,9 @@ class PipelineRunner(StepRunner):
         self.schedule = layout.split.build_schedule(list(layout.forward_modules), schedule, n_micro,
                                                     self._scaled_loss, self.device,
                                                     layout.mesh.group("pp"))
+
+    def _micro_batch_weight(self, n: int) -> float:
+        return 1.0  # the schedule divides the gradients by n_micro after backward (scale_grads)
 
     def _schedule_inputs(self, micro_batches: list[torch.Tensor]) -> tuple[tuple, dict, list]:
         """(args, kwargs, losses) for schedule.step / eval: the first stage gets the inputs, the

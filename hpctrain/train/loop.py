@@ -48,6 +48,7 @@ from hpctrain.train.bad_steps import all_finite
 from hpctrain.train.engine import StepEngine
 from hpctrain.train.hooks import LoopHooks
 from hpctrain.train.model_setup import build_model
+from hpctrain.train.moe_monitor import monitor_for
 from hpctrain.model.optim import build_optimizer, lr_at, set_lr
 from hpctrain.train.states import ModelState, OptimState, RNGStates
 
@@ -96,6 +97,10 @@ class Trainer:
         self.hooks = LoopHooks()
         self.hooks.add("before_save", self.sync.before_save)  # ps, async_diloco: the servers' model
         self.hooks.add("after_save", self.sync.after_save)
+        # MoE layers (none in a dense model): loads, balancing bias step and warning after each step
+        moe = monitor_for(self.model, cfg.model, self.mesh, self.sync.collective_steps and self.sync.global_each_step)
+        if moe is not None:
+            self.hooks.add("after_step", moe.record)
         self.step = 0
         self.stragglers = StragglerDetector(ctx.comm, window=t.straggler_window)
         rng.seed_rank(t.seed, ctx.rank)
@@ -364,11 +369,14 @@ def _percent(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1%}"
 
 
+_MAY_CHANGE_ON_RESUME = ("dropout", "moe_warn_ratio", "moe_warn_steps")  # not the model's shape
+
+
 def _check_same_model(saved: dict, current: dict, path) -> None:
     # a key the checkpoint predates (model.arch and llama's) had its default then
     defaults = {f.name: f.default for f in dataclasses.fields(config_mod.ModelConfig)}
     saved = {**defaults, **saved}
-    diff = [k for k in current if saved.get(k) != current[k] and k != "dropout"]
+    diff = [k for k in current if saved.get(k) != current[k] and k not in _MAY_CHANGE_ON_RESUME]
     if diff:
         k = diff[0]
         raise ConfigError(f"config key 'model.{k}': {current[k]!r} differs from checkpoint {path} "
