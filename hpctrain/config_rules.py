@@ -22,6 +22,9 @@ def validate(cfg: Config) -> Config:
            f"{cfg.parallel.tp} with model.moe_experts={m.moe_experts}: tensor parallelism of a "
            f"mixture-of-experts model is not supported yet; use parallel.tp = 1 (DDP, FSDP and "
            f"pipeline stages work)")
+    _check(cfg.parallel.ep == 1 or cfg.sync.mode == "sync", "parallel.ep",
+           f"{cfg.parallel.ep} with sync.mode = {cfg.sync.mode!r}: expert parallelism needs "
+           f"sync.mode = 'sync' (or parallel.ep = 1)")
     _check(t.steps >= 1, "train.steps", "must be >= 1")
     _check(t.seed >= 0, "train.seed", "must be >= 0")
     _check(0 <= t.stop_at_step <= t.steps, "train.stop_at_step", f"must be in [0, train.steps={t.steps}]")
@@ -199,6 +202,13 @@ def _validate_parallel(p: ParallelConfig, m: ModelConfig, compile: bool = False)
     _check(p.pp >= 1, "parallel.pp", f"{p.pp}: must be >= 1")
     _check(p.pp_virtual_stages >= 1, "parallel.pp_virtual_stages", "must be >= 1")
     _check(p.ac_every >= 1, "parallel.ac_every", "must be >= 1")
+    _check(p.ep >= 1, "parallel.ep", f"{p.ep}: must be >= 1")
+    _check(p.ep == 1 or m.moe_experts > 0, "parallel.ep",
+           f"{p.ep} needs a mixture-of-experts model (model.moe_experts > 0); use parallel.ep = 1")
+    _check(p.ep == 1 or m.moe_experts % p.ep == 0, "parallel.ep",
+           f"{p.ep} must divide model.moe_experts={m.moe_experts} (each rank holds experts / ep)")
+    _check(p.ep == 1 or p.dp == 0 or p.dp % p.ep == 0, "parallel.ep",
+           f"{p.ep} must divide parallel.dp={p.dp} (the ep ranks are borrowed from dp)")
     _check(not (compile and p.pp > 1), "train.compile",
            "not supported with pipeline parallelism (parallel.pp > 1): the pipeline schedule runs "
            "stage modules directly; set train.compile = false")

@@ -225,6 +225,10 @@ class ParallelConfig:
     tp: int = field(default=1, metadata={
         "help": "tensor-parallel size (innermost mesh axis: keep it <= GPUs per node); divides n_head"})
     pp: int = field(default=1, metadata={"help": "pipeline-parallel stages (outermost mesh axis)"})
+    ep: int = field(default=1, metadata={
+        "help": "expert-parallel size: each MoE layer's experts sharded over ep consecutive "
+                "data-parallel ranks (tokens exchanged with all-to-all); divides dp and "
+                "model.moe_experts"})
     data_parallel: Literal["ddp", "fsdp"] = field(default="ddp", metadata={
         "help": "ddp (replicated weights, all-reduce) | fsdp (FSDP2 fully_shard: sharded weights, "
                 "grads and optimizer state over dp)"})

@@ -1,8 +1,8 @@
 """parallelize(model, mesh, cfg) -> Layout: apply the job's parallel layout to an unmodified GPT.
 
 Owns: the order in which layouts are applied, as a short sequence of functions that each take and
-return modules (pipeline split -> tensor parallel -> activation checkpointing -> FSDP2 | DDP ->
-torch.compile; a model built on the meta device is materialized after FSDP2 and before DDP),
+return modules (pipeline split -> tensor parallel -> expert parallel -> activation checkpointing ->
+FSDP2 | DDP -> torch.compile; a model built on the meta device is materialized after FSDP2 and before DDP),
 which of them a job needs, and the `Layout` they produce: the module the optimizer
 and checkpoints see, the module(s) that run forward, the pipeline split, the process groups and
 how gradients are averaged over dp. It must never run a training step (runner.py does), read or
@@ -25,6 +25,7 @@ from hpctrain.distributed.mesh import Mesh
 from hpctrain.errors import ConfigError
 from hpctrain.metrics.wait_clock import WaitClock
 from hpctrain.parallel.activation import apply_activation_checkpointing
+from hpctrain.parallel.apply_expert import ExpertParallel, apply_expert_parallel
 from hpctrain.parallel.mpi_grad_allreduce import (MPIHookState, use_backend_allreduce,
                                                   use_mpi_grad_allreduce, use_powersgd)
 from hpctrain.parallel.tensor_parallel import apply_tensor_parallel
@@ -56,6 +57,7 @@ class Layout:
     tie_group: dist.ProcessGroup | None = None  # {first stage, last stage} at my (dp, tp)
     mpi_grad_allreduce: MPIHookState | None = None   # DDP's MPI hook: its communicator
     wait_clock: WaitClock = field(default_factory=lambda: WaitClock(torch.device("cpu")))
+    experts: ExpertParallel | None = None  # parallel.ep > 1: the sharded experts (DDP/FSDP skip them)
 
     @property
     def waits_measured(self) -> bool:
@@ -94,16 +96,19 @@ def tied_weight_group(mesh: Mesh) -> dist.ProcessGroup | None:
     return mine
 
 
-def apply_fsdp(model: nn.Module, roots: tuple[nn.Module, ...], mesh: Mesh, precision: str) -> None:
+def apply_fsdp(model: nn.Module, roots: tuple[nn.Module, ...], mesh: Mesh, precision: str,
+               experts: ExpertParallel | None = None) -> None:
     """FSDP2 over dp: each block, then each root (the model or its stage views); half-precision
-    parameters with fp32 gradient reduction under bf16 / fp16."""
+    parameters with fp32 gradient reduction under bf16 / fp16. Expert-parallel weights are left
+    out (sharded over ep already; the runner averages their gradients)."""
+    ignored = set(experts.params) if experts is not None else None
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     mp = (MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
           if half is not None else MixedPrecisionPolicy())
     for block in model.blocks.values():
-        fully_shard(block, mesh=mesh["dp"], mp_policy=mp)
+        fully_shard(block, mesh=mesh["dp"], mp_policy=mp, ignored_params=ignored)
     for root in roots:
-        fully_shard(root, mesh=mesh["dp"], mp_policy=mp)
+        fully_shard(root, mesh=mesh["dp"], mp_policy=mp, ignored_params=ignored)
 
 
 def _mpi_grad_allreduce(mode: str, device: torch.device) -> bool:
@@ -117,13 +122,17 @@ def _mpi_grad_allreduce(mode: str, device: torch.device) -> bool:
     return mode == "mpi" or (mode == "auto" and device.type == "cpu")
 
 
-def apply_ddp(model: nn.Module, mesh: Mesh, dist_cfg: DistConfig,
-              clock: WaitClock | None = None) -> tuple[DDP, MPIHookState | None]:
+def apply_ddp(model: nn.Module, mesh: Mesh, dist_cfg: DistConfig, clock: WaitClock | None = None,
+              experts: ExpertParallel | None = None) -> tuple[DDP, MPIHookState | None]:
     """DDP over dp (overlaps the all-reduce with backward) with the gradient hook dist.grad_allreduce
     asks for, timed by `clock`; returns the wrapper and, for the MPI hook, its state. The MPI hook
     expects the loss divided by dp before backward (`prescaled`: it sums, saving a pass over the
     gradients). "backend" registers torch's reference all-reduce hook (DDP's own arithmetic)."""
     group = mesh.group("dp")
+    if experts is not None:  # sharded over ep: the runner averages their gradients
+        held = {id(q) for q in experts.params}
+        DDP._set_params_and_buffers_to_ignore_for_model(
+            model, [name for name, q in model.named_parameters() if id(q) in held])
     ddp = DDP(model, process_group=group, gradient_as_bucket_view=True)
     if dist_cfg.grad_allreduce == "powersgd":
         use_powersgd(ddp, group, dist_cfg.powersgd_rank, clock)
@@ -157,19 +166,20 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, precision: str,
     split = apply_pipeline(model, mesh, p.pp_schedule, p.pp_virtual_stages) if mesh.pp_size > 1 else None
     if mesh.tp_size > 1:
         apply_tensor_parallel(model, mesh["tp"])
+    experts = apply_expert_parallel(model, mesh, p.ep) if p.ep > 1 else None
     apply_activation_checkpointing(model, p.activation_checkpoint, p.ac_every)
     roots = tuple(split.make_views()) if split else (model,)
     dp_reduce, mpi_grad_allreduce = dp_reduction(mesh, cfg), None
     if dp_reduce == "fsdp":
-        apply_fsdp(model, roots, mesh, precision)
+        apply_fsdp(model, roots, mesh, precision, experts)
     if materialize is not None:
         materialize(model)
     clock = WaitClock(next(model.parameters()).device)
     if dp_reduce == "ddp":
-        ddp, mpi_grad_allreduce = apply_ddp(model, mesh, cfg.dist, clock)
+        ddp, mpi_grad_allreduce = apply_ddp(model, mesh, cfg.dist, clock, experts)
         roots = (ddp,)
     if cfg.train.compile:  # after DDP/FSDP wrapping, as torchtitan does (DDP graphs split at buckets)
         roots = (torch.compile(roots[0]),)  # (config: never with pp > 1)
     return Layout(module=model, forward_modules=roots, mesh=mesh, dp_reduce=dp_reduce, split=split,
                   tie_group=tied_weight_group(mesh) if split else None,
-                  mpi_grad_allreduce=mpi_grad_allreduce, wait_clock=clock)
+                  mpi_grad_allreduce=mpi_grad_allreduce, wait_clock=clock, experts=experts)

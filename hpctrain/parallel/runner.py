@@ -109,10 +109,15 @@ class StepRunner(ABC):
 
     # ---- gradients ------------------------------------------------------------------------
     def _finish_grads(self) -> None:
-        """The dp average when neither DDP nor FSDP does it (TP or PP with replicated weights)."""
+        """The dp average when neither DDP nor FSDP does it (TP or PP with replicated weights), and
+        the expert-parallel weights' (which DDP and FSDP leave out)."""
+        experts = self.layout.experts
+        if experts is not None:  # the MPI hook's loss was divided by dp before backward
+            experts.reduce_grads(prescaled=self.layout.mpi_grad_allreduce is not None)
         if self.layout.dp_reduce != "after_backward":
             return
-        grads = [_local(q.grad) for q in self.layout.module.parameters() if q.grad is not None]
+        grads = [_local(q.grad) for q in self.layout.module.parameters()
+                 if q.grad is not None and not (experts is not None and experts.holds(q))]
         flat = torch.cat([g.flatten() for g in grads])
         with self.layout.wait_clock.blocked():
             dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.layout.mesh.group("dp"))
@@ -121,16 +126,29 @@ class StepRunner(ABC):
 
     def _replica_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """L2 norm of this replica's gradients (DTensor shards are combined over their mesh)."""
+        experts = self.layout.experts
+        expert_grads = [g for g in grads if experts is not None and experts.holds(g)]
+        if expert_grads:
+            grads = [g for g in grads if not experts.holds(g)]
         if not grads:  # on the device: a pp stage's norm goes into an all-reduce (NCCL: no CPU)
-            return torch.zeros((), device=self.device)
-        return _value(torch.nn.utils.get_total_norm(grads, 2.0))
+            norm = torch.zeros((), device=self.device)
+        else:
+            norm = _value(torch.nn.utils.get_total_norm(grads, 2.0))
+        if experts is not None:  # sharded over ep: each expert counted once
+            sq = experts.grad_norm_sq(expert_grads, self.device)
+            norm = (norm.double() ** 2 + sq).sqrt().to(norm.dtype)
+        return norm
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Global L2 norm of all gradients (every shard, every stage, the tied weight once); clips
         to `max_norm` when it is > 0. Returns the norm before clipping."""
         norm = self._replica_grad_norm([q.grad for q in self._norm_params if q.grad is not None])
         if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(list(self.layout.module.parameters()), max_norm, norm)
+            experts, params = self.layout.experts, list(self.layout.module.parameters())
+            if experts is not None:  # foreach ops take plain tensors and DTensors apart
+                params = [q for q in params if not experts.holds(q)]
+                torch.nn.utils.clip_grads_with_norm_(list(experts.params), max_norm, norm)
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return float(norm)
 
     # ---- the step and evaluation ----------------------------------------------------------

@@ -1,0 +1,161 @@
+"""parallel.ep in the trainer (#34): a tiny Mixtral (8 experts, top-2, imported with init.from) whose
+routing is deliberately unbalanced (tests/mpi/scripts/skewed_mixtral.py: most routed rows go to two
+experts), trained 10 steps with real mpiexec, against the same run on one rank:
+
+- loss parity <= 1e-5 relative for ep=4 (dp4, DDP), ep=2 x FSDP (dp2) and ep=2 with pipeline
+  stages (pp2 x dp2), grad norms within 1e-4 (each expert counted once);
+- layout-free checkpoints: the ep=4 run's step-5 checkpoint resumed with ep=2 and with ep=1 (dp4):
+  the first resumed loss bit-exact, the rest within 1e-5 of the uninterrupted run and of one rank
+  (ep=2 on dp4 is also the DDP case whose expert gradients are summed over two replicas);
+- the config refuses a layout ep cannot take, naming parallel.ep.
+
+Dropless counting of every routed row over the ep ranks: tests/mpi/test_expert_parallel.py.
+"""
+from __future__ import annotations
+
+import shutil
+import sys
+
+import pytest
+
+from hpctrain import config as config_mod
+from hpctrain.errors import ConfigError
+from tests.conftest import ROOT, losses, mpirun, records, run_cmd
+
+STEPS = 10
+CONFIG = """[run]
+dir = "{run}"
+[data]
+path = "{data}"
+verify = "size"
+cache_dir = "off"
+[init]
+from = "{hf}"
+[train]
+steps = 10
+warmup_steps = 0
+micro_batch_size = 2
+global_batch = 8
+eval_interval = 0
+log_interval = 1
+lr = 0.003
+[checkpoint]
+interval = 5
+"""
+MODEL = """[model]
+arch = "llama"
+n_layer = 2
+n_head = 4
+n_embd = 32
+block_size = 32
+vocab_size = 257
+[model.moe]
+experts = 8
+top_k = 2
+"""
+LAYOUTS = {  # name: (ranks, overrides)
+    "ep4": (4, ["--parallel.ep=4"]),
+    "ep2_fsdp": (2, ["--parallel.ep=2", "--parallel.data_parallel=fsdp"]),
+    "ep2_pp2": (4, ["--parallel.ep=2", "--parallel.pp=2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, two_plays):
+    """(tmp dir, config writer): the skewed Mixtral folder is written once."""
+    tmp = tmp_path_factory.mktemp("moe_ep")
+    run_cmd([sys.executable, ROOT / "tests/mpi/scripts/skewed_mixtral.py", tmp / "hf", "8"],
+            timeout=240, check=True)
+
+    def config(name):
+        path = tmp / f"{name}.toml"
+        path.write_text(CONFIG.format(run=tmp / name, data=two_plays, hf=tmp / "hf"))
+        return path
+    return tmp, config
+
+
+def _train(n, cfg, overrides=(), timeout=400):
+    r = mpirun(n, ["-m", "hpctrain", "train", "--config", cfg, *overrides], timeout=timeout)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r
+
+
+@pytest.fixture(scope="module")
+def runs(setup):
+    """{layout: run dir} of the one-rank reference and every LAYOUTS entry, 10 steps each."""
+    tmp, config = setup
+    _train(1, config("one"))
+    for name, (n, overrides) in LAYOUTS.items():
+        _train(n, config(name), overrides)
+    return {name: tmp / name for name in ("one", *LAYOUTS)}
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_expert_parallel_training_equals_one_rank(runs, layout):
+    ref, got = losses(runs["one"]), losses(runs[layout])
+    assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
+    worst = max(_rel(got[s], ref[s]) for s in ref)
+    assert worst <= 1e-5, (layout, worst, got, ref)
+    ref_norm, got_norm = losses(runs["one"], "grad_norm"), losses(runs[layout], "grad_norm")
+    assert max(_rel(got_norm[s], ref_norm[s]) for s in ref) <= 1e-4, (got_norm, ref_norm)
+    assert ref[STEPS] < ref[1] - 0.3  # it trains
+
+
+@pytest.mark.mpi
+def test_the_routing_is_unbalanced(runs):
+    first = records(runs["one"])[0]
+    loads = [first[k] for k in first if k.startswith("moe.") and k.endswith(".load")]
+    if not loads:
+        pytest.skip("no moe.<layer>.load metrics in this tree (MoEMonitor not wired)")
+    for load in loads:
+        assert sum(load) == 4 * 2 * 32 * 2  # global batch 8 x 32 tokens x top-2: every row counted
+        assert max(load) > 3 * sum(load) / len(load)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ep", [2, 1])
+def test_a_checkpoint_saved_with_ep4_resumes_with_another_ep(setup, runs, ep):
+    tmp, _ = setup
+    run = tmp / f"resume_ep{ep}"
+    shutil.copytree(runs["ep4"], run)
+    shutil.rmtree(run / "checkpoints" / "step_00000010")
+    (run / "metrics.jsonl").unlink()
+    cfg = tmp / f"resume_ep{ep}.toml"
+    cfg.write_text((tmp / "ep4.toml").read_text().replace(str(runs["ep4"]), str(run)))
+    _train(4, cfg, [f"--parallel.ep={ep}"])
+    ref, got = losses(runs["ep4"]), losses(run)
+    assert sorted(got) == list(range(6, STEPS + 1))
+    assert got[6] == ref[6]  # the weights read back exactly, whatever the layout
+    one = losses(runs["one"])
+    assert max(max(_rel(got[s], ref[s]), _rel(got[s], one[s])) for s in got) <= 1e-5, (got, ref)
+
+
+def _no_init(tmp_path) -> str:
+    """CONFIG without init.from (the [model] section follows)."""
+    return CONFIG.replace('[init]\nfrom = "{hf}"\n', "").format(run=tmp_path, data=tmp_path)
+
+
+@pytest.mark.parametrize("overrides,names", [
+    (["--parallel.ep=3"], "model.moe_experts=8"),
+    (["--parallel.ep=4", "--parallel.dp=2"], "parallel.dp=2"),
+    (["--parallel.ep=2", "--sync.mode=diloco"], "sync.mode"),
+    (["--parallel.ep=0"], "must be >= 1"),
+])
+def test_a_layout_ep_cannot_take_names_parallel_ep(tmp_path, overrides, names):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(_no_init(tmp_path) + MODEL)
+    with pytest.raises(ConfigError, match="'parallel.ep'") as e:
+        config_mod.load(cfg, overrides)
+    assert names in str(e.value)
+
+
+def test_a_dense_model_refuses_ep(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(_no_init(tmp_path) + MODEL.split("[model.moe]")[0])
+    with pytest.raises(ConfigError, match=r"'parallel.ep'.*moe_experts > 0"):
+        config_mod.load(cfg, ["--parallel.ep=2"])
