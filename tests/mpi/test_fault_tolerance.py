@@ -32,19 +32,6 @@ from tests.processes import descendants, finish, launch, rank_pid
 
 pytestmark = pytest.mark.mpi
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    from data_tools.corpora import shakespeare_files
-
-    out = tmp_path_factory.mktemp("data") / "tiny"
-    r = subprocess.run([sys.executable, "-m", "data_tools", "shard", "--input",
-                        *sorted(shakespeare_files())[:3], "--output", str(out), "--tokenizer",
-                        "bytes", "--shard-tokens", "400000", "--val-fraction", "0.1", "--seed", "3"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    return out
-
-
 def train(n, cfg, *overrides, env=None, check=True, timeout=180):
     rc, out = finish(launch(n, cfg, *overrides, env=env), timeout)
     if check:
