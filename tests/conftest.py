@@ -66,6 +66,20 @@ def dataset(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def small_shards(tmp_path_factory):
+    """The first 6 Shakespeare plays as `dataset`, but in 20,000-token shards (many small shards:
+    block shuffling, the node cache), sharded once per session. Tests read it; one that changes
+    files copies it first."""
+    from data_tools.corpora import shakespeare_files
+
+    out = tmp_path_factory.mktemp("small_shards") / "bytes"
+    run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", *sorted(shakespeare_files())[:6],
+             "--output", out, "--tokenizer", "bytes", "--shard-tokens", "20000", "--val-fraction",
+             "0.2", "--seed", "3", "--no-progress"], timeout=300, check=True)
+    return out
+
+
+@pytest.fixture(scope="session")
 def two_plays(tmp_path_factory):
     """The first two plays, byte tokenizer, one shard, nothing held out: the preemption runs'."""
     from data_tools.corpora import shakespeare_files

