@@ -36,7 +36,10 @@ def size(text: str) -> int:
 MODEL_KEYS = ("n_layer", "n_embd", "n_head", "vocab_size", "block_size")
 # llama's keys also as options (all of shape.py's come from --config's [model] or --preset)
 ARCH_OPTIONS = {"n_kv_head": "model.n_kv_head (llama: key/value heads; 0 = n_head)",
-                "ffn_hidden": "model.ffn_hidden (llama: SwiGLU width; 0 = Llama's rule)"}
+                "ffn_hidden": "model.ffn_hidden (llama: SwiGLU width; 0 = Llama's rule)",
+                **{f"moe_{k}": f"model.moe_{k} (llama mixture of experts: plan/moe.py)"
+                   for k in ("experts", "top_k", "expert_hidden", "shared_experts", "shared_hidden",
+                             "every", "first_dense")}}
 # option -> (config section, key) read from --config
 FROM_CONFIG = {"dp": ("parallel", "dp"), "tp": ("parallel", "tp"), "pp": ("parallel", "pp"),
                "data_parallel": ("parallel", "data_parallel"), "pp_schedule": ("parallel", "pp_schedule"),
@@ -63,7 +66,9 @@ HELP = {
     "shuffle": "data.shuffle: block | global (sample order)",
     "shuffle_block_shards": "data.shuffle_block_shards: shards per block of the block order",
     "dp": "parallel.dp (0 = world / (tp x pp))", "tp": "parallel.tp (tensor parallel, in node)",
-    "pp": "parallel.pp (pipeline stages)", "data_parallel": "parallel.data_parallel: ddp | fsdp",
+    "pp": "parallel.pp (pipeline stages)",
+    "ep": "parallel.ep (MoE: experts split over ep of the dp ranks; divides dp and the experts)",
+    "data_parallel": "parallel.data_parallel: ddp | fsdp",
     "pp_schedule": "parallel.pp_schedule: gpipe | 1f1b | interleaved",
     "pp_virtual_stages": "parallel.pp_virtual_stages (interleaved only)",
     "micro_batch": "train.micro_batch_size: sequences per rank per forward",
@@ -104,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=sorted(PRESETS), help="model shape: gpt2 1b (24 x 2048), 7b "
                    "(32 x 4096), 70b (80 x 8192; ~65B parameters), vocab 50304, block 2048; Meta's "
                    "llama3-8b (32 x 4096) and llama3-70b (80 x 8192): 8 kv heads, vocab 128256, "
-                   "untied, block 8192")
+                   "untied, block 8192; mixtral-8x7b: 8 experts top 2 (46.7B, 12.7B active; "
+                   "split them with --ep)")
     p.add_argument("--config", help="a training TOML: its [model], [parallel], [train], [sync], "
                    "[data] and [checkpoint] keys (train.precision auto counts as bf16)")
     for key in MODEL_KEYS:
@@ -154,6 +160,7 @@ def shape_and_job(args: argparse.Namespace) -> tuple[ModelShape, Job]:
         model = dataclasses.asdict(ModelShape.of_model_config(cfg.model))
         for opt, (section, key) in FROM_CONFIG.items():
             job[opt] = getattr(getattr(cfg, section), key)
+        job["ep"] = getattr(cfg.parallel, "ep", 1)  # MoE's expert-parallel size
         job["precision"] = "bf16" if job["precision"] == "auto" else job["precision"]
         job["backend"] = "nccl" if job["backend"] == "auto" else job["backend"]  # GPUs
     for key in (*MODEL_KEYS, "arch", *ARCH_OPTIONS):

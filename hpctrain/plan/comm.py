@@ -20,6 +20,7 @@ then pp: distributed/mesh.py), else "inter-node". It must never compute memory.
 """
 from __future__ import annotations
 
+from hpctrain.plan import moe
 from hpctrain.plan.layout import Job
 from hpctrain.plan.memory import RankMemory, checkpointed_blocks
 from hpctrain.plan.shape import ModelShape
@@ -74,11 +75,14 @@ def link(group_span: int, job: Job) -> str:
 
 
 def comm_per_step(shape: ModelShape, job: Job, blocks: int, ckpt_blocks: int, has_first: bool,
-                  has_last: bool, n_local: int) -> list[tuple[str, str, int, str]]:
-    """Rows (axis, link kind, bytes sent per step by this rank, what moves)."""
+                  has_last: bool, n_local: int, block_ids=()) -> list[tuple[str, str, int, str]]:
+    """Rows (axis, link kind, bytes sent per step by this rank, what moves); an MoE model's
+    all-to-all first (ep: plan/moe.py, over the sparse layers among `block_ids`)."""
     ends = int(has_first) + int(has_last)
     dp, what = dp_bytes(shape, job, n_local)
-    return [
+    ep = [("ep", link(job.tp * job.ep, job), moe.all_to_all_bytes(shape, job, block_ids),
+           "MoE all-to-all: routed rows to their experts' ranks and back, forward + backward")]
+    return ep * bool(shape.moe_experts) + [
         ("tp", link(job.tp, job), tp_bytes(shape, job, blocks, ckpt_blocks, ends),
          "sequence-parallel all-gathers + reduce-scatters per block"),
         ("dp", link(job.tp * job.dp_size, job), dp, what),
@@ -91,4 +95,4 @@ def rows_of_rank(shape: ModelShape, job: Job, mem: RankMemory) -> list[tuple[str
     """`comm_per_step` of the pipeline rank `mem` describes."""
     st = mem.stage
     return comm_per_step(shape, job, len(st.block_ids), checkpointed_blocks(job, st), st.has_first,
-                         st.has_last, mem.local_params)
+                         st.has_last, mem.local_params, st.block_ids)

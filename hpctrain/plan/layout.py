@@ -50,6 +50,7 @@ class Job:
     dp: int = 0                         # 0 = world / (tp * pp)
     tp: int = 1
     pp: int = 1
+    ep: int = 1                         # parallel.ep: MoE experts split over ep of the dp ranks
     data_parallel: str = "ddp"          # ddp | fsdp
     pp_schedule: str = "1f1b"           # gpipe | 1f1b | interleaved
     pp_virtual_stages: int = 2
@@ -117,6 +118,10 @@ class Job:
         if self.dp_size * self.tp * self.pp != self.world:
             raise ValueError(f"--dp/--tp/--pp: dp={self.dp_size} x tp={self.tp} x pp={self.pp} does not "
                              f"match the world size {self.world} (nodes x gpus per node)")
+        if self.ep < 1 or self.dp_size % self.ep or (self.ep > 1 and (shape.moe_experts % self.ep
+                                                                        or not shape.moe_experts)):
+            raise ValueError(f"--ep {self.ep} must divide dp {self.dp_size} and model.moe_experts "
+                             f"{shape.moe_experts} (a mixture-of-experts model's experts per rank)")
         problem = shape.tp_problem(self.tp)
         if problem:
             raise ValueError(f"--tp {self.tp} {problem}")

@@ -57,8 +57,10 @@ It must never format output (report.py) or count communication (comm.py).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
+from hpctrain.plan import moe
 from hpctrain.plan.layout import Job
 from hpctrain.plan.shape import ModelShape
 from hpctrain.plan.stages import layer_costs, split_stages, stages_of_rank
@@ -193,6 +195,9 @@ def local_params(shape: ModelShape, job: Job, stage: Stage) -> tuple[int, int]:
     t = job.tp
     n = len(stage.block_ids) * shape.block_params_tp(t)
     mm = len(stage.block_ids) * shape.block_matmul_params_tp(t)
+    sparse = len(moe.sparse_layers(shape, stage.block_ids))  # MoE: routed experts / ep (plan/moe.py)
+    n += sparse * moe.extra_params(shape, job.ep)
+    mm += sparse * (moe.extra_params(shape, job.ep) - shape.moe_experts)  # the router's bias is no matmul
     if stage.has_first:
         n += shape.embedding_params_tp(t) + shape.position_params_tp(t)
     if stage.has_last:
@@ -299,9 +304,8 @@ def fsdp_accum_sweep(shape: ModelShape, job: Job, stage: Stage) -> int:
 def rank_memory(shape: ModelShape, job: Job, stage: Stage) -> RankMemory:
     n, mm = local_params(shape, job, stage)
     shard = job.dp_size if job.data_parallel == "fsdp" else 1
-    fsdp = shard > 1
-    parts = {"parameters (fp32)": 4 * n // shard, "gradients (fp32)": 4 * n // shard,
-             "AdamW m, v (fp32)": ADAM_BYTES * n // shard}
+    fsdp, kept = shard > 1, functools.partial(moe.sharded_bytes, shape, job, stage.block_ids, n, shard)
+    parts = {"parameters (fp32)": kept(4), "gradients (fp32)": kept(4), "AdamW m, v (fp32)": kept(ADAM_BYTES)}
     if fsdp:
         gathered, grad_transient = _fsdp_buffers(shape, job, stage)
         parts["FSDP all-gathered params"] = gathered
@@ -317,7 +321,7 @@ def rank_memory(shape: ModelShape, job: Job, stage: Stage) -> RankMemory:
     parts["activations"] = by_mode[job.activation_checkpoint]
     out = RankMemory(stage, n, parts, by_mode)
     out.peak = _peak(shape, job, stage, parts)
-    out.zero_paper = 16 * n // shard
+    out.zero_paper = kept(16)
     return out
 
 

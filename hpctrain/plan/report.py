@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hpctrain.plan import comm, memory, storage
+from hpctrain.plan import comm, memory, moe, storage
 from hpctrain.plan.layout import Job
 from hpctrain.plan.shape import ModelShape
 
@@ -128,9 +128,12 @@ def _shape_name(s: ModelShape) -> str:
     if not s.llama:
         return (f"{s.n_layer} x {s.n_embd} ({s.n_head} heads, vocab {s.vocab_size}, block "
                 f"{s.block_size}), {fmt_params(s.num_params())} parameters")
-    return (f"llama {s.n_layer} x {s.n_embd} ({s.n_head} heads, {s.kv_heads} kv heads, ffn {s.ffn}, "
-            f"vocab {s.vocab_size}, {'tied' if s.tied else 'untied'}, block {s.block_size}), "
-            f"{fmt_params(_named_params(s))} parameters")
+    experts = (f", {s.moe_experts} experts top {s.moe_top_k} in {len(moe.sparse_layers(s))} layers"
+               if s.moe_experts else "")
+    active = f" ({fmt_params(s.active_params())} active: MFU's N)" if s.moe_experts else ""
+    return (f"llama {s.n_layer} x {s.n_embd} ({s.n_head} heads, {s.kv_heads} kv heads, ffn {s.ffn}"
+            f"{experts}, vocab {s.vocab_size}, {'tied' if s.tied else 'untied'}, block {s.block_size}), "
+            f"{fmt_params(_named_params(s))} parameters{active}")
 
 
 def render(p: Plan) -> str:
@@ -138,7 +141,7 @@ def render(p: Plan) -> str:
     tokens_step = j.batch * s.block_size
     lines = [f"# Plan: {_shape_name(s)}; {j.nodes} nodes x "
              f"{j.gpus_per_node} = {j.world} ranks", "",
-             f"Layout: dp {j.dp_size} ({j.data_parallel}) x tp {j.tp} x pp {j.pp} ({j.pp_schedule}), "
+             f"Layout: dp {j.dp_size} ({j.data_parallel}{f', ep {j.ep}' if j.ep > 1 else ''}) x tp {j.tp} x pp {j.pp} ({j.pp_schedule}), "
              f"micro_batch {j.micro_batch} x grad_accum {j.grad_accum} -> global batch "
              f"{j.batch} sequences ({tokens_step:,} tokens); activation_checkpoint "
              f"{j.activation_checkpoint}; {j.precision}; sync {j.sync_mode}"

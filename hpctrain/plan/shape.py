@@ -10,6 +10,9 @@ presets of `hpctrain plan --preset`.
   C x n_kv_head * head_dim), a SwiGLU MLP (gate, up, proj: 3 C F, F by Llama's hidden-size rule,
   config_rules.llama_ffn_hidden), optional q/k/v bias, tied or untied head. The presets
   llama3-8b / llama3-70b are Meta's shapes (8.03B and 70.55B parameters).
+- llama with mixture-of-experts layers (model.moe_*): the sparse layers' feed-forward and the
+  active count are plan/moe.py's; mixtral-8x7b is Mixtral's shape (46.70B total, 12.75B active
+  without the input embedding).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import math
 from dataclasses import dataclass
 
 from hpctrain.config_rules import llama_ffn_hidden
+from hpctrain.plan import moe
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,14 @@ class ModelShape:
     ffn_dim_multiplier: float = 1.0
     qkv_bias: bool = False
     tie_embeddings: bool = False    # gpt2 always ties
+    moe_experts: int = 0            # mixture of experts (llama; plan/moe.py): 0 = dense
+    moe_top_k: int = 2
+    moe_expert_hidden: int = 0      # 0 = ffn
+    moe_shared_experts: int = 0
+    moe_shared_hidden: int = 0
+    moe_shared_gate: bool = False
+    moe_every: int = 1
+    moe_first_dense: int = 0
 
     @classmethod
     def of_model_config(cls, model) -> "ModelShape":
@@ -52,10 +64,15 @@ class ModelShape:
             raise ValueError(f"model.n_embd {self.n_embd} is not divisible by model.n_head {self.n_head}")
         if self.llama and (self.n_kv_head < 0 or self.n_head % self.kv_heads):
             raise ValueError(f"model.n_kv_head {self.n_kv_head} must divide model.n_head {self.n_head}")
+        if self.moe_experts and not (self.llama and 1 <= self.moe_top_k <= self.moe_experts):
+            raise ValueError(f"model.moe_top_k {self.moe_top_k} must be in [1, model.moe_experts="
+                             f"{self.moe_experts}] (and model.arch llama)")
         return self
 
     def tp_problem(self, tp: int) -> str | None:
         """Why `train` refuses this tp for the model (config_rules), or None."""
+        if self.moe_experts and tp > 1:  # config_rules refuses it
+            return "with model.moe_experts: tensor parallelism of a mixture-of-experts model is not supported yet"
         if self.n_head % tp:
             return f"must divide n_head {self.n_head}"
         if self.kv_heads % tp:
@@ -132,7 +149,8 @@ class ModelShape:
     def total_params(self) -> int:
         """Every parameter, a tied weight once (num_params(non_embedding=False))."""
         return (self.n_layer * self.block_params + self.embedding_params + self.head_params
-                + self.position_params + self.norm_f_params)
+                + self.position_params + self.norm_f_params
+                + len(moe.sparse_layers(self)) * moe.extra_params(self))
 
     def num_params(self) -> int:
         """The model's num_params() (what MFU and `train` report): gpt2 without the position
@@ -141,9 +159,15 @@ class ModelShape:
             return self.total_params() - (0 if self.tied else self.embedding_params)
         return self.total_params() - self.position_params
 
+    def active_params(self) -> int:
+        """num_params() with the routed experts counted top_k / n_experts (Llama.active_params: the
+        MFU's N; num_params() for a dense model)."""
+        return self.num_params() - moe.inactive_params(self)
+
     def flops_per_token(self) -> float:
-        """The model's flops_per_token: 6N + 12 L (n_head x head_dim) T (PaLM appendix B)."""
-        return 6.0 * self.num_params() + 12.0 * self.n_layer * self.n_embd * self.block_size
+        """The model's flops_per_token: 6N + 12 L (n_head x head_dim) T (PaLM appendix B), N the
+        active parameters."""
+        return 6.0 * self.active_params() + 12.0 * self.n_layer * self.n_embd * self.block_size
 
     # ---- one tensor-parallel rank's share ---------------------------------------------------
     def block_params_tp(self, tp: int) -> int:
@@ -182,4 +206,8 @@ PRESETS = {
     "70b": ModelShape(n_layer=80, n_embd=8192, n_head=64, vocab_size=50304, block_size=2048),
     "llama3-8b": _llama3(32, 4096, 32),     # ffn 14336
     "llama3-70b": _llama3(80, 8192, 64),    # ffn 28672
+    # Mixtral-8x7B: 8 experts of width 14336, top 2, 8 kv heads, vocab 32000, untied; its 32k
+    # window trained here at 4096
+    "mixtral-8x7b": ModelShape(n_layer=32, n_embd=4096, n_head=32, vocab_size=32000, block_size=4096,
+                               arch="llama", n_kv_head=8, ffn_hidden=14336, moe_experts=8, moe_top_k=2),
 }

@@ -6,6 +6,8 @@ Owns the step-time model `hpctrain plan` ranks layouts by (docs/scale.md, "Recom
   6N FLOPs), shared by every rank, at Job.mfu x Job.gpu_tflops per GPU.
 - TP: the sequence-parallel all-gathers / reduce-scatters of comm.tp_bytes, on the critical path
   (nothing overlaps them), over the intra-node bandwidth (the inter-node one when tp > a node).
+- EP (mixture of experts): the all-to-all of plan/moe.py on the critical path (each layer waits for
+  its tokens), over the intra-node bandwidth while tp x ep fits a node.
 - PP: the micro-batch activations / gradients of comm.pp_bytes, on the critical path; the 1F1B /
   GPipe bubble idles (pp - 1) / micro-batches of the pipelined time (compute + TP + p2p).
 - DP: comm.dp_bytes over the inter-node bandwidth when the dp group spans nodes (comm.link), the
@@ -37,10 +39,11 @@ class StepTime:
     dp_exposed: float
     dp_total: float
     tokens_per_step: int
+    ep: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp + self.pp + self.bubble + self.dp_exposed
+        return self.compute + self.tp + self.ep + self.pp + self.bubble + self.dp_exposed
 
     @property
     def tokens_per_s(self) -> float:
@@ -64,7 +67,7 @@ def step_time(shape: ModelShape, job: Job, mem: RankMemory) -> StepTime:
     compute = flops / (job.world * job.gpu_tflops * 1e12 * job.mfu)
     seconds = {axis: sent / bandwidth(job, link) if sent else 0.0
                for axis, link, sent, _ in comm.rows_of_rank(shape, job, mem)}
-    pipelined = compute + seconds["tp"] + seconds["pp"]
+    pipelined = compute + seconds["tp"] + seconds.get("ep", 0.0) + seconds["pp"]
     bubble = pipelined * (job.pp - 1) / job.grad_accum
     if job.sync_mode == "diloco":
         window = 0.0
@@ -73,4 +76,5 @@ def step_time(shape: ModelShape, job: Job, mem: RankMemory) -> StepTime:
     else:
         window = compute * 2 / 3 / job.grad_accum
     exposed = max(0.0, seconds["dp"] - window)
-    return StepTime(compute, seconds["tp"], seconds["pp"], bubble, exposed, seconds["dp"], tokens)
+    return StepTime(compute, seconds["tp"], seconds["pp"], bubble, exposed, seconds["dp"], tokens,
+                    seconds.get("ep", 0.0))

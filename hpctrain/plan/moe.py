@@ -1,0 +1,80 @@
+"""Mixture-of-experts arithmetic of `hpctrain plan` (hpctrain/model/moe.py's layer, #34): the
+parameters of a sparse layer, total vs active, what one rank holds under expert parallelism
+(parallel.ep: each sparse layer's routed experts split over ep ranks borrowed from dp), and the
+all-to-all traffic of the token dispatch.
+
+A sparse layer's feed-forward (moe.py) is: router.weight [E, C] + its balancing bias [E], routed
+experts w1, w3 [E, H, C] and w2 [E, C, H] (3 E C H), shared experts as one SwiGLU of width S
+(3 C S) and Qwen2-MoE's shared gate [1, C]; it replaces the dense layer's SwiGLU (3 C F). One token
+uses top_k of the E routed experts, so the active count (MFU's N, Llama.active_params) takes the
+routed experts' (E - k) / E share away. Under ep, a rank holds E / ep of each layer's routed experts
+(the rest of the layer, router and shared experts included, replicated).
+
+All-to-all per optimizer step, sent by one rank: each sparse layer sends every routed row (tokens x
+top_k rows of C activations) to the rank of its expert and gets the outputs back (dispatch +
+combine), in forward and again in backward (the gradients): 4 x tokens x top_k x C x bytes per
+layer, of which (ep - 1) / ep leave the rank when routing is balanced. Tokens per rank per step =
+micro_batch x block_size x grad_accum; bytes: 2 in bf16 / fp16, 4 in fp32. Activation checkpointing
+repeats a checkpointed layer's forward dispatch + combine (not counted here).
+
+Not modelled yet: a sparse layer's activations are counted as the dense SwiGLU's (memory.py's 8 f
+term; top_k x the expert width is nearer), FSDP's gathered-block buffers as a dense block's, and a
+real router's imbalance (the all-to-all assumes every expert gets its share).
+
+It must never import torch.
+"""
+from __future__ import annotations
+
+
+def sparse_layers(shape, block_ids=None) -> list[int]:
+    """The sparse layers among `block_ids` (default: all): Llama's is_sparse rule."""
+    ids = range(shape.n_layer) if block_ids is None else block_ids
+    if not shape.moe_experts:
+        return []
+    return [i for i in ids if i >= shape.moe_first_dense and (i + 1) % shape.moe_every == 0]
+
+
+def expert_hidden(shape) -> int:
+    return shape.moe_expert_hidden or shape.ffn
+
+
+def routed_params(shape) -> int:
+    """One sparse layer's routed experts: 3 E C H."""
+    return 3 * shape.moe_experts * shape.n_embd * expert_hidden(shape)
+
+
+def layer_params(shape, ep: int = 1) -> int:
+    """One sparse layer's feed-forward as one rank holds it under `ep` (1: the whole layer)."""
+    c, e = shape.n_embd, shape.moe_experts
+    shared = shape.moe_shared_hidden or expert_hidden(shape) * shape.moe_shared_experts
+    gate = c if shape.moe_shared_experts and shape.moe_shared_gate else 0
+    return e * c + e + routed_params(shape) // ep + 3 * c * shared + gate
+
+
+def extra_params(shape, ep: int = 1) -> int:
+    """A sparse layer's parameters minus the dense SwiGLU (3 C F) the planner counted for it."""
+    return layer_params(shape, ep) - 3 * shape.n_embd * shape.ffn
+
+
+def inactive_params(shape) -> int:
+    """Routed-expert parameters one token does not use, over the model (Llama.active_params)."""
+    e = shape.moe_experts
+    return len(sparse_layers(shape)) * (routed_params(shape) * (e - shape.moe_top_k) // e) if e else 0
+
+
+def all_to_all_bytes(shape, job, block_ids) -> int:
+    """Bytes one rank sends per optimizer step in the dispatch / combine of its stage's layers."""
+    if job.ep == 1:
+        return 0
+    tokens = job.micro_batch * shape.block_size * job.grad_accum
+    rows = tokens * shape.moe_top_k * len(sparse_layers(shape, block_ids))
+    act = 2 if job.half else 4
+    return 4 * rows * shape.n_embd * act * (job.ep - 1) // job.ep
+
+
+def sharded_bytes(shape, job, block_ids, n: int, shard: int, per_param: int) -> int:
+    """`per_param` bytes of each of the `n` parameters a rank keeps after FSDP over `shard` ranks:
+    the routed experts (already / ep) are sharded over the shard / ep ranks that hold the same
+    experts, the rest over all `shard` (per_param x n // shard for a dense model)."""
+    experts = len(sparse_layers(shape, block_ids)) * routed_params(shape) // job.ep
+    return per_param * (n - experts) // shard + per_param * experts // max(shard // job.ep, 1)

@@ -1,0 +1,73 @@
+"""`hpctrain plan` for a mixture-of-experts llama (#34, hpctrain/plan/moe.py): total and active
+parameters against the real model (meta device), the experts split over parallel.ep in the memory
+per rank (DDP and FSDP), the all-to-all bytes of the token dispatch computed by hand, MFU on the
+active count, and the Mixtral-8x7B preset."""
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+import torch
+
+from hpctrain.model import build_model_from_section
+from hpctrain.plan.layout import Job
+from hpctrain.plan.report import make_plan
+from hpctrain.plan.shape import PRESETS, ModelShape
+from hpctrain.plan.step_time import step_time
+from tests.conftest import run_cmd
+
+# 4 layers, 8 experts of width 96, top 2; the first layer dense, then every layer sparse; a gated
+# shared expert of width 40 (Qwen2-MoE-like)
+SHAPE = ModelShape(4, 64, 4, 97, 32, arch="llama", n_kv_head=2, multiple_of=32, moe_experts=8,
+                   moe_top_k=2, moe_expert_hidden=96, moe_shared_experts=1, moe_shared_hidden=40,
+                   moe_shared_gate=True, moe_first_dense=1)
+JOB = Job(nodes=1, gpus_per_node=8, tokens=1e6, micro_batch=2, grad_accum=3, precision="bf16")
+
+
+def test_total_and_active_parameters_are_the_real_models():
+    with torch.device("meta"):
+        model = build_model_from_section({**dataclasses.asdict(SHAPE), "dropout": 0.0})
+    assert SHAPE.total_params() == model.num_params(non_embedding=False)
+    assert SHAPE.num_params() == model.num_params()
+    assert SHAPE.active_params() == model.active_params() < SHAPE.num_params()
+    assert SHAPE.flops_per_token() == model.flops_per_token()  # the MFU's N is the active count
+
+
+def test_experts_are_split_over_ep_in_the_memory_per_rank():
+    routed = 3 * 8 * 64 * 96  # one sparse layer's routed experts: 3 E C H
+    ddp = {ep: make_plan(SHAPE, dataclasses.replace(JOB, ep=ep)).mem for ep in (1, 4)}
+    assert ddp[1].local_params - ddp[4].local_params == 3 * routed * 3 // 4  # 3 sparse layers
+    assert ddp[4].parts["AdamW m, v (fp32)"] == 8 * ddp[4].local_params
+    fsdp = make_plan(SHAPE, dataclasses.replace(JOB, ep=4, data_parallel="fsdp")).mem
+    experts = 3 * routed // 4  # on this rank, then FSDP-sharded over dp / ep = 2 ranks
+    assert fsdp.parts["parameters (fp32)"] == 4 * (fsdp.local_params - experts) // 8 + 4 * experts // 2
+
+
+def test_all_to_all_bytes_per_step_are_tokens_x_top_k_x_hidden_x_bytes():
+    plan = make_plan(SHAPE, dataclasses.replace(JOB, ep=4))
+    sent = {axis: (link, b) for axis, link, b, _ in plan.comm}
+    tokens = 2 * 32 * 3  # micro_batch x block_size x grad_accum
+    # 3 sparse layers; dispatch + combine, forward + backward; bf16; 3 of 4 shares leave the rank
+    assert sent["ep"] == ("intra-node", 4 * tokens * 2 * 3 * 64 * 2 * 3 // 4) == ("intra-node", 442_368)
+    timed = step_time(SHAPE, plan.job, plan.mem)  # on the critical path, at the intra-node bandwidth
+    assert timed.ep == 442_368 / JOB.intra_node_bw and timed.total >= timed.compute + timed.ep
+    assert make_plan(SHAPE, JOB).comm[0][2] == 0  # ep 1: nothing moves
+    assert "ep" not in {a for a, *_ in make_plan(PRESETS["llama3-8b"], Job()).comm}  # dense: no row
+
+
+def test_mixtral_preset_and_the_cli():
+    mixtral = PRESETS["mixtral-8x7b"]
+    assert round(mixtral.total_params() / 1e9, 2) == 46.70  # Mixtral's published 46.7B
+    assert round(mixtral.active_params() / 1e9, 2) == 12.75  # 12.9B with the input embedding
+    r = run_cmd([sys.executable, "-m", "hpctrain", "plan", "--preset", "mixtral-8x7b", "--nodes", "2",
+                 "--ep", "8", "--data-parallel", "fsdp"], timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "8 experts top 2 in 32 layers" in r.stdout and "12.7B active" in r.stdout
+    assert "| ep | intra-node |" in r.stdout
+    bad = run_cmd([sys.executable, "-m", "hpctrain", "plan", "--preset", "mixtral-8x7b", "--ep", "3"],
+                  timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--ep 3" in bad.stderr
+    dense = run_cmd([sys.executable, "-m", "hpctrain", "plan", "--preset", "llama3-8b", "--ep", "2"],
+                    timeout=120)
+    assert dense.returncode == 2 and "--ep 2" in dense.stderr and "moe_experts 0" in dense.stderr
