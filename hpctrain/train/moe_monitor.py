@@ -9,7 +9,8 @@ Owns: reading the layers' counters (MoEFeedForward.take_load etc.), the one all-
 training loop registers `monitor_for(...)`'s `record` as an after_step hook (train/hooks.py) for a
 model with MoE layers only: a dense model gets no hook, no collective and no new keys. Where pipeline
 stages hold different layers, the stages' records are gathered so rank 0's metrics.jsonl has every
-layer. It must never touch gradients.
+layer (step 1's loads there also count the one shape-inference forward torch's pipeline schedule
+runs per stage before its first step). It must never touch gradients.
 """
 from __future__ import annotations
 

@@ -129,3 +129,25 @@ def test_aux_loss_weighs_the_same_per_optimizer_step_under_grad_accumulation(tmp
     figures = dict(line.split() for line in r.stdout.splitlines() if line.count(" ") == 1)
     assert float(figures["aux_share"]) > 0.05  # the aux loss is a real part of the gradient
     assert float(figures["router_rel_diff"]) < 1e-5
+
+
+def test_loads_are_summed_over_dp_and_every_pipeline_stages_layers_reach_the_record(tmp_path, one_play):
+    """pp 2 x dp 2 (FSDP), 4 sparse layers, grad_accum 2: rank 0's record has the layers of both
+    stages (gathered over pp), each layer's loads summed over the 2 dp ranks (all-reduce), and the
+    sharded balancing bias of both stages moved."""
+    config = tmp_path / "moe.toml"
+    config.write_text(CONFIG.format(run=tmp_path / "run", data=one_play))
+    mpirun(4, ["-m", "hpctrain", "train", "--config", config, "--train.steps=3",
+               "--train.micro_batch_size=4", "--train.grad_accum=2", "--model.n_layer=4",
+               "--model.moe_bias_update_rate=0.01", "--parallel.pp=2", "--parallel.data_parallel=fsdp"],
+           timeout=300, check=True)
+    steps = [r for r in records(tmp_path / "run") if "loss" in r]
+    for rec in steps:
+        for layer in "0123":  # 2 dp x 2 micro-batches x 4 sequences x 32 tokens, top 1
+            routed = 2 * 2 * 4 * 32
+            # step 1 also counts torch's pipeline schedule's one shape-inference forward per stage
+            assert sum(rec[f"moe.{layer}.load"]) == routed or (rec["step"] == 1 and
+                                                             sum(rec[f"moe.{layer}.load"]) > routed)
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for layer in "0123":  # one bias step of 0.01: experts above the mean -0.01, below +0.01
+        assert steps[0][f"moe.{layer}.bias_spread"] == pytest.approx(0.02)
