@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import logging
+import re
 
+import pytest
 import torch
 
-from hpctrain.train.moe_monitor import MoEMonitor
+from hpctrain import config
+from hpctrain.errors import ConfigError
+from hpctrain.train.moe_monitor import MoEMonitor, monitor_for
 from hpctrain.model.llama import Llama, LlamaConfig
 from hpctrain.model.moe import MoEConfig
 
@@ -57,3 +61,42 @@ def test_bias_step_is_taken_from_the_loads_and_reported():
     assert torch.equal(bias, 0.1 * torch.sign(load.mean() - load))  # hot experts pushed down
     assert abs(rec["moe.0.bias_spread"] - 0.2) < 1e-6
     assert monitor.after_step(2)["moe.0.load"] == [0, 0, 0, 0]  # loads are read once
+
+
+WARN_CONFIG = """[run]
+dir = "{run}"
+[data]
+path = "{run}"
+[model]
+arch = "llama"
+n_layer = 2
+n_head = 4
+n_embd = 32
+block_size = 16
+vocab_size = 64
+multiple_of = 16
+[model.moe]
+experts = 4
+{warn}
+[train]
+steps = 4
+warmup_steps = 0
+micro_batch_size = 2
+"""
+
+
+@pytest.mark.parametrize("warn,key", [("warn_ratio = 1.0", "model.moe_warn_ratio"),
+                                      ("warn_steps = 0", "model.moe_warn_steps")])
+def test_warning_keys_are_validated_naming_the_key(tmp_path, warn, key):
+    path = tmp_path / "c.toml"
+    path.write_text(WARN_CONFIG.format(run=tmp_path, warn=warn))
+    with pytest.raises(ConfigError, match=re.escape(f"'{key}'")):
+        config.load(path, [])
+    path.write_text(WARN_CONFIG.format(run=tmp_path, warn="warn_ratio = 2.5\nwarn_steps = 7"))
+    m = config.load(path, []).model
+    assert (m.moe_warn_ratio, m.moe_warn_steps) == (2.5, 7)
+
+
+def test_a_dense_model_gets_no_monitor():
+    dense = Llama(LlamaConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=64, multiple_of=16))
+    assert monitor_for(dense, None, None, True) is None  # no hook, no collective, no keys
