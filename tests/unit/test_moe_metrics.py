@@ -100,3 +100,14 @@ def test_warning_keys_are_validated_naming_the_key(tmp_path, warn, key):
 def test_a_dense_model_gets_no_monitor():
     dense = Llama(LlamaConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=64, multiple_of=16))
     assert monitor_for(dense, None, None, True) is None  # no hook, no collective, no keys
+
+
+def test_tensorboard_shows_each_layer_under_moe_and_one_scalar_per_expert():
+    from hpctrain.metrics.tensorboard import scalars
+
+    got = dict(scalars({"step": 3, "loss": 2.0, "moe.1.max_mean": 2.5, "moe.1.entropy": 1.2,
+                        "moe.1.load": [10, 0, 5, 5, 0, 0, 0, 20, 0, 0, 0, 0]}))
+    assert got["moe/1/max_mean"] == 2.5 and got["moe/1/entropy"] == 1.2 and got["train/loss"] == 2.0
+    loads = {k: v for k, v in got.items() if k.startswith("moe/1/load/")}
+    assert len(loads) == 12 and loads["moe/1/load/expert_07"] == 20 / (40 / 12)  # load / mean
+    assert loads["moe/1/load/expert_00"] == 10 / (40 / 12) and loads["moe/1/load/expert_11"] == 0.0
