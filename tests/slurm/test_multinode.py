@@ -298,8 +298,10 @@ micro_batch_size = 2
 [checkpoint]
 interval = 5
 [dist]
-heartbeat_timeout_s = 5
+heartbeat_timeout_s = 12
 """
+# 12 s > the cluster's SlurmdTimeout (10 s): Slurm marks the dead node DOWN before the survivors'
+# heartbeat names it, so a launcher that lets srun cancel the step on a node failure fails here
 
 
 @retry_on_pmi2_flake
@@ -328,7 +330,7 @@ def test_node_dies_survivors_name_it_and_training_resumes_on_the_rest(vcluster, 
     finally:
         vcluster.boot_node("node3")
     log = out.read_text()
-    assert detected < 5 + 3 * 0.5 + 3, (detected, log)  # heartbeat timeout + 3 intervals + slack
+    assert detected < 12 + 3 * 1.2 + 3, (detected, log)  # heartbeat timeout + 3 intervals + slack
     assert re.search(r"error: rank 2 on node3 lost: no heartbeat", log), log
     assert "node node3 lost: relaunching on the 2 other node(s)" in log, log
     assert rec["JobState"] == "COMPLETED", log
