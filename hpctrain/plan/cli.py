@@ -42,6 +42,7 @@ ARCH_OPTIONS = {"n_kv_head": "model.n_kv_head (llama: key/value heads; 0 = n_hea
                              "every", "first_dense")}}
 # option -> (config section, key) read from --config
 FROM_CONFIG = {"dp": ("parallel", "dp"), "tp": ("parallel", "tp"), "pp": ("parallel", "pp"),
+               "ep": ("parallel", "ep"),
                "data_parallel": ("parallel", "data_parallel"), "pp_schedule": ("parallel", "pp_schedule"),
                "pp_virtual_stages": ("parallel", "pp_virtual_stages"),
                "activation_checkpoint": ("parallel", "activation_checkpoint"),
@@ -160,7 +161,6 @@ def shape_and_job(args: argparse.Namespace) -> tuple[ModelShape, Job]:
         model = dataclasses.asdict(ModelShape.of_model_config(cfg.model))
         for opt, (section, key) in FROM_CONFIG.items():
             job[opt] = getattr(getattr(cfg, section), key)
-        job["ep"] = getattr(cfg.parallel, "ep", 1)  # MoE's expert-parallel size
         job["precision"] = "bf16" if job["precision"] == "auto" else job["precision"]
         job["backend"] = "nccl" if job["backend"] == "auto" else job["backend"]  # GPUs
     for key in (*MODEL_KEYS, "arch", *ARCH_OPTIONS):

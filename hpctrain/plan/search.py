@@ -155,6 +155,8 @@ def train_flags(job: Job) -> str:
              f"--parallel.activation_checkpoint={job.activation_checkpoint}"]
     if job.activation_checkpoint == "selective":
         flags.append(f"--parallel.ac_every={job.ac_every}")
+    if job.ep > 1:  # a mixture-of-experts model's experts split over ep ranks
+        flags.append(f"--parallel.ep={job.ep}")
     flags += [f"--train.micro_batch_size={job.micro_batch}", "--train.grad_accum=1",
               f"--train.global_batch={job.batch}", f"--train.precision={job.precision}"]
     return " ".join(flags)

@@ -65,6 +65,8 @@ def test_mixtral_preset_and_the_cli():
     assert r.returncode == 0, r.stderr
     assert "8 experts top 2 in 32 layers" in r.stdout and "12.7B active" in r.stdout
     assert "| ep | intra-node |" in r.stdout
+    recommended = next(line for line in r.stdout.splitlines() if line.startswith("recommended:"))
+    assert "--parallel.ep=8" in recommended and "tp1" in recommended  # tp > 1 refused with experts
     bad = run_cmd([sys.executable, "-m", "hpctrain", "plan", "--preset", "mixtral-8x7b", "--ep", "3"],
                   timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--ep 3" in bad.stderr
