@@ -80,14 +80,20 @@ def _tune(argv: list[str]) -> int:
     return tune_main(argv)
 
 
+def _doctor(argv: list[str]) -> int:
+    from hpctrain.doctor import main as doctor_main
+
+    return doctor_main(argv)
+
+
 COMMANDS = {"train": _train, "sample": _sample, "plot": _plot, "ckpt": _ckpt, "export": _export,
-            "tune": _tune, "plan": _plan}
+            "tune": _tune, "plan": _plan, "doctor": _doctor}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: python -m hpctrain {train,sample,plot,ckpt,export,tune,plan} [-h] ...\n\n"
+        print("usage: python -m hpctrain {train,sample,plot,ckpt,export,tune,plan,doctor} [-h] ...\n\n"
               "  train   train a GPT (mpiexec/srun for several ranks); resumes automatically\n"
               "  sample  generate text from a checkpoint\n"
               "  plot    PNG of loss, val loss, lr, tokens/s and MFU of a run\n"
@@ -97,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
               "arrays;\n          pbt CONFIG.toml (under mpiexec) | pbt-plot RUN_DIR: population-based "
               "training\n"
               "  plan    per-rank memory, communication, checkpoint and data figures of a model "
-              "and layout at scale",
+              "and layout at scale\n"
+              "  doctor  RUN: which rank was where when a run hung or lost a rank (its forensics)",
               file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     logs.setup()  # the launcher's rank until init_distributed knows it (train, tune pbt)

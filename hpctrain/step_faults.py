@@ -8,7 +8,8 @@ with the keys of `StepFaults` below. Unset (production and every user run) every
 are never part of the config a user writes, of config.toml or of a checkpoint. The variable reaches
 every rank through mpiexec/srun's environment. The item `save_point=NAME[:COUNT[:RANK[:ACTION]]]`
 arms one of the checkpoint save path's named fault points (their list and meaning:
-hpctrain/checkpoint/faults.py).
+hpctrain/checkpoint/faults.py). `skip_vote_rank=R,skip_vote_step=S,skip_vote_s=T` makes rank R sleep T s
+instead of entering step S's stop vote (a hung collective for the flight recorder's tests).
 
 It must never be armed by anything but that variable. A malformed value is a one-line error naming
 the variable and the key. `nan_trial=N` confines inject_nan_at_step to trial N of a `hpctrain tune
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 from hpctrain.errors import ConfigError
 
@@ -40,6 +42,9 @@ class StepFaults:
     nan_trial: int = -1             # inject_nan_at_step only in this tune trial (the one whose
                                     # HPCTRAIN_TUNE_TRIAL is named trial_N); -1: in every run
     save_point: str = ""            # a checkpoint fault point (hpctrain/checkpoint/faults.py)
+    skip_vote_rank: int = -1        # this rank sleeps skip_vote_s instead of entering the stop
+    skip_vote_step: int = 0         # vote of this step (a hung collective; then it votes late)
+    skip_vote_s: float = 0.0
 
 
 _cache: tuple[tuple[str, str], StepFaults] | None = None
@@ -82,9 +87,16 @@ def parse(raw: str) -> StepFaults:
             raise ConfigError(f"{ENV}: {key}={value!r} is not a number") from None
     faults = StepFaults(**values)
     if faults.slow_factor < 1 or min(faults.delay_s, faults.compute_sleep_s, faults.step_sleep_s,
-                                     faults.inject_nan_at_step) < 0:
+                                     faults.inject_nan_at_step, faults.skip_vote_s) < 0:
         raise ConfigError(f"{ENV}: slow_factor must be >= 1 and the other values >= 0 ({raw})")
     return faults
+
+
+def hang_before_vote(rank: int, step: int) -> None:
+    """skip_vote_*: the peers wait in the stop vote of `step` that this rank has not entered."""
+    faults = step_faults()
+    if faults.skip_vote_rank == rank and faults.skip_vote_step == step:
+        time.sleep(faults.skip_vote_s)
 
 
 def env(**faults) -> dict[str, str]:

@@ -31,7 +31,9 @@ from pathlib import Path
 
 from hpctrain import logs, signals
 from hpctrain.distributed import slurm
+from hpctrain.distributed.flight_recorder import RECORDER
 from hpctrain.errors import ConfigError
+from hpctrain.step_faults import hang_before_vote
 
 EXIT_PREEMPTED = 75
 TIMING_FILE = "slurm_timing.json"  # in run.dir: {"first_checkpoint_s": seconds from job start}
@@ -112,7 +114,11 @@ class Preemption:
         self.debug_sleep()
         from mpi4py import MPI
 
-        reason = self.comm.allreduce(self.local_reason(), op=MPI.MAX)
+        RECORDER.step = step
+        hang_before_vote(self.rank, step)  # test-only (HPCTRAIN_TEST_FAULTS); off in production
+        local = self.local_reason()
+        with RECORDER.collective("stop_vote", f"world({self.comm.Get_size()})"):
+            reason = self.comm.allreduce(local, op=MPI.MAX)
         self.agreed(reason, step)
         return reason
 

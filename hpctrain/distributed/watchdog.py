@@ -15,6 +15,12 @@ deadline of `timeout_s` (a frozen rank 0 keeps its socket open and never answers
 closed by peer", a timeout) waits for the verdict rather than printing a traceback, and if none
 comes within the timeout becomes a one-line PeerLostError naming the failed collective.
 
+Forensics (hpctrain/distributed/flight_recorder.py): before a verdict ends the job, and when the
+main thread has been inside one collective (or step phase) for longer than `timeout_s` while every
+peer still beats (a stall: a rank that never entered a collective its peers wait in), this rank
+writes `<run.dir>/forensics/rank_<r>.json`; a stalled rank also publishes `hpctrain/stall`, so that
+every rank writes its file, also the one that is elsewhere. A stall only writes files and warns.
+
 Bound: a lost rank ends the job within timeout_s + 3 intervals (interval = timeout_s / 10, clamped to
 [0.2, 5] s). It must never import model, data or checkpoint code, and never run a collective.
 """
@@ -30,15 +36,17 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 from hpctrain import logs
+from hpctrain.distributed import flight_recorder
 from hpctrain.errors import PeerLostError  # noqa: F401 - re-exported
 
 EXIT_PEER_LOST = 3
 LOST_NODES_ENV = "HPCTRAIN_LOST_NODES_FILE"
 _LOST = "hpctrain/lost"
+_STALL = "hpctrain/stall"
 
 
 class Watchdog:
-    def __init__(self, ctx, timeout_s: float):
+    def __init__(self, ctx, timeout_s: float, run_dir=None):
         self.rank, self.world = ctx.rank, ctx.world_size
         self.comm = ctx.comm
         self.timeout = float(timeout_s)
@@ -46,6 +54,10 @@ class Watchdog:
         self._stop = threading.Event()
         self._reported = threading.Lock()
         self.verdict: str | None = None
+        self.run_dir = run_dir
+        self._stall: str | None = None        # hpctrain/stall as last read from the store
+        self._stall_seen: str | None = None   # the last hpctrain/stall value acted on
+        self._written_at = -1                 # the recorder's events when our file was written
         self.hosts = tuple(getattr(ctx, "hosts", ()) or ())
         self._store = dist.TCPStore(ctx.master_addr, ctx.master_port, is_master=False,
                                     timeout=datetime.timedelta(seconds=max(self.timeout, 1.0)))
@@ -59,6 +71,7 @@ class Watchdog:
         None when it finished cleanly)."""
         self._store.add(f"hpctrain/hb/{self.rank}", 1)
         verdict = self._store.get(_LOST).decode() if self._store.check([_LOST]) else None
+        self._stall = self._store.get(_STALL).decode() if self._store.check([_STALL]) else None
         if self._store.check([f"hpctrain/done/{nbr}"]):
             return verdict, None
         return verdict, self._store.add(f"hpctrain/hb/{nbr}", 0)
@@ -87,6 +100,7 @@ class Watchdog:
             if verdict is not None:
                 lost = int(verdict.split()[1]) if verdict.startswith("rank ") else None
                 self._die(verdict, lost=lost, speak_after=1)  # its publisher speaks first
+            self._check_stall(caller)
             if value is None:
                 continue  # the neighbour finished cleanly
             now = time.monotonic()
@@ -101,6 +115,38 @@ class Watchdog:
                 except Exception:  # noqa: BLE001 - we report it ourselves regardless
                     pass
                 self._die(msg, lost=nbr)
+
+    def _check_stall(self, caller) -> None:
+        """A stall of ours: write our file, publish it; a stall another rank published: write
+        ours (once per stretch without progress of our main thread)."""
+        rec = flight_recorder.RECORDER
+        if rec.events == self._written_at:
+            return
+        mine = flight_recorder.stalled(rec, self.timeout)
+        theirs = self._stall
+        if mine is not None:
+            text = (f"rank {self.rank}{self._on(self.rank)} stalled for more than {self.timeout:g} s "
+                    f"(dist.heartbeat_timeout_s) in {flight_recorder.describe(mine)}")
+            try:
+                caller.call(lambda: self._store.set(_STALL, text), self.interval * 2)
+            except Exception:  # noqa: BLE001 - the file is written regardless
+                pass
+        elif theirs is not None and theirs != self._stall_seen:
+            text = f"stall seen by another rank: {theirs}"
+        else:
+            return
+        self._stall_seen = theirs if mine is None else text
+        self._written_at = rec.events
+        path = self._write_forensics(text, "stall")
+        logs.warning(f"warning: {text}; forensics: {path or 'not written'} (hpctrain doctor "
+                     f"{self.run_dir})")
+
+    def _write_forensics(self, verdict: str, kind: str, lost: int | None = None) -> str | None:
+        try:
+            record = flight_recorder.forensics(self.rank, self.world, verdict, kind, lost)
+        except Exception:  # noqa: BLE001 - forensics must never stop the verdict
+            return None
+        return flight_recorder.write_forensics(self.run_dir, record)
 
     def _on(self, rank: int) -> str:
         return f" on {self.hosts[rank]}" if rank < len(self.hosts) else ""
@@ -127,6 +173,7 @@ class Watchdog:
         if not self._reported.acquire(blocking=False):
             return
         self.verdict = msg
+        self._write_forensics(msg, "verdict", lost)  # before the Abort; local I/O only
         self._record_lost_node(lost)
         grace = min(3.0, 2 * self.interval + 0.5)
         time.sleep(speak_after * (grace + 1.5))
@@ -203,12 +250,12 @@ def _is_comm_error(exc: BaseException) -> bool:
 
 
 @contextmanager
-def watch_peers(ctx, timeout_s: float):
+def watch_peers(ctx, timeout_s: float, run_dir=None):
     """Run the body under a heartbeat watchdog (no-op for one rank or timeout 0)."""
     if timeout_s <= 0 or ctx.world_size == 1:
         yield None
         return
-    wd = Watchdog(ctx, timeout_s)
+    wd = Watchdog(ctx, timeout_s, run_dir)
     try:
         yield wd
     except Exception as e:

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hpctrain.config import Config
+from hpctrain.distributed.flight_recorder import RECORDER
 from hpctrain.errors import ConfigError
 from hpctrain.model.moe import MoEFeedForward
 from hpctrain.parallel.parallelize import Layout
@@ -65,6 +66,7 @@ class StepRunner(ABC):
         # MoE layers: their auxiliary loss enters the gradient inside the layer, weighted like the
         # main loss of a micro-batch (none in a dense model)
         self._moe_layers = [m for m in layout.module.modules() if isinstance(m, MoEFeedForward)]
+        self._dp_name = f"dp({layout.mesh.dp_size})"  # the flight recorder's group name
 
     # ---- the loss -------------------------------------------------------------------------
     def _loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -99,11 +101,11 @@ class StepRunner(ABC):
             # shared memory; Gloo's TCP takes 360 us, every step). Sum, then divide: as Gloo's AVG
             from mpi4py import MPI
 
-            with self.layout.wait_clock.blocked():
+            with self.layout.wait_clock.blocked(), RECORDER.collective("loss_allreduce", self._dp_name):
                 sync.comm.Allreduce(MPI.IN_PLACE, loss.numpy(), op=MPI.SUM)
             loss /= dp
         elif dp > 1:  # (DiLoCo's inner steps: where a faster replica waits for a slower one)
-            with self.layout.wait_clock.blocked():
+            with self.layout.wait_clock.blocked(), RECORDER.collective("loss_allreduce", self._dp_name):
                 dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.layout.mesh.group("dp"))
         return loss
 
@@ -119,7 +121,7 @@ class StepRunner(ABC):
         grads = [_local(q.grad) for q in self.layout.module.parameters()
                  if q.grad is not None and not (experts is not None and experts.holds(q))]
         flat = torch.cat([g.flatten() for g in grads])
-        with self.layout.wait_clock.blocked():
+        with self.layout.wait_clock.blocked(), RECORDER.collective("grad_allreduce", self._dp_name):
             dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.layout.mesh.group("dp"))
         for g, v in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(v.view_as(g))
@@ -162,8 +164,9 @@ class StepRunner(ABC):
         self._loss_hook, self._loss_scale = loss_hook, loss_scale
         for moe in self._moe_layers:  # the aux loss is per optimizer step, as the main loss
             moe.aux_scale = loss_scale * self._micro_batch_weight(len(micro_batches))
-        try:
-            total = self._forward_backward_sum(micro_batches, autocast, loss_scale)
+        try:  # DDP's / FSDP's gradient collectives run inside: recorded as one phase
+            with RECORDER.collective("forward_backward (DDP/FSDP all-reduce inside)", self._dp_name):
+                total = self._forward_backward_sum(micro_batches, autocast, loss_scale)
         finally:
             self._loss_hook, self._loss_scale = None, 1.0
         self._finish_grads()

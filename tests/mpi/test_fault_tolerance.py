@@ -258,10 +258,31 @@ def test_lost_rank_ends_job_with_its_name(tmp_path, dataset, sig, lost):
     assert len(errors) <= 1, out[-3000:]  # one line for the job, not one per surviving rank
     if sig == "SIGSTOP":  # a hung rank: only the heartbeat can see it
         assert elapsed > 4 and len(errors) == 1, (elapsed, out[-3000:])
+        _assert_forensics_name(run, lost, survivors=[r for r in range(3) if r != lost])
     # SIGKILL: the survivors see it either through the heartbeat (~5 s, printed verdict) or at once
     # when they are inside an MPI collective (the preemption agreement): MPICH then ends the job
     # itself, and its launcher drops the survivors' stderr once one process died by a signal (seen
     # in ~1 of 3 runs here), so the verdict line is checked only when it arrives.
+
+
+def _assert_forensics_name(run, lost, survivors):
+    """Every survivor wrote forensics/rank_<r>.json before the Abort, all inside the same open
+    collective (the stop vote, or the step's dp reductions) at the same step; `hpctrain doctor`
+    names the stopped rank and that collective."""
+    recs = {r: json.loads((run / "forensics" / f"rank_{r}.json").read_text()) for r in survivors}
+    assert all(rec["kind"] == "verdict" and rec["lost"] == lost for rec in recs.values())
+    opens = {(rec["open"]["op"], rec["open"]["group"], rec["open"]["seq"], rec["step"])
+             for rec in recs.values()}
+    assert len(opens) == 1, opens
+    ((op, group, seq, step),) = opens
+    assert op.split()[0] in ("stop_vote", "forward_backward", "loss_allreduce"), op
+    assert step >= 2 and group in ("world(3)", "dp(3)")
+    assert not (run / "forensics" / f"rank_{lost}.json").exists()
+    report = subprocess.run([sys.executable, "-m", "hpctrain", "doctor", str(run)], text=True,
+                            capture_output=True, timeout=60).stdout
+    assert f"rank {lost}: no forensics file (rank {lost} named lost" in report, report
+    assert (f"check: rank {lost} (no forensics file) did not complete {op} {group} seq {seq} "
+            in report), report
 
 
 # ---- non-finite loss --------------------------------------------------------------------------
