@@ -10,12 +10,21 @@ Public API (everything else in this package is internal):
 This package must never import model, data or training code, and never unpickle file contents
 (safe_load.py). Format and protocol: docs/checkpoints.md. `python -m hpctrain ckpt list|verify` is
 cli.py; test-only fault injection points are faults.py.
+
+The torch-backed names (CheckpointManager: DCP) load on first use (PEP 562): `ckpt list|verify`
+read files only and must not pay ~2 s of CPU for importing torch and DCP.
 """
 from hpctrain.checkpoint.directory import CheckpointInfo, list_checkpoints
 from hpctrain.checkpoint.disk_format import verify_checkpoint
-from hpctrain.errors import CheckpointError
-from hpctrain.checkpoint.manager import CheckpointManager
-from hpctrain.checkpoint.safe_load import UnsafeCheckpointError
+from hpctrain.errors import CheckpointError, UnsafeCheckpointError
 
 __all__ = ["CheckpointManager", "CheckpointError", "UnsafeCheckpointError", "CheckpointInfo",
            "list_checkpoints", "verify_checkpoint"]
+
+
+def __getattr__(name: str):
+    if name == "CheckpointManager":
+        from hpctrain.checkpoint.manager import CheckpointManager
+
+        return CheckpointManager
+    raise AttributeError(f"module 'hpctrain.checkpoint' has no attribute {name!r}")

@@ -6,7 +6,8 @@ writes (write + flush + fsync, directory fsync), verification of one checkpoint,
 state. Every function here runs on ONE process (rank 0 in a job, or a user's shell). What happens to
 the checkpoints of a run directory (listing, the newest intact one, install, retention) is directory.py.
 
-It must never delete anything, never unpickle anything except through `safe_load.read_metadata`, and
+It must never delete anything, never unpickle anything except through `safe_load.read_metadata` (or
+metadata_scan.read_records, its torch-free twin for the check), and
 never trust a directory name alone: a checkpoint is committed only if its COMMIT.json says so and the
 files match.
 """
@@ -18,6 +19,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -323,8 +325,13 @@ def _listed_file_problem(ckpt: Path, rel: str, entry, full: bool) -> str | None:
 
 
 def _storage_ends(ckpt: Path):
-    """(problem or None, the DCP metadata, {storage file: bytes .metadata needs of it})."""
-    from hpctrain.checkpoint.safe_load import read_metadata  # here: this module itself needs no torch
+    """(problem or None, the DCP metadata, {storage file: bytes .metadata needs of it}). Where torch
+    is not loaded (`hpctrain ckpt list|verify`), the metadata is read as inert records under the
+    same allow-list (metadata_scan.py): the same verdict and problems, without importing torch."""
+    if "torch" in sys.modules:
+        from hpctrain.checkpoint.safe_load import read_metadata  # the metadata a load uses
+    else:
+        from hpctrain.checkpoint.metadata_scan import read_records as read_metadata
 
     try:
         metadata = read_metadata(ckpt / DCP_METADATA_FILE)

@@ -28,29 +28,10 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType
 
+from hpctrain.checkpoint.metadata_scan import ALLOWED as _ALLOWED, read_checked, refusal
 from hpctrain.errors import CheckpointError, UnsafeCheckpointError  # noqa: F401 - re-exported
 
 
-_DCP_META = "torch.distributed.checkpoint.metadata"
-_ALLOWED: frozenset[tuple[str, str]] = frozenset({
-    (_DCP_META, "Metadata"),
-    (_DCP_META, "TensorStorageMetadata"),
-    (_DCP_META, "BytesStorageMetadata"),    # parsed so the planner can refuse it by name
-    (_DCP_META, "ChunkStorageMetadata"),
-    (_DCP_META, "TensorProperties"),
-    (_DCP_META, "MetadataIndex"),
-    (_DCP_META, "StorageMeta"),
-    (_DCP_META, "_MEM_FORMAT_ENCODING"),    # an Enum: calling it looks a value up
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # a dict lookup of torch.strided & co by name
-    ("pathlib", "PosixPath"),               # StorageMeta.checkpoint_id
-    ("pathlib", "PurePosixPath"),
-    ("pathlib._local", "PosixPath"),        # Python >= 3.13 spells it so
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-})
 # torch.float32, torch.bfloat16, torch.strided, ...: pickled as globals of module `torch`. Listed
 # up front (no getattr on attacker-chosen names: torch's module __getattr__ imports submodules).
 _TORCH_CONSTANTS: frozenset[str] = frozenset(
@@ -68,10 +49,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and name in _TORCH_CONSTANTS:
             return vars(torch)[name]
-        raise UnsafeCheckpointError(
-            f"{self._source}: refusing to unpickle {module}.{name} (only DCP metadata classes "
-            f"are allowed; this file was not written by torch.distributed.checkpoint, or was "
-            f"tampered with)")
+        raise refusal(self._source, module, name)
 
     def persistent_load(self, pid):
         raise UnsafeCheckpointError(f"{self._source}: refusing a persistent id in DCP metadata")
@@ -81,28 +59,12 @@ def restricted_loads(data: bytes, source: str):
     """Unpickle bytes allowing only DCP metadata classes; `source` names the file in errors."""
     import io
 
-    try:
-        return _RestrictedUnpickler(io.BytesIO(data), source).load()
-    except UnsafeCheckpointError:
-        raise
-    except Exception as e:  # truncated / garbled: EOFError, UnpicklingError, TypeError, ...
-        raise CheckpointError(f"{source}: unreadable DCP metadata ({type(e).__name__}: {e})") from None
+    return _RestrictedUnpickler(io.BytesIO(data), source).load()
 
 
 def read_metadata(path: str | os.PathLike) -> Metadata:
     """Read a DCP `.metadata` file safely. Raises CheckpointError naming the file on any problem."""
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read DCP metadata ({e.strerror or e})") from None
-    md = restricted_loads(data, str(path))
-    if not isinstance(md, Metadata):
-        raise UnsafeCheckpointError(f"{path}: holds a {type(md).__name__}, not DCP Metadata")
-    if not isinstance(getattr(md, "state_dict_metadata", None), dict) or \
-            not isinstance(getattr(md, "storage_data", None), dict):
-        raise CheckpointError(f"{path}: DCP metadata lacks state_dict_metadata or storage_data")
-    return md
+    return read_checked(path, restricted_loads, lambda md: isinstance(md, Metadata))
 
 
 class SafeFileSystemReader(FileSystemReader):

@@ -6,6 +6,8 @@ exported folder loads with GPT2LMHeadModel.from_pretrained and gives our model's
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import sys
 
 import pytest
@@ -37,6 +39,16 @@ def saved(tmp_path_factory):
         mgr.save(step, {"model": msd, "optim": osd},
                  {"step": step, "config": {"model": MODEL}, "tokenizer": {"eot_id": 100}})
     return run, model
+
+
+class Payload:
+    """Unpickling this runs `touch <marker>` (os.system)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
 
 
 def hpctrain(*args, **kw):
@@ -73,6 +85,35 @@ def test_ckpt_list_and_verify(saved, tmp_path):
     assert "corrupt" in r.stdout and r.stdout.splitlines()[-1].endswith("step_00000010")
     r = hpctrain("ckpt", "verify", tmp_path / "nope")
     assert r.returncode == 2 and r.stderr.strip() == f"error: {tmp_path / 'nope'}: no such directory"
+
+
+def test_ckpt_list_and_verify_read_the_metadata_without_torch(saved, tmp_path):
+    """`ckpt list|verify` import no torch (they read `.metadata` as inert records: 0.4 s instead of
+    2.4 s here) and see in it what the loading reader sees; a crafted file is refused by name."""
+    run, _ = saved
+    for args in (("list", run), ("verify", run / "checkpoints" / "step_00000020")):
+        r = run_cmd([sys.executable, "-X", "importtime", "-m", "hpctrain", "ckpt", *args],
+                    timeout=120, check=True)
+        imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines()}
+        assert "torch" not in imported and "hpctrain.checkpoint.metadata_scan" in imported
+        assert "committed" in r.stdout or "intact" in r.stdout
+
+    from hpctrain.checkpoint import metadata_scan, safe_load
+
+    def ends(md):
+        return sorted((str(i.relative_path), i.offset, i.length) for i in md.storage_data.values())
+
+    meta = run / "checkpoints" / "step_00000020" / ".metadata"
+    real, records = safe_load.read_metadata(meta), metadata_scan.read_records(meta)
+    assert ends(records) == ends(real) and len(ends(real)) > 20
+    assert sorted(records.state_dict_metadata) == sorted(real.state_dict_metadata)
+
+    evil, marker = tmp_path / "evil.metadata", tmp_path / "pwned"
+    evil.write_bytes(pickle.dumps(Payload(marker)))
+    for read in (safe_load.read_metadata, metadata_scan.read_records):
+        with pytest.raises(safe_load.UnsafeCheckpointError, match="refusing to unpickle posix.system"):
+            read(evil)
+    assert not marker.exists()
 
 
 def test_export_hf_matches_transformers_logits(saved, tmp_path):
