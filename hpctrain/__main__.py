@@ -112,10 +112,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def exit_without_teardown(status: int) -> None:
-    """End a finished `train` process at once: flush, finalize MPI, tell the launcher, os._exit.
-    Everything the run wrote is committed and closed by now (checkpoint, metrics, TensorBoard,
-    process group); what os._exit skips is the interpreter freeing every module and object one by
-    one, which takes 0.8 s after torch.distributed has been imported (measured here) on every rank
+    """End a finished `train` (or `sample`, `export`, `ckpt`) process at once: flush, finalize MPI,
+    tell the launcher, os._exit. Everything the run wrote is committed and closed by now
+    (checkpoint, metrics, TensorBoard, process group; an export's files, written with `with`);
+    what os._exit skips is the interpreter freeing every module and object one by one, which takes
+    0.8 s after torch.distributed has been imported (measured here) on every rank
     of every job. Where the launcher cannot be told (hpctrain/distributed/launcher_exit.py), the
     process exits through the interpreter instead."""
     import logging
@@ -138,6 +139,6 @@ def exit_without_teardown(status: int) -> None:
 
 if __name__ == "__main__":
     status = main()
-    if sys.argv[1:2] == ["train"] and isinstance(status, int):
-        exit_without_teardown(status)
+    if sys.argv[1:2] in (["train"], ["sample"], ["export"], ["ckpt"]) and isinstance(status, int):
+        exit_without_teardown(status)  # their files are written and closed by now
     sys.exit(status)
