@@ -1,9 +1,9 @@
 """Mixture of experts (issue #34): expert parallelism against replicated experts, the all-to-all
 share of the step, and MoE against dense at equal active parameters and equal wall time.
 
-Run:  python bench/moe.py [--part layer|recipe|all] [--reps 20] [--rounds 1]
+Run:  python bench/moe.py [--part layer,ep,recipe] [--reps 20] [--ep-steps 60] [--rounds 1]
                           [--config configs/moe_recipe.toml] [--data data/shakespeare_bytes]
-      python bench/moe.py --smoke      (seconds: every part at toy sizes, for tests/mpi/test_moe_recipe.py)
+      python bench/moe.py --smoke      (seconds: toy sizes; tests/mpi/test_moe_recipe.py: --part layer,recipe)
 
 layer (a, b): one MoE layer (hpctrain/model/moe.py) on 2 ranks under a real `mpiexec -n 2`, each rank
 with its own tokens, forward + backward + the gradient all-reduce data parallelism needs:
@@ -16,8 +16,12 @@ with its own tokens, forward + backward + the gradient all-reduce data paralleli
                backward, of the sizes the routing gives): its share of the ep step.
 The three alternate in every repetition (the order reversed each time); a time is the slowest
 rank's; figures are medians. Before timing, ep's output is checked against replicated's and every
-routed row is counted (dropless). Whole training runs with parallel.ep take over once the trainer
-has that key.
+routed row is counted (dropless).
+
+ep (a, whole runs): configs/moe_recipe.toml trained on 2 ranks by the real CLI under mpiexec with
+parallel.ep = 2 against parallel.ep = 1 (dp2, experts replicated), alternating; tokens/s = the
+median of metrics.jsonl's tokens_per_s after the first quarter of the steps. The all-to-all share
+is the layer part's (the trainer does not time its collectives apart).
 
 recipe (c): configs/moe_recipe.toml (a small byte-level Llama MoE) against the dense Llama of the
 same active parameters (the same file with --model.moe_experts=0: its ffn_hidden is top_k x
@@ -192,6 +196,42 @@ def part_layer(args) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------------- (a): whole runs, parallel.ep
+
+def ep_run(args, ep: int, tmp: Path, tag: str) -> float:
+    """Median tokens/s (all ranks) of a 2-rank recipe run with parallel.ep = ep, after warm-up."""
+    rundir = tmp / f"ep{ep}_{tag}"
+    cmd = [str(BIN / "mpiexec"), "-n", "2", sys.executable, "-m", "hpctrain", "train", "--config",
+           args.config, f"--run.dir={rundir}", f"--data.path={args.data}", f"--parallel.ep={ep}",
+           f"--train.steps={args.ep_steps}", f"--train.warmup_steps={args.ep_steps // 4}",
+           "--train.eval_interval=0",
+           f"--checkpoint.interval={args.ep_steps}", *(SMOKE_MODEL if args.smoke else []),
+           *args.ep_overrides.split()]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env(), cwd=ROOT, timeout=1800)
+    if r.returncode:
+        sys.exit(f"error: bench/moe.py: the ep={ep} run failed ({r.returncode}): {' '.join(cmd)}\n"
+                 f"{r.stderr[-3000:]}")
+    recs = [json.loads(ln) for ln in (rundir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    speeds = [rec["tokens_per_s"] for rec in recs if "tokens_per_s" in rec]
+    return statistics.median(speeds[len(speeds) // 4:])  # the first quarter warms up
+
+
+def part_ep(args) -> dict:
+    """Whole training runs on 2 ranks: parallel.ep = 2 against ep = 1 (experts replicated, DDP),
+    alternating; the ratio per round and its median."""
+    speeds: dict = {1: [], 2: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(args.ep_rounds):
+            for ep in ((2, 1) if rnd % 2 == 0 else (1, 2)):
+                speeds[ep].append(ep_run(args, ep, Path(tmp), str(rnd)))
+            print(f"round {rnd + 1}: ep=2 {speeds[2][-1]:,.0f} tok/s | ep=1 (replicated, dp2) "
+                  f"{speeds[1][-1]:,.0f} tok/s | {speeds[2][-1] / speeds[1][-1]:.2f}x", flush=True)
+    ratio = statistics.median(a / b for a, b in zip(speeds[2], speeds[1]))
+    print(f"whole runs, {args.config} {args.ep_overrides} on 2 ranks, {args.ep_steps} steps: "
+          f"ep=2 / ep=1 tokens/s = {ratio:.2f}x")
+    return {"ep2_tok_s": speeds[2], "ep1_tok_s": speeds[1], "ratio": ratio}
+
+
 # ---------------------------------------------------------------- (c): MoE vs dense, equal time
 
 def recipe_models(args) -> dict:
@@ -314,12 +354,15 @@ def summarize(runs: dict, counts: dict, ratio: float, moe_steps: int, dense_step
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", default="all", choices=["layer", "recipe", "all"])
+    ap.add_argument("--part", default="layer,ep,recipe", help="comma-separated: layer, ep, recipe")
     ap.add_argument("--smoke", action="store_true", help="toy sizes and 12 MoE steps (seconds; for tests)")
     ap.add_argument("--shapes", default=SHAPES, help="layer part: WIDTHxEXPERT_WIDTHxTOKENS_PER_RANK,...")
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--reps", type=int, default=20, help="layer part: repetitions (medians)")
+    ap.add_argument("--ep-steps", type=int, default=60, help="ep part: steps per whole run")
+    ap.add_argument("--ep-rounds", type=int, default=2, help="ep part: ep=2/ep=1 pairs, order alternating")
+    ap.add_argument("--ep-overrides", default="", help="ep part: config overrides, e.g. '--model.n_embd=512'")
     ap.add_argument("--config", default="configs/moe_recipe.toml")
     ap.add_argument("--data", default="data/shakespeare_bytes", help="byte-level dataset (make demo builds it)")
     ap.add_argument("--steps", type=int, default=0, help="MoE steps (0: the config's train.steps)")
@@ -331,11 +374,13 @@ def main() -> None:
         return layer_worker(args)
     if args.smoke:
         args.shapes, args.reps, args.steps, args.calib_reps, args.rounds = SMOKE_SHAPES, 3, 12, 2, 1
+        args.ep_steps, args.ep_rounds = 8, 1
     result = {}
-    if args.part in ("layer", "all"):
-        result["layer"] = part_layer(args)
-    if args.part in ("recipe", "all"):
-        result["recipe"] = part_recipe(args)
+    parts = {"layer": part_layer, "ep": part_ep, "recipe": part_recipe}
+    for name in args.part.split(","):
+        if name not in parts:
+            sys.exit(f"error: bench/moe.py --part: {name!r} is not one of {', '.join(parts)}")
+        result[name] = parts[name](args)
     print("RESULT " + json.dumps(result))
 
 

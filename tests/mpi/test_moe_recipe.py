@@ -16,7 +16,8 @@ from tests.conftest import ROOT, run_cmd
 
 @pytest.mark.mpi
 def test_moe_bench_smoke_runs_the_layer_and_the_recipe(dataset):
-    r = run_cmd([sys.executable, ROOT / "bench/moe.py", "--smoke", "--data", dataset], timeout=400)
+    r = run_cmd([sys.executable, ROOT / "bench/moe.py", "--smoke", "--part", "layer,recipe", "--data", dataset],
+                timeout=400)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     result = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT "))[7:])
     (layer,) = result["layer"]
