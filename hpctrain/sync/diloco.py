@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from hpctrain.config import SyncConfig
 from hpctrain.distributed.bootstrap import new_group
+from hpctrain.distributed.flight_recorder import RECORDER
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.errors import ConfigError
 from hpctrain.plan.wire import bytes_sent
@@ -147,8 +148,10 @@ class DiLoCo(SyncStrategy):
         if self.is_main:  # this rank's part of its replica's pseudo-gradient
             self.round_log = {"norm": float(delta.norm()), "wait_s": self.round_log.get("wait_s", 0.0)}
         t0 = time.perf_counter()
+        dp = f"dp({self.replicas})"  # the flight recorder's group name (main thread only)
         if self.cfg.overlap:
-            self._resolve(f)
+            with RECORDER.collective("diloco_round_wait (average in flight)", dp):
+                self._resolve(f)
             self._waited(t0)
             if self.has_pending[f]:  # round k-1's average, one round late
                 self._outer_step(idx, [_local(self.pending[i]) for i in idx])
@@ -162,7 +165,8 @@ class DiLoCo(SyncStrategy):
                     start.copy_(self._outer_step_value(i, d - 0.5 * (start - anchor)))
                     _local(self.params[i]).copy_(start)
                 return
-        avg = self._average(self._to_wire(delta))
+        with RECORDER.collective("diloco_round_allreduce", dp):
+            avg = self._average(self._to_wire(delta))
         self._waited(t0)
         self._outer_step(idx, self._unflatten(idx, avg))
         for i in idx:  # the next round starts from the global model
