@@ -43,6 +43,7 @@ from hpctrain.errors import CheckpointError, NoIntactCheckpoint
 COMMIT_TIMEOUT_S = 1800.0  # at least: the save group's timeout (torch's own Gloo default)
 from hpctrain.checkpoint.safe_load import SafeFileSystemReader, TensorOnlyLoadPlanner
 from hpctrain.checkpoint.state import check_json, json_part, merge_values, overlay, split_state
+from hpctrain.distributed.flight_recorder import RECORDER
 from hpctrain.distributed.run_lock import assert_held
 
 log = logs.get_logger(__name__)
@@ -95,15 +96,21 @@ class CheckpointManager:
         if not self._dist:
             return [obj]
         out = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=group)
+        with RECORDER.collective("ckpt_gather", self._group_name(group)):  # main thread only
+            dist.all_gather_object(out, obj, group=group)
         return out
 
     def _bcast(self, obj, group=None):
         if not self._dist:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=group)
+        with RECORDER.collective("ckpt_bcast", self._group_name(group)):
+            dist.broadcast_object_list(box, src=0, group=group)
         return box[0]
+
+    def _group_name(self, group) -> str:
+        """The flight recorder's name: the world, or the saves' own gloo group (every rank)."""
+        return f"{'world' if group is None else 'ckpt'}({self.world_size})"
 
     def _raise_first(self, errs: list, prefix: str) -> None:
         """errs: per rank, None or (priority, text). Raise the most direct one, lowest rank first."""

@@ -10,7 +10,8 @@ Owns two things:
   calls collectives itself (the runner's dp reductions, the stop vote, checkpoint barriers,
   DiLoCo's round all-reduce); DDP's and FSDP's internal collectives cannot be wrapped, so the
   forward/backward of a step is recorded as a phase ("forward_backward ... DDP/FSDP all-reduce
-  inside"): a hang inside them is still located.
+  inside"): a hang inside them is still located. Only the main thread records (a collective of a
+  background thread, e.g. an async checkpoint's agreement, is a no-op scope).
 * `write_forensics(run_dir, ...)`: `<run_dir>/forensics/rank_<r>.json` (tmp + rename, opened
   relative to the folder's descriptor with O_NOFOLLOW: nothing planted there is written through)
   with every thread's Python stack, the recorder's entries (the open one marked), step, host, pid
@@ -34,6 +35,19 @@ SIZE = 64
 FORENSICS_DIR = "forensics"
 # one entry: [op, group, seq, step, t_enter, t_leave (None while open)]
 _OP, _GROUP, _SEQ, _STEP, _T_ENTER, _T_LEAVE = range(6)
+
+
+class _NoScope:
+    __slots__ = ()
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_SCOPE = _NoScope()
 
 
 class _Scope:
@@ -61,6 +75,7 @@ class FlightRecorder:
         self.events = 0          # enters + leaves: the main thread's progress
         self.step = 0
         self._seqs: dict[str, int] = {}
+        self._main = threading.main_thread().ident
 
     def enter(self, op: str, group: str) -> list:
         seq = self._seqs.get(group, 0) + 1
@@ -76,7 +91,10 @@ class FlightRecorder:
         self.events += 1
 
     def collective(self, op: str, group: str) -> _Scope:
-        """`with RECORDER.collective("all_reduce", "dp(4)"): dist.all_reduce(...)`."""
+        """`with RECORDER.collective("all_reduce", "dp(4)"): dist.all_reduce(...)` (main thread;
+        elsewhere it records nothing)."""
+        if threading.get_ident() != self._main:
+            return _NO_SCOPE
         return _Scope(self, op, group)
 
     def entries(self) -> list[list]:

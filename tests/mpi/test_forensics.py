@@ -1,7 +1,7 @@
 """Forensics of a hung collective under a real mpiexec (the frozen-rank case is in
 test_fault_tolerance.py's SIGSTOP test): rank 1 sleeps instead of entering the stop vote of step 3
 (HPCTRAIN_TEST_FAULTS skip_vote_*), rank 0 waits in it past dist.heartbeat_timeout_s while rank 1
-still beats: a stall (under DiLoCo, H = 2: its round all-reduce is recorded too). Both ranks write <run>/forensics/rank_<r>.json, the job still finishes, and
+still beats: a stall (under DiLoCo, H = 2, a checkpoint at step 2: their collectives are recorded too). Both ranks write <run>/forensics/rank_<r>.json, the job still finishes, and
 `hpctrain doctor` names rank 1 as the one that never entered rank 0's stop vote.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.mpi
 
 def test_hung_collective_writes_forensics_and_doctor_names_the_absent_rank(tmp_path, dataset):
     cfg, run = config(tmp_path, dataset)
-    proc = launch(2, cfg, "--train.steps=4", "--checkpoint.interval=100000",
+    proc = launch(2, cfg, "--train.steps=4", "--checkpoint.interval=2",
                   "--dist.heartbeat_timeout_s=2", "--sync.mode=diloco", "--sync.inner_steps=2",
                   env=step_faults.env(skip_vote_rank=1, skip_vote_step=3, skip_vote_s=5))
     rc, out = finish(proc, timeout=120)
@@ -33,11 +33,17 @@ def test_hung_collective_writes_forensics_and_doctor_names_the_absent_rank(tmp_p
     assert waiting["open"]["op"] == "stop_vote" and waiting["open"]["group"] == "world(2)"
     assert waiting["step"] == 3 and waiting["open"]["duration_s"] > 2
     seq = waiting["open"]["seq"]
-    assert seq == 3  # one stop vote per step: steps 1, 2, 3
+    # the world group's collectives (the load's broadcast, a vote per step, the save's gather),
+    # numbered 1, 2, ... on this rank: the vote it hangs in is the last
+    assert [c["seq"] for c in waiting["collectives"] if c["group"] == "world(2)"] == list(range(1, seq + 1))
+    assert [c["step"] for c in waiting["collectives"] if c["op"] == "stop_vote"] == [1, 2, 3]
     assert [c for c in waiting["collectives"] if c["open"]] == [waiting["collectives"][-1]]
     # DiLoCo's round average after inner step 2 (its all-reduce is recorded too), left
     assert [(c["op"], c["group"], c["left"]) for c in waiting["collectives"]
             if c["op"].startswith("diloco")] == [("diloco_round_allreduce", "dp(2)", True)]
+    # the step-2 checkpoint's agreement (main thread's gather/broadcast), all left
+    saves = [c for c in waiting["collectives"] if c["op"].startswith("ckpt_") and c["step"] == 2]
+    assert len(saves) >= 2 and all(c["left"] for c in saves), saves  # (step 0: the resume probe)
     # rank 1 wrote its file because rank 0 published the stall: it is in no collective, asleep
     assert absent["open"] is None and absent["step"] == 3
     assert not any(c["op"] == "stop_vote" and c["seq"] == seq for c in absent["collectives"])

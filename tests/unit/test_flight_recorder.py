@@ -101,3 +101,16 @@ def test_doctor_names_a_rank_without_file_that_the_watchdog_named_lost():
     assert "rank 1: no forensics file (rank 1 named lost by the watchdog)" in lines
     assert any(ln.startswith("check: rank 1 (no forensics file) did not complete loss_allreduce "
                              "dp(3) seq 9 that ranks 0,2 ") for ln in lines)
+
+
+def test_only_the_main_thread_records():
+    rec = fr.FlightRecorder()
+
+    def background():
+        with rec.collective("ckpt_gather", "ckpt(2)"):
+            pass
+
+    t = threading.Thread(target=background)
+    t.start()
+    t.join()
+    assert rec.entries() == [] and rec.events == 0
