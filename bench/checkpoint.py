@@ -10,6 +10,10 @@ Trains our GPT (AdamW, random tokens) and prints, per rank's shard and job-wide:
   sync DCP save        wall time and bandwidth of CheckpointManager.save (DCP + commit + fsync)
   raw write            the same number of bytes per rank written sequentially in 16 MiB blocks +
                        fsync (dd-style), the ceiling the file system gives one writer
+  load                 CheckpointManager.load (resume: COMMIT check, data checksums, DCP read)
+                       of a checkpoint saved with checksums and of one saved without, alternating;
+                       `load: N.NN s, checksums +P.P%` (median of the per-round ratios) and the
+                       time spent verifying checksums on the slowest rank
 Numbers go to docs/benchmarks.md ("Checkpoints").
 """
 from __future__ import annotations
@@ -104,6 +108,40 @@ def time_sync_save(mgr, train: Training, root: Path, r: int) -> tuple[float, int
     return sync_s, shard, total
 
 
+def time_load(roots: dict, train: Training, r: int, w: int, cycles: int):
+    """Resume time (CheckpointManager.load into the live state) of the newest checkpoint saved
+    with checksums against the one saved without, alternating which goes first each round; every
+    load is the slowest rank's.  (median load with, without, median ratio, median verify share,
+    rounds)."""
+    mgrs = {k: CheckpointManager(v, keep=1, rank=r, world_size=w, timeout_s=300)
+            for k, v in roots.items()}
+    paths = {k: m.latest() for k, m in mgrs.items()}
+    rows = []
+    for c in range(2 * cycles + 1):  # the first round warms the page cache: dropped
+        t = {}
+        for k in (("summed", "plain") if c % 2 else ("plain", "summed")):
+            dist.barrier()
+            t0 = time.perf_counter()
+            mgrs[k].load(paths[k], train.state())
+            t[k] = time.perf_counter() - t0
+        if c:
+            rows.append([t["summed"], t["plain"], mgrs["summed"].last_verify_s])
+    return paired_medians(rows) + (len(rows),)
+
+
+def paired_medians(rows: list) -> tuple[float, float, float, float]:
+    """rows: per round, this rank's (with, without, inside the hash) seconds.  A save or load is
+    collective: its job-wide time is the slowest rank's, round by round (a max over ranks of
+    per-rank medians of ratios would lean above 1 even with no difference at all).  (median
+    with, without, median ratio, median share of the hash)."""
+    per_round = torch.tensor(rows, dtype=torch.float64)
+    dist.all_reduce(per_round, op=dist.ReduceOp.MAX)
+    rows = per_round.tolist()
+    with_s, without_s = (statistics.median(x[i] for x in rows) for i in (0, 1))
+    return (with_s, without_s, statistics.median(x[0] / x[1] for x in rows),
+            statistics.median(x[2] / x[0] for x in rows))
+
+
 def time_checksums(train: Training, root: Path, r: int, w: int, cycles: int):
     """The default checksums (xxh3-128 of every byte while it is written) against none: sync
     saves alternating between the two.  (median save with, without, median ratio, median share
@@ -123,15 +161,7 @@ def time_checksums(train: Training, root: Path, r: int, w: int, cycles: int):
                 hash_s.append(summed.last_hash_s)
         if c:
             pairs.append(tuple(times) if c % 2 else tuple(reversed(times)))  # (summed, plain)
-    # a save is collective: its job-wide time is the slowest rank's, pair by pair (a max over
-    # ranks of per-rank medians of ratios would lean above 1 even with no difference at all)
-    per_pair = torch.tensor([[s, p, h] for (s, p), h in zip(pairs, hash_s)], dtype=torch.float64)
-    dist.all_reduce(per_pair, op=dist.ReduceOp.MAX)
-    rows_sph = per_pair.tolist()
-    sum_s, plain_s = (statistics.median(r[i] for r in rows_sph) for i in (0, 1))
-    sum_ratio = statistics.median(r[0] / r[1] for r in rows_sph)
-    hash_share = statistics.median(r[2] / r[0] for r in rows_sph)
-    return sum_s, plain_s, sum_ratio, hash_share, len(pairs)
+    return paired_medians([[s, p, h] for (s, p), h in zip(pairs, hash_s)]) + (len(pairs),)
 
 
 def time_async(mgr, train: Training, steps: int, cycles: int):
@@ -159,10 +189,10 @@ def time_async(mgr, train: Training, steps: int, cycles: int):
 
 
 def report(g: torch.Tensor, args, train: Training, total: int, root: Path, w: int,
-           n_during: int, n_pairs: int) -> None:
+           n_during: int, n_pairs: int, n_loads: int) -> None:
     """Rank 0's lines from every rank's row (the slowest rank's times)."""
     normal, during_med, blocked, write_s, sync_s, raw_s, _, sum_s, plain_s, sum_ratio, \
-        hash_share = g.max(0).values.tolist()
+        hash_share, load_s, load_plain_s, load_ratio, verify_share = g.max(0).values.tolist()
     shard_mb = g[:, 6].mean().item() / 1e6
     params = sum(p.numel() for p in train.model.parameters()) / 1e6
     print(f"model {params:.1f}M params; checkpoint {total / 1e6:.1f} MB ({w} rank(s), "
@@ -180,6 +210,9 @@ def report(g: torch.Tensor, args, train: Training, total: int, root: Path, w: in
           f"{sum_ratio:.3f}x (median of {n_pairs} alternating pairs; xxh3-128 while writing)")
     print(f"  time inside the hash     {hash_share * 100:6.2f} % of the save with checksums "
           f"(measured around every hash update, slowest rank)")
+    print(f"load: {load_s:.2f} s, checksums {(load_ratio - 1) * 100:+.1f}%   (vs {load_plain_s:.2f} s "
+          f"without; median of {n_loads} alternating rounds; verifying {verify_share * 100:.1f} % "
+          f"of the load, slowest rank)")
     print(f"raw write + fsync        {raw_s * 1e3:8.1f} ms   {total / raw_s / 1e6:8.1f} MB/s "
           f"(same bytes per rank, 16 MiB blocks)")
 
@@ -202,14 +235,17 @@ def main() -> None:
     dist.barrier()
     raw_s = raw_write(root / f"raw.{r}", shard)
     normal, during_med, blocked, write_s, n_during = time_async(mgr, train, args.steps, args.cycles)
+    mgr.wait()
+    load_s, load_plain_s, load_ratio, verify_share, n_loads = time_load(
+        {"summed": root / "summed", "plain": root / "plain"}, train, r, w, args.cycles)
 
     rows = torch.tensor([normal, during_med, blocked, write_s, sync_s, raw_s, shard, sum_s, plain_s,
-                         sum_ratio, hash_share],
+                         sum_ratio, hash_share, load_s, load_plain_s, load_ratio, verify_share],
                         dtype=torch.float64)
     gathered = [torch.zeros_like(rows) for _ in range(w)]
     dist.all_gather(gathered, rows)
     if r == 0:
-        report(torch.stack(gathered), args, train, total, root, w, n_during, n_pairs)
+        report(torch.stack(gathered), args, train, total, root, w, n_during, n_pairs, n_loads)
     mgr.wait()
     dist.barrier()
     if r == 0:

@@ -86,6 +86,7 @@ class CheckpointManager:
         if not self._dist and world_size != 1:
             raise ValueError("CheckpointManager with world_size > 1 needs torch.distributed initialized")
         self.last_save_s = self.last_load_s = self.last_write_s = self.last_hash_s = 0.0
+        self.last_verify_s, self.last_verified = 0.0, []  # this rank's checksum share of a load
         self._timeout = datetime.timedelta(seconds=max(timeout_s, COMMIT_TIMEOUT_S))
         self._save_group = None                                 # made by the first save
         self._inflight: background.InFlight | None = None
@@ -388,7 +389,9 @@ class CheckpointManager:
 
         err = None
         try:  # checksums of the data files (ranks in parallel), the target state: agreed
+            t_verify = time.perf_counter()
             self._check_my_share(path, files)  # before entering DCP's collectives
+            self.last_verify_s = time.perf_counter() - t_verify
             tensors, _ = split_state(state)
         except Exception as e:  # noqa: BLE001
             err = failure(e, self.rank)
@@ -411,7 +414,8 @@ class CheckpointManager:
         in tensor data fails the load (naming the file) instead of training on it."""
         data = sorted(rel for rel, entry in files.items()
                       if rel not in disk_format.SMALL_FILES and disk_format.recorded_hash(entry))
-        for rel in data[self.rank::self.world_size]:
+        self.last_verified = data[self.rank::self.world_size]  # this rank's share (tests read it)
+        for rel in self.last_verified:
             if (bad := disk_format.hash_problem(path, rel, files[rel])) is not None:
                 raise CheckpointError(bad)
 

@@ -85,11 +85,15 @@ def test_2_ranks_save_then_load_on_2_bit_exact(saved_by_2):
     out = mpirun(2, "load", saved_by_2)
     assert_latest_agreed(out, 2, saved_by_2 / "step_00000003")
     assert len(re.findall(r"^LOAD_S \d+ \S+ saved_by=2$", out, re.M)) == 2
+    # the data files' checksums are verified in parallel: each rank hashes one of the two files
+    verified = dict(re.findall(r"^VERIFIED (\d+) (.*)$", out, re.M))
+    assert verified == {"0": "__0_0.distcp", "1": "__1_0.distcp"}, out
 
 
 def test_2_ranks_save_then_load_on_1_bit_exact(saved_by_2):
     out = mpirun(1, "load", saved_by_2)
     assert_latest_agreed(out, 1, saved_by_2 / "step_00000003")
+    assert re.findall(r"^VERIFIED 0 (.*)$", out, re.M) == ["__0_0.distcp __1_0.distcp"], out
 
 
 def test_1_rank_save_then_load_on_2_bit_exact(tmp_path):

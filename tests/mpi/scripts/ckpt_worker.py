@@ -96,6 +96,7 @@ def load_and_compare(mgr: CheckpointManager, root: Path, say) -> None:
     assert not bad, f"rank {r}: differs after load: {bad}"
     assert repr(groups) == ref["param_groups"], (groups, ref["param_groups"])
     say(f"LOAD_S {r} {mgr.last_load_s:.3f} saved_by={extra['world_size']}")
+    say(f"VERIFIED {r} {' '.join(mgr.last_verified) or '-'}")
 
 
 def fail_on_last_rank(mgr: CheckpointManager, root: Path, say) -> None:
