@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from hpctrain import logs
+from hpctrain.distributed.flight_recorder import RECORDER
 
 from .cache import CacheUnavailable, NodeCache, resolve_cache_dir
 from .lookahead import BlockPlan
@@ -169,20 +170,22 @@ class DataFeed:
                            c.get("bytes_staged", 0), c.get("evictions", 0), c.get("lookahead", 0)],
                           dtype=torch.int64)
         self.data_s = 0.0
-        if self.comm is not None and self.comm.Get_size() > 1 and self.device.type == "cpu":
-            # MPI on CPU: 3 us per call over shared memory where Gloo's TCP takes 360 us (every
-            # step). A lost rank ends the job here as in the gradient all-reduce of the same step
-            from mpi4py import MPI
+        size = self.comm.Get_size() if self.comm is not None else "?"
+        with RECORDER.collective("data_metrics", f"world({size})"):  # the step's (MAX, SUM)
+            if self.comm is not None and self.comm.Get_size() > 1 and self.device.type == "cpu":
+                # MPI on CPU: 3 us per call over shared memory where Gloo's TCP takes 360 us (every
+                # step). A lost rank ends the job here as in the gradient all-reduce of the same step
+                from mpi4py import MPI
 
-            self.comm.Allreduce(MPI.IN_PLACE, mx.numpy(), op=MPI.MAX)
-            if self.any_cached:  # the same on every rank; without a cache every count is 0
-                self.comm.Allreduce(MPI.IN_PLACE, sm.numpy(), op=MPI.SUM)
-        elif dist.is_initialized() and dist.get_world_size() > 1:
-            mx = mx.to(self.device)
-            dist.all_reduce(mx, op=dist.ReduceOp.MAX)
-            if self.any_cached:
-                sm = sm.to(self.device)
-                dist.all_reduce(sm, op=dist.ReduceOp.SUM)
+                self.comm.Allreduce(MPI.IN_PLACE, mx.numpy(), op=MPI.MAX)
+                if self.any_cached:  # the same on every rank; without a cache every count is 0
+                    self.comm.Allreduce(MPI.IN_PLACE, sm.numpy(), op=MPI.SUM)
+            elif dist.is_initialized() and dist.get_world_size() > 1:
+                mx = mx.to(self.device)
+                dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+                if self.any_cached:
+                    sm = sm.to(self.device)
+                    dist.all_reduce(sm, op=dist.ReduceOp.SUM)
         out = {"data_time_s": float(mx[0]), "data_wait_s": float(mx[1])}
         if self.any_cached:
             out.update({k: int(v) for k, v in zip(METRIC_SUMS, sm.tolist())})

@@ -18,17 +18,22 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
+from hpctrain.distributed.flight_recorder import RECORDER
+
 
 class StragglerDetector:
     def __init__(self, comm, window: int = 10, ratio: float = 1.25):
         self.comm, self.window, self.ratio = comm, window, ratio
         self.history: deque[list[float]] = deque(maxlen=window)
         self.flagged: int | None = None
+        size = comm.Get_size() if hasattr(comm, "Get_size") else "?"
+        self._group = f"world({size})"  # the flight recorder's group name
 
     def observe(self, step_s: float, busy_s: float, wall: bool = False) -> dict:
         """Collective. Returns the compact per-rank record for this step (same on every rank).
         `wall`: busy_s is the step's wall time (waits not measurable on this layout)."""
-        rows = self.comm.allgather((round(step_s, 5), round(busy_s, 5)))
+        with RECORDER.collective("straggler_allgather", self._group):
+            rows = self.comm.allgather((round(step_s, 5), round(busy_s, 5)))
         busy = [b for _, b in rows]
         rec = {"rank_busy_s": busy, "rank_step_s_max": max(s for s, _ in rows)}
         if wall:  # every rank's wall time: nothing to tell a straggler by

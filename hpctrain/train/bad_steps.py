@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hpctrain.distributed.flight_recorder import RECORDER
 from hpctrain.errors import TrainingDivergedError  # noqa: F401 - re-exported
 
 
@@ -43,7 +44,8 @@ class BadStepPolicy:
         norm = torch.as_tensor(grad_norm, dtype=torch.float32, device=loss.device).reshape(())
         flag = (~torch.isfinite(loss) | ~torch.isfinite(norm)).float()
         if not agreed and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            with RECORDER.collective("finite_check", f"world({dist.get_world_size()})"):
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() == 0:
             self.in_a_row = 0
             return False

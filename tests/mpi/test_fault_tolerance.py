@@ -267,15 +267,17 @@ def test_lost_rank_ends_job_with_its_name(tmp_path, dataset, sig, lost):
 
 def _assert_forensics_name(run, lost, survivors):
     """Every survivor wrote forensics/rank_<r>.json before the Abort, all inside the same open
-    collective (the stop vote, or the step's dp reductions) at the same step; `hpctrain doctor`
+    collective (the stop vote, or one of the step's reductions) at the same step; `hpctrain doctor`
     names the stopped rank and that collective."""
     recs = {r: json.loads((run / "forensics" / f"rank_{r}.json").read_text()) for r in survivors}
     assert all(rec["kind"] == "verdict" and rec["lost"] == lost for rec in recs.values())
+    assert all(rec["open"] is not None for rec in recs.values()), recs  # every step collective
     opens = {(rec["open"]["op"], rec["open"]["group"], rec["open"]["seq"], rec["step"])
              for rec in recs.values()}
     assert len(opens) == 1, opens
     ((op, group, seq, step),) = opens
-    assert op.split()[0] in ("stop_vote", "forward_backward", "loss_allreduce"), op
+    assert op.split()[0] in ("stop_vote", "forward_backward", "loss_allreduce", "finite_check",
+                             "straggler_allgather", "data_metrics"), op
     assert step >= 2 and group in ("world(3)", "dp(3)")
     assert not (run / "forensics" / f"rank_{lost}.json").exists()
     report = subprocess.run([sys.executable, "-m", "hpctrain", "doctor", str(run)], text=True,
