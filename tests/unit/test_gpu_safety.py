@@ -134,7 +134,8 @@ site("bad_step_vote", lambda: BadStepPolicy(3, 0, rank, 2).should_skip(
     1, torch.ones((), device=cpu), 1.0))
 site("all_finite", lambda: all_finite([w], cpu))
 site("pp_stage_grad_norm", lambda: dist.all_reduce(
-    StepRunner._replica_grad_norm(types.SimpleNamespace(device=cpu), [])))
+    StepRunner._replica_grad_norm(types.SimpleNamespace(
+        device=cpu, layout=types.SimpleNamespace(experts=None)), [])))
 site("diloco_average_none", lambda: float(average(torch.ones(10, device=cpu), None, "none")[0]))
 site("diloco_average_int8", lambda: float(average(torch.ones(10, device=cpu), None, "int8")[0]))
 torch.set_default_device("cpu")
