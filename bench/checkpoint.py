@@ -13,7 +13,7 @@ Trains our GPT (AdamW, random tokens) and prints, per rank's shard and job-wide:
   load                 CheckpointManager.load (resume: COMMIT check, data checksums, DCP read)
                        of a checkpoint saved with checksums and of one saved without, alternating;
                        `load: N.NN s, checksums +P.P%` (median of the per-round ratios) and the
-                       time spent verifying checksums on the slowest rank
+                       time the load waited for its checksums (hashed alongside DCP's read)
 Numbers go to docs/benchmarks.md ("Checkpoints").
 """
 from __future__ import annotations
@@ -211,8 +211,8 @@ def report(g: torch.Tensor, args, train: Training, total: int, root: Path, w: in
     print(f"  time inside the hash     {hash_share * 100:6.2f} % of the save with checksums "
           f"(measured around every hash update, slowest rank)")
     print(f"load: {load_s:.2f} s, checksums {(load_ratio - 1) * 100:+.1f}%   (vs {load_plain_s:.2f} s "
-          f"without; median of {n_loads} alternating rounds; verifying {verify_share * 100:.1f} % "
-          f"of the load, slowest rank)")
+          f"without; median of {n_loads} alternating rounds; waiting for the checksums after DCP's "
+          f"read {verify_share * 100:.1f} % of the load, slowest rank)")
     print(f"raw write + fsync        {raw_s * 1e3:8.1f} ms   {total / raw_s / 1e6:8.1f} MB/s "
           f"(same bytes per rank, 16 MiB blocks)")
 

@@ -42,6 +42,7 @@ from hpctrain.errors import CheckpointError, NoIntactCheckpoint
 
 COMMIT_TIMEOUT_S = 1800.0  # at least: the save group's timeout (torch's own Gloo default)
 from hpctrain.checkpoint.safe_load import SafeFileSystemReader, TensorOnlyLoadPlanner
+from hpctrain.checkpoint.verify import ShareVerifier
 from hpctrain.checkpoint.state import check_json, json_part, merge_values, overlay, split_state
 from hpctrain.distributed.flight_recorder import RECORDER
 from hpctrain.distributed.run_lock import assert_held
@@ -86,7 +87,8 @@ class CheckpointManager:
         if not self._dist and world_size != 1:
             raise ValueError("CheckpointManager with world_size > 1 needs torch.distributed initialized")
         self.last_save_s = self.last_load_s = self.last_write_s = self.last_hash_s = 0.0
-        self.last_verify_s, self.last_verified = 0.0, []  # this rank's checksum share of a load
+        # a load's wait for this rank's checksums after DCP's read, and the files it hashed
+        self.last_verify_s, self.last_verified = 0.0, []
         self._timeout = datetime.timedelta(seconds=max(timeout_s, COMMIT_TIMEOUT_S))
         self._save_group = None                                 # made by the first save
         self._inflight: background.InFlight | None = None
@@ -387,11 +389,10 @@ class CheckpointManager:
             raise CheckpointError(f"{prefix} failed: {value}")
         metadata, json_state, values, files = value
 
+        # this rank's share of the data checksums, hashed while DCP reads (verify.py)
+        verifier = ShareVerifier(path, files, self.rank, self.world_size)
         err = None
-        try:  # checksums of the data files (ranks in parallel), the target state: agreed
-            t_verify = time.perf_counter()
-            self._check_my_share(path, files)  # before entering DCP's collectives
-            self.last_verify_s = time.perf_counter() - t_verify
+        try:  # the target state: agreed before entering DCP's collectives
             tensors, _ = split_state(state)
         except Exception as e:  # noqa: BLE001
             err = failure(e, self.rank)
@@ -404,21 +405,13 @@ class CheckpointManager:
             merge_values(state, values, str(path))
         except (Exception, CheckpointException) as e:  # noqa: BLE001
             err = failure(e, self.rank)
+        err = verifier.problem() or err  # a damaged file: named, whatever DCP made of it
+        self.last_verify_s, self.last_verified = verifier.waited_s, verifier.share
         self._agree(err, prefix)
         self.last_load_s = time.perf_counter() - t0
         return json_state
 
     # -- helpers -----------------------------------------------------------------------------------
-    def _check_my_share(self, path: Path, files: dict) -> None:
-        """Every world_size-th data file with a recorded checksum, hashed again: a flipped byte
-        in tensor data fails the load (naming the file) instead of training on it."""
-        data = sorted(rel for rel, entry in files.items()
-                      if rel not in disk_format.SMALL_FILES and disk_format.recorded_hash(entry))
-        self.last_verified = data[self.rank::self.world_size]  # this rank's share (tests read it)
-        for rel in self.last_verified:
-            if (bad := disk_format.hash_problem(path, rel, files[rel])) is not None:
-                raise CheckpointError(bad)
-
     @contextmanager
     def _quiet(self):
         """Without a process group DCP warns that it assumes one process: that is our intent."""

@@ -90,6 +90,24 @@ def test_2_ranks_save_then_load_on_2_bit_exact(saved_by_2):
     assert verified == {"0": "__0_0.distcp", "1": "__1_0.distcp"}, out
 
 
+def test_damaged_file_is_named_by_the_rank_that_hashed_it(saved_by_2, tmp_path):
+    """A flipped byte in rank 1's file, inside its first record's zip header (DCP's read of it
+    fails too, while the hash runs): both ranks refuse with the checksum line from rank 1."""
+    import shutil
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(saved_by_2, root)
+    f = root / "step_00000003" / "__1_0.distcp"
+    data = bytearray(f.read_bytes())
+    data[40] ^= 0xFF
+    f.write_bytes(bytes(data))
+    out = mpirun(2, "load_damaged", root)
+    errs = dict(re.findall(r"^ERRLOAD (\d+) (.*)$", out, re.M))
+    expect = (f"checkpoint load from {root / 'step_00000003'} failed: rank 1: __1_0.distcp does "
+              f"not match its xxh3_128 in COMMIT.json")
+    assert errs == {"0": expect, "1": expect}, out
+
+
 def test_2_ranks_save_then_load_on_1_bit_exact(saved_by_2):
     out = mpirun(1, "load", saved_by_2)
     assert_latest_agreed(out, 1, saved_by_2 / "step_00000003")

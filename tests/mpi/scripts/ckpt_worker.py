@@ -99,6 +99,16 @@ def load_and_compare(mgr: CheckpointManager, root: Path, say) -> None:
     say(f"VERIFIED {r} {' '.join(mgr.last_verified) or '-'}")
 
 
+def load_damaged(mgr: CheckpointManager, root: Path, say) -> None:
+    """The test damaged a data file: every rank must refuse the load with the same line."""
+    model, opt = build(1, 0, mgr.rank)
+    try:
+        mgr.load(mgr.latest(), state_of(model, opt))
+        raise AssertionError("load of a damaged checkpoint succeeded")
+    except CheckpointError as e:
+        say(f"ERRLOAD {mgr.rank} {e}")
+
+
 def fail_on_last_rank(mgr: CheckpointManager, root: Path, say) -> None:
     r, w = mgr.rank, mgr.world_size
     model, opt = build(0, 1, r)
@@ -134,9 +144,10 @@ def main(mode: str, root: str, report: str) -> int:
     r, w = ctx.rank, ctx.world_size
     say = Report(report, r)
     mgr = CheckpointManager(Path(root), keep=2, rank=r, world_size=w)
-    {"save": save_reference, "load": load_and_compare, "fail": fail_on_last_rank}[mode](
+    {"save": save_reference, "load": load_and_compare, "fail": fail_on_last_rank,
+     "load_damaged": load_damaged}[mode](
         mgr, Path(root), say)
-    if mode != "load":
+    if mode not in ("load", "load_damaged"):
         say(f"LATEST {r} {mgr.latest()}")
     say(f"OK {r}")
     teardown()
