@@ -3,8 +3,10 @@ top-k router, SwiGLU experts stored as 3-D weights, optional shared experts, dro
 
 Owns: the router (softmax gates as Mixtral / Qwen2-MoE, or sigmoid gates with DeepSeek-V3's
 auxiliary-loss-free balancing bias), the experts' parameters and their names, the dropless
-computation (tokens sorted by expert, one matmul per expert over its contiguous rows: a Python loop
-over experts, never over tokens; no capacity, no token dropped whatever the imbalance), the
+computation (tokens sorted by expert, each expert's matmul over its contiguous rows: one grouped
+matmul per weight where torch has it for the tensors at hand (`torch._grouped_mm`: CPU fp32/bf16
+here), else a Python loop over experts, never over tokens; no capacity, no token dropped whatever
+the imbalance), the
 Switch/Mixtral auxiliary load-balancing loss (added to the gradient inside the layer, so no loss
 code, pipeline stage or activation checkpoint has to carry it), and the per-layer load statistics
 a metrics hook reads. Like llama.py it must never import distributed, checkpoint, data or loss
@@ -66,12 +68,26 @@ class Experts(nn.Module):
 
     def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x_sorted [N, C], rows grouped by expert, counts[e] rows for local expert e."""
+        if _grouped_mm_fits(x_sorted, self.w1, self.w3, self.w2):
+            ends = torch.tensor(counts, device=x_sorted.device).cumsum(0).to(torch.int32)
+            gate = torch._grouped_mm(x_sorted, self.w1.transpose(-2, -1), offs=ends)
+            up = torch._grouped_mm(x_sorted, self.w3.transpose(-2, -1), offs=ends)
+            return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=ends)
         outs, start = [], 0
         for e, n in enumerate(counts):  # one matmul per expert over its contiguous rows
             x = x_sorted[start:start + n]
             outs.append(F.linear(F.silu(F.linear(x, self.w1[e])) * F.linear(x, self.w3[e]), self.w2[e]))
             start += n
         return torch.cat(outs) if outs else x_sorted.new_zeros(0, self.w2.shape[1])
+
+
+def _grouped_mm_fits(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm takes these tensors: on the CPU, fp32 or bf16, one dtype (under
+    autocast the loop's F.linear does the casting). CUDA's kernel wants bf16 on sm90+ with groups
+    padded to its alignment: not done here yet, so GPUs run the loop."""
+    return (hasattr(torch, "_grouped_mm") and x.device.type == "cpu" and x.shape[0] > 0
+            and x.dtype in (torch.float32, torch.bfloat16)
+            and all(w.dtype == x.dtype and w.device == x.device for w in weights))
 
 
 class Router(nn.Module):

@@ -165,3 +165,40 @@ def test_llama_with_sparse_layers_counts_active_parameters():
     assert model.blocks["1"].mlp.router.bias.grad is None  # the balancing bias is never trained
     # residual projections start small, like the dense blocks' mlp.proj
     assert float(model.blocks["1"].mlp.experts.w2.std()) < 0.5 * float(model.blocks["1"].mlp.experts.w1.std())
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_grouped_matmul_equals_the_loop_over_experts(dtype, tol, monkeypatch):
+    """The experts' grouped matmul (torch._grouped_mm) computes what one matmul per expert does,
+    forward and backward, an expert with no rows included (its gradient is zero)."""
+    from hpctrain.model import moe
+
+    torch.manual_seed(3)
+    experts = moe.Experts(4, 16, 24).to(dtype)
+    with torch.no_grad():
+        for w in (experts.w1, experts.w3, experts.w2):
+            w.normal_(0, 0.2)
+    counts = [5, 0, 7, 3]
+    x = torch.randn(sum(counts), 16, dtype=dtype)
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def run(grouped: bool):
+        monkeypatch.setattr(moe, "_grouped_mm_fits", lambda *t: grouped)
+        xi = x.clone().requires_grad_(True)
+        out = experts(xi, counts)
+        grads = torch.autograd.grad(out.float().square().sum(), (xi, experts.w1, experts.w3, experts.w2))
+        return out.float(), [g.float() for g in grads]
+
+    loop_out, loop_grads = run(False)
+    assert not calls
+    out, grads = run(True)
+    assert len(calls) == 3  # gate, up, down: one call each, no loop
+    assert (out - loop_out).abs().max() <= tol * loop_out.abs().max()
+    for g, ref in zip(grads, loop_grads):
+        assert (g - ref).abs().max() <= tol * ref.abs().max()
+    assert grads[1][1].abs().max() == 0  # expert 1 saw no rows
+    monkeypatch.undo()
+    assert moe._grouped_mm_fits(x, experts.w1) == (dtype in (torch.float32, torch.bfloat16))
+    assert not moe._grouped_mm_fits(x.double(), experts.w1)  # fp64: the loop
