@@ -16,6 +16,9 @@ import torch.distributed as dist
 
 from hpctrain.plan.wire import wire_layout
 
+# torch >= 2.12 calls it all_gather_single (and deprecates all_gather_into_tensor, the only name in
+# torch 2.11, which the first GPU machine had: AttributeError there)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def quantize_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +78,7 @@ def average(flat: torch.Tensor, group, kind: str = "none", block: int = 256) -> 
     part = codec.encode(mine)
     full = [torch.empty(p * t.numel(), dtype=t.dtype, device=t.device) for t in part]
     for f, t in zip(full, part):  # phase 2: every chunk average -> every rank
-        dist.all_gather_single(f, t, group=group)
+        _all_gather_single(f, t, group=group)
     chunks = [f.view(p, -1) for f in full]
     out = torch.cat([codec.decode([c[r] for c in chunks]) for r in range(p)])
     return out[:n]
