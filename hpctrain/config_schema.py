@@ -202,6 +202,16 @@ class CheckpointConfig:
                 "writes, while writing); loading checks them (ranks in parallel) and a mismatch "
                 "falls back to the previous checkpoint; `hpctrain ckpt verify` checks them. false: "
                 "sizes only for data files"})
+    layout: Literal["rank", "node"] = field(default="rank", metadata={
+        "help": "tensor data files: rank (one __<rank>_0.distcp per rank) | node (one __node<k>.distcp "
+                "per node: the node's ranks hand their bytes to its lowest rank, which writes them; "
+                "fewer files and metadata operations on a parallel filesystem). Loading reads either"})
+    stripe_count: int = field(default=0, metadata={
+        "help": "on Lustre: rank 0 runs `lfs setstripe -c N -S stripe_size` on the checkpoint dir "
+                "once per run (a failure is a warning); 0 = auto: 1 with layout rank (the files "
+                "spread over OSTs), 4 with layout node (one stream per node file); -1 = all OSTs"})
+    stripe_size: str = field(default="4M", metadata={
+        "help": "on Lustre: the stripe size for `lfs setstripe -S` (e.g. 1M, 4M, 16M)"})
 
 
 @dataclass

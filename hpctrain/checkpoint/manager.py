@@ -36,12 +36,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hpctrain import logs
-from hpctrain.checkpoint import background, directory, disk_format, faults
+from hpctrain.checkpoint import background, directory, disk_format, faults, lustre
 from hpctrain.checkpoint.dcp_io import RecordingFileSystem, describe, failure, no_zip_crc32
 from hpctrain.errors import CheckpointError, NoIntactCheckpoint
 
 COMMIT_TIMEOUT_S = 1800.0  # at least: the save group's timeout (torch's own Gloo default)
 from hpctrain.checkpoint.safe_load import SafeFileSystemReader, TensorOnlyLoadPlanner
+from hpctrain.checkpoint.node_layout import NodeLayoutWriter, make_node_group
 from hpctrain.checkpoint.verify import ShareVerifier
 from hpctrain.checkpoint.state import check_json, json_part, merge_values, overlay, split_state
 from hpctrain.distributed.flight_recorder import RECORDER
@@ -68,12 +69,15 @@ class CheckpointManager:
     `keep`: how many committed checkpoints retention keeps (>= 1). `full_checksums` (default):
     also record an xxh3-128 of every tensor data file, hashed by the rank that writes it while it
     writes; `load` re-checks them (ranks in parallel) and fails naming the file on a mismatch.
-    `writer_threads`: DCP writer threads per rank.
+    `writer_threads`: DCP writer threads per rank. `layout`: "rank" (DCP's file per rank) or
+    "node" (one file per node of the ranks sharing `node_id`: node_layout.py); loading reads
+    either. `stripe_count`/`stripe_size`: Lustre striping of `root` (lustre.py; 0 = auto).
     """
 
     def __init__(self, root: str | os.PathLike, keep: int, rank: int, world_size: int, *,
                  full_checksums: bool = True, writer_threads: int = 1, timeout_s: float = 300.0,
-                 async_cpu_share: float = 1.0):
+                 async_cpu_share: float = 1.0, layout: str = "rank", node_id=None,
+                 stripe_count: int = 0, stripe_size: str = "4M"):
         if keep < 1:
             raise CheckpointError(f"checkpoint keep={keep}: must be >= 1")
         self.root = Path(root)
@@ -91,6 +95,9 @@ class CheckpointManager:
         self.last_verify_s, self.last_verified = 0.0, []
         self._timeout = datetime.timedelta(seconds=max(timeout_s, COMMIT_TIMEOUT_S))
         self._save_group = None                                 # made by the first save
+        # layout "node": one data file per node of ranks sharing `node_id` (node_layout.py)
+        self.layout, self._node_id, self._node = layout, node_id, None
+        self._striping = lustre.Striping(lustre.stripe_count(stripe_count, layout), stripe_size)
         self._inflight: background.InFlight | None = None
         self._staging: dict = {}                                # reused host buffers (async)
 
@@ -210,6 +217,8 @@ class CheckpointManager:
         agreement and commit phases (module docstring); None without torch.distributed."""
         if self._save_group is None and self._dist:
             self._save_group = dist.new_group(backend="gloo", timeout=self._timeout)
+        if self.layout == "node" and self._node is None:
+            self._node = make_node_group(self.rank, self._node_id, self._timeout, self._save_group)
         return self._save_group
 
     def wait(self) -> Path | None:
@@ -279,6 +288,7 @@ class CheckpointManager:
                 check_json(json_state)
                 job.json_state = json.loads(json.dumps(json_state))  # a snapshot: the caller may mutate it
                 self.root.mkdir(parents=True, exist_ok=True)
+                self._striping.apply(self.root)  # on Lustre, once per run (lustre.py)
                 if job.tmp.exists():
                     shutil.rmtree(job.tmp)
                 job.tmp.mkdir()
@@ -326,7 +336,9 @@ class CheckpointManager:
         tmp, hashes = job.tmp, {}
         fs = RecordingFileSystem(pacer, hash_writes=self.full_checksums)
         try:
-            writer = dcp.FileSystemWriter(tmp, sync_files=True, thread_count=self.writer_threads)
+            writer = (NodeLayoutWriter(tmp, self._node, sync_files=True, thread_count=self.writer_threads)
+                      if self.layout == "node" else
+                      dcp.FileSystemWriter(tmp, sync_files=True, thread_count=self.writer_threads))
             writer.fs = fs
             faults.hit("save.before_write")
             with self._quiet(), no_zip_crc32():

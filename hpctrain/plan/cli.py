@@ -54,7 +54,8 @@ FROM_CONFIG = {"dp": ("parallel", "dp"), "tp": ("parallel", "tp"), "pp": ("paral
                "compression": ("sync", "compression"), "overlap": ("sync", "overlap"),
                "cache_bytes": ("data", "cache_bytes"), "prefetch": ("data", "prefetch"),
                "shuffle": ("data", "shuffle"), "shuffle_block_shards": ("data", "shuffle_block_shards"),
-               "checkpoint_keep": ("checkpoint", "keep"), "meta_init": ("parallel", "meta_init"),
+               "checkpoint_keep": ("checkpoint", "keep"),
+               "checkpoint_layout": ("checkpoint", "layout"), "meta_init": ("parallel", "meta_init"),
                "backend": ("dist", "backend")}
 HELP = {
     "nodes": "nodes in the job", "gpus_per_node": "GPUs (= ranks) per node",
@@ -89,6 +90,7 @@ HELP = {
     "compression": "sync.compression (diloco wire format): none | bf16 | int8",
     "overlap": "sync.overlap (diloco: start point + pending average kept)",
     "checkpoint_keep": "checkpoint.keep: committed checkpoints kept on the PFS",
+    "checkpoint_layout": "checkpoint.layout: rank (a data file per rank) | node (one per node)",
     "pfs_files_limit": "warn above this many files per checkpoint directory",
     "meta_init": "parallel.meta_init: build only this rank's shards (false: the whole fp32 model "
                  "on every rank first)",

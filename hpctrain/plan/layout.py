@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hpctrain.config_schema import (DataConfig, DistConfig, ParallelConfig, SyncConfig, TrainConfig,
-                                    key_choices)
+from hpctrain.config_schema import (CheckpointConfig, DataConfig, DistConfig, ParallelConfig,
+                                    SyncConfig, TrainConfig, key_choices)
 from hpctrain.plan.shape import ModelShape
 
 GB = 10 ** 9
@@ -26,7 +26,8 @@ CHOICES = {"data_parallel": key_choices(ParallelConfig, "data_parallel"),
            "sync_mode": tuple(c for c in key_choices(SyncConfig, "mode") if c in ("sync", "diloco")),
            "compression": key_choices(SyncConfig, "compression"),
            "shuffle": key_choices(DataConfig, "shuffle"),
-           "backend": tuple(c for c in key_choices(DistConfig, "backend") if c != "auto")}
+           "backend": tuple(c for c in key_choices(DistConfig, "backend") if c != "auto"),
+           "checkpoint_layout": key_choices(CheckpointConfig, "layout")}
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class Job:
     compression: str = "none"           # none | bf16 | int8 (diloco)
     overlap: bool = False               # diloco
     checkpoint_keep: int = 3
+    checkpoint_layout: str = "rank"     # checkpoint.layout: rank (a file per rank) | node (per node)
     meta_init: bool = True              # parallel.meta_init: only each rank's shards are built
     backend: str = "nccl"               # dist.backend: nccl (GPUs) | gloo (CPU: FSDP reduce-scatter clones)
     pfs_files_limit: int = 1000         # files per checkpoint directory before we warn

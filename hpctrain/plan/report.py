@@ -86,8 +86,10 @@ def check_budgets(p: Plan) -> list[str]:
                    f"from the PFS every epoch "
                    f"({fmt_bytes(c['PFS reads, each later epoch (all nodes)'])} over all nodes)")
     if p.checkpoint["files"] > j.pfs_files_limit:
+        node = (f"; checkpoint.layout = 'node' writes {p.checkpoint['files, layout node']}"
+                if j.checkpoint_layout == "rank" and j.gpus_per_node > 1 else "")
         out.append(f"checkpoint: {p.checkpoint['files']} files per checkpoint in one directory "
-                   f"> --pfs-files-limit {j.pfs_files_limit} (PFS metadata load)")
+                   f"> --pfs-files-limit {j.pfs_files_limit} (PFS metadata load){node}")
     if j.tp > j.gpus_per_node:
         out.append(f"--tp {j.tp} > --gpus-per-node {j.gpus_per_node}: TP groups span nodes")
     return out
@@ -158,12 +160,19 @@ def render(p: Plan) -> str:
         rows.append((k, v if isinstance(v, bool) else f"{v:,.0f}" if "shards" in k else fmt_bytes(v)))
     lines += _table(("what", "value"), rows)
     lines += ["", "## Checkpoint", ""]
-    lines += _table(("what", "value"), [(k, f"{v:,}" if k == "files" else fmt_bytes(v))
-                                        for k, v in p.checkpoint.items()])
+    lines += _table(("what", "value"), [(k, _checkpoint_value(k, v)) for k, v in p.checkpoint.items()])
+    if p.checkpoint["recommended layout"] != j.checkpoint_layout:
+        lines += ["", f"Recommended: --checkpoint.layout={p.checkpoint['recommended layout']} "
+                      f"({p.checkpoint['files, layout node']:,} files per checkpoint instead of "
+                      f"{p.checkpoint['files']:,}; from {storage.NODE_LAYOUT_FROM_RANKS} ranks)"]
     lines += ["", "## Communication per optimizer step, sent by one rank", ""]
     lines += _table(("axis", "link", "bytes", "what"), [(a, l, fmt_bytes(b), w) for a, l, b, w in p.comm])
     lines += ["", "## Warnings", ""] + ([f"- {w}" for w in p.warnings] or ["- none: every budget holds"])
     return "\n".join(lines) + "\n"
+
+
+def _checkpoint_value(key: str, value) -> str:
+    return value if isinstance(value, str) else f"{value:,}" if key.startswith("files") else fmt_bytes(value)
 
 
 SUMMARY_HEAD = ("model", "nodes x GPUs", "layout", "peak / GPU", "setup / GPU", "sampler / rank",

@@ -16,8 +16,8 @@ Owns the arithmetic of:
   draws each sample from any shard; the block order two blocks), and whether the whole corpus
   fits the budget (with the global order it must, or nearly every step re-stages shards).
 - checkpoints (checkpoint/manager.py, disk_format.py): DCP writes one `__<rank>_0.distcp` per rank
-  (one writer thread), plus `.metadata`, `state_nontensor.json`, `trainer_state.json` and
-  `COMMIT.json`; tensors are fp32 parameters + AdamW m, v = 12 B per parameter (the tied weight
+  (one writer thread; checkpoint.layout = "node": one `__node<k>.distcp` per node, node_layout.py),
+  plus `.metadata`, `state_nontensor.json`, `trainer_state.json` and `COMMIT.json`; tensors are fp32 parameters + AdamW m, v = 12 B per parameter (the tied weight
   once); DiLoCo saves the global model and outer momentum plus every replica's local model and
   inner optimizer (sync/diloco.py checkpoint_states).
 It must never compute GPU memory (memory.py) or communication (comm.py).
@@ -30,6 +30,12 @@ from hpctrain.plan.layout import Job
 from hpctrain.plan.shape import ModelShape
 
 CHECKPOINT_SMALL_FILES = (".metadata", "state_nontensor.json", "trainer_state.json", "COMMIT.json")
+# From this many ranks (with several per node) the plan recommends checkpoint.layout = "node": every
+# save creates one file per rank in ONE directory, and a parallel filesystem's metadata server
+# serializes the creates of a directory (Lustre: one lock per directory; ~ thousands of creates/s
+# per MDT shared by every job), so at hundreds of ranks the creates, opens and closes (and the
+# loads' opens) cost seconds per save; the node layout divides them by the ranks per node.
+NODE_LAYOUT_FROM_RANKS = 256
 
 
 def n_shards(job: Job) -> int:
@@ -105,6 +111,19 @@ def checkpoint_figures(shape: ModelShape, job: Job) -> dict:
     if job.sync_mode == "diloco":
         per_replica = 12 * n + (4 * n if job.overlap else 0)
         tensors = 8 * n + (4 * n if job.overlap else 0) + job.dp_size * per_replica
-    files = job.world + len(CHECKPOINT_SMALL_FILES)
+    by_layout = {layout: checkpoint_files(job, layout) for layout in ("rank", "node")}
     return {"bytes": tensors, "largest rank file (even split)": tensors // job.world,
-            "files": files, "bytes on the PFS (keep + 1 being written)": tensors * (job.checkpoint_keep + 1)}
+            "largest node file (even split)": tensors // job.nodes,
+            "files": by_layout[job.checkpoint_layout], "files, layout rank": by_layout["rank"],
+            "files, layout node": by_layout["node"], "recommended layout": recommended_layout(job),
+            "bytes on the PFS (keep + 1 being written)": tensors * (job.checkpoint_keep + 1)}
+
+
+def checkpoint_files(job: Job, layout: str) -> int:
+    """Files per checkpoint: a data file per rank ("rank") or per node ("node"), + the small ones."""
+    return (job.world if layout == "rank" else job.nodes) + len(CHECKPOINT_SMALL_FILES)
+
+
+def recommended_layout(job: Job) -> str:
+    """"node" from NODE_LAYOUT_FROM_RANKS ranks when a node holds several, else "rank"."""
+    return "node" if job.world >= NODE_LAYOUT_FROM_RANKS and job.gpus_per_node > 1 else "rank"

@@ -80,7 +80,10 @@ class Trainer:
         self.ckpt = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep, ctx.rank, ctx.world_size,
                                       timeout_s=cfg.dist.timeout_s,
                                       full_checksums=cfg.checkpoint.full_checksums,
-                                      async_cpu_share=cfg.checkpoint.async_cpu_share)
+                                      async_cpu_share=cfg.checkpoint.async_cpu_share,
+                                      layout=cfg.checkpoint.layout, node_id=ctx.node_rank,
+                                      stripe_count=cfg.checkpoint.stripe_count,
+                                      stripe_size=cfg.checkpoint.stripe_size)
         self.preempt = Preemption(cfg.slurm, ctx.comm, ctx.rank,  # signals + wall-time guard
                                        step_sleep_s=self.plan.faults.step_sleep_s, run_dir=cfg.run.dir)
         # what happens between steps and what a checkpoint holds (hpctrain/sync/strategy.py)

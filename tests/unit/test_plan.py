@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import tracemalloc
 
 import numpy as np
@@ -315,6 +316,25 @@ def test_checkpoint_files_one_per_rank_plus_four():
     fig = storage.checkpoint_figures(shape, Job(nodes=64, gpus_per_node=8).check(shape))
     assert fig["files"] == 512 + 4
     assert fig["bytes"] == 12 * shape.total_params()
+
+
+@pytest.mark.parametrize("nodes, expect", [(16, "rank"), (32, "node")])
+def test_checkpoint_files_for_both_layouts_and_the_recommendation(capsys, nodes, expect):
+    """A file per rank or per node (+ 4 small ones); node layout recommended from 256 ranks."""
+    shape = PRESETS["1b"]
+    fig = storage.checkpoint_figures(shape, Job(nodes=nodes, gpus_per_node=8).check(shape))
+    assert (fig["files, layout rank"], fig["files, layout node"]) == (nodes * 8 + 4, nodes + 4)
+    assert fig["recommended layout"] == expect
+    node = storage.checkpoint_figures(shape, Job(nodes=nodes, gpus_per_node=8,
+                                                 checkpoint_layout="node").check(shape))
+    assert node["files"] == nodes + 4 and node["recommended layout"] == expect
+    assert plan_main(["--preset", "1b", "--nodes", str(nodes), "--gpus-per-node", "8"]) == 0
+    said = re.findall(r"^Recommended: --checkpoint.layout=(\w+) \((\d+) .* (\d+);",
+                      capsys.readouterr().out, re.M)
+    assert said == ([("node", str(nodes + 4), str(nodes * 8 + 4))] if expect == "node" else [])
+    big = make_plan(shape, Job(nodes=512, gpus_per_node=8).check(shape))
+    warned = [w for w in big.warnings if w.startswith("checkpoint: 4100 files")]
+    assert len(warned) == 1 and warned[0].endswith("checkpoint.layout = 'node' writes 516")
 
 
 def test_warnings_name_the_budget():

@@ -143,7 +143,9 @@ def main(mode: str, root: str, report: str) -> int:
     ctx = init_distributed(backend="gloo", timeout_s=60)
     r, w = ctx.rank, ctx.world_size
     say = Report(report, r)
-    mgr = CheckpointManager(Path(root), keep=2, rank=r, world_size=w)
+    # CKPT_LAYOUT=node (tests/mpi/test_checkpoint_node_layout.py): nodes from HPCTRAIN_RANKS_PER_NODE
+    mgr = CheckpointManager(Path(root), keep=2, rank=r, world_size=w,
+                            layout=os.environ.get("CKPT_LAYOUT", "rank"), node_id=ctx.node_rank)
     {"save": save_reference, "load": load_and_compare, "fail": fail_on_last_rank,
      "load_damaged": load_damaged}[mode](
         mgr, Path(root), say)
