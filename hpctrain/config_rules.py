@@ -49,6 +49,7 @@ def validate(cfg: Config) -> Config:
     _check(t.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1")
     _check(t.straggler_window >= 2, "train.straggler_window", "must be >= 2")
     _check(cfg.dist.heartbeat_timeout_s >= 0, "dist.heartbeat_timeout_s", "must be >= 0")
+    _check(cfg.dist.stall_timeout_s > 0, "dist.stall_timeout_s", "must be > 0")
     _check(cfg.data.cache_bytes >= 0, "data.cache_bytes", "must be >= 0 (0 = auto)")
     _check(cfg.data.prefetch >= 0, "data.prefetch", "must be >= 0")
     _check(cfg.data.prefetch_blocks >= 0, "data.prefetch_blocks", "must be >= 0 (0 = off)")

@@ -223,9 +223,14 @@ class DistConfig:
                 "powersgd (torch's low-rank PowerSGD DDP hook, rank dist.powersgd_rank)"})
     powersgd_rank: int = field(default=4, metadata={
         "help": "with grad_allreduce = 'powersgd': rank of the low-rank gradient approximation"})
-    heartbeat_timeout_s: float = field(default=60.0, metadata={
-        "help": "a rank silent this long (dead, hung, unreachable) ends the job with an error naming "
-                "it (0 = off)"})
+    heartbeat_timeout_s: float = field(default=8.0, metadata={
+        "help": "a rank whose process is dead or stopped, or whose node is unreachable, this long "
+                "ends the job with an error naming it (0 = off); beats come from a sidecar process "
+                "per rank, so slow steps, long saves or C calls holding the GIL are no silence"})
+    stall_timeout_s: float = field(default=60.0, metadata={
+        "help": "a rank inside one collective longer than this, or 4 x the median step time when "
+                "that is longer, while every peer is alive, is a stall: forensics files and a "
+                "warning (the job goes on)"})
 
 
 @dataclass

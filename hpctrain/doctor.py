@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="hpctrain doctor",
         description="Summarize a hang or a lost rank from RUN/forensics/rank_<r>.json (written by "
                     "every surviving rank on a watchdog verdict or a stall longer than "
-                    "dist.heartbeat_timeout_s): where each rank was (step, the collective it was "
+                    "dist.stall_timeout_s): where each rank was (step, the collective it was "
                     "inside with its group and sequence number), which ranks are missing, and "
                     "which rank never entered the collective the others wait in.")
     parser.add_argument("run", help="the run directory (run.dir)")

@@ -45,6 +45,9 @@ class StepFaults:
     skip_vote_rank: int = -1        # this rank sleeps skip_vote_s instead of entering the stop
     skip_vote_step: int = 0         # vote of this step (a hung collective; then it votes late)
     skip_vote_s: float = 0.0
+    gil_hold_rank: int = -1         # this rank holds the GIL in C for gil_hold_s whole seconds
+    gil_hold_step: int = 0          # before this step's stop vote (libc sleep through ctypes.PyDLL:
+    gil_hold_s: int = 0             # no Python thread of the process runs meanwhile)
 
 
 _cache: tuple[tuple[str, str], StepFaults] | None = None
@@ -97,6 +100,9 @@ def hang_before_vote(rank: int, step: int) -> None:
     faults = step_faults()
     if faults.skip_vote_rank == rank and faults.skip_vote_step == step:
         time.sleep(faults.skip_vote_s)
+    if faults.gil_hold_rank == rank and faults.gil_hold_step == step:
+        import ctypes
+        ctypes.PyDLL(None).sleep(faults.gil_hold_s)  # PyDLL: the GIL stays held during the call
 
 
 def env(**faults) -> dict[str, str]:

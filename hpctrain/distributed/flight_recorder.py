@@ -16,13 +16,16 @@ Owns two things:
   relative to the folder's descriptor with O_NOFOLLOW: nothing planted there is written through)
   with every thread's Python stack, the recorder's entries (the open one marked), step, host, pid
   and the verdict. Called by the watchdog thread (hpctrain/distributed/watchdog.py) before it
-  aborts the job, or on a stall; it never blocks on a peer or the store. `hpctrain doctor RUN`
+  aborts the job, or on a stall (`stall_bound`: the floor dist.stall_timeout_s, or STEP_FACTOR x
+  the median of the last step times, which the recorder keeps as the loop reports steps); it never
+  blocks on a peer or the store. `hpctrain doctor RUN`
   (hpctrain/doctor.py) reads the files.
 
 It must never run a collective, take a lock, or import model, data or checkpoint code.
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 import socket
@@ -32,6 +35,8 @@ import time
 import traceback
 
 SIZE = 64
+STEP_FACTOR = 4.0   # a stall: inside one collective longer than this x the median step (or the floor)
+STEP_WINDOW = 33    # the step times the median is taken over
 FORENSICS_DIR = "forensics"
 # one entry: [op, group, seq, step, t_enter, t_leave (None while open)]
 _OP, _GROUP, _SEQ, _STEP, _T_ENTER, _T_LEAVE = range(6)
@@ -66,21 +71,36 @@ class _Scope:
 
 
 class FlightRecorder:
-    """The ring buffer (see the module docstring). `step`: the last step the loop reported."""
+    """The ring buffer (see the module docstring). `step`: the last step the loop reported (each
+    new step also records the time since the previous one: `step_times`)."""
 
     def __init__(self, size: int = SIZE):
         self.size = size
         self.ring: list = [None] * size
         self.count = 0           # entries ever recorded
         self.events = 0          # enters + leaves: the main thread's progress
-        self.step = 0
+        self._step, self._step_at = 0, None
+        self.step_times: collections.deque = collections.deque(maxlen=STEP_WINDOW)
         self._seqs: dict[str, int] = {}
         self._main = threading.main_thread().ident
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        if value == self._step and self._step_at is not None:
+            return
+        now = time.monotonic()
+        if self._step_at is not None and value == self._step + 1:
+            self.step_times.append(now - self._step_at)
+        self._step, self._step_at = value, now
 
     def enter(self, op: str, group: str) -> list:
         seq = self._seqs.get(group, 0) + 1
         self._seqs[group] = seq
-        entry = [op, group, seq, self.step, time.monotonic(), None]
+        entry = [op, group, seq, self._step, time.monotonic(), None]
         self.ring[self.count % self.size] = entry
         self.count += 1
         self.events += 1
@@ -122,6 +142,13 @@ def describe(entry: list | None) -> str:
     if entry is None:
         return "no collective"
     return f"{entry[_OP]} {entry[_GROUP]} seq {entry[_SEQ]} (step {entry[_STEP]})"
+
+
+def stall_bound(rec: FlightRecorder, floor_s: float) -> float:
+    """How long the main thread may stay inside one collective before it is a stall: the floor,
+    or STEP_FACTOR x the median step time so far when that is longer (a slow step is no stall)."""
+    times = sorted(rec.step_times)
+    return max(floor_s, STEP_FACTOR * times[(len(times) - 1) // 2]) if times else floor_s
 
 
 def stalled(rec: FlightRecorder, bound_s: float) -> list | None:

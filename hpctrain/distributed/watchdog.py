@@ -1,28 +1,36 @@
-"""Peer liveness: a rank that died, hangs or became unreachable ends the job with an error naming it.
+"""Peer liveness: a rank that died, was stopped or became unreachable ends the job with an error naming it.
 
-Owns the heartbeat protocol. Every rank runs one daemon thread that, every `interval` seconds, bumps
-its counter `hpctrain/hb/<rank>` in the rendezvous TCPStore (its own client connection, not the
-process group's), watches ONE neighbour's counter (rank + 1 mod world: O(1) store traffic per rank),
-and reads one verdict key. A neighbour whose counter has not moved for `timeout_s` (seconds of this
-rank's own clock: no clock sync needed) is declared lost: the watcher publishes the verdict and
-prints it as one line (`error: rank 3 lost: no heartbeat for 10 s ...`), every rank learns it within
-one interval, and the job ends through MPI Abort (non-zero exit) — also when the main thread is stuck in a gloo or
-NCCL collective that would otherwise wait for `dist.timeout_s`. The store is hosted by rank 0, so
-losing contact with the store means losing rank 0, and is reported as such: every store call has a
-deadline of `timeout_s` (a frozen rank 0 keeps its socket open and never answers).
+Owns the rank's side of detection. Liveness lives OUTSIDE this process's GIL: `Watchdog` starts a
+beacon (hpctrain/distributed/beacon.py: a stdlib-only sidecar process) that beats over UDP to rank
+- 1's beacon and watches rank + 1's (ring: O(1) traffic per rank) for as long as this process runs
+and is not stopped; its UDP address goes into the rendezvous TCPStore (`hpctrain/beacon/<rank>`),
+and this module tells the beacon its neighbours' as soon as they are there. A step slower than the
+timeout, a long save, or a C call holding the GIL for longer is therefore no silence. A neighbour
+silent for `timeout_s` is declared lost by its watcher's beacon, which floods the verdict to every
+beacon; each hands it to its rank (a stdout line read by the beacon-reader thread here), and the
+rank prints it as one line (`error: rank 3 on HOST lost: no heartbeat for 8 s ...`: the first-hand
+rank at once, the others only if its Abort did not end them), writes forensics and ends the job
+through MPI Abort (exit 3) — also when the main thread is stuck in a gloo or NCCL collective. A rank
+whose main thread holds the GIL cannot do that: its beacon then prints the line and SIGKILLs it.
+The first-hand verdict is also published as `hpctrain/lost` in the store (read by every rank's
+watchdog thread each interval). Store calls have a deadline of `timeout_s` (a frozen rank 0 keeps
+the store's socket open and never answers): a call past it only skips a round, the beacons decide
+who is alive; a store that refuses (rank 0's process is gone) is a verdict on rank 0.
 
 `watch_peers()` wraps the main thread: a collective that fails because a peer vanished ("connection
 closed by peer", a timeout) waits for the verdict rather than printing a traceback, and if none
 comes within the timeout becomes a one-line PeerLostError naming the failed collective.
 
-Forensics (hpctrain/distributed/flight_recorder.py): before a verdict ends the job, and when the
-main thread has been inside one collective (or step phase) for longer than `timeout_s` while every
-peer still beats (a stall: a rank that never entered a collective its peers wait in), this rank
-writes `<run.dir>/forensics/rank_<r>.json`; a stalled rank also publishes `hpctrain/stall`, so that
-every rank writes its file, also the one that is elsewhere. A stall only writes files and warns.
+Progress, apart from liveness (hpctrain/distributed/flight_recorder.py): when the main thread has
+been inside one collective (or step phase) for longer than the stall bound (dist.stall_timeout_s,
+or 4 x the median step time when longer) while every peer is alive (a rank that never entered a
+collective its peers wait in), this rank writes `<run.dir>/forensics/rank_<r>.json` and publishes
+`hpctrain/stall`, so that every rank writes its file. A stall only writes files and warns; before a
+verdict ends the job every rank that can writes its file too.
 
-Bound: a lost rank ends the job within timeout_s + 3 intervals (interval = timeout_s / 10, clamped to
-[0.2, 5] s). It must never import model, data or checkpoint code, and never run a collective.
+Bound: a dead or stopped rank is named within timeout_s + 1 interval (interval = timeout_s / 10,
+clamped to [0.2, 5] s; default 8 s: ~9 s) and the job ends a grace (2 intervals + 0.5 s) later.
+It must never import model, data or checkpoint code, and never run a collective.
 """
 from __future__ import annotations
 
@@ -36,20 +44,22 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 from hpctrain import logs
-from hpctrain.distributed import flight_recorder
+from hpctrain.distributed import beacon, flight_recorder
 from hpctrain.errors import PeerLostError  # noqa: F401 - re-exported
 
 EXIT_PEER_LOST = 3
 LOST_NODES_ENV = "HPCTRAIN_LOST_NODES_FILE"
 _LOST = "hpctrain/lost"
 _STALL = "hpctrain/stall"
+_BEACON = "hpctrain/beacon"
 
 
 class Watchdog:
-    def __init__(self, ctx, timeout_s: float, run_dir=None):
+    def __init__(self, ctx, timeout_s: float, run_dir=None, stall_s: float = 60.0):
         self.rank, self.world = ctx.rank, ctx.world_size
         self.comm = ctx.comm
         self.timeout = float(timeout_s)
+        self.stall_floor = float(stall_s)
         self.interval = max(0.2, min(5.0, self.timeout / 10))
         self._stop = threading.Event()
         self._reported = threading.Lock()
@@ -59,38 +69,75 @@ class Watchdog:
         self._stall_seen: str | None = None   # the last hpctrain/stall value acted on
         self._written_at = -1                 # the recorder's events when our file was written
         self.hosts = tuple(getattr(ctx, "hosts", ()) or ())
+        self.grace = min(3.0, 2 * self.interval + 0.5)
         self._store = dist.TCPStore(ctx.master_addr, ctx.master_port, is_master=False,
                                     timeout=datetime.timedelta(seconds=max(self.timeout, 1.0)))
-        self._store.add(f"hpctrain/hb/{self.rank}", 1)
+        # the beacon outlives every _die's own wait for the Abort (3 places in line) before it
+        # kills a rank whose main thread holds the GIL
+        self._beacon, port = beacon.start(self.rank, self.world, self.timeout, self.interval,
+                                          kill_after=3 * (self.grace + 1.5) + 3)
+        self._beacon_lock = threading.Lock()
+        ip = beacon.local_ip(ctx.master_addr, ctx.master_port)
+        self._store.set(f"{_BEACON}/{self.rank}", f"{ip}:{port}")
         self._thread = threading.Thread(target=self._run, name="hpctrain-watchdog", daemon=True)
         self._thread.start()
+        self._reader = threading.Thread(target=self._read_beacon, name="hpctrain-beacon-reader",
+                                        daemon=True)
+        self._reader.start()
+
+    # -- the beacon (hpctrain/distributed/beacon.py: liveness, outside this process's GIL) ---------
+    def _tell_beacon(self, line: str) -> None:
+        with self._beacon_lock:
+            try:
+                self._beacon.stdin.write(line.encode() + b"\n")
+                self._beacon.stdin.flush()
+            except (OSError, ValueError):
+                pass
+
+    def _read_beacon(self) -> None:
+        """The beacon's verdicts: `lost <rank> <speak_after> <message>`."""
+        for raw in self._beacon.stdout:
+            parts = raw.decode(errors="replace").rstrip("\n").split(" ", 3)
+            if len(parts) < 4 or parts[0] != "lost" or self._stop.is_set():
+                continue
+            lost, speak_after, msg = int(parts[1]), int(parts[2]), parts[3]
+            if speak_after == 0:  # first-hand: also publish it for the ranks' watchdog threads
+                try:
+                    _DeadlineCaller().call(lambda: self._store.set(_LOST, msg), self.interval * 2)
+                except Exception:  # noqa: BLE001 - the beacons flood it anyway
+                    pass
+            self._die(msg, lost=lost, speak_after=speak_after)
+
+    def _announce_peers(self, caller, told: set) -> None:
+        """Tell the beacon rank - 1's beacon (beat to it) and rank + 1's (watch it) as soon as each
+        is in the store: a rank that starts late delays only its own watch."""
+        pred, succ = (self.rank - 1) % self.world, (self.rank + 1) % self.world
+        for kind, rank in (("pred", pred), ("succ", succ)):
+            key = f"{_BEACON}/{rank}"
+            if kind in told or not caller.call(lambda: self._store.check([key]), self.timeout):
+                continue
+            addr = caller.call(lambda: self._store.get(key).decode(), self.timeout)
+            host = self.hosts[rank] if rank < len(self.hosts) else ""
+            self._tell_beacon(f"{kind} {addr} {rank} {host}".rstrip())
+            told.add(kind)
 
     # -- the thread ------------------------------------------------------------------------------
-    def _store_round(self, nbr: int):
-        """One interval's store traffic: bump my counter; (verdict or None, neighbour's counter or
-        None when it finished cleanly)."""
-        self._store.add(f"hpctrain/hb/{self.rank}", 1)
+    def _store_round(self):
+        """One interval's store traffic: the verdict (or None); hpctrain/stall into self._stall."""
         verdict = self._store.get(_LOST).decode() if self._store.check([_LOST]) else None
         self._stall = self._store.get(_STALL).decode() if self._store.check([_STALL]) else None
-        if self._store.check([f"hpctrain/done/{nbr}"]):
-            return verdict, None
-        return verdict, self._store.add(f"hpctrain/hb/{nbr}", 0)
+        return verdict
 
     def _run(self) -> None:
-        nbr = (self.rank + 1) % self.world
-        seen, since = None, time.monotonic()
-        caller = _DeadlineCaller()
+        caller, told = _DeadlineCaller(), set()
         while not self._stop.wait(self.interval):
-            try:  # a frozen rank 0 (SIGSTOP, a hung node) keeps the store's socket open and never
-                # answers: the call gets a deadline instead of waiting forever
-                verdict, value = caller.call(lambda: self._store_round(nbr), self.timeout)
+            try:  # a frozen rank 0 keeps the store's socket open and never answers: the call gets
+                # a deadline (the beacons decide whether rank 0 is alive)
+                if len(told) < 2:
+                    self._announce_peers(caller, told)
+                verdict = caller.call(self._store_round, self.timeout)
             except TimeoutError:
-                if self._stop.is_set():
-                    return
-                self._die(f"rank 0{self._on(0)} lost: its rendezvous store has not answered for "
-                          f"{self.timeout:g} s (dist.heartbeat_timeout_s): rank 0 hangs, was "
-                          f"stopped, or its node is unreachable",
-                          lost=0, speak_after=min(self.rank - 1, 2))  # rank 1 speaks first
+                verdict = None
             except Exception as e:  # noqa: BLE001 - the store (on rank 0) is unreachable
                 if self._stop.is_set():
                     return
@@ -101,20 +148,6 @@ class Watchdog:
                 lost = int(verdict.split()[1]) if verdict.startswith("rank ") else None
                 self._die(verdict, lost=lost, speak_after=1)  # its publisher speaks first
             self._check_stall(caller)
-            if value is None:
-                continue  # the neighbour finished cleanly
-            now = time.monotonic()
-            if value != seen:
-                seen, since = value, now
-            elif now - since > self.timeout:
-                msg = (f"rank {nbr}{self._on(nbr)} lost: no heartbeat for {now - since:.0f} s "
-                       f"(dist.heartbeat_timeout_s={self.timeout:g}): it died, hangs, or its node "
-                       f"is unreachable")
-                try:
-                    caller.call(lambda: self._store.set(_LOST, msg), self.interval * 2)
-                except Exception:  # noqa: BLE001 - we report it ourselves regardless
-                    pass
-                self._die(msg, lost=nbr)
 
     def _check_stall(self, caller) -> None:
         """A stall of ours: write our file, publish it; a stall another rank published: write
@@ -122,11 +155,13 @@ class Watchdog:
         rec = flight_recorder.RECORDER
         if rec.events == self._written_at:
             return
-        mine = flight_recorder.stalled(rec, self.timeout)
+        bound = flight_recorder.stall_bound(rec, self.stall_floor)
+        mine = flight_recorder.stalled(rec, bound)
         theirs = self._stall
         if mine is not None:
-            text = (f"rank {self.rank}{self._on(self.rank)} stalled for more than {self.timeout:g} s "
-                    f"(dist.heartbeat_timeout_s) in {flight_recorder.describe(mine)}")
+            text = (f"rank {self.rank}{self._on(self.rank)} stalled for more than {bound:.3g} s "
+                    f"(dist.stall_timeout_s, or {flight_recorder.STEP_FACTOR:g} x the median "
+                    f"step) in {flight_recorder.describe(mine)}")
             try:
                 caller.call(lambda: self._store.set(_STALL, text), self.interval * 2)
             except Exception:  # noqa: BLE001 - the file is written regardless
@@ -173,9 +208,10 @@ class Watchdog:
         if not self._reported.acquire(blocking=False):
             return
         self.verdict = msg
+        self._tell_beacon("dying")  # it prints no line of its own, but still ends us if we hang
         self._write_forensics(msg, "verdict", lost)  # before the Abort; local I/O only
         self._record_lost_node(lost)
-        grace = min(3.0, 2 * self.interval + 0.5)
+        grace = self.grace
         time.sleep(speak_after * (grace + 1.5))
         logs.error(f"error: {msg}")  # "[rank N] " before it on a rank other than 0
         time.sleep(grace)
@@ -187,12 +223,19 @@ class Watchdog:
 
     # -- main thread -----------------------------------------------------------------------------
     def stop(self) -> None:
-        """Clean finish: tell the watcher not to expect more beats, stop the thread."""
-        try:
-            self._store.set(f"hpctrain/done/{self.rank}", "1")
-        except Exception:  # noqa: BLE001 - the thread would report a lost store
-            pass
+        """Finish (cleanly, or with this rank's own error line): the beacon tells its watcher not
+        to expect more beats and exits; stop the thread."""
         self._stop.set()
+        self._tell_beacon("done")
+        with self._beacon_lock:
+            try:
+                self._beacon.stdin.close()
+            except OSError:
+                pass
+        try:
+            self._beacon.wait(timeout=5)
+        except Exception:  # noqa: BLE001 - it ends with this process anyway
+            pass
         self._thread.join(timeout=self.timeout + 5)
 
     def wait_for_verdict(self, exc: BaseException) -> None:
@@ -250,16 +293,18 @@ def _is_comm_error(exc: BaseException) -> bool:
 
 
 @contextmanager
-def watch_peers(ctx, timeout_s: float, run_dir=None):
-    """Run the body under a heartbeat watchdog (no-op for one rank or timeout 0)."""
+def watch_peers(ctx, timeout_s: float, run_dir=None, stall_s: float = 60.0):
+    """Run the body under a heartbeat watchdog (no-op for one rank or timeout 0). `stall_s`: the
+    stall floor (dist.stall_timeout_s)."""
     if timeout_s <= 0 or ctx.world_size == 1:
         yield None
         return
-    wd = Watchdog(ctx, timeout_s, run_dir)
+    wd = Watchdog(ctx, timeout_s, run_dir, stall_s)
     try:
         yield wd
     except Exception as e:
         if _is_comm_error(e):
             wd.wait_for_verdict(e)
+        wd.stop()  # this rank's own error: it is not lost (its line says why it ends)
         raise
     wd.stop()

@@ -387,6 +387,7 @@ def _check_same_model(saved: dict, current: dict, path) -> None:
 
 
 def train(cfg: Config, ctx: DistContext) -> int:
-    with watch_peers(ctx, cfg.dist.heartbeat_timeout_s, cfg.run.dir), run_lock.hold(cfg.run.dir, ctx):
+    with watch_peers(ctx, cfg.dist.heartbeat_timeout_s, cfg.run.dir, cfg.dist.stall_timeout_s), \
+            run_lock.hold(cfg.run.dir, ctx):
         # a lost rank ends the job, named; one job per run.dir
         return Trainer(cfg, ctx).fit()

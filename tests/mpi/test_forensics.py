@@ -1,6 +1,6 @@
 """Forensics of a hung collective under a real mpiexec (the frozen-rank case is in
 test_fault_tolerance.py's SIGSTOP test): rank 1 sleeps instead of entering the stop vote of step 3
-(HPCTRAIN_TEST_FAULTS skip_vote_*), rank 0 waits in it past dist.heartbeat_timeout_s while rank 1
+(HPCTRAIN_TEST_FAULTS skip_vote_*), rank 0 waits in it past dist.stall_timeout_s while rank 1
 still beats: a stall (under DiLoCo, H = 2, a checkpoint at step 2: their collectives are recorded too). Both ranks write <run>/forensics/rank_<r>.json, the job still finishes, and
 `hpctrain doctor` names rank 1 as the one that never entered rank 0's stop vote.
 """
@@ -23,10 +23,11 @@ pytestmark = pytest.mark.mpi
 def test_hung_collective_writes_forensics_and_doctor_names_the_absent_rank(tmp_path, dataset):
     cfg, run = config(tmp_path, dataset)
     proc = launch(2, cfg, "--train.steps=4", "--checkpoint.interval=2",
-                  "--dist.heartbeat_timeout_s=2", "--sync.mode=diloco", "--sync.inner_steps=2",
+                  "--dist.stall_timeout_s=2", "--sync.mode=diloco", "--sync.inner_steps=2",
                   env=step_faults.env(skip_vote_rank=1, skip_vote_step=3, skip_vote_s=5))
     rc, out = finish(proc, timeout=120)
     assert rc == 0, out[-3000:]  # a stall writes files and warns; it ends nothing
+    assert (run / "forensics" / "rank_0.json").exists(), out[-3000:]
     recs = {r: json.loads((run / "forensics" / f"rank_{r}.json").read_text()) for r in (0, 1)}
     waiting, absent = recs[0], recs[1]
     assert waiting["kind"] == "stall" and waiting["rank"] == 0 and waiting["world"] == 2

@@ -28,7 +28,7 @@ def build(**sections):
 def test_defaults_and_async_spellings():
     c = build()
     assert (c.checkpoint.async_save, c.checkpoint.full_checksums) == (False, True)
-    assert (c.dist.heartbeat_timeout_s, c.train.max_bad_steps) == (60.0, 5)
+    assert (c.dist.heartbeat_timeout_s, c.dist.stall_timeout_s, c.train.max_bad_steps) == (8.0, 60.0, 5)
     assert "debug" not in c.to_dict()
     assert build(checkpoint={"async": True}).checkpoint.async_save is True
     assert build(checkpoint={"async_save": True}).checkpoint.async_save is True

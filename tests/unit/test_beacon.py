@@ -1,0 +1,79 @@
+"""The liveness beacon (hpctrain/distributed/beacon.py) on its own: a parent process starts it, this
+test plays its neighbour over UDP (no MPI, no torch; ~3 s).
+
+* a stopped parent (SIGSTOP) gets no beats sent for it; SIGCONT: beats again;
+* a verdict while the parent's main thread holds the GIL in C: the beacon prints the one error line
+  itself and SIGKILLs the parent within kill_after.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from tests.conftest import ROOT
+
+PARENT = """
+import ctypes, sys, time
+from hpctrain.distributed import beacon
+proc, port = beacon.start(0, 2, {timeout}, 0.1, kill_after=1.0)
+proc.stdin.write(b"pred 127.0.0.1:{peer} 1\\nsucc 127.0.0.1:{peer} 1 nodeB\\n"); proc.stdin.flush()
+print(port, flush=True)
+if {hold}:
+    ctypes.PyDLL(None).sleep(30)  # the GIL stays held: no thread of this process reads the verdict
+time.sleep(30)
+"""
+
+
+def _parent(peer_port: int, timeout: float, hold: bool):
+    code = PARENT.format(timeout=timeout, peer=peer_port, hold=hold)
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _beats(sock, seconds: float) -> int:
+    n, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        sock.settimeout(max(0.01, end - time.monotonic()))
+        try:
+            n += sock.recv(100) == b"hb 0"
+        except socket.timeout:
+            pass
+    return n
+
+
+def test_stopped_parent_is_silent():
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        parent = _parent(sock.getsockname()[1], timeout=60.0, hold=False)
+        try:
+            port = int(parent.stdout.readline())
+            assert port > 0
+            assert _beats(sock, 1.0) >= 5  # every 0.1 s
+            os.kill(parent.pid, signal.SIGSTOP)
+            time.sleep(0.3)
+            _beats(sock, 0.05)  # drain what was sent before the stop took effect
+            assert _beats(sock, 1.0) == 0
+            os.kill(parent.pid, signal.SIGCONT)
+            assert _beats(sock, 1.0) >= 5
+        finally:
+            parent.kill()
+            parent.communicate()
+
+
+def test_verdict_ends_a_parent_that_holds_the_gil():
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", 0))  # plays rank 1 and never beats: lost after 1 s
+        parent = _parent(sock.getsockname()[1], timeout=1.0, hold=True)
+        t0 = time.monotonic()
+        try:
+            _, err = parent.communicate(timeout=20)
+        finally:
+            parent.kill()
+        assert parent.returncode == -signal.SIGKILL
+        assert time.monotonic() - t0 < 1.0 + 0.2 + 1.0 + 5  # timeout + tick + kill_after + start
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: rank 1 on nodeB lost: no heartbeat"), err
