@@ -222,7 +222,9 @@ def load_weights(model, folder: str | Path, section: dict) -> int:
                 continue
             offset, shape = local_region(param)
             source = source_of(fqn, section)
-            if source is None:  # no HF tensor: keeps its initial value (the balancing bias: 0)
+            if source is None:  # no HF tensor (only the MoE balancing bias): its initial value, 0,
+                # written here: a meta-built model's allocation is uninitialized memory (#34)
+                (param.to_local() if isinstance(param, DTensor) else param).zero_()
                 continue
             part = read_region(files, source, offset, shape)
             local = param.to_local() if isinstance(param, DTensor) else param
