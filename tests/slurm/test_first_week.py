@@ -59,6 +59,18 @@ def test_a_time_limit_at_the_margin_ends_in_one_line_not_requeued(jobs, data, tm
     assert "stopping at step" not in log and not run.exists()
 
 
+def test_as_many_spare_nodes_as_nodes_ends_in_one_line(jobs, data, tmp_path):
+    """HPCTRAIN_SPARE_NODES=1 on a 1-node job leaves no node to train on: refused before any rank
+    starts, naming the variable, the job and the node count."""
+    cfg, run = write_config(tmp_path, data)
+    jid, out = submit(jobs, tmp_path, cfg, env={"HPCTRAIN_SPARE_NODES": "1"})
+    (rec,) = jobs.wait(jid, timeout=120)
+    log = out.read_text()
+    assert (rec["JobState"], rec["ExitCode"]) == ("FAILED", "2:0"), log
+    assert log.count("error: ") == 1 and "HPCTRAIN_SPARE_NODES=1" in log, log
+    assert f"the 1 node(s) of job {jid}" in log and not run.exists(), log
+
+
 def test_a_config_error_reaches_the_output_once_with_srun_and_mpiexec(jobs, data, tmp_path):
     """train.warmup_steps > train.steps: one `error:` line naming the key, whichever launcher the
     template uses; the default with the PyPI mpich wheel is its mpiexec (never srun)."""

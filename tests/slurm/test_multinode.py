@@ -175,13 +175,16 @@ def test_loopback_rendezvous_across_nodes_fails_fast_naming_the_fix(vjobs, datas
 
 
 def test_tp_stays_inside_a_node_and_matches_one_rank(vjobs, dataset, tmp_path):
-    """2 nodes x 2 ranks, tp=2 (dp=2): the same global batch as 1 rank x grad_accum 2."""
+    """2 nodes x 2 ranks, tp=2 (dp=2): the same global batch as 1 rank x grad_accum 2. The job has a
+    third node as a hot spare (HPCTRAIN_SPARE_NODES=1): the wheel's mpiexec starts on the first 2."""
     ref = one_node(tmp_path, dataset, "one", 1, "--train.grad_accum=2")
     cfg, run = config(tmp_path, dataset, "tp")
-    jid, out = submit(vjobs, tmp_path, cfg, 2, 2, "--parallel.tp=2", env={"HPCTRAIN_IFACE": "eth0"})
+    jid, out = submit(vjobs, tmp_path, cfg, 3, 2, "--parallel.tp=2",
+                      env={"HPCTRAIN_IFACE": "eth0", "HPCTRAIN_SPARE_NODES": "1"})
     (rec,) = vjobs.wait(jid, timeout=300)
     log = out.read_text()
     assert rec["JobState"] == "COMPLETED", log
+    assert "launcher mpiexec" in log and "training on node1 node2; spare node(s): node3" in log, log
     assert "tensor-parallel groups: node1 [0,1], node2 [2,3]" in log, log
     assert "2 node(s), rendezvous 10." in log and " via eth0" in log, log
     assert_close_curve(run, ref)
@@ -304,21 +307,29 @@ heartbeat_timeout_s = 12
 # heartbeat names it, so a launcher that lets srun cancel the step on a node failure fails here
 
 
+def elastic_config(tmp_path, data, name):
+    """TINY with ELASTIC's global batch, checkpoint interval and heartbeat timeout."""
+    text = TINY.replace("micro_batch_size = 4\n", "").replace("interval = 1000\n", "")
+    cfg, run = tmp_path / f"{name}.toml", tmp_path / name
+    cfg.write_text(_merge(text.format(run=run, data=data), ELASTIC))
+    return cfg, run
+
+
+@pytest.fixture(scope="module")
+def elastic_ref(dataset, tmp_path_factory):
+    """The uninterrupted 3-rank run of ELASTIC on one node: the losses the node-loss tests compare."""
+    cfg, run = elastic_config(tmp_path_factory.mktemp("elastic-ref"), dataset, "ref3")
+    mpirun(3, ["-m", "hpctrain", "train", "--config", cfg], timeout=300, check=True)
+    return losses(run)
+
+
 @retry_on_pmi2_flake
-def test_node_dies_survivors_name_it_and_training_resumes_on_the_rest(vcluster, vjobs, dataset, tmp_path):
+def test_node_dies_survivors_name_it_and_training_resumes_on_the_rest(vcluster, vjobs, dataset,
+                                                                      elastic_ref, tmp_path):
     """Power loss on node3 of 3: the survivors name node3 within the heartbeat timeout, train.sbatch
     relaunches on node1+node2 (dp 3 -> 2, accumulation 2 -> 3, global batch 12) from the newest
     checkpoint, and the run finishes with the losses of an uninterrupted 3-rank run."""
-    def toml(name):
-        text = TINY.replace("micro_batch_size = 4\n", "").replace("interval = 1000\n", "")
-        cfg, run = tmp_path / f"{name}.toml", tmp_path / name
-        cfg.write_text(_merge(text.format(run=run, data=dataset), ELASTIC))
-        return cfg, run
-
-    cfg_ref, run_ref = toml("ref3")
-    mpirun(3, ["-m", "hpctrain", "train", "--config", cfg_ref], timeout=300, check=True)
-    ref = losses(run_ref)
-    cfg, run = toml("elastic")
+    cfg, run = elastic_config(tmp_path, dataset, "elastic")
     jid, out = submit(vjobs, tmp_path, cfg, 3, 1, env={**SLOW, "HPCTRAIN_LAUNCHER": "srun"})
     try:
         vjobs.wait_for(lambda: last_step(run) >= 12, "step 12", job_id=jid)
@@ -337,7 +348,43 @@ def test_node_dies_survivors_name_it_and_training_resumes_on_the_rest(vcluster, 
     resumed = [int(m) for m in re.findall(r"resumed from \S+ at step (\d+)", log)]
     assert len(resumed) == 1 and 10 <= resumed[0] <= 15 and resumed[0] % 5 == 0, log
     assert "grad_accum 3 x dp 2" in log, log
-    assert_close_curve(run, ref, rel=1e-4)
+    assert_close_curve(run, elastic_ref, rel=1e-4)
+
+
+@retry_on_pmi2_flake
+def test_spare_node_takes_the_lost_nodes_place(vcluster, vjobs, dataset, elastic_ref, tmp_path):
+    """sbatch --nodes=4 with HPCTRAIN_SPARE_NODES=1: training on node1-3, node4 idle. Power loss on
+    node2 (rank 1) -> node4 takes its place: 3 nodes, dp 3, the losses of the uninterrupted 3-rank
+    run, at most one checkpoint interval recomputed, back to training within 30 s of the kill."""
+    cfg, run = elastic_config(tmp_path, dataset, "spare")
+    jid, out = submit(vjobs, tmp_path, cfg, 4, 1, "--dist.heartbeat_timeout_s=10",
+                      env={**SLOW, "HPCTRAIN_LAUNCHER": "srun", "HPCTRAIN_SPARE_NODES": "1"})
+    try:
+        vjobs.wait_for(lambda: last_step(run) >= 12, "step 12", job_id=jid)
+        vcluster.kill_node("node2")
+        t_kill, killed_at = time.monotonic(), last_step(run)
+        vjobs.wait_for(lambda: "[train.sbatch] recovery: " in out.read_text(),
+                       "the relaunch's first trained step", timeout=90, job_id=jid)
+        recovered = time.monotonic() - t_kill
+        (rec,) = vjobs.wait(jid, timeout=300)
+    finally:
+        vcluster.boot_node("node2")
+    log = out.read_text()
+    assert rec["JobState"] == "COMPLETED", log
+    assert "training on node1 node2 node3; spare node(s): node4" in log, log
+    assert "node node2 lost: spare node4 takes its place (3 node(s): node1 node4 node3;" in log, log
+    assert log.count("grad_accum 2 x dp 3") == 2 and log.count("3 node(s), rendezvous") == 2, log
+    # node4 (full scratch disk) trained only after the loss: its one warning comes after the swap
+    warned = [i for i, l in enumerate(log.splitlines()) if "node cache unusable" in l and "node4" in l]
+    swapped = next(i for i, l in enumerate(log.splitlines()) if "spare node4 takes" in l)
+    assert len(warned) == 1 and warned[0] > swapped, log
+    resumed = [int(m) for m in re.findall(r"resumed from \S+ at step (\d+)", log)]
+    assert len(resumed) == 1 and resumed[0] % 5 == 0 and 0 <= killed_at - resumed[0] <= 5, (killed_at, log)
+    (said,) = [float(m) for m in re.findall(r"recovery: ([\d.]+) s from the loss verdict", log)]
+    print(f"spare: kill -> first trained step {recovered:.1f} s (verdict -> step {said:.1f} s), "
+          f"killed at step {killed_at}, resumed at {resumed[0]}")
+    assert_close_curve(run, elastic_ref)
+    assert 0 < said < recovered <= 30, (said, recovered, log)
 
 
 def _merge(base: str, extra: str) -> str:
