@@ -18,10 +18,6 @@ def validate(cfg: Config) -> Config:
     """`cfg`, or raise ConfigError naming the first key whose value breaks a rule."""
     m, t = cfg.model, cfg.train
     _validate_model(m)
-    _check(m.moe_experts == 0 or cfg.parallel.tp == 1, "parallel.tp",
-           f"{cfg.parallel.tp} with model.moe_experts={m.moe_experts}: tensor parallelism of a "
-           f"mixture-of-experts model is not supported yet; use parallel.tp = 1 (DDP, FSDP and "
-           f"pipeline stages work)")
     _check(cfg.parallel.ep == 1 or cfg.sync.mode == "sync", "parallel.ep",
            f"{cfg.parallel.ep} with sync.mode = {cfg.sync.mode!r}: expert parallelism needs "
            f"sync.mode = 'sync' (or parallel.ep = 1)")
@@ -222,7 +218,7 @@ def _validate_parallel(p: ParallelConfig, m: ModelConfig, compile: bool = False)
     _check(not hidden or hidden % p.tp == 0, "parallel.tp",
            f"tp={p.tp} must divide the SwiGLU width {hidden} (model.ffn_hidden, or Llama's rule from "
            f"model.multiple_of)")
-    _check(m.block_size % p.tp == 0, "parallel.tp",
+    _check(not p.sp or m.block_size % p.tp == 0, "parallel.tp",
            f"tp={p.tp} must divide model.block_size={m.block_size} (sequence parallelism)")
     stages = p.pp * (p.pp_virtual_stages if p.pp_schedule == "interleaved" and p.pp > 1 else 1)
     _check(stages <= m.n_layer, "parallel.pp",

@@ -239,6 +239,10 @@ class ParallelConfig:
         "help": "data-parallel size (0 = world / (tp * pp)); dp * tp * pp must equal the world size"})
     tp: int = field(default=1, metadata={
         "help": "tensor-parallel size (innermost mesh axis: keep it <= GPUs per node); divides n_head"})
+    sp: bool = field(default=True, metadata={
+        "help": "with tp > 1: sequence parallelism (the residual stream, norms and MoE layers "
+                "sequence-sharded over tp; false: whole on every tp rank, all-reduces instead of "
+                "reduce-scatters)"})
     pp: int = field(default=1, metadata={"help": "pipeline-parallel stages (outermost mesh axis)"})
     ep: int = field(default=1, metadata={
         "help": "expert-parallel size: each MoE layer's experts sharded over ep consecutive "

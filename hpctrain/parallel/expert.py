@@ -96,7 +96,7 @@ def shard_experts(experts: Experts, n_experts: int, group: dist.ProcessGroup,
     rows = slice(rank * n_local, (rank + 1) * n_local)
     weights = {}
     for name in WEIGHTS:
-        full = getattr(experts, name).detach()
+        full = _to_local(getattr(experts, name).detach())  # (tp: Replicate, the whole tensor)
         part = full[rows].clone()
         if mesh is not None:
             part = DTensor.from_local(part, mesh, [Shard(0)], run_check=False,

@@ -165,7 +165,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, precision: str,
     p = cfg.parallel
     split = apply_pipeline(model, mesh, p.pp_schedule, p.pp_virtual_stages) if mesh.pp_size > 1 else None
     if mesh.tp_size > 1:
-        apply_tensor_parallel(model, mesh["tp"])
+        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=p.sp)
     experts = apply_expert_parallel(model, mesh, p.ep) if p.ep > 1 else None
     apply_activation_checkpointing(model, p.activation_checkpoint, p.ac_every)
     roots = tuple(split.make_views()) if split else (model,)

@@ -36,6 +36,7 @@ from hpctrain.errors import ConfigError
 from hpctrain.model.moe import MoEFeedForward
 from hpctrain.parallel.parallelize import Layout
 from hpctrain.parallel.loss import chunked_lm_loss
+from hpctrain.parallel.tensor_parallel import sum_moe_grads_over_tp, tp_token_split_moe
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -66,6 +67,8 @@ class StepRunner(ABC):
         # MoE layers: their auxiliary loss enters the gradient inside the layer, weighted like the
         # main loss of a micro-batch (none in a dense model)
         self._moe_layers = [m for m in layout.module.modules() if isinstance(m, MoEFeedForward)]
+        # MoE layers run on each tp rank's own sequence shard: their gradients are summed over tp
+        self._moe_tp_layers, self._moe_tp_group = tp_token_split_moe(layout.module)
         self._dp_name = f"dp({layout.mesh.dp_size})"  # the flight recorder's group name
 
     # ---- the loss -------------------------------------------------------------------------
@@ -114,6 +117,10 @@ class StepRunner(ABC):
         """The dp average when neither DDP nor FSDP does it (TP or PP with replicated weights), and
         the expert-parallel weights' (which DDP and FSDP leave out)."""
         experts = self.layout.experts
+        if self._moe_tp_group is not None:
+            with self.layout.wait_clock.blocked(), RECORDER.collective(
+                    "moe_tp_grad_allreduce", f"tp({self.layout.mesh.tp_size})"):
+                sum_moe_grads_over_tp(self._moe_tp_layers, self._moe_tp_group)
         if experts is not None:  # the MPI hook's loss was divided by dp before backward
             experts.reduce_grads(prescaled=self.layout.mpi_grad_allreduce is not None)
         if self.layout.dp_reduce != "after_backward":

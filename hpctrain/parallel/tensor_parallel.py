@@ -21,54 +21,145 @@ Ends:
 Tied weights: tok_emb.weight [V, C] (rows = vocab) and lm_head.weight [V, C] (out = vocab) both get
 Shard(0) on the same mesh, so the tie is restored by pointing lm_head at tok_emb's DTensor: one
 sharded parameter, gradients from both uses accumulate into it (exactly as unsharded).
+
+Mixture-of-experts layers (Llama with model.moe_*; torchtitan without expert-tensor parallelism):
+the router and the experts are NOT split over tp. Their weights become DTensors Replicate over the
+tp mesh (so optimizer, clipping, grad norm and checkpoints treat them as the norms' weights), the
+layer runs on plain local tensors (`_run_on_local_weights`) and is given this rank's sequence
+shard [B, T/tp, C] as a local tensor (no all-gather); its output goes back as Shard(1). Every tp
+rank thus routes different tokens, so the layer's gradients are partial sums: the runner sums them
+over tp after backward (`sum_moe_grads_over_tp`), the MoE monitor sums the loads over tp too, and
+the auxiliary loss is weighed 1 / tp per rank (the mean of the ranks' losses, as over dp). Expert
+parallelism (apply_expert.py) then shards the experts over ep ranks at the same tp coordinate.
 """
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                               PrepareModuleInputOutput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
+from torch.nn.utils.stateless import _reparametrize_module
+
+from hpctrain.model.moe import MoEFeedForward
 
 
-def _mlp_plan(mlp: nn.Module) -> dict:
-    """GPT's fc, or llama's SwiGLU gate and up: column-parallel; proj: row-parallel."""
+def _mlp_plan(mlp: nn.Module, seq: Shard | Replicate) -> dict:
+    """GPT's fc, or llama's SwiGLU gate and up: column-parallel; proj: row-parallel, its output
+    back to the residual stream's layout `seq`. A MoE layer: the tokens this rank holds (its
+    sequence shard under SP, else all) in as a local tensor, its output back as `seq`."""
+    if isinstance(mlp, MoEFeedForward):
+        return {"mlp": PrepareModuleInputOutput(
+            input_layouts=(seq,), desired_input_layouts=(seq,), use_local_input=True,
+            output_layouts=(seq,), desired_output_layouts=(seq,))}
     cols = ("gate", "up") if hasattr(mlp, "gate") else ("fc",)
-    return {**{f"mlp.{c}": ColwiseParallel() for c in cols},
-            "mlp.proj": RowwiseParallel(output_layouts=Shard(1))}
+    return {"mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            **{f"mlp.{c}": ColwiseParallel() for c in cols},
+            "mlp.proj": RowwiseParallel(output_layouts=seq)}
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Shard `model` (a GPT or a pipeline stage of one) in place over `tp_mesh`."""
-    tied = (model.tok_emb is not None and model.lm_head is not None
-            and model.lm_head.weight is model.tok_emb.weight)
+def _ends_plan(model: nn.Module, seq: Shard | Replicate) -> dict:
+    """The embeddings (vocab-parallel, output in the residual stream's layout `seq`) and the head."""
     plan = {}
     if model.tok_emb is not None:
-        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
     if model.tok_emb is not None and model.pos_emb is not None:  # llama: rotary, no table
-        plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))
-    if model.norm_f is not None:
+        plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate(),
+                                          output_layouts=Shard(0) if seq == Shard(1) else seq)
+    if model.norm_f is not None and seq == Shard(1):
         plan["norm_f"] = SequenceParallel()
     if model.lm_head is not None:
         # train.loss_chunk: the head returns the gathered hidden states (Replicate) for the
         # chunked vocabulary-parallel loss (hpctrain/parallel/loss.py) instead of logits
         chunked = getattr(model.lm_head, "returns_hidden", False)
-        plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1),
+        plan["lm_head"] = ColwiseParallel(input_layouts=seq,
                                           output_layouts=Replicate() if chunked else Shard(-1),
                                           use_local_output=False)
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> None:
+    """Shard `model` (a GPT or a pipeline stage of one) in place over `tp_mesh`. Without
+    `sequence_parallel` (parallel.sp = false) the residual stream stays whole on every tp rank
+    (Megatron's plain TP: wo / proj all-reduce instead of reduce-scatter) and the norms run on
+    their replicated weights' local tensors."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    tied = (model.tok_emb is not None and model.lm_head is not None
+            and model.lm_head.weight is model.tok_emb.weight)
+    plan = _ends_plan(model, seq)
     if plan:
         parallelize_module(model, tp_mesh, plan)
+    norms = [model.norm_f] if model.norm_f is not None and not sequence_parallel else []
     for block in model.blocks.values():
         parallelize_module(block, tp_mesh, {
-            "norm1": SequenceParallel(),
-            "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
             "attn.wq": ColwiseParallel(),
             "attn.wk": ColwiseParallel(),
             "attn.wv": ColwiseParallel(),
-            "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "norm2": SequenceParallel(),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            **_mlp_plan(block.mlp),
+            "attn.wo": RowwiseParallel(output_layouts=seq),
+            **({"norm1": SequenceParallel(), "norm2": SequenceParallel()} if sequence_parallel else {}),
+            **_mlp_plan(block.mlp, seq),
         })
+        norms += [] if sequence_parallel else [block.norm1, block.norm2]
+        if isinstance(block.mlp, MoEFeedForward):
+            _replicate(block.mlp, tp_mesh, splits_tokens=sequence_parallel)
+    for norm in norms:
+        _replicate(norm, tp_mesh, splits_tokens=False)
     if tied:
         model.lm_head.weight = model.tok_emb.weight
+
+
+def _replicate(module: nn.Module, tp_mesh: DeviceMesh, splits_tokens: bool) -> None:
+    """`module`'s weights as DTensors Replicate over tp (so optimizer, clipping, grad norm and
+    checkpoints treat them as every other TP weight), its forward run on their local tensors.
+    `splits_tokens` (a MoE layer under SP): the tp ranks route different tokens; the layer
+    remembers that tp group (`tp_token_group`: gradients and loads are summed over it)."""
+    distribute_module(module, tp_mesh)  # no partition function: every parameter Replicate
+    if splits_tokens:
+        module.tp_token_group = tp_mesh.get_group()
+    _run_on_local_weights(module, tp_mesh, dist.get_world_size(tp_mesh.get_group()) if splits_tokens else 1)
+
+
+def _run_on_local_weights(module: nn.Module, tp_mesh: DeviceMesh, token_shares: int) -> None:
+    """`module`'s forward sees its tp-replicated weights as plain local tensors (to_local: the
+    gradients land in the DTensors' .grad, Replicate, as this rank's sums). Weights on another
+    mesh (expert-parallel shards) are left to their module. A MoE layer's auxiliary loss is
+    weighed 1 / `token_shares` (the mean of the tp ranks' when each routes T / tp tokens)."""
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        local = {name: p.to_local() for name, p in module.named_parameters()
+                 if isinstance(p, DTensor) and p.device_mesh is tp_mesh}
+        scale = getattr(module, "aux_scale", None)
+        if token_shares > 1:
+            module.aux_scale = scale / token_shares
+        try:
+            with _reparametrize_module(module, local):
+                return inner(*args, **kwargs)
+        finally:
+            if token_shares > 1:
+                module.aux_scale = scale
+    module.forward = forward
+
+
+def tp_token_split_moe(model: nn.Module) -> tuple[list[MoEFeedForward], dist.ProcessGroup | None]:
+    """The MoE layers whose tp ranks route different tokens, and that tp group (None: no such layer)."""
+    layers = [m for m in model.modules()
+              if isinstance(m, MoEFeedForward) and getattr(m, "tp_token_group", None) is not None]
+    return layers, layers[0].tp_token_group if layers else None
+
+
+def sum_moe_grads_over_tp(layers: list[MoEFeedForward], group: dist.ProcessGroup) -> None:
+    """After backward: each tp rank's MoE gradients are its tokens' partial sums; make every rank's
+    the sum over the tp group (one flat all-reduce for all layers; expert shards included)."""
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+             for m in layers for p in m.parameters() if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat, group=group)
+    for g, v in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(v.view_as(g))

@@ -6,7 +6,8 @@ Owns the communication model (ring collectives: an all-reduce of M bytes over p 
   all-gathers of the attention and MLP inputs (LayerNorm output: fp32 under autocast) and
   reduce-scatters of the wo / proj outputs (16-bit under autocast); backward the mirror images;
   a checkpointed block repeats its forward ones. Ends: the embedding's reduce-scatter and the
-  head's all-gather (fp32), forward and backward.
+  head's all-gather (fp32), forward and backward. MoE layers (replicated over tp): their fp32
+  gradients all-reduced over tp once per step (plan/moe.py).
 - DP (parallel/parallelize.py): DDP or the flat after-backward all-reduce of fp32 gradients once
   per step; FSDP all-gathers parameters (16-bit under autocast) in forward and again in backward
   for every micro-batch and reduce-scatters fp32 gradients once per step; DiLoCo averages the
@@ -83,8 +84,10 @@ def comm_per_step(shape: ModelShape, job: Job, blocks: int, ckpt_blocks: int, ha
     ep = [("ep", link(job.tp * job.ep, job), moe.all_to_all_bytes(shape, job, block_ids),
            "MoE all-to-all: routed rows to their experts' ranks and back, forward + backward")]
     return ep * bool(shape.moe_experts) + [
-        ("tp", link(job.tp, job), tp_bytes(shape, job, blocks, ckpt_blocks, ends),
-         "sequence-parallel all-gathers + reduce-scatters per block"),
+        ("tp", link(job.tp, job),
+         tp_bytes(shape, job, blocks, ckpt_blocks, ends) + moe.tp_grad_bytes(shape, job, block_ids),
+         "sequence-parallel all-gathers + reduce-scatters per block"
+         + ", MoE gradients all-reduced" * bool(shape.moe_experts and job.tp > 1)),
         ("dp", link(job.tp * job.dp_size, job), dp, what),
         ("pp", link(job.tp * job.dp_size * 2, job) if job.pp > 1 else "-",
          pp_bytes(shape, job, has_first, has_last), "activations forward, gradients back"),

@@ -196,8 +196,8 @@ def local_params(shape: ModelShape, job: Job, stage: Stage) -> tuple[int, int]:
     n = len(stage.block_ids) * shape.block_params_tp(t)
     mm = len(stage.block_ids) * shape.block_matmul_params_tp(t)
     sparse = len(moe.sparse_layers(shape, stage.block_ids))  # MoE: routed experts / ep (plan/moe.py)
-    n += sparse * moe.extra_params(shape, job.ep)
-    mm += sparse * (moe.extra_params(shape, job.ep) - shape.moe_experts)  # the router's bias is no matmul
+    n += sparse * moe.extra_params(shape, job.ep, t)
+    mm += sparse * (moe.extra_params(shape, job.ep, t) - shape.moe_experts)  # the router's bias is no matmul
     if stage.has_first:
         n += shape.embedding_params_tp(t) + shape.position_params_tp(t)
     if stage.has_last:

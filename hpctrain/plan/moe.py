@@ -8,7 +8,10 @@ experts w1, w3 [E, H, C] and w2 [E, C, H] (3 E C H), shared experts as one SwiGL
 (3 C S) and Qwen2-MoE's shared gate [1, C]; it replaces the dense layer's SwiGLU (3 C F). One token
 uses top_k of the E routed experts, so the active count (MFU's N, Llama.active_params) takes the
 routed experts' (E - k) / E share away. Under ep, a rank holds E / ep of each layer's routed experts
-(the rest of the layer, router and shared experts included, replicated).
+(the rest of the layer, router and shared experts included, replicated). Under tp the whole layer
+is replicated over the tp ranks (parallel/tensor_parallel.py: only attention and dense layers are
+split), each tp rank routing its own sequence shard (tokens / tp), and its gradients are summed
+over tp once per step (an fp32 all-reduce of the layer's parameters a rank holds).
 
 All-to-all per optimizer step, sent by one rank: each sparse layer sends every routed row (tokens x
 top_k rows of C activations) to the rank of its expert and gets the outputs back (dispatch +
@@ -51,9 +54,18 @@ def layer_params(shape, ep: int = 1) -> int:
     return e * c + e + routed_params(shape) // ep + 3 * c * shared + gate
 
 
-def extra_params(shape, ep: int = 1) -> int:
-    """A sparse layer's parameters minus the dense SwiGLU (3 C F) the planner counted for it."""
-    return layer_params(shape, ep) - 3 * shape.n_embd * shape.ffn
+def extra_params(shape, ep: int = 1, tp: int = 1) -> int:
+    """A sparse layer's parameters minus the dense SwiGLU (3 C F / tp) the planner counted for it
+    (the sparse layer itself is not split over tp)."""
+    return layer_params(shape, ep) - 3 * shape.n_embd * shape.ffn // tp
+
+
+def tp_grad_bytes(shape, job, block_ids) -> int:
+    """Bytes one rank sends per step summing its sparse layers' fp32 gradients over tp (ring)."""
+    if job.tp == 1:
+        return 0
+    n = len(sparse_layers(shape, block_ids)) * layer_params(shape, job.ep)
+    return int(2 * (job.tp - 1) / job.tp * 4 * n)
 
 
 def inactive_params(shape) -> int:
@@ -66,7 +78,7 @@ def all_to_all_bytes(shape, job, block_ids) -> int:
     """Bytes one rank sends per optimizer step in the dispatch / combine of its stage's layers."""
     if job.ep == 1:
         return 0
-    tokens = job.micro_batch * shape.block_size * job.grad_accum
+    tokens = job.micro_batch * shape.block_size * job.grad_accum // job.tp  # its sequence shard
     rows = tokens * shape.moe_top_k * len(sparse_layers(shape, block_ids))
     act = 2 if job.half else 4
     return 4 * rows * shape.n_embd * act * (job.ep - 1) // job.ep

@@ -71,8 +71,6 @@ class ModelShape:
 
     def tp_problem(self, tp: int) -> str | None:
         """Why `train` refuses this tp for the model (config_rules), or None."""
-        if self.moe_experts and tp > 1:  # config_rules refuses it
-            return "with model.moe_experts: tensor parallelism of a mixture-of-experts model is not supported yet"
         if self.n_head % tp:
             return f"must divide n_head {self.n_head}"
         if self.kv_heads % tp:

@@ -68,6 +68,9 @@ class MoEMonitor:
         loads = torch.stack([m.take_load().to(self.device) for m in self.layers.values()])
         if self.group is not None and dist.is_initialized():
             dist.all_reduce(loads, group=self.group)  # one collective for every layer
+        tp_group = getattr(next(iter(self.layers.values())), "tp_token_group", None)
+        if tp_group is not None:  # tensor parallel: each tp rank routed its own sequence shard
+            dist.all_reduce(loads, group=tp_group)
         loads = loads.cpu()
         rec = {}
         for (name, moe), load in zip(self.layers.items(), loads):

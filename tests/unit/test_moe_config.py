@@ -61,7 +61,6 @@ def test_an_override_wins_and_a_key_given_twice_is_named(tmp_path):
     (["--model.moe_top_k=5"], "model.moe_top_k"),
     (["--model.moe_every=0"], "model.moe_every"),
     (["--model.moe_first_dense=4"], "model.moe_first_dense"),
-    (["--parallel.tp=2"], "parallel.tp"),
 ])
 def test_bad_values_name_their_key(tmp_path, overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
