@@ -251,6 +251,7 @@ def test_lost_rank_ends_job_with_its_name(tmp_path, dataset, sig, lost):
     rc, out = finish(proc, timeout=60)
     elapsed = time.monotonic() - t_fault
     assert rc != 0
+    print(f"{sig} rank {lost}, heartbeat {timeout:g} s: the job ended {elapsed:.1f} s after it")
     interval = max(0.2, min(5.0, timeout / 10))
     assert elapsed < timeout + interval + (2 * interval + 0.5) + 5, elapsed  # + grace + launcher
     if lost:
