@@ -14,6 +14,9 @@ Trains our GPT (AdamW, random tokens) and prints, per rank's shard and job-wide:
                        of a checkpoint saved with checksums and of one saved without, alternating;
                        `load: N.NN s, checksums +P.P%` (median of the per-round ratios) and the
                        time the load waited for its checksums (hashed alongside DCP's read)
+  layouts              checkpoint.layout rank vs node: sync save and load (median of alternating
+                       rounds, slowest rank) and the data files each writes (`--layouts-only`:
+                       this part alone; 2 ranks on one machine = one node: 1 file instead of 2)
 Numbers go to docs/benchmarks.md ("Checkpoints").
 """
 from __future__ import annotations
@@ -64,6 +67,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir in /tmp)")
     ap.add_argument("--async-cpu-share", type=float, default=0.1,
                     help="the background writer's duty cycle (checkpoint.async_cpu_share)")
+    ap.add_argument("--layouts-only", action="store_true",
+                    help="time only checkpoint.layout rank vs node (save and load)")
     ap.add_argument("--threads", type=int, default=0,
                     help="compute threads per rank (0 = all cores / ranks; fewer leaves cores for I/O)")
     return ap.parse_args()
@@ -164,6 +169,34 @@ def time_checksums(train: Training, root: Path, r: int, w: int, cycles: int):
     return paired_medians([[s, p, h] for (s, p), h in zip(pairs, hash_s)]) + (len(pairs),)
 
 
+def time_layouts(train: Training, root: Path, r: int, w: int, node: int, cycles: int) -> list[str]:
+    """checkpoint.layout "rank" vs "node": per round, a sync save then a load of it with each
+    layout (the order alternating); rank 0's lines: median save / load (slowest rank), files."""
+    mgrs = {k: CheckpointManager(root / f"layout_{k}", keep=1, rank=r, world_size=w, timeout_s=300,
+                                 layout=k, node_id=node) for k in ("rank", "node")}
+    rows = {k: [] for k in mgrs}
+    for c in range(2 * cycles + 1):  # the first round creates the directories: dropped
+        for k in (("node", "rank") if c % 2 else ("rank", "node")):
+            dist.barrier()
+            t0 = time.perf_counter()
+            path = mgrs[k].save(20 + c, train.state(), {"step": 20 + c})
+            save_s = time.perf_counter() - t0
+            dist.barrier()
+            t0 = time.perf_counter()
+            mgrs[k].load(path, train.state())
+            if c:
+                rows[k].append([save_s, time.perf_counter() - t0])
+    lines = []
+    for k, got in rows.items():
+        per_round = torch.tensor(got, dtype=torch.float64)
+        dist.all_reduce(per_round, op=dist.ReduceOp.MAX)
+        save_s, load_s = (statistics.median(x[i] for x in per_round.tolist()) for i in (0, 1))
+        files = len(list(mgrs[k].latest().glob("*.distcp")))
+        lines.append(f"layout {k:4s}  save {save_s * 1e3:7.1f} ms  load {load_s * 1e3:7.1f} ms  "
+                     f"{files} data file(s)  (median of {len(got)} alternating rounds, slowest rank)")
+    return lines
+
+
 def time_async(mgr, train: Training, steps: int, cycles: int):
     """Async saves while steps keep running.  The first one allocates the host staging buffers
     (page faults); the measured ones reuse them (steady state).  Windows of normal steps and of
@@ -227,6 +260,12 @@ def main() -> None:
     train = Training(args, r, w)
     for _ in range(3):
         train.step()
+    layouts = time_layouts(train, root, r, w, ctx.node_rank, args.cycles)
+    if r == 0:
+        print("\n".join(layouts), flush=True)
+    if args.layouts_only:
+        finish(root, r)
+        return
     mgr = CheckpointManager(root, keep=1, rank=r, world_size=w, timeout_s=300,
                             async_cpu_share=args.async_cpu_share)
     sync_s, shard, total = time_sync_save(mgr, train, root, r)
@@ -247,6 +286,10 @@ def main() -> None:
     if r == 0:
         report(torch.stack(gathered), args, train, total, root, w, n_during, n_pairs, n_loads)
     mgr.wait()
+    finish(root, r)
+
+
+def finish(root: Path, r: int) -> None:
     dist.barrier()
     if r == 0:
         import shutil

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.futures import Future
 
-LAYOUTS = ("rank", "node")
+WRITE_CHUNK = 8 << 20  # bytes per write call of the node file
 
 
 @dataclasses.dataclass
@@ -128,28 +128,57 @@ class NodeLayoutWriter(FileSystemWriter):
         dist.all_gather_object(out, size, group=self.node.group)
         return out
 
-    def _write_node_file(self, blob: bytearray, sizes: list) -> None:
-        """The leader: its bytes, then each member's as received, into the node's one file. After
-        a failure it still receives the remaining members' bytes (they wait in send)."""
-        pending = iter(list(zip(self.node.ranks[1:], sizes[1:])))
+    def _write_node_file(self, blob, sizes: list) -> None:
+        """The leader: its bytes, then each member's, into the node's one file; the next member's
+        bytes arrive while the previous ones are written (at most two members' in memory). After a
+        failure it still receives the remaining members' bytes (they wait in send)."""
+        incoming = _Incoming(list(zip(self.node.ranks[1:], sizes[1:])), self.node.group)
         try:
             with self.fs.create_stream(self.fs.concat_path(self.path, self.node_file()), "wb") as stream:
-                stream.write(blob)
-                for member, size in pending:
-                    stream.write(_receive(member, size, self.node.group))
+                _write_chunks(stream, blob)
+                for data in incoming:
+                    _write_chunks(stream, data)
                 if self.sync_files:
                     stream.flush()
                     _fsync(stream)
         finally:
-            for member, size in pending:
-                _receive(member, size, self.node.group)
+            for _ in incoming:  # drained after a failure
+                pass
 
 
-def _receive(member: int, size: int, group) -> memoryview:
-    buf = torch.empty(size, dtype=torch.uint8)
-    if size:
-        dist.recv(buf, member, group=group)
-    return memoryview(buf.numpy())
+class _Incoming:
+    """The members' bytes in order, each receive posted while the previous bytes are written."""
+
+    def __init__(self, members: list, group):
+        self.members, self.group = members, group
+        self.pending = self._post(0)
+
+    def _post(self, i: int):
+        if i >= len(self.members):
+            return None
+        member, size = self.members[i]
+        buf = torch.empty(size, dtype=torch.uint8)
+        work = dist.irecv(buf, member, group=self.group) if size else None
+        return i, buf, work
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> memoryview:
+        if self.pending is None:
+            raise StopIteration
+        i, buf, work = self.pending
+        if work is not None:
+            work.wait()
+        self.pending = self._post(i + 1)
+        return memoryview(buf.numpy())
+
+
+def _write_chunks(stream, data) -> None:
+    """In WRITE_CHUNK pieces: a background save's pacer sleeps between them (background.py)."""
+    view = memoryview(data).cast("B")
+    for start in range(0, len(view), WRITE_CHUNK):
+        stream.write(view[start:start + WRITE_CHUNK])
 
 
 def _fsync(stream) -> None:
