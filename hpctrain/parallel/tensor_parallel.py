@@ -21,6 +21,10 @@ Ends:
 Tied weights: tok_emb.weight [V, C] (rows = vocab) and lm_head.weight [V, C] (out = vocab) both get
 Shard(0) on the same mesh, so the tie is restored by pointing lm_head at tok_emb's DTensor: one
 sharded parameter, gradients from both uses accumulate into it (exactly as unsharded).
+Without sequence parallelism (parallel.sp = false, Megatron's plain TP): the residual stream stays
+whole [B, T, C] on every tp rank, wo / proj / the embeddings all-reduce to Replicate instead of
+reduce-scattering, and the norms' weights are Replicate DTensors run on their local tensors (every
+tp rank computes the same norm, so their gradients are equal without a reduction).
 
 Mixture-of-experts layers (Llama with model.moe_*; torchtitan without expert-tensor parallelism):
 the router and the experts are NOT split over tp. Their weights become DTensors Replicate over the
@@ -29,7 +33,8 @@ layer runs on plain local tensors (`_run_on_local_weights`) and is given this ra
 shard [B, T/tp, C] as a local tensor (no all-gather); its output goes back as Shard(1). Every tp
 rank thus routes different tokens, so the layer's gradients are partial sums: the runner sums them
 over tp after backward (`sum_moe_grads_over_tp`), the MoE monitor sums the loads over tp too, and
-the auxiliary loss is weighed 1 / tp per rank (the mean of the ranks' losses, as over dp). Expert
+the auxiliary loss is weighed 1 / tp per rank (the mean of the ranks' losses, as over dp). Without
+SP every tp rank routes the whole sequence: same gradients and loads, nothing summed. Expert
 parallelism (apply_expert.py) then shards the experts over ep ranks at the same tp coordinate.
 """
 from __future__ import annotations
