@@ -32,6 +32,7 @@ export PYTHONPATH="${PYTHONPATH:-$PWD}"
 if [[ " ${PARTS:-throughput} " == *" throughput "* ]]; then
     plays=$("$PY" -c "from data_tools.corpora import shakespeare_files; print(' '.join(sorted(shakespeare_files())))")
     for tok in bytes gpt2; do
+        [ -d "/tmp/shakespeare_$tok" ] && continue  # a second call on the same machine
         timeout 120 "$PY" -m data_tools shard --input $plays --output "/tmp/shakespeare_$tok" --tokenizer $tok \
             --val-fraction 0.01 --no-progress >> "$OUTDIR/shard.log" 2>&1 || echo "shard $tok failed"
     done
