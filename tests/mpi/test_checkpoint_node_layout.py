@@ -91,6 +91,20 @@ def test_flipped_byte_in_a_node_file_is_named(saved_by_2_nodes, tmp_path):
         mgr.load(root / "step_00000003", ckpt_worker.state_of(model, opt))
 
 
+def test_full_disk_on_the_node_leader_fails_everywhere_without_hanging(tmp_path):
+    """ENOSPC when rank 0 (the leader of the one node of 2 ranks) opens the node file: it still
+    receives rank 1's bytes, and both ranks raise the same line naming rank 0 and the file."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CKPT_LAYOUT", "node")
+        mp.setenv("CKPT_FAIL_RANK", "0")
+        out = mpirun(2, "fail", tmp_path, timeout=120)
+    errs = dict(re.findall(r"^ERR (\d+) (.*)$", out, re.M))
+    node_file = tmp_path / "step_00000002.tmp" / "__node0.distcp"
+    assert set(errs) == {"0", "1"} and len(set(errs.values())) == 1, out
+    assert "rank 0: [Errno 28]" in errs["0"] and f"'{node_file}'" in errs["0"], out
+    assert "LISTING ['step_00000001']" in out
+
+
 def test_training_resumes_bit_exact_from_node_files(tmp_path, dataset):
     """4 ranks, 2 pretend nodes, async saves: steps 4-6 after a resume from step 3 are the
     uninterrupted run's, bit for bit."""
