@@ -11,7 +11,9 @@ processes never mistake it for one), and for as long as its parent (the rank) li
   unless the parent is stopped (/proc/<ppid>/stat state T or t: SIGSTOP, a debugger): a frozen
   rank is silent although its beacon runs;
 * watches rank + 1's beats; silent for more than `timeout` seconds (of this process's own clock,
-  a stretch in which this process itself did not run is not counted) -> a verdict;
+  a stretch in which this process itself did not run is not counted) -> a verdict. Watching starts
+  with rank + 1's first beat: one that never comes (UDP blocked between the nodes?) is told to the
+  parent (`quiet <rank> <ip:port>`: one warning line) and never becomes a verdict;
 * a verdict (its own, or `lost ...` from another beacon) is forwarded once to both ring neighbours
   (and repeated every interval: a flood around the ring reaches every beacon even with one rank
   dead), and handed to the parent as one stdout line `lost <rank> <speak_after> <message>`: the
@@ -45,7 +47,7 @@ def parent_state(ppid):
         with open(f"/proc/{ppid}/stat") as f:
             state = f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return "gone"
+        return "running"  # no /proc (the ppid check above still holds)
     return "gone" if state in "ZXx" else "stopped" if state in "Tt" else "running"
 
 
@@ -60,7 +62,8 @@ class Beacon:
         self.pred = self.succ = None      # (ip, port) of rank - 1 (our watcher), rank + 1
         self.succ_rank, self.succ_host = None, ""
         self.succ_done = self.done = self.dying = False
-        self.seen = 0.0                   # when rank + 1 last beat
+        self.seen = None                  # when rank + 1 last beat (None: never yet)
+        self.known_at, self.quiet_told = 0.0, False
         self.verdict = None               # (lost rank, message) once known
         self.verdict_at = 0.0
         self.forward_left = 0
@@ -83,7 +86,7 @@ class Beacon:
         elif parts and parts[0] == "succ" and len(parts) >= 3:
             self.succ, self.succ_rank = _addr(parts[1]), int(parts[2])
             self.succ_host = parts[3] if len(parts) > 3 else ""
-            self.seen = time.monotonic()
+            self.seen, self.known_at = None, time.monotonic()
         elif parts == ["done"]:
             self.done = True
             for _ in range(3):
@@ -116,6 +119,11 @@ class Beacon:
     def check_silence(self, now):
         if self.succ is None or self.succ_done or self.verdict is not None:
             return
+        if self.seen is None:  # never heard from it: UDP blocked? no verdict on that, one warning
+            if not self.quiet_told and now - self.known_at > self.timeout:
+                self.quiet_told = True
+                self.say(f"quiet {self.succ_rank} {self.succ[0]}:{self.succ[1]}")
+            return
         if now - self.seen > self.timeout:
             on = f" on {self.succ_host}" if self.succ_host else ""
             msg = (f"rank {self.succ_rank}{on} lost: no heartbeat for {now - self.seen:.0f} s "
@@ -137,7 +145,8 @@ class Beacon:
 
     def tick(self, now, last_tick):
         if now - last_tick > max(self.timeout / 2, 3 * self.interval):
-            self.seen = max(self.seen, now - self.interval)  # we did not run: not their silence
+            if self.seen is not None:  # we did not run: not their silence
+                self.seen = max(self.seen, now - self.interval)
         state = parent_state(self.ppid)
         if state == "gone":
             sys.exit(0)

@@ -98,6 +98,13 @@ class Watchdog:
         """The beacon's verdicts: `lost <rank> <speak_after> <message>`."""
         for raw in self._beacon.stdout:
             parts = raw.decode(errors="replace").rstrip("\n").split(" ", 3)
+            if parts[0] == "quiet" and len(parts) == 3:
+                rank = int(parts[1])
+                logs.warning(f"warning: no heartbeat has reached rank {self.rank}'s beacon from rank "
+                             f"{rank}{self._on(rank)} ({parts[2]}, UDP) within {self.timeout:g} s "
+                             f"(dist.heartbeat_timeout_s): is UDP blocked between the nodes? Its "
+                             f"loss would only be found by dist.timeout_s")
+                continue
             if len(parts) < 4 or parts[0] != "lost" or self._stop.is_set():
                 continue
             lost, speak_after, msg = int(parts[1]), int(parts[2]), parts[3]

@@ -3,7 +3,8 @@ test plays its neighbour over UDP (no MPI, no torch; ~3 s).
 
 * a stopped parent (SIGSTOP) gets no beats sent for it; SIGCONT: beats again;
 * a verdict while the parent's main thread holds the GIL in C: the beacon prints the one error line
-  itself and SIGKILLs the parent within kill_after.
+  itself and SIGKILLs the parent within kill_after;
+* a neighbour never heard from (UDP blocked) is told to the parent once (`quiet`), never a verdict.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ proc.stdin.write(b"pred 127.0.0.1:{peer} 1\\nsucc 127.0.0.1:{peer} 1 nodeB\\n");
 print(port, flush=True)
 if {hold}:
     ctypes.PyDLL(None).sleep(30)  # the GIL stays held: no thread of this process reads the verdict
+print(proc.stdout.readline().decode().strip(), flush=True)  # what the beacon tells its rank
 time.sleep(30)
 """
 
@@ -70,6 +72,7 @@ def test_verdict_ends_a_parent_that_holds_the_gil():
         parent = _parent(sock.getsockname()[1], timeout=1.0, hold=True)
         t0 = time.monotonic()
         try:
+            sock.sendto(b"hb 1", ("127.0.0.1", int(parent.stdout.readline())))  # then silent
             _, err = parent.communicate(timeout=20)
         finally:
             parent.kill()
@@ -77,3 +80,19 @@ def test_verdict_ends_a_parent_that_holds_the_gil():
         assert time.monotonic() - t0 < 1.0 + 0.2 + 1.0 + 5  # timeout + tick + kill_after + start
         lines = [ln for ln in err.splitlines() if ln.strip()]
         assert len(lines) == 1 and lines[0].startswith("error: rank 1 on nodeB lost: no heartbeat"), err
+
+
+def test_a_neighbour_never_heard_from_is_a_warning_not_a_verdict():
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", 0))  # plays rank 1 and never beats at all
+        parent = _parent(sock.getsockname()[1], timeout=0.5, hold=False)
+        try:
+            port = int(parent.stdout.readline())
+            assert port > 0 and parent.stdout.readline().split() == [
+                "quiet", "1", f"127.0.0.1:{sock.getsockname()[1]}"]
+            time.sleep(1.5)  # three timeouts more: still no verdict, the parent lives
+            assert parent.poll() is None
+        finally:
+            parent.kill()
+            _, err = parent.communicate()
+        assert "error" not in err, err
