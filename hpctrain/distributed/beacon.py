@@ -202,9 +202,13 @@ def start(rank, world, timeout, interval, kill_after):
         source = f.read()
     args = [str(v) for v in (rank, world, timeout, interval, kill_after)]
     python = os.path.realpath(sys.executable)  # the base interpreter: a venv's path may name us
+    # the environment as the rank's (LD_LIBRARY_PATH of a module-loaded Python...; -I ignores
+    # PYTHON*), less the launcher's rank variables: nothing takes it for a rank
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_COMM_WORLD"))}
+    env["BEACON_SRC"] = source
     proc = subprocess.Popen([python, "-I", "-c", "import os; exec(os.environ['BEACON_SRC'])",
                              *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            env={"BEACON_SRC": source}, close_fds=True)
+                            env=env, close_fds=True)
     first = proc.stdout.readline().decode(errors="replace").split()
     if len(first) != 2 or first[0] != "port":
         proc.kill()

@@ -74,19 +74,26 @@ class Watchdog:
                                     timeout=datetime.timedelta(seconds=max(self.timeout, 1.0)))
         # the beacon outlives every _die's own wait for the Abort (3 places in line) before it
         # kills a rank whose main thread holds the GIL
-        self._beacon, port = beacon.start(self.rank, self.world, self.timeout, self.interval,
-                                          kill_after=3 * (self.grace + 1.5) + 3)
         self._beacon_lock = threading.Lock()
-        ip = beacon.local_ip(ctx.master_addr, ctx.master_port)
-        self._store.set(f"{_BEACON}/{self.rank}", f"{ip}:{port}")
+        try:
+            self._beacon, port = beacon.start(self.rank, self.world, self.timeout, self.interval,
+                                              kill_after=3 * (self.grace + 1.5) + 3)
+        except OSError as e:  # the neighbours' beacons never hear from it: a warning there too
+            self._beacon = None
+            logs.warning(f"warning: rank {self.rank}{self._on(self.rank)}: its heartbeat beacon "
+                         f"did not start ({e}); a loss of this rank is found only by dist.timeout_s")
+        if self._beacon is not None:
+            ip = beacon.local_ip(ctx.master_addr, ctx.master_port)
+            self._store.set(f"{_BEACON}/{self.rank}", f"{ip}:{port}")
+            threading.Thread(target=self._read_beacon, name="hpctrain-beacon-reader",
+                             daemon=True).start()
         self._thread = threading.Thread(target=self._run, name="hpctrain-watchdog", daemon=True)
         self._thread.start()
-        self._reader = threading.Thread(target=self._read_beacon, name="hpctrain-beacon-reader",
-                                        daemon=True)
-        self._reader.start()
 
     # -- the beacon (hpctrain/distributed/beacon.py: liveness, outside this process's GIL) ---------
     def _tell_beacon(self, line: str) -> None:
+        if self._beacon is None:
+            return
         with self._beacon_lock:
             try:
                 self._beacon.stdin.write(line.encode() + b"\n")
@@ -140,7 +147,7 @@ class Watchdog:
         while not self._stop.wait(self.interval):
             try:  # a frozen rank 0 keeps the store's socket open and never answers: the call gets
                 # a deadline (the beacons decide whether rank 0 is alive)
-                if len(told) < 2:
+                if len(told) < 2 and self._beacon is not None:
                     self._announce_peers(caller, told)
                 verdict = caller.call(self._store_round, self.timeout)
             except TimeoutError:
@@ -234,15 +241,16 @@ class Watchdog:
         to expect more beats and exits; stop the thread."""
         self._stop.set()
         self._tell_beacon("done")
-        with self._beacon_lock:
+        if self._beacon is not None:
+            with self._beacon_lock:
+                try:
+                    self._beacon.stdin.close()
+                except OSError:
+                    pass
             try:
-                self._beacon.stdin.close()
-            except OSError:
+                self._beacon.wait(timeout=5)
+            except Exception:  # noqa: BLE001 - it ends with this process anyway
                 pass
-        try:
-            self._beacon.wait(timeout=5)
-        except Exception:  # noqa: BLE001 - it ends with this process anyway
-            pass
         self._thread.join(timeout=self.timeout + 5)
 
     def wait_for_verdict(self, exc: BaseException) -> None:

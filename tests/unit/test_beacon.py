@@ -96,3 +96,28 @@ def test_a_neighbour_never_heard_from_is_a_warning_not_a_verdict():
             parent.kill()
             _, err = parent.communicate()
         assert "error" not in err, err
+
+
+def test_a_beacon_that_cannot_start_is_a_warning(monkeypatch, capsys):
+    """No beacon (its interpreter cannot start): one warning, the watchdog runs on, stop() works."""
+    import datetime
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from hpctrain.distributed import watchdog
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=5))
+    ctx = SimpleNamespace(rank=1, world_size=2, comm=None, master_addr="127.0.0.1",
+                          master_port=store.port, hosts=("nodeA", "nodeB"))
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python3")
+    wd = watchdog.Watchdog(ctx, 5.0)
+    try:
+        assert wd._beacon is None and wd._thread.is_alive()
+    finally:
+        wd.stop()
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if "beacon" in ln]
+    assert len(lines) == 1 and "rank 1 on nodeB: its heartbeat beacon did not start" in lines[0], err
+    assert not store.check(["hpctrain/beacon/1"])  # its neighbours' beacons never watch it
