@@ -6,12 +6,12 @@ parallel.ep.
 
 The model is tests/mpi/test_moe_parallel.py's skewed Mixtral (2 layers x 32, routing deliberately
 unbalanced) with 4 experts, its config and helpers imported. Trained 10 steps with real mpiexec
-against one rank (same global batch): tp2 with and without SP (dp1) and tp2 x ep2 (dp2, 4 ranks,
-SP) within 1e-5 relative loss, grad norms within 1e-4, every routed token counted once in the
-loads; the tp2 x ep2 run's step-5 checkpoint resumes on one rank with the straight run's losses.
-`hpctrain plan` takes tp with experts: the sparse layers whole on every tp rank, their gradient
-all-reduce over tp, the all-to-all of each rank's sequence shard (tests/unit/test_plan_moe.py's
-shape, counted by hand).
+against one rank (same global batch): tp2 with and without SP (dp1) and tp2 x ep2 x FSDP2 (dp2,
+4 ranks, SP; ep without FSDP under tp was checked by hand, 2.0e-7) within 1e-5 relative loss, grad
+norms within 1e-4, every routed token counted once in the loads; the tp2 x ep2 run's step-5
+checkpoint resumes on one rank with the straight run's losses. `hpctrain plan` takes tp with
+experts: the sparse layers whole on every tp rank, their gradient all-reduce over tp, the
+all-to-all of each rank's sequence shard (tests/unit/test_plan_moe.py's shape, counted by hand).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ EXPERTS = 4
 LAYOUTS = {  # name: (ranks, overrides)
     "tp2": (2, ["--parallel.tp=2"]),
     "tp2_no_sp": (2, ["--parallel.tp=2", "--parallel.sp=false"]),
-    "tp2_ep2": (4, ["--parallel.tp=2", "--parallel.ep=2"]),
+    "tp2_ep2": (4, ["--parallel.tp=2", "--parallel.ep=2", "--parallel.data_parallel=fsdp"]),
 }
 
 
