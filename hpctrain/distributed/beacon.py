@@ -29,6 +29,7 @@ signals a job gets to stop gracefully (SIGTERM, SIGUSR1, ...): Slurm sends them 
 of a step, and a beacon that died of one would make its live rank look lost.
 Cost (2-core VM): ~30 ms to start, ~0.1 ms CPU per beat (about 0.02 % of a core at 0.8 s).
 """
+import json
 import os
 import select
 import signal
@@ -36,7 +37,8 @@ import socket
 import sys
 import time
 
-ARGS = ("rank", "world", "timeout", "interval", "kill_after")
+ARGS = ("rank", "world", "timeout", "interval", "kill_after", "stacks_fd")
+STACKS_SIGNAL = signal.SIGURG  # the rank's faulthandler dumps its stacks on it (ignored otherwise)
 
 
 def parent_state(ppid):
@@ -52,10 +54,12 @@ def parent_state(ppid):
 
 
 class Beacon:
-    def __init__(self, rank, world, timeout, interval, kill_after):
+    def __init__(self, rank, world, timeout, interval, kill_after, stacks_fd="-1"):
         self.rank, self.world = int(rank), int(world)
         self.timeout, self.interval = float(timeout), float(interval)
         self.kill_after = float(kill_after)
+        self.stacks_fd = int(stacks_fd)
+        self.run_dir = os.environ.get("BEACON_RUN_DIR", "")
         self.ppid = os.getppid()
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind(("0.0.0.0", 0))
@@ -132,16 +136,53 @@ class Beacon:
             self.decide(self.succ_rank, msg, speak_after=0, now=now)
 
     def last_resort(self, now):
-        """The parent did not end after the verdict: its main thread holds the GIL."""
-        if not self.dying:
-            prefix = f"[rank {self.rank}] " if self.rank else ""
-            sys.stderr.write(f"{prefix}error: {self.verdict[1]}\n")
-            sys.stderr.flush()
+        """The parent did not end after the verdict: its main thread holds the GIL. Its stacks
+        (faulthandler, which needs no GIL), its forensics file, the line, then SIGKILL."""
+        stacks = ""
+        if self.stacks_fd >= 0:
+            try:
+                os.kill(self.ppid, STACKS_SIGNAL)
+                time.sleep(0.5)
+                stacks = os.pread(self.stacks_fd, 1 << 20, 0).decode(errors="replace")
+            except OSError:
+                pass
         try:
             os.kill(self.ppid, signal.SIGKILL)
         except OSError:
             pass
+        if not self.dying:  # the parent wrote neither its file nor its line
+            self.write_forensics(stacks)
+            prefix = f"[rank {self.rank}] " if self.rank else ""
+            sys.stderr.write(f"{prefix}error: {self.verdict[1]}\n")
+            sys.stderr.flush()
         sys.exit(0)
+
+    def write_forensics(self, stacks):
+        """<run_dir>/forensics/rank_<r>.json as flight_recorder.write_forensics writes it (tmp +
+        rename under an O_NOFOLLOW folder descriptor), from what a beacon knows."""
+        if not self.run_dir:
+            return
+        record = {"rank": self.rank, "world": self.world, "host": socket.gethostname(),
+                  "pid": self.ppid, "kind": "verdict", "verdict": self.verdict[1],
+                  "lost": self.verdict[0], "step": "?", "time": time.time(),
+                  "innermost_frame": "the main thread held the GIL (stacks from faulthandler)",
+                  "open": None, "collectives": [],
+                  "stacks": {"MainThread (faulthandler, every thread)": stacks.splitlines(True)}}
+        folder, name = os.path.join(self.run_dir, "forensics"), f"rank_{self.rank}.json"
+        try:
+            os.makedirs(folder, mode=0o755, exist_ok=True)
+            dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            try:
+                tmp = f".{name}.{os.getpid()}.tmp"
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644,
+                             dir_fd=dir_fd)
+                with os.fdopen(fd, "w") as f:
+                    json.dump(record, f, indent=1)
+                os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            finally:
+                os.close(dir_fd)
+        except (OSError, ValueError):
+            pass
 
     def tick(self, now, last_tick):
         if now - last_tick > max(self.timeout / 2, 3 * self.interval):
@@ -192,23 +233,40 @@ def _addr(text):
     return host, int(port)
 
 
-def start(rank, world, timeout, interval, kill_after):
+def stack_dump_fd():
+    """Called by the rank: an anonymous file (created, then unlinked) that this process's
+    faulthandler dumps every thread's stack into on STACKS_SIGNAL; its descriptor, or -1."""
+    import faulthandler
+    import tempfile
+
+    try:
+        f = tempfile.TemporaryFile(prefix="beacon-stacks-")
+        faulthandler.register(STACKS_SIGNAL, file=f, all_threads=True, chain=False)
+    except (OSError, RuntimeError, ValueError):
+        return -1
+    stack_dump_fd.file = f  # kept open for the life of the process
+    return f.fileno()
+
+
+def start(rank, world, timeout, interval, kill_after, stacks_fd=-1, run_dir=None):
     """(the beacon's Popen, its UDP port): called by the rank (watchdog.py), not by the beacon.
     Its source travels in the environment, so that its command line names nothing (tests find rank
-    processes by "hpctrain" in theirs)."""
+    processes by "hpctrain" in theirs); so does run_dir (where it writes the rank's forensics when
+    the rank cannot)."""
     import subprocess
 
     with open(__file__) as f:
         source = f.read()
-    args = [str(v) for v in (rank, world, timeout, interval, kill_after)]
+    args = [str(v) for v in (rank, world, timeout, interval, kill_after, stacks_fd)]
     python = os.path.realpath(sys.executable)  # the base interpreter: a venv's path may name us
     # the environment as the rank's (LD_LIBRARY_PATH of a module-loaded Python...; -I ignores
     # PYTHON*), less the launcher's rank variables: nothing takes it for a rank
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_COMM_WORLD"))}
     env["BEACON_SRC"] = source
+    env["BEACON_RUN_DIR"] = os.fspath(run_dir) if run_dir else ""
     proc = subprocess.Popen([python, "-I", "-c", "import os; exec(os.environ['BEACON_SRC'])",
                              *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            env=env, close_fds=True)
+                            env=env, close_fds=True, pass_fds=(stacks_fd,) if stacks_fd >= 0 else ())
     first = proc.stdout.readline().decode(errors="replace").split()
     if len(first) != 2 or first[0] != "port":
         proc.kill()

@@ -77,7 +77,8 @@ class Watchdog:
         self._beacon_lock = threading.Lock()
         try:
             self._beacon, port = beacon.start(self.rank, self.world, self.timeout, self.interval,
-                                              kill_after=3 * (self.grace + 1.5) + 3)
+                                              kill_after=3 * (self.grace + 1.5) + 3,
+                                              stacks_fd=beacon.stack_dump_fd(), run_dir=run_dir)
         except OSError as e:  # the neighbours' beacons never hear from it: a warning there too
             self._beacon = None
             logs.warning(f"warning: rank {self.rank}{self._on(self.rank)}: its heartbeat beacon "

@@ -8,6 +8,7 @@ test plays its neighbour over UDP (no MPI, no torch; ~3 s).
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -20,7 +21,8 @@ from tests.conftest import ROOT
 PARENT = """
 import ctypes, sys, time
 from hpctrain.distributed import beacon
-proc, port = beacon.start(0, 2, {timeout}, 0.1, kill_after=1.0)
+proc, port = beacon.start(0, 2, {timeout}, 0.1, kill_after=1.0, stacks_fd=beacon.stack_dump_fd(),
+                          run_dir={run_dir!r})
 proc.stdin.write(b"pred 127.0.0.1:{peer} 1\\nsucc 127.0.0.1:{peer} 1 nodeB\\n"); proc.stdin.flush()
 print(port, flush=True)
 if {hold}:
@@ -30,8 +32,8 @@ time.sleep(30)
 """
 
 
-def _parent(peer_port: int, timeout: float, hold: bool):
-    code = PARENT.format(timeout=timeout, peer=peer_port, hold=hold)
+def _parent(peer_port: int, timeout: float, hold: bool, run_dir: str = ""):
+    code = PARENT.format(timeout=timeout, peer=peer_port, hold=hold, run_dir=run_dir)
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -66,10 +68,10 @@ def test_stopped_parent_is_silent():
             parent.communicate()
 
 
-def test_verdict_ends_a_parent_that_holds_the_gil():
+def test_verdict_ends_a_parent_that_holds_the_gil(tmp_path):
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        sock.bind(("127.0.0.1", 0))  # plays rank 1 and never beats: lost after 1 s
-        parent = _parent(sock.getsockname()[1], timeout=1.0, hold=True)
+        sock.bind(("127.0.0.1", 0))  # plays rank 1: beats once, then silent: lost after 1 s
+        parent = _parent(sock.getsockname()[1], timeout=1.0, hold=True, run_dir=str(tmp_path))
         t0 = time.monotonic()
         try:
             sock.sendto(b"hb 1", ("127.0.0.1", int(parent.stdout.readline())))  # then silent
@@ -80,6 +82,14 @@ def test_verdict_ends_a_parent_that_holds_the_gil():
         assert time.monotonic() - t0 < 1.0 + 0.2 + 1.0 + 5  # timeout + tick + kill_after + start
         lines = [ln for ln in err.splitlines() if ln.strip()]
         assert len(lines) == 1 and lines[0].startswith("error: rank 1 on nodeB lost: no heartbeat"), err
+    # its forensics, written by the beacon: the stacks faulthandler dumped with the GIL held
+    rec = json.loads((tmp_path / "forensics" / "rank_0.json").read_text())
+    assert (rec["kind"], rec["lost"], rec["pid"], rec["open"]) == ("verdict", 1, parent.pid, None)
+    stack = "".join(rec["stacks"]["MainThread (faulthandler, every thread)"])
+    assert 'File "<string>", line 9' in stack, stack  # the PyDLL sleep line of PARENT
+    r = subprocess.run([sys.executable, "-m", "hpctrain", "doctor", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "rank 0" in r.stdout and "Traceback" not in r.stderr, r
 
 
 def test_a_neighbour_never_heard_from_is_a_warning_not_a_verdict():
