@@ -54,7 +54,7 @@ class ExpertParallelExperts(nn.Module):
 
     def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
         ep, n_local = self.ep, self.n_local
-        send = torch.as_tensor(counts, dtype=torch.int64).cpu().reshape(ep, n_local)  # [dest, its expert]
+        send = torch.tensor(counts, dtype=torch.int64).reshape(ep, n_local)  # [dest, its expert]
         recv = torch.empty_like(send)  # [source, my expert]: rows each source sends each expert
         dist.all_to_all_single(recv, send, group=self.group)
         send_rows, recv_rows = send.sum(1).tolist(), recv.sum(1).tolist()

@@ -16,12 +16,11 @@ COUNTS = [5, 0, 16, 1, 33]  # an empty group, an aligned one, odd ones
 
 def test_pad_groups_places_each_group_at_a_multiple_of_the_alignment():
     x = torch.arange(sum(COUNTS), dtype=torch.float32)[:, None].repeat(1, 8)
-    padded, ends, rows = pad_groups(x, torch.tensor(COUNTS), 16)
-    # a fixed size, 55 rows + 5 groups x 15 rounded to 16 = 144; the last group takes the spare rows
-    assert ends.tolist() == [16, 16, 32, 48, 144] and ends.dtype == torch.int32
-    assert padded.shape == (144, 8) and torch.equal(padded[rows], x)
+    padded, ends, rows = pad_groups(x, COUNTS, 16)
+    assert ends.tolist() == [16, 16, 32, 48, 96] and ends.dtype == torch.int32
+    assert padded.shape == (96, 8) and torch.equal(padded[rows], x)
     assert rows[:5].tolist() == [0, 1, 2, 3, 4] and rows[5:7].tolist() == [16, 17] and rows[21].item() == 32
-    keep = torch.zeros(144, dtype=torch.bool)
+    keep = torch.zeros(96, dtype=torch.bool)
     keep[rows] = True
     assert torch.count_nonzero(padded[~keep]) == 0  # padding rows are zeros
 
@@ -38,7 +37,7 @@ def test_padded_grouped_swiglu_equals_the_unpadded_one_forward_and_backward():
         experts.zero_grad()
         xi = x.clone().requires_grad_()
         if padded_form:
-            padded, ends, rows = pad_groups(xi, torch.tensor(COUNTS), 16)
+            padded, ends, rows = pad_groups(xi, COUNTS, 16)
             out = grouped_swiglu(padded, experts.w1, experts.w3, experts.w2, ends).index_select(0, rows)
         else:
             out = grouped_swiglu(xi, experts.w1, experts.w3, experts.w2, dense_ends)
