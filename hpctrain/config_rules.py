@@ -42,6 +42,7 @@ def validate(cfg: Config) -> Config:
     _check(cfg.checkpoint.interval >= 1, "checkpoint.interval", "must be >= 1")
     _check(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
     _check(0 < cfg.checkpoint.async_cpu_share <= 1, "checkpoint.async_cpu_share", "must be in (0, 1]")
+    _check(cfg.checkpoint.snapshot_interval >= 0, "checkpoint.snapshot_interval", "must be >= 0 (0 = off)")
     _check(t.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1")
     _check(t.straggler_window >= 2, "train.straggler_window", "must be >= 2")
     _check(cfg.dist.heartbeat_timeout_s >= 0, "dist.heartbeat_timeout_s", "must be >= 0")

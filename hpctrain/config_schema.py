@@ -212,6 +212,14 @@ class CheckpointConfig:
                 "spread over OSTs), 4 with layout node (one stream per node file); -1 = all OSTs"})
     stripe_size: str = field(default="4M", metadata={
         "help": "on Lustre: the stripe size for `lfs setstripe -S` (e.g. 1M, 4M, 16M)"})
+    snapshot_interval: int = field(default=50, metadata={
+        "help": "every N steps a peer snapshot: each rank's state into node-local memory on its "
+                "node and on a buddy node, in the background; a relaunch after losing one node "
+                "resumes from it without reading the PFS checkpoint (docs/checkpoints.md; 0 = off; "
+                "50: ~1% of step time measured, docs/benchmarks.md)"})
+    snapshot_dir: str = field(default="auto", metadata={
+        "help": "node-local folder of the peer snapshots: auto ($SLURM_TMPDIR, else /dev/shm) or a "
+                "path; '{node}' is replaced by the node's index"})
 
 
 @dataclass

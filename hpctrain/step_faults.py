@@ -9,7 +9,8 @@ are never part of the config a user writes, of config.toml or of a checkpoint. T
 every rank through mpiexec/srun's environment. The item `save_point=NAME[:COUNT[:RANK[:ACTION]]]`
 arms one of the checkpoint save path's named fault points (their list and meaning:
 hpctrain/checkpoint/faults.py). `skip_vote_rank=R,skip_vote_step=S,skip_vote_s=T` makes rank R sleep T s
-instead of entering step S's stop vote (a hung collective for the flight recorder's tests).
+instead of entering step S's stop vote (a hung collective for the flight recorder's tests). `exit_after_step=N`
+makes every rank exit hard (137) after step N once its peer snapshot in flight is written.
 
 It must never be armed by anything but that variable. A malformed value is a one-line error naming
 the variable and the key. `nan_trial=N` confines inject_nan_at_step to trial N of a `hpctrain tune
@@ -48,6 +49,8 @@ class StepFaults:
     gil_hold_rank: int = -1         # this rank holds the GIL in C for gil_hold_s whole seconds
     gil_hold_step: int = 0          # before this step's stop vote (libc sleep through ctypes.PyDLL:
     gil_hold_s: int = 0             # no Python thread of the process runs meanwhile)
+    exit_after_step: int = 0        # every rank exits hard (os._exit(137)) after this step, once
+                                    # its peer snapshot in flight is written (a killed job); 0: never
 
 
 _cache: tuple[tuple[str, str], StepFaults] | None = None

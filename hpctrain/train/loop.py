@@ -18,6 +18,7 @@ checkpoint manager does).
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from pathlib import Path
 
@@ -26,6 +27,7 @@ import torch
 from hpctrain import config as config_mod
 from hpctrain import logs
 from hpctrain.checkpoint import CheckpointManager
+from hpctrain.checkpoint.snapshot import PeerSnapshots
 from hpctrain.config import Config
 from hpctrain.config_rules import check_resume_batch, global_batch_line
 from hpctrain.data.sampler import check_same_dataset, saved_sampler_state
@@ -34,7 +36,7 @@ from hpctrain.distributed.bootstrap import mpi_library
 from hpctrain.distributed.preempt import NONE, Preemption
 from hpctrain.distributed.mesh import Mesh, ParallelDims
 from hpctrain.distributed.watchdog import watch_peers
-from hpctrain.errors import ConfigError
+from hpctrain.errors import CheckpointError, ConfigError, NoIntactCheckpoint
 from hpctrain.metrics import MetricsLog, format_eta
 from hpctrain.metrics.mfu import MfuMeter
 from hpctrain.metrics.peak import job_meter
@@ -100,6 +102,12 @@ class Trainer:
         self.hooks = LoopHooks()
         self.hooks.add("before_save", self.sync.before_save)  # ps, async_diloco: the servers' model
         self.hooks.add("after_save", self.sync.after_save)
+        # every checkpoint.snapshot_interval steps: the state into node memory here and on a buddy node
+        self.snapshots = PeerSnapshots(cfg.checkpoint.snapshot_interval, cfg.checkpoint.snapshot_dir,
+                                       cfg.run.dir, ctx, timeout_s=cfg.dist.timeout_s,
+                                       cpu_share=cfg.checkpoint.async_cpu_share,
+                                       enabled=self.sync.collective_steps and self.sync.global_each_step)
+        self.hooks.add("after_step", self._after_step_snapshot)
         # MoE layers (none in a dense model): loads, balancing bias step and warning after each step
         moe = monitor_for(self.model, cfg.model, self.mesh, self.sync.collective_steps and self.sync.global_each_step)
         if moe is not None:
@@ -142,11 +150,35 @@ class Trainer:
         else:
             log(self.ctx, f"checkpoint: step {self.step} -> {path} ({time.perf_counter() - t0:.2f}s)")
 
+    def _after_step_snapshot(self, rec: dict) -> None:
+        if self.snapshots.due(self.step):
+            self.snapshots.save(self.step, self.checkpoint_states())
+        if self.plan.faults.exit_after_step == self.step:  # test fault: a job killed after a step
+            self.snapshots.wait()
+            os._exit(137)
+
     def maybe_resume(self) -> None:
-        """Resume from the newest checkpoint that loads (older ones are tried when it does not)."""
+        """Resume from the newest peer snapshot if it is newer than the newest PFS checkpoint,
+        else from the newest checkpoint that loads (older ones are tried when it does not)."""
+        snapshot = self.snapshots.resume(self._newest_pfs_step)
+        if snapshot is not None:
+            step = int(snapshot.name.split("_")[-1])
+            try:
+                return self._resume_from(snapshot, f"the peer snapshot of step {step} (no PFS read)")
+            except CheckpointError as e:
+                if self.ctx.is_main:
+                    logs.warning(f"warning: peer snapshot {snapshot} not used: {e}; resuming from the PFS checkpoint")
         self.ckpt.resume_newest(self._resume_from)
 
-    def _resume_from(self, path: Path) -> None:
+    def _newest_pfs_step(self) -> int:
+        """Collective: the step of the newest intact PFS checkpoint (-1: none)."""
+        try:
+            path = self.ckpt.latest()
+        except NoIntactCheckpoint:
+            return -1
+        return -1 if path is None else int(path.name.split("_")[-1])
+
+    def _resume_from(self, path: Path, source: str | None = None) -> None:
         saved = self.ckpt.read_trainer_state(path)
         _check_same_model(saved["trainer"]["config"]["model"], self.cfg.to_dict()["model"], path)
         states = self.checkpoint_states(saved)  # the sync strategy refuses another mode's first
@@ -155,7 +187,7 @@ class Trainer:
         self.sync.before_load(saved.get("sync", {}))  # DiLoCo: adopts a sync-mode checkpoint
         self.ckpt.load_states(path, states)
         self.sync.after_load(self.step)
-        log(self.ctx, f"resumed from {path} at step {self.step}")
+        log(self.ctx, f"resumed from {source or f'{path} at step {self.step}'}")
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -217,6 +249,7 @@ class Trainer:
     def _end_of_run(self, metrics: MetricsLog) -> int:
         t = self.cfg.train
         self.ckpt.wait()  # an async save still in flight: commit it (or raise its error) first
+        self.snapshots.finish()  # the run's newest state is on the PFS: its snapshots go
         if not self.sync.collective_steps and not self.preempt.stopped:
             self._validate(metrics)  # ps: the final parameters (pulled by the save)
         self.hooks.run("end_of_run")

@@ -1,0 +1,310 @@
+"""Peer snapshots: every `checkpoint.snapshot_interval` steps each rank's checkpoint state goes into
+node-local memory on its own node AND on a buddy node, so that a relaunch after losing any one
+node resumes from the survivors' memory instead of the parallel file system.
+
+Owns the snapshot's protocol. `save` (main thread, every rank at the same step): the Stateful
+objects' state dicts (the PFS checkpoint's own: model, optimizer, sampler, RNG, trainer, sync),
+staged into reused host buffers (background.stage: each replicated tensor by one rank); then a
+background thread, one in flight: (1) every rank writes its DCP shard into `step_N.tmp/` of ITS
+node's snapshot folder (rank 0 also the JSON files), (2) sends its data files to its buddy (the
+same local rank on node (n+1) mod nodes) and receives its sources' files; rank 0's metadata files
+reach every node, (3) an agreement, (4) each node's leader writes COMMIT.json (the COMPLETE
+marker: every file of the whole snapshot, sizes and checksums) and renames the folder to
+`step_N/`, removing older steps. All of it on a gloo group of its own (never the training group,
+never NCCL). A failed snapshot never stops training: one warning line, and the PFS checkpoint
+stays the fallback. `resume` (collective, before the PFS checkpoint is looked at): one allgather
+of what every node holds, the newest snapshot the survivors cover (snapshot_io.choose), the
+missing files copied node to node, and the path of this node's complete copy, which the trainer
+loads like a PFS checkpoint (DCP reshards it to the new layout).
+
+The node folder: `checkpoint.snapshot_dir` ("auto": $SLURM_TMPDIR, else /dev/shm; `{node}` is
+replaced by the node's index, and HPCTRAIN_RANKS_PER_NODE's pretend nodes get `node<i>/` each, as
+data.cache_dir does), then `hpctrain-<uid>/snapshots-<hash of run.dir>/`, opened like the data
+cache's private folders (hpctrain/data/private_dir.py). A relaunch on the same nodes finds it with
+nothing to configure; a clean end of the run removes it.
+
+It must never write into the PFS checkpoint directory, block training on a snapshot's failure, or
+run a collective on the training group.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from hpctrain import logs
+from hpctrain.checkpoint import background, disk_format, snapshot_io
+from hpctrain.checkpoint.dcp_io import describe, no_zip_crc32
+from hpctrain.checkpoint.snapshot_io import PacedFileSystem
+from hpctrain.checkpoint.state import json_part, split_state
+from hpctrain.data.private_dir import open_private_dir, resolve_cache_dir, user_root_name
+
+log = logs.get_logger(__name__)
+SMALL = disk_format.SMALL_FILES
+
+
+@dataclass
+class _Snap:
+    """One snapshot between the main thread and the background thread."""
+    step: int
+    tensors: dict
+    json_state: dict
+    values_json: str
+    error: str | None = None                 # the main thread's (staging) failure, agreed first
+    files: dict = field(default_factory=dict)  # this rank's files: {name: COMMIT.json entry}
+
+
+def node_root_path(setting: str, run_dir: str, node_rank: int) -> Path | None:
+    """This node's snapshot folder for `checkpoint.snapshot_dir` (None: no base folder)."""
+    base = (os.environ.get("SLURM_TMPDIR") or "/dev/shm") if setting == "auto" else setting
+    base = resolve_cache_dir(base, node_rank) if base else None
+    return Path(base, user_root_name(), f"snapshots-{run_key(run_dir)}") if base else None
+
+
+def run_key(run_dir: str) -> str:
+    """The run's snapshot identity: its run directory (a snapshot of another run is never used)."""
+    return hashlib.sha256(os.path.realpath(run_dir).encode()).hexdigest()[:16]
+
+
+class PeerSnapshots:
+    """`interval` (0: off), `setting`: checkpoint.snapshot_dir, `ctx`: the DistContext,
+    `cpu_share`: the background DCP write's duty cycle (checkpoint.async_cpu_share)."""
+
+    def __init__(self, interval: int, setting: str, run_dir: str, ctx, *, timeout_s: float = 300.0,
+                 cpu_share: float = 1.0, enabled: bool = True):
+        self.ctx, self.rank, self.world_size = ctx, ctx.rank, ctx.world_size
+        self.enabled = enabled and interval > 0 and dist.is_available() and dist.is_initialized()
+        self.interval, self.cpu_share = interval, cpu_share  # cpu_share: background.Pacer
+        self.key = run_key(run_dir)
+        self.path = node_root_path(setting, run_dir, ctx.node_rank) if self.enabled else None
+        self.enabled = self.enabled and self.path is not None
+        self._timeout = datetime.timedelta(seconds=max(timeout_s, 60.0))
+        self._group = self._topology = self._writers = None
+        self._inflight: background.InFlight | None = None
+        self._staging: dict = {}
+        self._warned = self._said_alone = False
+        self.last_stage_s = 0.0
+
+    # -- where ranks and files are -----------------------------------------------------------------
+    def topology(self) -> dict:
+        """(main thread, collective once) node of every rank, each node's leader, buddy, sources."""
+        if self._topology is None:
+            places = self.ctx.comm.allgather((self.ctx.node_rank, self.ctx.local_rank))
+            nodes = sorted({n for n, _ in places})
+            members = {n: [r for r, (m, _) in enumerate(places) if m == n] for n in nodes}
+            buddy_of = {}
+            for r, (n, local) in enumerate(places):
+                if len(nodes) > 1:
+                    nxt = members[nodes[(nodes.index(n) + 1) % len(nodes)]]
+                    buddy_of[r] = nxt[local % len(nxt)]
+            self._topology = {"node": [n for n, _ in places], "leaders": {n: m[0] for n, m in members.items()},
+                              "buddy": buddy_of.get(self.rank),
+                              "sources": sorted(r for r, b in buddy_of.items() if b == self.rank)}
+        return self._topology
+
+    def group(self):
+        """(main thread, collective once) the snapshots' own gloo group."""
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo", timeout=self._timeout)
+        return self._group
+
+    def _open_root(self) -> Path:
+        """This node's snapshot folder, created private (0700) if missing; UnsafeDir/OSError."""
+        fd, _ = open_private_dir(str(self.path.parent.parent), [self.path.parent.name, self.path.name])
+        os.close(fd)
+        return self.path
+
+    def _warn(self, what: str) -> None:
+        if not self._warned and self.rank == 0:
+            log.warning(f"warning: peer snapshot {what}; training goes on (the PFS checkpoint is the "
+                        f"fallback; further snapshot failures are not reported)")
+        self._warned = True
+
+    # -- saving --------------------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        return self.enabled and step > 0 and step % self.interval == 0
+
+    def save(self, step: int, states: dict) -> None:
+        """Collective (main thread): stage `states` ({name: Stateful}) and start the background
+        write/replication of snapshot `step`; the previous one is finished first."""
+        self.wait()
+        t0 = time.perf_counter()
+        topo = self.topology()
+        if topo["buddy"] is None and not self._said_alone and self.rank == 0:
+            log.info("peer snapshots: one node, no buddy node: a snapshot survives a process "
+                     "failure, not the loss of the node")
+        self._said_alone = True
+        tree = {name: obj.state_dict() for name, obj in states.items()}
+        snap = _Snap(step, {}, {}, "")
+        try:
+            tensors, values = split_state(tree)
+            snap.values_json = "[\n" + ",\n".join(json.dumps(v, sort_keys=True) for v in values) + "\n]\n"
+            snap.json_state = json.loads(json.dumps(json_part(tree))) if self.rank == 0 else {}
+            if self._writers is None:  # the layout never changes within a run: assigned once
+                self._writers = background.assign_writers(
+                    self.ctx.comm.allgather(background.plain_sizes(tensors)))
+            mine = {p for p, r in self._writers.items() if r == self.rank}
+            snap.tensors = background.stage(tensors, self._staging, keep=mine)
+        except Exception as e:  # noqa: BLE001 - agreed in the background, never raised here
+            snap.error = describe(e)
+        group, pacer = self.group(), background.Pacer(self.cpu_share)
+        self._inflight = background.InFlight(lambda: self._write_replicate_commit(snap, group, pacer),
+                                             name=f"snapshot-{step}", pacer=pacer)
+        self.last_stage_s = time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """Finish the snapshot in flight; its failure is a warning (once), never an exception."""
+        if self._inflight is None:
+            return
+        job, self._inflight = self._inflight, None
+        try:
+            job.result()
+        except Exception as e:  # noqa: BLE001 - a snapshot never stops training
+            self._warn(f"failed: {describe(e)}")
+
+    def _agree(self, step: int, err: str | None, group, payload=None) -> list:
+        """Every rank's (error, payload); raises the lowest rank's error on every rank."""
+        out = [None] * self.world_size
+        dist.all_gather_object(out, (err, payload), group=group)
+        failed = [(r, e) for r, (e, _) in enumerate(out) if e]
+        if failed:
+            raise RuntimeError(f"of step {step}: rank {failed[0][0]}: {failed[0][1]}")
+        return [p for _, p in out]
+
+    def _write_replicate_commit(self, snap: _Snap, group, pacer: background.Pacer) -> None:
+        """The background thread: write, agree, replicate, agree, mark complete (module docstring)."""
+        self._agree(snap.step, snap.error, group)
+        tmp = self.path / (disk_format.step_dir_name(snap.step) + ".tmp")
+        err = None
+        try:
+            self._open_root()
+            tmp.mkdir(exist_ok=True)
+            snap.files = self._write(snap, tmp, group, pacer)
+        except Exception as e:  # noqa: BLE001 - agreed below
+            err = describe(e)
+        entries = self._agree(snap.step, err, group, snap.files)
+        err = None
+        try:
+            self._replicate(snap, tmp, group)
+        except Exception as e:  # noqa: BLE001
+            err = describe(e)
+        self._agree(snap.step, err, group)
+        if self.rank == self.topology()["leaders"][self.ctx.node_rank]:
+            self._mark_complete(snap.step, tmp, {k: v for e in entries for k, v in e.items()})
+
+    def _write(self, snap: _Snap, tmp: Path, group, pacer: background.Pacer) -> dict:
+        """This rank's DCP files (rank 0: also the JSON files) in `tmp`: {name: COMMIT.json entry}
+        (sizes; sha256 of the small files: the data files never leave memory and the network)."""
+        writer = dcp.FileSystemWriter(tmp, sync_files=False)
+        writer.fs = PacedFileSystem(pacer)
+        with no_zip_crc32():
+            dcp.save(snap.tensors, storage_writer=writer, process_group=group)
+        mine = [n for n in os.listdir(tmp) if n.startswith(f"__{self.rank}_") and n.endswith(".distcp")]
+        if self.rank == 0:
+            disk_format.write_json_durably(tmp / disk_format.TRAINER_STATE_FILE, snap.json_state)
+            disk_format.write_bytes_durably(tmp / disk_format.NONTENSOR_FILE, snap.values_json.encode())
+            mine += list(SMALL)
+        files = {}
+        for name in mine:
+            entry = {"size": os.stat(tmp / name).st_size}
+            if name in SMALL:
+                entry["sha256"] = disk_format.sha256_file(tmp / name)
+            files[name] = entry
+        return files
+
+    def _replicate(self, snap: _Snap, tmp: Path, group) -> None:
+        """This rank's data files to its buddy, its sources' into `tmp`; rank 0's JSON and DCP
+        metadata files to every other node's leader."""
+        topo = self.topology()
+        mine = sorted(n for n in snap.files if n not in SMALL)
+        snapshot_io.exchange(tmp, mine, topo["buddy"], topo["sources"], group)
+        box = [snapshot_io.pack(tmp, list(SMALL)) if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        my_leader = topo["leaders"][self.ctx.node_rank]
+        if self.rank == my_leader and topo["node"][0] != self.ctx.node_rank:
+            snapshot_io.unpack(tmp, *box[0])
+
+    def _mark_complete(self, step: int, tmp: Path, files: dict) -> None:
+        """This node's leader: COMMIT.json (the whole snapshot's files), rename, drop older steps."""
+        commit = {"format": disk_format.FORMAT, "version": disk_format.FORMAT_VERSION, "step": step,
+                  "world_size": self.world_size, "unix_time": time.time(), "run": self.key,
+                  "checksums": "small-files", "files": files}
+        disk_format.write_json_durably(tmp / disk_format.COMMIT_FILE, commit)
+        final = self.path / disk_format.step_dir_name(step)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for name in os.listdir(self.path):
+            parsed = disk_format.parse_dir_name(name)
+            if parsed and parsed[0] != step:
+                shutil.rmtree(self.path / name, ignore_errors=True)
+
+    def finish(self) -> None:
+        """At the clean end of a run (its final PFS checkpoint committed): remove this node's
+        snapshot folder (its leader; a run that ended has nothing to recover)."""
+        self.wait()
+        if self.enabled and self._topology and self.rank == self._topology["leaders"][self.ctx.node_rank]:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    # -- resuming ------------------------------------------------------------------------------------
+    def resume(self, pfs_step) -> Path | None:
+        """Collective (main thread, before any PFS checkpoint is loaded): this rank's path of the
+        newest snapshot that the surviving nodes cover, completed on every node, if it is newer
+        than `pfs_step()` (the newest intact PFS checkpoint's step, -1 for none; called only when a
+        snapshot qualifies); None otherwise (one warning line naming what an unusable snapshot
+        lacks)."""
+        if not self.enabled:
+            return None
+        topo = self.topology()
+        leader = self.rank == topo["leaders"][self.ctx.node_rank]
+        mine = snapshot_io.list_node(self.path) if leader and not self.path.is_symlink() else {}
+        listings = [x for x in self.ctx.comm.allgather((self.ctx.node_rank, mine if leader else None))
+                    if x[1] is not None]
+        step, *found = snapshot_io.choose(listings, self.key)
+        if step is None:
+            if found[0] and self.rank == 0:
+                log.warning(f"warning: peer snapshot in {self.path} not used: {found[0][0]}; "
+                            f"resuming from the PFS checkpoint")
+            return None
+        commit, holders = found
+        newest_pfs = pfs_step()
+        if newest_pfs >= step:
+            return None
+        moves = snapshot_io.transfers(holders, topo["leaders"])
+        err = None
+        try:
+            self._fetch_missing(step, moves)
+        except Exception as e:  # noqa: BLE001 - agreed below
+            err = describe(e)
+        errors = self.ctx.comm.allgather(err)  # the others read this node's copy after this
+        bad = next(((r, e) for r, e in enumerate(errors) if e), None)
+        if bad:
+            if self.rank == 0:
+                log.warning(f"warning: peer snapshot of step {step} not used: rank {bad[0]}: {bad[1]}; "
+                            f"resuming from the PFS checkpoint")
+            return None
+        return self.path / disk_format.step_dir_name(step)
+
+    def _fetch_missing(self, step: int, moves: list) -> None:
+        """Copy the files a node lacks from a node that holds them (pairs of send/recv in the
+        same order on every rank), so that every node's folder holds the whole snapshot."""
+        if not moves:
+            return
+        group = self.group()
+        folder = self.path / disk_format.step_dir_name(step)
+        for rel, src, dst in moves:
+            if self.rank == src:
+                snapshot_io.send_file(folder / rel, dst, group)
+            elif self.rank == dst:
+                if not folder.is_dir():
+                    self._open_root()
+                    folder.mkdir(exist_ok=True)
+                snapshot_io.recv_file(folder / rel, src, group)

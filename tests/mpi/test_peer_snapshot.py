@@ -1,0 +1,95 @@
+"""Peer snapshots (hpctrain/checkpoint/snapshot.py) under a real mpiexec: 4 ranks as 2 pretend
+nodes of 2 (HPCTRAIN_RANKS_PER_NODE=2, checkpoint.snapshot_dir with a `{node}` placeholder), a
+snapshot every 2 steps, killed hard after step 7 (test fault exit_after_step). A relaunch on one
+node whose partner node's memory is gone resumes from step 6's snapshot with no PFS checkpoint,
+bit for bit like the same relaunch from a PFS checkpoint of step 6; a damaged snapshot falls back
+to the PFS checkpoint with one warning naming the file.
+"""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from hpctrain import step_faults
+from hpctrain.checkpoint.snapshot import run_key
+from tests.conftest import TINY_TRAIN, losses
+from tests.helpers import train
+
+pytestmark = pytest.mark.mpi
+NODES_OF_2 = {"HPCTRAIN_RANKS_PER_NODE": "2"}
+STEPS = 10
+ARGS = ["--train.global_batch=8", "--checkpoint.snapshot_interval=2"]
+
+
+def _config(tmp: Path, name: str, data) -> tuple[Path, Path]:
+    run = tmp / name
+    cfg = tmp / f"{name}.toml"
+    cfg.write_text(TINY_TRAIN.format(run=run, data=data, steps=STEPS)
+                   + f'[checkpoint]\nsnapshot_dir = "{tmp}/mem_{name}/node{{node}}"\n')
+    return cfg, run
+
+
+def _node_dir(tmp: Path, name: str, node: int) -> Path:
+    found = list((tmp / f"mem_{name}" / f"node{node}").glob("hpctrain-*/snapshots-*"))
+    assert len(found) == 1, found
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory, dataset):
+    """(tmp, data): run "killed" trained on 4 ranks (2 nodes x 2) and killed after step 7, with
+    PFS checkpoints at steps 2, 4 and 6 and the peer snapshot of step 6 on both nodes."""
+    tmp = tmp_path_factory.mktemp("snap")
+    cfg, run = _config(tmp, "killed", dataset)
+    r = train(4, cfg, *ARGS, "--checkpoint.interval=2", check=False, env={
+        **NODES_OF_2, **step_faults.env(exit_after_step=7)})
+    assert r.returncode != 0 and sorted(losses(run)) == list(range(1, 7)), r.stderr[-3000:]  # 7's unwritten
+    return tmp, dataset
+
+
+def _copy(tmp: Path, src: str, dst: str, data) -> tuple[Path, Path]:
+    """Run `src`'s directory and snapshot memory under the name `dst`, the snapshots re-keyed to
+    the copy's run directory (their folder name and COMMIT.json's "run": a hash of it)."""
+    cfg, run = _config(tmp, dst, data)
+    shutil.copytree(tmp / src, run)
+    shutil.copytree(tmp / f"mem_{src}", tmp / f"mem_{dst}")
+    for node in (0, 1) if (tmp / f"mem_{dst}").exists() else ():
+        folder = _node_dir(tmp, dst, node)
+        folder = folder.rename(folder.with_name(f"snapshots-{run_key(str(run))}"))
+        for commit in folder.glob("step_*/COMMIT.json"):
+            commit.write_text(json.dumps({**json.loads(commit.read_text()), "run": run_key(str(run))}))
+    return cfg, run
+
+
+def test_lost_node_resumes_from_peer_snapshot_bit_exact(killed):
+    """Node 1 lost, no PFS checkpoint at all: 2 ranks on node 0 resume from step 6's snapshot
+    (node 0 holds node 1's files as its buddy) and train steps 7.. bit for bit like the same
+    relaunch from the PFS checkpoint of step 6."""
+    tmp, data = killed
+    cfg, run = _copy(tmp, "killed", "lost", data)
+    shutil.rmtree(run / "checkpoints")
+    shutil.rmtree(tmp / "mem_lost" / "node1")
+    r = train(2, cfg, *ARGS, env=NODES_OF_2)
+    assert "resumed from the peer snapshot of step 6 (no PFS read)" in r.stderr, r.stderr[-3000:]
+    assert sorted(losses(run)) == list(range(1, STEPS + 1))
+    cfg_ref, run_ref = _copy(tmp, "killed", "ref", data)
+    shutil.rmtree(tmp / "mem_ref")  # no snapshots: the PFS checkpoint of step 6
+    r = train(2, cfg_ref, *ARGS, env=NODES_OF_2)
+    assert "resumed from" in r.stderr and "step_00000006" in r.stderr, r.stderr[-3000:]
+    got, want = losses(run), losses(run_ref)
+    assert [got[s] for s in range(7, STEPS + 1)] == [want[s] for s in range(7, STEPS + 1)]
+
+
+def test_damaged_snapshot_falls_back_to_pfs(killed):
+    """Node 1 lost and node 0's copy of rank 2's data file gone: one warning naming the file,
+    then the newest PFS checkpoint older than the snapshot (step 4)."""
+    tmp, data = killed
+    cfg, run = _copy(tmp, "killed", "damaged", data)
+    shutil.rmtree(run / "checkpoints" / "step_00000006")
+    shutil.rmtree(tmp / "mem_damaged" / "node1")
+    (_node_dir(tmp, "damaged", 0) / "step_00000006" / "__2_0.distcp").unlink()
+    r = train(2, cfg, *ARGS, "--train.stop_at_step=5", env=NODES_OF_2)
+    warnings = [line for line in r.stderr.splitlines() if "peer snapshot" in line and "warning" in line]
+    assert len(warnings) == 1 and "step_00000006/__2_0.distcp" in warnings[0], r.stderr[-3000:]
+    assert "step_00000004" in r.stderr and "peer snapshot of step" not in r.stderr

@@ -1,0 +1,80 @@
+"""Choosing a peer snapshot from the nodes' listings and moving its files (snapshot_io.py): which
+step a relaunch resumes from, what is named when none is complete, which node sends what."""
+import json
+
+import pytest
+
+from hpctrain.checkpoint import snapshot_io
+from hpctrain.checkpoint.snapshot import node_root_path, run_key
+
+KEY = "k" * 16
+FILES = {"__0_0.distcp": {"size": 10}, "__1_0.distcp": {"size": 12}, ".metadata": {"size": 3}}
+
+
+def _listing(step, commit=True, files=FILES, run=KEY, held=None):
+    """A node's list_node() entry: the marker lists `files`; the node holds `held` (all)."""
+    marker = {"step": step, "run": run, "files": files} if commit else None
+    held = {name: e["size"] for name, e in files.items() if held is None or name in held}
+    return {step: {"commit": marker, "files": held}}
+
+
+def test_newest_covered_snapshot_is_chosen_and_missing_files_come_from_a_holder():
+    node0 = {**_listing(4), **_listing(6, held={"__0_0.distcp", ".metadata"})}
+    node1 = _listing(6, commit=False, held={"__1_0.distcp"})  # its own file, no marker
+    step, commit, holders = snapshot_io.choose([(0, node0), (1, node1)], KEY)
+    assert step == 6 and holders["__1_0.distcp"] == [1] and holders["COMMIT.json"] == [0]
+    moves = snapshot_io.transfers(holders, {0: 0, 1: 2})  # node 1's leader is rank 2
+    assert moves == [("__1_0.distcp", 2, 0), (".metadata", 0, 2), ("__0_0.distcp", 0, 2),
+                     ("COMMIT.json", 0, 2)]
+
+
+@pytest.mark.parametrize("listing, named", [
+    (_listing(6, commit=False), "step_00000006/COMMIT.json is missing"),
+    (_listing(6, run="other"), "step_00000006/COMMIT.json is of another run"),
+    (_listing(6, files={**FILES, "__2_0.distcp": {"size": 5}}), "step_00000006/__2_0.distcp is on no"),
+])
+def test_incomplete_snapshot_is_refused_naming_what_it_lacks(listing, named):
+    if named.endswith("is on no"):  # the marker lists a file no node holds
+        listing[6]["files"].pop("__2_0.distcp")
+    step, problems = snapshot_io.choose([(0, listing)], KEY)
+    assert step is None and problems[0].startswith(named)
+
+
+def test_a_file_of_the_wrong_size_does_not_count():
+    listing = _listing(6)
+    listing[6]["files"]["__1_0.distcp"] = 11  # truncated
+    assert snapshot_io.choose([(0, listing)], KEY)[0] is None
+
+
+def test_list_node_reads_markers_and_ignores_tmp(tmp_path):
+    (tmp_path / "step_00000006").mkdir()
+    (tmp_path / "step_00000006" / "COMMIT.json").write_text(json.dumps({"run": KEY}))
+    (tmp_path / "step_00000006" / "__0_0.distcp").write_bytes(b"x" * 7)
+    (tmp_path / "step_00000008.tmp").mkdir()
+    found = snapshot_io.list_node(tmp_path)
+    assert list(found) == [6] and found[6]["files"]["__0_0.distcp"] == 7
+    assert found[6]["commit"] == {"run": KEY}
+    assert snapshot_io.list_node(tmp_path / "absent") == {}
+
+
+def test_pack_unpack_round_trip_refuses_other_names(tmp_path):
+    src, dst = tmp_path / "a", tmp_path / "b"
+    src.mkdir(), dst.mkdir()
+    (src / "__3_0.distcp").write_bytes(b"abc")
+    (src / ".metadata").write_bytes(b"")
+    header, body = snapshot_io.pack(src, ["__3_0.distcp", ".metadata"])
+    assert snapshot_io.unpack(dst, header, body) == ["__3_0.distcp", ".metadata"]
+    assert (dst / "__3_0.distcp").read_bytes() == b"abc"
+    with pytest.raises(ValueError, match="refusing"):
+        snapshot_io.unpack(dst, json.dumps([["../evil", 0]]).encode(), b"")
+
+
+def test_node_folder_placeholder_and_pretend_nodes(monkeypatch, tmp_path):
+    monkeypatch.delenv("HPCTRAIN_RANKS_PER_NODE", raising=False)
+    path = node_root_path(f"{tmp_path}/n{{node}}", "/runs/a", 3)
+    assert path.parent.parent == tmp_path / "n3" and path.name == f"snapshots-{run_key('/runs/a')}"
+    monkeypatch.setenv("HPCTRAIN_RANKS_PER_NODE", "2")
+    assert node_root_path(str(tmp_path), "/runs/a", 1).parent.parent == tmp_path / "node1"
+    monkeypatch.setenv("SLURM_TMPDIR", str(tmp_path / "job"))
+    assert str(node_root_path("auto", "/runs/a", 0)).startswith(str(tmp_path / "job"))
+    assert run_key("/runs/a") != run_key("/runs/b")
