@@ -26,7 +26,9 @@ from hpctrain.model.moe import MoEFeedForward
 log = logging.getLogger("hpctrain.moe")
 
 
-_LAYER = re.compile(r"blocks\.(\d+)\.mlp$")  # under any wrapper's prefix (DDP's module., ...)
+# blocks.<i>.mlp under any wrapper's prefix (DDP's module., ...) and through the block's own
+# wrappers (activation checkpointing's _checkpoint_wrapped_module., compile's _orig_mod.)
+_LAYER = re.compile(r"blocks\.(\d+)\.(?:_checkpoint_wrapped_module\.|_orig_mod\.)*mlp$")
 
 
 def monitor_for(model: torch.nn.Module, model_cfg, mesh, shared_router: bool) -> "MoEMonitor | None":

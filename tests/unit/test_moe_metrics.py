@@ -111,3 +111,14 @@ def test_tensorboard_shows_each_layer_under_moe_and_one_scalar_per_expert():
     loads = {k: v for k, v in got.items() if k.startswith("moe/1/load/")}
     assert len(loads) == 12 and loads["moe/1/load/expert_07"] == 20 / (40 / 12)  # load / mean
     assert loads["moe/1/load/expert_00"] == 10 / (40 / 12) and loads["moe/1/load/expert_11"] == 0.0
+
+
+def test_layer_names_are_the_block_numbers_under_activation_checkpointing_and_compile():
+    from hpctrain.parallel.activation import apply_activation_checkpointing
+
+    model = _model()
+    apply_activation_checkpointing(model, "full", 1)
+    model.blocks["1"] = torch.compile(model.blocks["1"])  # the name gains _orig_mod. (not run)
+    names = [n for n, m in model.named_modules() if type(m).__name__ == "MoEFeedForward"]
+    assert any("_checkpoint_wrapped_module" in n for n in names) and any("_orig_mod" in n for n in names), names
+    assert sorted(MoEMonitor(model).layers) == ["0", "1"]
