@@ -62,6 +62,66 @@ class _Snap:
     files: dict = field(default_factory=dict)  # this rank's files: {name: COMMIT.json entry}
 
 
+ROOM_RESERVE = 0.10  # of the snapshot folder's file system, and of node memory for tmpfs, kept free
+
+
+def _nbytes(tree) -> int:
+    """Bytes of the tensors in a (nested) state tree (a DTensor: its local shard)."""
+    if isinstance(tree, dict):
+        return sum(_nbytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_nbytes(v) for v in tree)
+    local = tree.to_local() if hasattr(tree, "to_local") else tree
+    return local.numel() * local.element_size() if hasattr(local, "element_size") else 0
+
+
+def _fs_type(path: Path) -> str:
+    """The file-system type of the mount that holds `path` (/proc/mounts; '' when unknown)."""
+    real, best, kind = os.path.realpath(path), "", ""
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 2 and (real == fields[1] or real.startswith(fields[1].rstrip("/") + "/")) \
+                        and len(fields[1]) >= len(best):
+                    best, kind = fields[1], fields[2]
+    except OSError:
+        pass
+    return kind
+
+
+def _mem_available() -> tuple[int, int]:
+    """(MemAvailable, MemTotal) in bytes from /proc/meminfo ((0, 0) when unknown)."""
+    info = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                info[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+    return info.get("MemAvailable", 0), info.get("MemTotal", 0)
+
+
+def room_problem(folder: Path, need: int) -> str | None:
+    """Why `need` more bytes under `folder` would leave its file system, or node memory when the
+    folder is in memory (tmpfs: /dev/shm), under ROOM_RESERVE free (None: they fit)."""
+    base = Path(folder)
+    while not base.exists():
+        base = base.parent
+    usage = shutil.disk_usage(base)
+    free, total, what = usage.free, usage.total, str(base)
+    if _fs_type(base) in ("tmpfs", "ramfs"):
+        avail, mem = _mem_available()
+        if mem and avail - need < free - need:  # node memory is the tighter bound
+            free, total, what = avail, mem, f"node memory (for {base})"
+    if free - need >= ROOM_RESERVE * total:
+        return None
+    return (f"{what} has {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB; a snapshot there "
+            f"needs ~{need / 2**30:.1f} GiB and must leave {ROOM_RESERVE:.0%} free (set "
+            f"checkpoint.snapshot_dir elsewhere, or checkpoint.snapshot_interval = 0)")
+
+
 def node_root_path(setting: str, run_dir: str, node_rank: int) -> Path | None:
     """This node's snapshot folder for `checkpoint.snapshot_dir` (None: no base folder)."""
     base = (os.environ.get("SLURM_TMPDIR") or "/dev/shm") if setting == "auto" else setting
@@ -130,18 +190,22 @@ class PeerSnapshots:
 
     # -- saving --------------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
-        return self.enabled and step > 0 and step % self.interval == 0
+        """Snapshots are taken on two nodes or more (they are for the loss of a node; on one node the
+        PFS checkpoint covers a process failure and node memory is left to training); a relaunch
+        on one node still resumes from the snapshots the lost nodes' buddies hold."""
+        if not (self.enabled and step > 0 and step % self.interval == 0):
+            return False
+        if self.ctx.n_nodes < 2 and not self._said_alone:
+            self._said_alone = True
+            if self.rank == 0:
+                log.info("peer snapshots: off on one node (they keep state through the loss of a node)")
+        return self.ctx.n_nodes > 1
 
     def save(self, step: int, states: dict) -> None:
         """Collective (main thread): stage `states` ({name: Stateful}) and start the background
         write/replication of snapshot `step`; the previous one is finished first."""
         self.wait()
         t0 = time.perf_counter()
-        topo = self.topology()
-        if topo["buddy"] is None and not self._said_alone and self.rank == 0:
-            log.info("peer snapshots: one node, no buddy node: a snapshot survives a process "
-                     "failure, not the loss of the node")
-        self._said_alone = True
         tree = {name: obj.state_dict() for name, obj in states.items()}
         snap = _Snap(step, {}, {}, "")
         try:
@@ -153,12 +217,21 @@ class PeerSnapshots:
                     self.ctx.comm.allgather(background.plain_sizes(tensors)))
             mine = {p for p, r in self._writers.items() if r == self.rank}
             snap.tensors = background.stage(tensors, self._staging, keep=mine)
+            self._check_room(snap.tensors)
         except Exception as e:  # noqa: BLE001 - agreed in the background, never raised here
             snap.error = describe(e)
         group, pacer = self.group(), background.Pacer(self.cpu_share)
         self._inflight = background.InFlight(lambda: self._write_replicate_commit(snap, group, pacer),
                                              name=f"snapshot-{step}", pacer=pacer)
         self.last_stage_s = time.perf_counter() - t0
+
+    def _check_room(self, staged) -> None:
+        """Node memory is training's too: this node holds its ranks' shards and its sources' copies,
+        and the previous snapshot until this one is complete (~2 x 2 x this rank's share)."""
+        ranks_here = self.topology()["node"].count(self.ctx.node_rank)
+        problem = room_problem(self.path, 4 * _nbytes(staged) * ranks_here)
+        if problem:  # agreed like any staging failure: one warning, training goes on
+            raise OSError(problem)
 
     def wait(self) -> None:
         """Finish the snapshot in flight; its failure is a warning (once), never an exception."""

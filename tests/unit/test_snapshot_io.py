@@ -78,3 +78,19 @@ def test_node_folder_placeholder_and_pretend_nodes(monkeypatch, tmp_path):
     monkeypatch.setenv("SLURM_TMPDIR", str(tmp_path / "job"))
     assert str(node_root_path("auto", "/runs/a", 0)).startswith(str(tmp_path / "job"))
     assert run_key("/runs/a") != run_key("/runs/b")
+
+
+def test_a_snapshot_that_would_crowd_node_memory_is_refused_naming_the_folder(tmp_path):
+    import shutil
+
+    from hpctrain.checkpoint.snapshot import ROOM_RESERVE, room_problem
+
+    usage = shutil.disk_usage(tmp_path)
+    folder = tmp_path / "hpctrain-0" / "snapshots-x"  # not made yet: its nearest existing parent counts
+    assert room_problem(folder, 0) is None or usage.free < ROOM_RESERVE * usage.total
+    fits = int(usage.free - ROOM_RESERVE * usage.total) // 2
+    crowds = int(usage.free - ROOM_RESERVE * usage.total) + 2**30
+    if fits > 0:
+        assert room_problem(folder, fits) is None
+    problem = room_problem(folder, crowds)
+    assert problem is not None and str(tmp_path) in problem and "snapshot_interval" in problem
