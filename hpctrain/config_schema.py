@@ -295,10 +295,10 @@ class SyncConfig:
     fragments: int = field(default=1, metadata={
         "help": "diloco: split the parameters into this many fragments synced at staggered steps "
                 "(spreads the traffic over the round, as in Streaming DiLoCo)"})
-    compression: Literal["none", "bf16", "int8"] = field(default="none", metadata={
-        "help": "diloco, async_diloco: pseudo-gradient wire format none (fp32) | bf16 | int8 (scaled per block; async_diloco: the servers then apply the arrivals)"})
+    compression: Literal["none", "bf16", "int8", "int4"] = field(default="none", metadata={
+        "help": "diloco, async_diloco: pseudo-gradient wire format none (fp32) | bf16 | int8 | int4 (scaled per block; async_diloco: the servers then apply the arrivals)"})
     int8_block: int = field(default=256, metadata={
-        "help": "with compression = 'int8': elements per scale (0 = one scale per tensor chunk)"})
+        "help": "with compression = 'int8' | 'int4': elements per scale (0 = one scale per tensor chunk)"})
     outer_optimizer: Literal["delayed_nesterov", "nesterov", "sgd"] = field(
         default="delayed_nesterov", metadata={
             "help": "async_diloco: the global model's update per arrival: delayed_nesterov (plain "

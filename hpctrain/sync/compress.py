@@ -1,38 +1,55 @@
 """Averaging a flat fp32 tensor over a process group, optionally compressed on the wire.
 
-Owns: the wire formats (fp32, bf16, int8 with one fp32 scale per block) and the collective that
+Owns: the wire formats (fp32, bf16, int8 / int4 with one fp32 scale per block; int4 packs two
+codes per byte) and the collective that
 averages with them (their sizes and the bytes each rank sends: plan/wire.py, shared with the planner). It must never know about models or rounds.
 
 Compressed averaging is two-phase, like a ring all-reduce, so the bytes per rank stay ~2n/elem
 whatever the group size: (1) all-to-all: rank j receives everyone's encoded chunk j, decodes, and
 averages it in fp32; (2) all-gather of the re-encoded chunk averages. Every rank decodes the same
 gathered bytes, so replicas stay bit-identical. int8 error per element is at most half a
-quantization step in each phase: |avg - exact| <= mean_r(s1_r) / 2 + s2 / 2, s = block absmax / 127.
+quantization step in each phase: |avg - exact| <= mean_r(s1_r) / 2 + s2 / 2, s = block absmax / 127;
+int4 the same with s = block absmax / 7. (Streaming DiLoCo, arXiv 2501.18512, sends 4-bit floats,
+E3M0, and accumulates in fp32; int4 here is the symmetric integer variant with a per-block scale,
+which bounds the error per block as int8 does.)
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from hpctrain.plan.wire import wire_layout
+from hpctrain.plan.wire import code_bytes, wire_layout
 
 # torch >= 2.12 calls it all_gather_single (and deprecates all_gather_into_tensor, the only name in
 # torch 2.11, which the first GPU machine had: AttributeError there)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def quantize_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8(x: torch.Tensor, block: int, levels: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per block of `block` elements (x.numel() must be a multiple of it):
-    returns (int8 codes, fp32 scales); scale = absmax / 127, codes = round(x / scale)."""
+    returns (int8 codes, fp32 scales); scale = absmax / levels, codes = round(x / scale)."""
     xb = x.float().view(-1, block)
-    scale = xb.abs().amax(dim=1) / 127.0
+    scale = xb.abs().amax(dim=1) / float(levels)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(xb / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+    q = torch.round(xb / safe[:, None]).clamp_(-levels, levels).to(torch.int8)
     return q.view(-1), scale
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
     return (q.view(-1, block).float() * scale[:, None]).view(-1)
+
+
+def quantize_int4(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric 4-bit per block of `block` (even) elements: (uint8 bytes holding two codes each,
+    element 2i in the low nibble, fp32 scales); scale = absmax / 7, codes in [-7, 7] stored + 8."""
+    q, scale = quantize_int8(x, block, levels=7)
+    u = (q.to(torch.int16) + 8).to(torch.uint8).view(-1, 2)
+    return u[:, 0] | (u[:, 1] << 4), scale
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    codes = torch.stack([packed & 15, packed >> 4], dim=1).view(-1).to(torch.int16) - 8
+    return dequantize_int8(codes, scale, block)
 
 
 class Codec:
@@ -45,14 +62,24 @@ class Codec:
         """Wire parts as uint8 tensors (bit-reinterpreted: Gloo moves bytes, not bf16/int16)."""
         if self.kind == "bf16":
             return [x.to(torch.bfloat16).view(torch.uint8)]
+        if self.kind == "int4":
+            packed, s = quantize_int4(x, self.block)
+            return [packed, s.view(torch.uint8)]
         q, s = quantize_int8(x, self.block)
         return [q.view(torch.uint8), s.view(torch.uint8)]
 
     def decode(self, parts: list[torch.Tensor]) -> torch.Tensor:
         if self.kind == "bf16":
             return parts[0].contiguous().view(torch.bfloat16).float()
-        return dequantize_int8(parts[0].contiguous().view(torch.int8),
-                               parts[1].contiguous().view(torch.float32), self.block)
+        scale = parts[1].contiguous().view(torch.float32)
+        if self.kind == "int4":
+            return dequantize_int4(parts[0].contiguous(), scale, self.block)
+        return dequantize_int8(parts[0].contiguous().view(torch.int8), scale, self.block)
+
+    def split(self, wire: torch.Tensor) -> list[torch.Tensor]:
+        """The parts of one encoded chunk sent as one uint8 buffer (encode's parts concatenated)."""
+        n_codes = code_bytes(self.chunk, self.kind)
+        return [wire[:n_codes]] if self.kind == "bf16" else [wire[:n_codes], wire[n_codes:]]
 
 
 def average(flat: torch.Tensor, group, kind: str = "none", block: int = 256) -> torch.Tensor:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from hpctrain.plan.wire import SCALE_BYTES, WIRE_BYTES, wire_layout
+from hpctrain.plan.wire import encoded_bytes, wire_layout
 from hpctrain.sync.compress import Codec
 
 APPLIED = 0  # header word 0 on every server; then (arrival, lr_scale bits) per replica
@@ -45,8 +45,7 @@ class ArrivalInbox:
         for lo, hi in bounds:
             chunk, blk = wire_layout(hi - lo, 1, kind, block)
             self.codecs.append(Codec(kind, chunk, blk))
-            scales = chunk // blk * SCALE_BYTES if kind == "int8" else 0
-            self.slot_bytes.append(chunk * WIRE_BYTES[kind] + scales)
+            self.slot_bytes.append(encoded_bytes(chunk, kind, blk))
         me = servers.index(comm.rank) if comm.rank in servers else None
         self.me = me
         words = 1 + 2 * n_replicas if me is not None else 0
@@ -130,11 +129,8 @@ class ArrivalInbox:
         self.slots.Lock(me, MPI.LOCK_SHARED)
         self.slots.Get([raw, MPI.BYTE], me, target=(replica * size, size, MPI.BYTE))
         self.slots.Unlock(me)
-        wire = torch.from_numpy(raw)
-        n_codes = codec.chunk * WIRE_BYTES[self.kind]
-        parts = [wire[:n_codes]] if self.kind == "bf16" else [wire[:n_codes], wire[n_codes:]]
         lo, hi = self.bounds[self.me]
-        return codec.decode(parts)[:hi - lo].numpy()
+        return codec.decode(codec.split(torch.from_numpy(raw)))[:hi - lo].numpy()
 
     def restart_at(self, arrivals: int) -> None:
         """Server, on resume (nobody posts meanwhile): `arrivals` are in the restored model."""

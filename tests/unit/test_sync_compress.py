@@ -5,8 +5,8 @@ import sys
 import pytest
 import torch
 
-from hpctrain.plan.wire import bytes_sent
-from hpctrain.sync.compress import dequantize_int8, quantize_int8
+from hpctrain.plan.wire import bytes_sent, wire_layout
+from hpctrain.sync.compress import Codec, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 from hpctrain.sync.diloco import split_fragments
 from tests.conftest import ROOT, mpirun
 
@@ -29,6 +29,37 @@ def test_int8_zero_block_and_extremes():
     x = torch.tensor([1.0, -1.0, 0.5, 0.0])
     q, s = quantize_int8(x, 4)
     assert q.tolist() == [127, -127, 64, 0]
+
+
+@pytest.mark.parametrize("block", [2, 16, 256])
+def test_int4_roundtrip_error_is_at_most_half_a_step_and_two_codes_per_byte(block):
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(1)) * torch.logspace(-4, 1, 4096)
+    packed, scale = quantize_int4(x, block)
+    assert packed.dtype == torch.uint8 and packed.numel() == 2048 and scale.numel() == 4096 // block
+    err = (dequantize_int4(packed, scale, block) - x).abs().view(-1, block)
+    bound = (x.abs().view(-1, block).amax(1) / 7 / 2)[:, None]
+    assert (err <= bound * (1 + 1e-6) + 1e-12).all()
+    assert err.max() > bound.max() / 10  # 4-bit coarse: an int8 path would be ~18x tighter
+
+
+def test_int4_codes_and_packing():
+    x = torch.tensor([1.0, -1.0, 0.3, 0.0, -0.25, 0.75])
+    packed, s = quantize_int4(x, 6)
+    assert abs(s.item() - 1 / 7) < 1e-7
+    assert packed.tolist() == [15 | (1 << 4), 10 | (8 << 4), 6 | (13 << 4)]  # code + 8, low first
+    assert (dequantize_int4(*quantize_int4(torch.zeros(8), 4), 4) == 0).all()
+
+
+def test_int4_layout_and_wire_bytes():
+    assert wire_layout(1001, 1, "int4", 0) == (1002, 1002)  # one scale per chunk: block made even
+    assert wire_layout(1001, 1, "int4", 7) == (1008, 8)
+    chunk, blk = wire_layout(123_457, 8, "int4", 256)
+    parts = Codec("int4", chunk, blk).encode(torch.randn(chunk))
+    assert [t.numel() for t in parts] == [chunk // 2, chunk // blk * 4]  # N/2 + fp32 scales
+    assert bytes_sent(123_457, 8, "int4", 256) == 2 * 7 * (chunk // 2 + chunk // blk * 4)
+    n = 1_000_000
+    assert bytes_sent(n, 4, "int4", 256) < bytes_sent(n, 4, "int8", 256) * 0.52
+    assert bytes_sent(n, 4, "int4", 256) < bytes_sent(n, 4, "none") / 7.5
 
 
 def test_bytes_sent_ratios():
@@ -55,7 +86,7 @@ def test_average_bounds_and_identical_results_on_three_ranks(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
     xs = torch.tensor([r["x"] for r in ranks])
     exact = xs.mean(0)
-    for key in ("none/0", "bf16/0", "int8/64", "int8/0"):
+    for key in ("none/0", "bf16/0", "int8/64", "int8/0", "int4/64", "int4/0"):
         results = [torch.tensor(r[key]) for r in ranks]
         assert all(torch.equal(results[0], y) for y in results[1:]), key  # replicas stay identical
         err = (results[0] - exact).abs()
@@ -64,13 +95,16 @@ def test_average_bounds_and_identical_results_on_three_ranks(tmp_path):
         elif key == "bf16/0":
             assert (err <= exact.abs() * 2 ** -8 + xs.abs().max(0).values * 2 ** -8).all()
         else:  # two quantization stages: mean of the inputs' half-steps + the average's half-step
-            block = int(key.split("/")[1]) or 1001  # 0 = one scale per rank's chunk (ceil(3001/3))
+            kind, block = key.split("/")
+            levels = 127 if kind == "int8" else 7
+            # 0 = one scale per rank's chunk (ceil(3001/3) = 1001; int4: made even, 1002)
+            block = int(block) or (1001 if kind == "int8" else 1002)
             n = exact.numel()
             pad = (-n) % block
 
             def half_steps(v):
                 v = torch.cat([v, torch.zeros(pad)]).view(-1, block)
-                return (v.abs().amax(1, keepdim=True) / 127 / 2).expand_as(v).reshape(-1)[:n]
+                return (v.abs().amax(1, keepdim=True) / levels / 2).expand_as(v).reshape(-1)[:n]
             bound = torch.stack([half_steps(x) for x in xs]).mean(0) + half_steps(exact)
             assert (err <= bound * 1.001 + 1e-9).all(), key
             assert err.max() > 0

@@ -19,7 +19,8 @@ def main():
     x = torch.randn(3001, generator=g) * 1e-3
     x[:: 97] *= 50
     out = {"x": x.tolist()}
-    for kind, block in [("none", 0), ("bf16", 0), ("int8", 64), ("int8", 0)]:
+    for kind, block in [("none", 0), ("bf16", 0), ("int8", 64), ("int8", 0), ("int4", 64),
+                        ("int4", 0)]:
         out[f"{kind}/{block}"] = average(x, None, kind, block).tolist()
     with open(f"{sys.argv[1]}/rank{ctx.rank}.json", "w") as f:
         json.dump(out, f)
