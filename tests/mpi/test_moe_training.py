@@ -6,6 +6,7 @@ expert; `hpctrain plot` draws the loads as a heat map; and the auxiliary loss we
 optimizer step whatever the gradient accumulation."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -45,7 +46,8 @@ STEPS = 40
 
 @pytest.fixture(scope="module")
 def skewed_runs(tmp_path_factory, one_play):
-    """Two runs from the same skewed start, launched side by side: bias balancing on and off."""
+    """Two runs from the same skewed start, launched side by side: bias balancing on and off, one
+    intra-op thread each (two 2-thread ranks on CI's 2 cores ran 20-30x slower per step)."""
     base = tmp_path_factory.mktemp("moe")
     config = base / "moe.toml"
     config.write_text(CONFIG.format(run=base / "on", data=one_play))
@@ -54,7 +56,8 @@ def skewed_runs(tmp_path_factory, one_play):
         procs[name] = subprocess.Popen(
             [mpiexec_path(), "-n", "1", sys.executable, PROBE, "skew", config,
              f"--model.moe_bias_update_rate={rate}", f"--run.dir={base / name}"],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "HPCTRAIN_THREADS": "1"})
     out = {}
     for name, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=600)
