@@ -178,6 +178,12 @@ def _validate_sync(s: SyncConfig, p: ParallelConfig) -> None:
     _check(s.compression == "none" or s.mode in ("diloco", "async_diloco"), "sync.compression",
            f"compresses pseudo-gradients, which only sync.mode = 'diloco' or 'async_diloco' send "
            f"(sync.mode = '{s.mode}' would ignore it): leave it 'none'")
+    _check(not s.streaming or s.mode == "diloco", "sync.streaming",
+           f"is a DiLoCo variant: use sync.mode = 'diloco' (not '{s.mode}') or leave it false")
+    _check(1 <= s.overlap_steps <= max(1, s.inner_steps // s.fragments), "sync.overlap_steps",
+           "must be in [1, sync.inner_steps / sync.fragments]: a fragment's average must arrive "
+           "before the next fragment is sent")
+    _check(0.0 <= s.mix_alpha < 1.0, "sync.mix_alpha", "must be in [0, 1)")
     _check(s.nesterov_delay >= 0, "sync.nesterov_delay", "must be >= 0 (0 = the number of replicas)")
     _check(not s.momentum_per_lr or (s.mode == "async_diloco" and s.outer_optimizer == "delayed_nesterov"),
            "sync.momentum_per_lr", "applies to sync.mode = 'async_diloco' with sync.outer_optimizer = "

@@ -295,6 +295,16 @@ class SyncConfig:
     fragments: int = field(default=1, metadata={
         "help": "diloco: split the parameters into this many fragments synced at staggered steps "
                 "(spreads the traffic over the round, as in Streaming DiLoCo)"})
+    streaming: bool = field(default=False, metadata={
+        "help": "diloco: Streaming DiLoCo (arXiv 2501.18512): the sync.fragments are contiguous "
+                "groups of transformer blocks, fragment p synced at steps p*H/P + kH; with "
+                "sync.overlap its average is merged sync.overlap_steps later, mixed by sync.mix_alpha"})
+    overlap_steps: int = field(default=1, metadata={
+        "help": "diloco with streaming and overlap: inner steps a fragment's average may take "
+                "before it is merged (the paper's tau; at most inner_steps / fragments)"})
+    mix_alpha: float = field(default=0.5, metadata={
+        "help": "diloco with streaming and overlap: the merged fragment is alpha * local + "
+                "(1 - alpha) * global (the paper's alpha, default 0.5 as there)"})
     compression: Literal["none", "bf16", "int8", "int4"] = field(default="none", metadata={
         "help": "diloco, async_diloco: pseudo-gradient wire format none (fp32) | bf16 | int8 | int4 (scaled per block; async_diloco: the servers then apply the arrivals)"})
     int8_block: int = field(default=256, metadata={

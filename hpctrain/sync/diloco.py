@@ -91,6 +91,7 @@ def _dp_group(mesh: Mesh, backend: str | None = None):
 class DiLoCo(SyncStrategy):
     """The sync strategy of sync.mode = "diloco" (hooks: hpctrain/sync/strategy.py)."""
     mode = "diloco"
+    streaming = False  # StreamingDiLoCo (hpctrain/sync/streaming.py): fragments by blocks, tau, alpha
     global_each_step = False  # inner steps: replicas differ; a non-finite step is voted on
 
     def __init__(self, module: nn.Module, mesh: Mesh, cfg: SyncConfig, total_steps: int):
@@ -263,6 +264,10 @@ class DiLoCo(SyncStrategy):
         if saved.get("replicas") != self.replicas:
             raise ConfigError(f"config key 'parallel.dp': {self.replicas} DiLoCo replicas, but the "
                               f"checkpoint has {saved.get('replicas')}; resume with the same dp")
+        if bool(saved.get("streaming")) != self.streaming:
+            raise ConfigError(f"config key 'sync.streaming': {str(self.streaming).lower()}, but the "
+                              f"checkpoint was written with {str(not self.streaming).lower()}; keep "
+                              f"it for the run's lifetime")
         if saved.get("overlap") != self.cfg.overlap or saved.get("fragments") != len(self.fragments):
             raise ConfigError(f"config keys 'sync.overlap' / 'sync.fragments' differ from the "
                               f"checkpoint ({saved.get('overlap')} / {saved.get('fragments')}); keep "

@@ -43,6 +43,10 @@ def data_config(cfg: Config) -> Config:
 def build_strategy(cfg: Config, ctx: DistContext, mesh: Mesh, model: nn.Module) -> SyncStrategy:
     """sync: the layout averages gradients every step; diloco: replicas take local steps and
     DiLoCo owns the global model and rounds; ps: workers push to parameter servers."""
+    if cfg.sync.mode == "diloco" and cfg.sync.streaming:
+        from hpctrain.sync.streaming import StreamingDiLoCo
+
+        return StreamingDiLoCo(model, mesh, cfg.sync, cfg.train.steps)
     if cfg.sync.mode == "diloco":
         from hpctrain.sync.diloco import DiLoCo
 

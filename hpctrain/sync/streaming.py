@@ -1,0 +1,127 @@
+"""Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512): DiLoCo whose model is split into P
+fragments of contiguous transformer blocks, fragment p synchronized every H inner steps at its own
+offset p * H // P, its all-reduce overlapped with the next tau inner steps and then mixed in.
+
+Owns: the split by blocks, the per-fragment arrival schedule (sent at step t, merged after inner
+step t + tau), the mixing, and the record of what was synced at each step. Everything else (the
+anchor, the outer Nesterov step, compression, checkpoints) is DiLoCo's (hpctrain/sync/diloco.py).
+
+Round of fragment p after inner step t (t % H == p * H // P), with the global fragment g_p:
+    delta    = g_p - local_p                        (measured from the global fragment)
+    avg      = mean over replicas of delta          (compress.average: fp32 | bf16 | int8)
+without sync.overlap:  g_p <- OuterOpt(g_p, avg);  local_p <- g_p           (plain DiLoCo's round)
+with sync.overlap:     the average runs in the background; after inner step t + tau
+                       (sync.overlap_steps) g_p <- OuterOpt(g_p, avg) and
+                       local_p <- alpha * local_p + (1 - alpha) * g_p       (sync.mix_alpha)
+so the tau inner steps taken meanwhile are kept in part. tau <= H // P (config rule): a fragment's
+average arrives before the next fragment is sent, so at most one is in flight at any step. The last
+step merges what is in flight, then flushes every fragment synchronously (as DiLoCo). Embeddings
+(parameters before the first block) go with the first fragment, the final norm / head with the
+last; P = 1 without overlap is plain DiLoCo, bit for bit.
+"""
+from __future__ import annotations
+
+import re
+import time
+
+import torch
+
+from hpctrain.distributed.flight_recorder import RECORDER
+from hpctrain.plan.wire import bytes_sent
+from hpctrain.sync.diloco import DiLoCo, _local, split_fragments
+
+_BLOCK = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
+
+
+def block_fragments(names: list[str], sizes: list[int], n: int) -> list[list[int]]:
+    """n groups of parameter indices, each the parameters of contiguous transformer blocks (the
+    blocks this rank holds, split by count); parameters before the first block join group 0, the
+    rest outside blocks the last. Groups may be empty (fewer blocks than n: an empty fragment
+    never syncs). Without any block: split_fragments by size."""
+    ids = [int(m.group(1)) if (m := _BLOCK.search(name)) else None for name in names]
+    blocks = sorted({b for b in ids if b is not None})
+    if not blocks:
+        return split_fragments(sizes, n)
+    where = {b: j * n // len(blocks) for j, b in enumerate(blocks)}
+    groups, seen_block = [[] for _ in range(n)], False
+    for i, b in enumerate(ids):
+        seen_block = seen_block or b is not None
+        groups[where[b] if b is not None else (n - 1 if seen_block else 0)].append(i)
+    return groups
+
+
+class StreamingDiLoCo(DiLoCo):
+    """The sync strategy of sync.mode = "diloco" with sync.streaming = true."""
+    streaming = True
+
+    def __init__(self, module, mesh, cfg, total_steps: int):
+        super().__init__(module, mesh, cfg, total_steps)
+        self.start = self.anchor  # every delta is measured from the global fragment
+        names = [n for n, _ in module.named_parameters()]
+        self.fragments = block_fragments(names, [_local(p).numel() for p in self.params],
+                                         cfg.fragments)
+        self.offsets = [f * cfg.inner_steps // cfg.fragments for f in range(cfg.fragments)]
+        self.has_pending = [False] * cfg.fragments
+        self.inflight = [None] * cfg.fragments
+        self.arrive_at: list[int | None] = [None] * cfg.fragments  # step after which f merges
+        self.step = 0
+        self.synced_now: list[int] = []  # fragments sent at the current step (step_metrics)
+
+    def after_step(self, step: int) -> None:
+        self.step, self.synced_now, final = step, [], step >= self.total_steps
+        for f, at in enumerate(self.arrive_at):
+            if at is not None and (final or step >= at):
+                self._merge(f)
+        for f in self.due(step):
+            self._round(f, flush=final)
+
+    @torch.no_grad()
+    def _round(self, f: int, flush: bool) -> None:
+        idx = self.fragments[f]
+        if not idx:  # fewer blocks on this rank than fragments
+            return
+        self.synced_now.append(f)
+        if flush or not self.cfg.overlap:
+            return super()._round(f, flush=True)  # plain DiLoCo's synchronous round
+        delta = torch.cat([(_local(self.anchor[i]) - _local(self.params[i])).flatten().float()
+                           for i in idx])
+        self._count(delta)
+        self.inflight[f] = self.pool.submit(self._average, self._to_wire(delta))
+        self.arrive_at[f] = self.step + self.cfg.overlap_steps
+
+    def _count(self, delta: torch.Tensor) -> None:
+        self.bytes_sent += bytes_sent(delta.numel(), self.replicas, self.cfg.compression,
+                                      self.cfg.int8_block)
+        self.syncs += 1
+        if self.is_main:
+            self.round_log = {"norm": float(delta.norm()), "wait_s": self.round_log.get("wait_s", 0.0)}
+
+    @torch.no_grad()
+    def _merge(self, f: int) -> None:
+        """Fragment f's average has arrived (waits if not): the outer step on the global fragment,
+        then the local fragment mixed with it."""
+        t0 = time.perf_counter()
+        with RECORDER.collective("diloco_round_wait (average in flight)", f"dp({self.replicas})"):
+            self._resolve(f)
+        self._waited(t0)
+        idx, alpha = self.fragments[f], self.cfg.mix_alpha
+        if self.has_pending[f]:
+            self._outer_step(idx, [_local(self.pending[i]) for i in idx])
+            for i in idx:
+                _local(self.params[i]).mul_(alpha).add_(_local(self.anchor[i]), alpha=1 - alpha)
+        self.has_pending[f], self.arrive_at[f] = False, None
+
+    def step_metrics(self) -> dict:
+        return {"synced_fragments": list(self.synced_now)} if self.synced_now else {}
+
+    def describe(self) -> str:
+        c = self.cfg
+        tail = f" tau={c.overlap_steps} alpha={c.mix_alpha:g}" if c.overlap else ""
+        return super().describe() + f" streaming (fragments by blocks{tail})"
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "streaming": True, "arrive_at": list(self.arrive_at)}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.arrive_at = list(state["arrive_at"])
