@@ -1,7 +1,7 @@
 """Asynchronous Local-SGD on an uneven cluster: one replica 2x slower, equal token budget.
 
 Run:  python bench/async_localsgd.py [--data data/shakespeare_bytes] [--steps 240] [--plot PNG]
-          [--replicas 2] [--compute-sleep 0] [--compression none|bf16|int8]
+          [--replicas 2] [--compute-sleep 0] [--compression none|bf16|int8|int4]
 
 Two replicas train the demo GPT (128 wide, block 128, 0.8M parameters) on byte-level Shakespeare;
 rank 1 computes `--slow`x slower (the test fault slow_factor in HPCTRAIN_TEST_FAULTS: it sleeps
@@ -20,7 +20,9 @@ Each run saves checkpoints at 8 points; afterwards each checkpoint's global mode
 same held-out windows, giving validation loss against wall time (from launch to the checkpoint's
 commit). Prints the final loss, the wall time, the bytes rank 0 moved for synchronization
 (`comm_bytes`), and the wall time at which each mode first reaches
-synchronous DiLoCo's final loss; then the equal-speed check (sync DiLoCo vs async DN+DyLU at slow 1).
+synchronous DiLoCo's final loss; then the equal-speed check (sync DiLoCo vs async DN+DyLU at slow 1);
+last, async DN+DyLU's bytes per token over sync DiLoCo's (with --compression the asynchronous
+modes pull the global model's change in that format too).
 """
 from __future__ import annotations
 
@@ -163,7 +165,7 @@ def main() -> None:
     ap.add_argument("--no-equal-speed", action="store_true", help="skip the equal-speed check")
     ap.add_argument("--replicas", type=int, default=2, help="replicas (rank 1 is the slow one)")
     ap.add_argument("--seed", type=int, default=1337, help="train.seed: init and data order")
-    ap.add_argument("--compression", default="none", choices=["none", "bf16", "int8"],
+    ap.add_argument("--compression", default="none", choices=["none", "bf16", "int8", "int4"],
                     help="pseudo-gradient wire format of sync DiLoCo and the asynchronous modes")
     ap.add_argument("--compute-sleep", type=float, default=0.0,
                     help="seconds every step sleeps as stand-in accelerator time (compute_sleep_s fault): "
@@ -200,6 +202,9 @@ def main() -> None:
         reach = time_to(curves["async DN+DyLU"], target)
         ratio = reach / time_to(curves["sync DiLoCo"], target) if reach is not None else float("inf")
         print(f"time to sync-DiLoCo loss, async+DN+DyLU / sync DiLoCo: {ratio:.2f}x")
+    if "sync DiLoCo" in moved and "async DN+DyLU" in moved and moved["sync DiLoCo"]:
+        # every mode trains the same tokens, so rank 0's bytes per token compare as its bytes
+        print(f"async DN+DyLU bytes per token / sync DiLoCo: {moved['async DN+DyLU'] / moved['sync DiLoCo']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@ Every mode trains the same GPT (configs/demo.toml with 128 wide, block 128: the 
 same global batch for the same number of steps, on real Shakespeare (byte tokens):
   ddp            synchronous data parallelism, fp32 gradient all-reduce every step (reference)
   diloco H       DiLoCo, H inner AdamW steps per round, outer Nesterov SGD (lr 0.7, momentum 0.5)
-  +int8          pseudo-gradients sent as int8 with a scale per 256 elements
+  +int8 / +int4  pseudo-gradients sent as int8 / 4-bit codes with an fp32 scale per 256 elements
   +overlap       the outer all-reduce of round k runs during round k+1 (eager start points)
+  streaming      Streaming DiLoCo: --fragments block fragments, each synced every --h-stream steps
+                 at its own offset with int4 codes, overlapped (merged 1 step later, alpha 0.5)
   ps             asynchronous SGD: `--ranks` workers + 1 server rank holding MPI windows
 Prints the final validation loss (and its ratio to DDP's) and the bytes moved per trained token
 (all ranks' sent bytes / tokens; DDP's ring all-reduce is the reference) for each mode.
@@ -39,8 +41,26 @@ def modes(h_small: int, h_large: int, h_int8: int) -> dict[str, list[str]]:
         f"diloco H={h_large}": diloco + [f"--sync.inner_steps={h_large}"],
         f"diloco H={h_int8} int8": int8,
         f"diloco H={h_int8} int8 overlap": int8 + ["--sync.overlap=true"],
+        f"diloco H={h_int8} int4": diloco + [f"--sync.inner_steps={h_int8}", "--sync.compression=int4"],
         "ps (async SGD)": ["--sync.mode=ps", "--sync.ps_servers=1", "--sync.staleness=2"],
     }
+
+
+def streaming_modes(h: int, fragments: int) -> dict[str, list[str]]:
+    """Streaming DiLoCo with 4-bit pseudo-gradients (the issue's headline mode)."""
+    return {f"streaming H={h} P={fragments} int4": [
+        "--sync.mode=diloco", "--sync.streaming=true", f"--sync.inner_steps={h}",
+        f"--sync.fragments={fragments}", "--sync.overlap=true", "--sync.compression=int4"]}
+
+
+def streaming_summary(results: dict) -> str | None:
+    """`streaming int4: N.Nx fewer bytes than DDP at +P.P% loss` (None without both modes)."""
+    ref, name = results.get("ddp"), next((n for n in results if n.startswith("streaming")), None)
+    if not ref or not name or not results[name]["bytes_per_token"]:
+        return None
+    res = results[name]
+    return (f"streaming int4: {ref['bytes_per_token'] / res['bytes_per_token']:.1f}x fewer bytes than "
+            f"DDP at {100 * (res['final'] / ref['final'] - 1):+.1f}% loss")
 
 
 def train(name: str, extra: list[str], args, tmp: Path) -> dict:
@@ -95,15 +115,19 @@ def main() -> None:
     ap.add_argument("--h", type=int, nargs=2, default=[10, 50], metavar=("SMALL", "LARGE"),
                     help="DiLoCo inner steps per round (fp32 pseudo-gradients)")
     ap.add_argument("--h-int8", type=int, default=16, metavar="H",
-                    help="inner steps of the int8-compressed DiLoCo modes (16: 63x fewer bytes than ddp)")
+                    help="inner steps of the int8 / int4-compressed DiLoCo modes (16, int8: 63x fewer bytes than ddp)")
     ap.add_argument("--only", nargs="*", help="run only these modes (names as printed)")
     ap.add_argument("--plot", default="", help="write the validation curves to this PNG")
     ap.add_argument("--keep", default="", help="keep each mode's run directory under this folder "
                                                 "(default: a temporary folder, removed at the end)")
+    ap.add_argument("--h-stream", type=int, default=32, metavar="H",
+                    help="inner steps per fragment round of the Streaming DiLoCo int4 mode")
+    ap.add_argument("--fragments", type=int, default=4, help="its fragments (groups of blocks)")
     args = ap.parse_args()
     results = {}
     with (contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory()) as tmp:
-        for name, extra in modes(*args.h, args.h_int8).items():
+        for name, extra in {**modes(*args.h, args.h_int8),
+                            **streaming_modes(args.h_stream, args.fragments)}.items():
             if args.only and name not in args.only:
                 continue
             results[name] = train(name, extra, args, Path(tmp))
@@ -120,6 +144,8 @@ def main() -> None:
     if args.plot:
         plot(results, Path(args.plot), args.ranks * 8 * 128, args.ranks)
         print(f"curves: {args.plot}")
+    if streaming_summary(results):
+        print(streaming_summary(results))  # the last line
 
 
 if __name__ == "__main__":

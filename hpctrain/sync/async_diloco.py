@@ -28,9 +28,13 @@ and decides the next round's steps; the others get them from it (one broadcast i
 replica, which steps together anyway).
 
 Owns: the round (local steps, start point, arrival, dynamic step count), its metrics and its
-checkpoint entry. With sync.compression = "bf16" | "int8" the replica pushes its encoded
-pseudo-gradient and the servers apply it (hpctrain/sync/inbox.py): an arrival then moves 2 (bf16)
-or ~1 (int8) bytes per parameter out and 4 back, instead of 24.
+checkpoint entry. With sync.compression = "bf16" | "int8" | "int4" the replica pushes its encoded
+pseudo-gradient and the servers apply it, and it pulls the global model's change since its last
+pull in the same format, with error feedback on the servers (hpctrain/sync/inbox.py): an arrival
+then moves 2 (bf16), ~1 (int8) or ~1/2 (int4) bytes per parameter out and as many back, instead
+of 24. Each arrival's record says pushed_bytes and pulled_bytes (catch-up pulls of the round
+included). The servers' view of a replica's weights is its start point: checkpointed with the
+replica and sent to the servers again on resume (inbox.set_views).
 """
 from __future__ import annotations
 
@@ -77,6 +81,9 @@ class AsyncDiLoCo(AsynchronousStrategy):
         self.flags = self.windows
         self.start = flat(self.params)
         self.replica = mesh.dp_rank if self.trains else -1
+        if self.inbox is not None:
+            self.inbox.set_views(self.replica, self.start if self.trains else None)
+        self.round_pulled = 0  # bytes pulled this round before the arrival (catch-ups)
         # checkpoint keys of what differs by position (each rank's part of the model)
         part = "" if self.positions == 1 else f"_{self.position}"
         self.state_key, self.outer_key = f"{self.replica}{part}", f"outer{part}"
@@ -150,9 +157,13 @@ class AsyncDiLoCo(AsynchronousStrategy):
         hold = self.positions > 1 and self.inbox is None
         if hold and self.leader:
             self.windows.hold_arrivals()
+        moved = self.windows.bytes_moved
         if self.inbox is not None:
-            self.inbox.wait_applied(arrivals)
-        theta = self.windows.pull()
+            theta, pulled = self.inbox.pull(self.replica, arrivals, self.start)
+            self.windows.bytes_moved += pulled
+        else:
+            theta = self.windows.pull()
+        self.round_pulled += self.windows.bytes_moved - moved
         if hold:
             self.team.Barrier()
             if self.leader:
@@ -175,7 +186,7 @@ class AsyncDiLoCo(AsynchronousStrategy):
 
         t0, moved = time.perf_counter(), self.windows.bytes_moved
         if self.inbox is not None:
-            arrival, theta = self._arrive_compressed(g, lr_scale)
+            arrival, theta, pushed = self._arrive_compressed(g, lr_scale)
         elif self.positions == 1:
             arrival, theta = self.windows.arrive(g, apply)
         else:  # every part of the model, in the order the leader's lock gives
@@ -184,6 +195,9 @@ class AsyncDiLoCo(AsynchronousStrategy):
             self.team.Barrier()
             if self.leader:
                 self.windows.end_arrival()
+        arrival_bytes = self.windows.bytes_moved - moved
+        if self.inbox is None:
+            pushed = arrival_bytes // 2  # theta, momentum, accumulator read, then written back
         arrive_s = time.perf_counter() - t0
         assign(self.params, theta)  # the replica goes on from the global model
         self.start = theta
@@ -191,7 +205,8 @@ class AsyncDiLoCo(AsynchronousStrategy):
         self.pending = {"arrival": arrival, "replica": self.replica, "local_steps": self.round_steps,
                         "staleness": arrival - 1 - self.last_arrival, "caught_up": self.round_caught_up,
                         "round_step_s": step_s,
-                        "arrive_s": arrive_s, "arrival_bytes": self.windows.bytes_moved - moved}
+                        "arrive_s": arrive_s, "arrival_bytes": arrival_bytes, "pushed_bytes": pushed,
+                        "pulled_bytes": arrival_bytes - pushed + self.round_pulled}
         self.last_arrival = arrival
         if self.leader:
             self.windows.set_step_time(self.replica, step_s)
@@ -201,13 +216,16 @@ class AsyncDiLoCo(AsynchronousStrategy):
         self.steps_this_round = self._from_leader(self.steps_this_round)
         self.pending["next_local_steps"] = self.steps_this_round
         self.round_steps, self.round_compute_s, self.round_lr_sum, self.round_caught_up = 0, 0.0, 0.0, 0
+        self.round_pulled = 0
 
     def _arrive_compressed(self, g, lr_scale: float):
-        """Post the encoded pseudo-gradient, wait for the servers to apply it; (arrival, theta)."""
+        """Post the encoded pseudo-gradient, pull the change once the servers applied it;
+        (arrival, theta, bytes pushed)."""
         arrival = self._from_leader(self.windows.count_arrival() if self.leader else None)
-        self.windows.bytes_moved += self.inbox.post(self.replica, arrival, g, lr_scale)
-        self.inbox.wait_applied(arrival)
-        return arrival, self.windows.pull()
+        pushed = self.inbox.post(self.replica, arrival, g, lr_scale)
+        theta, pulled = self.inbox.pull(self.replica, arrival, self.start)
+        self.windows.bytes_moved += pushed + pulled
+        return arrival, theta, pushed
 
     def serve(self) -> None:
         """Server ranks, while they wait in a meeting: apply the compressed arrivals posted."""
@@ -218,7 +236,12 @@ class AsyncDiLoCo(AsynchronousStrategy):
             self.windows.apply_here(lambda theta, momentum, acc: apply_arrival(
                 self.kind, theta, momentum, acc, g_slice, arrival, **self.outer, lr_scale=lr_scale))
 
-        self.inbox.serve(apply)
+        def theta() -> np.ndarray:
+            out = []
+            self.windows.apply_here(lambda theta, momentum, acc: out.append(theta.copy()))
+            return out[0]
+
+        self.inbox.serve(apply, theta)
 
     def step_metrics(self) -> dict:
         return dict(self.pending)
@@ -320,6 +343,8 @@ class AsyncDiLoCo(AsynchronousStrategy):
                                  claims=step, arrivals=self._arrivals, step_times_ns=self._step_times)
             if self.inbox is not None:
                 self.inbox.restart_at(self._arrivals)
+        if self.inbox is not None:  # the servers' views: the replicas' restored start points
+            self.inbox.set_views(self.replica, self.start if self.trains else None)
         self.ctx.comm.Barrier()  # windows restored before any replica claims
 
     def close(self) -> None:

@@ -111,7 +111,7 @@ def test_compressed_pushes_are_applied_by_the_server_and_stay_close_to_plain_sgd
     """1 replica, H = 1, SGD, outer SGD lr 1: with bf16 / int8 pushes the server decodes and applies
     each pseudo-gradient, so the run stays within the codec's error of plain SGD (measured max loss
     gap 4.1e-5 in bf16, 7.5e-5 in int8; 10x that allowed), and an arrival moves exactly the encoded push
-    (+16 header bytes) and a fp32 theta back: 6n + 16 bytes in bf16, ~5n in int8, not the 24n of
+    (+16 header bytes) and the encoded pull back: 4n + 32 bytes in bf16, ~2n in int8, not the 24n of
     the uncompressed arrival that reads and writes theta, momentum and accumulator."""
     run_a = plain_sgd
     run_b, r = one_replica(tmp_path, dataset, f"--sync.compression={compression}")
@@ -124,7 +124,10 @@ def test_compressed_pushes_are_applied_by_the_server_and_stay_close_to_plain_sgd
     n = model_parameters(run_b.with_suffix(".toml"))
     padded = -(-n // 256) * 256
     push = 2 * n if compression == "bf16" else padded + padded // 256 * 4
-    assert [rec["arrival_bytes"] for rec in records(run_b) if "arrival" in rec] == [push + 16 + 4 * n] * 20
+    arrivals = [rec for rec in records(run_b) if "arrival" in rec]
+    # the pull: the encoded change since the last pull, as many bytes as the push (not 4n of fp32)
+    assert [(rec["pushed_bytes"], rec["pulled_bytes"]) for rec in arrivals] == [(push + 16, push + 16)] * 20
+    assert [rec["arrival_bytes"] for rec in arrivals] == [2 * (push + 16)] * 20
 
 
 @pytest.mark.parametrize("layout", ["tp", "pp"])

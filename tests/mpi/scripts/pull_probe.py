@@ -1,0 +1,85 @@
+"""Compressed pulls with error feedback (hpctrain/sync/inbox.py) on 4 ranks: replicas 0 and 1,
+servers 2 and 3 (each holds half of a 3001-element model). Per round one replica posts a random
+pseudo-gradient (applied as theta = 0.999 theta - g), then both pull (its own arrival / a catch-up). The
+servers check after every round that each replica's view is within half a quantization step of
+theta (per block of the change d = theta - the view before the pull) and bit-identical to the
+weights the replica holds; they write OUTDIR/server<rank>_<kind>.json.
+
+usage: pull_probe.py OUTDIR
+"""
+import json
+import sys
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from hpctrain.sync.inbox import ArrivalInbox
+
+N, ROUNDS, BLOCK = 3001, 12, 64
+
+
+def half_steps(d: np.ndarray, block: int, levels: int) -> np.ndarray:
+    pad = np.zeros((-d.size) % block, dtype=np.float32)
+    v = np.abs(np.concatenate([d, pad])).reshape(-1, block)
+    return np.repeat(v.max(1) / levels / 2, block)[:d.size]
+
+
+def run(comm, kind: str, outdir: str) -> None:
+    servers, rank = [2, 3], comm.rank
+    bounds = [(0, N // 2), (N // 2, N)]
+    rng = np.random.default_rng(7)
+    theta0 = rng.standard_normal(N).astype(np.float32)
+    inbox = ArrivalInbox(comm, servers, bounds, 2, kind, BLOCK)
+    start = theta0.copy() if rank < 2 else None
+    inbox.set_views(rank, start)
+    if rank in servers:
+        lo, hi = bounds[servers.index(rank)]
+        theta = theta0[lo:hi].copy()
+    ratios, identical, moved = [], True, []
+    for a in range(1, ROUNDS + 1):
+        g = (rng.standard_normal(N) * 10.0 ** rng.uniform(-4, 0, N)).astype(np.float32)
+        if rank < 2:
+            if rank == a % 2:
+                inbox.post(rank, a, g, 1.0)
+            start, nbytes = inbox.pull(rank, a, start)
+            moved.append(nbytes)
+            done = comm.Ibarrier()
+            done.Wait()
+        else:
+            before = inbox.views.copy()
+            done = comm.Ibarrier()
+
+            def apply(g_slice, arrival, lr_scale):
+                # with a decay, so the change is not on the push's quantization grid
+                theta[:] = theta * np.float32(0.999) - g_slice
+
+            while not done.Test():
+                inbox.serve(apply, lambda: theta.copy())
+            for r in range(2):
+                bound = half_steps(theta - before[r], inbox.codecs[inbox.me].block, 127 if kind == "int8" else 7)
+                err = np.abs(theta - inbox.views[r])
+                ratios.append(float((err / np.maximum(bound, 1e-30)).max()))
+        if rank < 2:
+            for server, (lo, hi) in zip(servers, bounds):
+                comm.Send(start[lo:hi].copy(), dest=server, tag=a)
+        else:
+            for r in range(2):
+                got = np.empty(hi - lo, dtype=np.float32)
+                comm.Recv(got, source=r, tag=a)
+                identical &= bool(np.array_equal(got, inbox.views[r]))
+    if rank in servers:
+        out = {"ratios": ratios, "identical": identical, "slot_bytes": inbox.slot_bytes}
+        with open(f"{outdir}/server{rank}_{kind}.json", "w") as f:
+            json.dump(out, f)
+    elif rank == 0:
+        with open(f"{outdir}/replica0_{kind}.json", "w") as f:
+            json.dump({"moved": moved}, f)
+    comm.Barrier()
+    inbox.free()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    for kind in ("int8", "int4"):
+        run(MPI.COMM_WORLD, kind, sys.argv[1])
