@@ -46,7 +46,7 @@ def build_strategy(cfg: Config, ctx: DistContext, mesh: Mesh, model: nn.Module) 
     if cfg.sync.mode == "diloco" and cfg.sync.streaming:
         from hpctrain.sync.streaming import StreamingDiLoCo
 
-        return StreamingDiLoCo(model, mesh, cfg.sync, cfg.train.steps)
+        return StreamingDiLoCo(model, mesh, cfg.sync, cfg.train.steps, cfg.model.n_layer)
     if cfg.sync.mode == "diloco":
         from hpctrain.sync.diloco import DiLoCo
 

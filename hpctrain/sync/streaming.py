@@ -33,16 +33,17 @@ from hpctrain.sync.diloco import DiLoCo, _local, split_fragments
 _BLOCK = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
 
 
-def block_fragments(names: list[str], sizes: list[int], n: int) -> list[list[int]]:
-    """n groups of parameter indices, each the parameters of contiguous transformer blocks (the
-    blocks this rank holds, split by count); parameters before the first block join group 0, the
-    rest outside blocks the last. Groups may be empty (fewer blocks than n: an empty fragment
-    never syncs). Without any block: split_fragments by size."""
+def block_fragments(names: list[str], sizes: list[int], n: int, n_layer: int) -> list[list[int]]:
+    """n groups of parameter indices: group f holds blocks f * n_layer / n up to (f + 1) * n_layer
+    / n (global block indices: a pipeline stage keeps its blocks' names, so a fragment is the same
+    layers on every stage and syncs at the same step); parameters before the first block join
+    group 0, the rest outside blocks the last. Groups may be empty (a stage without a fragment's
+    blocks: it never syncs there). Without any block: split_fragments by size."""
     ids = [int(m.group(1)) if (m := _BLOCK.search(name)) else None for name in names]
     blocks = sorted({b for b in ids if b is not None})
     if not blocks:
         return split_fragments(sizes, n)
-    where = {b: j * n // len(blocks) for j, b in enumerate(blocks)}
+    where = {b: min(n - 1, b * n // max(n_layer, blocks[-1] + 1)) for b in blocks}
     groups, seen_block = [[] for _ in range(n)], False
     for i, b in enumerate(ids):
         seen_block = seen_block or b is not None
@@ -54,12 +55,12 @@ class StreamingDiLoCo(DiLoCo):
     """The sync strategy of sync.mode = "diloco" with sync.streaming = true."""
     streaming = True
 
-    def __init__(self, module, mesh, cfg, total_steps: int):
+    def __init__(self, module, mesh, cfg, total_steps: int, n_layer: int):
         super().__init__(module, mesh, cfg, total_steps)
         self.start = self.anchor  # every delta is measured from the global fragment
         names = [n for n, _ in module.named_parameters()]
         self.fragments = block_fragments(names, [_local(p).numel() for p in self.params],
-                                         cfg.fragments)
+                                         cfg.fragments, n_layer)
         self.offsets = [f * cfg.inner_steps // cfg.fragments for f in range(cfg.fragments)]
         self.has_pending = [False] * cfg.fragments
         self.inflight = [None] * cfg.fragments

@@ -79,3 +79,13 @@ def test_learns_like_diloco(tmp_path, dataset):
     assert a.keys() == b.keys() and max(b) == 40
     assert b[40] < b[0] - 1.0  # it learns
     assert b[40] < a[40] * 1.05 + 0.05, (a, b)  # close to DiLoCo's
+
+
+def test_fragments_are_global_blocks_on_every_pipeline_stage():
+    from hpctrain.sync.streaming import block_fragments
+
+    stage0 = ["tok_emb.weight", "blocks.0.attn.w", "blocks.1.attn.w"]
+    stage1 = ["blocks.2.attn.w", "blocks.3.mlp.w", "ln_f.weight"]
+    assert block_fragments(stage0, [1] * 3, 2, n_layer=4) == [[0, 1, 2], []]
+    assert block_fragments(stage1, [1] * 3, 2, n_layer=4) == [[], [0, 1, 2]]
+    assert block_fragments(stage0 + stage1, [1] * 6, 4, n_layer=4) == [[0, 1], [2], [3], [4, 5]]
