@@ -71,6 +71,10 @@ def test_roundtrip_escapes_strings(toml, tmp_path, run_dir):
     (["--sync.compression=int4"], "sync.compression"),
     (["--sync.compression=int8"], "sync.compression"),  # sync.mode = 'ddp' would ignore it
     (["--sync.mode=ps", "--sync.compression=bf16"], "sync.compression"),
+    (["--sync.streaming=true"], "sync.streaming"),  # sync.mode = 'sync': not a DiLoCo
+    (["--sync.mode=diloco", "--sync.inner_steps=4", "--sync.fragments=2",
+      "--sync.overlap_steps=3"], "sync.overlap_steps"),  # > H / P: two fragments in flight
+    (["--sync.mix_alpha=1"], "sync.mix_alpha"),
     (["--sync.outer_momentum=1.0"], "sync.outer_momentum"),
     (["--train.nesterov=true"], "train.nesterov"),  # AdamW: no such momentum
     (["--sync.momentum_per_lr=true"], "sync.momentum_per_lr"),  # not async_diloco
