@@ -87,7 +87,7 @@ HELP = {
     "precision": "train.precision: fp32 | bf16 | fp16 (auto = bf16 on GPUs)",
     "loss_chunk": "train.loss_chunk: tokens per chunk of the chunked loss (0 = full logits)",
     "sync_mode": "sync.mode: sync | diloco", "inner_steps": "sync.inner_steps (diloco: steps per round)",
-    "compression": "sync.compression (diloco wire format): none | bf16 | int8",
+    "compression": "sync.compression (diloco wire format): none | bf16 | int8 | int4",
     "overlap": "sync.overlap (diloco: start point + pending average kept)",
     "checkpoint_keep": "checkpoint.keep: committed checkpoints kept on the PFS",
     "checkpoint_layout": "checkpoint.layout: rank (a data file per rank) | node (one per node)",

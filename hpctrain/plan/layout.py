@@ -64,7 +64,7 @@ class Job:
     loss_chunk: int = 0                 # train.loss_chunk: 0 = full logits, else tokens per chunk
     sync_mode: str = "sync"             # sync | diloco
     inner_steps: int = 16
-    compression: str = "none"           # none | bf16 | int8 (diloco)
+    compression: str = "none"           # none | bf16 | int8 | int4 (diloco)
     overlap: bool = False               # diloco
     checkpoint_keep: int = 3
     checkpoint_layout: str = "rank"     # checkpoint.layout: rank (a file per rank) | node (per node)
