@@ -67,6 +67,7 @@ class Beacon:
         self.succ_rank, self.succ_host = None, ""
         self.succ_done = self.done = self.dying = False
         self.seen = None                  # when rank + 1 last beat (None: never yet)
+        self.early_beats = {}             # rank -> last beat heard before `succ` was told
         self.known_at, self.quiet_told = 0.0, False
         self.verdict = None               # (lost rank, message) once known
         self.verdict_at = 0.0
@@ -87,10 +88,12 @@ class Beacon:
         parts = line.split(None, 3)
         if parts and parts[0] == "pred" and len(parts) >= 3:
             self.pred = _addr(parts[1])
+            if parent_state(self.ppid) == "running":  # the first beat now, not one interval later
+                self.send(self.pred, f"hb {self.rank}")
         elif parts and parts[0] == "succ" and len(parts) >= 3:
             self.succ, self.succ_rank = _addr(parts[1]), int(parts[2])
             self.succ_host = parts[3] if len(parts) > 3 else ""
-            self.seen, self.known_at = None, time.monotonic()
+            self.seen, self.known_at = self.early_beats.get(self.succ_rank), time.monotonic()
         elif parts == ["done"]:
             self.done = True
             for _ in range(3):
@@ -102,6 +105,8 @@ class Beacon:
         kind, _, rest = data.decode(errors="replace").partition(" ")
         if kind == "hb" and rest == str(self.succ_rank):
             self.seen = now
+        elif kind == "hb" and self.succ_rank is None and rest.isdigit():
+            self.early_beats[int(rest)] = now  # a beat before we were told whom to watch
         elif kind == "done" and rest == str(self.succ_rank):
             self.succ_done = True
         elif kind == "lost" and self.verdict is None:

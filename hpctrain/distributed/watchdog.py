@@ -88,8 +88,26 @@ class Watchdog:
             self._store.set(f"{_BEACON}/{self.rank}", f"{ip}:{port}")
             threading.Thread(target=self._read_beacon, name="hpctrain-beacon-reader",
                              daemon=True).start()
+        self._told: set = set()
+        self._introduce_neighbours()
         self._thread = threading.Thread(target=self._run, name="hpctrain-watchdog", daemon=True)
         self._thread.start()
+
+    def _introduce_neighbours(self) -> None:
+        """Before training starts, wait (at most one interval x 10) until both neighbours' beacons
+        are in the store and tell ours: the beats then flow before step 1, so a rank that freezes
+        in its first steps is named too (the watch starts at the neighbour's first beat). A late
+        neighbour is introduced by the watchdog thread when it shows up."""
+        if self._beacon is None:
+            return
+        caller, deadline = _DeadlineCaller(), time.monotonic() + 10 * self.interval
+        while len(self._told) < 2 and time.monotonic() < deadline:
+            try:
+                self._announce_peers(caller, self._told)
+            except Exception:  # noqa: BLE001 - the watchdog thread retries and judges the store
+                return
+            if len(self._told) < 2:
+                time.sleep(0.05)
 
     # -- the beacon (hpctrain/distributed/beacon.py: liveness, outside this process's GIL) ---------
     def _tell_beacon(self, line: str) -> None:
@@ -144,7 +162,7 @@ class Watchdog:
         return verdict
 
     def _run(self) -> None:
-        caller, told = _DeadlineCaller(), set()
+        caller, told = _DeadlineCaller(), self._told
         while not self._stop.wait(self.interval):
             try:  # a frozen rank 0 keeps the store's socket open and never answers: the call gets
                 # a deadline (the beacons decide whether rank 0 is alive)
