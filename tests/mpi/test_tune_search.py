@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -107,7 +108,9 @@ def test_a_killed_workers_training_ends_and_a_restarted_worker_finishes_the_tria
         time.sleep(0.1)
     rank0 = json.loads((run0 / ".hpctrain.lock").read_text())["pid"]
     launched = trial_process.marked_processes(str(run0))
-    assert rank0 in launched and len(launched) == 4, launched  # mpiexec, its proxy, 2 ranks
+    beacons = [p for p in launched if b"BEACON_SRC" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    # mpiexec, its proxy, 2 ranks, and each rank's liveness beacon (hpctrain/distributed/beacon.py)
+    assert rank0 in launched and len(launched) == 6 and len(beacons) == 2, launched
     proc.kill()
     finish(proc)
     t_kill = time.monotonic()
