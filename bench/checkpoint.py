@@ -54,13 +54,18 @@ def raw_write(path: Path, nbytes: int, block: int = 16 << 20) -> float:
     return dt
 
 
-def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_model_shape_args(ap: argparse.ArgumentParser) -> None:
+    """The bench model's shape options (also bench/snapshot.py's)."""
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=8192)
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_shape_args(ap)
     ap.add_argument("--steps", type=int, default=8, help="normal steps per window")
     ap.add_argument("--cycles", type=int, default=3,
                     help="alternations of a window of normal steps and an async save")

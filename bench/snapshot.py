@@ -35,11 +35,7 @@ _spec.loader.exec_module(bench_checkpoint)
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--width", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--vocab", type=int, default=8192)
+    bench_checkpoint.add_model_shape_args(ap)
     ap.add_argument("--interval", type=int, default=10, help="K: steps per window")
     ap.add_argument("--cycles", type=int, default=3, help="pairs of windows (with, without)")
     ap.add_argument("--cpu-share", type=float, default=0.1, help="checkpoint.async_cpu_share")
