@@ -161,3 +161,11 @@ def test_a_hung_member_rank_ends_the_population_naming_it(tmp_path, data):
     assert 4 < elapsed < 5 + 3 * 0.5 + 3 + 5, elapsed  # timeout + 3 intervals + grace + slack
     assert len(errors) == 1 and f"rank 1 on {socket.gethostname()} lost: no heartbeat" in errors[0], \
         out[-3000:]
+    # the survivor's forensics go to the population's run dir, and doctor names the lost rank
+    rec = json.loads((tmp_path / "hang" / "forensics" / "rank_0.json").read_text())
+    assert (rec["kind"], rec["rank"], rec["world"], rec["lost"]) == ("verdict", 0, 2, 1), rec
+    assert not (tmp_path / "hang" / "forensics" / "rank_1.json").exists()
+    r = subprocess.run([sys.executable, "-m", "hpctrain", "doctor", str(tmp_path / "hang")],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0 and "rank 1: no forensics file (rank 1 named lost" in r.stdout, \
+        r.stdout + r.stderr
