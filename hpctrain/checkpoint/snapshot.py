@@ -42,8 +42,7 @@ import torch.distributed.checkpoint as dcp
 
 from hpctrain import logs
 from hpctrain.checkpoint import background, disk_format, snapshot_io
-from hpctrain.checkpoint.dcp_io import describe, no_zip_crc32
-from hpctrain.checkpoint.snapshot_io import PacedFileSystem
+from hpctrain.checkpoint.dcp_io import RecordingFileSystem, describe, no_zip_crc32
 from hpctrain.checkpoint.state import json_part, split_state
 from hpctrain.data.private_dir import open_private_dir, resolve_cache_dir, user_root_name
 
@@ -139,10 +138,11 @@ class PeerSnapshots:
     `cpu_share`: the background DCP write's duty cycle (checkpoint.async_cpu_share)."""
 
     def __init__(self, interval: int, setting: str, run_dir: str, ctx, *, timeout_s: float = 300.0,
-                 cpu_share: float = 1.0, enabled: bool = True):
+                 cpu_share: float = 1.0, enabled: bool = True, full_checksums: bool = True):
         self.ctx, self.rank, self.world_size = ctx, ctx.rank, ctx.world_size
         self.enabled = enabled and interval > 0 and dist.is_available() and dist.is_initialized()
         self.interval, self.cpu_share = interval, cpu_share  # cpu_share: background.Pacer
+        self.full_checksums = full_checksums  # checkpoint.full_checksums: data files' xxh3 too
         self.key = run_key(run_dir)
         self.path = node_root_path(setting, run_dir, ctx.node_rank) if self.enabled else None
         self.enabled = self.enabled and self.path is not None
@@ -275,11 +275,14 @@ class PeerSnapshots:
 
     def _write(self, snap: _Snap, tmp: Path, group, pacer: background.Pacer) -> dict:
         """This rank's DCP files (rank 0: also the JSON files) in `tmp`: {name: COMMIT.json entry}
-        (sizes; sha256 of the small files: the data files never leave memory and the network)."""
+        (sizes; sha256 of the small files; with checkpoint.full_checksums the xxh3-128 of the data
+        files, hashed while written, as the PFS checkpoint's: a copy damaged in memory or on its way
+        to the buddy fails the load's check, which falls back to the PFS checkpoint)."""
         writer = dcp.FileSystemWriter(tmp, sync_files=False)
-        writer.fs = PacedFileSystem(pacer)
+        writer.fs = fs = RecordingFileSystem(pacer, hash_writes=self.full_checksums)
         with no_zip_crc32():
             dcp.save(snap.tensors, storage_writer=writer, process_group=group)
+        hashes = fs.digests()
         mine = [n for n in os.listdir(tmp) if n.startswith(f"__{self.rank}_") and n.endswith(".distcp")]
         if self.rank == 0:
             disk_format.write_json_durably(tmp / disk_format.TRAINER_STATE_FILE, snap.json_state)
@@ -290,6 +293,8 @@ class PeerSnapshots:
             entry = {"size": os.stat(tmp / name).st_size}
             if name in SMALL:
                 entry["sha256"] = disk_format.sha256_file(tmp / name)
+            elif name in hashes:
+                entry[disk_format.DATA_HASH] = hashes[name]
             files[name] = entry
         return files
 
@@ -309,7 +314,7 @@ class PeerSnapshots:
         """This node's leader: COMMIT.json (the whole snapshot's files), rename, drop older steps."""
         commit = {"format": disk_format.FORMAT, "version": disk_format.FORMAT_VERSION, "step": step,
                   "world_size": self.world_size, "unix_time": time.time(), "run": self.key,
-                  "checksums": "small-files", "files": files}
+                  "checksums": "full" if self.full_checksums else "small-files", "files": files}
         disk_format.write_json_durably(tmp / disk_format.COMMIT_FILE, commit)
         final = self.path / disk_format.step_dir_name(step)
         if final.exists():

@@ -18,12 +18,10 @@ import json
 import os
 import re
 import stat
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import FileSystem
 
 from hpctrain.checkpoint import disk_format
 
@@ -141,33 +139,6 @@ def unpack(folder: Path, header: bytes, body: bytes) -> list[str]:
         offset += size
         names.append(name)
     return names
-
-
-class PacedFileSystem(FileSystem):
-    """DCP's local FileSystem whose write streams call `pacer.pace()` after each chunk
-    (background.Pacer: the snapshot's writer yields the CPU and the GIL to the step loop)."""
-
-    def __init__(self, pacer):
-        super().__init__()
-        self.pacer = pacer
-
-    @contextmanager
-    def create_stream(self, path, mode):
-        with super().create_stream(path, mode) as stream:
-            yield _PacedStream(stream, self.pacer) if "w" in mode else stream
-
-
-class _PacedStream:
-    def __init__(self, stream, pacer):
-        self._stream, self._pacer = stream, pacer
-
-    def write(self, data):
-        n = self._stream.write(data)
-        self._pacer.pace()
-        return n
-
-    def __getattr__(self, name):
-        return getattr(self._stream, name)
 
 
 def _as_tensor(data: bytes) -> torch.Tensor:

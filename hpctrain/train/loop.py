@@ -107,6 +107,7 @@ class Trainer:
                                        cfg.run.dir, ctx, timeout_s=cfg.dist.timeout_s,
                                        cpu_share=cfg.checkpoint.async_cpu_share,
                                        enabled=self.sync.collective_steps and self.sync.global_each_step)
+                                       full_checksums=cfg.checkpoint.full_checksums,
         self.hooks.add("after_step", self._after_step_snapshot)
         # MoE layers (none in a dense model): loads, balancing bias step and warning after each step
         moe = monitor_for(self.model, cfg.model, self.mesh, self.sync.collective_steps and self.sync.global_each_step)

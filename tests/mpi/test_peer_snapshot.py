@@ -93,3 +93,23 @@ def test_damaged_snapshot_falls_back_to_pfs(killed):
     warnings = [line for line in r.stderr.splitlines() if "peer snapshot" in line and "warning" in line]
     assert len(warnings) == 1 and "step_00000006/__2_0.distcp" in warnings[0], r.stderr[-3000:]
     assert "step_00000004" in r.stderr and "peer snapshot of step" not in r.stderr
+
+
+def test_snapshot_data_damaged_in_memory_fails_its_checksum_and_falls_back(killed):
+    """Node 1 lost and one byte of node 0's copy of rank 2's data file flipped (same size: the
+    snapshot is still chosen): its xxh3-128 in COMMIT.json fails the load's check, one warning, then
+    the newest PFS checkpoint older than the snapshot (step 4)."""
+    tmp, data = killed
+    cfg, run = _copy(tmp, "killed", "flipped", data)
+    shutil.rmtree(run / "checkpoints" / "step_00000006")
+    shutil.rmtree(tmp / "mem_flipped" / "node1")
+    step6 = _node_dir(tmp, "flipped", 0) / "step_00000006"
+    commit = json.loads((step6 / "COMMIT.json").read_text())
+    assert commit["checksums"] == "full" and "xxh3_128" in commit["files"]["__2_0.distcp"], commit
+    blob = bytearray((step6 / "__2_0.distcp").read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    (step6 / "__2_0.distcp").write_bytes(bytes(blob))
+    r = train(2, cfg, *ARGS, "--train.stop_at_step=5", env=NODES_OF_2)
+    warnings = [line for line in r.stderr.splitlines() if "peer snapshot" in line and "not used" in line]
+    assert len(warnings) == 1 and "__2_0.distcp" in warnings[0], r.stderr[-3000:]
+    assert "step_00000004" in r.stderr and "(no PFS read)" not in r.stderr, r.stderr[-3000:]
