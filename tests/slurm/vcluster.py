@@ -24,6 +24,10 @@ How it is built (needs root and `ip`):
   ours by construction), stops slurmctld by pid, deletes the namespaces and the bridge, and
   `leftovers()` lists anything that survived. The state needed for that is in DIR/run/vcluster.json,
   written before anything is created, so `stop` also cleans a half-started cluster.
+- `sites=[["node1","node2"],["node3","node4"]], link_rate="50mbit"`: two sites, each its own bridge,
+  joined by a veth pair shaped with tc's token bucket on both ends (tests/slurm/sites.py);
+  `start()` measures the rate a TCP transfer gets across the link and inside a site
+  (`link_rates`: cross_site_bits, intra_site_bits).
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.slurm import sites as two_sites
 from tests.slurm.cluster import ClusterUnavailable, LocalSlurm, _alive, install_packages
 
 NODE_IP_BASE = 10
@@ -79,7 +84,8 @@ class VirtualCluster(LocalSlurm):
     """`start()`, `env`, `nodes`, `address(node)`, `run_on(node, ...)`, `kill_node`, `stop()`."""
 
     def __init__(self, prefix, n_nodes: int = 3, cpus: int = 2, debian_hosts: bool = True,
-                 scratch_kib: dict[int, int] | None = None):
+                 scratch_kib: dict[int, int] | None = None, sites: list[list[str]] | None = None,
+                 link_rate: str = "50mbit"):
         super().__init__(prefix, cpus)
         if not 1 <= n_nodes <= 9:
             raise ValueError(f"--nodes {n_nodes}: 1 to 9 nodes")
@@ -91,6 +97,10 @@ class VirtualCluster(LocalSlurm):
         self.local = self.prefix / "local"
         self.state_file = self.prefix / "run" / "vcluster.json"
         self.subnet = ""
+        self.sites, self.link_rate, self.link_rates = sites, link_rate, {}
+        if sites:
+            self.site_of = two_sites.check_sites(sites, self.nodes)
+            two_sites.rate_bits(link_rate)
 
     # -- naming ------------------------------------------------------------------------------------
     def netns(self, node: str) -> str:
@@ -130,7 +140,8 @@ class VirtualCluster(LocalSlurm):
 
     def _save_state(self, **extra) -> None:
         state = {"tag": self.tag, "bridge": self.bridge, "subnet": self.subnet,
-                 "nodes": self.nodes, "namespaces": [self.netns(n) for n in self.nodes], **extra}
+                 "nodes": self.nodes, "namespaces": [self.netns(n) for n in self.nodes],
+                 "sites": self.sites, "link_rate": self.link_rate, **extra}
         self.state_file.write_text(json.dumps(state))
 
     def _load_state(self) -> dict:
@@ -139,6 +150,7 @@ class VirtualCluster(LocalSlurm):
         except (OSError, ValueError):
             return {}
         self.subnet, self.nodes, self.bridge = state["subnet"], state["nodes"], state["bridge"]
+        self.sites, self.link_rates = state.get("sites"), state.get("link_rates", {})
         return state
 
     # -- start ---------------------------------------------------------------------------------------
@@ -154,6 +166,11 @@ class VirtualCluster(LocalSlurm):
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
+        bridges = {n: self.bridge for n in self.nodes}
+        if self.sites:
+            two_sites.build_link(_ip, self.bridge, self.link_rate)
+            by_site = two_sites.site_bridges(self.bridge)
+            bridges = {n: by_site[self.site_of[n]] for n in self.nodes}
         for k, node in enumerate(self.nodes, 1):
             ns, host_end = self.netns(node), f"{self.bridge}n{k}"
             _ip("netns", "add", ns)
@@ -163,7 +180,7 @@ class VirtualCluster(LocalSlurm):
             _ip("-n", ns, "addr", "add", f"{self.address(node)}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("link", "set", host_end, "master", self.bridge)
+            _ip("link", "set", host_end, "master", bridges[node])
             _ip("link", "set", host_end, "up")
 
     def _boot_node(self, k: int, node: str) -> None:
@@ -197,6 +214,13 @@ class VirtualCluster(LocalSlurm):
         except RuntimeError as e:
             self.stop()
             raise ClusterUnavailable(f"cannot build the virtual network: {e}") from e
+        if self.sites:
+            try:
+                self.link_rates = two_sites.measure_link(self, self.sites)
+            except (RuntimeError, ValueError, OSError, subprocess.SubprocessError) as e:
+                self.stop()
+                raise RuntimeError(f"two sites: the rate probe failed: {e}") from e
+            self._save_state(link_rates=self.link_rates)
         self.conf.write_text(self._conf_text(per_node="-%n", extra=self._write_scripts()))
         subprocess.run(["slurmctld", "-f", str(self.conf), "-c"], stdin=subprocess.DEVNULL,
                        capture_output=True, timeout=60, check=True)
@@ -261,6 +285,9 @@ class VirtualCluster(LocalSlurm):
         for ns in state["namespaces"]:
             _ip("netns", "del", ns, check=False)
         _ip("link", "del", self.bridge, check=False)
+        if state.get("sites"):
+            _ip("link", "del", f"{self.bridge}x1", check=False)  # and x2
+            _ip("link", "del", two_sites.site_bridges(self.bridge)[2], check=False)
         for _ in range(50):  # the kernel removes links asynchronously
             if not self.leftovers():
                 break
