@@ -9,7 +9,7 @@ Owns the communication model (ring collectives: an all-reduce of M bytes over p 
   head's all-gather (fp32), forward and backward. MoE layers (replicated over tp): their fp32
   gradients all-reduced over tp once per step (plan/moe.py).
 - DP (parallel/parallelize.py): DDP or the flat after-backward all-reduce of fp32 gradients once
-  per step; FSDP all-gathers parameters (16-bit under autocast) in forward and again in backward
+  per step (under ep > 1 the experts' over their dp / ep replicas only: plan/moe.py); FSDP all-gathers parameters (16-bit under autocast) in forward and again in backward
   for every micro-batch and reduce-scatters fp32 gradients once per step; DiLoCo averages the
   pseudo-gradient once per round of inner_steps (plan/wire.py bytes_sent, on the wire fp32,
   bf16 or int8 + a scale per block), nothing in between.
@@ -80,7 +80,10 @@ def comm_per_step(shape: ModelShape, job: Job, blocks: int, ckpt_blocks: int, ha
     """Rows (axis, link kind, bytes sent per step by this rank, what moves); an MoE model's
     all-to-all first (ep: plan/moe.py, over the sparse layers among `block_ids`)."""
     ends = int(has_first) + int(has_last)
-    dp, what = dp_bytes(shape, job, n_local)
+    dp, what = dp_bytes(shape, job, n_local - moe.held_experts(shape, job, block_ids))
+    if moe.held_experts(shape, job, block_ids):  # ep > 1: left out of DDP / FSDP (plan/moe.py)
+        dp += moe.replica_grad_bytes(shape, job, block_ids)
+        what += " + all-reduce of the experts' fp32 gradients over dp / ep replicas"
     ep = [("ep", link(job.tp * job.ep, job), moe.all_to_all_bytes(shape, job, block_ids),
            "MoE all-to-all: routed rows to their experts' ranks and back, forward + backward")]
     return ep * bool(shape.moe_experts) + [

@@ -18,7 +18,12 @@ top_k rows of C activations) to the rank of its expert and gets the outputs back
 combine), in forward and again in backward (the gradients): 4 x tokens x top_k x C x bytes per
 layer, of which (ep - 1) / ep leave the rank when routing is balanced. Tokens per rank per step =
 micro_batch x block_size x grad_accum; bytes: 2 in bf16 / fp16, 4 in fp32. Activation checkpointing
-repeats a checkpointed layer's forward dispatch + combine (not counted here).
+repeats a checkpointed layer's forward dispatch + combine (6 instead of 4 exchanges).
+
+Gradients under ep > 1 (parallel/apply_expert.py): DDP and FSDP leave the routed experts out, so
+FSDP never shards them (each rank keeps its E / ep whole, with their gradients and AdamW state),
+and their fp32 gradients are all-reduced once per step over the dp / ep replicas that hold the same
+experts (nothing moves when ep = dp), not over the whole dp group.
 
 Not modelled yet: a sparse layer's activations are counted as the dense SwiGLU's (memory.py's 8 f
 term; top_k x the expert width is nearer), FSDP's gathered-block buffers as a dense block's, and a
@@ -74,19 +79,41 @@ def inactive_params(shape) -> int:
     return len(sparse_layers(shape)) * (routed_params(shape) * (e - shape.moe_top_k) // e) if e else 0
 
 
+def _checkpointed(job, layer: int) -> bool:
+    """Whether activation checkpointing recomputes block `layer` (memory.py's rule)."""
+    mode = job.activation_checkpoint
+    return mode == "full" or (mode == "selective" and layer % job.ac_every == 0)
+
+
 def all_to_all_bytes(shape, job, block_ids) -> int:
-    """Bytes one rank sends per optimizer step in the dispatch / combine of its stage's layers."""
+    """Bytes one rank sends per optimizer step in the dispatch / combine of its stage's layers
+    (a recomputed layer's forward exchanges twice)."""
     if job.ep == 1:
         return 0
     tokens = job.micro_batch * shape.block_size * job.grad_accum // job.tp  # its sequence shard
-    rows = tokens * shape.moe_top_k * len(sparse_layers(shape, block_ids))
+    exchanges = sum(4 + 2 * _checkpointed(job, i) for i in sparse_layers(shape, block_ids))
     act = 2 if job.half else 4
-    return 4 * rows * shape.n_embd * act * (job.ep - 1) // job.ep
+    return exchanges * tokens * shape.moe_top_k * shape.n_embd * act * (job.ep - 1) // job.ep
+
+
+def held_experts(shape, job, block_ids) -> int:
+    """Routed-expert parameters a rank holds outside DDP / FSDP (ep > 1; ep = 1: none, the experts
+    are ordinary parameters)."""
+    if job.ep == 1:
+        return 0
+    return len(sparse_layers(shape, block_ids)) * routed_params(shape) // job.ep
+
+
+def replica_grad_bytes(shape, job, block_ids) -> int:
+    """Bytes one rank sends per step summing its experts' fp32 gradients over the dp / ep replicas
+    holding the same experts (ring all-reduce)."""
+    replicas = job.dp_size // job.ep
+    return int(2 * (replicas - 1) / replicas * 4 * held_experts(shape, job, block_ids))
 
 
 def sharded_bytes(shape, job, block_ids, n: int, shard: int, per_param: int) -> int:
     """`per_param` bytes of each of the `n` parameters a rank keeps after FSDP over `shard` ranks:
-    the routed experts (already / ep) are sharded over the shard / ep ranks that hold the same
-    experts, the rest over all `shard` (per_param x n // shard for a dense model)."""
-    experts = len(sparse_layers(shape, block_ids)) * routed_params(shape) // job.ep
-    return per_param * (n - experts) // shard + per_param * experts // max(shard // job.ep, 1)
+    the routed experts held under ep (already / ep) whole, FSDP leaves them out; the rest over all
+    `shard` (per_param x n // shard for a dense model)."""
+    experts = held_experts(shape, job, block_ids)
+    return per_param * (n - experts) // shard + per_param * experts

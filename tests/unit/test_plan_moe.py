@@ -40,8 +40,21 @@ def test_experts_are_split_over_ep_in_the_memory_per_rank():
     assert ddp[1].local_params - ddp[4].local_params == 3 * routed * 3 // 4  # 3 sparse layers
     assert ddp[4].parts["AdamW m, v (fp32)"] == 8 * ddp[4].local_params
     fsdp = make_plan(SHAPE, dataclasses.replace(JOB, ep=4, data_parallel="fsdp")).mem
-    experts = 3 * routed // 4  # on this rank, then FSDP-sharded over dp / ep = 2 ranks
-    assert fsdp.parts["parameters (fp32)"] == 4 * (fsdp.local_params - experts) // 8 + 4 * experts // 2
+    experts = 3 * routed // 4  # on this rank, whole: FSDP leaves them out (apply_fsdp's ignored_params)
+    assert fsdp.parts["parameters (fp32)"] == 4 * (fsdp.local_params - experts) // 8 + 4 * experts
+    assert fsdp.parts["AdamW m, v (fp32)"] == 8 * (fsdp.local_params - experts) // 8 + 8 * experts
+
+
+def test_expert_gradients_are_all_reduced_over_the_replicas_only():
+    """ep > 1: DDP all-reduces the dense gradients over dp = 8; the runner sums the experts' over
+    the dp / ep replicas holding the same experts (2 at ep = 4, none at ep = 8)."""
+    experts = 3 * 3 * 8 * 64 * 96 // 4  # 3 sparse layers' routed experts, / ep
+    sent = {ep: {a: b for a, _, b, _ in make_plan(SHAPE, dataclasses.replace(JOB, ep=ep)).comm}
+            for ep in (4, 8)}
+    local = make_plan(SHAPE, dataclasses.replace(JOB, ep=4)).mem.local_params
+    assert sent[4]["dp"] == int(2 * 7 / 8 * 4 * (local - experts)) + int(2 * 1 / 2 * 4 * experts)
+    local8 = make_plan(SHAPE, dataclasses.replace(JOB, ep=8)).mem.local_params
+    assert sent[8]["dp"] == int(2 * 7 / 8 * 4 * (local8 - experts // 2))
 
 
 def test_all_to_all_bytes_per_step_are_tokens_x_top_k_x_hidden_x_bytes():
@@ -53,6 +66,9 @@ def test_all_to_all_bytes_per_step_are_tokens_x_top_k_x_hidden_x_bytes():
     timed = step_time(SHAPE, plan.job, plan.mem)  # on the critical path, at the intra-node bandwidth
     assert timed.ep == 442_368 / JOB.intra_node_bw and timed.total >= timed.compute + timed.ep
     assert make_plan(SHAPE, JOB).comm[0][2] == 0  # ep 1: nothing moves
+    # full activation checkpointing recomputes each layer's forward: 6 exchanges instead of 4
+    ac = make_plan(SHAPE, dataclasses.replace(JOB, ep=4, activation_checkpoint="full")).comm
+    assert ac[0][:3] == ("ep", "intra-node", 442_368 * 6 // 4)
     assert "ep" not in {a for a, *_ in make_plan(PRESETS["llama3-8b"], Job()).comm}  # dense: no row
 
 
