@@ -172,9 +172,15 @@ def _validate_sync(s: SyncConfig, p: ParallelConfig) -> None:
     _check(s.ps_servers >= 1, "sync.ps_servers", "must be >= 1")
     _check(s.staleness >= -1, "sync.staleness", "must be >= -1 (-1 = unbounded)")
     if s.mode == "diloco":
-        _check(p.data_parallel == "ddp", "parallel.data_parallel",
-               "sync.mode = 'diloco' replicates over dp: use 'ddp' (FSDP inside a replica is not "
-               "supported yet)")
+        _check(p.data_parallel == "ddp" or s.replica_nodes > 0, "parallel.data_parallel",
+               "sync.mode = 'diloco' replicates over dp: use 'ddp', or set sync.replica_nodes for "
+               "FSDP inside a replica of nodes")
+    _check(s.replica_nodes >= 0, "sync.replica_nodes", f"{s.replica_nodes}: must be >= 0 (0 = off)")
+    _check(s.replica_nodes == 0 or s.mode == "diloco", "sync.replica_nodes",
+           f"forms DiLoCo replicas of nodes: use sync.mode = 'diloco' (not '{s.mode}') or leave it 0")
+    _check(s.replica_nodes == 0 or p.pp == 1, "sync.replica_nodes",
+           f"with parallel.pp = {p.pp}: a replica of nodes holds whole models here (pipeline stages "
+           f"inside one are not supported yet); use parallel.pp = 1 or leave it 0")
     _check(s.compression == "none" or s.mode in ("diloco", "async_diloco"), "sync.compression",
            f"compresses pseudo-gradients, which only sync.mode = 'diloco' or 'async_diloco' send "
            f"(sync.mode = '{s.mode}' would ignore it): leave it 'none'")

@@ -329,6 +329,11 @@ class SyncConfig:
         "help": "async_diloco with delayed_nesterov: keep the momentum per unit of inner learning "
                 "rate (early, large pseudo-gradients then weigh less in late momentum steps; "
                 "steadier in short runs without catch-up, 0.3% worse loss per token with it)"})
+    replica_nodes: int = field(default=0, metadata={
+        "help": "diloco: nodes per replica (hierarchical layout): DDP or FSDP (parallel.data_parallel) "
+                "inside each group of this many nodes, DiLoCo across the groups between corresponding "
+                "ranks; 0 = a replica is one dp rank's tp x pp group (nodes: the launcher's, or "
+                "HPCTRAIN_RANKS_PER_NODE's)"})
     ps_servers: int = field(default=1, metadata={
         "help": "ps / async_diloco: ranks that hold the parameters (the last ones); the others "
                 "are workers (replicas)"})

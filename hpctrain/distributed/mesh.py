@@ -13,6 +13,15 @@ so the ranks of one TP group are consecutive. Launchers place consecutive ranks 
 (block distribution: mpiexec and srun default), so a TP group stays inside one node whenever the
 ranks per node are a multiple of tp; DP groups cross nodes next, and pipeline stages, which send
 only activations between neighbours, are the outermost axis. See docs/parallelism.md.
+
+Hierarchical layouts (sync.replica_nodes, DiLoCo across groups of nodes): a fourth, outermost
+axis "replica" (4-D mesh ("replica", "pp", "dp", "tp")), so a replica is a block of consecutive
+ranks = whole nodes, and "dp" is the data-parallel axis *inside* a replica (DDP / FSDP there):
+
+    rank = ((replica_index * pp + pp_index) * dp + dp_index) * tp + tp_index
+
+The data order still spans every rank (`data_rank` / `data_size`: replica_index * dp + dp_index of
+replicas * dp); DiLoCo averages over the "replica" axis (`outer_axis`).
 """
 from __future__ import annotations
 
@@ -37,10 +46,11 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     fsdp: bool = False
+    replicas: int = 0  # hierarchical (sync.replica_nodes): replicas of dp x tp x pp ranks; 0 = off
 
     @classmethod
     def from_world(cls, world_size: int, dp: int = 0, tp: int = 1, pp: int = 1,
-                   fsdp: bool = False) -> "ParallelDims":
+                   fsdp: bool = False, replica_ranks: int = 0) -> "ParallelDims":
         if tp < 1 or pp < 1 or dp < 0:
             raise ConfigError(f"parallel layout dp={dp} tp={tp} pp={pp}: sizes must be >= 1 (dp >= 0)")
         if dp == 0:
@@ -51,33 +61,72 @@ class ParallelDims:
         if dp * tp * pp != world_size:
             raise ConfigError(f"parallel layout dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} does not "
                               f"match the world size {world_size} (set parallel.dp / tp / pp)")
-        return cls(world_size=world_size, dp=dp, tp=tp, pp=pp, fsdp=fsdp)
+        if not replica_ranks:
+            return cls(world_size=world_size, dp=dp, tp=tp, pp=pp, fsdp=fsdp)
+        if replica_ranks % (tp * pp) or world_size % replica_ranks:
+            raise ConfigError(f"config key 'sync.replica_nodes': a replica of {replica_ranks} ranks "
+                              f"must divide the world size {world_size} and be a multiple of tp={tp} "
+                              f"x pp={pp}; choose another sync.replica_nodes or parallel.tp / pp")
+        return cls(world_size=world_size, dp=replica_ranks // (tp * pp), tp=tp, pp=pp, fsdp=fsdp,
+                   replicas=world_size // replica_ranks)
 
     @classmethod
-    def from_config(cls, world_size: int, p) -> "ParallelDims":
-        """From a `config.ParallelConfig` section."""
-        return cls.from_world(world_size, dp=p.dp, tp=p.tp, pp=p.pp, fsdp=p.data_parallel == "fsdp")
+    def from_config(cls, world_size: int, p, replica_ranks: int = 0) -> "ParallelDims":
+        """From a `config.ParallelConfig` section (+ the ranks of a replica: `replica_ranks`)."""
+        return cls.from_world(world_size, dp=p.dp, tp=p.tp, pp=p.pp, fsdp=p.data_parallel == "fsdp",
+                              replica_ranks=replica_ranks)
+
+    @property
+    def hierarchical(self) -> bool:
+        return self.replicas > 0
 
     @property
     def axis_names(self) -> tuple[str, ...]:
-        return AXES
+        return ("replica", *AXES) if self.hierarchical else AXES
 
     @property
     def axis_sizes(self) -> tuple[int, ...]:
-        return (self.pp, self.dp, self.tp)
+        return ((self.replicas,) if self.hierarchical else ()) + (self.pp, self.dp, self.tp)
+
+    @property
+    def outer_axis(self) -> str:
+        """The axis DiLoCo averages over: "replica" in a hierarchical layout, else "dp"."""
+        return "replica" if self.hierarchical else "dp"
 
     def coords_of(self, rank: int) -> dict[str, int]:
-        """{"pp": i, "dp": j, "tp": k} of a global rank (the rank order above)."""
+        """{"pp": i, "dp": j, "tp": k} (+ "replica") of a global rank (the rank order above)."""
         tp_i = rank % self.tp
         dp_i = (rank // self.tp) % self.dp
-        return {"pp": rank // (self.tp * self.dp), "dp": dp_i, "tp": tp_i}
+        pp_i = (rank // (self.tp * self.dp)) % self.pp
+        coords = {"pp": pp_i, "dp": dp_i, "tp": tp_i}
+        return {"replica": rank // (self.tp * self.dp * self.pp), **coords} if self.hierarchical else coords
 
-    def rank_of(self, pp: int, dp: int, tp: int) -> int:
-        return (pp * self.dp + dp) * self.tp + tp
+    def rank_of(self, pp: int, dp: int, tp: int, replica: int = 0) -> int:
+        return ((replica * self.pp + pp) * self.dp + dp) * self.tp + tp
+
+    def outer_groups(self) -> list[list[int]]:
+        """The ranks DiLoCo averages over, one list per group: my position in every replica."""
+        if not self.hierarchical:
+            return [[self.rank_of(pp, d, tp) for d in range(self.dp)]
+                    for pp in range(self.pp) for tp in range(self.tp)]
+        return [[self.rank_of(pp, d, tp, r) for r in range(self.replicas)]
+                for pp in range(self.pp) for d in range(self.dp) for tp in range(self.tp)]
 
     def describe(self) -> str:
         kind = "fsdp" if self.fsdp else "ddp"
-        return f"pp={self.pp} x dp={self.dp} ({kind}) x tp={self.tp}"
+        inner = f"pp={self.pp} x dp={self.dp} ({kind}) x tp={self.tp}"
+        return f"replicas={self.replicas} x ({inner})" if self.hierarchical else inner
+
+
+def replica_ranks(replica_nodes: int, ctx: DistContext) -> int:
+    """Ranks per replica of `replica_nodes` nodes (sync.replica_nodes; 0: not hierarchical)."""
+    if not replica_nodes:
+        return 0
+    if ctx.world_size % ctx.n_nodes or ctx.n_nodes % replica_nodes:
+        raise ConfigError(f"config key 'sync.replica_nodes': {replica_nodes} does not divide the "
+                          f"{ctx.n_nodes} nodes of {ctx.world_size} ranks evenly ({ctx.local_size} "
+                          f"ranks on node {ctx.node_rank}); use a divisor of {ctx.n_nodes}")
+    return replica_nodes * (ctx.world_size // ctx.n_nodes)
 
 
 def tp_group_hosts(hosts, tp: int) -> str:
@@ -99,7 +148,7 @@ class Mesh:
         self.world_comm = ctx.comm  # mpi4py COMM_WORLD, for MPI-backed collectives (grad sync)
         self.device_mesh: DeviceMesh = init_device_mesh(
             ctx.device.type, dims.axis_sizes, mesh_dim_names=dims.axis_names)
-        for axis in AXES:  # torch gives its groups its own default timeout, not dist.timeout_s
+        for axis in dims.axis_names:  # torch gives its groups its own default timeout, not dist.timeout_s
             apply_timeout(self.device_mesh[axis].get_group())
         if ctx.n_nodes > 1 and dims.tp > 1 and ctx.local_size % dims.tp and ctx.is_main:
             logs.warning(f"warning: parallel.tp={dims.tp} does not divide the {ctx.local_size} ranks "
@@ -118,6 +167,24 @@ class Mesh:
 
     def group(self, axis: str) -> dist.ProcessGroup:
         return self.device_mesh[axis].get_group()
+
+    @property
+    def replicas(self) -> int:
+        """DiLoCo's replicas: the "replica" axis in a hierarchical layout, else dp."""
+        return self.size(self.dims.outer_axis)
+
+    @property
+    def replica_index(self) -> int:
+        return self.coord(self.dims.outer_axis)
+
+    @property
+    def data_rank(self) -> int:
+        """Where this rank reads in the data order (every rank of every replica its own part)."""
+        return self.coord("replica") * self.dp_size + self.dp_rank if self.dims.hierarchical else self.dp_rank
+
+    @property
+    def data_size(self) -> int:
+        return self.dims.replicas * self.dp_size if self.dims.hierarchical else self.dp_size
 
     @property
     def dp_rank(self) -> int:

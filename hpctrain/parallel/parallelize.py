@@ -2,7 +2,7 @@
 
 Owns: the order in which layouts are applied, as a short sequence of functions that each take and
 return modules (pipeline split -> tensor parallel -> expert parallel -> activation checkpointing ->
-FSDP2 | DDP -> torch.compile; a model built on the meta device is materialized after FSDP2 and before DDP),
+FSDP2 | DDP -> torch.compile per block; a model built on the meta device is materialized after FSDP2 and before DDP),
 which of them a job needs, and the `Layout` they produce: the module the optimizer
 and checkpoints see, the module(s) that run forward, the pipeline split, the process groups and
 how gradients are averaged over dp. It must never run a training step (runner.py does), read or
@@ -24,7 +24,7 @@ from hpctrain.distributed.bootstrap import new_group
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.errors import ConfigError
 from hpctrain.metrics.wait_clock import WaitClock
-from hpctrain.parallel.activation import apply_activation_checkpointing
+from hpctrain.parallel.activation import apply_activation_checkpointing, compile_regions
 from hpctrain.parallel.apply_expert import ExpertParallel, apply_expert_parallel
 from hpctrain.parallel.mpi_grad_allreduce import (MPIHookState, use_backend_allreduce,
                                                   use_mpi_grad_allreduce, use_powersgd)
@@ -149,7 +149,7 @@ def dp_reduction(mesh: Mesh, cfg: Config) -> DpReduce:
         return "none"
     if cfg.parallel.data_parallel == "fsdp":
         return "fsdp"
-    if cfg.sync.mode != "sync":
+    if cfg.sync.mode != "sync" and not mesh.dims.hierarchical:  # (hierarchical: dp = inside a replica)
         return "none"
     return "ddp" if mesh.tp_size == 1 and mesh.pp_size == 1 else "after_backward"
 
@@ -178,8 +178,8 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, precision: str,
     if dp_reduce == "ddp":
         ddp, mpi_grad_allreduce = apply_ddp(model, mesh, cfg.dist, clock, experts)
         roots = (ddp,)
-    if cfg.train.compile:  # after DDP/FSDP wrapping, as torchtitan does (DDP graphs split at buckets)
-        roots = (torch.compile(roots[0]),)  # (config: never with pp > 1)
+    if cfg.train.compile:  # per block, after DDP/FSDP wrapping (config: never with pp > 1)
+        compile_regions(model)
     return Layout(module=model, forward_modules=roots, mesh=mesh, dp_reduce=dp_reduce, split=split,
                   tie_group=tied_weight_group(mesh) if split else None,
                   mpi_grad_allreduce=mpi_grad_allreduce, wait_clock=clock, experts=experts)

@@ -77,14 +77,13 @@ def _use_device(device: torch.device) -> None:
 
 
 def _dp_group(mesh: Mesh, backend: str | None = None):
-    """A process group of my dp ranks used only by DiLoCo (a background thread may drive it)."""
-    dims, mine = mesh.dims, None
-    for pp in range(dims.pp):
-        for tp in range(dims.tp):
-            ranks = [dims.rank_of(pp, d, tp) for d in range(dims.dp)]
-            group = new_group(ranks, **({"backend": backend} if backend else {}))
-            if mesh.rank in ranks:
-                mine = group
+    """A process group used only by DiLoCo (a background thread may drive it): my position in every
+    replica (my dp ranks; in a hierarchical layout the same rank of every group of nodes)."""
+    mine = None
+    for ranks in mesh.dims.outer_groups():
+        group = new_group(ranks, **({"backend": backend} if backend else {}))
+        if mesh.rank in ranks:
+            mine = group
     return mine
 
 
@@ -96,9 +95,10 @@ class DiLoCo(SyncStrategy):
 
     def __init__(self, module: nn.Module, mesh: Mesh, cfg: SyncConfig, total_steps: int):
         self.module, self.cfg, self.total_steps = module, cfg, total_steps
-        self.replicas, self.replica = mesh.dp_size, mesh.dp_rank
+        self.replicas, self.replica = mesh.replicas, mesh.replica_index
+        self.hierarchical = mesh.dims.hierarchical  # sync.replica_nodes: DDP / FSDP inside a replica
         self.params = list(module.parameters())  # tied weights once
-        device = _local(self.params[0]).device
+        self.device = device = _local(self.params[0]).device
         self.on_host = averages_on_host(device, cfg.overlap)
         self.group = _dp_group(mesh, "gloo" if self.on_host else None)
         with torch.no_grad():
@@ -187,7 +187,7 @@ class DiLoCo(SyncStrategy):
                 f"fragments={len(self.fragments)} replicas={self.replicas}")
 
     def round_line(self, step: int, log_interval: int) -> str | None:
-        if not self.round_log or not (step >= self.total_steps or
+        if "norm" not in self.round_log or not (step >= self.total_steps or  # (a merge alone: no round)
                                       step // log_interval > self.logged_step // log_interval):
             return None
         line = (f"diloco round {self.syncs} at step {step}: pseudo-grad norm "
@@ -238,6 +238,18 @@ class DiLoCo(SyncStrategy):
     def comm_bytes(self, step: int) -> int:
         return self.bytes_sent
 
+    def mean_over_replicas(self, value: float) -> float:
+        """In a hierarchical layout the layout averaged a loss over its replica only: the mean
+        over every rank (one scalar on the world group, main thread; replicas are equal-sized)."""
+        if not self.hierarchical or self.replicas == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float32, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return float(t) / dist.get_world_size()
+
+    def step_loss(self, loss: float) -> float:
+        return self.mean_over_replicas(loss)
+
     def close(self) -> None:
         for f in range(len(self.fragments)):
             self._resolve(f)
@@ -261,9 +273,12 @@ class DiLoCo(SyncStrategy):
         self._from_synchronous = saved.get("mode", "sync") != "diloco"
 
     def _check_saved(self, saved: dict) -> None:
-        if saved.get("replicas") != self.replicas:
-            raise ConfigError(f"config key 'parallel.dp': {self.replicas} DiLoCo replicas, but the "
-                              f"checkpoint has {saved.get('replicas')}; resume with the same dp")
+        if saved.get("replicas") != self.replicas or bool(saved.get("hierarchical")) != self.hierarchical:
+            key = "sync.replica_nodes" if self.hierarchical or saved.get("hierarchical") else "parallel.dp"
+            raise ConfigError(f"config key '{key}': {self.replicas} DiLoCo replicas"
+                              f"{' of nodes' if self.hierarchical else ''}, but the checkpoint has "
+                              f"{saved.get('replicas')}{' of nodes' if saved.get('hierarchical') else ''}; "
+                              f"resume with the same layout")
         if bool(saved.get("streaming")) != self.streaming:
             raise ConfigError(f"config key 'sync.streaming': {str(self.streaming).lower()}, but the "
                               f"checkpoint was written with {str(not self.streaming).lower()}; keep "
@@ -290,7 +305,8 @@ class DiLoCo(SyncStrategy):
         if self.cfg.overlap:
             outer["pending"] = self._by_name(self.pending, local)
             replica["start"] = self._by_name(self.start, local)
-        return {"mode": "diloco", "replicas": self.replicas, "overlap": self.cfg.overlap,
+        hierarchy = {"hierarchical": True} if self.hierarchical else {}
+        return {"mode": "diloco", "replicas": self.replicas, **hierarchy, "overlap": self.cfg.overlap,
                 "fragments": len(self.fragments), "has_pending": list(self.has_pending),
                 "bytes_sent": self.bytes_sent, "syncs": self.syncs,
                 "outer": outer, "replica": {str(self.replica): replica}}

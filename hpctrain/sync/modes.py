@@ -25,6 +25,10 @@ def data_position(cfg: Config, ctx: DistContext, mesh: Mesh):
 
         count_workers(cfg, ctx)
         return WorkerPosition(0, 1)
+    if mesh.dims.hierarchical:  # sync.replica_nodes: every rank of every replica its own part
+        from hpctrain.sync.asynchronous import WorkerPosition
+
+        return WorkerPosition(mesh.data_rank, mesh.data_size)
     if cfg.sync.mode != "ps":
         return mesh
     from hpctrain.sync.ps_strategy import worker_position

@@ -15,6 +15,8 @@ training loop (hpctrain/train/loop.py) at fixed points:
                                              with sync.mode='sync' restarts its rounds from it)
     state_dict() / load_state_dict()         its own "sync" entry
     step_metrics() / comm_bytes(step), mean_over_replicas(value), describe(), close()
+    step_loss(loss) -> float                 the step's loss as logged (hierarchical DiLoCo: the
+                                             replicas' means averaged; else as the layout gives it)
     round_line(step, log_interval) -> str | None   DiLoCo, async_diloco: the log line of a round
 
 and four facts: `trains` (False on a server rank), `global_each_step` (the loss and grad norm
@@ -116,6 +118,9 @@ class SyncStrategy:
 
     def mean_over_replicas(self, value: float) -> float:
         return value  # the layout's losses are global means already
+
+    def step_loss(self, loss: float) -> float:
+        return loss  # the layout's training loss is the global batch's mean already
 
     def describe(self) -> str:
         """What the start-up line says about this mode and its parameters (", sync ...")."""

@@ -34,7 +34,7 @@ from hpctrain.data.sampler import check_same_dataset, saved_sampler_state
 from hpctrain.distributed import DistContext
 from hpctrain.distributed.bootstrap import mpi_library
 from hpctrain.distributed.preempt import NONE, Preemption
-from hpctrain.distributed.mesh import Mesh, ParallelDims
+from hpctrain.distributed.mesh import Mesh, ParallelDims, replica_ranks
 from hpctrain.distributed.watchdog import watch_peers
 from hpctrain.errors import CheckpointError, ConfigError, NoIntactCheckpoint
 from hpctrain.metrics import MetricsLog, format_eta
@@ -65,7 +65,8 @@ def log(ctx: DistContext, msg: str) -> None:
 class Trainer:
     def __init__(self, cfg: Config, ctx: DistContext):
         self.cfg, self.ctx = cfg, ctx  # cfg: the user's, never written
-        self.mesh = Mesh(ParallelDims.from_config(ctx.world_size, cfg.parallel), ctx)
+        self.mesh = Mesh(ParallelDims.from_config(ctx.world_size, cfg.parallel,
+                                                  replica_ranks(cfg.sync.replica_nodes, ctx)), ctx)
         # resolved once: where this rank reads the data, train.grad_accum (from train.global_batch
         # and dp: elastic restarts), train.precision ("auto": measured, job-wide), TF32, the faults
         self.plan = run_plan.resolve(cfg, ctx, self.mesh)
@@ -106,8 +107,8 @@ class Trainer:
         self.snapshots = PeerSnapshots(cfg.checkpoint.snapshot_interval, cfg.checkpoint.snapshot_dir,
                                        cfg.run.dir, ctx, timeout_s=cfg.dist.timeout_s,
                                        cpu_share=cfg.checkpoint.async_cpu_share,
-                                       enabled=self.sync.collective_steps and self.sync.global_each_step)
                                        full_checksums=cfg.checkpoint.full_checksums,
+                                       enabled=self.sync.collective_steps and self.sync.global_each_step)
         self.hooks.add("after_step", self._after_step_snapshot)
         # MoE layers (none in a dense model): loads, balancing bias step and warning after each step
         moe = monitor_for(self.model, cfg.model, self.mesh, self.sync.collective_steps and self.sync.global_each_step)
@@ -289,6 +290,7 @@ class Trainer:
         loss, grad_norm = self.engine.step(micro_batches, self.step + 1, self.hparams.grad_clip, started=t0)
         dt = time.perf_counter() - t0
         wait = clock.take()  # before validation, DiLoCo's round and the metrics collectives
+        loss = self.sync.step_loss(loss)  # hierarchical DiLoCo: averaged over the replicas too
         self.step = self.sync.next_step(self.step)
         self.sync.after_step(self.step)  # DiLoCo: ends a round when due; ps: pushes the update
         round_line = self.sync.round_line(self.step, self.cfg.train.log_interval)
