@@ -52,6 +52,7 @@ FROM_CONFIG = {"dp": ("parallel", "dp"), "tp": ("parallel", "tp"), "pp": ("paral
                "loss_chunk": ("train", "loss_chunk"),
                "sync_mode": ("sync", "mode"), "inner_steps": ("sync", "inner_steps"),
                "compression": ("sync", "compression"), "overlap": ("sync", "overlap"),
+               "replica_nodes": ("sync", "replica_nodes"),
                "cache_bytes": ("data", "cache_bytes"), "prefetch": ("data", "prefetch"),
                "shuffle": ("data", "shuffle"), "shuffle_block_shards": ("data", "shuffle_block_shards"),
                "checkpoint_keep": ("checkpoint", "keep"),
@@ -89,6 +90,8 @@ HELP = {
     "sync_mode": "sync.mode: sync | diloco", "inner_steps": "sync.inner_steps (diloco: steps per round)",
     "compression": "sync.compression (diloco wire format): none | bf16 | int8 | int4",
     "overlap": "sync.overlap (diloco: start point + pending average kept)",
+    "replica_nodes": "sync.replica_nodes (diloco: DDP inside groups of this many nodes, DiLoCo "
+                     "across them; 0 = off)",
     "checkpoint_keep": "checkpoint.keep: committed checkpoints kept on the PFS",
     "checkpoint_layout": "checkpoint.layout: rank (a data file per rank) | node (one per node)",
     "pfs_files_limit": "warn above this many files per checkpoint directory",

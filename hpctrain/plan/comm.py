@@ -12,7 +12,9 @@ Owns the communication model (ring collectives: an all-reduce of M bytes over p 
   per step (under ep > 1 the experts' over their dp / ep replicas only: plan/moe.py); FSDP all-gathers parameters (16-bit under autocast) in forward and again in backward
   for every micro-batch and reduce-scatters fp32 gradients once per step; DiLoCo averages the
   pseudo-gradient once per round of inner_steps (plan/wire.py bytes_sent, on the wire fp32,
-  bf16 or int8 + a scale per block), nothing in between.
+  bf16, int8 or int4 + a scale per block), nothing in between. Hierarchical (sync.replica_nodes):
+  the dp row is DDP's all-reduce inside a replica of nodes (its own link kind), the "replica" row
+  DiLoCo's rounds between the replicas (inter-node: the thin link).
 - PP (parallel/pipeline.py): each micro-batch's fp32 residual stream (b, s / tp, h) to the next
   stage and its gradient back, per model chunk; the tied embedding / head gradient all-reduced
   between the first and last stage once per step.
@@ -44,15 +46,23 @@ def tp_bytes(shape: ModelShape, job: Job, n_blocks: int, n_ckpt: int, ends: int)
     return int(ring_share(job.tp) * per_micro * job.grad_accum)
 
 
+def diloco_bytes(job: Job, n_local: int, p: int) -> tuple[int, str]:
+    """(bytes per step, what moves) of DiLoCo's rounds over `p` replicas."""
+    per_round = bytes_sent(n_local, p, job.compression)
+    return per_round // job.inner_steps, (f"DiLoCo: {per_round / 1e9:.3g} GB per round of "
+                                          f"{job.inner_steps} steps ({job.compression})")
+
+
 def dp_bytes(shape: ModelShape, job: Job, n_local: int) -> tuple[int, str]:
-    """(bytes per step, what moves) over the dp group for `n_local` parameters (after TP / PP)."""
-    p = job.dp_size
+    """(bytes per step, what moves) over the dp group for `n_local` parameters (after TP / PP);
+    hierarchical: DDP inside one replica."""
+    p = job.dp_size // job.replicas if job.replicas else job.dp_size
     if p == 1:
         return 0, "none (dp = 1)"
+    if job.replicas:
+        return int(2 * ring_share(p) * n_local * 4), "all-reduce of fp32 gradients inside a replica"
     if job.sync_mode == "diloco":
-        per_round = bytes_sent(n_local, p, job.compression)
-        return per_round // job.inner_steps, (f"DiLoCo: {per_round / 1e9:.3g} GB per round of "
-                                               f"{job.inner_steps} steps ({job.compression})")
+        return diloco_bytes(job, n_local, p)
     if job.data_parallel == "fsdp":
         gather = ring_share(p) * n_local * (2 if job.half else 4) * 2 * job.grad_accum
         scatter = ring_share(p) * n_local * 4
@@ -91,7 +101,8 @@ def comm_per_step(shape: ModelShape, job: Job, blocks: int, ckpt_blocks: int, ha
          tp_bytes(shape, job, blocks, ckpt_blocks, ends) + moe.tp_grad_bytes(shape, job, block_ids),
          "sequence-parallel all-gathers + reduce-scatters per block"
          + ", MoE gradients all-reduced" * bool(shape.moe_experts and job.tp > 1)),
-        ("dp", link(job.tp * job.dp_size, job), dp, what),
+        ("dp", link(job.world // job.replicas if job.replicas else job.tp * job.dp_size, job), dp, what),
+        *([("replica", "inter-node", *diloco_bytes(job, n_local, job.replicas))] if job.replicas else []),
         ("pp", link(job.tp * job.dp_size * 2, job) if job.pp > 1 else "-",
          pp_bytes(shape, job, has_first, has_last), "activations forward, gradients back"),
     ]

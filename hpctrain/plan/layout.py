@@ -66,6 +66,7 @@ class Job:
     inner_steps: int = 16
     compression: str = "none"           # none | bf16 | int8 | int4 (diloco)
     overlap: bool = False               # diloco
+    replica_nodes: int = 0              # diloco: DDP inside replicas of this many nodes (0 = off)
     checkpoint_keep: int = 3
     checkpoint_layout: str = "rank"     # checkpoint.layout: rank (a file per rank) | node (per node)
     meta_init: bool = True              # parallel.meta_init: only each rank's shards are built
@@ -79,6 +80,11 @@ class Job:
     @property
     def dp_size(self) -> int:
         return self.dp or self.world // (self.tp * self.pp)
+
+    @property
+    def replicas(self) -> int:
+        """DiLoCo replicas of sync.replica_nodes nodes (0: not hierarchical)."""
+        return self.nodes // self.replica_nodes if self.replica_nodes else 0
 
     @property
     def virtual(self) -> int:
@@ -131,6 +137,10 @@ class Job:
             raise ValueError(f"--pp {self.pp} x {self.virtual} virtual stages > n_layer {shape.n_layer}")
         if self.sync_mode == "diloco" and self.data_parallel == "fsdp":
             raise ValueError("--sync-mode diloco: replicas train apart; use --data-parallel ddp")
+        if self.replica_nodes and (self.sync_mode != "diloco" or self.replica_nodes < 0
+                                   or self.nodes % self.replica_nodes or self.pp > 1):
+            raise ValueError(f"--replica-nodes {self.replica_nodes}: needs --sync-mode diloco, "
+                             f"--pp 1 and a divisor of --nodes {self.nodes}")
         if self.tokens < shape.block_size + 1:
             raise ValueError(f"--tokens {self.tokens:g} holds no window of block_size+1 tokens")
         for key in ("memory_margin", "mfu"):

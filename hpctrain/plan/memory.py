@@ -366,7 +366,8 @@ def _peak(shape: ModelShape, job: Job, stage: Stage, p: dict) -> int:
             + p.get("FSDP unsharded grad (transient)", 0)
             + p.get("FSDP accumulated grads (grad_accum > 1)", 0))
     acts = p["activations"]
-    ddp_buckets = (job.data_parallel == "ddp" and job.dp_size > 1 and job.sync_mode == "sync"
+    ddp_buckets = (job.data_parallel == "ddp" and job.dp_size > (job.replicas or 1)
+                   and (job.sync_mode == "sync" or job.replicas > 0)  # hierarchical: DDP inside
                    and job.tp == 1 and job.pp == 1)  # gradient_as_bucket_view: grads never freed
     fsdp = job.data_parallel == "fsdp" and job.dp_size > 1
     if fsdp and stage.in_flight == 1 and (job.grad_accum == 1 or job.pp == 1):

@@ -75,6 +75,6 @@ def step_time(shape: ModelShape, job: Job, mem: RankMemory) -> StepTime:
         window = compute
     else:
         window = compute * 2 / 3 / job.grad_accum
-    exposed = max(0.0, seconds["dp"] - window)
+    exposed = max(0.0, seconds["dp"] - window) + seconds.get("replica", 0.0)  # (not overlapped)
     return StepTime(compute, seconds["tp"], seconds["pp"], bubble, exposed, seconds["dp"], tokens,
                     seconds.get("ep", 0.0))
