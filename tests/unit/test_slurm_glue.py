@@ -160,3 +160,13 @@ def test_the_batch_script_check_refuses_a_bad_config_in_one_line(tmp_path):
     r = helper("check", cfg, "--train.warmup_steps=5")
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert r.stderr.startswith("error: ") and "train.warmup_steps" in r.stderr
+
+
+def test_probing_nodes_that_slurm_cannot_reach_tells_nothing(tmp_path):
+    """`sbatch_helper gone` (train.sbatch asks it which nodes are gone after mpiexec ended naming
+    none): when no node answers, Slurm itself is unreachable, not every node lost: one error line
+    naming the nodes, exit 1, so the script relaunches nothing."""
+    r = helper("gone", "node-a", "node-b", env={"SLURM_CONF": str(tmp_path / "none.conf"),
+                                                  "HPCTRAIN_PROBE_TIMEOUT_S": "5"})
+    assert r.returncode == 1 and r.stdout == "" and r.stderr.count("\n") == 1, r
+    assert r.stderr.startswith("error: ") and "node-a,node-b" in r.stderr and "cannot" in r.stderr
