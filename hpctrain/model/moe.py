@@ -67,11 +67,14 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
 
-    def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x_sorted [N, C], rows grouped by expert, counts[e] rows for local expert e."""
+    def forward(self, x_sorted: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
+        """x_sorted [N, C], rows grouped by expert, counts[e] rows for local expert e (a host list,
+        or a tensor on x's device: MoEFeedForward's, which expert parallelism exchanges as is)."""
         if _grouped_mm_fits(x_sorted, self.w1, self.w3, self.w2):
-            ends = torch.tensor(counts, device=x_sorted.device).cumsum(0).to(torch.int32)
-            return grouped_swiglu(x_sorted, self.w1, self.w3, self.w2, ends)
+            counts = torch.as_tensor(counts, device=x_sorted.device)
+            return grouped_swiglu(x_sorted, self.w1, self.w3, self.w2, counts.cumsum(0).to(torch.int32))
+        if isinstance(counts, torch.Tensor):
+            counts = counts.tolist()  # the CUDA and loop paths size their groups on the host
         if _cuda_grouped_mm_fits(x_sorted, self.w1):
             return cuda_grouped_swiglu(x_sorted, self.w1, self.w3, self.w2, counts)
         return loop_swiglu(x_sorted, self.w1, self.w3, self.w2, counts)
@@ -192,7 +195,7 @@ class MoEFeedForward(nn.Module):
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)  # routed rows grouped by expert, token order inside
         counts = torch.bincount(flat, minlength=self.cfg.n_experts)
-        out_sorted = self.experts(x[order // self.cfg.top_k], counts.tolist())
+        out_sorted = self.experts(x[order // self.cfg.top_k], counts)  # on x's device
         weighted = out_sorted * gates.reshape(-1)[order, None]  # fp32 gates, as transformers
         out = torch.zeros_like(x).index_add_(0, order // self.cfg.top_k, weighted.to(x.dtype))
         if self.shared is not None:

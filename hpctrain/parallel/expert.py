@@ -6,6 +6,8 @@ are cut by owning rank, exchanged with all_to_all_single, regrouped by local exp
 experts' matmuls (the model's own Experts computation on this rank's slice), and the way back. The
 exchange is differentiable (functional collectives' all_to_all_single_autograd): a token's gradient returns
 to its rank, and each expert's weight gradient sums the contributions of every rank's tokens.
+Every collective's tensor is on the rows' device, as NCCL requires (the counts too: their host copy,
+the split sizes, is taken once, after their exchange; tests/mpi/test_expert_parallel.py holds it).
 It must never change what a layer computes: with ep ranks holding E / ep contiguous experts each,
 every row meets the same expert with the same weights as on one rank (dropless: every row sent is
 computed; tests/mpi/test_expert_parallel.py compares with one rank).
@@ -52,16 +54,21 @@ class ExpertParallelExperts(nn.Module):
         """This rank's slices as plain tensors (a DTensor's local shard; differentiable)."""
         return SimpleNamespace(**{n: _to_local(getattr(self, n)) for n in WEIGHTS})
 
-    def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        ep, n_local = self.ep, self.n_local
-        send = torch.tensor(counts, dtype=torch.int64).reshape(ep, n_local)  # [dest, its expert]
-        recv = torch.empty_like(send)  # [source, my expert]: rows each source sends each expert
+    def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
+        """Every collective's tensor is on x's device (NCCL takes no other): the counts are
+        exchanged there, and their one host copy, the split sizes, is taken after the exchange."""
+        ep, n_local, device = self.ep, self.n_local, x_sorted.device
+        # send [dest, its expert], recv [source, my expert]: the rows of each pair
+        send = torch.as_tensor(counts, dtype=torch.int64, device=device).reshape(ep, n_local)
+        recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
-        send_rows, recv_rows = send.sum(1).tolist(), recv.sum(1).tolist()
+        send_h, recv_h = torch.stack([send, recv]).tolist()
+        send_rows, recv_rows = [sum(r) for r in send_h], [sum(r) for r in recv_h]
         received = _exchange(x_sorted, recv_rows, send_rows, self.group)
         # received rows are [source][expert]-ordered: regroup them [expert][source] for the matmuls
-        order = _source_major_to_expert_major(recv).to(received.device)
-        out = Experts.forward(self._local_weights(), received[order], recv.sum(0).tolist())
+        order = _source_major_to_expert_major(recv, sum(recv_rows))
+        expert_rows = [sum(col) for col in zip(*recv_h)]
+        out = Experts.forward(self._local_weights(), received[order], expert_rows)
         self.local_rows_computed += out.shape[0]
         back = torch.empty_like(out).index_copy(0, order, out)  # undo the regrouping
         return _exchange(back, send_rows, recv_rows, self.group)
@@ -77,13 +84,15 @@ def _exchange(rows: torch.Tensor, recv: list[int], send: list[int], group) -> to
     return torch.ops._c10d_functional.wait_tensor(out) if hasattr(out, "wait") else out
 
 
-def _source_major_to_expert_major(recv: torch.Tensor) -> torch.Tensor:
-    """Row indices that turn rows laid out [source s][expert e] (recv[s, e] rows each) into
-    [expert e][source s] order."""
-    starts = (recv.reshape(-1).cumsum(0) - recv.reshape(-1)).reshape(recv.shape)  # [s, e] first row
-    pieces = [torch.arange(int(starts[s, e]), int(starts[s, e] + recv[s, e]))
-              for e in range(recv.shape[1]) for s in range(recv.shape[0])]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+def _source_major_to_expert_major(recv: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """Row indices (on recv's device, no host sync: `n_rows` is recv's sum) that turn rows laid
+    out [source s][expert e] (recv[s, e] rows each) into [expert e][source s] order."""
+    flat = recv.reshape(-1)
+    src_start = (flat.cumsum(0) - flat).reshape(recv.shape).t().reshape(-1)  # piece [e, s]'s first row
+    lengths = recv.t().reshape(-1)                                           # piece [e, s]'s rows
+    shift = src_start - (lengths.cumsum(0) - lengths)  # where a piece starts: source-major - expert-major
+    return torch.repeat_interleave(shift, lengths, output_size=n_rows) + \
+        torch.arange(n_rows, device=recv.device)
 
 
 def shard_experts(experts: Experts, n_experts: int, group: dist.ProcessGroup,

@@ -3,7 +3,10 @@ ranks (ep=2: the training runs of tests/mpi/test_moe_parallel.py), tokens exchan
 all-to-all, against the same layer on one rank under deliberately skewed routing: every rank's
 outputs and its experts' weight gradients equal, the router's gradient (summed over ranks) within
 1e-5, and dropless: the rows the experts computed, summed over ranks, are exactly the routed slots
-(192 tokens x top-2)."""
+(192 tokens x top-2); every dist collective of the sharded layer (the counts' all-to-all) gets
+tensors on the rank's device only, as NCCL requires: the probe makes torch's default device "meta"
+and refuses any other with NCCL's message (a "cuda:gloo" group, which refuses CPU tensors for real,
+cannot run a CPU rank's layer at all: tests/unit/test_gpu_safety.py)."""
 from __future__ import annotations
 
 import pytest
@@ -17,6 +20,7 @@ PROBE = ROOT / "tests/mpi/scripts/expert_parallel_probe.py"
 @pytest.mark.parametrize("ep", [4])  # ep=2: the training runs of test_moe_parallel.py
 def test_sharded_experts_equal_one_rank(ep):
     r = mpirun(ep, [PROBE, "8"], timeout=240)
+    assert "No backend type associated" not in r.stderr, r.stderr[-2000:]  # a host tensor reached one
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     lines = [ln.split() for ln in r.stdout.splitlines() if ln.startswith("rank ")]
     assert len(lines) == ep, r.stdout
@@ -26,3 +30,4 @@ def test_sharded_experts_equal_one_rank(ep):
         assert float(fields["router"]) <= 1e-5, ln
         assert int(fields["computed"]) == int(fields["routed"]) == 192 * 2, ln
         assert int(fields["max_load"]) > 1.5 * 192 * 2 / 8, ln  # really unbalanced
+        assert int(fields["collectives"]) >= 1, ln  # the counts' exchange ran under the device check

@@ -1,7 +1,9 @@
 """Run under mpiexec -n EP: one MoE layer with its experts sharded over every rank
 (hpctrain/parallel/expert.py) against the same layer on one rank, under deliberately skewed
 routing. Prints, per rank, the max |difference| of its tokens' outputs, of its experts' weight
-gradients and of the router's gradient (summed over ranks, relative to its largest entry), and the rows its experts computed."""
+gradients and of the router's gradient (summed over ranks, relative to its largest entry), the rows
+its experts computed, and how many dist collectives the sharded layer ran, each held to the rank's
+device as NCCL holds it (a tensor off it ends the probe with NCCL's message)."""
 import copy
 import sys
 
@@ -29,8 +31,32 @@ share = slice(r * TOKENS // ep, (r + 1) * TOKENS // ep)
 out_ref = ref(x).detach()[share]
 
 moe.experts = shard_experts(moe.experts, E, dist.group.WORLD)
+# NCCL refuses a collective on a tensor off the rank's device ("No backend type associated with
+# device type cpu"). Here the device is the CPU: a tensor built without naming its device lands on
+# "meta" (the defect's class: a host tensor where the rank's device was meant), which never reaches
+# the real backend (meta kernels are fakes), so dist's collectives refuse it first, as NCCL would.
+torch.set_default_device("meta")
+checked = []  # the devices every dist collective of the layer's forward and backward was given
+
+
+def device_only(collective):
+    def refusing(*args, **kwargs):
+        devices = {t.device.type for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
+        checked.append(devices)
+        if devices - {"cpu"}:
+            raise RuntimeError(f"No backend type associated with device type {min(devices - {'cpu'})}")
+        return collective(*args, **kwargs)
+    return refusing
+
+
+real = {name: getattr(dist, name) for name in ("all_to_all_single", "all_reduce", "all_gather")}
+for name, collective in real.items():
+    setattr(dist, name, device_only(collective))
 out = moe(x[share])
 (out * w[share]).sum().backward()
+torch.set_default_device("cpu")
+for name, collective in real.items():
+    setattr(dist, name, collective)
 rows = slice(r * E // ep, (r + 1) * E // ep)
 d_out = (out.detach() - out_ref).abs().max()
 d_experts = max((getattr(moe.experts, n).grad - getattr(ref.experts, n).grad[rows]).abs().max()
@@ -46,7 +72,7 @@ dist.all_reduce(load)
 # ranks' lines can interleave
 sys.stdout.write(f"rank {r}: out {float(d_out):.3g} experts {float(d_experts):.3g} router "
                  f"{float(d_router):.3g} computed {int(computed)} routed {int(load.sum())} "
-                 f"max_load {int(load.max())}\n")
+                 f"max_load {int(load.max())} collectives {len(checked)}\n")
 sys.stdout.flush()
 teardown()
 # ends as `hpctrain train` does (MPI_Finalize, the launcher told, os._exit): without the
