@@ -126,7 +126,11 @@ def replica_ranks(replica_nodes: int, ctx: DistContext) -> int:
         raise ConfigError(f"config key 'sync.replica_nodes': {replica_nodes} does not divide the "
                           f"{ctx.n_nodes} nodes of {ctx.world_size} ranks evenly ({ctx.local_size} "
                           f"ranks on node {ctx.node_rank}); use a divisor of {ctx.n_nodes}")
-    return replica_nodes * (ctx.world_size // ctx.n_nodes)
+    per_node = ctx.world_size // ctx.n_nodes
+    if ctx.rank // per_node != ctx.node_rank:  # e.g. srun --distribution=cyclic
+        logs.warning(f"warning: rank {ctx.rank} is on node {ctx.node_rank}, but sync.replica_nodes "
+                     f"takes consecutive ranks as a node (block placement): its replica spans nodes")
+    return replica_nodes * per_node
 
 
 def tp_group_hosts(hosts, tp: int) -> str:
