@@ -13,6 +13,10 @@ all-reduced over the tp group, the target logit comes from the rank whose slice 
 gradient wrt h (a sum over the slices) is all-reduced once at the end. h then arrives as the
 replicated DTensor the head module gathered (see `ChunkedLossHead`).
 
+With `train.compile = true` (no tensor parallelism) each chunk's softmax and gradient run as one
+torch.compile'd function (`_fused_chunk`): its ~8 passes over the [chunk, vocab] logits fuse into
+two, ~2x faster per chunk on CPU (docs/benchmarks.md); its numbers round like any compiled code.
+
 Owns: the chunked loss and the head module that hands hidden states to it (`use_chunked_head`).
 It must never apply a layout or run the step (parallelize.py / runner.py do).
 """
@@ -32,6 +36,7 @@ class ChunkedLossHead(nn.Linear):
     runner feeds them and `weight` to `chunked_lm_loss`."""
 
     returns_hidden = True  # read by the TP plan (tensor_parallel.py) and the runner
+    compiled = False  # train.compile: the loss runs its chunks compiled (activation.compile_regions)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -93,9 +98,33 @@ def _chunk_loss_and_grad(hc, wc, t, offset, group, weight, buf):
     return loss_sum, probs.to(hc.dtype)
 
 
+def _fused_chunk(hc, wc, t, weight):
+    """`_chunk_loss_and_grad` without tensor parallelism, written for torch.compile (no in-place
+    ops or boolean indexing, which would split the graph): (loss sum, gradient wrt the logits)."""
+    logits = (hc @ wc.t()).float()
+    valid = t != IGNORE_INDEX
+    idx = torch.where(valid, t, 0).unsqueeze(1)
+    logits = logits - logits.amax(dim=1, keepdim=True)
+    target = torch.where(valid, logits.gather(1, idx).squeeze(1), 0.0)
+    exp = logits.exp()
+    sum_exp = exp.sum(dim=1)
+    loss_sum = torch.where(valid, sum_exp.log() - target, 0.0).sum()
+    probs = (exp * (weight / sum_exp).unsqueeze(1)).scatter_add(1, idx, -(weight * valid).unsqueeze(1))
+    return loss_sum, probs.to(hc.dtype)
+
+
+_COMPILED_CHUNK = []  # [torch.compile(_fused_chunk)], made on first use
+
+
+def _compiled_chunk():
+    if not _COMPILED_CHUNK:
+        _COMPILED_CHUNK.append(torch.compile(_fused_chunk))
+    return _COMPILED_CHUNK[0]
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, w, targets, chunk, offset, group, dtype, need_grad):
+    def forward(ctx, h, w, targets, chunk, offset, group, dtype, need_grad, compiled=False):
         hc, wc = h.to(dtype), w.to(dtype)
         valid = targets != IGNORE_INDEX
         count = valid.sum().clamp(min=1).to(torch.float32)
@@ -108,8 +137,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                            device=h.device) if fp32 else None)
         for s in range(0, h.shape[0], chunk):
             e = min(s + chunk, h.shape[0])
-            part, g = _chunk_loss_and_grad(hc[s:e], wc, targets[s:e], offset, group,
-                                           weight[s:e] if need_grad else None, buf)
+            if compiled and need_grad and group is None:
+                part, g = _compiled_chunk()(hc[s:e], wc, targets[s:e], weight[s:e])
+            else:
+                part, g = _chunk_loss_and_grad(hc[s:e], wc, targets[s:e], offset, group,
+                                               weight[s:e] if need_grad else None, buf)
             total += part
             if need_grad and fp32 and h.dtype == torch.float32:
                 torch.matmul(g, wc, out=grad_h[s:e])
@@ -126,14 +158,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_w = ctx.saved_tensors  # ours, used once: scaled in place (no [V, C] copy)
-        return grad_h.mul_(grad_loss), grad_w.mul_(grad_loss), None, None, None, None, None, None
+        return grad_h.mul_(grad_loss), grad_w.mul_(grad_loss), *([None] * 7)
 
 
 def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                    chunk: int) -> torch.Tensor:
+                    chunk: int, compiled: bool = False) -> torch.Tensor:
     """Mean next-token cross-entropy (fp32) of logits = hidden @ weight^T, `chunk` tokens at a time;
     the same value and gradients (wrt hidden and weight) as F.cross_entropy on the full logits.
-    hidden [..., C] (a replicated DTensor under TP), weight [V, C] (vocab-sharded under TP)."""
+    hidden [..., C] (a replicated DTensor under TP), weight [V, C] (vocab-sharded under TP).
+    `compiled`: each chunk's math through torch.compile (train.compile; not under TP)."""
     if isinstance(hidden, DTensor):
         if not all(p.is_replicate() for p in hidden.placements):
             raise ValueError(f"train.loss_chunk: hidden states laid out as {hidden.placements}; "
@@ -147,4 +180,4 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     need_grad = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)
     with torch.autocast(device_type, enabled=False):
         return _ChunkedLinearCrossEntropy.apply(h.flatten(0, -2), w, targets.flatten(), chunk,
-                                                offset, group, dtype, need_grad)
+                                                offset, group, dtype, need_grad, compiled)

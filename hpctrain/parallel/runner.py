@@ -77,7 +77,8 @@ class StepRunner(ABC):
         if not self.loss_chunk:
             return lm_loss(output, targets)
         # fetched each time: FSDP swaps the registered parameter between sharded and unsharded
-        return chunked_lm_loss(output, self.layout.module.lm_head.weight, targets, self.loss_chunk)
+        head = self.layout.module.lm_head
+        return chunked_lm_loss(output, head.weight, targets, self.loss_chunk, head.compiled)
 
     def _scaled_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss that backward sees: after the loss hook, times the loss scale."""

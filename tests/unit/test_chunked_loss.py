@@ -112,3 +112,34 @@ def test_planner_models_the_chunked_head():
     gpt2 = ModelShape(4, 128, 4, 50304, 128)
     plain = sum(memory.head_bytes(gpt2, 8, 1, False))
     assert sum(memory.head_bytes(gpt2, 8, 1, False, chunk=128)) * 8 <= plain
+
+
+def test_compiled_chunks_match_the_plain_loss_and_grads():
+    """train.compile: each chunk's math through torch.compile (_fused_chunk) gives the plain
+    path's loss and gradients (fp32, <= 1e-6 relative; bf16: bench/hf_baseline.py --compile's curve)."""
+    h, w, t = _case(seed=2, t=32)  # 96 tokens: 6 chunks of one shape, one compile
+    t[1, 3:9] = -100
+    ref = _grads(_plain, h, w, t)
+    got = _grads(lambda a, b, c: chunked_lm_loss(a, b, c, 16, compiled=True), h, w, t)
+    assert abs(got[0].item() - ref[0].item()) <= 1e-6 * ref[0].item()
+    assert _rel(got[1], ref[1]) <= 1e-6 and _rel(got[2], ref[2]) <= 1e-6
+    assert got[1][1, 3:9].abs().max().item() == 0.0
+
+
+def test_compile_regions_compiles_each_block_in_place():
+    """Regional compile: parameter names unchanged, every block's forward compiled, the chunked
+    head told to compile its chunks, and the model's output that of eager (<= 1e-5)."""
+    from hpctrain.parallel.activation import compile_regions
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=24, vocab_size=97)
+    eager, compiled = GPT(cfg), GPT(cfg)
+    compiled.load_state_dict(eager.state_dict())
+    use_chunked_head(eager), use_chunked_head(compiled)
+    names = list(dict(compiled.named_parameters()))
+    assert compile_regions(compiled) == 2
+    assert list(dict(compiled.named_parameters())) == names
+    assert all(type(b.forward).__name__ != "method" for b in compiled.blocks.values())
+    assert compiled.lm_head.compiled and not eager.lm_head.compiled
+    tokens = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(3))
+    assert (compiled(tokens) - eager(tokens)).abs().max().item() <= 1e-5
