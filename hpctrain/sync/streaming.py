@@ -1,6 +1,8 @@
 """Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512): DiLoCo whose model is split into P
-fragments of contiguous transformer blocks, fragment p synchronized every H inner steps at its own
-offset p * H // P, its all-reduce overlapped with the next tau inner steps and then mixed in.
+fragments of transformer blocks taken with a stride (fragment p = blocks p, p + P, p + 2P, ...: the
+paper's "strided" pattern, which it prefers to contiguous blocks), fragment p synchronized every H
+inner steps at its own offset p * H // P, its all-reduce overlapped with the next tau inner steps
+and then mixed in.
 
 Owns: the split by blocks, the per-fragment arrival schedule (sent at step t, merged after inner
 step t + tau), the mixing, and the record of what was synced at each step. Everything else (the
@@ -8,7 +10,7 @@ anchor, the outer Nesterov step, compression, checkpoints) is DiLoCo's (hpctrain
 
 Round of fragment p after inner step t (t % H == p * H // P), with the global fragment g_p:
     delta    = g_p - local_p                        (measured from the global fragment)
-    avg      = mean over replicas of delta          (compress.average: fp32 | bf16 | int8)
+    avg      = mean over replicas of delta          (compress.average: fp32 | bf16 | int8 | int4)
 without sync.overlap:  g_p <- OuterOpt(g_p, avg);  local_p <- g_p           (plain DiLoCo's round)
 with sync.overlap:     the average runs in the background; after inner step t + tau
                        (sync.overlap_steps) g_p <- OuterOpt(g_p, avg) and
@@ -16,8 +18,18 @@ with sync.overlap:     the average runs in the background; after inner step t + 
 so the tau inner steps taken meanwhile are kept in part. tau <= H // P (config rule): a fragment's
 average arrives before the next fragment is sent, so at most one is in flight at any step. The last
 step merges what is in flight, then flushes every fragment synchronously (as DiLoCo). Embeddings
-(parameters before the first block) go with the first fragment, the final norm / head with the
-last; P = 1 without overlap is plain DiLoCo, bit for bit.
+(parameters before the first block) go with block 0's fragment, the final norm / head with the last
+block's; P = 1 without overlap is plain DiLoCo, bit for bit.
+
+Checked against an open implementation, pytorch/torchft torchft/local_sgd.py (class DiLoCo and
+_StreamingDiLoCoFragment, 2025): the pseudo-gradient is the saved global fragment minus the local
+one (`_save_grads`), sent tau = `fragment_sync_delay` steps before it is applied (`prepare_sync`
+at local step H/P - tau, `perform_sync` at H/P: the same schedule as ours shifted by tau); the
+outer optimizer (Nesterov SGD, one per fragment or shared: per parameter state either way, as our
+momentum is) steps the restored global fragment, which is saved as the next reference, and the
+local fragment is merged by `global.lerp_(local, alpha)` = alpha * local + (1 - alpha) * global
+(`fragment_update_alpha`; torchft defaults to 0, the paper uses 0.5, our sync.mix_alpha default).
+torchft leaves the split to the caller (`model_fragments`); the fragment pattern follows the paper.
 """
 from __future__ import annotations
 
@@ -34,20 +46,21 @@ _BLOCK = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
 
 
 def block_fragments(names: list[str], sizes: list[int], n: int, n_layer: int) -> list[list[int]]:
-    """n groups of parameter indices: group f holds blocks f * n_layer / n up to (f + 1) * n_layer
-    / n (global block indices: a pipeline stage keeps its blocks' names, so a fragment is the same
-    layers on every stage and syncs at the same step); parameters before the first block join
-    group 0, the rest outside blocks the last. Groups may be empty (a stage without a fragment's
-    blocks: it never syncs there). Without any block: split_fragments by size."""
+    """n groups of parameter indices, strided: group f holds blocks f, f + n, f + 2n, ... (global
+    block indices: a pipeline stage keeps its blocks' names, so a fragment is the same layers on
+    every stage and syncs at the same step); parameters before the first block join block 0's
+    group, the rest outside blocks the last block's ((n_layer - 1) % n). Groups may be empty (a
+    stage without any of a fragment's blocks: it never syncs there). Without any block:
+    split_fragments by size."""
     ids = [int(m.group(1)) if (m := _BLOCK.search(name)) else None for name in names]
     blocks = sorted({b for b in ids if b is not None})
     if not blocks:
         return split_fragments(sizes, n)
-    where = {b: min(n - 1, b * n // max(n_layer, blocks[-1] + 1)) for b in blocks}
+    last = (max(n_layer, blocks[-1] + 1) - 1) % n
     groups, seen_block = [[] for _ in range(n)], False
     for i, b in enumerate(ids):
         seen_block = seen_block or b is not None
-        groups[where[b] if b is not None else (n - 1 if seen_block else 0)].append(i)
+        groups[b % n if b is not None else (last if seen_block else 0)].append(i)
     return groups
 
 

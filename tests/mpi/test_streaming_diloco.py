@@ -81,11 +81,15 @@ def test_learns_like_diloco(tmp_path, dataset):
     assert b[40] < a[40] * 1.05 + 0.05, (a, b)  # close to DiLoCo's
 
 
-def test_fragments_are_global_blocks_on_every_pipeline_stage():
+def test_fragments_are_strided_global_blocks_on_every_pipeline_stage():
     from hpctrain.sync.streaming import block_fragments
 
     stage0 = ["tok_emb.weight", "blocks.0.attn.w", "blocks.1.attn.w"]
     stage1 = ["blocks.2.attn.w", "blocks.3.mlp.w", "ln_f.weight"]
-    assert block_fragments(stage0, [1] * 3, 2, n_layer=4) == [[0, 1, 2], []]
-    assert block_fragments(stage1, [1] * 3, 2, n_layer=4) == [[], [0, 1, 2]]
+    # strided, as the paper: fragment f = blocks f, f + P, ...; embeddings with block 0's, the
+    # head with the last block's (3 % 2 = 1)
+    assert block_fragments(stage0, [1] * 3, 2, n_layer=4) == [[0, 1], [2]]
+    assert block_fragments(stage1, [1] * 3, 2, n_layer=4) == [[0], [1, 2]]
     assert block_fragments(stage0 + stage1, [1] * 6, 4, n_layer=4) == [[0, 1], [2], [3], [4, 5]]
+    assert block_fragments(stage0 + stage1, [1] * 6, 3, n_layer=4) == [[0, 1, 4, 5], [2], [3]]
+    assert block_fragments(stage0, [1] * 3, 3, n_layer=4) == [[0, 1], [2], []]
