@@ -55,6 +55,7 @@ keep = 2
 """
 
 LLAMA = ["--model.arch=llama", "--model.n_kv_head=2", "--model.multiple_of=32"]
+MOE = LLAMA + ["--model.moe_experts=4", "--model.moe_top_k=2"]
 PP = ["--parallel.pp=2", "--train.micro_batch_size=2", "--train.grad_accum=4"]
 # name: (ranks, overrides, resume?) -- resume: stop at steps/2, then a second launch finishes.
 CASES = {
@@ -79,6 +80,10 @@ CASES = {
     "llama_tp2": (2, LLAMA + ["--parallel.tp=2", "--train.micro_batch_size=8",
                               "--train.grad_accum=1"], False),
     "llama_fsdp2_resume": (2, LLAMA + ["--parallel.data_parallel=fsdp", "--train.grad_accum=1"], True),
+    "moe_one": (1, MOE, False),
+    "moe_ep2": (2, MOE + ["--parallel.ep=2", "--train.grad_accum=1"], False),
+    "moe_ep2_fsdp_resume": (2, MOE + ["--parallel.ep=2", "--parallel.data_parallel=fsdp",
+                                      "--train.grad_accum=1"], True),
 }
 # Keys that measure time or the machine, never compared.
 TIMING = ("time", "tokens_per_s", "mfu", "wait", "elapsed", "_s", "throughput", "samples_per_s",
