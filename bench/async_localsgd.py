@@ -21,8 +21,10 @@ same held-out windows, giving validation loss against wall time (from launch to 
 commit). Prints the final loss, the wall time, the bytes rank 0 moved for synchronization
 (`comm_bytes`), and the wall time at which each mode first reaches
 synchronous DiLoCo's final loss; then the equal-speed check (sync DiLoCo vs async DN+DyLU at slow 1);
-last, async DN+DyLU's bytes per token over sync DiLoCo's (with --compression the asynchronous
-modes pull the global model's change in that format too).
+last, async DN+DyLU's bytes per token over sync DiLoCo's, both as rank 0's bytes sent + received
+(sync DiLoCo's comm_bytes counts the sent half of its symmetric average; with --compression the
+asynchronous modes pull the global model's change in that format too, and skip the pull of an
+arrival whose change is their own).
 """
 from __future__ import annotations
 
@@ -92,8 +94,11 @@ def train(name: str, ranks: int, extra: list[str], args, tmp: Path, slow: float)
     wall = time.time() - t0
     if r.returncode:
         sys.exit(f"{name} failed:\n{r.stderr[-3000:]}")
-    moved = [json.loads(line).get("comm_bytes", 0) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return {"run": run, "t0": t0, "wall_s": wall, "moved": max(moved, default=0)}
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    arrivals = [r for r in recs if "pushed_bytes" in r]  # rank 0's (replica 0's) arrivals
+    return {"run": run, "t0": t0, "wall_s": wall, "moved": max((r.get("comm_bytes", 0) for r in recs), default=0),
+            "arrivals": len(arrivals), "pushed": sum(r["pushed_bytes"] for r in arrivals),
+            "pulled": sum(r["pulled_bytes"] for r in arrivals)}
 
 
 @torch.no_grad()
@@ -172,13 +177,14 @@ def main() -> None:
                          "with many replicas on few cores, keeps the CPU from being what times them")
     args = ap.parse_args()
     val = held_out(args.data, args.windows)
-    curves, walls, moved = {}, {}, {}
+    curves, walls, moved, split = {}, {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, (ranks, extra) in modes(args.h, args.replicas, args.compression).items():
             if args.only and name not in args.only:
                 continue
             res = train(name, ranks, extra, args, Path(tmp), args.slow)
             curves[name], walls[name], moved[name] = score(res["run"], res["t0"], val), res["wall_s"], res["moved"]
+            split[name] = res
             print(f"  done {name} in {res['wall_s']:.0f}s", file=sys.stderr, flush=True)
         equal = {}
         if not args.no_equal_speed:
@@ -202,9 +208,16 @@ def main() -> None:
         reach = time_to(curves["async DN+DyLU"], target)
         ratio = reach / time_to(curves["sync DiLoCo"], target) if reach is not None else float("inf")
         print(f"time to sync-DiLoCo loss, async+DN+DyLU / sync DiLoCo: {ratio:.2f}x")
+    for name in (n for n in split if split[n]["arrivals"]):
+        res = split[name]
+        print(f"{name}, rank 0: {res['arrivals']} arrivals, pushed {res['pushed'] / 1e6:.1f} MB, "
+              f"pulled {res['pulled'] / 1e6:.1f} MB (catch-ups included)")
     if "sync DiLoCo" in moved and "async DN+DyLU" in moved and moved["sync DiLoCo"]:
-        # every mode trains the same tokens, so rank 0's bytes per token compare as its bytes
-        print(f"async DN+DyLU bytes per token / sync DiLoCo: {moved['async DN+DyLU'] / moved['sync DiLoCo']:.2f}x")
+        # every mode trains the same tokens, so rank 0's bytes per token compare as its bytes.
+        # Like with like: sync DiLoCo's comm_bytes is what rank 0 sends, and its average (ring or
+        # two-phase) receives exactly as much; an asynchronous replica's counts its pushes and pulls
+        print(f"async DN+DyLU bytes per token / sync DiLoCo: "
+              f"{moved['async DN+DyLU'] / (2 * moved['sync DiLoCo']):.2f}x (sent + received by rank 0)")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,10 @@ checkpoint entry. With sync.compression = "bf16" | "int8" | "int4" the replica p
 pseudo-gradient and the servers apply it, and it pulls the global model's change since its last
 pull in the same format, with error feedback on the servers (hpctrain/sync/inbox.py): an arrival
 then moves 2 (bf16), ~1 (int8) or ~1/2 (int4) bytes per parameter out and as many back, instead
-of 24. Each arrival's record says pushed_bytes and pulled_bytes (catch-up pulls of the round
+of 24; nothing back when the arrival's change is the replica's own pseudo-gradient alone (outer SGD,
+or delayed Nesterov off its momentum arrivals) and the replica held every arrival before it:
+it adds that change itself, as the servers add it to their view of it (inbox.py, outer.OwnChange).
+Each arrival's record says pushed_bytes and pulled_bytes (catch-up pulls of the round
 included). The servers' view of a replica's weights is its start point: checkpointed with the
 replica and sent to the servers again on resume (inbox.set_views).
 """
@@ -50,7 +53,7 @@ from hpctrain.errors import ConfigError
 from hpctrain.sync.asynchronous import AsynchronousStrategy, add_into, assign, flat, local_part
 from hpctrain.sync.global_model import GlobalModelWindows
 from hpctrain.sync.inbox import ArrivalInbox
-from hpctrain.sync.outer import apply_arrival, dynamic_local_steps
+from hpctrain.sync.outer import OwnChange, apply_arrival, dynamic_local_steps
 from hpctrain.model.optim import lr_at
 
 
@@ -78,6 +81,8 @@ class AsyncDiLoCo(AsynchronousStrategy):
                                           control_comm=ctx.comm, control_host=mesh.dims.rank_of(0, replicas, 0))
         self.inbox = None if s.compression == "none" else ArrivalInbox(
             part, self.windows.servers, self.windows.bounds, self.n_workers, s.compression, s.int8_block)
+        if self.inbox is not None:  # an arrival whose change is the replica's own: no pull
+            self.inbox.own_change = OwnChange(self.kind, **self.outer)
         self.flags = self.windows
         self.start = flat(self.params)
         self.replica = mesh.dp_rank if self.trains else -1

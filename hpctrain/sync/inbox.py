@@ -21,6 +21,16 @@ theta (at the time of the pull) than one rounding of d: half a step, block absma
 int8. A catch-up is a pull at the arrivals it saw. The views are the replicas' start points (the
 replica checkpoints its start; `set_views` sends them to the servers at start and on resume).
 
+A pull a replica can do without: its own arrival k, when its view holds exactly arrivals < k (it
+pulled or caught up to k - 1) and arrival k's change of theta is its own pseudo-gradient alone
+(`own_change`, given by async_diloco: outer SGD, or delayed Nesterov off its momentum arrivals):
+theta - lr * decode(push) / R. Both sides then add that change to the view, in the same float32
+operations on the same decoded bytes, so they stay bit-identical and the residual theta - view
+(the error feedback) is unchanged; nothing is pulled from that server. Both sides know when: a
+pull's answer word carries the arrival the view holds up to (`view_at`, per server); after a
+resume it is unknown (-1) until the next pull. A catch-up to arrivals a view already holds pulls
+nothing either.
+
 So an arrival moves the encoded push (2 bytes per parameter in bf16; 1 + 4 per int8 block of
 sync.int8_block in int8; 1/2 + 4 per block in int4) and as much back, and the servers apply arrivals strictly in the order of
 their numbers (every slice, every part of a tensor / pipeline parallel replica, sees one order).
@@ -69,11 +79,16 @@ class ArrivalInbox:
         self.next_arrival = 1
         self.answered = [0] * n_replicas  # server: the last pull answered, per replica
         self.views = None  # server: (n_replicas, slice) fp32, what each replica holds (set_views)
+        self.view_at: list[int] = []  # the arrival each view holds up to (server: per replica;
+        # replica: per server); -1 = unknown
+        self.own_change = None  # (view slice, decoded g slice, arrival) -> applied? (module doc)
+        self._posted: tuple[int, list[np.ndarray]] | None = None  # replica: its last push, decoded
         comm.Barrier()
 
     def set_views(self, replica: int, start: np.ndarray | None) -> None:
         """Collective: every replica (comm rank = replica) sends its weights `start` (flat fp32,
         its part) to the servers, which keep them as its view. At start and on resume."""
+        self.view_at = [-1] * (self.n_replicas if self.me is not None else len(self.servers))
         if self.me is None:
             self.comm.Barrier()
             for server, (lo, hi) in zip(self.servers, self.bounds):
@@ -89,12 +104,14 @@ class ArrivalInbox:
     def post(self, replica: int, arrival: int, g: np.ndarray, lr_scale: float) -> int:
         """Put pseudo-gradient `g` (flat fp32, this rank's part) encoded into slot `replica` of
         every server, then publish `arrival`; bytes sent."""
-        sent = 0
+        sent, decoded = 0, []
         for s, (server, (lo, hi)) in enumerate(zip(self.servers, self.bounds)):
             codec = self.codecs[s]
             padded = torch.zeros(codec.chunk, dtype=torch.float32)
             padded[:hi - lo] = torch.from_numpy(g[lo:hi])
             payload = torch.cat(codec.encode(padded)).numpy()
+            if self.own_change is not None:  # what the server will decode, bit for bit
+                decoded.append(codec.decode(codec.split(torch.from_numpy(payload)))[:hi - lo].numpy())
             words = np.array([arrival, np.float64(lr_scale).view(np.int64)], dtype=np.int64)
             self.slots.Lock(server, MPI.LOCK_SHARED)
             self.slots.Put([payload, MPI.BYTE], server, target=(replica * self.slot_bytes[s], payload.size, MPI.BYTE))
@@ -107,20 +124,25 @@ class ArrivalInbox:
                                    op=MPI.REPLACE)
             self.header.Unlock(server)
             sent += payload.size + 16
+        self._posted = (arrival, decoded)
         return sent
 
     def pull(self, replica: int, at: int, start: np.ndarray) -> tuple[np.ndarray, int]:
         """Ask every server for the change since my last pull once arrival `at` is applied;
-        (start + the decoded changes: my new weights, as the servers' view of them; bytes moved)."""
+        (start + the decoded changes: my new weights, as the servers' view of them; bytes moved).
+        With own_change, a server whose view of me holds arrival `at` already, or exactly the
+        arrivals before my own arrival `at` (module docstring), is not asked."""
+        theta, ask = start.copy(), self._servers_to_ask(at, start)
         word = np.array([at], dtype=np.int64)
-        for server in self.servers:
-            self.header.Lock(server, MPI.LOCK_SHARED)
-            self.header.Accumulate([word, MPI.INT64_T], server, target=(self.pull_words + 2 * replica, 1, MPI.INT64_T),
-                                   op=MPI.REPLACE)
-            self.header.Unlock(server)
-        theta, moved = start.copy(), 0
-        for s, (server, (lo, hi)) in enumerate(zip(self.servers, self.bounds)):
-            self._wait_word(server, self.pull_words + 2 * replica + 1, at)
+        for s in ask:
+            self.header.Lock(self.servers[s], MPI.LOCK_SHARED)
+            self.header.Accumulate([word, MPI.INT64_T], self.servers[s],
+                                   target=(self.pull_words + 2 * replica, 1, MPI.INT64_T), op=MPI.REPLACE)
+            self.header.Unlock(self.servers[s])
+        moved = 0
+        for s in ask:
+            server, (lo, hi) = self.servers[s], self.bounds[s]
+            self.view_at[s] = self._wait_word(server, self.pull_words + 2 * replica + 1, at)
             size = self.slot_bytes[s]
             raw = np.empty(size, dtype=np.uint8)
             self.slots.Lock(server, MPI.LOCK_SHARED)
@@ -129,16 +151,31 @@ class ArrivalInbox:
             codec = self.codecs[s]
             theta[lo:hi] = start[lo:hi] + codec.decode(codec.split(torch.from_numpy(raw)))[:hi - lo].numpy()
             moved += size + 16
+        for s in sorted(set(range(len(self.servers))) - set(ask)):  # no pull: my own change, or none
+            lo, hi = self.bounds[s]
+            if self.view_at[s] < at:
+                self.own_change(theta[lo:hi], self._posted[1][s], at)
+                self.view_at[s] = at
+            # as after a pull, go on once `at` is applied there (a checkpoint then finds it in)
+            self._wait_word(self.servers[s], APPLIED, at)
         return theta, moved
 
-    def _wait_word(self, server: int, index: int, at_least: int, poll_s: float = 0.0002) -> None:
+    def _servers_to_ask(self, at: int, start: np.ndarray) -> list[int]:
+        """The servers a pull at `at` must ask (all of them without own_change)."""
+        if self.own_change is None:
+            return list(range(len(self.servers)))
+        mine = self._posted is not None and self._posted[0] == at and self.own_change.applies(at)
+        return [s for s, held in enumerate(self.view_at) if not (held >= at or (mine and held == at - 1))]
+
+    def _wait_word(self, server: int, index: int, at_least: int, poll_s: float = 0.0002) -> int:
+        """Until word `index` on `server` is >= at_least; its value."""
         word, out = np.zeros(1, dtype=np.int64), np.empty(1, dtype=np.int64)
         while True:
             self.header.Lock(server, MPI.LOCK_SHARED)
             self.header.Fetch_and_op([word, MPI.INT64_T], [out, MPI.INT64_T], server, index, MPI.NO_OP)
             self.header.Unlock(server)
             if out[0] >= at_least:
-                return
+                return int(out[0])
             time.sleep(poll_s)
 
     def wait_applied(self, arrival: int, poll_s: float = 0.0002) -> None:
@@ -170,13 +207,23 @@ class ArrivalInbox:
                 return done
             replica = int(ready[0])
             lr_scale = float(header[2 + 2 * replica:3 + 2 * replica].view(np.float64)[0])
-            apply(self._decode(replica), self.next_arrival, lr_scale)
+            g = self._decode(replica)
+            apply(g, self.next_arrival, lr_scale)
+            self._follow_own_change(replica, g)
             me, word = self.comm.rank, np.array([self.next_arrival], dtype=np.int64)
             self.header.Lock(me, MPI.LOCK_SHARED)
             self.header.Accumulate([word, MPI.INT64_T], me, target=(APPLIED, 1, MPI.INT64_T), op=MPI.REPLACE)
             self.header.Unlock(me)
             self.next_arrival += 1
             done += 1
+
+    def _follow_own_change(self, replica: int, g: np.ndarray) -> None:
+        """After applying the replica's arrival: the change it adds without a pull, added to its
+        view too (the same rule as _servers_to_ask, on the same decoded bytes)."""
+        k = self.next_arrival
+        if self.own_change is not None and self.view_at[replica] == k - 1 and self.own_change.applies(k):
+            self.own_change(self.views[replica], g, k)
+            self.view_at[replica] = k
 
     def _answer_pulls(self, header: np.ndarray, theta) -> None:
         asked = header[self.pull_words::2]
@@ -192,7 +239,8 @@ class ArrivalInbox:
             self.slots.Put([payload, MPI.BYTE], me, target=((self.n_replicas + r) * size, size, MPI.BYTE))
             self.slots.Unlock(me)
             self.answered[r] = int(asked[r])
-            word = np.array([asked[r]], dtype=np.int64)
+            self.view_at[r] = self.next_arrival - 1  # theta() holds every arrival applied
+            word = np.array([self.view_at[r]], dtype=np.int64)  # >= asked: the replica learns it
             self.header.Lock(me, MPI.LOCK_SHARED)
             self.header.Accumulate([word, MPI.INT64_T], me, target=(self.pull_words + 2 * r + 1, 1, MPI.INT64_T),
                                    op=MPI.REPLACE)

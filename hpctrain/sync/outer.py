@@ -68,3 +68,20 @@ def with_updates_since(local: np.ndarray, start: np.ndarray, theta: np.ndarray) 
     """A replica's weights after catching up: its own work since its start point (local - start)
     on top of the global model `theta` (which becomes its new start point)."""
     return local + (theta - start)
+
+
+class OwnChange:
+    """What arrival k does to theta when that is the arriving pseudo-gradient's share alone (outer
+    SGD; delayed Nesterov on an arrival that takes no momentum step): theta -= lr * (g / R), in the
+    same float32 operations as apply_arrival, so a replica whose weights hold exactly the arrivals
+    before k adds it itself instead of pulling it (hpctrain/sync/inbox.py)."""
+
+    def __init__(self, kind: str, *, lr: float, replicas: int, delay: int, **_):
+        self.kind, self.lr, self.replicas, self.delay = kind, lr, replicas, delay
+
+    def applies(self, arrival: int) -> bool:
+        return self.kind == "sgd" or (self.kind == "delayed_nesterov" and arrival % self.delay != 0)
+
+    def __call__(self, view: np.ndarray, g: np.ndarray, arrival: int) -> None:
+        share = g / self.replicas
+        view -= self.lr * share
