@@ -5,7 +5,7 @@ Run (root, Debian; tests/slurm/vcluster.py builds the cluster):
     .venv/bin/python bench/recovery.py --minutes 6 --kill-every 2 --modes before after
 
 One virtual cluster of `--nodes` + one node per loss; per configuration (mode) one job of
-slurm/train.sbatch (srun launcher: relaunching inside the allocation needs it) trains the tiny GPT
+slurm/train.sbatch (srun launcher; the wheel's mpiexec relaunches too since fcb5108) trains the tiny GPT
 of tests/slurm (global batch 12, `--nodes` x 1 rank) for `--minutes` from its first trained step;
 every `--kill-every` minutes every process of one training node (never node1: it runs the batch
 script) is SIGKILLed, as a power loss would. Modes:

@@ -137,8 +137,9 @@ def vjobs(vcluster):
     sends Slurm 22.05's PMI-1 server lines of up to ~1,100 bytes (its address card, partly
     uninitialized memory, so the length changes from run to run), and the server cuts every line at
     1,024 bytes: the job then hangs in MPI_Init ("mpi/pmi2: value not properly terminated"; 3 of 3
-    tries of one job in one CI run). Hydra's own PMI server has no such limit. The node-loss test
-    names `srun` itself: relaunching inside the allocation is an srun feature (docs/multinode.md)."""
+    tries of one job in one CI run). Hydra's own PMI server has no such limit. The srun node-loss
+    tests in test_multinode.py name `srun` themselves (the site-MPI path); test_recovery_mpiexec.py
+    relaunches under this mpiexec (docs/multinode.md)."""
     jobs = Jobs(vcluster)
     jobs.env["HPCTRAIN_LAUNCHER"] = "mpiexec"
     jobs.env.setdefault("UCX_TLS", "tcp,self,sm")  # shorter cards: fewer cut PMI lines under srun

@@ -25,7 +25,8 @@ from tests.slurm.vcluster import VirtualCluster, pids_in_netns
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-# The one test that launches with `srun --mpi=pmi2` (relaunching inside the allocation needs srun):
+# The tests that launch with `srun --mpi=pmi2` (the node-loss relaunch as a site MPI gets it; the
+# wheel's mpiexec relaunch: test_recovery_mpiexec.py):
 # the PyPI mpich wheel's PMI-1 lines sometimes exceed what Slurm 22.05's server reads (an external
 # bug, docs/multinode.md); a job whose log shows that and what it does to MPICH is run again, up to
 # 3 tries, and skipped (named) when every try hit it. Any other failure fails the test.
