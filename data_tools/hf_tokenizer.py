@@ -204,7 +204,7 @@ class HFTokenizer:
             os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, num_threads)))
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
             return self._chunked_ids(texts) if self.chunk_chars else self._slow_ids(texts)
-        if num_threads <= 1 or len(texts) <= 1:
+        if num_threads <= 1 or len(texts) <= 1 or not getattr(self.fast, "parallel", True):
             return [self._fast_ids(t) for t in texts]
         with ThreadPoolExecutor(num_threads) as pool:  # tiktoken releases the GIL while encoding
             return list(pool.map(self._fast_ids, texts))

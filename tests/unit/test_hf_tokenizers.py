@@ -105,10 +105,10 @@ def test_sentencepiece_style_unigram(tmp_path):
     tok = get_tokenizer(str(tmp_path / "tokenizer.json"))
     # no tiktoken form: the library, once per distinct word (word-by-word is exact for this file)
     assert tok.name.startswith("unigram-") and tok.engine == "tokenizers, per-word cache"
-    plays = _plays(2)
+    plays = _plays(2) + ["a\u200b b", "a\x1cb c", "x \x1c y\t\n z"]  # Nmt: 200B -> space, 1C dropped
     assert [ids.tolist() for ids in tok.encode_batch(plays)] == \
         [tok.tok.encode(t, add_special_tokens=False).ids for t in plays]
-    assert len(tok.fast.ids) > 1000  # the words were cached (a bypass of the cache would pass above)
+    assert len(tok.fast.blobs) > 1000  # the words were cached (a bypass of the cache would pass above)
     assert tok.eot_id == tok.tok.token_to_id("</s>")
     line = "Now is the winter of our discontent"
     assert tok.decode(tok.encode(line)).strip() == line
@@ -119,19 +119,37 @@ def test_sentencepiece_style_unigram(tmp_path):
     assert m["tokenizer"]["name"] == tok.name and toks.tolist() == tok.encode(line).tolist() + [tok.eot_id]
 
 
-def test_sentencepiece_style_bpe_long_documents_in_pieces(tmp_path):
-    """Metaspace BPE (Mistral / Llama 2 style): long documents are encoded in pieces cut before
-    spaces (the library is ~2x faster so) only because that gives the whole document's ids."""
+def _spm_bpe(tmp_path, normalizer=None):
     from tokenizers import SentencePieceBPETokenizer
-
-    from data_tools.hf_tokenizer import space_cuts
 
     sp = SentencePieceBPETokenizer()
     sp.train_from_iterator(_plays(3), vocab_size=2000, special_tokens=["<unk>", "<s>", "</s>"],
                            show_progress=False)
-    sp.save(str(tmp_path / "tokenizer.json"))
-    tok = get_tokenizer(str(tmp_path / "tokenizer.json"))
-    assert tok.chunk_chars > 0 and tok.eot_id == tok.tok.token_to_id("</s>")
+    spec = json.loads(sp._tokenizer.to_str())
+    if normalizer is not None:
+        spec["normalizer"] = normalizer
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    return get_tokenizer(str(tmp_path / "tokenizer.json"))
+
+
+def test_sentencepiece_style_bpe_per_word_cache(tmp_path):
+    """Metaspace BPE (NFKC, split at '▁', no byte fallback): no tiktoken form, but the file's
+    structure makes word-by-word exact, so each distinct word goes through the library once."""
+    tok = _spm_bpe(tmp_path)
+    assert tok.engine == "tokenizers, per-word cache" and tok.eot_id == tok.tok.token_to_id("</s>")
+    texts = [_plays(42)[20], "a\u200b b\x1c c  \n d\u00b4e e\u0301 </s>\t\tx", " lead", "trail  "]
+    assert [ids.tolist() for ids in tok.encode_batch(texts)] == [ids.tolist() for ids in tok._slow_ids(texts)]
+    assert len(tok.fast.blobs) > 1000
+
+
+def test_sentencepiece_style_bpe_long_documents_in_pieces(tmp_path):
+    """A Metaspace BPE whose normalizer the per-word cache does not accept (StripAccents): long
+    documents are encoded in pieces cut before spaces (the library is ~2x faster so) only because
+    that gives the whole document's ids."""
+    from data_tools.hf_tokenizer import space_cuts
+
+    tok = _spm_bpe(tmp_path, {"type": "Sequence", "normalizers": [{"type": "NFD"}, {"type": "StripAccents"}]})
+    assert tok.chunk_chars > 0 and tok.engine == "tokenizers, long documents in pieces"
     hamlet = _plays(42)[20]
     assert len(space_cuts(hamlet, tok.chunk_chars)) > 10 and "".join(space_cuts(hamlet, 50)) == hamlet
     assert np.array_equal(tok.encode_batch([hamlet])[0], tok._slow_ids([hamlet])[0])
