@@ -118,7 +118,12 @@ def vcluster(tmp_path_factory):
     """Four virtual nodes (network namespaces, own host names resolving to 127.0.1.1, own scratch
     disks); node4's scratch is full. Stopped at the end, and nothing of it may remain."""
     prefix = tmp_path_factory.mktemp("vcluster")
-    cluster = VirtualCluster(prefix, n_nodes=4, cpus=2, scratch_kib={4: 64})
+    yield from running(VirtualCluster(prefix, n_nodes=4, cpus=2, scratch_kib={4: 64}))
+
+
+def running(cluster: VirtualCluster):
+    """A fixture's body: start the virtual cluster (skip where this machine cannot have one), yield
+    it, stop it, and nothing of it may remain."""
     try:
         cluster.start()
     except ClusterUnavailable as e:
