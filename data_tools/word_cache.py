@@ -136,6 +136,9 @@ def metaspace_words(tok, prepend: bool):
             s = s.replace(" ", SPACE)
             if prepend and s and not s.startswith(SPACE):
                 s = SPACE + s
+            if s.find(SPACE, 1) < 0:  # one piece (almost every word)
+                out.append(piece(s) if s else b"")
+                continue
             parts = s.split(SPACE)
             out.append(b"".join([piece(parts[0])] if parts[0] else [])
                        + b"".join(piece(SPACE + p) for p in parts[1:]))
