@@ -1,7 +1,7 @@
 """Communication-light training next to synchronous DDP, at an equal token budget.
 
 Run:  python bench/localsgd.py [--data data/shakespeare_bytes] [--steps 300] [--ranks 2]
-                               [--plot docs/img/localsgd.png]
+                               [--plot docs/img/localsgd.png] [--seed 1337]
 
 Every mode trains the same GPT (configs/demo.toml with 128 wide, block 128: the 0.8M model of docs/benchmarks.md) from the same seed on the
 same global batch for the same number of steps, on real Shakespeare (byte tokens):
@@ -72,7 +72,7 @@ def train(name: str, extra: list[str], args, tmp: Path) -> dict:
            "--model.n_embd=128", "--model.block_size=128", "--train.micro_batch_size=8", f"--train.steps={args.steps}",
            "--train.stop_at_step=0", "--train.warmup_steps=20", f"--train.eval_interval={max(1, args.steps // 20)}",
            "--train.eval_batches=16", f"--checkpoint.interval={10**6}", "--data.verify=size",
-           "--dist.heartbeat_timeout_s=0", *extra]
+           "--dist.heartbeat_timeout_s=0", f"--train.seed={args.seed}", *extra]
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", HPCTRAIN_TENSORBOARD="0")
     t0 = time.perf_counter()
     r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
@@ -123,6 +123,7 @@ def main() -> None:
     ap.add_argument("--h-stream", type=int, default=32, metavar="H",
                     help="inner steps per fragment round of the Streaming DiLoCo int4 mode")
     ap.add_argument("--fragments", type=int, default=4, help="its fragments (groups of blocks)")
+    ap.add_argument("--seed", type=int, default=1337, help="train.seed: init and data order")
     args = ap.parse_args()
     results = {}
     with (contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory()) as tmp:
