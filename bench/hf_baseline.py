@@ -2,7 +2,7 @@
 loop: tokens/s of each, their ratio, and both loss curves (issue #32, "How it is checked").
 
 Run:  python bench/hf_baseline.py [--rounds 2] [--steps 30] [--hpctrain-chunk 128]
-                                  [--precision bf16|fp32] [--smoke]
+                                  [--precision bf16|fp32] [--compile] [--smoke]
 
 The model (the same on both sides): Llama, 4 layers, 256 wide, 8 query heads and 2 key/value heads
 (grouped-query attention), SwiGLU 704 wide (Llama's rule, multiple_of 64), untied 32,000-token
@@ -22,7 +22,11 @@ so the loss curves are comparable step by step.
   the model's own loss (labels -> ForCausalLMLoss, logits upcast to fp32), clip_grad_norm_(1.0),
   torch.optim.AdamW(fused=True) (PyTorch's fastest documented implementation, as the Trainer's
   optim="adamw_torch_fused"), decay 0.1 on matrices, betas (0.9, 0.95), the same warmup + cosine
-  schedule through LambdaLR, eager (neither side compiles: minutes of compile on 2 shared cores).
+  schedule through LambdaLR, eager.
+- `--compile`: both sides compile, regionally (each decoder layer, as PyTorch's regional
+  compilation recipe and torchtitan do; the whole model took minutes to compile on 2 cores):
+  hpctrain `train.compile = true` (its blocks and the chunked loss's chunks: parallel/activation.py),
+  transformers `layer.compile()` for every LlamaDecoderLayer.
 
 Both sides: 2 ranks, micro-batch 8 x 128 tokens per rank, the same steps. A round runs hpctrain then
 transformers (A B A B ...); tokens/s = median over each run's steps after the first 5; the ratio is
@@ -105,6 +109,7 @@ def run_hpctrain(args, tmp: Path, init: Path, tag: str) -> dict:
                    f'[init]\nfrom = "{init}"\n[train]\nsteps = {args.steps}\n'
                    f'micro_batch_size = {MICRO_BATCH}\nprecision = "{args.precision}"\n'
                    f'loss_chunk = {args.hpctrain_chunk}\nseed = {SEED}\neval_interval = 0\n'
+                   f'compile = {str(args.compile).lower()}\n'
                    f'log_interval = 10\n' + "".join(f"{k} = {v}\n" for k, v in t.items())
                    + f'[checkpoint]\ninterval = {10 ** 6}\n')
     run([BIN / "mpiexec", "-n", "2", sys.executable, "-m", "hpctrain", "train", "--config", cfg,
@@ -118,7 +123,8 @@ def run_hpctrain(args, tmp: Path, init: Path, tag: str) -> dict:
 def run_transformers(args, tmp: Path, init: Path, tag: str) -> dict:
     out = run([BIN / "torchrun", "--standalone", "--nproc_per_node=2", Path(__file__), "--worker",
                "--init", init, "--data", args.data, "--steps", args.steps,
-               "--precision", args.precision], tmp / f"transformers_{tag}.log")
+               "--precision", args.precision] + ["--compile"] * args.compile,
+              tmp / f"transformers_{tag}.log")
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -142,6 +148,9 @@ def worker(args) -> None:
     model = LlamaForCausalLM.from_pretrained(args.init, attn_implementation="sdpa",
                                              dtype=torch.float32)
     model.train()
+    if args.compile:  # regional compilation: each decoder layer
+        for layer in model.model.layers:
+            layer.compile()
     ddp = DDP(model)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": TRAIN["weight_decay"]},
@@ -180,7 +189,8 @@ def report(args, results: dict) -> int:
     print(f"Llama {MODEL['num_hidden_layers']}x{MODEL['hidden_size']}, GQA "
           f"{MODEL['num_attention_heads']}/{MODEL['num_key_value_heads']}, vocab "
           f"{MODEL['vocab_size']:,}, 2 ranks x {MICRO_BATCH} x {BLOCK} tokens, {args.precision}, "
-          f"{args.steps} steps x {args.rounds} rounds; load average {os.getloadavg()[0]:.1f}")
+          f"{args.steps} steps x {args.rounds} rounds{', compiled' if args.compile else ''}; "
+          f"load average {os.getloadavg()[0]:.1f}")
     for k, v in results.items():
         print(f"{k:<13}{med[k]:>9,.0f} tokens/s   runs: "
               + ", ".join(f"{r['tokens_per_s']:,.0f}" for r in v))
@@ -208,6 +218,7 @@ def main() -> int:
     ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--hpctrain-chunk", type=int, default=128, help="train.loss_chunk (0 = plain)")
     ap.add_argument("--loss-tol", type=float, default=0.05)
+    ap.add_argument("--compile", action="store_true", help="both sides compile each layer")
     ap.add_argument("--smoke", action="store_true", help="1 round of 7 steps (a test)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--init", type=Path, help=argparse.SUPPRESS)
