@@ -7,6 +7,7 @@ the virtual one (2 nodes) where a lost line needs two hosts.
 """
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 
@@ -107,20 +108,27 @@ def test_ranks_report_a_start_up_error_once_under_srun_and_mpiexec(vjobs, data, 
 
 def test_requeue_is_reported_and_a_restart_without_progress_stops(jobs, data, tmp_path):
     """Restart 0: USR1 mid-run under the default launcher (mpiexec) -> checkpoint -> requeued, said
-    so (status 75), without the launcher's teardown lines. Restart 1 (its step now sleeps 60 s
+    so (status 75), without the launcher's teardown lines. Restart 1 (slurm.time_margin_s now
+    180 s - the measured time to a first checkpoint - 20 s, and its step sleeps 180 s - that margin
     before the first stop check): stopped there by the wall-time guard, one step past its resume
     step, so it is not requeued again. (The template's USR1@300 would come at once under --time=3,
     at a moment Slurm picks: an ignored URG replaces it, as in test_slurm_jobs.py.) The step sleep
-    is a test fault read from a file (a requeued job keeps its environment), rewritten for restart 1."""
-    cfg, run = write_config(tmp_path, data, steps=400, extra="[slurm]\ntime_check_s = 1\n")
+    is a test fault read from a file (a requeued job keeps its environment), and the margin is in
+    the config file: both rewritten for restart 1 (a 25 s sleep on an idle machine, was 60 s)."""
+    slurm = "[slurm]\ntime_check_s = 1\ntime_margin_s = {margin:g}\n"
+    cfg, run = write_config(tmp_path, data, steps=400, extra=slurm.format(margin=120))
     faults = tmp_path / "faults.txt"
     faults.write_text("step_sleep_s=0.25")
-    jid, out = submit(jobs, tmp_path, cfg, "--slurm.time_margin_s=120",
-                      sbatch_args=["--time=3", "--signal=B:URG@1"], env={step_faults.ENV: f"@{faults}"})
+    jid, out = submit(jobs, tmp_path, cfg, sbatch_args=["--time=3", "--signal=B:URG@1"],
+                      env={step_faults.ENV: f"@{faults}"})
     jobs.wait_for(lambda: last_step(run) >= 3, "step 3", job_id=jid)
     jobs.scancel("--signal=USR1", "--batch", jid)
     jobs.wait_for(lambda: "[train.sbatch] requeued" in out.read_text(), "the requeue", job_id=jid)
-    faults.write_text("step_sleep_s=60")
+    # restart 1 is refused at start-up unless 180 s > margin + first_checkpoint_s (restart 0's)
+    need = json.loads((run / "slurm_timing.json").read_text())["first_checkpoint_s"]
+    margin = 180 - need - 20
+    write_config(tmp_path, data, steps=400, extra=slurm.format(margin=margin))
+    faults.write_text(f"step_sleep_s={180 - margin:g}")  # < margin s left at its first check
     (rec,) = jobs.wait(jid, timeout=300)
     log = out.read_text()
     first, second = log.split(f"[train.sbatch] job {jid} restart 1", 1)
