@@ -10,7 +10,8 @@ file on ONE rank pinned to core 0, --trials rounds, and prints the sharder's own
 rate (its summary line) in tokens/s and in text bytes/s (a vocabulary that needs fewer tokens
 for the text shows fewer tokens/s for the same work), the medians, and each file's ratios to
 gpt2 (median of the per-round ratios, so a load change between rounds cancels); then each
-engine's raw encode of the plays in this process (the caller pins it: `taskset -c 0`).
+engine's raw encode of the same text in this process per CPU second, a cold per-word cache each
+round (the caller pins it: `taskset -c 0`).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -64,17 +66,21 @@ def _unigram(texts: list[str], path: str) -> None:
     sp.save(path)
 
 
-def _shard(inputs: str, out: str, tokenizer: str) -> tuple[float, float]:
-    """(tokens/s, text bytes/s) of the sharder's tokenize + write window."""
+def _shard(inputs: str, out: str, tokenizer: str) -> tuple[float, float, float]:
+    """(tokens/s, text bytes/s) of the sharder's tokenize + write window (wall clock), and text
+    bytes per CPU second of the whole command (start-up, tokenizer load and checks included)."""
     cmd = ["taskset", "-c", "0", sys.executable, "-m", "data_tools", "shard", "--input", inputs,
            "--output", out, "--tokenizer", tokenizer, "--no-progress"]
     env = dict(os.environ, RAYON_NUM_THREADS="1", PYTHONPATH=ROOT)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     from data_tools.format import read_manifest
 
     rate = float(RATE.search(r.stdout).group(1).replace(",", ""))
     text_bytes = sum(os.path.getsize(os.path.join(inputs, f)) for f in os.listdir(inputs))
-    return rate, rate * text_bytes / sum(read_manifest(out)["n_tokens"].values())
+    return rate, rate * text_bytes / sum(read_manifest(out)["n_tokens"].values()), text_bytes / cpu
 
 
 def _tokenizers(tmp: str, vocab: int) -> dict:
@@ -93,13 +99,15 @@ def _tokenizers(tmp: str, vocab: int) -> dict:
     return {"gpt2": "gpt2", **paths}
 
 
-def _raw_encode(toks: dict, trials: int) -> None:
-    """Each engine's own encode of the 42 plays in this process (after the corpus-sample check,
-    which is a fixed ~0.3 s per rank and part of every shard above), alternating, text MB/s."""
+def _raw_encode(toks: dict, trials: int, copies: int) -> None:
+    """Each engine's own encode of the 42 plays x copies in this process (after the
+    corpus-sample check, which is a fixed ~0.3 s per rank and part of every shard above),
+    alternating, text MB per CPU second of this process (every thread counted; the other jobs
+    on a shared machine barely move it); each round a cold per-word cache."""
     from data_tools.corpora import shakespeare_files
     from data_tools.tokenizers import get_tokenizer
 
-    plays = [open(f, encoding="utf-8").read() for f in shakespeare_files()]
+    plays = [open(f, encoding="utf-8").read() for f in shakespeare_files()] * copies
     size = sum(len(p.encode("utf-8")) for p in plays)
     os.environ["RAYON_NUM_THREADS"] = "1"  # before the library's first batch call starts its pool
     engines = {k: get_tokenizer(v) for k, v in toks.items()}
@@ -108,12 +116,14 @@ def _raw_encode(toks: dict, trials: int) -> None:
     rates = {k: [] for k in engines}
     for _ in range(trials):
         for name, tok in engines.items():
-            t0 = time.perf_counter()
+            if hasattr(getattr(tok, "fast", None), "clear"):
+                tok.fast.clear()  # the per-word cache starts cold every round
+            t0 = time.process_time()
             tok.encode_batch(plays)
-            rates[name].append(size / (time.perf_counter() - t0))
+            rates[name].append(size / (time.process_time() - t0))
     for name in engines:
         ratio = statistics.median(r / g for r, g in zip(rates[name], rates["gpt2"]))
-        print(f"raw encode {name:10s}: {statistics.median(rates[name]) / 1e6:.2f} MB/s, "
+        print(f"raw encode {name:10s}: {statistics.median(rates[name]) / 1e6:.2f} MB/CPU s, "
               f"ratio to gpt2 {ratio:.2f}")
 
 
@@ -139,16 +149,18 @@ def main() -> None:
             for name, spec in toks.items():
                 rates[name].append(_shard(corpus, os.path.join(tmp, f"out-{name}"), spec))
                 print(f"round {t}: {name:10s} {rates[name][-1][0]:>12,.0f} tokens/s "
-                      f"{rates[name][-1][1] / 1e6:6.2f} MB/s", flush=True)
+                      f"{rates[name][-1][1] / 1e6:6.2f} MB/s {rates[name][-1][2] / 1e6:6.2f} MB/CPU s",
+                      flush=True)
         for name, spec in toks.items():
             engine = "tiktoken" if name == "gpt2" else get_tokenizer(spec).engine
             ratio = [statistics.median(r[k] / g[k] for r, g in zip(rates[name], rates["gpt2"]))
-                     for k in (0, 1)]
+                     for k in (0, 1, 2)]
             print(f"median {name:10s} ({engine}): "
                   f"{statistics.median(r[0] for r in rates[name]):>12,.0f} tokens/s, "
                   f"{statistics.median(r[1] for r in rates[name]) / 1e6:.2f} MB/s on 1 rank; "
-                  f"ratio to gpt2 {ratio[0]:.2f} per token, {ratio[1]:.2f} per byte")
-        _raw_encode(toks, args.trials)
+                  f"ratio to gpt2 {ratio[0]:.2f} per token, {ratio[1]:.2f} per byte; whole command "
+                  f"{statistics.median(r[2] for r in rates[name]) / 1e6:.2f} MB/CPU s, {ratio[2]:.2f}")
+        _raw_encode(toks, args.trials, args.copies)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -8,7 +8,8 @@ exactly 256 bytes + its merges (fast_bpe.py), or a SentencePiece-style BPE with 
 Llama 2's / Mistral's (fast_spm.py), runs on tiktoken (the engine gpt2 uses, 3-10x faster per core
 than the tokenizers library), checked against the library on a probe text at load and on the
 corpus's first SAMPLE_CHARS characters at the first encode (any difference: one warning line,
-then the library); anything else (Unigram, NFKC, WordLevel, ...) runs on the library's batch
+then the library); anything else (Unigram, NFKC, WordLevel, ...) runs on the library, once per
+distinct word where the file's structure makes that exact (word_cache.py), else on its batch
 encoder, its Rust threads limited to the rank's share of the cores (RAYON_NUM_THREADS).
 
 Must never: touch the network, or encode special-token text found inside a document as the
