@@ -131,6 +131,22 @@ def fault_config(tmp_path, data, name="run"):
     return write_config(tmp_path, data, name, FAULT_GPT)
 
 
+def slow_steps(tmp_path, step_sleep_s=0.25):
+    """(file, env): HPCTRAIN_TEST_FAULTS=@FILE with step_sleep_s, steps slow enough for a signal
+    to land mid-run. A run reads the file once, at start-up: `fast_from_the_next_run(file)` right
+    after the signal or node loss spares the runs after it (a requeued or relaunched job keeps its
+    environment) the sleep."""
+    from hpctrain import step_faults
+
+    faults = Path(tmp_path) / "faults.txt"
+    faults.write_text(f"step_sleep_s={step_sleep_s:g}")
+    return faults, {step_faults.ENV: f"@{faults}"}
+
+
+def fast_from_the_next_run(faults: Path) -> None:
+    faults.write_text("step_sleep_s=0")
+
+
 def train(n, cfg, *overrides, check=True, timeout=600, env=None):
     """`hpctrain train --config CFG OVERRIDES` on n ranks (n = 1: without mpiexec); `env` adds to
     the environment (step_faults.env(...): test faults)."""

@@ -15,12 +15,12 @@ import pytest
 
 from hpctrain import step_faults
 from tests.conftest import ROOT, mpirun
+from tests.helpers import fast_from_the_next_run, slow_steps
 from tests.slurm.conftest import STEPS, TINY, assert_same_curve, assert_same_files, last_step, losses, stop_step
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 TRAIN = ROOT / "slurm" / "train.sbatch"
-SLOW = step_faults.env(step_sleep_s=0.25)   # 40 steps take >= 10 s: time to send a signal
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +65,10 @@ def submit_train(jobs, tmp_path, cfg, *overrides, sbatch_args=(), env=None):
     return jid, tmp_path / f"train-{jid}.out"
 
 
-def signal_mid_run(jobs, jid, run, at_step=6):
+def signal_mid_run(jobs, jid, run, faults, at_step=6):
     jobs.wait_for(lambda: last_step(run) >= at_step, f"step {at_step} in {run}", job_id=jid)
     jobs.scancel("--signal=USR1", "--batch", jid)
+    fast_from_the_next_run(faults)  # the signalled run has read it already
 
 
 def test_train_sbatch_matches_mpiexec(jobs, dataset, reference, tmp_path):
@@ -120,8 +121,9 @@ def test_open_mpi_under_srun_pmix_matches_mpiexec(jobs, dataset, reference, open
 
 def test_usr1_checkpoints_requeues_and_resumes(jobs, dataset, reference, tmp_path):
     cfg, run = write_config(tmp_path, dataset, "preempted")
-    jid, out = submit_train(jobs, tmp_path, cfg, env=SLOW)
-    signal_mid_run(jobs, jid, run)
+    faults, slow = slow_steps(tmp_path)
+    jid, out = submit_train(jobs, tmp_path, cfg, env=slow)
+    signal_mid_run(jobs, jid, run, faults)
     (rec,) = jobs.wait(jid, timeout=240)
     log = out.read_text()
     assert (rec["JobState"], rec["Restarts"]) == ("COMPLETED", "1"), log
@@ -139,9 +141,10 @@ def test_usr1_checkpoints_requeues_and_resumes(jobs, dataset, reference, tmp_pat
 def test_no_requeue_exits_75_and_resubmit_resumes(jobs, dataset, reference, tmp_path):
     """First run under mpiexec inside the allocation, the resubmission under srun."""
     cfg, run = write_config(tmp_path, dataset, "norequeue")
+    faults, slow = slow_steps(tmp_path)
     jid, out = submit_train(jobs, tmp_path, cfg, sbatch_args=["--no-requeue"],
-                            env={**SLOW, "HPCTRAIN_LAUNCHER": "mpiexec"})
-    signal_mid_run(jobs, jid, run)
+                            env={**slow, "HPCTRAIN_LAUNCHER": "mpiexec"})
+    signal_mid_run(jobs, jid, run, faults)
     (rec,) = jobs.wait(jid)
     log = out.read_text()
     assert (rec["JobState"], rec["ExitCode"], rec["Restarts"]) == ("FAILED", "75:0", "0"), log
@@ -151,7 +154,7 @@ def test_no_requeue_exits_75_and_resubmit_resumes(jobs, dataset, reference, tmp_
             f"allow requeue (submitted with --no-requeue))") in log
     assert "stopped early with a checkpoint" in log
     assert last_step(run) == s
-    jid2, out2 = submit_train(jobs, tmp_path, cfg, env=SLOW)
+    jid2, out2 = submit_train(jobs, tmp_path, cfg)  # no step sleep: no signal comes
     (rec2,) = jobs.wait(jid2)
     log2 = out2.read_text()
     assert rec2["JobState"] == "COMPLETED", log2
@@ -160,19 +163,19 @@ def test_no_requeue_exits_75_and_resubmit_resumes(jobs, dataset, reference, tmp_
 
 
 def test_walltime_guard_checkpoints_before_the_limit(jobs, dataset, tmp_path):
-    """--time=2 (120 s) and a 100 s margin: the guard stops ~20 s in, long before Slurm's kill.
+    """--time=2 (120 s) and a 110 s margin: the guard stops ~10 s in, long before Slurm's kill.
     (The template's --signal=B:USR1@300 is replaced by an ignored SIGURG, so only the guard acts.)"""
     cfg, run = write_config(tmp_path, dataset, "walltime")
     jid, out = submit_train(jobs, tmp_path, cfg, "--train.steps=100000", "--train.eval_interval=0",
-                            "--slurm.time_margin_s=100", env=step_faults.env(step_sleep_s=0.02),
+                            "--slurm.time_margin_s=110", env=step_faults.env(step_sleep_s=0.02),
                             sbatch_args=["--time=2", "--no-requeue", "--signal=B:URG@1"])
     (rec,) = jobs.wait(jid, timeout=180)
     log = out.read_text()
     assert (rec["JobState"], rec["ExitCode"]) == ("FAILED", "75:0"), log  # not TIMEOUT
-    m = re.search(r"stopping at step (\d+): wall time: 0:0(\d):(\d\d) left < slurm.time_margin_s=100", log)
+    m = re.search(r"stopping at step (\d+): wall time: 0:0(\d):(\d\d) left < slurm.time_margin_s=110", log)
     assert m, log
     s = int(m.group(1))
-    assert 0 < s < 100000 and 0 < int(m.group(2)) * 60 + int(m.group(3)) < 100
+    assert 0 < s < 100000 and 0 < int(m.group(2)) * 60 + int(m.group(3)) < 110
     assert f"checkpoint: step {s} -> " in log
     assert (run / "checkpoints" / f"step_{s:08d}" / "COMMIT.json").exists()
     assert last_step(run) == s
