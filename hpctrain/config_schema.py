@@ -152,8 +152,10 @@ class TrainConfig:
     loss_scale_growth_interval: int = field(default=2000, metadata={
         "help": "fp16: clean steps before the loss scale doubles"})
     compile: bool = field(default=False, metadata={
-        "help": "torch.compile the model (fuses elementwise ops: ~15% more tokens/s on CPU here, "
-                "docs/benchmarks.md); costs 10-30 s of compilation at start; not with parallel.pp > 1"})
+        "help": "torch.compile each transformer block in place (regional, as torchtitan: parameter "
+                "names, DDP/FSDP hooks and checkpoints unchanged) and, with train.loss_chunk, each "
+                "chunk's loss math; fuses elementwise ops (docs/benchmarks.md); costs ~10 s of "
+                "compilation at start; not with parallel.pp > 1"})
     lr: float = field(default=1e-3, metadata={
         "help": "peak learning rate, in (0, 10] (AdamW moves each weight by ~lr per step: above 10 "
                 "a run diverges at once, so a larger value is a typo such as 3e3 for 3e-3)"})
