@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hpctrain import config
+from hpctrain.distributed.mesh import ParallelDims
 from hpctrain.train import run_plan
 from hpctrain.train.hooks import POINTS, LoopHooks
 from tests.conftest import TINY_TRAIN
@@ -19,7 +20,7 @@ def load(tmp_path, *overrides):
 def ranks(dp_size: int):
     """This rank's context and mesh as the plan reads them: the device, the world, dp."""
     ctx = types.SimpleNamespace(device=torch.device("cpu"), world_size=dp_size, rank=0)
-    return ctx, types.SimpleNamespace(dp_rank=0, dp_size=dp_size)
+    return ctx, types.SimpleNamespace(dp_rank=0, dp_size=dp_size, dims=ParallelDims.from_world(dp_size))
 
 
 def test_plan_resolves_grad_accum_and_precision_and_leaves_the_config_as_given(tmp_path):
