@@ -284,6 +284,30 @@ def check_resume_batch(saved: int, t: TrainConfig, dp: int, where) -> None:
                       f"{where} ({saved} sequences per step); {hint}")
 
 
+def stop_at_step_line(t, step: int, resumed: bool = False) -> str:
+    """What a run stopped by train.stop_at_step says: how to go on (the same command would stop
+    at once again)."""
+    what = (f"nothing to train: resumed at step {step} >= train.stop_at_step={t.stop_at_step}" if resumed
+            else f"stopped at train.stop_at_step={t.stop_at_step}: step {step}")
+    return (f"{what} of train.steps={t.steps}; to go on, raise or remove train.stop_at_step and run "
+            f"again: it resumes from step {step}")
+
+
+_MAY_CHANGE_ON_RESUME = ("dropout", "moe_warn_ratio", "moe_warn_steps")  # not the model's shape
+
+
+def check_same_model(saved: dict, current: dict, path) -> None:
+    """A resume trains the model the checkpoint holds: `saved` / `current` are model sections."""
+    # a key the checkpoint predates (model.arch and llama's) had its default then
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    saved = {**defaults, **saved}
+    diff = [k for k in current if saved.get(k) != current[k] and k not in _MAY_CHANGE_ON_RESUME]
+    if diff:
+        k = diff[0]
+        raise ConfigError(f"config key 'model.{k}': {current[k]!r} differs from checkpoint {path} "
+                          f"({saved.get(k)!r}); use a new run.dir to train a different model")
+
+
 def _divisors(n: int) -> list[int]:
     small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))

@@ -17,7 +17,6 @@ checkpoint manager does).
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from pathlib import Path
@@ -29,7 +28,8 @@ from hpctrain import logs
 from hpctrain.checkpoint import CheckpointManager
 from hpctrain.checkpoint.snapshot import PeerSnapshots
 from hpctrain.config import Config
-from hpctrain.config_rules import check_resume_batch, global_batch_line
+from hpctrain.config_rules import (check_resume_batch, check_same_model, global_batch_line,
+                                   stop_at_step_line)
 from hpctrain.data.sampler import check_same_dataset, saved_sampler_state
 from hpctrain.distributed import DistContext
 from hpctrain.distributed.bootstrap import mpi_library
@@ -182,7 +182,7 @@ class Trainer:
 
     def _resume_from(self, path: Path, source: str | None = None) -> None:
         saved = self.ckpt.read_trainer_state(path)
-        _check_same_model(saved["trainer"]["config"]["model"], self.cfg.to_dict()["model"], path)
+        check_same_model(saved["trainer"]["config"]["model"], self.cfg.to_dict()["model"], path)
         states = self.checkpoint_states(saved)  # the sync strategy refuses another mode's first
         check_resume_batch(saved_sampler_state(saved, path)["global_batch"], self.plan.train, self.plan.dp_size, path)
         check_same_dataset(self.data.sampler, saved, self.cfg.data.path, path)
@@ -391,35 +391,12 @@ class Trainer:
         return meter
 
 
-def stop_at_step_line(t, step: int, resumed: bool = False) -> str:
-    """What a run stopped by train.stop_at_step says: how to go on (the same command would stop
-    at once again)."""
-    what = (f"nothing to train: resumed at step {step} >= train.stop_at_step={t.stop_at_step}" if resumed
-            else f"stopped at train.stop_at_step={t.stop_at_step}: step {step}")
-    return (f"{what} of train.steps={t.steps}; to go on, raise or remove train.stop_at_step and run "
-            f"again: it resumes from step {step}")
-
-
 def _next_multiple(step: int, every: int) -> int:
     return (step // every + 1) * every
 
 
 def _percent(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1%}"
-
-
-_MAY_CHANGE_ON_RESUME = ("dropout", "moe_warn_ratio", "moe_warn_steps")  # not the model's shape
-
-
-def _check_same_model(saved: dict, current: dict, path) -> None:
-    # a key the checkpoint predates (model.arch and llama's) had its default then
-    defaults = {f.name: f.default for f in dataclasses.fields(config_mod.ModelConfig)}
-    saved = {**defaults, **saved}
-    diff = [k for k in current if saved.get(k) != current[k] and k not in _MAY_CHANGE_ON_RESUME]
-    if diff:
-        k = diff[0]
-        raise ConfigError(f"config key 'model.{k}': {current[k]!r} differs from checkpoint {path} "
-                          f"({saved.get(k)!r}); use a new run.dir to train a different model")
 
 
 def train(cfg: Config, ctx: DistContext) -> int:
