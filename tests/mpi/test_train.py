@@ -51,18 +51,22 @@ def test_block_order_resumes_exactly(tmp_path, small_shards):
 @pytest.mark.parametrize("accum, compile", [(1, False), (3, False), (2, True)],
                          ids=["accum1", "accum3", "accum2_compile"])
 def test_exact_resume_two_ranks(tmp_path, dataset, accum, compile):
+    """20 steps straight vs stopped at step 10 (a checkpoint and validation step, after the 5
+    warm-up steps) and resumed: steps 11-20 and the validations (steps 0, 10, 20) bit-identical."""
     cfg_a, run_a = write_config(tmp_path, dataset, "straight")
     cfg_b, run_b = write_config(tmp_path, dataset, "resumed")
-    acc = [f"--train.grad_accum={accum}", f"--train.compile={str(compile).lower()}"]
+    acc = [f"--train.grad_accum={accum}", f"--train.compile={str(compile).lower()}",
+           "--train.steps=20"]
     train(2, cfg_a, *acc)
-    r = train(2, cfg_b, *acc, "--train.stop_at_step=20")
-    assert "stopped at train.stop_at_step=20" in r.stderr
-    assert max(losses(run_b)) == 20
+    r = train(2, cfg_b, *acc, "--train.stop_at_step=10")
+    assert "stopped at train.stop_at_step=10" in r.stderr
+    assert max(losses(run_b)) == 10
     r = train(2, cfg_b, *acc)
-    assert "resumed from" in r.stderr and "step_00000020" in r.stderr
+    assert "resumed from" in r.stderr and "step_00000010" in r.stderr
     a, b = losses(run_a), losses(run_b)
-    assert sorted(b) == list(range(1, 41))
-    for step in range(21, 41):
+    assert sorted(b) == list(range(1, 21))
+    assert sorted(losses(run_a, "val_loss")) == [0, 10, 20]
+    for step in range(11, 21):
         assert a[step] == b[step], f"step {step}: {a[step]!r} != {b[step]!r}"  # bit-identical
     assert losses(run_a, "val_loss") == losses(run_b, "val_loss")
 
