@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tests.conftest import ROOT, RUN_DATA, TINY_SECTIONS, mpirun, run_cmd
+from tests.conftest import ROOT, RUN_DATA, TINY_SECTIONS, losses, mpirun, run_cmd
 
 # A 2-layer, 64-wide GPT for 40 steps with validation and checkpoints every 10 (tests/mpi/test_train.py
 # and the sync-mode modules): SMALL_GPT.format(run=..., data=...).
@@ -170,6 +170,20 @@ def assert_same_curve(ref, got, steps):
     assert sorted(got) == list(steps), sorted(got)
     for s in steps:
         assert abs(got[s] - ref[s]) <= 1e-5 * abs(ref[s]), (s, ref[s], got[s])
+
+
+def assert_equal_runs(run_a, run_b, steps: int, learns_by: float, tol: float = 1e-5) -> dict:
+    """Runs a and b logged steps 1..`steps` with losses within `tol` (and the same validation
+    steps, val losses within `tol`), and a's loss fell by more than `learns_by`. Returns a's
+    {step: val_loss}."""
+    a, b = losses(run_a), losses(run_b)
+    assert sorted(a) == sorted(b) == list(range(1, steps + 1))
+    assert a[steps] < a[1] - learns_by, (a[1], a[steps])  # it learns
+    for step in a:
+        assert abs(a[step] - b[step]) <= tol, (step, a[step], b[step])
+    va, vb = losses(run_a, "val_loss"), losses(run_b, "val_loss")
+    assert va.keys() == vb.keys() and all(abs(va[s] - vb[s]) <= tol for s in va), (va, vb)
+    return va
 
 
 def held_out_losses(run, data, windows=64) -> dict:
