@@ -19,6 +19,7 @@ import pytest
 
 from hpctrain import step_faults
 from tests.conftest import ROOT, mpirun, run_cmd
+from tests.helpers import fast_from_the_next_run, slow_steps
 from tests.slurm.conftest import (SMALL_SCRATCH_NODE, STEPS, TINY, assert_same_files, last_step, losses,
                                   metrics, stop_step)
 from tests.slurm.vcluster import VirtualCluster, pids_in_netns
@@ -216,10 +217,12 @@ def test_preempted_three_nodes_resume_with_the_losses_of_one_node(vjobs, dataset
     resumed (wherever Slurm puts it) -> the curve of `mpiexec -n 3` on one node."""
     ref = one_node(tmp_path, dataset, "mpiexec3", 3)
     cfg, run = config(tmp_path, dataset, "pre")
-    jid, out = submit(vjobs, tmp_path, cfg, 3, 1, env=SLOW)
+    faults, slow = slow_steps(tmp_path)
+    jid, out = submit(vjobs, tmp_path, cfg, 3, 1, env=slow)
     vjobs.wait_for(lambda: last_step(run) >= 6, "step 6", job_id=jid)
     first = sum(m.get("cache_copies", 0) for m in metrics(run))
     vjobs.scancel("--signal=USR1", "--batch", jid)
+    fast_from_the_next_run(faults)
     (rec,) = vjobs.wait(jid, timeout=300)
     log = out.read_text()
     assert (rec["JobState"], rec["Restarts"]) == ("COMPLETED", "1"), log
@@ -334,11 +337,13 @@ def test_node_dies_survivors_name_it_and_training_resumes_on_the_rest(vcluster, 
     relaunches on node1+node2 (dp 3 -> 2, accumulation 2 -> 3, global batch 12) from the newest
     checkpoint, and the run finishes with the losses of an uninterrupted 3-rank run."""
     cfg, run = elastic_config(tmp_path, dataset, "elastic")
-    jid, out = submit(vjobs, tmp_path, cfg, 3, 1, env={**SLOW, "HPCTRAIN_LAUNCHER": "srun"})
+    faults, slow = slow_steps(tmp_path)
+    jid, out = submit(vjobs, tmp_path, cfg, 3, 1, env={**slow, "HPCTRAIN_LAUNCHER": "srun"})
     try:
         vjobs.wait_for(lambda: last_step(run) >= 12, "step 12", job_id=jid)
         vcluster.kill_node("node3")
         t_kill = time.monotonic()
+        fast_from_the_next_run(faults)
         vjobs.wait_for(lambda: "node3 lost" in out.read_text(), "the verdict", timeout=60, job_id=jid)
         detected = time.monotonic() - t_kill
         (rec,) = vjobs.wait(jid, timeout=300)
@@ -364,14 +369,16 @@ def test_spare_node_takes_the_lost_nodes_place(vcluster, vjobs, dataset, elastic
     cfg, run = elastic_config(tmp_path, dataset, "spare")
     # 8 s: the default since the beacon watchdog (ff0027e), set here so the bound holds if it moves;
     # snapshots in each node's own /dev/shm (node4's $SLURM_TMPDIR, "auto", is a full 64 KiB disk)
+    faults, slow = slow_steps(tmp_path)
     jid, out = submit(vjobs, tmp_path, cfg, 4, 1, "--dist.heartbeat_timeout_s=8",
                       "--checkpoint.snapshot_interval=2", "--checkpoint.snapshot_dir=/dev/shm",
-                      env={**SLOW, "HPCTRAIN_LAUNCHER": "srun", "HPCTRAIN_SPARE_NODES": "1"})
+                      env={**slow, "HPCTRAIN_LAUNCHER": "srun", "HPCTRAIN_SPARE_NODES": "1"})
     try:
         # past the PFS checkpoint of step 15 and the snapshots of steps 16 and 18
         vjobs.wait_for(lambda: last_step(run) >= 19, "step 19", job_id=jid)
         vcluster.kill_node("node2")
         t_kill, killed_at = time.monotonic(), last_step(run)
+        fast_from_the_next_run(faults)
         vjobs.wait_for(lambda: "[train.sbatch] recovery: " in out.read_text(),
                        "the relaunch's first trained step", timeout=90, job_id=jid)
         recovered = time.monotonic() - t_kill
