@@ -39,6 +39,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--interval", type=int, default=10, help="K: steps per window")
     ap.add_argument("--cycles", type=int, default=3, help="pairs of windows (with, without)")
     ap.add_argument("--cpu-share", type=float, default=0.1, help="checkpoint.async_cpu_share")
+    ap.add_argument("--no-checksums", action="store_true",
+                    help="checkpoint.full_checksums = false: sizes only for the data files (default: "
+                         "xxh3-128 of each, hashed while written, as the trainer does)")
     ap.add_argument("--dir", default=None, help="snapshot folder (default: /dev/shm/...{node})")
     ap.add_argument("--threads", type=int, default=0, help="compute threads per rank (0: torch's)")
     return ap.parse_args()
@@ -78,7 +81,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     setting = args.dir or str(Path("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir())
                               / "hpctrain-bench-snap" / "node{node}")
-    snaps = PeerSnapshots(1, setting, f"/bench-snapshot-{ctx.world_size}", ctx, cpu_share=args.cpu_share)
+    snaps = PeerSnapshots(1, setting, f"/bench-snapshot-{ctx.world_size}", ctx, cpu_share=args.cpu_share,
+                          full_checksums=not args.no_checksums)
     train = bench_checkpoint.Training(args, ctx.rank, ctx.world_size)
     for _ in range(3):
         train.step()
