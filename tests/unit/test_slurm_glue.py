@@ -2,6 +2,7 @@
 check, the slurm config section, and signal recording."""
 import os
 import signal
+import socket
 
 import pytest
 
@@ -165,8 +166,15 @@ def test_the_batch_script_check_refuses_a_bad_config_in_one_line(tmp_path):
 def test_probing_nodes_that_slurm_cannot_reach_tells_nothing(tmp_path):
     """`sbatch_helper gone` (train.sbatch asks it which nodes are gone after mpiexec ended naming
     none): when no node answers, Slurm itself is unreachable, not every node lost: one error line
-    naming the nodes, exit 1, so the script relaunches nothing."""
-    r = helper("gone", "node-a", "node-b", env={"SLURM_CONF": str(tmp_path / "none.conf"),
-                                                  "HPCTRAIN_PROBE_TIMEOUT_S": "5"})
+    naming the nodes, exit 1, so the script relaunches nothing. The controller refuses connections
+    (a closed port) and MessageTimeout=1 makes srun/scontrol give up at once, not after 10 s."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]
+    conf = tmp_path / "slurm.conf"
+    conf.write_text(f"ClusterName=gone\nSlurmctldHost=localhost\nSlurmctldPort={closed_port}\n"
+                    "AuthType=auth/none\nCredType=cred/none\nMessageTimeout=1\n"
+                    "NodeName=node-a,node-b CPUs=1\nPartitionName=debug Nodes=ALL Default=YES\n")
+    r = helper("gone", "node-a", "node-b", env={"SLURM_CONF": str(conf), "HPCTRAIN_PROBE_TIMEOUT_S": "5"})
     assert r.returncode == 1 and r.stdout == "" and r.stderr.count("\n") == 1, r
     assert r.stderr.startswith("error: ") and "node-a,node-b" in r.stderr and "cannot" in r.stderr
