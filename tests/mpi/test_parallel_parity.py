@@ -4,6 +4,7 @@ reshard across layouts and world sizes, bf16 learns in every layout, bad layouts
 A tiny GPT (4 blocks, 64 wide, 32 tokens, 257 byte vocab) on Shakespeare, fp32, fixed seed, and
 the same global batch (8 sequences) in every layout: micro_batch x grad_accum x dp = 8.
 """
+import json
 import shutil
 
 import pytest
@@ -26,11 +27,20 @@ def reference(tmp_path_factory, dataset):
     return losses(run)
 
 
+@pytest.fixture(scope="module")
+def dp2_tp2(tmp_path_factory, dataset):
+    """(process, run dir) of the dp2_tp2 layout's 20 steps (checkpoints at 10 and 20): a parity
+    curve, and test_reshard_resume's source (its step-10 checkpoint), trained once."""
+    n, overrides = LAYOUTS["dp2_tp2"]
+    return train(n, tmp_path_factory.mktemp("dp2_tp2"), dataset, "dp2_tp2", *overrides)
+
+
 @pytest.mark.parametrize("layout", [pytest.param(k, marks=pytest.mark.slow) if k in SLOW else k
                                     for k in LAYOUTS])
-def test_loss_parity(tmp_path, dataset, reference, layout):
+def test_loss_parity(tmp_path, dataset, reference, layout, request):
     n, overrides = LAYOUTS[layout]
-    r, run = train(n, tmp_path, dataset, layout, *overrides)
+    r, run = (request.getfixturevalue("dp2_tp2") if layout == "dp2_tp2" else
+              train(n, tmp_path, dataset, layout, *overrides))
     assert "training:" in r.stderr
     assert_same_curve(reference, losses(run), range(1, 21))
     assert reference[20] < 0.75 * reference[1]  # and it learns
@@ -38,15 +48,16 @@ def test_loss_parity(tmp_path, dataset, reference, layout):
 
 @pytest.mark.parametrize("target", [pytest.param("dp4", marks=pytest.mark.slow),
                                     pytest.param("pp2_dp2", marks=pytest.mark.slow), "one"])
-def test_reshard_resume(tmp_path_factory, dataset, reference, target):
-    """Save at step 10 with tp=2 x dp=2; resume to 20 with another layout / world size: the resumed
-    curve is the uninterrupted 1-rank curve (weights, AdamW state and data position all carried)."""
-    src = tmp_path_factory.getbasetemp() / "reshard_src"
-    if not (src / "src" / "checkpoints").exists():
-        src.mkdir(exist_ok=True)
-        train(4, src, dataset, "src", "--parallel.tp=2", "--train.grad_accum=1", "--train.stop_at_step=10")
+def test_reshard_resume(tmp_path_factory, dataset, reference, dp2_tp2, target):
+    """Save at step 10 with tp=2 x dp=2 (the dp2_tp2 run, its step-20 checkpoint and records after
+    step 10 removed); resume to 20 with another layout / world size: the resumed curve is the
+    uninterrupted 1-rank curve (weights, AdamW state and data position all carried)."""
     tmp = tmp_path_factory.mktemp(f"reshard_{target}")
-    shutil.copytree(src / "src", tmp / target)
+    shutil.copytree(dp2_tp2[1], tmp / target)
+    shutil.rmtree(tmp / target / "checkpoints" / "step_00000020")
+    metrics = tmp / target / "metrics.jsonl"
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()
+                               if json.loads(line).get("step", 0) <= 10))
     n, overrides = {"dp4": (4, ["--train.micro_batch_size=2", "--train.grad_accum=1"]),
                     "pp2_dp2": (4, ["--parallel.pp=2", "--train.micro_batch_size=2", "--train.grad_accum=2"]),
                     "one": (1, [])}[target]
