@@ -2,6 +2,7 @@
 
 Run:  python bench/async_localsgd.py [--data data/shakespeare_bytes] [--steps 240] [--plot PNG]
           [--replicas 2] [--compute-sleep 0] [--compression none|bf16|int8|int4]
+          [--pull-compression same|bf16|int8|int4]
 
 Two replicas train the demo GPT (128 wide, block 128, 0.8M parameters) on byte-level Shakespeare;
 rank 1 computes `--slow`x slower (the test fault slow_factor in HPCTRAIN_TEST_FAULTS: it sleeps
@@ -23,8 +24,8 @@ commit). Prints the final loss, the wall time, the bytes rank 0 moved for synchr
 synchronous DiLoCo's final loss; then the equal-speed check (sync DiLoCo vs async DN+DyLU at slow 1);
 last, async DN+DyLU's bytes per token over sync DiLoCo's, both as rank 0's bytes sent + received
 (sync DiLoCo's comm_bytes counts the sent half of its symmetric average; with --compression the
-asynchronous modes pull the global model's change in that format too, and skip the pull of an
-arrival whose change is their own).
+asynchronous modes pull the global model's change in that format too, or in --pull-compression's
+(sync.pull_compression), and skip the pull of an arrival whose change is their own).
 """
 from __future__ import annotations
 
@@ -54,13 +55,15 @@ from hpctrain.model import build_model_from_section  # noqa: E402
 ASYNC = ["--sync.mode=async_diloco", "--sync.ps_servers=1"]
 
 
-def modes(h: int, n: int = 2, compression: str = "none") -> dict[str, tuple[int, list[str]]]:
+def modes(h: int, n: int = 2, compression: str = "none", pulls: str = "same") -> dict[str, tuple[int, list[str]]]:
     """name -> (ranks, overrides), for n replicas; `compression`: the pseudo-gradients' wire format
-    (sync DiLoCo's all-reduce, the asynchronous modes' pushes)."""
-    wire = [f"--sync.compression={compression}"]
+    (sync DiLoCo's all-reduce, the asynchronous modes' pushes); `pulls`: the asynchronous modes'
+    pulls (sync.pull_compression)."""
+    sync_wire = [f"--sync.compression={compression}"]
+    wire = sync_wire + ([] if pulls == "same" else [f"--sync.pull_compression={pulls}"])
     return {
         "ddp": (n, []),
-        "sync DiLoCo": (n, ["--sync.mode=diloco", f"--sync.inner_steps={h}", *wire]),
+        "sync DiLoCo": (n, ["--sync.mode=diloco", f"--sync.inner_steps={h}", *sync_wire]),
         "async naive": (n + 1, ASYNC + [f"--sync.inner_steps={h}", "--sync.outer_optimizer=nesterov", *wire]),
         "async DN": (n + 1, ASYNC + [f"--sync.inner_steps={h}", "--sync.outer_optimizer=delayed_nesterov", *wire]),
         "async DN+DyLU": (n + 1, ASYNC + [f"--sync.inner_steps={h}", "--sync.outer_optimizer=delayed_nesterov",
@@ -172,6 +175,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1337, help="train.seed: init and data order")
     ap.add_argument("--compression", default="none", choices=["none", "bf16", "int8", "int4"],
                     help="pseudo-gradient wire format of sync DiLoCo and the asynchronous modes")
+    ap.add_argument("--pull-compression", default="same", choices=["same", "bf16", "int8", "int4"],
+                    help="the asynchronous modes' pulls (sync.pull_compression; same = --compression)")
     ap.add_argument("--compute-sleep", type=float, default=0.0,
                     help="seconds every step sleeps as stand-in accelerator time (compute_sleep_s fault): "
                          "with many replicas on few cores, keeps the CPU from being what times them")
@@ -179,7 +184,7 @@ def main() -> None:
     val = held_out(args.data, args.windows)
     curves, walls, moved, split = {}, {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (ranks, extra) in modes(args.h, args.replicas, args.compression).items():
+        for name, (ranks, extra) in modes(args.h, args.replicas, args.compression, args.pull_compression).items():
             if args.only and name not in args.only:
                 continue
             res = train(name, ranks, extra, args, Path(tmp), args.slow)
@@ -189,7 +194,7 @@ def main() -> None:
         equal = {}
         if not args.no_equal_speed:
             for name in ("sync DiLoCo", "async DN+DyLU"):
-                ranks, extra = modes(args.h, args.replicas, args.compression)[name]
+                ranks, extra = modes(args.h, args.replicas, args.compression, args.pull_compression)[name]
                 res = train(name, ranks, extra, args, Path(tmp), 1.0)
                 equal[name] = score(res["run"], res["t0"], val)[-1][1]
     target = curves["sync DiLoCo"][-1][1] if "sync DiLoCo" in curves else None
@@ -211,7 +216,8 @@ def main() -> None:
     for name in (n for n in split if split[n]["arrivals"]):
         res = split[name]
         print(f"{name}, rank 0: {res['arrivals']} arrivals, pushed {res['pushed'] / 1e6:.1f} MB, "
-              f"pulled {res['pulled'] / 1e6:.1f} MB (catch-ups included)")
+              f"pulled {res['pulled'] / 1e6:.1f} MB (catch-ups included); per arrival "
+              f"{res['pushed'] / res['arrivals'] / 1e3:.0f} + {res['pulled'] / res['arrivals'] / 1e3:.0f} kB")
     if "sync DiLoCo" in moved and "async DN+DyLU" in moved and moved["sync DiLoCo"]:
         # every mode trains the same tokens, so rank 0's bytes per token compare as its bytes.
         # Like with like: sync DiLoCo's comm_bytes is what rank 0 sends, and its average (ring or

@@ -184,6 +184,15 @@ def _validate_sync(s: SyncConfig, p: ParallelConfig) -> None:
     _check(s.compression == "none" or s.mode in ("diloco", "async_diloco"), "sync.compression",
            f"compresses pseudo-gradients, which only sync.mode = 'diloco' or 'async_diloco' send "
            f"(sync.mode = '{s.mode}' would ignore it): leave it 'none'")
+    _check(s.pull_compression == "same" or (s.mode == "async_diloco" and s.compression != "none"),
+           "sync.pull_compression", f"sets the format of async_diloco's compressed pulls: use sync.mode = "
+           f"'async_diloco' with sync.compression bf16 | int8 | int4 (not '{s.mode}' / "
+           f"'{s.compression}'), or leave it 'same'")
+    _check(not s.defer_momentum_pull or (s.mode == "async_diloco" and s.compression != "none"
+                                         and s.outer_optimizer == "delayed_nesterov"),
+           "sync.defer_momentum_pull", "defers delayed Nesterov's momentum step to async_diloco's "
+           "next compressed pull: use sync.mode = 'async_diloco', sync.compression bf16 | int8 | int4 "
+           "and sync.outer_optimizer = 'delayed_nesterov', or leave it false")
     _check(not s.streaming or s.mode == "diloco", "sync.streaming",
            f"is a DiLoCo variant: use sync.mode = 'diloco' (not '{s.mode}') or leave it false")
     _check(1 <= s.overlap_steps <= max(1, s.inner_steps // s.fragments), "sync.overlap_steps",

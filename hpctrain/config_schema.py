@@ -311,6 +311,13 @@ class SyncConfig:
         "help": "diloco, async_diloco: pseudo-gradient wire format none (fp32) | bf16 | int8 | int4 (scaled per block; async_diloco: the servers then apply the arrivals)"})
     int8_block: int = field(default=256, metadata={
         "help": "with compression = 'int8' | 'int4': elements per scale (0 = one scale per tensor chunk)"})
+    pull_compression: Literal["same", "bf16", "int8", "int4"] = field(default="same", metadata={
+        "help": "async_diloco with compression: wire format of the pulls (the global model's change, "
+                "with error feedback): same (as sync.compression) | bf16 | int8 | int4"})
+    defer_momentum_pull: bool = field(default=False, metadata={
+        "help": "async_diloco with compression and delayed_nesterov: an arrival that takes the "
+                "momentum step pulls nothing either; the replica adds its own share and the "
+                "momentum step comes with its next pull (at most one step owed)"})
     outer_optimizer: Literal["delayed_nesterov", "nesterov", "sgd"] = field(
         default="delayed_nesterov", metadata={
             "help": "async_diloco: the global model's update per arrival: delayed_nesterov (plain "

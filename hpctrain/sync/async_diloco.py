@@ -80,14 +80,16 @@ class AsyncDiLoCo(AsynchronousStrategy):
         self.windows = GlobalModelWindows(part, flat(self.params), server_groups, self.n_workers,
                                           control_comm=ctx.comm, control_host=mesh.dims.rank_of(0, replicas, 0))
         self.inbox = None if s.compression == "none" else ArrivalInbox(
-            part, self.windows.servers, self.windows.bounds, self.n_workers, s.compression, s.int8_block)
+            part, self.windows.servers, self.windows.bounds, self.n_workers, s.compression, s.int8_block,
+            None if s.pull_compression == "same" else s.pull_compression)
         if self.inbox is not None:  # an arrival whose change is the replica's own: no pull
             self.inbox.own_change = OwnChange(self.kind, **self.outer)
+            self.inbox.defer_momentum = s.defer_momentum_pull
         self.flags = self.windows
         self.start = flat(self.params)
         self.replica = mesh.dp_rank if self.trains else -1
         if self.inbox is not None:
-            self.inbox.set_views(self.replica, self.start if self.trains else None)
+            self.inbox.set_views(self.replica, self.start if self.trains else None, held=0)
         self.round_pulled = 0  # bytes pulled this round before the arrival (catch-ups)
         # checkpoint keys of what differs by position (each rank's part of the model)
         part = "" if self.positions == 1 else f"_{self.position}"
@@ -270,9 +272,16 @@ class AsyncDiLoCo(AsynchronousStrategy):
     def describe(self) -> str:
         return (f", sync async_diloco: {self.n_workers} replicas of {self.positions} rank(s), "
                 f"{self.ctx.world_size - self.n_workers * self.positions} servers, {'dynamic' if self.dynamic else 'fixed'} local steps "
-                f"(<= {self.inner_steps}), {self.inbox.kind if self.inbox else 'fp32'} pushes"
+                f"(<= {self.inner_steps}), {self._wire()}"
                 f"{', catch-up' if self.catch_up else ''}, H={self.inner_steps} outer={self.kind} "
                 f"lr={self.outer['lr']:g} m={self.outer['mu']:g}")
+
+    def _wire(self) -> str:
+        """The wire formats, as describe() names them: 'int8 pushes' or 'int8 pushes, int4 pulls'."""
+        if self.inbox is None:
+            return "fp32 pushes"
+        same = self.inbox.pull_kind == self.inbox.kind
+        return f"{self.inbox.kind} pushes" + ("" if same else f", {self.inbox.pull_kind} pulls")
 
     # ---- the end of training, checkpoints --------------------------------------------------------
     def meet(self, preempt, step: int, stop: int, end: int) -> tuple[int, int]:

@@ -28,8 +28,14 @@ theta - lr * decode(push) / R. Both sides then add that change to the view, in t
 operations on the same decoded bytes, so they stay bit-identical and the residual theta - view
 (the error feedback) is unchanged; nothing is pulled from that server. Both sides know when: a
 pull's answer word carries the arrival the view holds up to (`view_at`, per server); after a
-resume it is unknown (-1) until the next pull. A catch-up to arrivals a view already holds pulls
-nothing either.
+resume it is unknown (-1) until the next pull; at start every view is the initial model (0). A
+catch-up to arrivals a view already holds pulls nothing either. With `defer_momentum` (delayed
+Nesterov, sync.defer_momentum_pull) an own arrival that also takes the momentum step is handled
+the same way when no step is owed yet: both sides add the pseudo-gradient's share, the step stays
+in theta - view (owed) and comes with the next pull, which clears the debt; so a view lacks at most
+one momentum step beyond the error feedback's half quantization step. The pulls can be in a
+coarser format than the pushes (`pull_kind`, sync.pull_compression): they carry error feedback,
+the pushes none.
 
 So an arrival moves the encoded push (2 bytes per parameter in bf16; 1 + 4 per int8 block of
 sync.int8_block in int8; 1/2 + 4 per block in int4) and as much back, and the servers apply arrivals strictly in the order of
@@ -59,19 +65,17 @@ class ArrivalInbox:
     """Collective over `comm` (one part of the model: its replica ranks, then its servers)."""
 
     def __init__(self, comm, servers: list[int], bounds: list[tuple[int, int]], n_replicas: int,
-                 kind: str, block: int):
+                 kind: str, block: int, pull_kind: str | None = None):
         self.comm, self.servers, self.bounds, self.kind = comm, servers, bounds, kind
-        self.n_replicas = n_replicas
-        self.codecs, self.slot_bytes = [], []
-        for lo, hi in bounds:
-            chunk, blk = wire_layout(hi - lo, 1, kind, block)
-            self.codecs.append(Codec(kind, chunk, blk))
-            self.slot_bytes.append(encoded_bytes(chunk, kind, blk))
+        self.pull_kind, self.n_replicas = pull_kind or kind, n_replicas
+        self.codecs, self.slot_bytes = _codecs(bounds, kind, block)  # pushes
+        self.pull_codecs, self.pull_bytes = _codecs(bounds, self.pull_kind, block)
         me = servers.index(comm.rank) if comm.rank in servers else None
         self.me = me
         self.pull_words = 1 + 2 * n_replicas  # the first pull word
         words = 1 + 4 * n_replicas if me is not None else 0
-        slots = 2 * n_replicas * self.slot_bytes[me] if me is not None else 0  # pushes, then pulls
+        # pushes, then pulls, one slot per replica each
+        slots = n_replicas * (self.slot_bytes[me] + self.pull_bytes[me]) if me is not None else 0
         self.header = MPI.Win.Allocate(8 * words, disp_unit=8, comm=comm)
         self.slots = MPI.Win.Allocate(slots, disp_unit=1, comm=comm)
         if me is not None:
@@ -82,13 +86,18 @@ class ArrivalInbox:
         self.view_at: list[int] = []  # the arrival each view holds up to (server: per replica;
         # replica: per server); -1 = unknown
         self.own_change = None  # (view slice, decoded g slice, arrival) -> applied? (module doc)
+        self.defer_momentum = False  # an own arrival with a momentum step may skip its pull (doc)
+        self.owed: list[bool] = []  # a skipped momentum step not pulled yet (per replica / server)
         self._posted: tuple[int, list[np.ndarray]] | None = None  # replica: its last push, decoded
         comm.Barrier()
 
-    def set_views(self, replica: int, start: np.ndarray | None) -> None:
+    def set_views(self, replica: int, start: np.ndarray | None, held: int = -1) -> None:
         """Collective: every replica (comm rank = replica) sends its weights `start` (flat fp32,
-        its part) to the servers, which keep them as its view. At start and on resume."""
-        self.view_at = [-1] * (self.n_replicas if self.me is not None else len(self.servers))
+        its part) to the servers, which keep them as its view. At start, where every view is the
+        initial global model (`held` = 0 arrivals: the first arrival may be a replica's own
+        change, pulled from nobody), and on resume (-1: unknown until the next pull)."""
+        self.view_at = [held] * (self.n_replicas if self.me is not None else len(self.servers))
+        self.owed = [False] * len(self.view_at)
         if self.me is None:
             self.comm.Barrier()
             for server, (lo, hi) in zip(self.servers, self.bounds):
@@ -143,29 +152,43 @@ class ArrivalInbox:
         for s in ask:
             server, (lo, hi) = self.servers[s], self.bounds[s]
             self.view_at[s] = self._wait_word(server, self.pull_words + 2 * replica + 1, at)
-            size = self.slot_bytes[s]
+            size = self.pull_bytes[s]
             raw = np.empty(size, dtype=np.uint8)
             self.slots.Lock(server, MPI.LOCK_SHARED)
-            self.slots.Get([raw, MPI.BYTE], server, target=((self.n_replicas + replica) * size, size, MPI.BYTE))
+            self.slots.Get([raw, MPI.BYTE], server, target=(self._pull_slot(s, replica), size, MPI.BYTE))
             self.slots.Unlock(server)
-            codec = self.codecs[s]
+            codec = self.pull_codecs[s]
             theta[lo:hi] = start[lo:hi] + codec.decode(codec.split(torch.from_numpy(raw)))[:hi - lo].numpy()
             moved += size + 16
+            self.owed[s] = False
         for s in sorted(set(range(len(self.servers))) - set(ask)):  # no pull: my own change, or none
             lo, hi = self.bounds[s]
             if self.view_at[s] < at:
+                self.owed[s] |= not self.own_change.applies(at)
                 self.own_change(theta[lo:hi], self._posted[1][s], at)
                 self.view_at[s] = at
             # as after a pull, go on once `at` is applied there (a checkpoint then finds it in)
             self._wait_word(self.servers[s], APPLIED, at)
         return theta, moved
 
+    def _pull_slot(self, s: int, replica: int) -> int:
+        """Byte offset of `replica`'s pull slot on server index `s` (after the push slots)."""
+        return self.n_replicas * self.slot_bytes[s] + replica * self.pull_bytes[s]
+
     def _servers_to_ask(self, at: int, start: np.ndarray) -> list[int]:
         """The servers a pull at `at` must ask (all of them without own_change)."""
         if self.own_change is None:
             return list(range(len(self.servers)))
-        mine = self._posted is not None and self._posted[0] == at and self.own_change.applies(at)
-        return [s for s, held in enumerate(self.view_at) if not (held >= at or (mine and held == at - 1))]
+        mine = self._posted is not None and self._posted[0] == at
+        return [s for s, held in enumerate(self.view_at)
+                if not (held >= at or (mine and held == at - 1 and self._own(at, self.owed[s])))]
+
+    def _own(self, arrival: int, owed: bool) -> bool:
+        """Does a replica whose view holds the arrivals before its own `arrival` add that
+        arrival's change itself (no pull)? Its pseudo-gradient alone; with defer_momentum also
+        one that takes the momentum step, when no earlier step is owed (the step then comes with
+        the next pull; the same rule on both sides)."""
+        return self.own_change.applies(arrival) or (self.defer_momentum and not owed)
 
     def _wait_word(self, server: int, index: int, at_least: int, poll_s: float = 0.0002) -> int:
         """Until word `index` on `server` is >= at_least; its value."""
@@ -221,14 +244,15 @@ class ArrivalInbox:
         """After applying the replica's arrival: the change it adds without a pull, added to its
         view too (the same rule as _servers_to_ask, on the same decoded bytes)."""
         k = self.next_arrival
-        if self.own_change is not None and self.view_at[replica] == k - 1 and self.own_change.applies(k):
+        if self.own_change is not None and self.view_at[replica] == k - 1 and self._own(k, self.owed[replica]):
+            self.owed[replica] |= not self.own_change.applies(k)
             self.own_change(self.views[replica], g, k)
             self.view_at[replica] = k
 
     def _answer_pulls(self, header: np.ndarray, theta) -> None:
         asked = header[self.pull_words::2]
         for r in np.nonzero((asked > np.array(self.answered)) & (asked < self.next_arrival))[0]:
-            codec, size, me = self.codecs[self.me], self.slot_bytes[self.me], self.comm.rank
+            codec, size, me = self.pull_codecs[self.me], self.pull_bytes[self.me], self.comm.rank
             view = self.views[r]
             padded = torch.zeros(codec.chunk, dtype=torch.float32)
             padded[:view.size] = torch.from_numpy(theta() - view)
@@ -236,9 +260,10 @@ class ArrivalInbox:
             view += codec.decode(parts)[:view.size].numpy()  # what the replica adds: error feedback
             payload = torch.cat(parts).numpy()
             self.slots.Lock(me, MPI.LOCK_EXCLUSIVE)
-            self.slots.Put([payload, MPI.BYTE], me, target=((self.n_replicas + r) * size, size, MPI.BYTE))
+            self.slots.Put([payload, MPI.BYTE], me, target=(self._pull_slot(self.me, r), size, MPI.BYTE))
             self.slots.Unlock(me)
             self.answered[r] = int(asked[r])
+            self.owed[r] = False
             self.view_at[r] = self.next_arrival - 1  # theta() holds every arrival applied
             word = np.array([self.view_at[r]], dtype=np.int64)  # >= asked: the replica learns it
             self.header.Lock(me, MPI.LOCK_SHARED)
@@ -267,3 +292,13 @@ class ArrivalInbox:
     def free(self) -> None:
         self.header.Free()
         self.slots.Free()
+
+
+def _codecs(bounds: list[tuple[int, int]], kind: str, block: int) -> tuple[list[Codec], list[int]]:
+    """One codec per server's slice in wire format `kind`, and its encoded size in bytes."""
+    codecs, sizes = [], []
+    for lo, hi in bounds:
+        chunk, blk = wire_layout(hi - lo, 1, kind, block)
+        codecs.append(Codec(kind, chunk, blk))
+        sizes.append(encoded_bytes(chunk, kind, blk))
+    return codecs, sizes

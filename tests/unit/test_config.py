@@ -78,6 +78,9 @@ def test_roundtrip_escapes_strings(toml, tmp_path, run_dir):
     (["--sync.outer_momentum=1.0"], "sync.outer_momentum"),
     (["--train.nesterov=true"], "train.nesterov"),  # AdamW: no such momentum
     (["--sync.momentum_per_lr=true"], "sync.momentum_per_lr"),  # not async_diloco
+    (["--sync.mode=async_diloco", "--sync.pull_compression=int4"], "sync.pull_compression"),  # no compression
+    (["--sync.mode=async_diloco", "--sync.compression=int8", "--sync.outer_optimizer=sgd",
+      "--sync.defer_momentum_pull=true"], "sync.defer_momentum_pull"),  # no momentum step to defer
     (["--sync.staleness=-2"], "sync.staleness"),
     (["--sync.mode=diloco", "--parallel.data_parallel=fsdp"], "parallel.data_parallel"),
     (["--sync.mode=ps", "--parallel.tp=2"], "sync.mode"),

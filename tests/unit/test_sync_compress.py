@@ -134,16 +134,18 @@ def test_compressed_pulls_keep_each_replica_within_one_quantization_step(tmp_pat
     """async_diloco's pulls (inbox.pull, 2 replicas + 2 servers, 12 arrivals): after every pull a
     replica's weights are bit-identical to the servers' view of them and within half a step of
     theta (per block of the change pulled: error feedback, no drift), and a pull moves the encoded
-    slice (+16 header bytes per server), not 4 bytes per element."""
+    slice (+16 header bytes per server), not 4 bytes per element. int8-int4: int8 pushes, int4
+    pulls (sync.pull_compression): the bound and the bytes are int4's."""
     mpirun(4, [ROOT / "tests/mpi/scripts/pull_probe.py", tmp_path], check=True, timeout=120)
-    for kind in ("int8", "int4"):
+    for kind in ("int8", "int4", "int8-int4"):
         servers = [json.loads((tmp_path / f"server{r}_{kind}.json").read_text()) for r in (2, 3)]
         for s in servers:
             assert s["identical"], kind
             assert len(s["ratios"]) == 24 and max(s["ratios"]) <= 1.0 + 1e-3, (kind, max(s["ratios"]))
             assert max(s["ratios"]) > 0.3, kind  # lossy: an fp32 path would give 0
-        slots = [s["slot_bytes"][0] for s in servers]
+        slots = [s["pull_bytes"][0] for s in servers]
         moved = json.loads((tmp_path / f"replica0_{kind}.json").read_text())["moved"]
         assert moved == [sum(slots) + 32] * 12, kind
         codes = 1536 if kind == "int8" else 768  # 1500 elements, padded to 64-element blocks
         assert slots == [codes + 24 * 4, codes + 24 * 4]
+        assert [s["slot_bytes"][0] for s in servers] == [1536 + 24 * 4] * 2 if kind != "int4" else slots

@@ -3,7 +3,8 @@ servers 2 and 3 (each holds half of a 3001-element model). Per round one replica
 pseudo-gradient (applied as theta = 0.999 theta - g), then both pull (its own arrival / a catch-up). The
 servers check after every round that each replica's view is within half a quantization step of
 theta (per block of the change d = theta - the view before the pull) and bit-identical to the
-weights the replica holds; they write OUTDIR/server<rank>_<kind>.json.
+weights the replica holds; they write OUTDIR/server<rank>_<kind>.json. Kinds: int8, int4 (pushes
+and pulls), int8-int4 (int8 pushes, int4 pulls: sync.pull_compression).
 
 usage: pull_probe.py OUTDIR
 """
@@ -30,7 +31,8 @@ def run(comm, kind: str, outdir: str) -> None:
     bounds = [(0, N // 2), (N // 2, N)]
     rng = np.random.default_rng(7)
     theta0 = rng.standard_normal(N).astype(np.float32)
-    inbox = ArrivalInbox(comm, servers, bounds, 2, kind, BLOCK)
+    push_kind, _, pull_kind = kind.partition("-")
+    inbox = ArrivalInbox(comm, servers, bounds, 2, push_kind, BLOCK, pull_kind or None)
     start = theta0.copy() if rank < 2 else None
     inbox.set_views(rank, start)
     if rank in servers:
@@ -57,7 +59,8 @@ def run(comm, kind: str, outdir: str) -> None:
             while not done.Test():
                 inbox.serve(apply, lambda: theta.copy())
             for r in range(2):
-                bound = half_steps(theta - before[r], inbox.codecs[inbox.me].block, 127 if kind == "int8" else 7)
+                levels = 127 if inbox.pull_kind == "int8" else 7
+                bound = half_steps(theta - before[r], inbox.pull_codecs[inbox.me].block, levels)
                 err = np.abs(theta - inbox.views[r])
                 ratios.append(float((err / np.maximum(bound, 1e-30)).max()))
         if rank < 2:
@@ -69,7 +72,8 @@ def run(comm, kind: str, outdir: str) -> None:
                 comm.Recv(got, source=r, tag=a)
                 identical &= bool(np.array_equal(got, inbox.views[r]))
     if rank in servers:
-        out = {"ratios": ratios, "identical": identical, "slot_bytes": inbox.slot_bytes}
+        out = {"ratios": ratios, "identical": identical, "slot_bytes": inbox.slot_bytes,
+               "pull_bytes": inbox.pull_bytes}
         with open(f"{outdir}/server{rank}_{kind}.json", "w") as f:
             json.dump(out, f)
     elif rank == 0:
@@ -81,5 +85,5 @@ def run(comm, kind: str, outdir: str) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    for kind in ("int8", "int4"):
+    for kind in ("int8", "int4", "int8-int4"):
         run(MPI.COMM_WORLD, kind, sys.argv[1])
