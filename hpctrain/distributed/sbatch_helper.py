@@ -190,9 +190,12 @@ def gone_nodes(nodes: list[str], timeout_s: float) -> dict[str, str]:
 
 
 def gone(nodes: list[str]) -> int:
-    """Print the gone nodes, one a line; why on stderr (one line each); exit 1 when none answered."""
+    """Print the gone nodes, one a line; why on stderr (one line each); exit 1 when none answered.
+    `--others` first: the nodes besides those a verdict named (its lines say so)."""
+    others = nodes[:1] == ["--others"]
+    nodes = nodes[1:] if others else nodes
     if not nodes:
-        print("error: usage: sbatch_helper gone NODE [NODE ...]", file=sys.stderr)
+        print("error: usage: sbatch_helper gone [--others] NODE [NODE ...]", file=sys.stderr)
         return 2
     timeout_s = float(os.environ.get("HPCTRAIN_PROBE_TIMEOUT_S") or PROBE_TIMEOUT_S)
     if shutil.which("srun") is None:
@@ -207,7 +210,10 @@ def gone(nodes: list[str]) -> int:
               f"{found[nodes[0]]}): cannot tell which node is gone; check `scontrol show job "
               f"$SLURM_JOB_ID` and `sinfo`", file=sys.stderr)
         return 1
-    if not found:
+    if not found and others:
+        print(f"[train.sbatch] the {len(nodes)} other node(s) answered ({len(nodes)} probed in {took:.1f} s)",
+              file=sys.stderr)
+    elif not found:
         print(f"[train.sbatch] every node answered ({len(nodes)} probed in {took:.1f} s): no node is "
               f"lost, no relaunch", file=sys.stderr)
     for node, why in found.items():
@@ -227,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["gone"]:
         return gone(argv[1:])
     print("usage: python -m hpctrain.distributed.sbatch_helper launcher | check CONFIG.toml "
-          "[--section.key=value ...] | gone NODE [NODE ...]", file=sys.stderr)
+          "[--section.key=value ...] | gone [--others] NODE [NODE ...]", file=sys.stderr)
     return 2
 
 

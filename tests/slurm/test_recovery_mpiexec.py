@@ -6,13 +6,19 @@ node and a TCP connection to its slurmd: hpctrain/distributed/sbatch_helper.py `
 `mpiexec -hosts` on the spare or the nodes left, as the srun path does. Asserted on the virtual
 4-node cluster, one job losing two nodes (the spare's case, then the fewer-nodes case): each
 relaunch, the state from the peer snapshots (no PFS read), kill -> next trained step <= 30 s, the
-losses of the uninterrupted run; and that a rank's own error relaunches nothing. (The wheel under
-`srun --mpi=pmi2` has no part here: no pmi2 flake.)
+losses of the uninterrupted run; and that a rank's own error relaunches nothing. A second job (same
+cluster) has a node go silent (every process of node2 SIGSTOPped, slurmd too: a hung kernel; the
+spare takes its place, node2 thawed mid-run disturbs nothing and keeps none of the job's processes)
+and then loses two nodes at the same moment (a rack's power: both named, one relaunch; the peer
+snapshot died with them, so the PFS checkpoint, said in the log). (The wheel under `srun
+--mpi=pmi2` has no part here: no pmi2 flake.)
 """
 from __future__ import annotations
 
+import json
 import os
 import re
+import signal
 import time
 
 import pytest
@@ -23,7 +29,8 @@ from tests.slurm.test_multinode import (SLOW, assert_close_curve, dataset, elast
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-SNAPSHOTS = ["--dist.heartbeat_timeout_s=8", "--checkpoint.snapshot_interval=2",
+HEARTBEAT_S = 8
+SNAPSHOTS = [f"--dist.heartbeat_timeout_s={HEARTBEAT_S}", "--checkpoint.snapshot_interval=2",
              "--checkpoint.snapshot_dir=/dev/shm"]  # each node's own tmpfs (node4's scratch is full)
 
 
@@ -107,3 +114,91 @@ def test_a_ranks_own_error_under_mpiexec_is_not_a_node_loss(vjobs, tmp_path):
     (took,) = [float(m) for m in re.findall(r"every node answered \(3 probed in ([\d.]+) s\)", log)]
     assert "[train.sbatch] node " not in log and log.count("training failed with status ") == 1, log
     print(f"mpiexec rank error: 3 nodes probed in {took:.1f} s, no relaunch")
+
+
+def job_pids(pids: list[int]) -> list[int]:
+    """The training job's processes among `pids` (ranks, their beacons, Hydra's proxy)."""
+    out = []
+    for pid in pids:
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "hpctrain" in cmd or "hydra_pmi_proxy" in cmd:
+            out.append(pid)
+    return out
+
+
+def alive(pids: list[int]) -> list[int]:
+    """The processes of `pids` that still run (a zombie has ended)."""
+    out = []
+    for pid in pids:
+        try:
+            if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+                out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+def relaunches(out) -> int:
+    return len(re.findall(r"\] nodes? .* lost: .*relaunching", out.read_text()))
+
+
+def test_frozen_node_then_two_nodes_at_once_under_mpiexec(vcluster, vjobs, dataset, elastic_ref, tmp_path):
+    """4 nodes, HPCTRAIN_SPARE_NODES=1. Every process of node2 SIGSTOPped at step 19: rank 1 on
+    node2 named within the heartbeat bound, forensics of the survivors, spare node4 in its place.
+    node2 thawed while the relaunch trains: its old processes end, nothing else happens. node4 and
+    node3 SIGKILLed together at step 29: both named once, one relaunch on node1 (dp 1), from the
+    PFS checkpoint of step 25 (rank 1's snapshot was on node4 and its buddy node3); the 3-rank
+    losses."""
+    cfg, run = elastic_config(tmp_path, dataset, "multi")
+    jid, out = submit(vjobs, tmp_path, cfg, 4, 1, *SNAPSHOTS, env={**SLOW, "HPCTRAIN_SPARE_NODES": "1"})
+    frozen, killed, thawed = [], [], False
+    try:
+        vjobs.wait_for(lambda: last_step(run) >= 19, "step 19", timeout=180, job_id=jid)
+        frozen = job_pids(vcluster.signal_node("node2", signal.SIGSTOP))
+        t_stop = time.monotonic()
+        vjobs.wait_for(lambda: "rank 1 on node2 lost" in out.read_text(), "the verdict on node2",
+                       timeout=60, job_id=jid)
+        named = time.monotonic() - t_stop
+        vjobs.wait_for(lambda: relaunches(out) >= 1, "relaunch 1", timeout=60, job_id=jid)
+        relaunched = time.monotonic() - t_stop
+        forensics = {p.name: json.loads(p.read_text()) for p in (run / "forensics").glob("rank_*.json")}
+        vjobs.wait_for(lambda: "recovery: " in out.read_text(), "relaunch 1 trains", timeout=120, job_id=jid)
+        vcluster.signal_node("node2", signal.SIGCONT)  # the old step's ranks wake up mid-run
+        thawed = True
+        vjobs.wait_for(lambda: last_step(run) >= 29, "step 29", timeout=180, job_id=jid)
+        for node in ("node4", "node3"):
+            vcluster.kill_node(node)
+            killed.append(node)
+        killed_at = last_step(run)
+        (rec,) = vjobs.wait(jid, timeout=300)
+        left_on_node2 = alive(frozen)
+    finally:
+        for node in killed:
+            vcluster.boot_node(node)
+        if not thawed:
+            vcluster.signal_node("node2", signal.SIGCONT)
+        vcluster.wait_idle(["node2"])
+    log = out.read_text()
+    print(f"frozen node2: named after {named:.1f} s, relaunched after {relaunched:.1f} s; "
+          f"node3+node4 killed at step {killed_at}")
+    assert rec["JobState"] == "COMPLETED", log
+    # the frozen node: named within the bound, forensics of both survivors, spare node4 in
+    assert named <= HEARTBEAT_S + 2 * 0.8 + 5, (named, log)  # bound + 2 intervals + polling
+    assert relaunched <= named + 15, (relaunched, named, log)
+    assert sorted(forensics) == ["rank_0.json", "rank_2.json"], sorted(forensics)
+    assert all(f["kind"] == "verdict" and f["lost"] == 1 for f in forensics.values()), forensics
+    assert "the 2 other node(s) answered (2 probed in" in log, log  # one verdict: the rest asked
+    assert "node node2 lost: spare node4 takes its place (3 node(s): node1 node4 node3;" in log, log
+    assert frozen and not left_on_node2, (frozen, left_on_node2)
+    # two nodes at once: one relaunch naming both, the PFS checkpoint said in the log
+    assert re.search(r"nodes node[34] node[34] lost: relaunching on the 1 other node\(s\) "
+                     r"\(excluding node2 node[34] node[34]\)", log), log
+    assert relaunches(out) == 2 and log.count("grad_accum 6 x dp 1") == 1, log
+    assert re.search(r"peer snapshot .* not used: \S+/__1_0.distcp is on no surviving node", log), log
+    resumed = re.findall(r"resumed from (the peer snapshot of step \d+|\S+ at step \d+)", log)
+    assert len(resumed) == 2 and "peer snapshot of step" in resumed[0], resumed
+    assert resumed[1].endswith("step_00000025 at step 25"), resumed
+    assert_close_curve(run, elastic_ref, rel=1e-4)

@@ -250,10 +250,15 @@ class VirtualCluster(LocalSlurm):
     # -- faults --------------------------------------------------------------------------------------
     def kill_node(self, node: str) -> list[int]:
         """Power loss: SIGKILL every process on the node (slurmd, slurmstepd, the ranks)."""
+        return self.signal_node(node, signal.SIGKILL)
+
+    def signal_node(self, node: str, sig: int) -> list[int]:
+        """`sig` to every process on the node (SIGSTOP: a hung kernel, nothing on it runs; SIGCONT
+        wakes it)."""
         pids = pids_in_netns(self.netns(node))
         for pid in pids:
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
         return pids
