@@ -2,6 +2,7 @@
 
 Run:  python bench/localsgd.py [--data data/shakespeare_bytes] [--steps 300] [--ranks 2]
                                [--plot docs/img/localsgd.png] [--seed 1337]
+      [--h-stream 32 --stream-args='--sync.error_feedback=true --sync.overlap=false']  (variants)
 
 Every mode trains the same GPT (configs/demo.toml with 128 wide, block 128: the 0.8M model of docs/benchmarks.md) from the same seed on the
 same global batch for the same number of steps, on real Shakespeare (byte tokens):
@@ -46,11 +47,13 @@ def modes(h_small: int, h_large: int, h_int8: int) -> dict[str, list[str]]:
     }
 
 
-def streaming_modes(h: int, fragments: int) -> dict[str, list[str]]:
-    """Streaming DiLoCo with 4-bit pseudo-gradients (the issue's headline mode)."""
-    return {f"streaming H={h} P={fragments} int4": [
+def streaming_modes(h: int, fragments: int, extra: list[str]) -> dict[str, list[str]]:
+    """Streaming DiLoCo with 4-bit pseudo-gradients (the issue's headline mode); `extra` train
+    arguments (--stream-args) override its settings and are named in the mode's name."""
+    tail = "".join(f" {a.removeprefix('--sync.')}" for a in extra)
+    return {f"streaming H={h} P={fragments} int4{tail}": [
         "--sync.mode=diloco", "--sync.streaming=true", f"--sync.inner_steps={h}",
-        f"--sync.fragments={fragments}", "--sync.overlap=true", "--sync.compression=int4"]}
+        f"--sync.fragments={fragments}", "--sync.overlap=true", "--sync.compression=int4", *extra]}
 
 
 def streaming_summary(results: dict) -> str | None:
@@ -124,11 +127,14 @@ def main() -> None:
                     help="inner steps per fragment round of the Streaming DiLoCo int4 mode")
     ap.add_argument("--fragments", type=int, default=4, help="its fragments (groups of blocks)")
     ap.add_argument("--seed", type=int, default=1337, help="train.seed: init and data order")
+    ap.add_argument("--stream-args", default="", metavar="ARGS",
+                    help="more train arguments for the streaming mode, space-separated (later wins), "
+                         "e.g. --stream-args='--sync.overlap=false'; its name gets them without '--sync.'")
     args = ap.parse_args()
     results = {}
     with (contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory()) as tmp:
         for name, extra in {**modes(*args.h, args.h_int8),
-                            **streaming_modes(args.h_stream, args.fragments)}.items():
+                            **streaming_modes(args.h_stream, args.fragments, args.stream_args.split())}.items():
             if args.only and name not in args.only:
                 continue
             results[name] = train(name, extra, args, Path(tmp))

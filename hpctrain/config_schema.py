@@ -311,6 +311,10 @@ class SyncConfig:
         "help": "diloco, async_diloco: pseudo-gradient wire format none (fp32) | bf16 | int8 | int4 (scaled per block; async_diloco: the servers then apply the arrivals)"})
     int8_block: int = field(default=256, metadata={
         "help": "with compression = 'int8' | 'int4': elements per scale (0 = one scale per tensor chunk)"})
+    error_feedback: bool = field(default=False, metadata={
+        "help": "diloco with streaming and compression = 'int8' | 'int4': what the codes left out of "
+                "a fragment's pseudo-gradient (and of the average a rank re-encodes) is added to that "
+                "fragment's next round (error feedback; the residuals are checkpointed)"})
     pull_compression: Literal["same", "bf16", "int8", "int4"] = field(default="same", metadata={
         "help": "async_diloco with compression: wire format of the pulls (the global model's change, "
                 "with error feedback): same (as sync.compression) | bf16 | int8 | int4"})

@@ -12,6 +12,12 @@ quantization step in each phase: |avg - exact| <= mean_r(s1_r) / 2 + s2 / 2, s =
 int4 the same with s = block absmax / 7. (Streaming DiLoCo, arXiv 2501.18512, sends 4-bit floats,
 E3M0, and accumulates in fp32; int4 here is the symmetric integer variant with a per-block scale,
 which bounds the error per block as int8 does.)
+
+Error feedback (`feedback`, Streaming DiLoCo's sync.error_feedback): what a rank's codes left out
+is kept and added to what it encodes next time, in both phases: (1) e_sent, over the whole flat
+tensor, the residual of this rank's own encoded values; (2) e_owned, only on the chunk this rank
+averages, the residual of its re-encoded average. So over K calls the sum of the results tracks
+the sum of the exact averages within one call's error, instead of K of them adding up.
 """
 from __future__ import annotations
 
@@ -82,8 +88,19 @@ class Codec:
         return [wire[:n_codes]] if self.kind == "bf16" else [wire[:n_codes], wire[n_codes:]]
 
 
-def average(flat: torch.Tensor, group, kind: str = "none", block: int = 256) -> torch.Tensor:
-    """Mean of `flat` (1-D fp32) over `group`; identical result on every rank. Blocking."""
+def _keep_residual(residual: torch.Tensor | None, meant: torch.Tensor, codec: Codec,
+                   parts: list[torch.Tensor]) -> None:
+    """residual <- what was meant minus what the codes say, in place (positions past its end are
+    padding, whose residual is zero); nothing without error feedback (None)."""
+    if residual is not None:
+        residual.copy_((meant - codec.decode(parts))[:residual.numel()])
+
+
+def average(flat: torch.Tensor, group, kind: str = "none", block: int = 256,
+            feedback: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Mean of `flat` (1-D fp32) over `group`; identical result on every rank. Blocking.
+    `feedback`: (e_sent, e_owned), fp32 like `flat`, this rank's residuals (module docstring),
+    added to what is encoded and updated in place; ignored for fp32 and bf16."""
     p = dist.get_world_size(group)
     if p == 1:
         return flat.clone()
@@ -94,15 +111,21 @@ def average(flat: torch.Tensor, group, kind: str = "none", block: int = 256) -> 
     n = flat.numel()
     chunk, block = wire_layout(n, p, kind, block)
     codec = Codec(kind, chunk, block)
+    e_sent, e_owned = feedback if feedback is not None and kind in ("int8", "int4") else (None, None)
     padded = torch.zeros(p * chunk, dtype=torch.float32, device=flat.device)
-    padded[:n] = flat
+    padded[:n] = flat if e_sent is None else flat + e_sent
     sent = codec.encode(padded)
+    _keep_residual(e_sent, padded, codec, sent)
     got = [torch.empty_like(t) for t in sent]
     for s, g in zip(sent, got):  # phase 1: chunk j of every rank -> rank j
         dist.all_to_all_single(g, s, group=group)
     me = [g.view(p, -1) for g in got]
     mine = torch.stack([Codec(kind, chunk, block).decode([m[r] for m in me]) for r in range(p)]).mean(0)
+    owned = None if e_owned is None else e_owned[dist.get_rank(group) * chunk:][:chunk]
+    if owned is not None:  # my chunk's residual (padding past n has none)
+        mine[:owned.numel()] += owned
     part = codec.encode(mine)
+    _keep_residual(owned, mine, codec, part)
     full = [torch.empty(p * t.numel(), dtype=t.dtype, device=t.device) for t in part]
     for f, t in zip(full, part):  # phase 2: every chunk average -> every rank
         _all_gather_single(f, t, group=group)

@@ -30,6 +30,11 @@ momentum is) steps the restored global fragment, which is saved as the next refe
 local fragment is merged by `global.lerp_(local, alpha)` = alpha * local + (1 - alpha) * global
 (`fragment_update_alpha`; torchft defaults to 0, the paper uses 0.5, our sync.mix_alpha default).
 torchft leaves the split to the caller (`model_fragments`); the fragment pattern follows the paper.
+
+Error feedback (sync.error_feedback, int8 / int4): each replica keeps, per parameter, what its
+codes left out of its pseudo-gradient (e_sent) and of the chunk average it re-encodes (e_owned;
+compress.average) and adds them to the fragment's next round, so the quantization error of 4-bit
+codes does not pile up round after round. Both are replica state (checkpointed beside "start").
 """
 from __future__ import annotations
 
@@ -39,7 +44,9 @@ import time
 import torch
 
 from hpctrain.distributed.flight_recorder import RECORDER
+from hpctrain.errors import ConfigError
 from hpctrain.plan.wire import bytes_sent
+from hpctrain.sync.compress import average
 from hpctrain.sync.diloco import DiLoCo, _local, split_fragments
 
 _BLOCK = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
@@ -80,6 +87,11 @@ class StreamingDiLoCo(DiLoCo):
         self.arrive_at: list[int | None] = [None] * cfg.fragments  # step after which f merges
         self.step = 0
         self.synced_now: list[int] = []  # fragments sent at the current step (step_metrics)
+        with torch.no_grad():  # error feedback: per parameter, e_sent and e_owned (docstring)
+            self.residuals = [[torch.zeros_like(p) for p in self.params] for _ in range(2)] \
+                if cfg.error_feedback else []
+        self.sending: list[tuple | None] = [None] * cfg.fragments  # flat residuals in flight
+        self.sent_now = 0  # the fragment of the synchronous round under way (_average)
 
     def after_step(self, step: int) -> None:
         self.step, self.synced_now, final = step, [], step >= self.total_steps
@@ -95,13 +107,39 @@ class StreamingDiLoCo(DiLoCo):
         if not idx:  # fewer blocks on this rank than fragments
             return
         self.synced_now.append(f)
+        self.sending[f] = self._flat_residuals(idx)
         if flush or not self.cfg.overlap:
-            return super()._round(f, flush=True)  # plain DiLoCo's synchronous round
+            self.sent_now = f  # plain DiLoCo's synchronous round (its _average: this fragment's)
+            super()._round(f, flush=True)
+            return self._keep_residuals(f)
         delta = torch.cat([(_local(self.anchor[i]) - _local(self.params[i])).flatten().float()
                            for i in idx])
         self._count(delta)
-        self.inflight[f] = self.pool.submit(self._average, self._to_wire(delta))
+        self.inflight[f] = self.pool.submit(self._average, self._to_wire(delta), self.sending[f])
         self.arrive_at[f] = self.step + self.cfg.overlap_steps
+
+    def _average(self, delta: torch.Tensor, feedback: tuple | None = None) -> torch.Tensor:
+        """The replicas' mean of a fragment's pseudo-gradient; with error feedback its flat
+        residuals (passed by the pool's caller, else the synchronous round's fragment's)."""
+        if feedback is None and self.cfg.error_feedback:
+            feedback = self.sending[self.sent_now]
+        return average(delta, self.group, self.cfg.compression, self.cfg.int8_block, feedback)
+
+    def _flat_residuals(self, idx: list[int]) -> tuple | None:
+        """Fragment idx's residuals as flat fp32 tensors on the average's device (updated there)."""
+        if not self.residuals:
+            return None
+        return tuple(self._to_wire(torch.cat([_local(r[i]).flatten().float() for i in idx]))
+                     for r in self.residuals)
+
+    @torch.no_grad()
+    def _keep_residuals(self, f: int) -> None:
+        """After fragment f's average is done: its updated flat residuals back into the parameters'
+        (on the main thread: the pool thread runs no CUDA work)."""
+        flats, self.sending[f] = self.sending[f], None
+        for r, flat in zip(self.residuals, flats or ()):
+            for i, v in zip(self.fragments[f], self._unflatten(self.fragments[f], flat)):
+                _local(r[i]).copy_(v)
 
     def _count(self, delta: torch.Tensor) -> None:
         self.bytes_sent += bytes_sent(delta.numel(), self.replicas, self.cfg.compression,
@@ -118,6 +156,7 @@ class StreamingDiLoCo(DiLoCo):
         with RECORDER.collective("diloco_round_wait (average in flight)", f"dp({self.replicas})"):
             self._resolve(f)
         self._waited(t0)
+        self._keep_residuals(f)
         idx, alpha = self.fragments[f], self.cfg.mix_alpha
         if self.has_pending[f]:
             self._outer_step(idx, [_local(self.pending[i]) for i in idx])
@@ -131,10 +170,26 @@ class StreamingDiLoCo(DiLoCo):
     def describe(self) -> str:
         c = self.cfg
         tail = f" tau={c.overlap_steps} alpha={c.mix_alpha:g}" if c.overlap else ""
+        tail += " error feedback" if self.residuals else ""
         return super().describe() + f" streaming (fragments by blocks{tail})"
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "streaming": True, "arrive_at": list(self.arrive_at)}
+        state = super().state_dict()  # waits for the averages in flight: their residuals are final
+        for f in range(len(self.fragments)):
+            self._keep_residuals(f)
+        if self.residuals:
+            replica = state["replica"][str(self.replica)]
+            replica["e_sent"], replica["e_owned"] = (self._by_name(r, replica["model"])
+                                                     for r in self.residuals)
+        return {**state, "streaming": True, "arrive_at": list(self.arrive_at),
+                "error_feedback": bool(self.residuals)}
+
+    def _check_saved(self, saved: dict) -> None:
+        super()._check_saved(saved)
+        if bool(saved.get("error_feedback")) != bool(self.residuals):  # its residuals: there or not
+            raise ConfigError(f"config key 'sync.error_feedback': {str(bool(self.residuals)).lower()}, "
+                              f"but the checkpoint was written with {str(not self.residuals).lower()}; "
+                              f"keep it for the run's lifetime")
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)

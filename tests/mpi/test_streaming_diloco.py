@@ -1,7 +1,7 @@
 """Streaming DiLoCo (sync.streaming = true) under a real mpiexec on the tiny 2-block GPT: one
 fragment is plain DiLoCo bit for bit; with 2 fragments each syncs every H steps at its own offset
-(one at a time), overlapped and int8, it learns like DiLoCo (int4 vs int8), and resumes bit-exactly while a
-fragment's average is in flight."""
+(one at a time), overlapped and int4 with error feedback, it learns like DiLoCo (int4 vs int8), and
+resumes bit-exactly while a fragment's average is in flight (residuals included)."""
 import json
 
 import pytest
@@ -36,7 +36,8 @@ def test_one_fragment_is_plain_diloco(tmp_path, dataset):
 
 
 def test_staggered_fragments_and_exact_resume_in_flight(tmp_path, dataset):
-    common = [*STREAM, "--sync.compression=int8", "--train.steps=20"]
+    """int4 with error feedback: the residuals are replica state, checkpointed and restored."""
+    common = [*STREAM, "--sync.compression=int4", "--sync.error_feedback=true", "--train.steps=20"]
     cfg_a, run_a = write_config(tmp_path, dataset, "straight")
     cfg_b, run_b = write_config(tmp_path, dataset, "resumed")
     train(2, cfg_a, *common)
@@ -55,6 +56,9 @@ def test_staggered_fragments_and_exact_resume_in_flight(tmp_path, dataset):
     train(2, cfg_b, *common, "--train.stop_at_step=11")
     state = json.loads(next((run_b / "checkpoints").glob("step_*/trainer_state.json")).read_text())
     assert state["sync"]["arrive_at"] == [None, 12] and state["sync"]["has_pending"] == [False, True]
+    assert state["sync"]["error_feedback"] is True
+    r = train(2, cfg_b, *common[:-2], "--sync.error_feedback=false", "--train.steps=20", check=False)
+    assert r.returncode != 0 and "'sync.error_feedback'" in r.stderr  # its residuals: keep it on
     r = train(2, cfg_b, *common)
     assert "resumed from" in r.stderr and "step_00000011" in r.stderr
     a, b = losses(run_a), losses(run_b)
@@ -62,7 +66,8 @@ def test_staggered_fragments_and_exact_resume_in_flight(tmp_path, dataset):
     for step in range(12, 21):
         assert a[step] == b[step], f"step {step}: {a[step]!r} != {b[step]!r}"  # bit-identical
     assert losses(run_a, "comm_bytes") == losses(run_b, "comm_bytes")
-    r = train(2, cfg_b, *[c for c in common if "streaming" not in c], "--train.steps=24", check=False)
+    plain = [c for c in common if "streaming" not in c and "error_feedback" not in c]
+    r = train(2, cfg_b, *plain, "--train.steps=24", check=False)
     assert r.returncode != 0 and "'sync.streaming'" in r.stderr  # plain DiLoCo cannot take it over
 
 

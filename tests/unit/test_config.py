@@ -75,6 +75,8 @@ def test_roundtrip_escapes_strings(toml, tmp_path, run_dir):
     (["--sync.mode=diloco", "--sync.inner_steps=4", "--sync.fragments=2",
       "--sync.overlap_steps=3"], "sync.overlap_steps"),  # > H / P: two fragments in flight
     (["--sync.mix_alpha=1"], "sync.mix_alpha"),
+    (["--sync.mode=diloco", "--sync.compression=int4", "--sync.error_feedback=true"],
+     "sync.error_feedback"),  # plain DiLoCo: residuals are Streaming DiLoCo's
     (["--sync.outer_momentum=1.0"], "sync.outer_momentum"),
     (["--train.nesterov=true"], "train.nesterov"),  # AdamW: no such momentum
     (["--sync.momentum_per_lr=true"], "sync.momentum_per_lr"),  # not async_diloco

@@ -1,5 +1,6 @@
 """Compressed averaging probe: each rank averages its own real-valued vector in every wire format
-and writes OUTDIR/rank<r>.json with its input and results (the test checks bounds and identity).
+and writes OUTDIR/rank<r>.json with its input and results (the test checks bounds and identity),
+then 20 rounds of int4 averages with and without error feedback beside the fp32 ones.
 
 usage: compress_probe.py OUTDIR
 """
@@ -22,6 +23,17 @@ def main():
     for kind, block in [("none", 0), ("bf16", 0), ("int8", 64), ("int8", 0), ("int4", 64),
                         ("int4", 0)]:
         out[f"{kind}/{block}"] = average(x, None, kind, block).tolist()
+    # 20 rounds of fresh vectors: the sum of the int4 averages with and without error feedback,
+    # and of the fp32 ones (the reference), with the residuals left after the last round
+    sums = {kind: torch.zeros_like(x) for kind in ("none", "int4", "int4_ef")}
+    e_sent, e_owned = torch.zeros_like(x), torch.zeros_like(x)
+    for _ in range(20):
+        xk = torch.randn(3001, generator=g) * 1e-3
+        sums["none"] += average(xk, None, "none")
+        sums["int4"] += average(xk, None, "int4", 64)
+        sums["int4_ef"] += average(xk, None, "int4", 64, feedback=(e_sent, e_owned))
+    out["sums"] = {kind: v.tolist() for kind, v in sums.items()}
+    out["e_sent"], out["e_owned"] = e_sent.tolist(), e_owned.tolist()
     with open(f"{sys.argv[1]}/rank{ctx.rank}.json", "w") as f:
         json.dump(out, f)
     teardown()
