@@ -26,7 +26,7 @@ import numpy as np
 from . import logs
 from .fast_bpe import fast_bpe
 from .fast_spm import fast_spm
-from .word_cache import word_cache
+from .word_cache import chunks_are_exact, word_cache
 from .format import DataError, sha256_file
 
 CONFIG_FILE = "tokenizer_config.json"
@@ -46,13 +46,22 @@ CHUNK_CHARS = 8192  # piece size for libraries slow on long inputs (see HFTokeni
 
 
 def space_cuts(text: str, n: int) -> list[str]:
-    """``text`` in pieces of at least ``n`` characters, each cut just before a space (a run of
-    spaces stays whole with the text after it); "".join(pieces) == text."""
+    """``text`` in pieces of at least ``n`` characters, each cut just before a run of spaces that
+    follows a printable ASCII character (the run stays whole with the text after it; the cut
+    `chunks_are_exact` reasons about); "".join(pieces) == text."""
     out, a = [], 0
     while a < len(text):
         b = text.find(" ", a + n)
-        while 0 < b < len(text) and text[b - 1] == " ":
-            b -= 1  # inside a run of spaces: cut before the run
+        while b > 0:
+            run = b
+            while run > a and text[run - 1] == " ":
+                run -= 1  # inside a run of spaces: cut before the run
+            if run > a and "!" <= text[run - 1] <= "~":
+                b = run
+                break
+            while b < len(text) and text[b] == " ":
+                b += 1
+            b = text.find(" ", b)  # the next run
         b = len(text) if b <= a else b
         out.append(text[a:b])
         a = b
@@ -129,6 +138,7 @@ class HFTokenizer:
         if self.fast is None:  # Unigram, WordPiece, ...: the library, once per distinct word
             self.fast, self.engine = word_cache(spec, self.tok, PROBE_TEXT * 3), "tokenizers, per-word cache"
         self.unchecked_chars = SAMPLE_CHARS  # of the corpus, compared with the library first
+        self.chunks_exact = chunks_are_exact(spec)
         self.chunk_chars = 0 if self.fast is not None else self._chunking_is_exact()
         if self.fast is None:
             self.engine = "tokenizers, long documents in pieces" if self.chunk_chars else "tokenizers"
@@ -148,9 +158,11 @@ class HFTokenizer:
                    for k in model["vocab"] if k not in skip)
 
     def _chunking_is_exact(self) -> int:
-        """CHUNK_CHARS when encoding a text in pieces cut before spaces gives the ids of the
-        whole text (per-word pre-tokenizers: Metaspace, Whitespace, ...; checked on the probe cut
-        every few characters), else 0. Long documents then go through the library ~2x faster."""
+        """CHUNK_CHARS where the file's structure makes a text cut before spaces (space_cuts)
+        encode to the whole text's ids (word_cache.chunks_are_exact) and the probe, cut every
+        few characters, agrees; else 0. Long documents then go through the library ~2x faster."""
+        if not self.chunks_exact:
+            return 0
         probe = PROBE_TEXT * 3
         whole = self._one_ids(probe)
         pieces = np.concatenate([self._one_ids(p) for p in space_cuts(probe, 5)])
@@ -205,6 +217,8 @@ class HFTokenizer:
             os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, num_threads)))
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
             return self._chunked_ids(texts) if self.chunk_chars else self._slow_ids(texts)
+        if hasattr(self.fast, "encode_many"):  # the per-word cache: a whole batch at once
+            return self.fast.encode_many(texts)
         if num_threads <= 1 or len(texts) <= 1 or not getattr(self.fast, "parallel", True):
             return [self._fast_ids(t) for t in texts]
         with ThreadPoolExecutor(num_threads) as pool:  # tiktoken releases the GIL while encoding

@@ -1,11 +1,14 @@
 """A per-word cache: a text's ids are its words' ids joined, each distinct word encoded once.
 
-Owns: `WordCache` (words found by one C-level regex pass over the whole text; each word's ids
-kept as one uint32 bytes blob, so a cached text costs a dict lookup per word, one ``b"".join``
-and one ``np.frombuffer``), and deciding from a tokenizer.json alone where encoding word by word
+Owns: `WordCache` (a batch of texts cut into words by numpy on their UTF-8 bytes, the words
+counted by pyarrow's C++ hash table, each distinct word's ids kept as one uint32 bytes blob and
+gathered per occurrence by numpy: Python touches each distinct word of a batch once; the new
+words go through the library in one call; without pyarrow, one regex pass and one dict lookup
+per word), and deciding from a tokenizer.json alone where encoding word by word
 gives exactly the whole text's ids (`word_cuts`), for the tokenizers library's engine
 (`word_cache`: SentencePiece Unigram, WordPiece, WordLevel, BPE behind a whitespace-splitting
-pre-tokenizer). fast_spm.py puts the same cache in front of tiktoken.
+pre-tokenizer), and, more widely, where a long text cut into pieces before spaces does
+(`chunks_are_exact`, for the library's own long-document path).
 
 Exactness: a text is cut only just before a run of white space that follows a printable ASCII
 character (`cut_pattern`). The pre-tokenizer splits there (Metaspace with ``split: true``, after
@@ -18,6 +21,7 @@ on a probe at load and on the corpus's first characters.
 """
 from __future__ import annotations
 
+import json
 import re
 from array import array
 
@@ -26,6 +30,7 @@ import numpy as np
 SPACE = "▁"
 MAX_WORDS = 1_000_000  # cached words (~150 MB at most); the cache restarts when full
 LEFT = "!-~"  # printable ASCII: no normalizer accepted here joins one to the space after it
+LEFT_BYTES = (np.arange(256) >= ord("!")) & (np.arange(256) <= ord("~"))  # LEFT as bytes
 ACCEPTED_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Nmt", "Lowercase", "Replace"}
 SPACE_PATTERNS = ({"String": " "}, {"Regex": " {2,}"}, {"Regex": " +"})
 SEP = "\ue000"  # private use: no accepted normalizer changes it or joins it to a neighbour
@@ -38,35 +43,95 @@ def cut_pattern(white: str) -> re.Pattern:
 
 
 class WordCache:
-    """`encode(text)`: the ids of the words `pattern` finds, joined; `encode_new(list of new
-    words) -> list of uint32 bytes blobs` runs once per distinct word."""
+    """`encode(text)` / `encode_many(texts)`: the ids of the words `pattern` finds, joined;
+    `encode_new(list of new words) -> list of uint32 bytes blobs` runs once per distinct word.
+    With pyarrow, `encode_many` cuts, counts and joins a whole batch in C (`_arrow_many`):
+    Python touches each distinct word of the batch once, never each word; the cache's keys are
+    then the words' UTF-8 bytes, else the words."""
 
     parallel = False  # pure Python between lookups: the sharder's threads would only wait
 
-    def __init__(self, pattern: re.Pattern, encode_new):
+    def __init__(self, pattern: re.Pattern, encode_new, white: str = " "):
         self.findall, self.encode_new, self.blobs = pattern.findall, encode_new, {}
+        self.white = np.zeros(256, bool)  # the cut's white characters, all ASCII, as bytes
+        self.white[[ord(c) for c in white]] = True
+        self.arrow = _arrow()
 
     def encode(self, text: str) -> np.ndarray:
-        words = self.findall(text)
-        try:
-            joined = b"".join(map(self.blobs.__getitem__, words))
-        except KeyError:
-            self._add(words)
-            joined = b"".join(map(self.blobs.__getitem__, words))
-        return np.frombuffer(joined, dtype=np.uint32)
+        return self.encode_many([text])[0]
+
+    def encode_many(self, texts: list[str]) -> list[np.ndarray]:
+        if self.arrow is not None:
+            return self._arrow_many([t.encode("utf-8") for t in texts])
+        return [np.frombuffer(b"".join(self._blobs(self.findall(t), str)), dtype=np.uint32)
+                for t in texts]
 
     def clear(self) -> None:
         """Forget every word (and the engine's own per-piece cache, if it keeps one)."""
         self.blobs.clear()
         getattr(self.encode_new, "pieces", {}).clear()
 
-    def _add(self, words: list[str]) -> None:
-        blobs = self.blobs
-        new = [w for w in dict.fromkeys(words) if w not in blobs]
-        if len(blobs) + len(new) > MAX_WORDS:
-            blobs.clear()
-            new = list(dict.fromkeys(words))
-        blobs.update(zip(new, self.encode_new(new)))
+    def _blobs(self, words: list, decode) -> list[bytes]:
+        """Each word's blob (`decode`: a key -> the word as text), the new ones encoded first."""
+        got = list(map(self.blobs.get, words))
+        if None not in got:
+            return got
+        new = list(set(words).difference(self.blobs))
+        if len(self.blobs) + len(new) > MAX_WORDS:
+            self.blobs.clear()
+            new = list(set(words))
+        self.blobs.update(zip(new, self.encode_new(list(map(decode, new)))))
+        return list(map(self.blobs.__getitem__, words))
+
+    def _arrow_many(self, raw: list[bytes]) -> list[np.ndarray]:
+        """The texts' words cut and counted in C (`_cut_and_count`), each occurrence's ids
+        gathered from the distinct words' blobs with numpy, cut back into texts."""
+        first, ends, index, distinct = self._cut_and_count(raw)
+        blobs = self._blobs(distinct, _utf8)
+        flat = np.frombuffer(b"".join(blobs), dtype=np.uint32)
+        lens = np.fromiter(map(len, blobs), np.int64, len(blobs)) >> 2
+        each = lens[index]  # ids per word occurrence
+        done = np.cumsum(each)
+        total = int(done[-1]) if done.size else 0
+        ids = flat[np.repeat(np.cumsum(lens)[index] - done, each) + np.arange(total)]
+        words_in = np.searchsorted(first, ends)  # words that start before each text's end
+        cuts = np.concatenate([[0], done])[words_in]
+        return np.split(ids, cuts[:-1])
+
+    def _cut_and_count(self, raw: list[bytes]):
+        """(each word's first byte, each text's end byte, each word's index into the distinct
+        words, the distinct words as bytes): the texts' UTF-8 bytes cut where `pattern` cuts
+        (before a white byte after a LEFT byte; ASCII bytes never occur inside a multi-byte
+        character) and at each text's start, the words counted by pyarrow's hash table."""
+        pa, pc = self.arrow
+        data = b"".join(raw)
+        ends = np.cumsum([len(r) for r in raw], dtype=np.int64)
+        a = np.frombuffer(data, dtype=np.uint8)
+        starts = np.zeros(a.size, bool)
+        starts[1:] = self.white[a[1:]] & LEFT_BYTES[a[:-1]]
+        text_starts = ends - [len(r) for r in raw]
+        starts[text_starts[text_starts < a.size]] = True
+        first = np.flatnonzero(starts)
+        offsets = np.append(first, a.size).astype(np.int64)
+        words = pa.LargeBinaryArray.from_buffers(pa.large_binary(), first.size, [
+            None, pa.py_buffer(offsets), pa.py_buffer(data)])
+        coded = pc.dictionary_encode(words)
+        return (first, ends, coded.indices.to_numpy(zero_copy_only=False),
+                coded.dictionary.to_pylist())
+
+
+def _utf8(word: bytes) -> str:
+    return word.decode("utf-8")
+
+
+def _arrow():
+    """(pyarrow, pyarrow.compute), or None without pyarrow (an optional dependency)."""
+    try:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+    except ImportError:
+        return None
+    return pa, pc
 
 
 def _normalizer_steps(norm) -> list | None:
@@ -101,6 +166,41 @@ def word_cuts(spec: dict):
     return None
 
 
+CHUNK_NORMALIZERS = ACCEPTED_NORMALIZERS | {"StripAccents", "BertNormalizer"}
+SPLIT_AT_WHITE = {"Whitespace", "WhitespaceSplit", "BertPreTokenizer", "Metaspace", "ByteLevel"}
+CHUNK_PRE = SPLIT_AT_WHITE | {"Digits", "Punctuation"}  # split, never join across white space
+
+
+def _pre_steps(pre) -> list:
+    return pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+
+
+def chunks_are_exact(spec: dict) -> bool:
+    """Whether a text cut just before a run of spaces that follows a LEFT character (the
+    library's long-document pieces, hf_tokenizer.space_cuts) encodes to the whole text's ids, by
+    the file's structure: per-character or Unicode-normal-form normalizers (Replace only of
+    spaces before a Metaspace; no Prepend / Strip / Precompiled / ByteLevel: those act at a
+    text's ends, across characters or on the spaces the pre-tokenizer splits at),
+    a pre-tokenizer that splits at white space (Metaspace with ``split``, ByteLevel with its
+    regex; Digits / Punctuation beside one), a model that works per pre-token (no dropout),
+    added tokens that cannot match across the cut."""
+    steps, pre = _normalizer_steps(spec.get("normalizer")), _pre_steps(spec.get("pre_tokenizer") or {})
+    kinds = [p.get("type") for p in pre]
+    added_ok = all(a.get("special") or not (a.get("normalized") or a.get("lstrip") or a.get("rstrip")
+                                            or any(c.isspace() for c in a.get("content", " ")))
+                   for a in spec.get("added_tokens") or [])
+    return bool(
+        steps is not None and added_ok and not (spec.get("model") or {}).get("dropout")
+        and not spec.get("truncation") and not spec.get("padding")
+        and all(s.get("type") in CHUNK_NORMALIZERS for s in steps)
+        and all(s.get("type") != "Replace" or (s.get("pattern") in SPACE_PATTERNS and kinds
+                                               == ["Metaspace"] and s.get("content") in (" ", SPACE))
+                for s in steps)
+        and set(kinds) <= CHUNK_PRE and set(kinds) & SPLIT_AT_WHITE
+        and all(p.get("split", True) and p.get("use_regex", True) for p in pre)
+        and ("ByteLevel" not in kinds or len(pre) == 1))
+
+
 def _blob(ids) -> bytes:
     return array("I", ids).tobytes()
 
@@ -118,35 +218,36 @@ def normalized(normalize, words: list[str]) -> list[str]:
     return [got[w] for w in words]
 
 
-def metaspace_words(tok, prepend: bool):
-    """encode_new for a Metaspace (split) file: the new words through the file's normalizer, cut
-    at '▁' as Metaspace cuts them, each distinct piece through the model once."""
-    normalize = tok.normalizer.normalize_str if tok.normalizer is not None else str
-    tokenize, pieces = tok.model.tokenize, {}
+def piece_tokenizer(spec: dict, prepend: bool):
+    """The file's model alone behind the file's Metaspace: its encode of a list of normalized
+    words (``is_pretokenized``: each word on its own, its index as the tokens' word id) runs the
+    model on exactly the pieces the whole file gives each word (no normalizer, no added tokens:
+    special-token text is plain text, as the sharder encodes it)."""
+    from tokenizers import Tokenizer, pre_tokenizers
 
-    def piece(p: str) -> bytes:
-        got = pieces.get(p)
-        if got is None:
-            got = pieces[p] = _blob([t.id for t in tokenize(p)])
-        return got
+    helper = Tokenizer.from_str(json.dumps(dict(
+        spec, normalizer=None, pre_tokenizer=None, post_processor=None, added_tokens=[],
+        truncation=None, padding=None)))
+    helper.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement=SPACE, prepend_scheme="always" if prepend else "never", split=True)
+    return helper
+
+
+def metaspace_words(tok, spec: dict, prepend: bool):
+    """encode_new for a Metaspace (split) file: the new words through the file's normalizer in
+    one call, then all of them through `piece_tokenizer` in one call, its ids cut per word by
+    their word ids."""
+    normalize = tok.normalizer.normalize_str if tok.normalizer is not None else str
+    helper = piece_tokenizer(spec, prepend)
 
     def encode_new(words: list[str]) -> list[bytes]:
-        out = []
-        for s in normalized(normalize, words):
-            s = s.replace(" ", SPACE)
-            if prepend and s and not s.startswith(SPACE):
-                s = SPACE + s
-            if s.find(SPACE, 1) < 0:  # one piece (almost every word)
-                out.append(piece(s) if s else b"")
-                continue
-            parts = s.split(SPACE)
-            out.append(b"".join([piece(parts[0])] if parts[0] else [])
-                       + b"".join(piece(SPACE + p) for p in parts[1:]))
-        if len(pieces) > MAX_WORDS:
-            pieces.clear()
-        return out
+        norm = normalized(normalize, words)
+        got = helper.encode(norm, is_pretokenized=True, add_special_tokens=False)
+        ids = np.asarray(got.ids, dtype=np.uint32).tobytes()
+        bounds = (4 * np.searchsorted(np.asarray(got.word_ids, dtype=np.int64),
+                                      np.arange(len(words) + 1))).tolist()
+        return [ids[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
-    encode_new.pieces = pieces
     return encode_new
 
 
@@ -163,7 +264,7 @@ def word_cache(spec: dict, tok, probe: str) -> WordCache | None:
     if cuts is None:
         return None
     white, prepend = cuts
-    encode_new = metaspace_words(tok, prepend) if prepend is not None else library_words(tok)
-    cache = WordCache(cut_pattern(white), encode_new)
+    encode_new = metaspace_words(tok, spec, prepend) if prepend is not None else library_words(tok)
+    cache = WordCache(cut_pattern(white), encode_new, white)
     whole = tok.encode(probe, add_special_tokens=False).ids
     return cache if cache.encode(probe).tolist() == whole else None

@@ -1,5 +1,6 @@
 """What the tokenizer.json tests share: Llama 3's pre-tokenizer regex and special tokens, the
 plays' text, sharding with a tokenizer (nothing held out), and a dataset's training tokens."""
+import json
 import os
 import sys
 
@@ -32,3 +33,20 @@ def tokens(data):
         lay = open_shard_layout(os.path.join(str(data), e["file"]), e, m)
         out.append(np.fromfile(lay.path, dtype=lay.dtype, offset=lay.offset, count=lay.n_tokens))
     return m, np.concatenate(out)
+
+
+def spm_bpe(tmp_path, normalizer=None):
+    """A Metaspace BPE (NFKC, no byte fallback) trained on 3 plays, its normalizer replaced if
+    given, saved in tmp_path, loaded as a sharding tokenizer."""
+    from tokenizers import SentencePieceBPETokenizer
+
+    from data_tools.tokenizers import get_tokenizer
+
+    sp = SentencePieceBPETokenizer()
+    sp.train_from_iterator(plays(3), vocab_size=2000, special_tokens=["<unk>", "<s>", "</s>"],
+                           show_progress=False)
+    spec = json.loads(sp._tokenizer.to_str())
+    if normalizer is not None:
+        spec["normalizer"] = normalizer
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    return get_tokenizer(str(tmp_path / "tokenizer.json"))

@@ -1,7 +1,8 @@
 """Any Hugging Face tokenizer.json in `data_tools shard` (#32), tokenizers trained HERE on
-Shakespeare: a Llama-3-style byte-level BPE with special tokens, a SentencePiece-style (Metaspace)
-Unigram, and a 74k-word WordLevel vocabulary that needs uint32 shards; the tokenizer travels with
-the dataset into a run, so `hpctrain sample` decodes with it unprompted."""
+Shakespeare: a Llama-3-style byte-level BPE with special tokens, SentencePiece-style (Metaspace)
+BPEs, and a 74k-word WordLevel vocabulary that needs uint32 shards; the tokenizer travels with
+the dataset into a run, so `hpctrain sample` decodes with it unprompted (the Unigram:
+test_word_cache.py)."""
 import json
 import shutil
 import sys
@@ -15,6 +16,7 @@ from tests.conftest import TINY_TRAIN, run_cmd
 from tests.tokenizer_files import LLAMA3_PAT, LLAMA3_SPECIALS
 from tests.tokenizer_files import plays as _plays
 from tests.tokenizer_files import shard as _shard
+from tests.tokenizer_files import spm_bpe as _spm_bpe
 from tests.tokenizer_files import tokens as _tokens
 
 @pytest.fixture(scope="module")
@@ -92,44 +94,6 @@ def test_sparse_ids_size_the_vocabulary(tmp_path):
     m, toks = _tokens(tmp_path / "data")
     assert m["tokenizer"]["vocab_size"] == 70001 and m["dtype"] == "uint32"
     assert toks.tolist() == [5, 70000, 0, 9]
-
-
-def test_sentencepiece_style_unigram(tmp_path):
-    """Mistral / Llama 2 style: Metaspace pre-tokenizer, Unigram model, </s> as end-of-text."""
-    from tokenizers import SentencePieceUnigramTokenizer
-
-    sp = SentencePieceUnigramTokenizer()
-    sp.train_from_iterator(_plays(4), vocab_size=2000, special_tokens=["<unk>", "<s>", "</s>"],
-                           unk_token="<unk>", show_progress=False)
-    sp.save(str(tmp_path / "tokenizer.json"))
-    tok = get_tokenizer(str(tmp_path / "tokenizer.json"))
-    # no tiktoken form: the library, once per distinct word (word-by-word is exact for this file)
-    assert tok.name.startswith("unigram-") and tok.engine == "tokenizers, per-word cache"
-    plays = _plays(2) + ["a\u200b b", "a\x1cb c", "x \x1c y\t\n z"]  # Nmt: 200B -> space, 1C dropped
-    assert [ids.tolist() for ids in tok.encode_batch(plays)] == \
-        [tok.tok.encode(t, add_special_tokens=False).ids for t in plays]
-    assert len(tok.fast.blobs) > 1000  # the words were cached (a bypass of the cache would pass above)
-    assert tok.eot_id == tok.tok.token_to_id("</s>")
-    line = "Now is the winter of our discontent"
-    assert tok.decode(tok.encode(line)).strip() == line
-    (tmp_path / "a.txt").write_text(line)
-    r = _shard([tmp_path / "a.txt"], tmp_path / "data", tmp_path / "tokenizer.json")
-    assert r.returncode == 0, r.stderr
-    m, toks = _tokens(tmp_path / "data")
-    assert m["tokenizer"]["name"] == tok.name and toks.tolist() == tok.encode(line).tolist() + [tok.eot_id]
-
-
-def _spm_bpe(tmp_path, normalizer=None):
-    from tokenizers import SentencePieceBPETokenizer
-
-    sp = SentencePieceBPETokenizer()
-    sp.train_from_iterator(_plays(3), vocab_size=2000, special_tokens=["<unk>", "<s>", "</s>"],
-                           show_progress=False)
-    spec = json.loads(sp._tokenizer.to_str())
-    if normalizer is not None:
-        spec["normalizer"] = normalizer
-    (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
-    return get_tokenizer(str(tmp_path / "tokenizer.json"))
 
 
 def test_sentencepiece_style_bpe_per_word_cache(tmp_path):
