@@ -73,10 +73,11 @@ class Experts(nn.Module):
         if _grouped_mm_fits(x_sorted, self.w1, self.w3, self.w2):
             counts = torch.as_tensor(counts, device=x_sorted.device)
             return grouped_swiglu(x_sorted, self.w1, self.w3, self.w2, counts.cumsum(0).to(torch.int32))
-        if isinstance(counts, torch.Tensor):
-            counts = counts.tolist()  # the CUDA and loop paths size their groups on the host
+        counts_t = counts if isinstance(counts, torch.Tensor) else None
+        if counts_t is not None:
+            counts = counts_t.tolist()  # the CUDA and loop paths size their groups on the host
         if _cuda_grouped_mm_fits(x_sorted, self.w1):
-            return cuda_grouped_swiglu(x_sorted, self.w1, self.w3, self.w2, counts)
+            return cuda_grouped_swiglu(x_sorted, self.w1, self.w3, self.w2, counts, counts_t)
         return loop_swiglu(x_sorted, self.w1, self.w3, self.w2, counts)
 
 
@@ -104,29 +105,32 @@ def grouped_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torc
 
 
 def cuda_grouped_swiglu(x_sorted: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                        counts: list[int]) -> torch.Tensor:
+                        counts: list[int], counts_t: torch.Tensor | None = None) -> torch.Tensor:
     """CUDA's grouped matmul: bf16 (autocast's dtype when autocast is on, as F.linear would cast),
-    every group padded with zero rows to GROUP_ALIGN (the rows are gathered back)."""
+    every group padded with zero rows to GROUP_ALIGN (the rows are gathered back). `counts_t`:
+    the same counts on the device, when the caller has them (saves a blocking host->device copy)."""
     dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x_sorted.dtype
     with torch.autocast("cuda", enabled=False):
-        padded, ends, rows = pad_groups(x_sorted.to(dtype), counts, GROUP_ALIGN)
+        padded, ends, rows = pad_groups(x_sorted.to(dtype), counts, GROUP_ALIGN, counts_t)
         out = grouped_swiglu(padded, w1.to(dtype), w3.to(dtype), w2.to(dtype), ends)
         return out.index_select(0, rows)
 
 
-def pad_groups(x: torch.Tensor, counts: list[int], align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pad_groups(x: torch.Tensor, counts: list[int], align: int,
+               counts_t: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x's rows (grouped by expert, counts[e] each) placed in a zero buffer where every group
     starts at a multiple of `align`: (buffer, the groups' int32 end offsets in it, each row of x's
-    index in it). No host sync: the sizes come from `counts`, already on the host. (A sync-free form
-    that sizes the buffer for the worst case, N + E x align, and hands the counts over on the
-    device, measured 0.90x this one's MoE training tokens/s on an H200: docs/benchmarks.md.)"""
-    sizes = [-(-n // align) * align for n in counts]
+    index in it). No host sync: the buffer's size comes from `counts`, already on the host, the
+    offsets from `counts_t` (the same counts on x's device; made from `counts` when not given, a
+    blocking copy). (A sync-free form that sizes the buffer for the worst case, N + E x align,
+    measured 0.90x this one's MoE training tokens/s on an H200: docs/benchmarks.md.)"""
     n_rows, device = sum(counts), x.device
-    counts_t = torch.tensor(counts, device=device)
-    sizes_t = torch.tensor(sizes, device=device)
+    n_padded = sum(-(-n // align) * align for n in counts)
+    counts_t = torch.tensor(counts, device=device) if counts_t is None else counts_t.to(device, torch.int64)
+    sizes_t = (counts_t + (align - 1)) // align * align
     shift = (sizes_t.cumsum(0) - sizes_t) - (counts_t.cumsum(0) - counts_t)  # group start, padded - dense
     rows = torch.repeat_interleave(shift, counts_t, output_size=n_rows) + torch.arange(n_rows, device=device)
-    padded = x.new_zeros(sum(sizes), x.shape[1]).index_copy(0, rows, x)
+    padded = x.new_zeros(n_padded, x.shape[1]).index_copy(0, rows, x)
     return padded, sizes_t.cumsum(0).to(torch.int32), rows
 
 
@@ -194,7 +198,9 @@ class MoEFeedForward(nn.Module):
         gates, ids, scores = self.router(x)
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)  # routed rows grouped by expert, token order inside
-        counts = torch.bincount(flat, minlength=self.cfg.n_experts)
+        # rows per expert, without bincount (on CUDA it reads the ids' min and max on the host)
+        counts = torch.zeros(self.cfg.n_experts, dtype=torch.int64, device=flat.device).index_add_(
+            0, flat, torch.ones_like(flat))
         out_sorted = self.experts(x[order // self.cfg.top_k], counts)  # on x's device
         weighted = out_sorted * gates.reshape(-1)[order, None]  # fp32 gates, as transformers
         out = torch.zeros_like(x).index_add_(0, order // self.cfg.top_k, weighted.to(x.dtype))

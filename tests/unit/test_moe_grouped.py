@@ -23,6 +23,9 @@ def test_pad_groups_places_each_group_at_a_multiple_of_the_alignment():
     keep = torch.zeros(96, dtype=torch.bool)
     keep[rows] = True
     assert torch.count_nonzero(padded[~keep]) == 0  # padding rows are zeros
+    # the counts handed over on the device as well (what MoEFeedForward's CUDA path does): same layout
+    padded_t, ends_t, rows_t = pad_groups(x, COUNTS, 16, torch.tensor(COUNTS, dtype=torch.int64))
+    assert torch.equal(padded_t, padded) and torch.equal(ends_t, ends) and torch.equal(rows_t, rows)
 
 
 def test_padded_grouped_swiglu_equals_the_unpadded_one_forward_and_backward():
