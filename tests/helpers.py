@@ -220,3 +220,19 @@ def probe(n: int, layouts: dict[str, str]) -> None:
     assert not [l for l in lines if l.startswith("DIFF")], "\n".join(lines)
     got = sorted((l.split()[1], int(l.split()[2])) for l in lines)
     assert got == sorted((k, rank) for k in layouts for rank in range(n)), lines
+
+
+def copy_run_at(src: Path, dst: Path, step: int) -> None:
+    """dst: a copy of run dir `src` as it was right after its checkpoint of `step` (the later
+    checkpoints and metrics.jsonl's later records removed): rerunning on it resumes from `step`,
+    so a straight run's copy is the interrupted run of an exact-resume comparison."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    for later in Path(dst, "checkpoints").glob("step_*"):
+        if int(later.name.split("_")[1]) > step:
+            shutil.rmtree(later)
+    metrics = Path(dst, "metrics.jsonl")
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()
+                               if json.loads(line).get("step", 0) <= step))

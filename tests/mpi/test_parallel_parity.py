@@ -4,13 +4,10 @@ reshard across layouts and world sizes, bf16 learns in every layout, bad layouts
 A tiny GPT (4 blocks, 64 wide, 32 tokens, 257 byte vocab) on Shakespeare, fp32, fixed seed, and
 the same global batch (8 sequences) in every layout: micro_batch x grad_accum x dp = 8.
 """
-import json
-import shutil
-
 import pytest
 
 from tests.conftest import losses
-from tests.helpers import LAYOUTS, assert_same_curve
+from tests.helpers import LAYOUTS, assert_same_curve, copy_run_at
 from tests.helpers import train_layout as train
 
 pytestmark = pytest.mark.mpi
@@ -53,11 +50,7 @@ def test_reshard_resume(tmp_path_factory, dataset, reference, dp2_tp2, target):
     step 10 removed); resume to 20 with another layout / world size: the resumed curve is the
     uninterrupted 1-rank curve (weights, AdamW state and data position all carried)."""
     tmp = tmp_path_factory.mktemp(f"reshard_{target}")
-    shutil.copytree(dp2_tp2[1], tmp / target)
-    shutil.rmtree(tmp / target / "checkpoints" / "step_00000020")
-    metrics = tmp / target / "metrics.jsonl"
-    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()
-                               if json.loads(line).get("step", 0) <= 10))
+    copy_run_at(dp2_tp2[1], tmp / target, 10)
     n, overrides = {"dp4": (4, ["--train.micro_batch_size=2", "--train.grad_accum=1"]),
                     "pp2_dp2": (4, ["--parallel.pp=2", "--train.micro_batch_size=2", "--train.grad_accum=2"]),
                     "one": (1, [])}[target]

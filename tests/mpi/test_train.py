@@ -15,7 +15,7 @@ import pytest
 
 from hpctrain import step_faults
 from tests.conftest import losses, run_cmd
-from tests.helpers import train, write_config
+from tests.helpers import copy_run_at, train, write_config
 
 pytestmark = pytest.mark.mpi
 DELAY_RANK_1 = step_faults.env(delay_rank=1, delay_s=0.15)  # a straggler on cue
@@ -75,12 +75,13 @@ def test_exact_resume_two_ranks(tmp_path, dataset, accum, compile):
 def test_exact_resume_with_dropout(tmp_path, dataset, ranks):
     """With model.dropout > 0 the masks come from the restored RNG streams: nothing may draw from
     the global generator between the restore and the first step (the MFU peak measurement did,
-    and 22 of 30 steps after a stop at 8 differed)."""
+    and 22 of 30 steps after a stop at 8 differed). The resumed run is a copy of the straight one
+    at its step-8 checkpoint (the step-16 one and the records after step 8 removed)."""
     cfg_a, run_a = write_config(tmp_path, dataset, "straight")
     cfg_b, run_b = write_config(tmp_path, dataset, "resumed")
-    args = ["--model.dropout=0.1", "--train.steps=16", "--checkpoint.interval=100"]
+    args = ["--model.dropout=0.1", "--train.steps=16", "--checkpoint.interval=8"]
     train(ranks, cfg_a, *args)
-    train(ranks, cfg_b, *args, "--train.stop_at_step=8")
+    copy_run_at(run_a, run_b, 8)
     r = train(ranks, cfg_b, *args)
     assert "step_00000008" in r.stderr
     a, b = losses(run_a), losses(run_b)
