@@ -5,7 +5,10 @@ F.cross_entropy; autograd keeps them (and builds their gradient) until backward:
 vocabulary that is 1024 x 50304 x 4 B = 206 MB per sequence, twice. Here one autograd Function
 walks the tokens in chunks of `chunk`: per chunk, logits = h_chunk @ W^T, the cross-entropy, and at
 once the gradient wrt h_chunk and the chunk's share of the gradient wrt W (accumulated in fp32), so
-only one chunk's logits are alive at any time; backward only scales the saved gradients.
+only one chunk's logits are alive at any time; backward only scales the saved gradients. The
+chunk's work tensors (fp32 logits; under 16-bit autocast also the 16-bit logits / gradient and
+the [V, C] dW product) are buffers allocated once per call and reused by every chunk, with the
+bits of a fresh tensor per op (tests/unit/test_chunked_loss.py).
 
 Under tensor parallelism W is the vocabulary-parallel head (a DTensor sharded on dim 0 over "tp"):
 each rank computes its vocabulary slice's logits, the row max and the sum of exponentials are
@@ -66,14 +69,47 @@ def _vocab_shard(w: torch.Tensor):
     return w.to_local(), mesh.get_local_rank(d) * rows, mesh.get_group(d)
 
 
-def _chunk_loss_and_grad(hc, wc, t, offset, group, weight, buf):
+def _work_buffers(rows: int, w: torch.Tensor, dtype, need_grad: bool, compiled: bool):
+    """The [chunk, vocab] work buffers, allocated once per call and reused by every chunk:
+    (fp32 logits, 16-bit logits then gradient or None, 16-bit [V, C] dW product or None).
+    The dW product is made when the chunk's fp32 logits are dead, so it lives in their bytes
+    whenever they are large enough (2 x chunk >= width; no [V, C] allocation per chunk)."""
+    v, c = w.shape
+    f32 = None if compiled else torch.empty(rows, v, dtype=torch.float32, device=w.device)
+    if dtype == torch.float32:
+        return f32, None, None
+    low = None if compiled else torch.empty(rows, v, dtype=dtype, device=w.device)
+    prod = None
+    if need_grad:
+        prod = (f32.view(-1).view(dtype)[:v * c].view(v, c) if f32 is not None
+                and 2 * f32.numel() >= v * c else torch.empty(v, c, dtype=dtype, device=w.device))
+    return f32, low, prod
+
+
+def _add_upcast(acc: torch.Tensor, part: torch.Tensor, spare: torch.Tensor) -> None:
+    """acc += part.float() (the same bits) without a whole fp32 copy of the 16-bit [V, C] `part`
+    (add_ of mixed dtypes makes one on CPU): upcast a block of rows at a time into the bytes of
+    `spare`, a dead 16-bit tensor (the chunk's gradient, used by now)."""
+    flat = spare.reshape(-1)[:spare.numel() // 2 * 2]
+    rows = flat.numel() // 2 // part.shape[1]
+    if rows == 0 or not spare.is_contiguous():
+        acc.add_(part.float())
+        return
+    scratch = flat.view(torch.float32)
+    for r in range(0, part.shape[0], rows):
+        blk = part[r:r + rows]
+        acc[r:r + rows].add_(scratch[:blk.numel()].view_as(blk).copy_(blk))
+
+
+def _chunk_loss_and_grad(hc, wc, t, offset, group, weight, f32, low):
     """One chunk: (sum of token losses, d(weight * sum)/d logits as hc's dtype or None).
     `weight`: per-token factor for the gradient (valid / count), or None for forward only.
-    `buf`: a reused fp32 [chunk, vocab] buffer for the logits (fp32 compute), or None."""
-    if buf is not None:  # the only [chunk x vocab] tensor alive, allocated once per call
-        logits = torch.matmul(hc, wc.t(), out=buf[:len(t)])
+    `f32`: the fp32 [chunk, vocab] logits buffer; `low`: the 16-bit one (16-bit compute) or None.
+    The 16-bit logits are upcast into `f32` and the gradient cast back into `low`."""
+    if low is None:
+        logits = torch.matmul(hc, wc.t(), out=f32[:len(t)])
     else:
-        logits = (hc @ wc.t()).float()
+        logits = f32[:len(t)].copy_(torch.matmul(hc, wc.t(), out=low[:len(t)]))
     local_t = t - offset
     owned = (local_t >= 0) & (local_t < wc.shape[0]) & (t != IGNORE_INDEX)
     idx = torch.where(owned, local_t, 0).unsqueeze(1)
@@ -95,7 +131,7 @@ def _chunk_loss_and_grad(hc, wc, t, offset, group, weight, buf):
     probs = logits.mul_((weight / sum_exp).unsqueeze(1))
     rows = torch.arange(len(t), device=t.device)[owned]
     probs[rows, idx.squeeze(1)[owned]] -= weight[rows]
-    return loss_sum, probs.to(hc.dtype)
+    return loss_sum, probs if low is None else low[:len(t)].copy_(probs)
 
 
 def _fused_chunk(hc, wc, t, weight):
@@ -133,22 +169,22 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_grad else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         fp32 = dtype == torch.float32
-        buf = (torch.empty(min(chunk, h.shape[0]), w.shape[0], dtype=torch.float32,
-                           device=h.device) if fp32 else None)
+        compiled = compiled and need_grad and group is None
+        f32, low, prod = _work_buffers(min(chunk, h.shape[0]), w, dtype, need_grad, compiled)
         for s in range(0, h.shape[0], chunk):
             e = min(s + chunk, h.shape[0])
-            if compiled and need_grad and group is None:
+            if compiled:
                 part, g = _compiled_chunk()(hc[s:e], wc, targets[s:e], weight[s:e])
             else:
                 part, g = _chunk_loss_and_grad(hc[s:e], wc, targets[s:e], offset, group,
-                                               weight[s:e] if need_grad else None, buf)
+                                               weight[s:e] if need_grad else None, f32, low)
             total += part
             if need_grad and fp32 and h.dtype == torch.float32:
                 torch.matmul(g, wc, out=grad_h[s:e])
                 grad_w.addmm_(g.t(), hc[s:e])
             elif need_grad:
                 grad_h[s:e] = g @ wc
-                grad_w += (g.t() @ hc[s:e]).float()
+                _add_upcast(grad_w, torch.mm(g.t(), hc[s:e], out=prod), g)
         if need_grad:
             if group is not None:
                 dist.all_reduce(grad_h, group=group)  # every vocabulary slice's share

@@ -143,3 +143,45 @@ def test_compile_regions_compiles_each_block_in_place():
     assert compiled.lm_head.compiled and not eager.lm_head.compiled
     tokens = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(3))
     assert (compiled(tokens) - eager(tokens)).abs().max().item() <= 1e-5
+
+
+def _casts_each_chunk(h, w, t, chunk):
+    """The 16-bit chunked loss written with a fresh tensor per op (its math before the work
+    buffers): 16-bit logits upcast, fp32 softmax gradient cast back, each dW product upcast."""
+    hc, wc, n = h.detach().bfloat16(), w.detach().bfloat16(), (t != -100).sum().float()
+    loss, dh, dw = torch.zeros(()), torch.empty_like(h), torch.zeros(w.shape)
+    for s in range(0, len(t), chunk):
+        tc, logits = t[s:s + chunk], (hc[s:s + chunk] @ wc.t()).float()
+        logits -= logits.amax(dim=1, keepdim=True)
+        valid, idx = tc != -100, tc.clamp(min=0).unsqueeze(1)
+        target, sum_exp = logits.gather(1, idx).squeeze(1), logits.exp_().sum(dim=1)
+        loss += torch.where(valid, sum_exp.log() - target, 0.0).sum()
+        probs = logits.mul_((valid.float() / n / sum_exp).unsqueeze(1))
+        rows = torch.arange(len(tc))[valid]
+        probs[rows, idx.squeeze(1)[valid]] -= (valid.float() / n)[rows]
+        g = probs.bfloat16()
+        dh[s:s + chunk] = g @ wc
+        dw += (g.t() @ hc[s:s + chunk]).float()
+    return loss / n, dh, dw
+
+
+def test_bf16_chunks_reuse_buffers_with_the_same_bits():
+    """Under bf16 autocast the chunks reuse their [chunk, V] / [V, C] buffers (allocated once per
+    call, not per chunk) and give the bits of the per-op casts: runs train bit-identically."""
+    from torch.profiler import ProfilerActivity, profile
+
+    h, w, t = _case(seed=4, b=4, t=64, c=16, v=4099)  # 256 tokens: 16 chunks of 16
+    t[0, :3] = -100
+    h, w, t = h.flatten(0, 1), w, t.flatten()
+    ref = _casts_each_chunk(h, w, t, 16)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = _grads(lambda a, b, c: chunked_lm_loss(a, b, c, 16), h, w, t)
+    assert torch.equal(got[0], ref[0])
+    assert torch.equal(got[1], ref[1] * 3.0) and torch.equal(got[2], ref[2] * 3.0)
+    from tests.unit.test_plan import _bench_plan_memory
+
+    records, _ = _bench_plan_memory().allocation_records(prof)
+    big = [path for _, _, size, path in records  # the loss's, a 16-bit chunk or more, not GEMM's
+           if size >= 16 * 4099 * 2 and "_ChunkedLinear" in path and not path.endswith("aten::mm")]
+    assert len(big) == 4, big  # fp32 dW, 16-bit W, 2 chunk buffers; was 3 more per chunk (52)
