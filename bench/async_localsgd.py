@@ -2,7 +2,7 @@
 
 Run:  python bench/async_localsgd.py [--data data/shakespeare_bytes] [--steps 240] [--plot PNG]
           [--replicas 2] [--compute-sleep 0] [--compression none|bf16|int8|int4]
-          [--pull-compression same|bf16|int8|int4]
+          [--pull-compression same|bf16|int8|int4] [--defer-momentum-pull]
 
 Two replicas train the demo GPT (128 wide, block 128, 0.8M parameters) on byte-level Shakespeare;
 rank 1 computes `--slow`x slower (the test fault slow_factor in HPCTRAIN_TEST_FAULTS: it sleeps
@@ -25,7 +25,9 @@ synchronous DiLoCo's final loss; then the equal-speed check (sync DiLoCo vs asyn
 last, async DN+DyLU's bytes per token over sync DiLoCo's, both as rank 0's bytes sent + received
 (sync DiLoCo's comm_bytes counts the sent half of its symmetric average; with --compression the
 asynchronous modes pull the global model's change in that format too, or in --pull-compression's
-(sync.pull_compression), and skip the pull of an arrival whose change is their own).
+(sync.pull_compression), and skip the pull of an arrival whose change is their own; with
+--defer-momentum-pull the delayed-Nesterov modes also skip it on a momentum arrival, the step
+owed to the next pull: sync.defer_momentum_pull).
 """
 from __future__ import annotations
 
@@ -55,22 +57,22 @@ from hpctrain.model import build_model_from_section  # noqa: E402
 ASYNC = ["--sync.mode=async_diloco", "--sync.ps_servers=1"]
 
 
-def modes(h: int, n: int = 2, compression: str = "none", pulls: str = "same") -> dict[str, tuple[int, list[str]]]:
+def modes(h: int, n: int = 2, compression: str = "none", pulls: str = "same",
+          defer: bool = False) -> dict[str, tuple[int, list[str]]]:
     """name -> (ranks, overrides), for n replicas; `compression`: the pseudo-gradients' wire format
     (sync DiLoCo's all-reduce, the asynchronous modes' pushes); `pulls`: the asynchronous modes'
-    pulls (sync.pull_compression)."""
+    pulls (sync.pull_compression); `defer`: sync.defer_momentum_pull (delayed Nesterov)."""
     sync_wire = [f"--sync.compression={compression}"]
     wire = sync_wire + ([] if pulls == "same" else [f"--sync.pull_compression={pulls}"])
+    dn = ["--sync.outer_optimizer=delayed_nesterov"] + (["--sync.defer_momentum_pull=true"] if defer else [])
     return {
         "ddp": (n, []),
         "sync DiLoCo": (n, ["--sync.mode=diloco", f"--sync.inner_steps={h}", *sync_wire]),
         "async naive": (n + 1, ASYNC + [f"--sync.inner_steps={h}", "--sync.outer_optimizer=nesterov", *wire]),
-        "async DN": (n + 1, ASYNC + [f"--sync.inner_steps={h}", "--sync.outer_optimizer=delayed_nesterov", *wire]),
-        "async DN+DyLU": (n + 1, ASYNC + [f"--sync.inner_steps={h}", "--sync.outer_optimizer=delayed_nesterov",
-                                          "--sync.local_steps=dynamic", *wire]),
+        "async DN": (n + 1, ASYNC + [f"--sync.inner_steps={h}", *dn, *wire]),
+        "async DN+DyLU": (n + 1, ASYNC + [f"--sync.inner_steps={h}", *dn, "--sync.local_steps=dynamic", *wire]),
         "async DN+DyLU no catch-up": (n + 1, ASYNC + [
-            f"--sync.inner_steps={h}", "--sync.outer_optimizer=delayed_nesterov", "--sync.local_steps=dynamic",
-            "--sync.catch_up=false", *wire]),
+            f"--sync.inner_steps={h}", *dn, "--sync.local_steps=dynamic", "--sync.catch_up=false", *wire]),
     }
 
 
@@ -161,7 +163,7 @@ def plot(curves: dict, path: Path, slow: float, replicas: int = 2) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default="data/shakespeare_bytes", help="byte-level dataset (make demo builds it)")
     ap.add_argument("--steps", type=int, default=240, help="synchronous steps of 2 x 8 sequences (token budget)")
@@ -177,14 +179,21 @@ def main() -> None:
                     help="pseudo-gradient wire format of sync DiLoCo and the asynchronous modes")
     ap.add_argument("--pull-compression", default="same", choices=["same", "bf16", "int8", "int4"],
                     help="the asynchronous modes' pulls (sync.pull_compression; same = --compression)")
+    ap.add_argument("--defer-momentum-pull", action="store_true",
+                    help="sync.defer_momentum_pull in the delayed-Nesterov modes (needs --compression)")
     ap.add_argument("--compute-sleep", type=float, default=0.0,
                     help="seconds every step sleeps as stand-in accelerator time (compute_sleep_s fault): "
                          "with many replicas on few cores, keeps the CPU from being what times them")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     val = held_out(args.data, args.windows)
     curves, walls, moved, split = {}, {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (ranks, extra) in modes(args.h, args.replicas, args.compression, args.pull_compression).items():
+        wire = (args.compression, args.pull_compression, args.defer_momentum_pull)
+        for name, (ranks, extra) in modes(args.h, args.replicas, *wire).items():
             if args.only and name not in args.only:
                 continue
             res = train(name, ranks, extra, args, Path(tmp), args.slow)
@@ -194,7 +203,7 @@ def main() -> None:
         equal = {}
         if not args.no_equal_speed:
             for name in ("sync DiLoCo", "async DN+DyLU"):
-                ranks, extra = modes(args.h, args.replicas, args.compression, args.pull_compression)[name]
+                ranks, extra = modes(args.h, args.replicas, *wire)[name]
                 res = train(name, ranks, extra, args, Path(tmp), 1.0)
                 equal[name] = score(res["run"], res["t0"], val)[-1][1]
     target = curves["sync DiLoCo"][-1][1] if "sync DiLoCo" in curves else None

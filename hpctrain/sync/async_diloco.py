@@ -180,7 +180,9 @@ class AsyncDiLoCo(AsynchronousStrategy):
         self.round_caught_up += arrivals - self.last_arrival
         self.last_arrival = arrivals
 
-    def _arrive(self) -> None:
+    def _arrive(self, last: bool = False) -> None:
+        """End the round: push g = start - local; `last` (the end of training): compressed, pull
+        nothing back (the checkpoint takes the global model from the servers)."""
         g = self.start - flat(self.params)
         self.arrivals_since_line += 1
         if self.leader:  # this position's part of the pseudo-gradient, for the round line
@@ -193,7 +195,7 @@ class AsyncDiLoCo(AsynchronousStrategy):
 
         t0, moved = time.perf_counter(), self.windows.bytes_moved
         if self.inbox is not None:
-            arrival, theta, pushed = self._arrive_compressed(g, lr_scale)
+            arrival, theta, pushed = self._arrive_compressed(g, lr_scale, last)
         elif self.positions == 1:
             arrival, theta = self.windows.arrive(g, apply)
         else:  # every part of the model, in the order the leader's lock gives
@@ -225,11 +227,16 @@ class AsyncDiLoCo(AsynchronousStrategy):
         self.round_steps, self.round_compute_s, self.round_lr_sum, self.round_caught_up = 0, 0.0, 0.0, 0
         self.round_pulled = 0
 
-    def _arrive_compressed(self, g, lr_scale: float):
+    def _arrive_compressed(self, g, lr_scale: float, last: bool = False):
         """Post the encoded pseudo-gradient, pull the change once the servers applied it;
-        (arrival, theta, bytes pushed)."""
+        (arrival, theta, bytes pushed). `last`: no pull; theta = my own weights (a resume from
+        this checkpoint sends them to the servers as my view: nothing counted twice)."""
         arrival = self._from_leader(self.windows.count_arrival() if self.leader else None)
         pushed = self.inbox.post(self.replica, arrival, g, lr_scale)
+        if last:
+            self.inbox.wait_applied(arrival)
+            self.windows.bytes_moved += pushed
+            return arrival, flat(self.params), pushed
         theta, pulled = self.inbox.pull(self.replica, arrival, self.start)
         self.windows.bytes_moved += pushed + pulled
         return arrival, theta, pushed
@@ -289,7 +296,7 @@ class AsyncDiLoCo(AsynchronousStrategy):
         self._finished, self._step_at_meeting = step >= end, step
         self.pending = {}
         if self._finished and self.trains and self.round_steps > 0:
-            self._arrive()  # the last, partial round: the global model holds all work
+            self._arrive(last=True)  # the last, partial round: the global model holds all work
         if self._finished and self.inbox is not None:  # servers apply those last arrivals
             done = self.ctx.comm.Ibarrier()
             while not done.Test():
