@@ -190,7 +190,6 @@ def test_frozen_node_then_two_nodes_at_once_under_mpiexec(vcluster, vjobs, datas
     assert relaunched <= named + 15, (relaunched, named, log)
     assert sorted(forensics) == ["rank_0.json", "rank_2.json"], sorted(forensics)
     assert all(f["kind"] == "verdict" and f["lost"] == 1 for f in forensics.values()), forensics
-    assert "the 2 other node(s) answered (2 probed in" in log, log  # one verdict: the rest asked
     assert "node node2 lost: spare node4 takes its place (3 node(s): node1 node4 node3;" in log, log
     assert frozen and not left_on_node2, (frozen, left_on_node2)
     # two nodes at once: one relaunch naming both, the PFS checkpoint said in the log
