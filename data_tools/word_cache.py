@@ -61,7 +61,7 @@ class WordCache:
         return self.encode_many([text])[0]
 
     def encode_many(self, texts: list[str]) -> list[np.ndarray]:
-        if self.arrow is not None:
+        if self.arrow is not None and texts:
             return self._arrow_many([t.encode("utf-8") for t in texts])
         return [np.frombuffer(b"".join(self._blobs(self.findall(t), str)), dtype=np.uint32)
                 for t in texts]

@@ -52,6 +52,7 @@ def test_a_batch_gives_the_library_ids_with_and_without_pyarrow(unigram):
     keys = list(tok.fast.blobs)
     assert len(keys) > 5000 and all(isinstance(k, bytes) for k in keys)  # pyarrow's words
     assert [ids.tolist() for ids in tok.encode_batch(texts[::-1])] == library[::-1]  # warm
+    assert tok.encode_batch([]) == [] and tok.encode_batch([""])[0].size == 0
     tok.fast.clear()
     tok.fast.arrow = None  # no pyarrow installed: one regex pass and a lookup per word
     try:
