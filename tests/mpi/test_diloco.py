@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import losses, run_cmd
-from tests.helpers import assert_equal_runs, train, write_config
+from tests.helpers import assert_equal_runs, copy_run_at, train, write_config
 
 pytestmark = pytest.mark.mpi
 
@@ -51,7 +51,7 @@ def test_exact_resume_mid_round(tmp_path, dataset, variant):
     cfg_a, run_a = write_config(tmp_path, dataset, "straight")
     cfg_b, run_b = write_config(tmp_path, dataset, "resumed")
     train(2, cfg_a, *common)
-    train(2, cfg_b, *common, "--train.stop_at_step=10")  # 10 % 4 = 2: in the middle of a round
+    copy_run_at(run_a, run_b, 10)  # its step-10 checkpoint: 10 % 4 = 2, in the middle of a round
     r = train(2, cfg_b, *common)
     assert "resumed from" in r.stderr and "step_00000010" in r.stderr
     a, b = losses(run_a), losses(run_b)

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from tests.conftest import losses, records
-from tests.helpers import train, write_config
+from tests.helpers import copy_run_at, train, write_config
 
 pytestmark = pytest.mark.mpi
 
@@ -52,14 +52,17 @@ def test_overflow_steps_are_skipped_counted_and_shrink_the_scale(tmp_path, datas
                                     ("--parallel.pp=2", "--train.grad_accum=2", "--train.micro_batch_size=2")],
                          ids=["ddp", "fsdp", "pp"])
 def test_fp16_resume_is_exact_with_the_scaler_state(tmp_path, dataset, layout):
-    """Stop at step 6 and resume: the same losses and loss scales as one uninterrupted run; the
-    growth interval of 2 makes the scale change across the stop (its counter must be restored)."""
-    common = (*FAST, "--train.precision=fp16", "--train.loss_scale_growth_interval=2", *layout)
+    """Resume from step 6 (the uninterrupted run's checkpoint, tests/helpers.py copy_run_at): the
+    same losses and loss scales as that run; the growth interval of 2 makes the scale change across
+    the resume (its counter must be restored)."""
+    common = (*FAST, "--train.precision=fp16", "--train.loss_scale_growth_interval=2", *layout,
+              "--checkpoint.interval=6")
     cfg, whole = write_config(tmp_path, dataset, name="whole")
     train(2, cfg, *common)
     cfg, parts = write_config(tmp_path, dataset, name="parts")
-    train(2, cfg, *common, "--train.stop_at_step=6")
-    train(2, cfg, *common)
+    copy_run_at(whole, parts, 6)
+    r = train(2, cfg, *common)
+    assert "resumed from" in r.stderr and "step_00000006" in r.stderr
     assert losses(parts) == losses(whole)
     scale = {r["step"]: r["loss_scale"] for r in records(whole) if "loss" in r}
     assert {r["step"]: r["loss_scale"] for r in records(parts) if "loss" in r} == scale

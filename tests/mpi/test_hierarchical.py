@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT, RUN_DATA, losses, mpirun
-from tests.helpers import assert_equal_runs, train, write_config
+from tests.helpers import assert_equal_runs, copy_run_at, train, write_config
 from tests.mpi.test_diloco import model_parameters
 
 pytestmark = pytest.mark.mpi
@@ -97,14 +97,14 @@ FSDP_STREAMING = [*DILOCO, "--sync.replica_nodes=1", "--parallel.data_parallel=f
 
 
 def test_fsdp_inside_streaming_int4_across_resumes_bit_exact(tmp_path, dataset):
-    """FSDP over each node's 2 ranks, Streaming DiLoCo int4 across the 2 nodes; stopped at step 6
-    (fragment 1 sent at step 6, merged after step 7: in flight at the checkpoint of step 6) and
-    resumed: steps 7..12 bit for bit as the straight run. A checkpoint of replicas of nodes is
+    """FSDP over each node's 2 ranks, Streaming DiLoCo int4 across the 2 nodes; the straight run's
+    checkpoint of step 6 (fragment 1 sent at step 6, merged after step 7: in flight at it) resumed
+    in a copy: steps 7..12 bit for bit as the straight run. A checkpoint of replicas of nodes is
     refused by another layout, naming the key."""
     cfg_a, run_a = write_config(tmp_path, dataset, "straight", HIER_GPT)
     cfg_b, run_b = write_config(tmp_path, dataset, "resumed", HIER_GPT)
     train(4, cfg_a, *FSDP_STREAMING, env=TWO_RANK_NODES)
-    train(4, cfg_b, *FSDP_STREAMING, "--train.stop_at_step=6", env=TWO_RANK_NODES)
+    copy_run_at(run_a, run_b, 6)  # the straight run at its step-6 checkpoint
     state = json.loads((run_b / "checkpoints/step_00000006/trainer_state.json").read_text())["sync"]
     assert state["replicas"] == 2 and state["hierarchical"] is True
     r = train(4, cfg_b, *FSDP_STREAMING, env=TWO_RANK_NODES)

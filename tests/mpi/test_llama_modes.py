@@ -12,7 +12,7 @@ import math
 import pytest
 
 from tests.conftest import losses, records
-from tests.helpers import held_out_losses, probe
+from tests.helpers import copy_run_at, held_out_losses, probe
 from tests.helpers import train_layout as train
 
 pytestmark = pytest.mark.mpi
@@ -66,9 +66,9 @@ def test_diloco_int8_resume_mid_round_is_bit_exact(tmp_path, dataset, reference)
     """int8 pseudo-gradients, H = 2, overlapped: stop at step 3 (mid-round), resume: the straight
     run's losses bit for bit; int8 moves (chunk + a 4-byte scale per 256) x 2 bytes a round."""
     common = [*LLAMA, *DP2, "--sync.mode=diloco", "--sync.inner_steps=2", "--sync.overlap=true",
-              "--sync.compression=int8"]
+              "--sync.compression=int8", "--checkpoint.interval=3"]
     _, straight = train(2, tmp_path, dataset, "straight", *common)
-    train(2, tmp_path, dataset, "parts", *common, "--train.stop_at_step=3", "--checkpoint.interval=3")
+    copy_run_at(straight, tmp_path / "parts", 3)  # the straight run at its step-3 checkpoint
     r, parts = train(2, tmp_path, dataset, "parts", *common)
     assert "resumed from" in r.stderr and "step_00000003" in r.stderr
     assert losses(parts) == losses(straight) and sorted(losses(parts)) == list(range(1, STEPS + 1))
