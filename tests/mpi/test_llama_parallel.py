@@ -6,14 +6,13 @@ Llama-family model by overrides: grouped-query attention (4 heads, 2 key/value h
 embeddings, Llama-3 rope_theta and a qkv bias (Qwen2), 4 steps. DiLoCo, bf16, fp16 and tp=2 with
 torch.compile run it through the same layout code (checked by hand: 46 s under compile, not here).
 """
-import shutil
 import sys
 
 import pytest
 import torch
 
 from tests.conftest import losses, run_cmd
-from tests.helpers import assert_same_curve
+from tests.helpers import assert_same_curve, copy_run_at
 from tests.helpers import train_layout as train
 
 pytestmark = pytest.mark.mpi
@@ -37,43 +36,52 @@ SLOW = {"pp2_1f1b", "dp2_ac_full", "pp2_interleaved"}
 
 
 @pytest.fixture(scope="module")
-def llama_reference(tmp_path_factory, dataset):  # noqa: F811
+def llama_reference_run(tmp_path_factory, dataset):  # noqa: F811
+    """The 1-rank run (checkpoints at steps 2 and 4)."""
     tmp = tmp_path_factory.mktemp("llama_ref")
     r, run = train(1, tmp, dataset, "one", *LLAMA)
     assert "training:" in r.stderr
-    return losses(run)
+    return run
+
+
+@pytest.fixture(scope="module")
+def llama_reference(llama_reference_run):
+    return losses(llama_reference_run)
 
 
 @pytest.mark.parametrize("layout", [pytest.param(k, marks=pytest.mark.slow) if k in SLOW else k
                                     for k in LAYOUTS])
-def test_llama_loss_parity(tmp_path, dataset, llama_reference, layout):  # noqa: F811
+def test_llama_loss_parity(tmp_path, dataset, llama_reference, layout, request):  # noqa: F811
     n, overrides = LAYOUTS[layout]
-    _, run = train(n, tmp_path, dataset, layout, *LLAMA, *overrides)
+    run = (request.getfixturevalue("tp2_run") / "rs" if layout == "tp2" else
+           train(n, tmp_path, dataset, layout, *LLAMA, *overrides)[1])
     assert_same_curve(llama_reference, losses(run), STEPS)
     assert llama_reference[4] < llama_reference[1]  # and it learns
 
 
 @pytest.fixture(scope="module")
 def tp2_run(tmp_path_factory, dataset):  # noqa: F811
-    """A run stopped at step 2 on tp=2 (its config toml beside it)."""
+    """The tp2 layout's run (checkpoints at steps 2 and 4) in tmp/rs: a parity case, the
+    resharded resume's source (at step 2) and the export's checkpoint (step 4)."""
     tmp = tmp_path_factory.mktemp("llama_tp2")
-    train(2, tmp, dataset, "rs", *LLAMA, "--parallel.tp=2", "--train.micro_batch_size=8",
-          "--train.grad_accum=1", "--train.stop_at_step=2")
+    n, overrides = LAYOUTS["tp2"]
+    train(n, tmp, dataset, "rs", *LLAMA, *overrides)
     return tmp
 
 
 def test_llama_resume_resharded_is_exact(tmp_path, dataset, llama_reference, tp2_run):  # noqa: F811
-    """Stop at step 2 on tp=2, resume to 4 on 1 rank: the uninterrupted curve, exactly as gpt2's
-    resharded resume (weights, AdamW state, data position)."""
-    shutil.copytree(tp2_run, tmp_path, dirs_exist_ok=True)
-    (tmp_path / "rs.toml").write_text((tp2_run / "rs.toml").read_text().replace(str(tp2_run), str(tmp_path)))
+    """The tp=2 run's step-2 checkpoint resumed to 4 on 1 rank: the uninterrupted curve, exactly
+    as gpt2's resharded resume (weights, AdamW state, data position)."""
+    copy_run_at(tp2_run / "rs", tmp_path / "rs", 2)
     r, run = train(1, tmp_path, dataset, "rs", *LLAMA)
     assert "resumed from" in r.stderr and "step_00000002" in r.stderr
     assert_same_curve(llama_reference, losses(run), STEPS)
 
 
-def test_llama_resume_same_layout_bit_exact(tmp_path, dataset, llama_reference):  # noqa: F811
-    train(1, tmp_path, dataset, "r1", *LLAMA, "--train.stop_at_step=2")
+def test_llama_resume_same_layout_bit_exact(tmp_path, dataset, llama_reference_run,  # noqa: F811
+                                            llama_reference):
+    """The 1-rank run's step-2 checkpoint resumed to 4: its steps 3 and 4 bit for bit."""
+    copy_run_at(llama_reference_run, tmp_path / "r1", 2)
     r, run = train(1, tmp_path, dataset, "r1", *LLAMA)
     assert "step_00000002" in r.stderr
     got = losses(run)

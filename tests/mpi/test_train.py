@@ -37,11 +37,11 @@ def test_block_order_resumes_exactly(tmp_path, small_shards):
     cfg_b, run_b = write_config(tmp_path, small, "resumed")
     cfg_g, run_g = write_config(tmp_path, small, "global")
     train(2, cfg_a, *order)
-    train(2, cfg_b, *order, "--train.stop_at_step=20")
+    copy_run_at(run_a, run_b, 20)  # its step-20 checkpoint (interval 10, keep 2: 20 and 30 kept)
     state = json.loads((run_b / "checkpoints" / "step_00000020" / "trainer_state.json").read_text())
     assert (state["sampler"]["shuffle"], state["sampler"]["block_shards"]) == ("block", 2)
     r = train(2, cfg_b, *order)
-    assert "resumed from" in r.stderr
+    assert "resumed from" in r.stderr and "step_00000020" in r.stderr
     a, b = losses(run_a), losses(run_b)
     assert all(a[step] == b[step] for step in range(21, 31)), (a, b)
     train(2, cfg_g, "--data.shuffle=global", "--train.steps=30", "--train.stop_at_step=10")
