@@ -61,10 +61,10 @@ def test_reshard_resume(tmp_path_factory, dataset, reference, dp2_tp2, target):
     assert_same_curve(reference, {s: v for s, v in got.items() if s <= 10}, range(1, 11))
 
 
-def test_resume_with_another_global_batch_is_refused(tmp_path, dataset):
-    train(2, tmp_path, dataset, "gb", "--train.grad_accum=1", "--train.stop_at_step=10",
-          "--train.steps=10")
-    r, _ = train(1, tmp_path, dataset, "gb", "--train.grad_accum=1", "--train.steps=10", check=False)
+def test_resume_with_another_global_batch_is_refused(tmp_path, dataset, dp2_tp2):
+    """dp2_tp2's step-10 checkpoint (global batch 4 x 2 = 8) resumed on 1 rank with grad_accum 1 (4)."""
+    copy_run_at(dp2_tp2[1], tmp_path / "gb", 10)
+    r, _ = train(1, tmp_path, dataset, "gb", "--train.grad_accum=1", check=False)
     assert r.returncode == 2
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith("error:") and "global batch" in line and "8" in line and "4" in line
