@@ -2,7 +2,7 @@
 
 Run:  python bench/localsgd.py [--data data/shakespeare_bytes] [--steps 300] [--ranks 2]
                                [--plot docs/img/localsgd.png] [--seed 1337]
-      [--h-stream 32 --stream-args='--sync.error_feedback=true --sync.overlap=false']  (variants)
+      [--h-stream 28 --stream-args='--sync.overlap=true --sync.mix_alpha=0.5']  (streaming variants)
 
 Every mode trains the same GPT (configs/demo.toml with 128 wide, block 128: the 0.8M model of docs/benchmarks.md) from the same seed on the
 same global batch for the same number of steps, on real Shakespeare (byte tokens):
@@ -11,7 +11,8 @@ same global batch for the same number of steps, on real Shakespeare (byte tokens
   +int8 / +int4  pseudo-gradients sent as int8 / 4-bit codes with an fp32 scale per 256 elements
   +overlap       the outer all-reduce of round k runs during round k+1 (eager start points)
   streaming      Streaming DiLoCo: --fragments block fragments, each synced every --h-stream steps
-                 at its own offset with int4 codes, overlapped (merged 1 step later, alpha 0.5)
+                 at its own offset with int4 codes and error feedback, not overlapped (tau = 0;
+                 --stream-args='--sync.overlap=true' merges 1 step later, alpha 0.5)
   ps             asynchronous SGD: `--ranks` workers + 1 server rank holding MPI windows
 Prints the final validation loss (and its ratio to DDP's) and the bytes moved per trained token
 (all ranks' sent bytes / tokens; DDP's ring all-reduce is the reference) for each mode.
@@ -48,12 +49,15 @@ def modes(h_small: int, h_large: int, h_int8: int) -> dict[str, list[str]]:
 
 
 def streaming_modes(h: int, fragments: int, extra: list[str]) -> dict[str, list[str]]:
-    """Streaming DiLoCo with 4-bit pseudo-gradients (the issue's headline mode); `extra` train
-    arguments (--stream-args) override its settings and are named in the mode's name."""
+    """Streaming DiLoCo with 4-bit pseudo-gradients and error feedback (the issue's headline mode),
+    fragment rounds not overlapped (tau = 0: at 1,000 steps overlap with tau = 1 cost 2.4 points of
+    loss, docs/benchmarks.md); `extra` train arguments (--stream-args) override its settings and
+    are named in the mode's name."""
     tail = "".join(f" {a.removeprefix('--sync.')}" for a in extra)
     return {f"streaming H={h} P={fragments} int4{tail}": [
         "--sync.mode=diloco", "--sync.streaming=true", f"--sync.inner_steps={h}",
-        f"--sync.fragments={fragments}", "--sync.overlap=true", "--sync.compression=int4", *extra]}
+        f"--sync.fragments={fragments}", "--sync.compression=int4", "--sync.error_feedback=true",
+        *extra]}
 
 
 def streaming_summary(results: dict) -> str | None:
@@ -123,8 +127,9 @@ def main() -> None:
     ap.add_argument("--plot", default="", help="write the validation curves to this PNG")
     ap.add_argument("--keep", default="", help="keep each mode's run directory under this folder "
                                                 "(default: a temporary folder, removed at the end)")
-    ap.add_argument("--h-stream", type=int, default=32, metavar="H",
-                    help="inner steps per fragment round of the Streaming DiLoCo int4 mode")
+    ap.add_argument("--h-stream", type=int, default=28, metavar="H",
+                    help="inner steps per fragment round of the Streaming DiLoCo int4 mode (28: "
+                         "~212x fewer bytes than ddp; >= 200x needs H >= 26)")
     ap.add_argument("--fragments", type=int, default=4, help="its fragments (groups of blocks)")
     ap.add_argument("--seed", type=int, default=1337, help="train.seed: init and data order")
     ap.add_argument("--stream-args", default="", metavar="ARGS",
