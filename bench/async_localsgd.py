@@ -231,8 +231,11 @@ def main() -> None:
         # every mode trains the same tokens, so rank 0's bytes per token compare as its bytes.
         # Like with like: sync DiLoCo's comm_bytes is what rank 0 sends, and its average (ring or
         # two-phase) receives exactly as much; an asynchronous replica's counts its pushes and pulls
+        # the arrival records' pushes + pulls: comm_bytes misses the final meeting's arrival
+        res = split["async DN+DyLU"]
+        mine = res["pushed"] + res["pulled"] if res["arrivals"] else moved["async DN+DyLU"]
         print(f"async DN+DyLU bytes per token / sync DiLoCo: "
-              f"{moved['async DN+DyLU'] / (2 * moved['sync DiLoCo']):.2f}x (sent + received by rank 0)")
+              f"{mine / (2 * moved['sync DiLoCo']):.2f}x (sent + received by rank 0)")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,9 @@ replica, which steps together anyway).
 Owns: the round (local steps, start point, arrival, dynamic step count), its metrics and its
 checkpoint entry. With sync.compression = "bf16" | "int8" | "int4" the replica pushes its encoded
 pseudo-gradient and the servers apply it, and it pulls the global model's change since its last
-pull in the same format, with error feedback on the servers (hpctrain/sync/inbox.py): an arrival
+pull in the same format (or sync.pull_compression's), with error feedback on the servers
+(hpctrain/sync/inbox.py; sync.defer_momentum_pull: a momentum step rides the next pull; the
+last arrival at the end of training pulls nothing): an arrival
 then moves 2 (bf16), ~1 (int8) or ~1/2 (int4) bytes per parameter out and as many back, instead
 of 24; nothing back when the arrival's change is the replica's own pseudo-gradient alone (outer SGD,
 or delayed Nesterov off its momentum arrivals) and the replica held every arrival before it:
@@ -228,9 +230,8 @@ class AsyncDiLoCo(AsynchronousStrategy):
         self.round_pulled = 0
 
     def _arrive_compressed(self, g, lr_scale: float, last: bool = False):
-        """Post the encoded pseudo-gradient, pull the change once the servers applied it;
-        (arrival, theta, bytes pushed). `last`: no pull; theta = my own weights (a resume from
-        this checkpoint sends them to the servers as my view: nothing counted twice)."""
+        """Post the encoded pseudo-gradient, pull the change once applied; (arrival, theta, bytes
+        pushed). `last`: no pull, theta = my weights (on resume, my view: nothing counted twice)."""
         arrival = self._from_leader(self.windows.count_arrival() if self.leader else None)
         pushed = self.inbox.post(self.replica, arrival, g, lr_scale)
         if last:
@@ -285,10 +286,8 @@ class AsyncDiLoCo(AsynchronousStrategy):
 
     def _wire(self) -> str:
         """The wire formats, as describe() names them: 'int8 pushes' or 'int8 pushes, int4 pulls'."""
-        if self.inbox is None:
-            return "fp32 pushes"
-        same = self.inbox.pull_kind == self.inbox.kind
-        return f"{self.inbox.kind} pushes" + ("" if same else f", {self.inbox.pull_kind} pulls")
+        kinds = (self.inbox.kind, self.inbox.pull_kind) if self.inbox else ("fp32", "fp32")
+        return f"{kinds[0]} pushes" + ("" if kinds[1] == kinds[0] else f", {kinds[1]} pulls")
 
     # ---- the end of training, checkpoints --------------------------------------------------------
     def meet(self, preempt, step: int, stop: int, end: int) -> tuple[int, int]:
