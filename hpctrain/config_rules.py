@@ -60,6 +60,7 @@ def validate(cfg: Config) -> Config:
     _validate_intervals(t)
     _validate_sync(cfg.sync, cfg.parallel)
     _validate_parallel(cfg.parallel, m, t.compile)
+    _validate_compile_scope(t, cfg.parallel)
     _validate_slurm(cfg.slurm)
     return cfg
 
@@ -216,6 +217,15 @@ def _validate_sync(s: SyncConfig, p: ParallelConfig) -> None:
         _check(p.tp == 1 and p.pp == 1 and p.dp == 0 and p.data_parallel == "ddp", "sync.mode",
                "'ps' runs one model copy per worker rank: leave parallel.dp/tp/pp and "
                "parallel.data_parallel at their defaults")
+
+
+def _validate_compile_scope(t: TrainConfig, p: ParallelConfig) -> None:
+    """train.compile_scope = model compiles the whole forward in place: under FSDP2, TP, PP or EP
+    the layout's hooks and DTensors sit between the blocks, where only per-block regions work."""
+    whole_model_layout = p.data_parallel != "fsdp" and p.tp == 1 and p.pp == 1 and p.ep == 1
+    _check(t.compile_scope != "model" or whole_model_layout, "train.compile_scope",
+           "'model' needs 1 rank or DDP (not parallel.data_parallel = fsdp, tp, pp or ep > 1); "
+           "use 'blocks' or 'auto'")
 
 
 def _validate_parallel(p: ParallelConfig, m: ModelConfig, compile: bool = False) -> None:

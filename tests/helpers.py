@@ -73,7 +73,8 @@ LAYOUTS = {
     "dp2_ac_selective": (2, ["--train.grad_accum=1", "--parallel.activation_checkpoint=selective",
                              "--parallel.ac_every=2"]),
     # torch.compile (fused kernels round differently from eager, well inside the 1e-5 bound)
-    "dp2_compile": (2, ["--train.grad_accum=1", "--train.compile=true"]),
+    "dp2_compile": (2, ["--train.grad_accum=1", "--train.compile=true",  # the whole model under DDP
+                        "--train.compile_scope=model"]),
     "fsdp2_compile": (2, ["--parallel.data_parallel=fsdp", "--train.grad_accum=1", "--train.compile=true"]),
     "tp2_compile": (2, ["--parallel.tp=2", "--train.micro_batch_size=8", "--train.grad_accum=1",
                         "--train.compile=true"]),

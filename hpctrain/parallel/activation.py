@@ -1,6 +1,7 @@
 """Activation checkpointing applied from outside: wrap whole transformer blocks with torch's
 checkpoint wrapper, so their activations are recomputed in backward instead of stored. And
-`train.compile`, applied the same way, per block (`compile_regions`).
+`train.compile`, applied the same way: per block (`compile_regions`) or the whole forward in place
+(`compile_whole_model`), as train.compile_scope says (`compile_scope`).
 
 Owns: which blocks are wrapped ("full": all; "selective": blocks 0, N, 2N, ... of the model, by
 their original index, so a pipeline stage wraps the same blocks the unsplit model would). It must
@@ -24,6 +25,29 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> i
             model.blocks[key] = checkpoint_wrapper(model.blocks[key], preserve_rng_state=True)
             wrapped += 1
     return wrapped
+
+
+def compile_scope(requested: str, device: torch.device, layout_allows_model: bool,
+                  has_experts: bool) -> str:
+    """train.compile_scope resolved: "auto" is the whole model on CUDA where the layout allows it
+    and the model has no experts (an H200 ran GPT-2's shape 1.20x and Llama's 1.16x faster
+    compiled whole than per block: docs/benchmarks.md), else per block (on a CPU the two ran alike
+    and the whole model takes ~2.5x the compile time; a mixture of experts reads its routing counts
+    on the host, which breaks a whole-model graph in every layer)."""
+    if requested != "auto":
+        return requested
+    whole = device.type == "cuda" and layout_allows_model and not has_experts
+    return "model" if whole else "blocks"
+
+
+def compile_whole_model(model: nn.Module) -> None:
+    """train.compile_scope = model: the model's whole forward torch.compile'd in place
+    (nn.Module.compile: parameter names, state_dict and hooks unchanged). Under DDP, which calls
+    this module, dynamo's DDP optimizer splits the graph at the gradient buckets so the all-reduce
+    still overlaps backward. A chunked loss head returns the hidden states and compiles its chunks."""
+    model.compile()
+    if getattr(model.lm_head, "returns_hidden", False):
+        model.lm_head.compiled = True
 
 
 def compile_regions(model: nn.Module) -> int:

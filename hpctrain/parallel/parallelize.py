@@ -2,7 +2,7 @@
 
 Owns: the order in which layouts are applied, as a short sequence of functions that each take and
 return modules (pipeline split -> tensor parallel -> expert parallel -> activation checkpointing ->
-FSDP2 | DDP -> torch.compile per block; a model built on the meta device is materialized after FSDP2 and before DDP),
+FSDP2 | DDP -> torch.compile per block or of the whole model; a model built on the meta device is materialized after FSDP2 and before DDP),
 which of them a job needs, and the `Layout` they produce: the module the optimizer
 and checkpoints see, the module(s) that run forward, the pipeline split, the process groups and
 how gradients are averaged over dp. It must never run a training step (runner.py does), read or
@@ -24,7 +24,8 @@ from hpctrain.distributed.bootstrap import new_group
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.errors import ConfigError
 from hpctrain.metrics.wait_clock import WaitClock
-from hpctrain.parallel.activation import apply_activation_checkpointing, compile_regions
+from hpctrain.parallel.activation import (apply_activation_checkpointing, compile_regions,
+                                          compile_scope, compile_whole_model)
 from hpctrain.parallel.apply_expert import ExpertParallel, apply_expert_parallel
 from hpctrain.parallel.mpi_grad_allreduce import (MPIHookState, use_backend_allreduce,
                                                   use_mpi_grad_allreduce, use_powersgd)
@@ -58,6 +59,7 @@ class Layout:
     mpi_grad_allreduce: MPIHookState | None = None   # DDP's MPI hook: its communicator
     wait_clock: WaitClock = field(default_factory=lambda: WaitClock(torch.device("cpu")))
     experts: ExpertParallel | None = None  # parallel.ep > 1: the sharded experts (DDP/FSDP skip them)
+    compiled: str = ""  # train.compile's scope: "blocks" | "model" ("" = eager)
 
     @property
     def waits_measured(self) -> bool:
@@ -143,6 +145,18 @@ def apply_ddp(model: nn.Module, mesh: Mesh, dist_cfg: DistConfig, clock: WaitClo
     return ddp, None
 
 
+def apply_compile(model: nn.Module, cfg: Config, device: torch.device, plain_or_ddp: bool) -> str:
+    """train.compile over train.compile_scope's unit; returns the scope used ("blocks" | "model")."""
+    p = cfg.parallel
+    layout_allows_model = plain_or_ddp and p.tp == 1 and p.pp == 1 and p.ep == 1
+    scope = compile_scope(cfg.train.compile_scope, device, layout_allows_model, cfg.model.moe_experts > 0)
+    if scope == "model":
+        compile_whole_model(model)
+    else:
+        compile_regions(model)
+    return scope
+
+
 def dp_reduction(mesh: Mesh, cfg: Config) -> DpReduce:
     """How this job averages gradients over dp (see DpReduce)."""
     if mesh.dp_size == 1:
@@ -174,12 +188,15 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, precision: str,
         apply_fsdp(model, roots, mesh, precision, experts)
     if materialize is not None:
         materialize(model)
-    clock = WaitClock(next(model.parameters()).device)
+    device = next(model.parameters()).device
+    clock = WaitClock(device)
     if dp_reduce == "ddp":
         ddp, mpi_grad_allreduce = apply_ddp(model, mesh, cfg.dist, clock, experts)
         roots = (ddp,)
-    if cfg.train.compile:  # per block, after DDP/FSDP wrapping (config: never with pp > 1)
-        compile_regions(model)
+    compiled = ""
+    if cfg.train.compile:  # after DDP/FSDP wrapping (config: never with pp > 1)
+        compiled = apply_compile(model, cfg, device, dp_reduce != "fsdp" and experts is None)
     return Layout(module=model, forward_modules=roots, mesh=mesh, dp_reduce=dp_reduce, split=split,
                   tie_group=tied_weight_group(mesh) if split else None,
-                  mpi_grad_allreduce=mpi_grad_allreduce, wait_clock=clock, experts=experts)
+                  mpi_grad_allreduce=mpi_grad_allreduce, wait_clock=clock, experts=experts,
+                  compiled=compiled)

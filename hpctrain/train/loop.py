@@ -378,7 +378,7 @@ class Trainer:
                  f"{f' via {ctx.iface}' if ctx.iface else ''}, "
                  f"{tokens_per_step} tokens/step, {t.precision}"
                  f"{' (auto)' if self.plan.precision_given == 'auto' else ''}"
-                 f"{' (tf32 matmuls)' if self.plan.tf32 else ''}{', torch.compile' if t.compile else ''}, "
+                 f"{' (tf32 matmuls)' if self.plan.tf32 else ''}{f', torch.compile ({self.layout.compiled})' if t.compile else ''}, "
                  f"steps {self.step} -> {end} of {t.steps}{self.sync.describe()}")
         if t.global_batch:  # how the global batch splits on this world (elastic restarts)
             log(ctx, global_batch_line(t, self.plan.dp_size))

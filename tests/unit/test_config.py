@@ -105,6 +105,9 @@ def test_roundtrip_escapes_strings(toml, tmp_path, run_dir):
     (["--model.n_embd=0"], "model.n_embd"),
     (["--model.vocab_size=0"], "model.vocab_size"),
     (["--dist.timeout_s=0"], "dist.timeout_s"),
+    (["--train.compile_scope=model", "--parallel.data_parallel=fsdp"], "train.compile_scope"),
+    (["--train.compile_scope=model", "--parallel.tp=2"], "train.compile_scope"),
+    (["--train.compile_scope=layer"], "train.compile_scope"),
 ])
 def test_bad_input_names_the_key(toml, overrides, key):
     with pytest.raises(ConfigError) as e:
@@ -208,3 +211,18 @@ def test_an_unknown_override_is_named_as_a_command_line_key(toml):
     toml.write_text(toml.read_text().replace("[train]", "[train]\nlrr = 1", 1))
     with pytest.raises(ConfigError, match=f"unknown config key 'train.lrr' in {toml}$"):
         config.load(toml, [])
+
+
+@pytest.mark.parametrize("requested, device, layout_allows, experts, scope", [
+    ("auto", "cuda", True, False, "model"),    # 1 rank / DDP on a GPU: the whole model
+    ("auto", "cpu", True, False, "blocks"),    # a CPU: per block (same speed, shorter compile)
+    ("auto", "cuda", False, False, "blocks"),  # FSDP2 / TP / PP / EP
+    ("auto", "cuda", True, True, "blocks"),    # a mixture of experts
+    ("model", "cpu", True, False, "model"),    # said explicitly: as said
+    ("blocks", "cuda", True, False, "blocks"),
+])
+def test_compile_scope_auto_picks_the_whole_model_on_cuda_only(requested, device, layout_allows, experts, scope):
+    import torch
+
+    from hpctrain.parallel.activation import compile_scope
+    assert compile_scope(requested, torch.device(device), layout_allows, experts) == scope
