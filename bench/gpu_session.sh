@@ -63,10 +63,12 @@ moe=(--model.moe_experts=8 --model.moe_top_k=2 --model.moe_expert_hidden=1024)
 declare -A RUN_ARGS=(
     [gpt2_eager]="/tmp/shakespeare_bytes --train.compile=false"
     [gpt2_compile]="/tmp/shakespeare_bytes --train.compile=true"
+    [gpt2_compile_blocks]="/tmp/shakespeare_bytes --train.compile=true --train.compile_scope=blocks"
     [llama_50k_full]="/tmp/shakespeare_gpt2 ${llama[*]} --model.vocab_size=50304 --train.loss_chunk=0"
     [llama_50k_chunk128]="/tmp/shakespeare_gpt2 ${llama[*]} --model.vocab_size=50304 --train.loss_chunk=128"
     [llama_50k_chunk1024]="/tmp/shakespeare_gpt2 ${llama[*]} --model.vocab_size=50304 --train.loss_chunk=1024"
     [llama_50k_chunk1024_compile]="/tmp/shakespeare_gpt2 ${llama[*]} --model.vocab_size=50304 --train.loss_chunk=1024 --train.compile=true"
+    [llama_50k_chunk1024_compile_blocks]="/tmp/shakespeare_gpt2 ${llama[*]} --model.vocab_size=50304 --train.loss_chunk=1024 --train.compile=true --train.compile_scope=blocks"
     [moe_llama]="/tmp/shakespeare_bytes ${llama[*]} ${moe[*]}"
     [moe_llama_compile]="/tmp/shakespeare_bytes ${llama[*]} ${moe[*]} --train.compile=true"
 )
