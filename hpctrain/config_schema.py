@@ -152,10 +152,11 @@ class TrainConfig:
     loss_scale_growth_interval: int = field(default=2000, metadata={
         "help": "fp16: clean steps before the loss scale doubles"})
     compile: bool = field(default=False, metadata={
-        "help": "torch.compile each transformer block in place (regional, as torchtitan: parameter "
-                "names, DDP/FSDP hooks and checkpoints unchanged) and, with train.loss_chunk, each "
-                "chunk's loss math; fuses elementwise ops (docs/benchmarks.md); costs ~10 s of "
-                "compilation at start; not with parallel.pp > 1"})
+        "help": "torch.compile the model in place (per block or whole: train.compile_scope; "
+                "parameter names, DDP/FSDP hooks and checkpoints unchanged) and, with "
+                "train.loss_chunk, each chunk's loss math; fuses elementwise ops "
+                "(docs/benchmarks.md); costs ~10-30 s of compilation at start; not with "
+                "parallel.pp > 1"})
     compile_scope: Literal["auto", "blocks", "model"] = field(default="auto", metadata={
         "help": "what one torch.compile covers with train.compile: blocks (each transformer block "
                 "apart: any layout, one compile serves every block) | model (the whole forward in "
