@@ -15,12 +15,15 @@ interrupted while creating it).
 A holder that was only frozen (SIGSTOP, `scontrol suspend`) longer than the lease finds on waking
 that the lock is another job's: `assert_held()` (called by the renewal thread, before every metrics
 write and before a checkpoint's tmp dir, commit and retention) then ends the whole job at once with
-one line naming the lock and its new holder, before it writes anything more.
+one line naming the lock and its new holder, before it writes anything more. Every rank keeps the
+lock's bytes as rank 0 wrote them (the fence): `taken_over()` tells a rank of any number that wakes
+after a newer launch took the run dir over (its watchdog then writes no forensics there).
 
 Collective: every rank calls `hold()`; rank 0 decides and broadcasts.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -239,6 +242,31 @@ def acquire(run_dir: Path, me: dict) -> tuple[Lease | None, str]:
 
 _held: Lease | None = None
 _stopping = threading.Lock()
+_fence: tuple[Path, bytes] | None = None  # every rank: (the lock, the bytes this launch's rank 0 wrote)
+
+
+def fence() -> tuple[str, str] | None:
+    """(sha256 of this launch's lock file, its path) while `hold()` holds, for the beacon (stdlib only)."""
+    held = _fence
+    return (hashlib.sha256(held[1]).hexdigest(), os.fspath(held[0])) if held is not None else None
+
+
+def taken_over() -> str | None:
+    """Who holds this launch's run-directory lock now when a NEWER launch took it over (this rank
+    was frozen past its job's relaunch: SIGSTOP, a suspended node), else None (ours, gone after a
+    clean end, unreadable, or no lock held). Any rank may ask: the lock is on the shared run dir.
+    A stale rank writes nothing more into the run dir then (forensics: hpctrain/distributed/watchdog.py)."""
+    held = _fence
+    if held is None:
+        return None
+    try:
+        with open(held[0], "rb") as f:
+            if f.read(65536) == held[1]:
+                return None
+        owner, age, _ = _read_lock(held[0])
+    except OSError:
+        return None
+    return f"{held[0]} is held by {_describe(owner, age)}"
 
 
 def assert_held() -> None:
@@ -263,19 +291,19 @@ def assert_held() -> None:
 def hold(run_dir, ctx):
     """Collective: hold the run directory's lock for the body; RunDirBusy on every rank if another
     job holds it."""
-    global _held
+    global _held, _fence
     me, path = _me(), Path(run_dir) / LOCK_NAME
     answer, lease = None, None
     if ctx.rank == 0:
         try:
             lease, text = acquire(Path(run_dir), me)
-            answer = ("ok" if lease else "busy", text)
+            answer = ("ok" if lease else "busy", text, json.dumps(me) + "\n")  # the lock's bytes
         except OSError as e:
             answer = ("error", f"{e.filename or path}: cannot create the run directory's lock ({e.strerror}); run.dir "
-                               f"must be writable and have free space")
+                               f"must be writable and have free space", "")
         except UserError as e:
-            answer = ("error", str(e))
-    status, text = ctx.comm.bcast(answer, root=0) if ctx.comm is not None else answer
+            answer = ("error", str(e), "")
+    status, text, written = ctx.comm.bcast(answer, root=0) if ctx.comm is not None else answer
     if status == "error":
         raise UserError(text)
     if status == "busy":
@@ -283,6 +311,7 @@ def hold(run_dir, ctx):
                          f"it, or use another run.dir (a dead job's lock is taken over after "
                          f"{lease_s():.0f} s)")
     stop = threading.Event()
+    _fence = (path, written.encode())
     if lease is not None:
         if text:
             logs.warning(f"warning: run dir {run_dir}: {text}")
@@ -292,6 +321,7 @@ def hold(run_dir, ctx):
         yield
     finally:
         stop.set()
+        _fence = None
         if lease is not None:
             _held = None
             lease.release()

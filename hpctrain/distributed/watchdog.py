@@ -26,7 +26,9 @@ been inside one collective (or step phase) for longer than the stall bound (dist
 or 4 x the median step time when longer) while every peer is alive (a rank that never entered a
 collective its peers wait in), this rank writes `<run.dir>/forensics/rank_<r>.json` and publishes
 `hpctrain/stall`, so that every rank writes its file. A stall only writes files and warns; before a
-verdict ends the job every rank that can writes its file too.
+verdict ends the job every rank that can writes its file too. A rank that wakes after a newer launch
+took the run dir over (run_lock.taken_over(): a frozen node thawed while the relaunch trains) writes
+none: the files there are the newer launch's.
 
 Bound: a dead or stopped rank is named within timeout_s + 1 interval (interval = timeout_s / 10,
 clamped to [0.2, 5] s; default 8 s: ~9 s) and the job ends a grace (2 intervals + 0.5 s) later.
@@ -44,7 +46,7 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 from hpctrain import logs
-from hpctrain.distributed import beacon, flight_recorder
+from hpctrain.distributed import beacon, flight_recorder, run_lock
 from hpctrain.errors import PeerLostError  # noqa: F401 - re-exported
 
 EXIT_PEER_LOST = 3
@@ -68,6 +70,7 @@ class Watchdog:
         self._stall: str | None = None        # hpctrain/stall as last read from the store
         self._stall_seen: str | None = None   # the last hpctrain/stall value acted on
         self._written_at = -1                 # the recorder's events when our file was written
+        self._fence_told = None               # the run lock's fence as told to the beacon
         self.hosts = tuple(getattr(ctx, "hosts", ()) or ())
         self.grace = min(3.0, 2 * self.interval + 0.5)
         self._store = dist.TCPStore(ctx.master_addr, ctx.master_port, is_master=False,
@@ -168,6 +171,7 @@ class Watchdog:
                 # a deadline (the beacons decide whether rank 0 is alive)
                 if len(told) < 2 and self._beacon is not None:
                     self._announce_peers(caller, told)
+                self._tell_fence()
                 verdict = caller.call(self._store_round, self.timeout)
             except TimeoutError:
                 verdict = None
@@ -181,6 +185,14 @@ class Watchdog:
                 lost = int(verdict.split()[1]) if verdict.startswith("rank ") else None
                 self._die(verdict, lost=lost, speak_after=1)  # its publisher speaks first
             self._check_stall(caller)
+
+    def _tell_fence(self) -> None:
+        """Once the run dir's lock is held: its fingerprint to the beacon, which then writes no
+        forensics (its last resort) into a run dir a newer launch owns."""
+        held = run_lock.fence()
+        if held is not None and held != self._fence_told:
+            self._fence_told = held
+            self._tell_beacon(f"fence {held[0]} {held[1]}")
 
     def _check_stall(self, caller) -> None:
         """A stall of ours: write our file, publish it; a stall another rank published: write
@@ -210,6 +222,11 @@ class Watchdog:
                      f"{self.run_dir})")
 
     def _write_forensics(self, verdict: str, kind: str, lost: int | None = None) -> str | None:
+        newer = run_lock.taken_over()
+        if newer is not None:  # a stale rank woken after the relaunch: the run dir is not ours
+            logs.warning(f"warning: rank {self.rank}{self._on(self.rank)}: no forensics written into "
+                         f"{self.run_dir}: a newer launch owns it ({newer})")
+            return None
         try:
             record = flight_recorder.forensics(self.rank, self.world, verdict, kind, lost)
         except Exception:  # noqa: BLE001 - forensics must never stop the verdict

@@ -1,0 +1,107 @@
+"""A rank frozen past its job's relaunch writes nothing into the run dir when it wakes (issue #35).
+
+A node frozen (SIGSTOP of every process on it) is named lost and left out; the job relaunches into
+the same run dir; the node thaws while the relaunch trains and wakes its old rank, whose watchdog
+finds its launch's rendezvous store gone and dies. Before, that stale rank wrote its forensics
+(<run>/forensics/rank_1.json) over the relaunch's own. Here, without Slurm: launch A (2 ranks
+under a real mpiexec); rank 1, its beacon and the hydra proxy above it are SIGSTOPped (the proxy
+too, or it would SIGKILL the frozen rank when A ends: on the frozen node slurmd is frozen too);
+rank 0 names rank 1 lost and A ends. Launch B trains in the same run dir and writes forensics of
+its own (a stall: rank 1 skips step 3's stop vote); then A's rank 1 and its beacon are thawed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from hpctrain import step_faults
+from tests.helpers import fault_config as config
+from tests.processes import descendants, launch, rank_pid
+
+pytestmark = pytest.mark.mpi
+
+LONG = ["--train.steps=100000", "--checkpoint.interval=100000", "--train.log_interval=2",
+        "--dist.heartbeat_timeout_s=2", "--dist.stall_timeout_s=2"]
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _until(predicate, timeout: float, what: str) -> None:
+    t0 = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - t0 < timeout, what
+        time.sleep(0.2)
+
+
+def _signal(pids, sig) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _steps(run: Path) -> int:
+    m = run / "metrics.jsonl"
+    return m.read_text().count("\n") if m.exists() else 0
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_rank_woken_after_the_relaunch_leaves_the_new_forensics_alone(tmp_path, dataset):
+    cfg, run = config(tmp_path, dataset)
+    first = launch(2, cfg, *LONG, env=step_faults.env(step_sleep_s=0.1))
+    second, frozen = None, []
+    try:
+        _until(lambda: _steps(run) >= 2, 120, "launch A did not train")
+        stale = rank_pid(first.pid, 1)
+        proxy = _parent(stale)
+        frozen = [proxy, stale, *descendants(stale)]  # the proxy, rank 1 and its beacon
+        _signal(frozen, signal.SIGSTOP)
+        forensics = run / "forensics"
+        _until(lambda: (forensics / "rank_0.json").exists(), 60, "rank 0 never named rank 1")
+        a_rank0 = json.loads((forensics / "rank_0.json").read_text())
+        assert a_rank0["kind"] == "verdict" and a_rank0["lost"] == 1, a_rank0
+        _until(lambda: not _running(a_rank0["pid"]), 60, "A's rank 0 did not end")
+        first.kill()  # mpiexec (only: its process group holds the frozen rank) waits on the proxy
+        first.wait(timeout=30)
+
+        second = launch(2, cfg, *LONG, env=step_faults.env(step_sleep_s=0.2, skip_vote_rank=1,
+                                                           skip_vote_step=3, skip_vote_s=5))
+        mine = forensics / "rank_1.json"
+        _until(lambda: mine.exists() and json.loads(mine.read_text())["pid"] != stale, 120,
+               "launch B wrote no forensics")
+        time.sleep(1)  # both of B's files are written within one watchdog interval of the stall
+        before = {p.name: p.read_bytes() for p in forensics.iterdir()}
+        assert json.loads(before["rank_1.json"])["kind"] == "stall", before["rank_1.json"]
+
+        _signal(frozen[1:], signal.SIGCONT)  # rank 1 of A and its beacon wake; the proxy stays
+        _until(lambda: not _running(stale), 60, "the woken stale rank did not end")
+        time.sleep(1)
+        after = {p.name: p.read_bytes() for p in forensics.iterdir()}
+        assert after == before, {k: json.loads(v)["pid"] for k, v in after.items()}
+        assert second.poll() is None  # B trains on
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        _signal(frozen, signal.SIGKILL)
+        for proc in (first, second):
+            if proc is not None:
+                try:
+                    proc.communicate(timeout=30)
+                except (subprocess.TimeoutExpired, ValueError):
+                    pass
