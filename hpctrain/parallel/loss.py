@@ -71,9 +71,10 @@ def _vocab_shard(w: torch.Tensor):
 
 def _work_buffers(rows: int, w: torch.Tensor, dtype, need_grad: bool, compiled: bool):
     """The [chunk, vocab] work buffers, allocated once per call and reused by every chunk:
-    (fp32 logits, 16-bit logits then gradient or None, 16-bit [V, C] dW product or None).
-    The dW product is made when the chunk's fp32 logits are dead, so it lives in their bytes
-    whenever they are large enough (2 x chunk >= width; no [V, C] allocation per chunk)."""
+    (fp32 logits, 16-bit logits then gradient or None, 16-bit dW product or None).
+    The dW product is made when the chunk's fp32 logits are dead, so it lives in their bytes: the
+    whole [V, C] when it fits (2 x chunk >= width), else a [2k, C] view for k vocabulary rows at a
+    time and their fp32 upcast (`_accumulate_dw`); no [V, C] allocation per chunk or per call."""
     v, c = w.shape
     f32 = None if compiled else torch.empty(rows, v, dtype=torch.float32, device=w.device)
     if dtype == torch.float32:
@@ -81,9 +82,30 @@ def _work_buffers(rows: int, w: torch.Tensor, dtype, need_grad: bool, compiled: 
     low = None if compiled else torch.empty(rows, v, dtype=dtype, device=w.device)
     prod = None
     if need_grad:
-        prod = (f32.view(-1).view(dtype)[:v * c].view(v, c) if f32 is not None
-                and 2 * f32.numel() >= v * c else torch.empty(v, c, dtype=dtype, device=w.device))
+        flat = f32.view(-1).view(dtype) if f32 is not None else None
+        if flat is not None and flat.numel() >= v * c:
+            prod = flat[:v * c].view(v, c)
+        elif flat is not None and flat.numel() >= 4 * c:
+            prod = flat[:flat.numel() // (2 * c) * 2 * c].view(-1, c)
+        else:
+            prod = torch.empty(v, c, dtype=dtype, device=w.device)
     return f32, low, prod
+
+
+def _accumulate_dw(acc: torch.Tensor, g: torch.Tensor, hc: torch.Tensor, prod: torch.Tensor) -> None:
+    """acc += (g^T @ hc).float(): the chunk's 16-bit dW product upcast, the same bits as one
+    product. `prod` holds the whole [V, C] product (upcast in the dead `g`'s bytes) or is a
+    [2k, C] buffer: then k vocabulary rows at a time (each row's dot products are the same),
+    upcast in the buffer's second half, as `g` is still read."""
+    v = acc.shape[0]
+    if prod.shape[0] == v:
+        _add_upcast(acc, torch.mm(g.t(), hc, out=prod), g)
+        return
+    k = prod.shape[0] // 2
+    part, spare = prod[:k], prod[k:]
+    for r in range(0, v, k):
+        n = min(k, v - r)
+        _add_upcast(acc[r:r + n], torch.mm(g[:, r:r + n].t(), hc, out=part[:n]), spare)
 
 
 def _add_upcast(acc: torch.Tensor, part: torch.Tensor, spare: torch.Tensor) -> None:
@@ -184,7 +206,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_w.addmm_(g.t(), hc[s:e])
             elif need_grad:
                 grad_h[s:e] = g @ wc
-                _add_upcast(grad_w, torch.mm(g.t(), hc[s:e], out=prod), g)
+                _accumulate_dw(grad_w, g, hc[s:e], prod)
         if need_grad:
             if group is not None:
                 dist.all_reduce(grad_h, group=group)  # every vocabulary slice's share

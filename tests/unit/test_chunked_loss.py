@@ -1,5 +1,6 @@
 """train.loss_chunk: the chunked linear + cross-entropy gives the plain path's loss and gradients
 (fp32, <= 1e-6 relative) without ever holding more than one chunk's logits."""
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -165,12 +166,15 @@ def _casts_each_chunk(h, w, t, chunk):
     return loss / n, dh, dw
 
 
-def test_bf16_chunks_reuse_buffers_with_the_same_bits():
+@pytest.mark.parametrize("width", [16, 64])  # 64: the dW product is made in vocabulary blocks
+def test_bf16_chunks_reuse_buffers_with_the_same_bits(width):
     """Under bf16 autocast the chunks reuse their [chunk, V] / [V, C] buffers (allocated once per
-    call, not per chunk) and give the bits of the per-op casts: runs train bit-identically."""
+    call, not per chunk) and give the bits of the per-op casts: runs train bit-identically. Where
+    the [V, C] dW product does not fit the chunk's fp32 logits (2 x chunk < width) it is made a
+    block of vocabulary rows at a time in their bytes: no [V, C] 16-bit buffer either."""
     from torch.profiler import ProfilerActivity, profile
 
-    h, w, t = _case(seed=4, b=4, t=64, c=16, v=4099)  # 256 tokens: 16 chunks of 16
+    h, w, t = _case(seed=4, b=4, t=64, c=width, v=4099)  # 256 tokens: 16 chunks of 16
     t[0, :3] = -100
     h, w, t = h.flatten(0, 1), w, t.flatten()
     ref = _casts_each_chunk(h, w, t, 16)
@@ -184,4 +188,5 @@ def test_bf16_chunks_reuse_buffers_with_the_same_bits():
     records, _ = _bench_plan_memory().allocation_records(prof)
     big = [path for _, _, size, path in records  # the loss's, a 16-bit chunk or more, not GEMM's
            if size >= 16 * 4099 * 2 and "_ChunkedLinear" in path and not path.endswith("aten::mm")]
-    assert len(big) == 4, big  # fp32 dW, 16-bit W, 2 chunk buffers; was 3 more per chunk (52)
+    assert len(big) == 4, big  # fp32 dW, 16-bit W, 2 chunk buffers; was 3 more per chunk (52),
+    # and at width 64 one [V, C] 16-bit product buffer more (5)
