@@ -32,7 +32,8 @@ checkpoint entry. With sync.compression = "bf16" | "int8" | "int4" the replica p
 pseudo-gradient and the servers apply it, and it pulls the global model's change since its last
 pull in the same format (or sync.pull_compression's), with error feedback on the servers
 (hpctrain/sync/inbox.py; sync.defer_momentum_pull: a momentum step rides the next pull; the
-last arrival at the end of training pulls nothing): an arrival
+last arrival at the end of training pulls nothing). The end of training cuts a replica's last
+round short: that arrival applies its share alone, without a momentum step (outer.py). An arrival
 then moves 2 (bf16), ~1 (int8) or ~1/2 (int4) bytes per parameter out and as many back, instead
 of 24; nothing back when the arrival's change is the replica's own pseudo-gradient alone (outer SGD,
 or delayed Nesterov off its momentum arrivals) and the replica held every arrival before it:
@@ -183,8 +184,9 @@ class AsyncDiLoCo(AsynchronousStrategy):
         self.last_arrival = arrivals
 
     def _arrive(self, last: bool = False) -> None:
-        """End the round: push g = start - local; `last` (the end of training): compressed, pull
-        nothing back (the checkpoint takes the global model from the servers)."""
+        """End the round: push g = start - local; `last` (the end of training, a partial round):
+        applied as its share alone, no momentum step (outer.py), and compressed, pull nothing back
+        (the checkpoint takes the global model from the servers)."""
         g = self.start - flat(self.params)
         self.arrivals_since_line += 1
         if self.leader:  # this position's part of the pseudo-gradient, for the round line
@@ -192,8 +194,9 @@ class AsyncDiLoCo(AsynchronousStrategy):
         # delayed Nesterov's momentum in units of inner lr (outer.py), or plain sums (lr_scale 1)
         lr_scale = max(self.round_lr_sum / self.round_steps, 1e-12) if self.momentum_per_lr else 1.0
 
-        def apply(theta, momentum, acc, g_slice, arrival):
-            apply_arrival(self.kind, theta, momentum, acc, g_slice, arrival, **self.outer, lr_scale=lr_scale)
+        def apply(theta, momentum, acc, g_slice, arrival):  # the last, partial round: its share only
+            apply_arrival(self.kind, theta, momentum, acc, g_slice, arrival, **self.outer, lr_scale=lr_scale,
+                          final=last)
 
         t0, moved = time.perf_counter(), self.windows.bytes_moved
         if self.inbox is not None:
@@ -233,7 +236,7 @@ class AsyncDiLoCo(AsynchronousStrategy):
         """Post the encoded pseudo-gradient, pull the change once applied; (arrival, theta, bytes
         pushed). `last`: no pull, theta = my weights (on resume, my view: nothing counted twice)."""
         arrival = self._from_leader(self.windows.count_arrival() if self.leader else None)
-        pushed = self.inbox.post(self.replica, arrival, g, lr_scale)
+        pushed = self.inbox.post(self.replica, arrival, g, lr_scale, final=last)
         if last:
             self.inbox.wait_applied(arrival)
             self.windows.bytes_moved += pushed
@@ -247,9 +250,9 @@ class AsyncDiLoCo(AsynchronousStrategy):
         if self.inbox is None or self.trains:
             return
 
-        def apply(g_slice, arrival, lr_scale):
+        def apply(g_slice, arrival, lr_scale, final):
             self.windows.apply_here(lambda theta, momentum, acc: apply_arrival(
-                self.kind, theta, momentum, acc, g_slice, arrival, **self.outer, lr_scale=lr_scale))
+                self.kind, theta, momentum, acc, g_slice, arrival, **self.outer, lr_scale=lr_scale, final=final))
 
         def theta() -> np.ndarray:
             out = []

@@ -110,9 +110,10 @@ class ArrivalInbox:
             self.comm.Recv(self.views[r], source=r, tag=36)
 
     # ---- replica side ---------------------------------------------------------------------------
-    def post(self, replica: int, arrival: int, g: np.ndarray, lr_scale: float) -> int:
+    def post(self, replica: int, arrival: int, g: np.ndarray, lr_scale: float, final: bool = False) -> int:
         """Put pseudo-gradient `g` (flat fp32, this rank's part) encoded into slot `replica` of
-        every server, then publish `arrival`; bytes sent."""
+        every server, then publish `arrival`; bytes sent. `final` (the end of training's partial
+        round) travels as the sign of the lr_scale word (lr_scale > 0)."""
         sent, decoded = 0, []
         for s, (server, (lo, hi)) in enumerate(zip(self.servers, self.bounds)):
             codec = self.codecs[s]
@@ -121,7 +122,8 @@ class ArrivalInbox:
             payload = torch.cat(codec.encode(padded)).numpy()
             if self.own_change is not None:  # what the server will decode, bit for bit
                 decoded.append(codec.decode(codec.split(torch.from_numpy(payload)))[:hi - lo].numpy())
-            words = np.array([arrival, np.float64(lr_scale).view(np.int64)], dtype=np.int64)
+            scale = -lr_scale if final else lr_scale
+            words = np.array([arrival, np.float64(scale).view(np.int64)], dtype=np.int64)
             self.slots.Lock(server, MPI.LOCK_SHARED)
             self.slots.Put([payload, MPI.BYTE], server, target=(replica * self.slot_bytes[s], payload.size, MPI.BYTE))
             self.slots.Unlock(server)  # the payload is in the server's memory before the header says so
@@ -218,7 +220,7 @@ class ArrivalInbox:
 
     def serve(self, apply, theta) -> int:
         """Server: apply every posted arrival that is next in order, answer the pulls asked at an
-        applied arrival; how many arrivals were applied. `apply(g_slice, arrival, lr_scale)`
+        applied arrival; how many arrivals were applied. `apply(g_slice, arrival, lr_scale, final)`
         updates this server's memory (the caller locks it); `theta()` a copy of its theta slice."""
         done = 0
         while True:
@@ -231,7 +233,7 @@ class ArrivalInbox:
             replica = int(ready[0])
             lr_scale = float(header[2 + 2 * replica:3 + 2 * replica].view(np.float64)[0])
             g = self._decode(replica)
-            apply(g, self.next_arrival, lr_scale)
+            apply(g, self.next_arrival, abs(lr_scale), lr_scale < 0)  # < 0: final (post)
             self._follow_own_change(replica, g)
             me, word = self.comm.rank, np.array([self.next_arrival], dtype=np.int64)
             self.header.Lock(me, MPI.LOCK_SHARED)

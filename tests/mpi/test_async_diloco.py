@@ -1,5 +1,6 @@
 """Asynchronous Local-SGD (sync.mode = "async_diloco") under a real mpiexec: replicas + 1 server."""
 from pathlib import Path
+from statistics import median
 
 import pytest
 
@@ -200,9 +201,13 @@ def test_a_2x_slower_replica_takes_half_the_local_steps_and_every_batch_once(tmp
     slow_steps = [rec["step"] for rec in slow if "loss" in rec]
     assert sorted(fast_steps + slow_steps) == list(range(1, 61))  # each batch once, none lost
     assert len(fast_steps) > len(slow_steps)
+    # DyLU plans round(8 x fastest step time / mine) from each round's mean step time: 4 for a 2x
+    # slower replica, 8 for the fastest. A round's mean on a loaded 2-core machine can be off by
+    # up to 2x (measured: the slow replica planned [2, 4, 4, 8, 5] when one fast round ran as slow
+    # as its own), so single rounds are not bounded, their median is (fixed steps: all 8)
     planned = [rec["next_local_steps"] for rec in slow if "next_local_steps" in rec]
-    assert planned and all(2 <= n <= 6 for n in planned[1:]), planned  # ~8 / 2
-    assert all(rec["next_local_steps"] >= 6 for rec in fast if "next_local_steps" in rec)
+    assert len(planned) >= 3 and 3 <= median(planned[1:]) <= 5, planned  # ~8 / 2
+    assert median([rec["next_local_steps"] for rec in fast if "next_local_steps" in rec]) >= 7
     others = [rec["staleness"] + rec["caught_up"] for rec in fast + slow if "arrival" in rec]
     assert max(others) >= 1  # the other replica's arrivals in between: asynchronous
     late = [rec["loss"] for rec in fast + slow if rec.get("step", 0) > 50 and "loss" in rec]
@@ -216,14 +221,20 @@ def test_a_replica_adds_the_others_arrivals_to_its_weights_mid_round(tmp_path, d
     replica sees the others' arrivals either added to its weights at a step (caught_up) or not
     (staleness), never both and never lost: caught_up + staleness = the others' arrivals in
     between, on every record. With sync.catch_up the slow replica adds the fast one's arrivals
-    mid-round; without, it never does."""
+    mid-round; without, it never does. 50 steps = 4k + 2: whatever the timing, at least one
+    replica's last round is cut short by the end of training (its arrival applies its share
+    alone: test_the_last_partial_round_...). The final val bound: 3.41-3.56 in 7 of 8 runs at load
+    12, 4.04 once (the global model caught right after a full round's momentum step, as in
+    test_delayed_nesterov_at_equal_speeds...); with the partial round's momentum step (before the
+    fix) 3.42-3.61 and 3.77, 4.28, 7.69."""
     cfg, run = write_config(tmp_path, dataset, f"catch_up_{catch_up}")
-    r = train(3, cfg, *ASYNC, "--sync.inner_steps=4", "--train.steps=48", "--checkpoint.interval=100",
+    r = train(3, cfg, *ASYNC, "--sync.inner_steps=4", "--train.steps=50", "--checkpoint.interval=100",
               "--train.eval_interval=0", f"--sync.catch_up={catch_up}", env=SLOW_RANK_1)
     assert ("catch-up" in r.stderr) == (catch_up == "true")
-    seen = {}
+    seen, last_rounds = {}, []
     for replica in (0, 1):
         arrivals = [rec for rec in records(run, replica) if "arrival" in rec]
+        last_rounds.append(arrivals[-1]["local_steps"])
         previous = [0] + [rec["arrival"] for rec in arrivals[:-1]]
         for rec, before in zip(arrivals, previous):
             assert rec["caught_up"] + rec["staleness"] == rec["arrival"] - before - 1, rec
@@ -232,8 +243,42 @@ def test_a_replica_adds_the_others_arrivals_to_its_weights_mid_round(tmp_path, d
         assert seen[1] >= 2, seen  # the fast replica arrives ~twice per slow round
     else:
         assert seen == {0: 0, 1: 0}
-    assert losses(run, "val_loss")[48] < 3.9  # the global model learns (from ~5.5)
+    assert min(last_rounds) < 4, last_rounds  # a partial last round (4k + 2 steps in all)
+    assert losses(run, "val_loss")[50] < 4.2  # the global model learns (from ~5.5)
 
+
+def checkpoint_tensors(ckpt, names) -> dict:
+    """{name: tensor} of the checkpoint's entries `names` (e.g. "sync.outer.momentum", "model.x")."""
+    import torch
+
+    from hpctrain.checkpoint import CheckpointManager
+    from hpctrain.checkpoint.safe_load import read_metadata
+
+    md = read_metadata(Path(ckpt) / ".metadata").state_dict_metadata
+    state = {name: torch.empty(tuple(md[name].size), dtype=md[name].properties.dtype) for name in names}
+    CheckpointManager(Path(ckpt).parent, keep=1, rank=0, world_size=1).load(ckpt, state)
+    return state
+
+
+def test_the_last_partial_round_adds_its_work_without_a_momentum_step(tmp_path, dataset):
+    """1 replica + 1 server (no timing in it), H = 4, delayed Nesterov (N = 1: every full arrival
+    takes a momentum step), 10 steps: rounds end at 4 and 8 (checkpoint), then the end of training
+    cuts the last round to 2 steps. That arrival applies its share alone (outer.py, `final`): the
+    global model moves by the 2 steps' work, momentum and accumulator stay as at step 8. Before, it
+    took the momentum step of the full rounds too (momentum changed; on 2 replicas the final
+    held-out loss went from ~3.45 to up to 7.7: test_a_replica_adds_the_others_arrivals...)."""
+    from torch import equal
+
+    cfg, run = write_config(tmp_path, dataset, "partial")
+    train(2, cfg, *ASYNC, "--sync.inner_steps=4", "--train.steps=10", "--checkpoint.interval=8",
+          "--checkpoint.keep=2", "--train.eval_interval=0")
+    assert [rec["local_steps"] for rec in records(run) if "arrival" in rec] == [4, 4, 2]
+    names = ["sync.outer.momentum", "sync.outer.acc", "model.tok_emb.weight"]
+    at = {step: checkpoint_tensors(run / "checkpoints" / f"step_{step:08d}", names) for step in (8, 10)}
+    assert at[8]["sync.outer.momentum"].abs().max() > 0  # full rounds took momentum steps
+    assert equal(at[8]["sync.outer.momentum"], at[10]["sync.outer.momentum"])
+    assert equal(at[8]["sync.outer.acc"], at[10]["sync.outer.acc"])
+    assert not equal(at[8]["model.tok_emb.weight"], at[10]["model.tok_emb.weight"])  # the work is in
 
 def test_usr1_to_one_replica_stops_every_rank_then_resumes(tmp_path, two_plays):
     """USR1 to replica 1 only: both replicas and the server stop at one step with a checkpoint

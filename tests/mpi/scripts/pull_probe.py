@@ -52,7 +52,7 @@ def run(comm, kind: str, outdir: str) -> None:
             before = inbox.views.copy()
             done = comm.Ibarrier()
 
-            def apply(g_slice, arrival, lr_scale):
+            def apply(g_slice, arrival, lr_scale, final):  # final: never here (no end of training)
                 # with a decay, so the change is not on the push's quantization grid
                 theta[:] = theta * np.float32(0.999) - g_slice
 
