@@ -82,7 +82,7 @@ def train(name: str, extra: list[str], args, tmp: Path) -> dict:
            "--dist.heartbeat_timeout_s=0", f"--train.seed={args.seed}", *extra]
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", HPCTRAIN_TENSORBOARD="0")
     t0 = time.perf_counter()
-    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
+    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env, cwd=ROOT, timeout=5400)
     if r.returncode:
         sys.exit(f"{name} failed:\n{r.stderr[-3000:]}")
     recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]

@@ -168,6 +168,9 @@ def _validate_sync(s: SyncConfig, p: ParallelConfig) -> None:
     _check(s.inner_steps >= 1, "sync.inner_steps", "must be >= 1")
     _check(s.outer_lr > 0, "sync.outer_lr", "must be > 0")
     _check(0.0 <= s.outer_momentum < 1.0, "sync.outer_momentum", "must be in [0, 1)")
+    _check(s.outer_final_lr >= 0, "sync.outer_final_lr", "must be >= 0 (0 = a constant outer lr)")
+    _check(not s.outer_final_lr or s.mode == "diloco", "sync.outer_final_lr",
+           f"decays DiLoCo's outer lr: use sync.mode = 'diloco' (not '{s.mode}') or leave it 0")
     _check(1 <= s.fragments <= s.inner_steps, "sync.fragments", "must be in [1, sync.inner_steps]")
     _check(s.int8_block >= 0, "sync.int8_block", "must be >= 0")
     _check(s.ps_servers >= 1, "sync.ps_servers", "must be >= 1")

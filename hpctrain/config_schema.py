@@ -296,6 +296,10 @@ class SyncConfig:
         "help": "diloco: local optimizer steps per round (H). The paper uses 500 at scale; 16 keeps "
                 "runs of ~10^3 steps within ~1-2% of DDP (16x fewer bytes; 63x with int8)"})
     outer_lr: float = field(default=0.7, metadata={"help": "diloco: outer SGD learning rate (paper: 0.7)"})
+    outer_final_lr: float = field(default=0.0, metadata={
+        "help": "diloco: > 0: the outer lr goes from sync.outer_lr to this by a cosine over "
+                "train.steps, as the inner lr does (below it: decays; above: rises as the "
+                "pseudo-gradients shrink; docs/benchmarks.md); 0 = a constant sync.outer_lr"})
     outer_momentum: float = field(default=0.5, metadata={
         "help": "diloco: outer Nesterov momentum (paper: 0.9 over hundreds of rounds; 0.5 is best "
                 "measured for tens of rounds; 0 = plain SGD)"})

@@ -10,6 +10,7 @@ Round of fragment f (parameters P_f), every H inner steps at its offset f * H //
     delta    = start - local                     (pseudo-gradient: what the replica moved)
     avg      = mean over replicas of delta       (compress.average, fp32 | bf16 | int8 on the wire)
     m        = mu * m + avg;  anchor -= lr * (avg + mu * m)     (Nesterov; mu = 0: plain SGD)
+    lr       = sync.outer_lr, or with sync.outer_final_lr a cosine to it over train.steps (outer_lr_at)
     local    = start = anchor                    (every replica starts the next round equal)
 With sync.overlap, `avg` of round k is computed in a background thread on its own process group
 (on GPUs a gloo group over host copies: no NCCL from a second thread, `averages_on_host`)
@@ -30,6 +31,7 @@ and every replica ends equal to it.
 """
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -87,6 +89,16 @@ def _dp_group(mesh: Mesh, backend: str | None = None):
     return mine
 
 
+def outer_lr_at(cfg: SyncConfig, step: int, total_steps: int) -> float:
+    """The outer lr of a round ending after inner step `step`: sync.outer_lr, or with
+    sync.outer_final_lr > 0 a cosine from sync.outer_lr (step 0) to it (step total_steps), as the
+    inner lr decays: a constant outer lr amplified the late rounds' noise (docs/benchmarks.md)."""
+    if not cfg.outer_final_lr:
+        return cfg.outer_lr
+    progress = min(1.0, step / max(1, total_steps))
+    return cfg.outer_final_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.outer_lr - cfg.outer_final_lr)
+
+
 class DiLoCo(SyncStrategy):
     """The sync strategy of sync.mode = "diloco" (hooks: hpctrain/sync/strategy.py)."""
     mode = "diloco"
@@ -117,6 +129,7 @@ class DiLoCo(SyncStrategy):
         self.bytes_sent = 0  # by this rank, cumulative (restored on resume)
         self.syncs = 0
         self.is_main = mesh.rank == 0  # measures what its round line says
+        self.step = 0  # inner steps done (after_step): the outer lr's schedule
         self.round_log: dict = {}  # since the last round line: the last norm, the summed waits
         self.logged_step = 0
         self._from_synchronous = False  # before_load: the checkpoint was written with sync.mode='sync'
@@ -130,7 +143,7 @@ class DiLoCo(SyncStrategy):
 
     def after_step(self, step: int) -> None:
         """Ends a round (average + outer step) for each fragment due after inner step `step`."""
-        final = step >= self.total_steps
+        self.step, final = step, step >= self.total_steps
         if final:  # the last rounds average on this thread: no average may still be running on the
             for f in range(len(self.fragments)):  # pool's thread over the same group (gloo would
                 self._resolve(f)  # match the two threads' collectives differently on each rank)
@@ -182,7 +195,8 @@ class DiLoCo(SyncStrategy):
     def describe(self) -> str:
         c = self.cfg
         outer = f"nesterov m={c.outer_momentum:g}" if c.outer_momentum else "sgd"
-        return (f", sync diloco H={c.inner_steps} outer={outer} lr={c.outer_lr:g} "
+        return (f", sync diloco H={c.inner_steps} outer={outer} lr={c.outer_lr:g}"
+                f"{f' cosine to {c.outer_final_lr:g}' if c.outer_final_lr else ''} "
                 f"compression={c.compression} overlap={'on' if c.overlap else 'off'} "
                 f"fragments={len(self.fragments)} replicas={self.replicas}")
 
@@ -208,15 +222,18 @@ class DiLoCo(SyncStrategy):
         shapes = [_local(self.params[i]) for i in idx]
         return [v.view_as(s) for v, s in zip(flat.split([s.numel() for s in shapes]), shapes)]
 
+    def outer_lr(self) -> float:
+        return outer_lr_at(self.cfg, self.step, self.total_steps)
+
     def _outer_step_value(self, i: int, g: torch.Tensor) -> torch.Tensor:
         """anchor_i after an outer step with pseudo-gradient g, without changing any state."""
-        lr, mu = self.cfg.outer_lr, self.cfg.outer_momentum
+        lr, mu = self.outer_lr(), self.cfg.outer_momentum
         a, m = _local(self.anchor[i]), _local(self.momentum[i])
         g = g.to(a.device, a.dtype)
         return a - lr * (g + mu * (mu * m + g)) if mu else a - lr * g
 
     def _outer_step(self, idx: list[int], grads: list[torch.Tensor]) -> None:
-        lr, mu = self.cfg.outer_lr, self.cfg.outer_momentum
+        lr, mu = self.outer_lr(), self.cfg.outer_momentum
         for i, g in zip(idx, grads):
             a, m = _local(self.anchor[i]), _local(self.momentum[i])
             g = g.to(a.device, a.dtype)

@@ -1,7 +1,7 @@
 """Streaming DiLoCo (sync.streaming = true) under a real mpiexec on the tiny 2-block GPT: one
 fragment is plain DiLoCo bit for bit; with 2 fragments each syncs every H steps at its own offset
 (one at a time), overlapped and int4 with error feedback, it learns like DiLoCo (int4 vs int8), and
-resumes bit-exactly while a fragment's average is in flight (residuals included)."""
+resumes bit-exactly while a fragment's average is in flight (residuals and outer lr cosine included)."""
 import json
 
 import pytest
@@ -36,11 +36,13 @@ def test_one_fragment_is_plain_diloco(tmp_path, dataset):
 
 
 def test_staggered_fragments_and_exact_resume_in_flight(tmp_path, dataset):
-    """int4 with error feedback: the residuals are replica state, checkpointed and restored."""
-    common = [*STREAM, "--sync.compression=int4", "--sync.error_feedback=true", "--train.steps=20"]
+    """int4 with error feedback: the residuals are replica state, checkpointed and restored; the
+    outer lr's cosine (sync.outer_final_lr) follows the step, no state of its own."""
+    common = [*STREAM, "--sync.outer_final_lr=0.2", "--sync.compression=int4",
+              "--sync.error_feedback=true", "--train.steps=20"]
     cfg_a, run_a = write_config(tmp_path, dataset, "straight")
     cfg_b, run_b = write_config(tmp_path, dataset, "resumed")
-    train(2, cfg_a, *common)
+    assert "lr=0.7 cosine to 0.2 " in train(2, cfg_a, *common).stderr
     recs = records(run_a)
     synced = {s: rec["synced_fragments"] for s, rec in recs.items() if "synced_fragments" in rec}
     # fragment 0 (embeddings + block 0) at steps 4k, fragment 1 (block 1 + head) at 4k + 2; the

@@ -78,6 +78,9 @@ def test_roundtrip_escapes_strings(toml, tmp_path, run_dir):
     (["--sync.mode=diloco", "--sync.compression=int4", "--sync.error_feedback=true"],
      "sync.error_feedback"),  # plain DiLoCo: residuals are Streaming DiLoCo's
     (["--sync.outer_momentum=1.0"], "sync.outer_momentum"),
+    (["--sync.mode=diloco", "--sync.outer_final_lr=-0.1"], "sync.outer_final_lr"),
+    (["--sync.mode=async_diloco", "--sync.outer_final_lr=0.3"], "sync.outer_final_lr"),  # ignored there
+    (["--sync.outer_final_lr=0.3"], "sync.outer_final_lr"),  # sync.mode = 'sync': no outer step
     (["--train.nesterov=true"], "train.nesterov"),  # AdamW: no such momentum
     (["--sync.momentum_per_lr=true"], "sync.momentum_per_lr"),  # not async_diloco
     (["--sync.mode=async_diloco", "--sync.pull_compression=int4"], "sync.pull_compression"),  # no compression
