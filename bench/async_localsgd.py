@@ -22,7 +22,8 @@ same held-out windows, giving validation loss against wall time (from launch to 
 commit). Prints the final loss, the wall time, the bytes rank 0 moved for synchronization
 (`comm_bytes`), and the wall time at which each mode first reaches
 synchronous DiLoCo's final loss; then the equal-speed check (sync DiLoCo vs async DN+DyLU at slow 1);
-last, async DN+DyLU's bytes per token over sync DiLoCo's, both as rank 0's bytes sent + received
+last, async DN+DyLU's bytes per token over sync DiLoCo's, both as rank 0's bytes sent + received,
+per token of the whole run and per token rank 0 itself trained
 (sync DiLoCo's comm_bytes counts the sent half of its symmetric average; with --compression the
 asynchronous modes pull the global model's change in that format too, or in --pull-compression's
 (sync.pull_compression), and skip the pull of an arrival whose change is their own; with
@@ -102,6 +103,7 @@ def train(name: str, ranks: int, extra: list[str], args, tmp: Path, slow: float)
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     arrivals = [r for r in recs if "pushed_bytes" in r]  # rank 0's (replica 0's) arrivals
     return {"run": run, "t0": t0, "wall_s": wall, "moved": max((r.get("comm_bytes", 0) for r in recs), default=0),
+            "batches": sum("loss" in r for r in recs),  # rank 0's: every step (sync), its claims (async)
             "arrivals": len(arrivals), "pushed": sum(r["pushed_bytes"] for r in arrivals),
             "pulled": sum(r["pulled_bytes"] for r in arrivals)}
 
@@ -236,6 +238,10 @@ def main() -> None:
         mine = res["pushed"] + res["pulled"] if res["arrivals"] else moved["async DN+DyLU"]
         print(f"async DN+DyLU bytes per token / sync DiLoCo: "
               f"{mine / (2 * moved['sync DiLoCo']):.2f}x (sent + received by rank 0)")
+        # per token rank 0 itself trained (the fast replica trains ~2/3 of them, a sync rank 1/2)
+        per_own = (mine / res["batches"]) / (2 * moved["sync DiLoCo"] / split["sync DiLoCo"]["batches"])
+        print(f"async DN+DyLU bytes per token rank 0 trained / sync DiLoCo: {per_own:.2f}x "
+              f"({res['batches']} vs {split['sync DiLoCo']['batches']} batches of 8 sequences)")
 
 
 if __name__ == "__main__":
