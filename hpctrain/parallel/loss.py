@@ -171,13 +171,18 @@ def _fused_chunk(hc, wc, t, weight):
     return loss_sum, probs.to(hc.dtype)
 
 
-_COMPILED_CHUNK = []  # [torch.compile(_fused_chunk)], made on first use
+def _fused_add_upcast(acc: torch.Tensor, part: torch.Tensor) -> None:
+    """acc += part.float() in one pass (compiled: no fp32 copy of `part`; the same bits)."""
+    acc.add_(part.float())
 
 
-def _compiled_chunk():
-    if not _COMPILED_CHUNK:
-        _COMPILED_CHUNK.append(torch.compile(_fused_chunk))
-    return _COMPILED_CHUNK[0]
+_COMPILED = {}  # function -> torch.compile(function), made on first use
+
+
+def _compiled(fn):
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn)
+    return _COMPILED[fn]
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -196,7 +201,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for s in range(0, h.shape[0], chunk):
             e = min(s + chunk, h.shape[0])
             if compiled:
-                part, g = _compiled_chunk()(hc[s:e], wc, targets[s:e], weight[s:e])
+                part, g = _compiled(_fused_chunk)(hc[s:e], wc, targets[s:e], weight[s:e])
             else:
                 part, g = _chunk_loss_and_grad(hc[s:e], wc, targets[s:e], offset, group,
                                                weight[s:e] if need_grad else None, f32, low)
@@ -206,7 +211,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_w.addmm_(g.t(), hc[s:e])
             elif need_grad:
                 grad_h[s:e] = g @ wc
-                _accumulate_dw(grad_w, g, hc[s:e], prod)
+                if compiled:  # the [V, C] product upcast and added in one compiled pass
+                    _compiled(_fused_add_upcast)(grad_w, torch.mm(g.t(), hc[s:e], out=prod))
+                else:
+                    _accumulate_dw(grad_w, g, hc[s:e], prod)
         if need_grad:
             if group is not None:
                 dist.all_reduce(grad_h, group=group)  # every vocabulary slice's share

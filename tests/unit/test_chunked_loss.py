@@ -127,6 +127,19 @@ def test_compiled_chunks_match_the_plain_loss_and_grads():
     assert got[1][1, 3:9].abs().max().item() == 0.0
 
 
+def test_compiled_dw_upcast_add_keeps_the_bits():
+    """train.compile adds each chunk's 16-bit [V, C] dW product into the fp32 dW in one compiled
+    pass (_fused_add_upcast): the bits of the eager two-pass upcast-add it replaces."""
+    from hpctrain.parallel.loss import _add_upcast, _compiled, _fused_add_upcast
+
+    g = torch.Generator().manual_seed(5)
+    acc, part = torch.randn(257, 16, generator=g), torch.randn(257, 16, generator=g).bfloat16()
+    eager, fused = acc.clone(), acc.clone()
+    _add_upcast(eager, part, torch.empty(8, 16, dtype=torch.bfloat16))
+    _compiled(_fused_add_upcast)(fused, part)
+    assert torch.equal(fused, eager) and not torch.equal(fused, acc)
+
+
 def test_compile_regions_compiles_each_block_in_place():
     """Regional compile: parameter names unchanged, every block's forward compiled, the chunked
     head told to compile its chunks, and the model's output that of eager (<= 1e-5)."""
