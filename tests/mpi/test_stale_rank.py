@@ -61,6 +61,34 @@ def _parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
+def _record(path: Path) -> dict:
+    """A forensics file's record; {} while it is absent or being written."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _b_wrote_both(forensics: Path, a_pids: set[int]) -> bool:
+    """Both forensics files are launch B's."""
+    pids = [_record(forensics / f"rank_{r}.json").get("pid") for r in (0, 1)]
+    return all(pid is not None and pid not in a_pids for pid in pids)
+
+
+def _settled(forensics: Path, quiet_s: float = 3.0, timeout: float = 60) -> dict[str, bytes]:
+    """The forensics folder's files once none has changed for `quiet_s` seconds."""
+    t0 = time.monotonic()
+    last, since = None, time.monotonic()
+    while True:
+        now = {p.name: p.read_bytes() for p in forensics.iterdir()}
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return now
+        assert time.monotonic() - t0 < timeout, "launch B's forensics kept changing"
+        time.sleep(0.2)
+
+
 def test_a_rank_woken_after_the_relaunch_leaves_the_new_forensics_alone(tmp_path, dataset):
     cfg, run = config(tmp_path, dataset)
     first = launch(2, cfg, *LONG, env=step_faults.env(step_sleep_s=0.1))
@@ -72,8 +100,10 @@ def test_a_rank_woken_after_the_relaunch_leaves_the_new_forensics_alone(tmp_path
         frozen = [proxy, stale, *descendants(stale)]  # the proxy, rank 1 and its beacon
         _signal(frozen, signal.SIGSTOP)
         forensics = run / "forensics"
-        _until(lambda: (forensics / "rank_0.json").exists(), 60, "rank 0 never named rank 1")
-        a_rank0 = json.loads((forensics / "rank_0.json").read_text())
+        # (a stall record may come first: stall and heartbeat bounds are both 2 s here)
+        _until(lambda: _record(forensics / "rank_0.json").get("kind") == "verdict", 60,
+               "rank 0 never named rank 1")
+        a_rank0 = _record(forensics / "rank_0.json")
         assert a_rank0["kind"] == "verdict" and a_rank0["lost"] == 1, a_rank0
         _until(lambda: not _running(a_rank0["pid"]), 60, "A's rank 0 did not end")
         first.kill()  # mpiexec (only: its process group holds the frozen rank) waits on the proxy
@@ -81,11 +111,9 @@ def test_a_rank_woken_after_the_relaunch_leaves_the_new_forensics_alone(tmp_path
 
         second = launch(2, cfg, *LONG, env=step_faults.env(step_sleep_s=0.2, skip_vote_rank=1,
                                                            skip_vote_step=3, skip_vote_s=5))
-        mine = forensics / "rank_1.json"
-        _until(lambda: mine.exists() and json.loads(mine.read_text())["pid"] != stale, 120,
-               "launch B wrote no forensics")
-        time.sleep(1)  # both of B's files are written within one watchdog interval of the stall
-        before = {p.name: p.read_bytes() for p in forensics.iterdir()}
+        a_pids = {stale, a_rank0["pid"]}
+        _until(lambda: _b_wrote_both(forensics, a_pids), 120, "launch B wrote no forensics")
+        before = _settled(forensics)  # B's watchdogs may write again under load: wait for quiet
         assert json.loads(before["rank_1.json"])["kind"] == "stall", before["rank_1.json"]
 
         _signal(frozen[1:], signal.SIGCONT)  # rank 1 of A and its beacon wake; the proxy stays
