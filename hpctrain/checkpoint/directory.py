@@ -155,7 +155,7 @@ def prune(root: Path, keep: int) -> list[Path]:
     doomed += [p for s, k, p in entries if k == "aside" and s in intact_steps]
     for p in doomed:
         try:
-            if p.name.endswith((".tmp", ".deleting")):
+            if parse_dir_name(p.name)[1] in ("tmp", "trash"):
                 shutil.rmtree(p)
             else:
                 remove_checkpoint(p)

@@ -1,6 +1,6 @@
 """What a checkpoint looks like on disk, and whether one is intact. No collectives, no torch.distributed.
 
-Owns: directory names (`step_00000020`, and `.tmp` / `.old` / `.deleting` variants), the commit marker
+Owns: directory names (`step_00000020`, and `.tmp[-<launch id>]` / `.old` / `.deleting` variants), the commit marker
 (COMMIT.json: every file with its size, sha256 of the small files, xxh3-128 of the data files by default), durable
 writes (write + flush + fsync, directory fsync), verification of one checkpoint, and reading its JSON
 state. Every function here runs on ONE process (rank 0 in a job, or a user's shell). What happens to
@@ -34,7 +34,7 @@ DCP_METADATA_FILE = ".metadata"
 # Always checksummed (small); *.distcp files only with full checksums.
 SMALL_FILES = (TRAINER_STATE_FILE, NONTENSOR_FILE, DCP_METADATA_FILE)
 
-_NAME_RE = re.compile(r"^step_(\d+)(\.tmp|\.old|\.deleting)?$")
+_NAME_RE = re.compile(r"^step_(\d+)(\.tmp(?:-[0-9a-f]+)?|\.old|\.deleting)?$")
 _KINDS = {None: "checkpoint", ".tmp": "tmp", ".old": "aside", ".deleting": "trash"}
 _HASH_CHUNK = 1 << 20
 
@@ -109,13 +109,17 @@ def step_dir_name(step: int) -> str:
 
 def parse_dir_name(name: str) -> tuple[int, str] | None:
     """`step_00000020` -> (20, "checkpoint"); `.tmp` -> "tmp" (a save in progress or interrupted);
-    `.old` -> "aside" (the previous copy during a re-save); `.deleting` -> "trash"; else None."""
+    `.old` -> "aside" (the previous copy during a re-save); `.deleting` -> "trash"; else None.
+    A launch's own tmp dir, `.tmp-<launch id>`, is "tmp" too."""
     m = _NAME_RE.match(name)
-    return (int(m.group(1)), _KINDS[m.group(2)]) if m else None
+    return (int(m.group(1)), _KINDS[(m.group(2) or "").split("-")[0] or None]) if m else None
 
 
-def tmp_path(final: Path) -> Path:
-    return final.with_name(final.name + ".tmp")
+def tmp_path(final: Path, launch: str | None = None) -> Path:
+    """`step_N.tmp`, or `step_N.tmp-<launch>`: a launch's own (run_lock.launch_id()), so that a rank
+    of an older launch frozen past the relaunch can never write into the newer one's save of the
+    same step."""
+    return final.with_name(final.name + ".tmp" + (f"-{launch}" if launch else ""))
 
 
 def aside_path(final: Path) -> Path:

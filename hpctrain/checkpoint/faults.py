@@ -11,7 +11,8 @@ an intact, committed checkpoint. Unset (production), `hit()` is a cached lookup 
 NAME is a point below (points inside DCP's file writes are `open:`, `write:` or `closed:` followed
 by the file name, e.g. `write:__1_0.distcp`, `closed:.metadata.tmp`); COUNT: act on the COUNT-th time
 this process reaches it (default 1); RANK: only on this global rank (default: every rank);
-ACTION: `kill` (default) or `enospc` (raise OSError(ENOSPC) naming the file being written).
+ACTION: `kill` (default), `enospc` (raise OSError(ENOSPC) naming the file being written) or `stop`
+(SIGSTOP: the rank freezes there, as on a suspended node, until a test sends SIGCONT).
 
 It must never be armed by anything but that environment variable, and never catch what it raises.
 A malformed point is a one-line error naming the variable.
@@ -77,8 +78,8 @@ def _parse_point(raw: str) -> tuple[str, int, int | None, str]:
     action = parts[3] if len(parts) > 3 else "kill"
     if name not in POINTS and name.split(":")[0] not in FILE_EVENTS:
         raise ConfigError(f"{where}: unknown fault point {name!r}")
-    if action not in ("kill", "enospc"):
-        raise ConfigError(f"{where}: action must be kill or enospc")
+    if action not in ("kill", "enospc", "stop"):
+        raise ConfigError(f"{where}: action must be kill, enospc or stop")
     return name, count, rank, action
 
 
@@ -99,7 +100,7 @@ def hit(name: str, path: str | os.PathLike | None = None) -> None:
         return
     if spec[3] == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path or name))
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGSTOP if spec[3] == "stop" else signal.SIGKILL)
 
 
 def file_point(event: str, path) -> None:

@@ -46,7 +46,7 @@ from hpctrain.checkpoint.node_layout import NodeLayoutWriter, make_node_group
 from hpctrain.checkpoint.verify import ShareVerifier
 from hpctrain.checkpoint.state import check_json, json_part, merge_values, overlay, split_state
 from hpctrain.distributed.flight_recorder import RECORDER
-from hpctrain.distributed.run_lock import assert_held
+from hpctrain.distributed.run_lock import assert_held, launch_id, stop_if_taken_over
 
 log = logs.get_logger(__name__)
 
@@ -275,7 +275,8 @@ class CheckpointManager:
         step_N.tmp; agree before anyone writes."""
         faults.hit("save.begin")
         final = self.root / disk_format.step_dir_name(step if isinstance(step, int) else 0)
-        job = _Job(step, final, disk_format.tmp_path(final), f"checkpoint save to {final}", json_state)
+        job = _Job(step, final, disk_format.tmp_path(final, launch_id()),  # this launch's own
+                   f"checkpoint save to {final}", json_state)
         err = None
         try:
             if not isinstance(step, int) or step < 0:
@@ -351,8 +352,10 @@ class CheckpointManager:
                 # whose storage_data torch 2.11 left None (seen on an H200)
                 hashes = {f: d for f, d in fs.digests().items() if f.endswith(".distcp")}
             if self.rank == 0:
+                stop_if_taken_over(tmp / disk_format.TRAINER_STATE_FILE)
                 disk_format.write_json_durably(tmp / disk_format.TRAINER_STATE_FILE, job.json_state)
                 faults.hit("save.trainer_state")
+                stop_if_taken_over(tmp / disk_format.NONTENSOR_FILE)
                 disk_format.write_bytes_durably(tmp / disk_format.NONTENSOR_FILE, job.values_json.encode())
                 faults.hit("save.nontensor")
             return None, hashes
@@ -370,6 +373,7 @@ class CheckpointManager:
                 faults.hit("commit.marker_written")
                 disk_format.fsync_dir(job.tmp)
                 faults.hit("commit.before_rename")
+                stop_if_taken_over(job.final)  # before the renames
                 directory.install(job.tmp, job.final)
                 faults.hit("commit.done")
             except Exception as e:  # noqa: BLE001

@@ -17,7 +17,10 @@ that the lock is another job's: `assert_held()` (called by the renewal thread, b
 write and before a checkpoint's tmp dir, commit and retention) then ends the whole job at once with
 one line naming the lock and its new holder, before it writes anything more. Every rank keeps the
 lock's bytes as rank 0 wrote them (the fence): `taken_over()` tells a rank of any number that wakes
-after a newer launch took the run dir over (its watchdog then writes no forensics there).
+after a newer launch took the run dir over (its watchdog then writes no forensics there), and
+`stop_if_taken_over()`, called right before every file a rank creates, renames or removes in a
+checkpoint (its share, the node-layout file, rank 0's JSON files and commit), ends such a rank
+before it writes; `launch_id()` makes a save's tmp dir this launch's own.
 
 Collective: every rank calls `hold()`; rank 0 decides and broadcasts.
 """
@@ -267,6 +270,27 @@ def taken_over() -> str | None:
     except OSError:
         return None
     return f"{held[0]} is held by {_describe(owner, age)}"
+
+
+def launch_id() -> str | None:
+    """A short id of this launch (the same on every rank: from the lock's bytes its rank 0 wrote,
+    which name its host, pid and start time), for names no other launch may use (a checkpoint's tmp
+    dir); None where no lock is held (tools, tests without a run dir)."""
+    held = fence()
+    return held[0][:12] if held is not None else None
+
+
+def stop_if_taken_over(path) -> None:
+    """Right before a rank of any number creates, renames or removes `path` in the run dir: end this
+    process at once (one line, exit 2; no MPI Abort: its launch is gone) if a newer launch took the
+    run dir over (`taken_over()`: this rank was frozen past its job's relaunch), so that it writes
+    nothing into a run dir the newer launch owns. A no-op while the lock is ours or none is held."""
+    why = taken_over()
+    if why is None:
+        return
+    logs.error(f"error: {path}: not written: {why}: a newer launch owns the run dir and this rank "
+               f"of an older one was frozen past its relaunch; ending this stale rank")
+    os._exit(2)  # abort.EXIT_USER_ERROR
 
 
 def assert_held() -> None:

@@ -111,7 +111,7 @@ def test_fault_spec_is_validated(monkeypatch):
     from hpctrain.errors import ConfigError
 
     for spec, named in (("no.such.point", "unknown fault point 'no.such.point'"),
-                        ("save.begin:1::explode", "kill or enospc"),
+                        ("save.begin:1::explode", "kill, enospc or stop"),
                         ("save.begin:two", "COUNT and RANK")):
         monkeypatch.setenv(step_faults.ENV, f"save_point={spec}")
         with pytest.raises(ConfigError, match=f"HPCTRAIN_TEST_FAULTS: save_point={spec}: .*{named}"):

@@ -138,3 +138,36 @@ def test_a_full_disk_leaves_no_lock_and_the_next_run_starts(tmp_path, dataset, m
     filler.unlink()
     r = run_cmd([sys.executable, "-m", "hpctrain", "train", "--config", cfg], timeout=120)
     assert r.returncode == 0 and "took over" not in r.stderr, r.stderr[-3000:]
+
+
+def test_a_stale_rank_stops_before_writing_once_a_newer_launch_holds_the_lock(tmp_path, monkeypatch, capsys):
+    """stop_if_taken_over: a no-op while the lock is this launch's; exit 2 with one line naming the
+    file once another launch's lock replaced it. A launch's tmp dir name is its own."""
+    import types
+
+    import pytest
+
+    from hpctrain.checkpoint import disk_format
+    from hpctrain.distributed import run_lock
+
+    def _exit(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(os, "_exit", _exit)
+    share = tmp_path / "step_00000002.tmp-x" / "__1_0.distcp"
+    assert run_lock.launch_id() is None and run_lock.taken_over() is None
+    with run_lock.hold(tmp_path, types.SimpleNamespace(rank=0, comm=None)):
+        launch = run_lock.launch_id()
+        tmp = disk_format.tmp_path(tmp_path / "step_00000002", launch)
+        assert len(launch) == 12 and tmp.name == f"step_00000002.tmp-{launch}"
+        assert disk_format.parse_dir_name(tmp.name) == (2, "tmp")
+        run_lock.stop_if_taken_over(share)  # ours: nothing happens
+        newer = tmp_path / "newer"
+        newer.write_text('{"host": "h2", "pid": 4242, "job": null, "started": 1.0}\n')
+        os.replace(newer, tmp_path / run_lock.LOCK_NAME)  # a newer launch took the run dir over
+        with pytest.raises(SystemExit) as stopped:
+            run_lock.stop_if_taken_over(share)
+        assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{share}: not written" in err[0] and "pid 4242 on h2" in err[0], err
+    assert run_lock.launch_id() is None  # released
