@@ -143,6 +143,19 @@ class Watchdog:
                 except Exception:  # noqa: BLE001 - the beacons flood it anyway
                     pass
             self._die(msg, lost=lost, speak_after=speak_after)
+        self._beacon_ended()
+
+    def _beacon_ended(self) -> None:
+        """The beacon's stdout closed: fine at stop(); while we train, our watcher now hears no
+        beats and will name this live rank lost: say so first, with the beacon's exit status."""
+        deadline = time.monotonic() + 2.0
+        while self._beacon.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self._stop.is_set():
+            return
+        logs.warning(f"warning: rank {self.rank}{self._on(self.rank)}: its heartbeat beacon (pid "
+                     f"{self._beacon.pid}) ended with status {self._beacon.returncode} while this "
+                     f"rank runs; its watcher will report it lost within dist.heartbeat_timeout_s")
 
     def _announce_peers(self, caller, told: set) -> None:
         """Tell the beacon rank - 1's beacon (beat to it) and rank + 1's (watch it) as soon as each

@@ -131,3 +131,36 @@ def test_a_beacon_that_cannot_start_is_a_warning(monkeypatch, capsys):
     lines = [ln for ln in err.splitlines() if "beacon" in ln]
     assert len(lines) == 1 and "rank 1 on nodeB: its heartbeat beacon did not start" in lines[0], err
     assert not store.check(["hpctrain/beacon/1"])  # its neighbours' beacons never watch it
+
+
+def test_a_beacon_that_dies_under_a_live_rank_is_a_warning(capsys):
+    """The beacon ends while its rank runs (killed, crashed): the rank says so at once, naming the
+    beacon's pid and status, before its watcher names the live rank lost; a clean stop() says nothing."""
+    import datetime
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from hpctrain.distributed import watchdog
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=5))
+    ctx = SimpleNamespace(rank=1, world_size=2, comm=None, master_addr="127.0.0.1",
+                          master_port=store.port, hosts=("nodeA", "nodeB"))
+    for kill in (True, False):
+        wd, err = watchdog.Watchdog(ctx, 5.0), ""
+        try:
+            pid = wd._beacon.pid
+            if kill:
+                os.kill(pid, signal.SIGKILL)
+                deadline = time.monotonic() + 10
+                while "heartbeat beacon" not in err and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    err += capsys.readouterr().err
+        finally:
+            wd.stop()
+        err += capsys.readouterr().err
+        if kill:
+            assert f"rank 1 on nodeB: its heartbeat beacon (pid {pid}) ended with status -9" in err, err
+        else:
+            assert "heartbeat beacon" not in err, err
