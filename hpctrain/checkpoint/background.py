@@ -15,10 +15,7 @@ import time
 
 import torch
 
-try:
-    from torch.distributed.tensor import DTensor
-except Exception:  # pragma: no cover
-    DTensor = ()
+from hpctrain.distributed.dtensor import is_dtensor
 
 
 def _copy_into(buffers: dict, key: str, src: torch.Tensor) -> torch.Tensor:
@@ -40,7 +37,7 @@ def plain_sizes(tensors: dict, path: str = "") -> dict[str, int]:
     for k, v in tensors.items():
         if isinstance(v, dict):
             out.update(plain_sizes(v, f"{path}.{k}"))
-        elif isinstance(v, torch.Tensor) and not (DTensor and isinstance(v, DTensor)):
+        elif isinstance(v, torch.Tensor) and not is_dtensor(v):
             out[f"{path}.{k}"] = v.numel() * v.element_size()
     return out
 
@@ -73,11 +70,13 @@ def stage(tensors: dict, buffers: dict, keep: set | None = None) -> dict:
         if isinstance(node, dict):
             items = {k: walk(v, f"{path}.{k}") for k, v in node.items()}
             return {k: v for k, v in items.items() if v is not dropped}
-        is_dtensor = DTensor and isinstance(node, DTensor)
-        if keep is not None and isinstance(node, torch.Tensor) and not is_dtensor and path not in keep:
+        dtensor = is_dtensor(node)
+        if keep is not None and isinstance(node, torch.Tensor) and not dtensor and path not in keep:
             return dropped
         used.add(path)
-        if is_dtensor and isinstance(node, DTensor):
+        if dtensor:
+            from torch.distributed.tensor import DTensor  # imported: `node` is one
+
             local = node.to_local()
             used_cuda |= local.device.type == "cuda"
             # around the host copy as it is: DTensor.from_local would move it to the mesh's

@@ -1,27 +1,30 @@
-"""How DCP's writes reach the disk on this rank, and how a failure becomes one line.
+"""How a checkpoint failure becomes one line, and the zip CRC32 switched off while DCP writes.
 
-Owns: DCP's local FileSystem wrapped to remember the first OSError a write stream raised (the
-rank where a disk fills reports it, not DCP's relayed copy), pace a background save's writes and
-host the file-level fault-injection points, and checksum (xxh3-128) every byte a stream writes as it
-goes; the zip CRC32 switched off while DCP writes (COMMIT.json carries the checksums); the one-line description of any checkpoint failure.  Used by manager.py only.
+Owns: the one-line description of any checkpoint failure (DCP's CheckpointException unwrapped),
+the zip CRC32 switched off while DCP writes (COMMIT.json carries the checksums). Must never import
+torch.distributed.checkpoint: it imports DTensor and sympy (~0.5 s CPU per rank), and every rank
+imports this at start-up (recording_fs.py, DCP's FileSystem subclass, is imported on the first save).
 """
 from __future__ import annotations
 
-import os
-import threading
-import time
+import sys
 from contextlib import contextmanager
 
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystem
+from hpctrain.checkpoint.disk_format import CheckpointError
 
-from hpctrain.checkpoint import background, faults
-from hpctrain.checkpoint.disk_format import DATA_HASH, CheckpointError, new_hasher
+
+def _dcp_failures(exc: BaseException) -> dict | None:
+    """exc.failures ({rank: (error, traceback)}) if `exc` is DCP's CheckpointException (which
+    cannot exist before torch.distributed.checkpoint is imported), else None."""
+    api = sys.modules.get("torch.distributed.checkpoint.api")
+    return exc.failures if api is not None and isinstance(exc, api.CheckpointException) else None
+
 
 def describe(exc: BaseException) -> str:
     """One line for an exception; unwraps DCP's CheckpointException to the first rank's error."""
-    if isinstance(exc, CheckpointException) and exc.failures:
-        rank, (inner, _) = sorted(exc.failures.items())[0]
+    failures = _dcp_failures(exc)
+    if failures:
+        rank, (inner, _) = sorted(failures.items())[0]
         return describe(inner)
     text = str(exc) if isinstance(exc, (OSError, CheckpointError)) else f"{type(exc).__name__}: {exc}"
     return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
@@ -33,79 +36,9 @@ def failure(exc: BaseException, rank: int, io_error: OSError | None = None) -> t
     where it happened reports it best, e.g. the OSError torch.save turned into a RuntimeError)."""
     if io_error is not None:
         return 0, describe(io_error)
-    relayed = isinstance(exc, CheckpointException) and exc.failures and rank not in exc.failures
+    failures = _dcp_failures(exc)
+    relayed = bool(failures) and rank not in failures
     return (1 if relayed else 0), describe(exc)
-
-
-class RecordingFileSystem(FileSystem):
-    """DCP's local FileSystem, remembering the first OSError a write stream raised on this rank
-    (and pacing the writes of a background save)."""
-
-    def __init__(self, pacer: background.Pacer | None = None, hash_writes: bool = False):
-        super().__init__()
-        self.first_error: OSError | None = None
-        self.pacer = pacer
-        self.hash_writes = hash_writes
-        self._hashers: dict[str, object] = {}  # file name -> checksum of what this rank wrote
-        self.hash_seconds = 0.0  # time spent hashing on this rank (bench/checkpoint.py reports it)
-        self._lock = threading.Lock()  # DCP may write several files from several threads
-
-    def hasher_for(self, path):
-        if not self.hash_writes:
-            return None
-        with self._lock:
-            return self._hashers.setdefault(os.path.basename(str(path)), new_hasher(DATA_HASH))
-
-    def digests(self) -> dict[str, str]:
-        """xxh3-128 of every file this rank wrote, computed from the bytes as they were written."""
-        return {name: h.hexdigest() for name, h in self._hashers.items()}
-
-    @contextmanager
-    def create_stream(self, path, mode):
-        try:
-            if "w" in mode:
-                faults.file_point("open", path)
-            with super().create_stream(path, mode) as stream:
-                yield _RecordingStream(stream, self, path) if "w" in mode else stream
-            if "w" in mode:
-                faults.file_point("closed", path)
-        except OSError as e:
-            self._record(e, path)
-            raise
-
-    def _record(self, e: OSError, path) -> None:
-        if self.first_error is None:
-            if e.filename is None:
-                e = OSError(e.errno, e.strerror, str(path))
-            self.first_error = e
-
-
-class _RecordingStream:
-    def __init__(self, stream, fs: RecordingFileSystem, path):
-        self._stream, self._fs, self._path = stream, fs, path
-        self._written = False
-        self._hasher = fs.hasher_for(path)
-
-    def write(self, data):
-        try:
-            n = self._stream.write(data)
-            if self._hasher is not None:  # a buffered stream takes all of `data` (or raises)
-                t0 = time.perf_counter()
-                self._hasher.update(data)
-                self._fs.hash_seconds += time.perf_counter() - t0
-            if self._fs.pacer is not None:
-                self._fs.pacer.pace()
-            if not self._written:  # after the first chunk: a partial file (fault injection)
-                self._written = True
-                self._stream.flush()
-                faults.file_point("write", self._path)
-            return n
-        except OSError as e:
-            self._fs._record(e, self._path)
-            raise
-
-    def __getattr__(self, name):
-        return getattr(self._stream, name)
 
 
 @contextmanager

@@ -32,23 +32,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from hpctrain import logs
 from hpctrain.checkpoint import background, directory, disk_format, faults, lustre
-from hpctrain.checkpoint.dcp_io import RecordingFileSystem, describe, failure, no_zip_crc32
+from hpctrain.checkpoint.dcp_io import describe, failure, no_zip_crc32
 from hpctrain.errors import CheckpointError, NoIntactCheckpoint
 
 COMMIT_TIMEOUT_S = 1800.0  # at least: the save group's timeout (torch's own Gloo default)
-from hpctrain.checkpoint.safe_load import SafeFileSystemReader, TensorOnlyLoadPlanner
-from hpctrain.checkpoint.node_layout import NodeLayoutWriter, make_node_group
 from hpctrain.checkpoint.verify import ShareVerifier
 from hpctrain.checkpoint.state import check_json, json_part, merge_values, overlay, split_state
 from hpctrain.distributed.flight_recorder import RECORDER
 from hpctrain.distributed.run_lock import assert_held, launch_id, stop_if_taken_over
 
 log = logs.get_logger(__name__)
+
+
+def import_dcp() -> None:
+    """torch.distributed.checkpoint and our subclasses of its classes, imported on the first save
+    or load, not at start-up (DCP imports DTensor and sympy: ~0.5 s CPU per rank, before a plain
+    run's first step). Called on the main thread (`_prepare`, `load`, `save_group`), so a background
+    save's thread never runs an import."""
+    import hpctrain.checkpoint.node_layout  # noqa: F401
+    import hpctrain.checkpoint.recording_fs  # noqa: F401
+    import hpctrain.checkpoint.safe_load  # noqa: F401
 
 
 @dataclass
@@ -218,6 +224,8 @@ class CheckpointManager:
         if self._save_group is None and self._dist:
             self._save_group = dist.new_group(backend="gloo", timeout=self._timeout)
         if self.layout == "node" and self._node is None:
+            from hpctrain.checkpoint.node_layout import make_node_group
+
             self._node = make_node_group(self.rank, self._node_id, self._timeout, self._save_group)
         return self._save_group
 
@@ -273,6 +281,7 @@ class CheckpointManager:
     def _prepare(self, step: int, state: dict, json_state: dict) -> "_Job":
         """Phase 1 (main thread, default group): validate on every rank, rank 0 creates a fresh
         step_N.tmp; agree before anyone writes."""
+        import_dcp()
         faults.hit("save.begin")
         final = self.root / disk_format.step_dir_name(step if isinstance(step, int) else 0)
         job = _Job(step, final, disk_format.tmp_path(final, launch_id()),  # this launch's own
@@ -334,6 +343,12 @@ class CheckpointManager:
     def _write(self, job: "_Job", group, pacer: background.Pacer | None):
         """Phase 2 on this rank: its DCP shards (rank 0 also the JSON files) into job.tmp.
         Returns (the failure to agree on or None, {data file: sha256} when full_checksums)."""
+        import torch.distributed.checkpoint as dcp  # imported by _prepare (import_dcp)
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from hpctrain.checkpoint.node_layout import NodeLayoutWriter
+        from hpctrain.checkpoint.recording_fs import RecordingFileSystem
+
         tmp, hashes = job.tmp, {}
         fs = RecordingFileSystem(pacer, hash_writes=self.full_checksums)
         try:
@@ -386,6 +401,12 @@ class CheckpointManager:
     def load(self, path: str | os.PathLike, state: dict) -> dict:
         """Collective. Loads checkpoint `path` into `state` in place (tensors via DCP, resharded to
         this job's layout; non-tensor leaves from JSON) and returns the saved JSON state (trainer_state.json)."""
+        import_dcp()
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from hpctrain.checkpoint.safe_load import SafeFileSystemReader, TensorOnlyLoadPlanner
+
         t0 = time.perf_counter()
         path = Path(path)
         prefix = f"checkpoint load from {path}"

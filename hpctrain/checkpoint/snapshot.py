@@ -38,11 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from hpctrain import logs
 from hpctrain.checkpoint import background, disk_format, snapshot_io
-from hpctrain.checkpoint.dcp_io import RecordingFileSystem, describe, no_zip_crc32
+from hpctrain.checkpoint.dcp_io import describe, no_zip_crc32
 from hpctrain.checkpoint.state import json_part, split_state
 from hpctrain.data.private_dir import open_private_dir, resolve_cache_dir, user_root_name
 
@@ -204,6 +203,7 @@ class PeerSnapshots:
     def save(self, step: int, states: dict) -> None:
         """Collective (main thread): stage `states` ({name: Stateful}) and start the background
         write/replication of snapshot `step`; the previous one is finished first."""
+        import hpctrain.checkpoint.recording_fs  # noqa: F401 - DCP: here, never in the writer thread
         self.wait()
         t0 = time.perf_counter()
         tree = {name: obj.state_dict() for name, obj in states.items()}
@@ -278,6 +278,10 @@ class PeerSnapshots:
         (sizes; sha256 of the small files; with checkpoint.full_checksums the xxh3-128 of the data
         files, hashed while written, as the PFS checkpoint's: a copy damaged in memory or on its way
         to the buddy fails the load's check, which falls back to the PFS checkpoint)."""
+        import torch.distributed.checkpoint as dcp  # imported by save (recording_fs)
+
+        from hpctrain.checkpoint.recording_fs import RecordingFileSystem
+
         writer = dcp.FileSystemWriter(tmp, sync_files=False)
         writer.fs = fs = RecordingFileSystem(pacer, hash_writes=self.full_checksums)
         with no_zip_crc32():

@@ -9,9 +9,9 @@ import math
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from hpctrain.config import TrainConfig
+from hpctrain.distributed.dtensor import is_dtensor
 
 
 def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
@@ -34,7 +34,7 @@ def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
 
 def _sharded_over_ep(p: torch.Tensor) -> bool:
     """An expert-parallel weight (parallel.ep > 1: a DTensor over the "ep" mesh axis)."""
-    return isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("ep",)
+    return is_dtensor(p) and p.device_mesh.mesh_dim_names == ("ep",)
 
 
 def lr_at(step: int, t: TrainConfig) -> float:

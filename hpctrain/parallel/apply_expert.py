@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
 
 from hpctrain.distributed.bootstrap import apply_timeout
+from hpctrain.distributed.dtensor import is_dtensor
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.errors import ConfigError
 from hpctrain.model.moe import MoEFeedForward
@@ -45,7 +45,7 @@ class ExpertParallel:
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether `t` (a weight or its gradient) is an expert shard of this layout."""
-        return isinstance(t, DTensor) and t.device_mesh is self.mesh
+        return is_dtensor(t) and t.device_mesh is self.mesh
 
     def reduce_grads(self, prescaled: bool) -> None:
         """Expert gradients -> the global batch's (see the module docstring)."""

@@ -25,10 +25,9 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
+from hpctrain.distributed.dtensor import is_dtensor
 from hpctrain.model.moe import Experts
 
 WEIGHTS = ("w1", "w3", "w2")
@@ -75,11 +74,14 @@ class ExpertParallelExperts(nn.Module):
 
 
 def _to_local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def _exchange(rows: torch.Tensor, recv: list[int], send: list[int], group) -> torch.Tensor:
     """Differentiable all-to-all of rows (send[i] of ours to rank i, recv[i] of its to us)."""
+    # ep > 1 only: functional collectives import torch's C++ pytree (~0.1 s CPU at start-up)
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
     out = all_to_all_single_autograd(rows.contiguous(), recv, send, group)
     return torch.ops._c10d_functional.wait_tensor(out) if hasattr(out, "wait") else out
 
@@ -100,6 +102,8 @@ def shard_experts(experts: Experts, n_experts: int, group: dist.ProcessGroup,
     """This rank's contiguous slice of `experts` (its rows only: the other ranks' are not kept).
     With `mesh` (1-D, the ranks of `group`), each weight is a DTensor Shard(0) of the global
     tensor; a weight on the meta device stays there (meta_init materializes it)."""
+    from torch.distributed.tensor import DTensor, Shard  # ep > 1 only (distributed/dtensor.py)
+
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     n_local = n_experts // ep
     rows = slice(rank * n_local, (rank + 1) * n_local)

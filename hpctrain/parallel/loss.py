@@ -28,7 +28,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+
+from hpctrain.distributed.dtensor import is_dtensor
 
 IGNORE_INDEX = -100  # as F.cross_entropy
 
@@ -55,8 +56,10 @@ def use_chunked_head(model: nn.Module) -> None:
 
 def _vocab_shard(w: torch.Tensor):
     """(local weight, vocab offset of its first row, tp process group or None)."""
-    if not isinstance(w, DTensor):
+    if not is_dtensor(w):
         return w, 0, None
+    from torch.distributed.tensor import Shard  # imported: a DTensor exists
+
     mesh, names = w.device_mesh, w.device_mesh.mesh_dim_names or ()
     sharded = [d for d, p in enumerate(w.placements) if not p.is_replicate()]
     if not sharded:
@@ -233,7 +236,7 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     the same value and gradients (wrt hidden and weight) as F.cross_entropy on the full logits.
     hidden [..., C] (a replicated DTensor under TP), weight [V, C] (vocab-sharded under TP).
     `compiled`: each chunk's math through torch.compile (train.compile; not under TP)."""
-    if isinstance(hidden, DTensor):
+    if is_dtensor(hidden):
         if not all(p.is_replicate() for p in hidden.placements):
             raise ValueError(f"train.loss_chunk: hidden states laid out as {hidden.placements}; "
                              "the head must gather them (ChunkedLossHead under TP)")

@@ -31,8 +31,9 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
+
+from hpctrain.distributed.dtensor import is_dtensor
 
 # In-place ops whose result does not depend on the tensor's previous contents: the value before
 # them is dead. Any other recorded op updates the value and needs it (e.g. trunc_normal_'s mul_).
@@ -208,7 +209,9 @@ def allocate(model: nn.Module, device: torch.device) -> None:
 @torch.no_grad()
 def _copy_part(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copy the part of `full` (the whole tensor, CPU) that `param` holds on this rank."""
-    if isinstance(param, DTensor):
+    if is_dtensor(param):
+        from torch.distributed.tensor import distribute_tensor
+
         part = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
         param.to_local().copy_(part.to_local())
     else:

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Callable, Literal
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpctrain.config import Config, DistConfig
@@ -103,6 +102,8 @@ def apply_fsdp(model: nn.Module, roots: tuple[nn.Module, ...], mesh: Mesh, preci
     """FSDP2 over dp: each block, then each root (the model or its stage views); half-precision
     parameters with fp32 gradient reduction under bf16 / fp16. Expert-parallel weights are left
     out (sharded over ep already; the runner averages their gradients)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # DTensor: not at start-up
+
     ignored = set(experts.params) if experts is not None else None
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     mp = (MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)

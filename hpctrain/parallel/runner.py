@@ -27,10 +27,9 @@ from abc import ABC, abstractmethod
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from hpctrain.config import Config
+from hpctrain.distributed.dtensor import is_dtensor
 from hpctrain.distributed.flight_recorder import RECORDER
 from hpctrain.errors import ConfigError
 from hpctrain.model.moe import MoEFeedForward
@@ -41,11 +40,11 @@ from hpctrain.parallel.tensor_parallel import sum_moe_grads_over_tp, tp_token_sp
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard, sharing storage (in-place collectives on it update the DTensor)."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return t._local_tensor if is_dtensor(t) else t
 
 
 def _value(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -87,7 +86,11 @@ class StepRunner(ABC):
         return loss * self._loss_scale if self._loss_scale != 1.0 else loss
 
     def _loss_context(self):
-        return loss_parallel() if self.layout.mesh.tp_size > 1 else contextlib.nullcontext()
+        if self.layout.mesh.tp_size == 1:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel  # imported by the TP plan
+
+        return loss_parallel()
 
     def _replica_mean(self, local_sum: torch.Tensor, count: int) -> torch.Tensor:
         """Mean loss of this dp replica from this rank's sum over `count` micro-batches."""
@@ -315,7 +318,7 @@ class PipelineRunner(StepRunner):
         weight = self.layout.split.tied_weight()
         if weight is None:
             return
-        if isinstance(weight, DTensor) and weight.grad.placements != weight.placements:
+        if is_dtensor(weight) and weight.grad.placements != weight.placements:
             # e.g. the vocab-parallel embedding's grad may come back replicated: match the head's
             weight.grad = weight.grad.redistribute(weight.device_mesh, weight.placements)
         dist.all_reduce(_local(weight.grad), group=self.layout.tie_group)

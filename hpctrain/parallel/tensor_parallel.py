@@ -39,23 +39,29 @@ parallelism (apply_expert.py) then shards the experts over ep ranks at the same 
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                               PrepareModuleInputOutput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
 from torch.nn.utils.stateless import _reparametrize_module
 
+from hpctrain.distributed.dtensor import is_dtensor
 from hpctrain.model.moe import MoEFeedForward
+
+if TYPE_CHECKING:  # DTensor is imported where tp > 1 only (distributed/dtensor.py)
+    from torch.distributed.tensor import Replicate, Shard
 
 
 def _mlp_plan(mlp: nn.Module, seq: Shard | Replicate) -> dict:
     """GPT's fc, or llama's SwiGLU gate and up: column-parallel; proj: row-parallel, its output
     back to the residual stream's layout `seq`. A MoE layer: the tokens this rank holds (its
     sequence shard under SP, else all) in as a local tensor, its output back as `seq`."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   PrepareModuleInputOutput, RowwiseParallel)
+
     if isinstance(mlp, MoEFeedForward):
         return {"mlp": PrepareModuleInputOutput(
             input_layouts=(seq,), desired_input_layouts=(seq,), use_local_input=True,
@@ -68,6 +74,9 @@ def _mlp_plan(mlp: nn.Module, seq: Shard | Replicate) -> dict:
 
 def _ends_plan(model: nn.Module, seq: Shard | Replicate) -> dict:
     """The embeddings (vocab-parallel, output in the residual stream's layout `seq`) and the head."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
     plan = {}
     if model.tok_emb is not None:
         plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
@@ -91,6 +100,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     `sequence_parallel` (parallel.sp = false) the residual stream stays whole on every tp rank
     (Megatron's plain TP: wo / proj all-reduce instead of reduce-scatter) and the norms run on
     their replicated weights' local tensors."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
     seq = Shard(1) if sequence_parallel else Replicate()
     tied = (model.tok_emb is not None and model.lm_head is not None
             and model.lm_head.weight is model.tok_emb.weight)
@@ -122,6 +135,8 @@ def _replicate(module: nn.Module, tp_mesh: DeviceMesh, splits_tokens: bool) -> N
     checkpoints treat them as every other TP weight), its forward run on their local tensors.
     `splits_tokens` (a MoE layer under SP): the tp ranks route different tokens; the layer
     remembers that tp group (`tp_token_group`: gradients and loads are summed over it)."""
+    from torch.distributed.tensor import distribute_module
+
     distribute_module(module, tp_mesh)  # no partition function: every parameter Replicate
     if splits_tokens:
         module.tp_token_group = tp_mesh.get_group()
@@ -133,6 +148,8 @@ def _run_on_local_weights(module: nn.Module, tp_mesh: DeviceMesh, token_shares: 
     gradients land in the DTensors' .grad, Replicate, as this rank's sums). Weights on another
     mesh (expert-parallel shards) are left to their module. A MoE layer's auxiliary loss is
     weighed 1 / `token_shares` (the mean of the tp ranks' when each routes T / tp tokens)."""
+    from torch.distributed.tensor import DTensor
+
     inner = module.forward
 
     def forward(*args, **kwargs):
@@ -160,7 +177,7 @@ def tp_token_split_moe(model: nn.Module) -> tuple[list[MoEFeedForward], dist.Pro
 def sum_moe_grads_over_tp(layers: list[MoEFeedForward], group: dist.ProcessGroup) -> None:
     """After backward: each tp rank's MoE gradients are its tokens' partial sums; make every rank's
     the sum over the tp group (one flat all-reduce for all layers; expert shards included)."""
-    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+    grads = [p.grad.to_local() if is_dtensor(p.grad) else p.grad
              for m in layers for p in m.parameters() if p.grad is not None]
     if not grads:
         return

@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
+from hpctrain.distributed.dtensor import is_dtensor
 from hpctrain.model.moe import MoEFeedForward
+
+if TYPE_CHECKING:  # imported where a DTensor exists (distributed/dtensor.py)
+    from torch.distributed.tensor import DTensor
 
 log = logging.getLogger("hpctrain.moe")
 
@@ -91,7 +95,7 @@ class MoEMonitor:
             rec[f"moe.{name}.aux_loss"] = float(moe.last_aux_loss)
         if moe.cfg.bias_update_rate > 0:
             bias = moe.router.bias.detach()
-            bias = bias.full_tensor() if isinstance(bias, DTensor) else bias
+            bias = bias.full_tensor() if is_dtensor(bias) else bias
             rec[f"moe.{name}.bias_spread"] = float(bias.max() - bias.min())
         return rec
 
@@ -109,7 +113,7 @@ def _bias_step(moe: MoEFeedForward, load: torch.Tensor) -> None:
     """The layer's balancing-bias step. Under FSDP the bias is a sharded DTensor: the step is made
     on a zero vector and each rank adds its shard of it (no collective: the loads are agreed)."""
     bias = moe.router.bias
-    if not isinstance(bias, DTensor):
+    if not is_dtensor(bias):
         moe.update_balance_bias(load)
         return
     probe = torch.nn.Parameter(torch.zeros(bias.shape, device=load.device), requires_grad=False)

@@ -15,15 +15,19 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
 
 from hpctrain.train import rng
 
-# Optimizer state keyed "state.<fqn>.<name>": the same keys on every layout and pipeline stage.
-_SD_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _TIED_LAST, _TIED_FIRST = "state.lm_head.weight.", "state.tok_emb.weight."
+
+
+def _sd():
+    """(torch.distributed.checkpoint.state_dict, our options), imported on the first save or load:
+    DCP imports DTensor and sympy (~0.5 s CPU per rank), which a run's start-up does not need.
+    Optimizer state keyed "state.<fqn>.<name>": the same keys on every layout and pipeline stage."""
+    from torch.distributed.checkpoint import state_dict as sd
+
+    return sd, sd.StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class ModelState:
@@ -33,10 +37,12 @@ class ModelState:
         self.module = module
 
     def state_dict(self) -> dict:
-        return get_model_state_dict(self.module, options=_SD_OPTIONS)
+        sd, options = _sd()
+        return sd.get_model_state_dict(self.module, options=options)
 
     def load_state_dict(self, state: dict) -> None:
-        set_model_state_dict(self.module, state, options=_SD_OPTIONS)
+        sd, options = _sd()
+        sd.set_model_state_dict(self.module, state, options=options)
 
 
 class OptimState:
@@ -51,15 +57,17 @@ class OptimState:
         return new + key[len(old):] if self.renames_tied and key.startswith(old) else key
 
     def state_dict(self) -> dict:
-        state = get_optimizer_state_dict(self.module, self.optimizer, options=_SD_OPTIONS)
+        sd, options = _sd()
+        state = sd.get_optimizer_state_dict(self.module, self.optimizer, options=options)
         return {self._rename(k, _TIED_LAST, _TIED_FIRST): v for k, v in state.items()
                 if isinstance(v, torch.Tensor)}
 
     def load_state_dict(self, state: dict) -> None:
-        current = get_optimizer_state_dict(self.module, self.optimizer, options=_SD_OPTIONS)
+        sd, options = _sd()
+        current = sd.get_optimizer_state_dict(self.module, self.optimizer, options=options)
         optim = {k: v for k, v in current.items() if not isinstance(v, torch.Tensor)}
         optim.update({self._rename(k, _TIED_FIRST, _TIED_LAST): v for k, v in state.items()})
-        set_optimizer_state_dict(self.module, self.optimizer, optim, options=_SD_OPTIONS)
+        sd.set_optimizer_state_dict(self.module, self.optimizer, optim, options=options)
 
 
 class RNGStates:
