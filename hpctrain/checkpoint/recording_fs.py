@@ -2,8 +2,11 @@
 
 Owns: remembering the first OSError a write stream raised (the rank where a disk fills reports it,
 not DCP's relayed copy), pacing a background save's writes, hosting the file-level fault-injection
-points, and checksumming (xxh3-128) every byte a stream writes as it goes. Imports
-torch.distributed.checkpoint (DTensor, sympy: ~0.5 s CPU), so nothing imports this at start-up.
+points, checksumming (xxh3-128) every byte a stream writes as it goes, and ending a stale rank
+(frozen past its job's relaunch) before it creates, renames, removes or writes more of any file
+(run_lock.stop_if_taken_over: at the open, mkdir, rename, rm_file, and a write >= 1 s after the
+last check). Imports torch.distributed.checkpoint (DTensor, sympy: ~0.5 s CPU), so nothing
+imports this at start-up.
 """
 from __future__ import annotations
 
@@ -16,6 +19,10 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from hpctrain.checkpoint import background, faults
 from hpctrain.checkpoint.disk_format import DATA_HASH, new_hasher
+from hpctrain.distributed.run_lock import stop_if_taken_over
+
+FENCE_EVERY_S = 1.0  # a write stream re-checks the run lock's fence at most this often: a freeze
+# past a job's relaunch lasts far longer, so the first write after the thaw always checks
 
 
 class RecordingFileSystem(FileSystem):
@@ -46,6 +53,7 @@ class RecordingFileSystem(FileSystem):
         try:
             if "w" in mode:
                 faults.file_point("open", path)
+                stop_if_taken_over(path)  # after the fault point: a test freezes a rank there
             with super().create_stream(path, mode) as stream:
                 yield _RecordingStream(stream, self, path) if "w" in mode else stream
             if "w" in mode:
@@ -53,6 +61,18 @@ class RecordingFileSystem(FileSystem):
         except OSError as e:
             self._record(e, path)
             raise
+
+    def mkdir(self, path) -> None:
+        stop_if_taken_over(path)  # DCP: every rank makes the checkpoint's folder (parents too)
+        super().mkdir(path)
+
+    def rename(self, path, new_path) -> None:
+        stop_if_taken_over(new_path)  # DCP: the coordinator's .metadata.tmp -> .metadata
+        super().rename(path, new_path)
+
+    def rm_file(self, path) -> None:
+        stop_if_taken_over(path)
+        super().rm_file(path)
 
     def _record(self, e: OSError, path) -> None:
         if self.first_error is None:
@@ -66,9 +86,14 @@ class _RecordingStream:
         self._stream, self._fs, self._path = stream, fs, path
         self._written = False
         self._hasher = fs.hasher_for(path)
+        self._fenced = time.monotonic()  # create_stream checked the fence at the open
 
     def write(self, data):
         try:
+            now = time.monotonic()
+            if now - self._fenced >= FENCE_EVERY_S:  # a rank thawed mid-write checks again
+                self._fenced = now
+                stop_if_taken_over(self._path)
             n = self._stream.write(data)
             if self._hasher is not None:  # a buffered stream takes all of `data` (or raises)
                 t0 = time.perf_counter()

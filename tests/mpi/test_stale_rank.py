@@ -8,9 +8,16 @@ under a real mpiexec); rank 1, its beacon and the hydra proxy above it are SIGST
 too, or it would SIGKILL the frozen rank when A ends: on the frozen node slurmd is frozen too);
 rank 0 names rank 1 lost and A ends. Launch B trains in the same run dir and writes forensics of
 its own (a stall: rank 1 skips step 3's stop vote); then A's rank 1 and its beacon are thawed.
+
+The same inside a save: A's rank 1 stops (a `stop` fault point) right before it opens its share of
+A's step-2 checkpoint, or after the share's first chunk; B saves step 2 and its rank 0 stops with the checkpoint complete in its tmp
+dir; A's rank 1 thawed then used to rewrite B's `step_00000002.tmp/__1_0.distcp` (the same tmp
+name in both launches). Now it ends with exit 2 before it creates or writes anything more
+(run_lock's fence), and its tmp dir is A's own (`step_00000002.tmp-<launch id>`).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -21,13 +28,15 @@ from pathlib import Path
 import pytest
 
 from hpctrain import step_faults
+from hpctrain.checkpoint import disk_format
 from tests.helpers import fault_config as config
-from tests.processes import descendants, launch, rank_pid
+from tests.processes import descendants, finish, launch, rank_pid
 
 pytestmark = pytest.mark.mpi
 
 LONG = ["--train.steps=100000", "--checkpoint.interval=100000", "--train.log_interval=2",
         "--dist.heartbeat_timeout_s=2", "--dist.stall_timeout_s=2"]
+SAVING = ["--train.steps=100000", "--checkpoint.interval=2", "--train.log_interval=2"]
 
 
 def _running(pid: int) -> bool:
@@ -131,5 +140,105 @@ def test_a_rank_woken_after_the_relaunch_leaves_the_new_forensics_alone(tmp_path
             if proc is not None:
                 try:
                     proc.communicate(timeout=30)
+                except (subprocess.TimeoutExpired, ValueError):
+                    pass
+
+
+def _exit_code(pid: int) -> int | None:
+    """A zombie's exit status (waitpid's form, /proc's last stat field: its parent, the frozen
+    hydra proxy, never reaps it); None while it runs or once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
+    except OSError:
+        return None
+    return int(fields[-1]) if fields[0] == "Z" else None
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] in "Tt"
+    except OSError:
+        return False
+
+
+def _rank(launcher: int, rank: int) -> int | None:
+    try:
+        return rank_pid(launcher, rank)
+    except AssertionError:
+        return None
+
+
+def _tree(run: Path) -> dict[str, tuple]:
+    """Every entry of the run dir: (inode, mtime_ns, size, sha256 of a file's bytes)."""
+    out = {}
+    for p in sorted(run.rglob("*")):
+        st = p.lstat()
+        digest = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
+        out[str(p.relative_to(run))] = (st.st_ino, st.st_mtime_ns, st.st_size, digest)
+    return out
+
+
+def _launch_a_frozen_in_a_save(cfg, run, point: str):
+    """Launch A with rank 1 stopped (SIGSTOP: a fault point) right before it opens its checkpoint
+    share (`open`) or after its first chunk (`write`); its proxy and beacon frozen too; A's rank 0
+    names it lost and A ends.
+    (mpiexec, [proxy, rank 1, its beacon])."""
+    first = launch(2, cfg, *SAVING, "--dist.heartbeat_timeout_s=2", "--dist.stall_timeout_s=2",
+                   env=step_faults.env(save_point=f"{point}:__1_0.distcp:1:1:stop"))
+    _until(lambda: _rank(first.pid, 1), 120, "launch A did not start")
+    stale = _rank(first.pid, 1)
+    _until(lambda: _stopped(stale), 120, "A's rank 1 never reached its share's open")
+    frozen = [_parent(stale), stale, *descendants(stale)]
+    _signal(frozen, signal.SIGSTOP)
+    _until(lambda: _record(run / "forensics" / "rank_0.json").get("lost") == 1, 60,
+           "rank 0 never named rank 1")
+    _until(lambda: not _running(_record(run / "forensics" / "rank_0.json")["pid"]), 60,
+           "A's rank 0 did not end")
+    first.kill()
+    first.wait(timeout=30)
+    return first, frozen
+
+
+@pytest.mark.parametrize("point", ["open", "write"])
+def test_a_rank_woken_inside_a_save_writes_nothing_into_the_relaunch_run_dir(tmp_path, dataset, point):
+    cfg, run = config(tmp_path, dataset)
+    first, second, frozen = None, None, []
+    try:
+        first, frozen = _launch_a_frozen_in_a_save(cfg, run, point)
+        stale = frozen[1]
+        # B's rank 0 stops with its step-2 checkpoint complete in its tmp dir, not yet renamed: a
+        # stale share written now would land in it (B's watchdogs are slowed to stay quiet)
+        second = launch(2, cfg, "--train.steps=4", "--checkpoint.interval=2", "--checkpoint.keep=2",
+                        "--dist.heartbeat_timeout_s=600", "--dist.stall_timeout_s=600",
+                        env=step_faults.env(save_point="commit.marker_written:1:0:stop"))
+        _until(lambda: any(run.glob("checkpoints/step_00000002.tmp*/COMMIT.json")), 120, f"B never saved: {sorted(os.listdir(run))}")
+        b_rank0 = rank_pid(second.pid, 0)
+        _until(lambda: _stopped(b_rank0), 60, "B's rank 0 did not stop at its commit")
+        before = _tree(run)
+
+        _signal(frozen[1:], signal.SIGCONT)  # A's rank 1 and its beacon wake; the proxy stays
+        _until(lambda: not _running(stale), 60, "the woken stale rank did not end")
+        after = _tree(run)
+        changed = {k: (before.get(k), after.get(k)) for k in before.keys() | after.keys()
+                   if before.get(k) != after.get(k)}
+        assert not changed, changed
+        code = _exit_code(stale)
+        assert code == 2 << 8, code  # exit 2: the fence (waitpid form)
+
+        _signal([b_rank0], signal.SIGCONT)  # B commits step 2, trains and saves step 4, ends
+        rc, out = finish(second, timeout=120)
+        assert rc == 0, out[-3000:]
+        for ckpt in ("step_00000002", "step_00000004"):  # every byte as B wrote it
+            problems, commit, _ = disk_format.check_checkpoint(run / "checkpoints" / ckpt, True)
+            assert not problems and "__1_0.distcp" in commit["files"], (ckpt, problems, commit)
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        _signal(frozen, signal.SIGKILL)
+        for proc in (first, second):
+            if proc is not None:
+                try:
+                    print(proc.communicate(timeout=30)[0][-3000:])  # shown if the test failed
                 except (subprocess.TimeoutExpired, ValueError):
                     pass
