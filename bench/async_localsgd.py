@@ -3,6 +3,7 @@
 Run:  python bench/async_localsgd.py [--data data/shakespeare_bytes] [--steps 240] [--plot PNG]
           [--replicas 2] [--compute-sleep 0] [--compression none|bf16|int8|int4]
           [--pull-compression same|bf16|int8|int4] [--defer-momentum-pull]
+          [--async-compression same|bf16|int8|int4] [--push-error-feedback]
 
 Two replicas train the demo GPT (128 wide, block 128, 0.8M parameters) on byte-level Shakespeare;
 rank 1 computes `--slow`x slower (the test fault slow_factor in HPCTRAIN_TEST_FAULTS: it sleeps
@@ -59,12 +60,15 @@ ASYNC = ["--sync.mode=async_diloco", "--sync.ps_servers=1"]
 
 
 def modes(h: int, n: int = 2, compression: str = "none", pulls: str = "same",
-          defer: bool = False) -> dict[str, tuple[int, list[str]]]:
+          defer: bool = False, pushes: str = "same", feedback: bool = False) -> dict[str, tuple[int, list[str]]]:
     """name -> (ranks, overrides), for n replicas; `compression`: the pseudo-gradients' wire format
-    (sync DiLoCo's all-reduce, the asynchronous modes' pushes); `pulls`: the asynchronous modes'
-    pulls (sync.pull_compression); `defer`: sync.defer_momentum_pull (delayed Nesterov)."""
+    (sync DiLoCo's all-reduce, the asynchronous modes' pushes unless `pushes` says otherwise);
+    `pulls`: the asynchronous modes' pulls (sync.pull_compression); `defer`:
+    sync.defer_momentum_pull (delayed Nesterov); `feedback`: sync.error_feedback on their pushes."""
     sync_wire = [f"--sync.compression={compression}"]
-    wire = sync_wire + ([] if pulls == "same" else [f"--sync.pull_compression={pulls}"])
+    wire = ([f"--sync.compression={compression if pushes == 'same' else pushes}"]
+            + ([] if pulls == "same" else [f"--sync.pull_compression={pulls}"])
+            + (["--sync.error_feedback=true"] if feedback else []))
     dn = ["--sync.outer_optimizer=delayed_nesterov"] + (["--sync.defer_momentum_pull=true"] if defer else [])
     return {
         "ddp": (n, []),
@@ -181,6 +185,10 @@ def parse_args() -> argparse.Namespace:
                     help="pseudo-gradient wire format of sync DiLoCo and the asynchronous modes")
     ap.add_argument("--pull-compression", default="same", choices=["same", "bf16", "int8", "int4"],
                     help="the asynchronous modes' pulls (sync.pull_compression; same = --compression)")
+    ap.add_argument("--async-compression", default="same", choices=["same", "bf16", "int8", "int4"],
+                    help="the asynchronous modes' pushes (same = --compression, which stays sync DiLoCo's)")
+    ap.add_argument("--push-error-feedback", action="store_true",
+                    help="sync.error_feedback on the asynchronous modes' int8 / int4 pushes")
     ap.add_argument("--defer-momentum-pull", action="store_true",
                     help="sync.defer_momentum_pull in the delayed-Nesterov modes (needs --compression)")
     ap.add_argument("--compute-sleep", type=float, default=0.0,
@@ -194,7 +202,8 @@ def main() -> None:
     val = held_out(args.data, args.windows)
     curves, walls, moved, split = {}, {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        wire = (args.compression, args.pull_compression, args.defer_momentum_pull)
+        wire = (args.compression, args.pull_compression, args.defer_momentum_pull, args.async_compression,
+                args.push_error_feedback)
         for name, (ranks, extra) in modes(args.h, args.replicas, *wire).items():
             if args.only and name not in args.only:
                 continue

@@ -203,10 +203,10 @@ def _validate_sync(s: SyncConfig, p: ParallelConfig) -> None:
            "must be in [1, sync.inner_steps / sync.fragments]: a fragment's average must arrive "
            "before the next fragment is sent")
     _check(0.0 <= s.mix_alpha < 1.0, "sync.mix_alpha", "must be in [0, 1)")
-    _check(not s.error_feedback or (s.streaming and s.compression in ("int8", "int4")),
-           "sync.error_feedback", f"keeps Streaming DiLoCo's quantization residuals: use sync.streaming "
-           f"= true with sync.compression int8 | int4 (not {str(s.streaming).lower()} / "
-           f"'{s.compression}'), or leave it false")
+    _check(not s.error_feedback or ((s.streaming or s.mode == "async_diloco") and s.compression in ("int8", "int4")),
+           "sync.error_feedback", f"keeps Streaming DiLoCo's or async_diloco's push quantization residuals: "
+           f"use sync.streaming = true or sync.mode = 'async_diloco', with sync.compression int8 | int4 "
+           f"(not {str(s.streaming).lower()} / '{s.mode}' / '{s.compression}'), or leave it false")
     _check(s.nesterov_delay >= 0, "sync.nesterov_delay", "must be >= 0 (0 = the number of replicas)")
     _check(not s.momentum_per_lr or (s.mode == "async_diloco" and s.outer_optimizer == "delayed_nesterov"),
            "sync.momentum_per_lr", "applies to sync.mode = 'async_diloco' with sync.outer_optimizer = "

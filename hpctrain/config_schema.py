@@ -326,7 +326,9 @@ class SyncConfig:
     error_feedback: bool = field(default=False, metadata={
         "help": "diloco with streaming and compression = 'int8' | 'int4': what the codes left out of "
                 "a fragment's pseudo-gradient (and of the average a rank re-encodes) is added to that "
-                "fragment's next round (error feedback; the residuals are checkpointed)"})
+                "fragment's next round (error feedback; the residuals are checkpointed); "
+                "async_diloco with compression = 'int8' | 'int4': what a replica's encoded push "
+                "left out is added to its next push (its pulls always have error feedback)"})
     pull_compression: Literal["same", "bf16", "int8", "int4"] = field(default="same", metadata={
         "help": "async_diloco with compression: wire format of the pulls (the global model's change, "
                 "with error feedback): same (as sync.compression) | bf16 | int8 | int4"})

@@ -32,11 +32,13 @@ checkpoint entry. With sync.compression = "bf16" | "int8" | "int4" the replica p
 pseudo-gradient and the servers apply it, and it pulls the global model's change since its last
 pull in the same format (or sync.pull_compression's), with error feedback on the servers
 (hpctrain/sync/inbox.py; sync.defer_momentum_pull: a momentum step rides the next pull; the
-last arrival at the end of training pulls nothing). The end of training cuts a replica's last
-round short: that arrival applies its share alone, without a momentum step (outer.py). An arrival
-then moves 2 (bf16), ~1 (int8) or ~1/2 (int4) bytes per parameter out and as many back, instead
-of 24; nothing back when the arrival's change is the replica's own pseudo-gradient alone (outer SGD,
-or delayed Nesterov off its momentum arrivals) and the replica held every arrival before it:
+last arrival at the end of training pulls nothing; sync.error_feedback, int8 / int4: what a push's
+codes left out is added to the replica's next push, checkpointed with the replica). The end of
+training cuts a replica's last round short: that arrival applies its share alone, without a
+momentum step (outer.py). An arrival then moves 2 (bf16), ~1 (int8) or ~1/2 (int4) bytes per
+parameter out and as many back, instead of 24; nothing back when the arrival's change is the
+replica's own pseudo-gradient alone (outer SGD, or delayed Nesterov off its momentum arrivals) and
+the replica held every arrival before it:
 it adds that change itself, as the servers add it to their view of it (inbox.py, outer.OwnChange).
 Each arrival's record says pushed_bytes and pulled_bytes (catch-up pulls of the round
 included). The servers' view of a replica's weights is its start point: checkpointed with the
@@ -93,6 +95,8 @@ class AsyncDiLoCo(AsynchronousStrategy):
         self.replica = mesh.dp_rank if self.trains else -1
         if self.inbox is not None:
             self.inbox.set_views(self.replica, self.start if self.trains else None, held=0)
+            if s.error_feedback and self.trains:  # what an encoded push left out rides the next one
+                self.inbox.push_residual = np.zeros_like(self.start)
         self.round_pulled = 0  # bytes pulled this round before the arrival (catch-ups)
         # checkpoint keys of what differs by position (each rank's part of the model)
         part = "" if self.positions == 1 else f"_{self.position}"
@@ -290,7 +294,8 @@ class AsyncDiLoCo(AsynchronousStrategy):
     def _wire(self) -> str:
         """The wire formats, as describe() names them: 'int8 pushes' or 'int8 pushes, int4 pulls'."""
         kinds = (self.inbox.kind, self.inbox.pull_kind) if self.inbox else ("fp32", "fp32")
-        return f"{kinds[0]} pushes" + ("" if kinds[1] == kinds[0] else f", {kinds[1]} pulls")
+        feedback = " with error feedback" if self.inbox and self.inbox.push_residual is not None else ""
+        return f"{kinds[0]} pushes{feedback}" + ("" if kinds[1] == kinds[0] else f", {kinds[1]} pulls")
 
     # ---- the end of training, checkpoints --------------------------------------------------------
     def meet(self, preempt, step: int, stop: int, end: int) -> tuple[int, int]:
@@ -342,6 +347,9 @@ class AsyncDiLoCo(AsynchronousStrategy):
                 "optim": _local_optim_state(self.local_optim), "counters": torch.tensor(counters, dtype=torch.int64),
                 "round_compute_s": torch.tensor([self.round_compute_s], dtype=torch.float64),
                 "round_lr_sum": torch.tensor([self.round_lr_sum], dtype=torch.float64)}}
+            if self.inbox is not None and self.inbox.push_residual is not None:
+                residual = torch.from_numpy(self.inbox.push_residual.copy())
+                state["replica"][self.state_key]["push_residual"] = residual
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -357,6 +365,8 @@ class AsyncDiLoCo(AsynchronousStrategy):
             int(v) for v in mine["counters"])
         self.round_compute_s = float(mine["round_compute_s"][0])
         self.round_lr_sum = float(mine["round_lr_sum"][0])
+        if self.inbox is not None and self.inbox.push_residual is not None and "push_residual" in mine:
+            self.inbox.push_residual[:] = mine["push_residual"].numpy()
 
     def after_load(self, step: int) -> None:
         """Servers: the saved global model and outer state back into the windows."""

@@ -35,14 +35,15 @@ the same way when no step is owed yet: both sides add the pseudo-gradient's shar
 in theta - view (owed) and comes with the next pull, which clears the debt; so a view lacks at most
 one momentum step beyond the error feedback's half quantization step. The pulls can be in a
 coarser format than the pushes (`pull_kind`, sync.pull_compression): they carry error feedback,
-the pushes none.
+the pushes only with `push_residual` (sync.error_feedback): the replica keeps what its encoded
+push left out and adds it to its next push, so the sum of the pushes the servers applied stays
+within one push's rounding of the sum of its pseudo-gradients (without it the roundings add up).
 
 So an arrival moves the encoded push (2 bytes per parameter in bf16; 1 + 4 per int8 block of
 sync.int8_block in int8; 1/2 + 4 per block in int4) and as much back, and the servers apply arrivals strictly in the order of
 their numbers (every slice, every part of a tensor / pipeline parallel replica, sees one order).
 A replica reads theta when its own arrival is in; arrivals after it may be in too (less staleness,
-and the order stays the numbers' order). Encoding is DiLoCo's (hpctrain/sync/compress.py); pushes go
-without error feedback, as there.
+and the order stays the numbers' order). Encoding is DiLoCo's (hpctrain/sync/compress.py).
 
 Owns: the inbox windows and this protocol; not the outer update's arithmetic (the caller's `apply`).
 """
@@ -89,6 +90,8 @@ class ArrivalInbox:
         self.defer_momentum = False  # an own arrival with a momentum step may skip its pull (doc)
         self.owed: list[bool] = []  # a skipped momentum step not pulled yet (per replica / server)
         self._posted: tuple[int, list[np.ndarray]] | None = None  # replica: its last push, decoded
+        self.push_residual: np.ndarray | None = None  # replica: what its pushes' codes left out
+        # (error feedback on pushes, sync.error_feedback; flat fp32 like its part; None: off)
         comm.Barrier()
 
     def set_views(self, replica: int, start: np.ndarray | None, held: int = -1) -> None:
@@ -113,15 +116,20 @@ class ArrivalInbox:
     def post(self, replica: int, arrival: int, g: np.ndarray, lr_scale: float, final: bool = False) -> int:
         """Put pseudo-gradient `g` (flat fp32, this rank's part) encoded into slot `replica` of
         every server, then publish `arrival`; bytes sent. `final` (the end of training's partial
-        round) travels as the sign of the lr_scale word (lr_scale > 0)."""
-        sent, decoded = 0, []
+        round) travels as the sign of the lr_scale word (lr_scale > 0). With push_residual, what
+        the last push's codes left out is added to `g` first, and what this one's leave out kept."""
+        sent, decoded, residual = 0, [], self.push_residual
+        if residual is not None:
+            g = g + residual
         for s, (server, (lo, hi)) in enumerate(zip(self.servers, self.bounds)):
             codec = self.codecs[s]
             padded = torch.zeros(codec.chunk, dtype=torch.float32)
             padded[:hi - lo] = torch.from_numpy(g[lo:hi])
             payload = torch.cat(codec.encode(padded)).numpy()
-            if self.own_change is not None:  # what the server will decode, bit for bit
+            if self.own_change is not None or residual is not None:  # what the server will decode, bit for bit
                 decoded.append(codec.decode(codec.split(torch.from_numpy(payload)))[:hi - lo].numpy())
+            if residual is not None:
+                residual[lo:hi] = g[lo:hi] - decoded[-1]
             scale = -lr_scale if final else lr_scale
             words = np.array([arrival, np.float64(scale).view(np.int64)], dtype=np.int64)
             self.slots.Lock(server, MPI.LOCK_SHARED)

@@ -162,9 +162,13 @@ def test_compressed_pulls_keep_each_replica_within_one_quantization_step(tmp_pat
     replica's weights are bit-identical to the servers' view of them and within half a step of
     theta (per block of the change pulled: error feedback, no drift), and a pull moves the encoded
     slice (+16 header bytes per server), not 4 bytes per element. int8-int4: int8 pushes, int4
-    pulls (sync.pull_compression): the bound and the bytes are int4's."""
+    pulls (sync.pull_compression): the bound and the bytes are int4's. int4-int4-ef: error
+    feedback on the pushes (sync.error_feedback) keeps the same pull bounds, and the residual is
+    carried: the sum the servers applied is the replica's sum of pseudo-gradients minus its
+    residual (to fp32 rounding), the residual within half a step of the last push's block, while
+    without it the roundings add up."""
     mpirun(4, [ROOT / "tests/mpi/scripts/pull_probe.py", tmp_path], check=True, timeout=120)
-    for kind in ("int8", "int4", "int8-int4"):
+    for kind in ("int8", "int4", "int8-int4", "int4-int4-ef"):
         servers = [json.loads((tmp_path / f"server{r}_{kind}.json").read_text()) for r in (2, 3)]
         for s in servers:
             assert s["identical"], kind
@@ -175,4 +179,11 @@ def test_compressed_pulls_keep_each_replica_within_one_quantization_step(tmp_pat
         assert moved == [sum(slots) + 32] * 12, kind
         codes = 1536 if kind == "int8" else 768  # 1500 elements, padded to 64-element blocks
         assert slots == [codes + 24 * 4, codes + 24 * 4]
-        assert [s["slot_bytes"][0] for s in servers] == [1536 + 24 * 4] * 2 if kind != "int4" else slots
+        assert [s["slot_bytes"][0] for s in servers] == [1536 + 24 * 4] * 2 if kind[:4] != "int4" else slots
+    ef = [json.loads((tmp_path / f"server{r}_int4-int4-ef.json").read_text()) for r in (2, 3)]
+    plain = [json.loads((tmp_path / f"server{r}_int4.json").read_text()) for r in (2, 3)]
+    ratios = json.loads((tmp_path / "replica0_int4-int4-ef.json").read_text())["push_ratios"]
+    assert len(ratios) == 6 and 0.5 < max(ratios) <= 1.0 + 1e-3, ratios  # one push's rounding at most
+    for e, p in zip(ef, plain):
+        assert e["carried"] < 1e-5 < 0.01 < e["drift"], e  # sum applied = sum of g - the residual
+        assert p["carried"] == p["drift"] > 1.5 * e["drift"], (p, e)  # without it: every push's error

@@ -4,7 +4,11 @@ pseudo-gradient (applied as theta = 0.999 theta - g), then both pull (its own ar
 servers check after every round that each replica's view is within half a quantization step of
 theta (per block of the change d = theta - the view before the pull) and bit-identical to the
 weights the replica holds; they write OUTDIR/server<rank>_<kind>.json. Kinds: int8, int4 (pushes
-and pulls), int8-int4 (int8 pushes, int4 pulls: sync.pull_compression).
+and pulls), int8-int4 (int8 pushes, int4 pulls: sync.pull_compression), int4-int4-ef (int4 with
+error feedback on the pushes: sync.error_feedback). At the end each replica sends the exact sum of
+its pseudo-gradients and its push residual; the servers write how far the sum they applied is from
+it ("drift") and from it minus the residual ("carried": ~0 when the residual is what was left out);
+the replicas write |residual| over half a step of each push's block ("push_ratios": <= 1).
 
 usage: pull_probe.py OUTDIR
 """
@@ -31,9 +35,14 @@ def run(comm, kind: str, outdir: str) -> None:
     bounds = [(0, N // 2), (N // 2, N)]
     rng = np.random.default_rng(7)
     theta0 = rng.standard_normal(N).astype(np.float32)
-    push_kind, _, pull_kind = kind.partition("-")
-    inbox = ArrivalInbox(comm, servers, bounds, 2, push_kind, BLOCK, pull_kind or None)
+    push_kind, pull_kind, ef = (kind.split("-") + [None, None])[:3]
+    inbox = ArrivalInbox(comm, servers, bounds, 2, push_kind, BLOCK, pull_kind)
     start = theta0.copy() if rank < 2 else None
+    levels = 127 if push_kind == "int8" else 7
+    if rank < 2 and ef == "ef":
+        inbox.push_residual = np.zeros(N, dtype=np.float32)
+    sums = np.zeros((2, N), dtype=np.float64)  # replica: its pseudo-gradients; server: applied, per replica
+    push_ratios = []
     inbox.set_views(rank, start)
     if rank in servers:
         lo, hi = bounds[servers.index(rank)]
@@ -43,7 +52,13 @@ def run(comm, kind: str, outdir: str) -> None:
         g = (rng.standard_normal(N) * 10.0 ** rng.uniform(-4, 0, N)).astype(np.float32)
         if rank < 2:
             if rank == a % 2:
+                meant = g if inbox.push_residual is None else g + inbox.push_residual
                 inbox.post(rank, a, g, 1.0)
+                sums[rank] += g
+                if inbox.push_residual is not None:  # per server slice, in its codec's blocks
+                    push_ratios.append(max(float((np.abs(inbox.push_residual[lo:hi]) / np.maximum(
+                        half_steps(meant[lo:hi], inbox.codecs[s].block, levels), 1e-30)).max())
+                        for s, (lo, hi) in enumerate(bounds)))
             start, nbytes = inbox.pull(rank, a, start)
             moved.append(nbytes)
             done = comm.Ibarrier()
@@ -55,6 +70,7 @@ def run(comm, kind: str, outdir: str) -> None:
             def apply(g_slice, arrival, lr_scale, final):  # final: never here (no end of training)
                 # with a decay, so the change is not on the push's quantization grid
                 theta[:] = theta * np.float32(0.999) - g_slice
+                sums[arrival % 2, lo:hi] += g_slice
 
             while not done.Test():
                 inbox.serve(apply, lambda: theta.copy())
@@ -71,19 +87,30 @@ def run(comm, kind: str, outdir: str) -> None:
                 got = np.empty(hi - lo, dtype=np.float32)
                 comm.Recv(got, source=r, tag=a)
                 identical &= bool(np.array_equal(got, inbox.views[r]))
+    drift = carried = 0.0
+    if rank < 2:
+        residual = inbox.push_residual if inbox.push_residual is not None else np.zeros(N, dtype=np.float32)
+        for server, (lo, hi) in zip(servers, bounds):
+            comm.Send(np.concatenate([sums[rank, lo:hi], residual[lo:hi]]), dest=server, tag=99)
+    else:
+        for r in range(2):
+            got = np.empty(2 * (hi - lo), dtype=np.float64)
+            comm.Recv(got, source=r, tag=99)
+            left = got[:hi - lo] - sums[r, lo:hi]
+            drift, carried = max(drift, np.abs(left).max()), max(carried, np.abs(left - got[hi - lo:]).max())
     if rank in servers:
         out = {"ratios": ratios, "identical": identical, "slot_bytes": inbox.slot_bytes,
-               "pull_bytes": inbox.pull_bytes}
+               "pull_bytes": inbox.pull_bytes, "drift": float(drift), "carried": float(carried)}
         with open(f"{outdir}/server{rank}_{kind}.json", "w") as f:
             json.dump(out, f)
     elif rank == 0:
         with open(f"{outdir}/replica0_{kind}.json", "w") as f:
-            json.dump({"moved": moved}, f)
+            json.dump({"moved": moved, "push_ratios": push_ratios}, f)
     comm.Barrier()
     inbox.free()
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    for kind in ("int8", "int4", "int8-int4"):
+    for kind in ("int8", "int4", "int8-int4", "int4-int4-ef"):
         run(MPI.COMM_WORLD, kind, sys.argv[1])
