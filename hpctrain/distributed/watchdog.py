@@ -65,6 +65,7 @@ class Watchdog:
         self.interval = max(0.2, min(5.0, self.timeout / 10))
         self._stop = threading.Event()
         self._reported = threading.Lock()
+        self._forensics_lock = threading.Lock()  # one rank_<r>.json write at a time
         self.verdict: str | None = None
         self.run_dir = run_dir
         self._stall: str | None = None        # hpctrain/stall as last read from the store
@@ -231,10 +232,20 @@ class Watchdog:
         self._stall_seen = theirs if mine is None else text
         self._written_at = rec.events
         path = self._write_forensics(text, "stall")
+        if self.verdict is not None:  # a verdict came meanwhile: its record stands, no stall line
+            return
         logs.warning(f"warning: {text}; forensics: {path or 'not written'} (hpctrain doctor "
                      f"{self.run_dir})")
 
     def _write_forensics(self, verdict: str, kind: str, lost: int | None = None) -> str | None:
+        """rank_<r>.json; a verdict's record is final: a stall found at the same moment by the
+        watchdog thread (the stall and heartbeat bounds may be equal) never replaces it."""
+        with self._forensics_lock:
+            if kind == "stall" and self.verdict is not None:
+                return None
+            return self._write_forensics_now(verdict, kind, lost)
+
+    def _write_forensics_now(self, verdict: str, kind: str, lost: int | None) -> str | None:
         newer = run_lock.taken_over()
         if newer is not None:  # a stale rank woken after the relaunch: the run dir is not ours
             logs.warning(f"warning: rank {self.rank}{self._on(self.rank)}: no forensics written into "

@@ -164,3 +164,31 @@ def test_a_beacon_that_dies_under_a_live_rank_is_a_warning(capsys):
             assert f"rank 1 on nodeB: its heartbeat beacon (pid {pid}) ended with status -9" in err, err
         else:
             assert "heartbeat beacon" not in err, err
+
+
+def test_a_stall_record_never_replaces_the_verdicts(tmp_path):
+    """The stall and heartbeat bounds may be equal (2 s in tests/mpi/test_stale_rank.py): the
+    watchdog thread's stall record, written just after the beacon reader's verdict record, used to
+    replace it in forensics/rank_<r>.json (CI: 'rank 0 never named rank 1')."""
+    import datetime
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from hpctrain.distributed import watchdog
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=5))
+    ctx = SimpleNamespace(rank=0, world_size=2, comm=None, master_addr="127.0.0.1",
+                          master_port=store.port, hosts=("nodeA", "nodeB"))
+    wd = watchdog.Watchdog(ctx, 5.0, run_dir=tmp_path)
+    try:
+        path = tmp_path / "forensics" / "rank_0.json"
+        assert wd._write_forensics("stalled in x", "stall") == str(path)  # before any verdict
+        wd.verdict = "rank 1 on nodeB lost"  # as _die sets it, before writing its record
+        assert wd._write_forensics(wd.verdict, "verdict", 1) == str(path)
+        assert wd._write_forensics("stalled in x", "stall") is None
+        record = json.loads(path.read_text())
+        assert record["kind"] == "verdict" and record["lost"] == 1, record
+    finally:
+        wd.stop()
