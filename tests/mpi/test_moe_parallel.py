@@ -135,7 +135,10 @@ def test_a_checkpoint_resumes_with_another_ep(setup, runs, source, ep):
     _train(4, cfg, [f"--parallel.ep={ep}"])
     ref, got = losses(runs[source]), losses(run)
     assert sorted(got) == list(range(6, STEPS + 1))
-    assert got[6] == ref[6]  # the weights read back exactly, whatever the layout
+    # the weights read back exactly; the first step's forward is bit-equal only where the CPU's
+    # GEMM kernels do not depend on the rows per expert group (Intel here; on AMD EPYC ep 4 -> 2
+    # gives 4.9030848 vs 4.9030852): a misplaced expert shard moves it by far more than 1e-6
+    assert _rel(got[6], ref[6]) <= 1e-6, (got[6], ref[6])
     one = losses(runs["one"])
     assert max(max(_rel(got[s], ref[s]), _rel(got[s], one[s])) for s in got) <= 1e-5, (got, ref)
 

@@ -351,10 +351,8 @@ def test_straggler_detector_flags_the_slow_rank(tmp_path, dataset):
     # rank 0 waits for rank 1 inside the all-reduce, so rank 1 is the busier one (noise allowed)
     assert sum(b[1] > b[0] for b in busy) >= len(busy) - 2
     assert recs[-1]["straggler"] == 1 and {r.get("straggler") for r in recs} <= {None, 1}
-    # and without the delay nobody is flagged
-    cfg2, run2 = write_config(tmp_path, dataset, "even")
-    r = train(2, cfg2, "--train.steps=14", "--train.eval_interval=0", "--train.straggler_window=5")
-    assert "is a straggler" not in r.stderr
+    # (that even ranks are not flagged is tests/unit/test_straggler.py's: run here without a
+    # delay, CI's loaded 2 cores made one rank really the slow one for a whole window)
 
 
 def _step_records(run):
