@@ -24,7 +24,7 @@ llama-demo: $(STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH bash scripts/llama_demo.sh
 
 test: $(STAMP)
-	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest tests --durations=30
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest tests --durations=60
 
 test-fast: $(STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest tests -m "not slow"
