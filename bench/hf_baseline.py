@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -59,14 +60,41 @@ TRAIN = dict(lr=2e-3, min_lr=2e-4, warmup_steps=5, weight_decay=0.1, beta1=0.9, 
 SKIP = 5  # steps left out of the tokens/s median (allocator and thread-pool warm-up)
 
 
-def run(cmd: list, log: Path) -> str:
+RESULT_GRACE_S = 60.0  # a launcher that printed its result and then does not exit is ended
+
+
+def run(cmd: list, log: Path, result: str | None = None) -> str:
+    """Run `cmd` in its own process group (its output also into `log`); its stdout. With `result`
+    (the start of the line that carries it): once that line is out, the launcher gets
+    RESULT_GRACE_S to exit, then its whole group is killed (seen here: torchrun's eager second
+    round, rank 1 gone with status 0 while rank 0 waited in a futex after the loop, torchrun
+    waiting on it forever)."""
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
-    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env, cwd=ROOT,
-                       timeout=1800)
-    log.write_text(r.stdout + r.stderr)
-    if r.returncode:
-        sys.exit(f"error: {cmd[0]} exited {r.returncode}; its output: {log}\n{r.stderr[-2000:]}")
-    return r.stdout
+    out_path, err_path = log.with_suffix(".out"), log.with_suffix(".err")
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=err, text=True, env=env,
+                                cwd=ROOT, start_new_session=True)
+        deadline, seen, killed = time.monotonic() + 1800, None, False
+        while proc.poll() is None:
+            now = time.monotonic()
+            if seen is None and result and any(line.startswith(result) for line in
+                                               out_path.read_text().splitlines()):
+                seen = now
+            if now > deadline or (seen is not None and now - seen > RESULT_GRACE_S):
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                killed = True
+                break
+            time.sleep(0.5)
+    stdout, stderr = out_path.read_text(), err_path.read_text()
+    log.write_text(stdout + stderr)
+    if killed and seen is not None:
+        print(f"note: {Path(str(cmd[0])).name} printed its result but had not exited "
+              f"{RESULT_GRACE_S:g} s later: its process group was killed ({log})", file=sys.stderr)
+    elif killed or proc.returncode:
+        why = "ran past 1800 s" if killed else f"exited {proc.returncode}"
+        sys.exit(f"error: {cmd[0]} {why}; its output: {log}\n{stderr[-2000:]}")
+    return stdout
 
 
 def prepare_data(data: Path, tmp: Path) -> None:
@@ -124,7 +152,7 @@ def run_transformers(args, tmp: Path, init: Path, tag: str) -> dict:
     out = run([BIN / "torchrun", "--standalone", "--nproc_per_node=2", Path(__file__), "--worker",
                "--init", init, "--data", args.data, "--steps", args.steps,
                "--precision", args.precision] + ["--compile"] * args.compile,
-              tmp / f"transformers_{tag}.log")
+              tmp / f"transformers_{tag}.log", result='{"tokens_per_s"')
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -178,7 +206,8 @@ def worker(args) -> None:
         losses.append(logged.item() / world)
         rates.append(MICRO_BATCH * BLOCK * world / (time.perf_counter() - t0))
     if rank == 0:
-        print(json.dumps({"tokens_per_s": statistics.median(rates[SKIP:]), "losses": losses}))
+        print(json.dumps({"tokens_per_s": statistics.median(rates[SKIP:]), "losses": losses}),
+              flush=True)  # read as soon as it is out (run(): the launcher may not exit)
     dist.destroy_process_group()
 
 
