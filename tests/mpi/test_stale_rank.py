@@ -66,6 +66,21 @@ def _steps(run: Path) -> int:
     return m.read_text().count("\n") if m.exists() else 0
 
 
+def _end_launches(launches, frozen) -> None:
+    """Kill what a test left (each launch's process group, the frozen processes) and reap it; each
+    launch's output tail is printed (pytest shows it when the test failed)."""
+    for proc in launches:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    _signal(frozen, signal.SIGKILL)
+    for proc in launches:
+        if proc is not None:
+            try:
+                print((proc.communicate(timeout=30)[0] or "")[-3000:])
+            except (subprocess.TimeoutExpired, ValueError):
+                pass
+
+
 def _parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
@@ -132,16 +147,7 @@ def test_a_rank_woken_after_the_relaunch_leaves_the_new_forensics_alone(tmp_path
         assert after == before, {k: json.loads(v)["pid"] for k, v in after.items()}
         assert second.poll() is None  # B trains on
     finally:
-        for proc in (first, second):
-            if proc is not None and proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-        _signal(frozen, signal.SIGKILL)
-        for proc in (first, second):
-            if proc is not None:
-                try:
-                    proc.communicate(timeout=30)
-                except (subprocess.TimeoutExpired, ValueError):
-                    pass
+        _end_launches((first, second), frozen)
 
 
 def _exit_code(pid: int) -> int | None:
@@ -232,13 +238,4 @@ def test_a_rank_woken_inside_a_save_writes_nothing_into_the_relaunch_run_dir(tmp
             problems, commit, _ = disk_format.check_checkpoint(run / "checkpoints" / ckpt, True)
             assert not problems and "__1_0.distcp" in commit["files"], (ckpt, problems, commit)
     finally:
-        for proc in (first, second):
-            if proc is not None and proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-        _signal(frozen, signal.SIGKILL)
-        for proc in (first, second):
-            if proc is not None:
-                try:
-                    print(proc.communicate(timeout=30)[0][-3000:])  # shown if the test failed
-                except (subprocess.TimeoutExpired, ValueError):
-                    pass
+        _end_launches((first, second), frozen)
