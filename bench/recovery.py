@@ -138,6 +138,14 @@ class Watch:
     def last_step(self) -> int:
         return max((r["step"] for r in self.steps()), default=0)
 
+    def metrics_file_id(self) -> tuple[int, int] | None:
+        """(device, inode) of metrics.jsonl (None: none yet): a resume that drops records replaces it."""
+        try:
+            st = (self.run / "metrics.jsonl").stat()
+        except FileNotFoundError:
+            return None
+        return st.st_dev, st.st_ino
+
     def text(self) -> str:
         return self.log.read_text() if self.log.exists() else ""
 
@@ -158,6 +166,25 @@ class Watch:
         return False
 
 
+class FirstStepAfter:
+    """Predicate: the relaunch that resumed from `step` has trained a step (`at`: when first seen).
+
+    The killed launch's records after `step` (steps it trained after the checkpoint or snapshot the
+    relaunch resumes from) are still in metrics.jsonl until the relaunch's writer opens it and drops
+    them (an atomic rewrite: a new inode). Until then a record past `step` is the killed launch's, not
+    the relaunch's first step (the bench once counted them: kill -> resume line instead of -> first
+    step, and 'never' when the rewrite landed between two reads)."""
+
+    def __init__(self, watch: Watch, step: int, stale: tuple[int, int] | None):
+        self.watch, self.step, self.at = watch, step, None
+        self.stale = stale if watch.last_step() > step else None  # None: nothing to drop, appended to
+
+    def __call__(self) -> bool:
+        if self.at is None and self.watch.metrics_file_id() != self.stale and self.watch.last_step() > self.step:
+            self.at = time.monotonic()
+        return self.at is not None
+
+
 RESUMED = re.compile(r"resumed from (?:the peer snapshot of step (\d+)|\S+ at step (\d+))")
 
 
@@ -174,6 +201,7 @@ def lose_a_node(cluster: VirtualCluster, watch: Watch, victim: str, end: float, 
     """SIGKILL every process on `victim`; wait for the relaunch's first trained step (or `end`)."""
     n_resumed, since = len(resumes(watch.text())), len(watch.text())
     killed_at = watch.last_step()
+    stale = watch.metrics_file_id()  # the records the killed launch left are not the relaunch's steps
     cluster.kill_node(victim)
     t_kill = time.monotonic()
     print(f"  killed {victim} at step {killed_at}", flush=True)
@@ -184,8 +212,8 @@ def lose_a_node(cluster: VirtualCluster, watch: Watch, victim: str, end: float, 
     if not resumed:
         return {"node": victim, "killed_at": killed_at, "recovery_s": None, "recomputed": 0}
     step = resumes(watch.text())[n_resumed]
-    watch.until(lambda: watch.last_step() > step, end)
-    recovered = time.monotonic() - t_kill if watch.last_step() > step else None
+    first = FirstStepAfter(watch, step, stale)
+    recovered = first.at - t_kill if watch.until(first, end) else None
     print(f"  resumed at step {step}; first trained step {'%.1f s' % recovered if recovered else 'never'}"
           f" after the kill; {killed_at - step} step(s) recomputed", flush=True)
     return {"node": victim, "killed_at": killed_at, "recovery_s": recovered, "recomputed": killed_at - step}
