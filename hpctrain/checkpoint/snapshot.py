@@ -5,7 +5,7 @@ node resumes from the survivors' memory instead of the parallel file system.
 Owns the snapshot's protocol. `save` (main thread, every rank at the same step): the Stateful
 objects' state dicts (the PFS checkpoint's own: model, optimizer, sampler, RNG, trainer, sync),
 staged into reused host buffers (background.stage: each replicated tensor by one rank); then a
-background thread, one in flight: (1) every rank writes its DCP shard into `step_N.tmp/` of ITS
+background thread, one in flight: (1) every rank writes its DCP shard into `step_N.tmp-<launch id>/` of ITS
 node's snapshot folder (rank 0 also the JSON files), (2) sends its data files to its buddy (the
 same local rank on node (n+1) mod nodes) and receives its sources' files; rank 0's metadata files
 reach every node, (3) an agreement, (4) each node's leader writes COMMIT.json (the COMPLETE
@@ -24,7 +24,11 @@ cache's private folders (hpctrain/data/private_dir.py). A relaunch on the same n
 nothing to configure; a clean end of the run removes it.
 
 It must never write into the PFS checkpoint directory, block training on a snapshot's failure, or
-run a collective on the training group.
+run a collective on the training group. The node folder belongs to the run, so a relaunch writes
+into the same one: like the PFS checkpoint's writes, every file, mkdir, rename and removal here
+first checks the run lock's fence (run_lock.stop_if_taken_over; DCP's through RecordingFileSystem):
+a rank of an older launch frozen past the relaunch ends with exit 2 instead of committing its old
+step over the newer launch's snapshot and pruning the newer steps.
 """
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ from hpctrain.checkpoint import background, disk_format, snapshot_io
 from hpctrain.checkpoint.dcp_io import describe, no_zip_crc32
 from hpctrain.checkpoint.state import json_part, split_state
 from hpctrain.data.private_dir import open_private_dir, resolve_cache_dir, user_root_name
+from hpctrain.distributed.run_lock import launch_id, stop_if_taken_over
 
 log = logs.get_logger(__name__)
 SMALL = disk_format.SMALL_FILES
@@ -255,10 +260,11 @@ class PeerSnapshots:
     def _write_replicate_commit(self, snap: _Snap, group, pacer: background.Pacer) -> None:
         """The background thread: write, agree, replicate, agree, mark complete (module docstring)."""
         self._agree(snap.step, snap.error, group)
-        tmp = self.path / (disk_format.step_dir_name(snap.step) + ".tmp")
+        tmp = disk_format.tmp_path(self.path / disk_format.step_dir_name(snap.step), launch_id())  # ours
         err = None
         try:
             self._open_root()
+            stop_if_taken_over(tmp)
             tmp.mkdir(exist_ok=True)
             snap.files = self._write(snap, tmp, group, pacer)
         except Exception as e:  # noqa: BLE001 - agreed below
@@ -289,6 +295,7 @@ class PeerSnapshots:
         hashes = fs.digests()
         mine = [n for n in os.listdir(tmp) if n.startswith(f"__{self.rank}_") and n.endswith(".distcp")]
         if self.rank == 0:
+            stop_if_taken_over(tmp / disk_format.TRAINER_STATE_FILE)
             disk_format.write_json_durably(tmp / disk_format.TRAINER_STATE_FILE, snap.json_state)
             disk_format.write_bytes_durably(tmp / disk_format.NONTENSOR_FILE, snap.values_json.encode())
             mine += list(SMALL)
@@ -319,8 +326,10 @@ class PeerSnapshots:
         commit = {"format": disk_format.FORMAT, "version": disk_format.FORMAT_VERSION, "step": step,
                   "world_size": self.world_size, "unix_time": time.time(), "run": self.key,
                   "checksums": "full" if self.full_checksums else "small-files", "files": files}
+        stop_if_taken_over(tmp / disk_format.COMMIT_FILE)
         disk_format.write_json_durably(tmp / disk_format.COMMIT_FILE, commit)
         final = self.path / disk_format.step_dir_name(step)
+        stop_if_taken_over(final)  # a stale leader would otherwise replace and prune the newer launch's
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.checkpoint import disk_format
+from hpctrain.distributed.run_lock import stop_if_taken_over
 
 COMMIT = disk_format.COMMIT_FILE
 _DATA_NAME = re.compile(r"__\d+_\d+\.distcp")  # DCP's data files: __<rank>_<n>.distcp
@@ -135,6 +136,7 @@ def unpack(folder: Path, header: bytes, body: bytes) -> list[str]:
     for name, size in json.loads(header):
         if not (_DATA_NAME.fullmatch(name) or name in disk_format.SMALL_FILES):
             raise ValueError(f"refusing the file name {name!r} from a peer")
+        stop_if_taken_over(folder / name)
         (folder / name).write_bytes(body[offset:offset + size])
         offset += size
         names.append(name)
@@ -159,7 +161,10 @@ def read_tensor(path: Path) -> torch.Tensor:
 
 
 def write_tensor(path: Path, data: torch.Tensor) -> None:
-    """A uint8 tensor's bytes into `path` (written as `<name>.part`, then renamed)."""
+    """A uint8 tensor's bytes into `path` (written as `<name>.part`, then renamed). A rank of a launch
+    that a newer one took over (frozen past its relaunch) ends here instead (run_lock.stop_if_taken_over):
+    the node's snapshot folder is the run's, and the newer launch writes into it."""
+    stop_if_taken_over(path)
     tmp = path.with_name(path.name + ".part")
     with open(tmp, "wb") as f:
         f.write(memoryview(data.numpy()))

@@ -94,3 +94,56 @@ def test_a_snapshot_that_would_crowd_node_memory_is_refused_naming_the_folder(tm
         assert room_problem(folder, fits) is None
     problem = room_problem(folder, crowds)
     assert problem is not None and str(tmp_path) in problem and "snapshot_interval" in problem
+
+
+def _tree(folder):
+    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None) for p in sorted(folder.rglob("*"))}
+
+
+def test_a_stale_leader_writes_nothing_into_the_newer_launchs_snapshot_folder(tmp_path, monkeypatch):
+    """The node folder is the run's (a relaunch reuses it): once a newer launch holds the run lock, a
+    rank of the older one (frozen past the relaunch) ends with exit 2 at its next snapshot write —
+    COMMIT.json, the rename that would replace and prune the newer launch's steps, a received file,
+    an unpacked one — and the folder is exactly as the newer launch left it."""
+    import os
+    import types
+
+    import torch
+
+    from hpctrain.checkpoint import disk_format
+    from hpctrain.checkpoint.snapshot import PeerSnapshots
+    from hpctrain.distributed import run_lock
+
+    def _exit(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(os, "_exit", _exit)
+    run, folder = tmp_path / "run", tmp_path / "node0"
+    run.mkdir(), folder.mkdir()
+    ctx = types.SimpleNamespace(rank=0, world_size=1, node_rank=0, comm=None)
+    snaps = PeerSnapshots(0, "auto", str(run), ctx, enabled=False)
+    snaps.path = folder
+    with run_lock.hold(run, ctx):
+        ours = disk_format.tmp_path(folder / "step_00000800", run_lock.launch_id())
+        ours.mkdir()
+        snapshot_io.write_tensor(ours / "__0_0.distcp", torch.tensor([1, 2], dtype=torch.uint8))
+        snaps._mark_complete(800, ours, {"__0_0.distcp": {"size": 2}})  # ours: committed
+        assert (folder / "step_00000800" / "COMMIT.json").exists() and not ours.exists()
+        stale = disk_format.tmp_path(folder / "step_00000850", run_lock.launch_id())
+        stale.mkdir()
+        newer = folder / "step_00000900"  # the newer launch's committed snapshot
+        newer.mkdir()
+        (newer / "COMMIT.json").write_text('{"step": 900}')
+        (newer / "__0_0.distcp").write_bytes(b"new")
+        (newer / ".metadata").write_bytes(b"meta")
+        (run / "newer").write_text('{"host": "h2", "pid": 4242, "job": null, "started": 1.0}\n')
+        os.replace(run / "newer", run / run_lock.LOCK_NAME)  # the newer launch took the run dir over
+        before = _tree(folder)
+        writes = [lambda: snaps._mark_complete(850, stale, {}),
+                  lambda: snapshot_io.write_tensor(newer / "__0_0.distcp", torch.tensor([7], dtype=torch.uint8)),
+                  lambda: snapshot_io.unpack(newer, *snapshot_io.pack(newer, [".metadata"]))]
+        for write in writes:
+            with pytest.raises(SystemExit) as stopped:
+                write()
+            assert stopped.value.code == 2
+        assert _tree(folder) == before
