@@ -230,9 +230,12 @@ def copy_run_at(src: Path, dst: Path, step: int) -> None:
     import json
     import shutil
 
+    from hpctrain.checkpoint.disk_format import parse_dir_name
+
     shutil.copytree(src, dst)
     for later in Path(dst, "checkpoints").glob("step_*"):
-        if int(later.name.split("_")[1]) > step:
+        parsed = parse_dir_name(later.name)  # step_N, and step_N.tmp-<launch id> a kill left
+        if parsed is None or parsed[0] > step or parsed[1] != "checkpoint":
             shutil.rmtree(later)
     metrics = Path(dst, "metrics.jsonl")
     metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()
