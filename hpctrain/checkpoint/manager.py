@@ -3,7 +3,8 @@
 Owns: the order of operations across ranks (tmp dir -> every rank's DCP write -> agreement ->
 COMMIT.json -> rename -> fsync -> retention), with tensors saved by torch.distributed.checkpoint (so
 resharding to another world size or layout comes from torch) and the rest as JSON (state.py), and
-turning any failure on any rank into the same one-line CheckpointError raised on every rank.
+turning any failure on any rank into the same one-line CheckpointError raised on every rank
+(agreement.py; the load's steps are in loading.py).
 `save_async` splits a save: validation, agreement and the copy to host memory on the caller's
 thread; write, agreement and commit in a background thread, one save in flight at a time
 (background.py). The write, agreement and commit of every save (sync or async) run on the
@@ -26,25 +27,22 @@ import json
 import os
 import shutil
 import time
-import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch.distributed as dist
 
 from hpctrain import logs
-from hpctrain.checkpoint import background, directory, disk_format, faults, lustre
+from hpctrain.checkpoint import background, directory, disk_format, faults, loading, lustre
+from hpctrain.checkpoint.agreement import Agreement
 from hpctrain.checkpoint.dcp_io import describe, failure, no_zip_crc32
 from hpctrain.errors import CheckpointError, NoIntactCheckpoint
 
-COMMIT_TIMEOUT_S = 1800.0  # at least: the save group's timeout (torch's own Gloo default)
-from hpctrain.checkpoint.verify import ShareVerifier
-from hpctrain.checkpoint.state import check_json, json_part, merge_values, overlay, split_state
-from hpctrain.distributed.flight_recorder import RECORDER
+from hpctrain.checkpoint.state import check_json, json_part, overlay, split_state
 from hpctrain.distributed.run_lock import assert_held, launch_id, stop_if_taken_over
 
 log = logs.get_logger(__name__)
+COMMIT_TIMEOUT_S = 1800.0  # at least: the save group's timeout (torch's own Gloo default)
 
 
 def import_dcp() -> None:
@@ -69,7 +67,7 @@ class _Job:
     values_json: str = ""
 
 
-class CheckpointManager:
+class CheckpointManager(Agreement):
     """Collective checkpointing of DCP state dicts into `root/step_NNNNNNNN/`.
 
     `keep`: how many committed checkpoints retention keeps (>= 1). `full_checksums` (default):
@@ -86,16 +84,11 @@ class CheckpointManager:
                  stripe_count: int = 0, stripe_size: str = "4M"):
         if keep < 1:
             raise CheckpointError(f"checkpoint keep={keep}: must be >= 1")
+        super().__init__(rank, world_size)
         self.root = Path(root)
-        self.keep, self.rank, self.world_size = keep, rank, world_size
+        self.keep = keep
         self.full_checksums, self.writer_threads = full_checksums, writer_threads
         self.async_cpu_share = async_cpu_share  # duty cycle of the background writer (Pacer)
-        self._dist = dist.is_available() and dist.is_initialized()
-        if self._dist and (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
-            raise ValueError(f"CheckpointManager(rank={rank}, world_size={world_size}) but "
-                             f"torch.distributed says {dist.get_rank()}/{dist.get_world_size()}")
-        if not self._dist and world_size != 1:
-            raise ValueError("CheckpointManager with world_size > 1 needs torch.distributed initialized")
         self.last_save_s = self.last_load_s = self.last_write_s = self.last_hash_s = 0.0
         # a load's wait for this rank's checksums after DCP's read, and the files it hashed
         self.last_verify_s, self.last_verified = 0.0, []
@@ -106,39 +99,6 @@ class CheckpointManager:
         self._striping = lustre.Striping(lustre.stripe_count(stripe_count, layout), stripe_size)
         self._inflight: background.InFlight | None = None
         self._staging: dict = {}                                # reused host buffers (async)
-
-    # -- collectives (torch.distributed, any backend; identity with one process and no group) -----
-    def _gather(self, obj, group=None) -> list:
-        if not self._dist:
-            return [obj]
-        out = [None] * self.world_size
-        with RECORDER.collective("ckpt_gather", self._group_name(group)):  # main thread only
-            dist.all_gather_object(out, obj, group=group)
-        return out
-
-    def _bcast(self, obj, group=None):
-        if not self._dist:
-            return obj
-        box = [obj]
-        with RECORDER.collective("ckpt_bcast", self._group_name(group)):
-            dist.broadcast_object_list(box, src=0, group=group)
-        return box[0]
-
-    def _group_name(self, group) -> str:
-        """The flight recorder's name: the world, or the saves' own gloo group (every rank)."""
-        return f"{'world' if group is None else 'ckpt'}({self.world_size})"
-
-    def _raise_first(self, errs: list, prefix: str) -> None:
-        """errs: per rank, None or (priority, text). Raise the most direct one, lowest rank first."""
-        failed = sorted((e[0], r, e[1]) for r, e in enumerate(errs) if e)
-        if failed:
-            _, r, text = failed[0]
-            where = f"rank {r}: " if self.world_size > 1 else ""
-            raise CheckpointError(f"{prefix} failed: {where}{text}")
-
-    def _agree(self, err: tuple[int, str] | None, prefix: str) -> None:
-        """All ranks learn whether any rank failed; all raise the same one-line error if so."""
-        self._raise_first(self._gather(err), prefix)
 
     # -- API ---------------------------------------------------------------------------------------
     def latest(self, skip=()) -> Path | None:
@@ -357,7 +317,7 @@ class CheckpointManager:
                       dcp.FileSystemWriter(tmp, sync_files=True, thread_count=self.writer_threads))
             writer.fs = fs
             faults.hit("save.before_write")
-            with self._quiet(), no_zip_crc32():
+            with loading.quiet(self._dist), no_zip_crc32():
                 dcp.save(job.tensors, storage_writer=writer, no_dist=not self._dist,
                          process_group=group)
             faults.hit("save.dcp_done")
@@ -400,63 +360,16 @@ class CheckpointManager:
 
     def load(self, path: str | os.PathLike, state: dict) -> dict:
         """Collective. Loads checkpoint `path` into `state` in place (tensors via DCP, resharded to
-        this job's layout; non-tensor leaves from JSON) and returns the saved JSON state (trainer_state.json)."""
+        this job's layout; non-tensor leaves from JSON) and returns the saved JSON state
+        (trainer_state.json): loading.py."""
         import_dcp()
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        from hpctrain.checkpoint.safe_load import SafeFileSystemReader, TensorOnlyLoadPlanner
-
         t0 = time.perf_counter()
-        path = Path(path)
-        prefix = f"checkpoint load from {path}"
-        payload = None
-        if self.rank == 0:
-            try:
-                problems, commit, metadata = disk_format.check_checkpoint(path)
-                if problems:
-                    raise CheckpointError("; ".join(problems))
-                json_state = json.loads((path / disk_format.TRAINER_STATE_FILE).read_bytes())
-                values = json.loads((path / disk_format.NONTENSOR_FILE).read_bytes())
-                payload = ("ok", (metadata, json_state, values, commit["files"]))
-            except Exception as e:  # noqa: BLE001
-                payload = ("error", describe(e))
-        status, value = self._bcast(payload)
-        if status == "error":
-            raise CheckpointError(f"{prefix} failed: {value}")
-        metadata, json_state, values, files = value
-
-        # this rank's share of the data checksums, hashed while DCP reads (verify.py)
-        verifier = ShareVerifier(path, files, self.rank, self.world_size)
-        err = None
-        try:  # the target state: agreed before entering DCP's collectives
-            tensors, _ = split_state(state)
-        except Exception as e:  # noqa: BLE001
-            err = failure(e, self.rank)
-        self._agree(err, prefix)
-        try:
-            reader = SafeFileSystemReader(path, metadata=metadata)
-            with self._quiet():
-                dcp.load(tensors, storage_reader=reader, planner=TensorOnlyLoadPlanner(),
-                         no_dist=not self._dist)
-            merge_values(state, values, str(path))
-        except (Exception, CheckpointException) as e:  # noqa: BLE001
-            err = failure(e, self.rank)
-        err = verifier.problem() or err  # a damaged file: named, whatever DCP made of it
+        json_state, verifier = loading.load(self, Path(path), state)
         self.last_verify_s, self.last_verified = verifier.waited_s, verifier.share
-        self._agree(err, prefix)
         self.last_load_s = time.perf_counter() - t0
         return json_state
 
     # -- helpers -----------------------------------------------------------------------------------
-    @contextmanager
-    def _quiet(self):
-        """Without a process group DCP warns that it assumes one process: that is our intent."""
-        with warnings.catch_warnings():
-            if not self._dist:
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            yield
-
     def _discard(self, tmp: Path) -> None:
         """Best-effort removal of a failed save's tmp dir (frees space after ENOSPC)."""
         if self.rank == 0:
