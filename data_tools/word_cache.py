@@ -3,7 +3,8 @@
 Owns: `WordCache` (a batch of texts cut into words by numpy on their UTF-8 bytes, the words
 counted by pyarrow's C++ hash table, each distinct word's ids kept as one uint32 bytes blob and
 gathered per occurrence by numpy: Python touches each distinct word of a batch once; the new
-words go through the library in one call; without pyarrow, one regex pass and one dict lookup
+words go through the library in one call (a Unigram model: our exact numpy Viterbi,
+unigram_viterbi.py); without pyarrow, one regex pass and one dict lookup
 per word), and deciding from a tokenizer.json alone where encoding word by word
 gives exactly the whole text's ids (`word_cuts`), for the tokenizers library's engine
 (`word_cache`: SentencePiece Unigram, WordPiece, WordLevel, BPE behind a whitespace-splitting
@@ -235,20 +236,38 @@ def piece_tokenizer(spec: dict, prepend: bool):
 
 def metaspace_words(tok, spec: dict, prepend: bool):
     """encode_new for a Metaspace (split) file: the new words through the file's normalizer in
-    one call, then all of them through `piece_tokenizer` in one call, its ids cut per word by
-    their word ids."""
+    one call, then the distinct results of a Unigram model through our exact numpy Viterbi
+    (unigram_viterbi.py: the words it covers), the others through `piece_tokenizer` in one call."""
+    from data_tools.unigram_viterbi import UnigramViterbi
+
     normalize = tok.normalizer.normalize_str if tok.normalizer is not None else str
     helper = piece_tokenizer(spec, prepend)
+    fast = UnigramViterbi.from_tokenizer(helper, prepend)
 
     def encode_new(words: list[str]) -> list[bytes]:
         norm = normalized(normalize, words)
-        got = helper.encode(norm, is_pretokenized=True, add_special_tokens=False)
-        ids = np.asarray(got.ids, dtype=np.uint32).tobytes()
-        bounds = (4 * np.searchsorted(np.asarray(got.word_ids, dtype=np.int64),
-                                      np.arange(len(words) + 1))).tolist()
-        return [ids[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        if fast is None:
+            return _pieces_blobs(helper, norm)
+        mine = list(dict.fromkeys(w for w in norm if fast.covers(w)))
+        got = dict(zip(mine, _cut(*fast.encode_words(mine)))) if mine else {}
+        rest = [w for w in norm if w not in got]
+        got.update(zip(rest, _pieces_blobs(helper, rest) if rest else []))
+        return [got[w] for w in norm]
 
     return encode_new
+
+
+def _cut(ids: np.ndarray, bounds: np.ndarray) -> list[bytes]:
+    """uint32 ids cut into one blob per word at `bounds` (len(words) + 1 id indices)."""
+    raw, at = ids.astype(np.uint32).tobytes(), (4 * bounds).tolist()
+    return [raw[a:b] for a, b in zip(at[:-1], at[1:])]
+
+
+def _pieces_blobs(helper, norm: list[str]) -> list[bytes]:
+    """Each normalized word's blob through `piece_tokenizer` (one call, cut by word ids)."""
+    got = helper.encode(norm, is_pretokenized=True, add_special_tokens=False)
+    return _cut(np.asarray(got.ids, dtype=np.uint32),
+                np.searchsorted(np.asarray(got.word_ids, dtype=np.int64), np.arange(len(norm) + 1)))
 
 
 def library_words(tok):
