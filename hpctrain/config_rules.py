@@ -180,8 +180,9 @@ def _validate_sync(s: SyncConfig, p: ParallelConfig) -> None:
                "sync.mode = 'diloco' replicates over dp: use 'ddp', or set sync.replica_nodes for "
                "FSDP inside a replica of nodes")
     _check(s.replica_nodes >= 0, "sync.replica_nodes", f"{s.replica_nodes}: must be >= 0 (0 = off)")
-    _check(s.replica_nodes == 0 or s.mode == "diloco", "sync.replica_nodes",
-           f"forms DiLoCo replicas of nodes: use sync.mode = 'diloco' (not '{s.mode}') or leave it 0")
+    _check(s.replica_nodes == 0 or s.mode in ("diloco", "async_diloco"), "sync.replica_nodes",
+           f"forms DiLoCo / async_diloco replicas of nodes: use sync.mode = 'diloco' or 'async_diloco' "
+           f"(not '{s.mode}') or leave it 0")
     _check(s.replica_nodes == 0 or p.pp == 1, "sync.replica_nodes",
            f"with parallel.pp = {p.pp}: a replica of nodes holds whole models here (pipeline stages "
            f"inside one are not supported yet); use parallel.pp = 1 or leave it 0")
@@ -216,6 +217,9 @@ def _validate_sync(s: SyncConfig, p: ParallelConfig) -> None:
                "'async_diloco' counts replicas from the ranks left after sync.ps_servers (tp x pp "
                "each; FSDP inside a replica is not supported): leave parallel.dp and "
                "parallel.data_parallel at their defaults")
+        _check(s.replica_nodes == 0 or s.compression == "none", "sync.compression",
+               f"'{s.compression}' with sync.replica_nodes (async_diloco across groups of nodes) is "
+               f"not supported yet: use 'none' or leave sync.replica_nodes 0")
     if s.mode == "ps":
         _check(p.tp == 1 and p.pp == 1 and p.dp == 0 and p.data_parallel == "ddp", "sync.mode",
                "'ps' runs one model copy per worker rank: leave parallel.dp/tp/pp and "

@@ -27,6 +27,12 @@ batches, reads the stop flag, takes the arrival lock (every part sees the arriva
 and decides the next round's steps; the others get them from it (one broadcast inside the
 replica, which steps together anyway).
 
+Hierarchical (sync.replica_nodes = R, hpctrain/sync/async_groups.py): a replica is R nodes of
+ranks doing DDP inside (each inner-dp rank trains its slice of every batch its leader claims); the
+servers fill the last group(s) of R nodes (sync.ps_servers a multiple of a group's ranks). Only
+the inner-dp rank 0 of each position touches the windows: it pulls (catch-up) and arrives, then
+broadcasts the new weights and the arrival to its inner-dp peers, which stay bit-identical.
+
 Owns: the round (local steps, start point, arrival, dynamic step count), its metrics and its
 checkpoint entry. With sync.compression = "bf16" | "int8" | "int4" the replica pushes its encoded
 pseudo-gradient and the servers apply it, and it pulls the global model's change since its last
@@ -54,7 +60,7 @@ import torch
 from hpctrain.config import Config
 from hpctrain.distributed import DistContext
 from hpctrain.distributed.mesh import Mesh
-from hpctrain.errors import ConfigError
+from hpctrain.sync.async_groups import ReplicaGroups
 from hpctrain.sync.asynchronous import AsynchronousStrategy, add_into, assign, flat, local_part
 from hpctrain.sync.global_model import GlobalModelWindows
 from hpctrain.sync.inbox import ArrivalInbox
@@ -69,30 +75,26 @@ class AsyncDiLoCo(AsynchronousStrategy):
 
     def __init__(self, cfg: Config, ctx: DistContext, mesh: Mesh, model: torch.nn.Module):
         s = cfg.sync
-        self.positions = mesh.tp_size * mesh.pp_size  # ranks per replica
-        server_groups = _server_groups(s.ps_servers, self.positions, mesh.dp_size)
-        replicas = mesh.dp_size - server_groups
-        super().__init__(ctx, replicas, trains=mesh.dp_rank < replicas)
+        self.groups = g = ReplicaGroups(ctx.comm, mesh, s.ps_servers)
+        self.positions, self.position, self.leader, self.pusher = g.positions, g.position, g.leader, g.pusher
+        super().__init__(ctx, g.replicas, trains=g.trains)
         self.kind, self.inner_steps, self.dynamic = s.outer_optimizer, s.inner_steps, s.local_steps == "dynamic"
         self.catch_up, self.momentum_per_lr = s.catch_up, s.momentum_per_lr
         self.outer = dict(lr=s.outer_lr, mu=s.outer_momentum, replicas=self.n_workers,
                           delay=s.nesterov_delay or self.n_workers)
         self.params = list(model.parameters())
-        self.position = mesh.coord("pp") * mesh.tp_size + mesh.coord("tp")
-        self.leader = self.position == 0
-        self.team = ctx.comm.Split(mesh.dp_rank, self.position)  # the ranks of my replica
-        part = ctx.comm.Split(self.position, mesh.dp_rank)  # my position in every replica, then its servers
-        self.windows = GlobalModelWindows(part, flat(self.params), server_groups, self.n_workers,
-                                          control_comm=ctx.comm, control_host=mesh.dims.rank_of(0, replicas, 0))
+        self.team, self.pushers = g.team, g.pushers  # my replica's ranks; its inner-dp rank 0s
+        self.windows = GlobalModelWindows(g.part, flat(self.params), g.server_groups, self.n_workers,
+                                          control_comm=ctx.comm, control_host=g.control_host)
         self.inbox = None if s.compression == "none" else ArrivalInbox(
-            part, self.windows.servers, self.windows.bounds, self.n_workers, s.compression, s.int8_block,
+            g.part, self.windows.servers, self.windows.bounds, self.n_workers, s.compression, s.int8_block,
             None if s.pull_compression == "same" else s.pull_compression)
         if self.inbox is not None:  # an arrival whose change is the replica's own: no pull
             self.inbox.own_change = OwnChange(self.kind, **self.outer)
             self.inbox.defer_momentum = s.defer_momentum_pull
         self.flags = self.windows
         self.start = flat(self.params)
-        self.replica = mesh.dp_rank if self.trains else -1
+        self.replica = g.replica
         if self.inbox is not None:
             self.inbox.set_views(self.replica, self.start if self.trains else None, held=0)
             if s.error_feedback and self.trains:  # what an encoded push left out rides the next one
@@ -119,11 +121,14 @@ class AsyncDiLoCo(AsynchronousStrategy):
     @property
     def ranks_per_record(self) -> int:
         """A record counts its replica's tokens (MFU against that replica's ranks)."""
-        return self.positions
+        return self.team.size
+
+    def step_loss(self, loss: float) -> float:
+        return self.groups.mean_inside(loss)  # sync.replica_nodes: each inner-dp rank its slice
 
     def _from_leader(self, value):
         """The leader's `value` on every rank of the replica (itself when it is one rank)."""
-        return value if self.positions == 1 else self.team.bcast(value, root=0)
+        return value if self.team.size == 1 else self.team.bcast(value, root=0)
 
     # ---- a replica's step ---------------------------------------------------------------------
     def before_step(self, step: int, stop_aware: bool = True, until: int | None = None) -> bool:
@@ -168,20 +173,21 @@ class AsyncDiLoCo(AsynchronousStrategy):
         arrival lock (an arrival holds it until every part is applied); compressed, once every
         server of the part has applied `arrivals` (later ones may be in too; the next catch-up or
         arrival takes them)."""
-        hold = self.positions > 1 and self.inbox is None
+        hold, theta = self.positions > 1 and self.inbox is None, None
         if hold and self.leader:
             self.windows.hold_arrivals()
         moved = self.windows.bytes_moved
         if self.inbox is not None:
             theta, pulled = self.inbox.pull(self.replica, arrivals, self.start)
             self.windows.bytes_moved += pulled
-        else:
+        elif self.pusher:  # sync.replica_nodes: inner-dp rank 0 pulls, its peers get it from it
             theta = self.windows.pull()
         self.round_pulled += self.windows.bytes_moved - moved
-        if hold:
-            self.team.Barrier()
+        if hold and self.pusher:
+            self.pushers.Barrier()
             if self.leader:
                 self.windows.end_arrival()
+        theta, _ = self.groups.share(theta, 0, len(self.start))
         add_into(self.params, theta - self.start)  # outer.with_updates_since, without a copy back
         self.start = theta
         self.round_caught_up += arrivals - self.last_arrival
@@ -203,16 +209,18 @@ class AsyncDiLoCo(AsynchronousStrategy):
                           final=last)
 
         t0, moved = time.perf_counter(), self.windows.bytes_moved
+        arrival = theta = None
         if self.inbox is not None:
             arrival, theta, pushed = self._arrive_compressed(g, lr_scale, last)
-        elif self.positions == 1:
+        elif self.positions == 1 and self.pusher:
             arrival, theta = self.windows.arrive(g, apply)
-        else:  # every part of the model, in the order the leader's lock gives
+        elif self.pusher:  # every part of the model, in the order the leader's lock gives
             arrival, theta = self.windows.arrive(
-                g, apply, self._from_leader(self.windows.begin_arrival() if self.leader else None))
-            self.team.Barrier()
+                g, apply, self.pushers.bcast(self.windows.begin_arrival() if self.leader else None, root=0))
+            self.pushers.Barrier()
             if self.leader:
                 self.windows.end_arrival()
+        theta, arrival = self.groups.share(theta, arrival, len(g))  # to the inner-dp peers
         arrival_bytes = self.windows.bytes_moved - moved
         if self.inbox is None:
             pushed = arrival_bytes // 2  # theta, momentum, accumulator read, then written back
@@ -285,8 +293,8 @@ class AsyncDiLoCo(AsynchronousStrategy):
         return line
 
     def describe(self) -> str:
-        return (f", sync async_diloco: {self.n_workers} replicas of {self.positions} rank(s), "
-                f"{self.ctx.world_size - self.n_workers * self.positions} servers, {'dynamic' if self.dynamic else 'fixed'} local steps "
+        return (f", sync async_diloco: {self.n_workers} replicas of {self.team.size} rank(s), "
+                f"{self.ctx.world_size - self.n_workers * self.team.size} servers, {'dynamic' if self.dynamic else 'fixed'} local steps "
                 f"(<= {self.inner_steps}), {self._wire()}"
                 f"{', catch-up' if self.catch_up else ''}, H={self.inner_steps} outer={self.kind} "
                 f"lr={self.outer['lr']:g} m={self.outer['mu']:g}")
@@ -384,18 +392,6 @@ class AsyncDiLoCo(AsynchronousStrategy):
         self.windows.free()
         if self.inbox is not None:
             self.inbox.free()
-
-
-def _server_groups(ps_servers: int, positions: int, dp_size: int) -> int:
-    """Server ranks come in groups of one per position of a replica (tp x pp ranks); how many
-    groups, checked against the dp axis (replicas + server groups)."""
-    if ps_servers % positions:
-        raise ConfigError(f"config key 'sync.ps_servers': {ps_servers} server ranks for replicas of "
-                          f"{positions} ranks (parallel.tp x parallel.pp): use a multiple of {positions}")
-    if ps_servers // positions >= dp_size:
-        raise ConfigError(f"config key 'sync.ps_servers': {ps_servers} servers leave no replica among "
-                          f"{dp_size * positions} ranks (run more ranks)")
-    return ps_servers // positions
 
 
 def _local_optim_state(optim) -> dict:

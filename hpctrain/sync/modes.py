@@ -23,8 +23,8 @@ def data_position(cfg: Config, ctx: DistContext, mesh: Mesh):
     if cfg.sync.mode == "async_diloco":  # every replica takes whole claimed batches
         from hpctrain.sync.asynchronous import WorkerPosition, count_workers
 
-        count_workers(cfg, ctx)
-        return WorkerPosition(0, 1)
+        count_workers(cfg, ctx)  # sync.replica_nodes: each inner-dp rank its slice of the batch
+        return WorkerPosition(mesh.dp_rank, mesh.dp_size) if mesh.dims.hierarchical else WorkerPosition(0, 1)
     if mesh.dims.hierarchical:  # sync.replica_nodes: every rank of every replica its own part
         from hpctrain.sync.asynchronous import WorkerPosition
 
