@@ -183,9 +183,6 @@ def _validate_sync(s: SyncConfig, p: ParallelConfig) -> None:
     _check(s.replica_nodes == 0 or s.mode in ("diloco", "async_diloco"), "sync.replica_nodes",
            f"forms DiLoCo / async_diloco replicas of nodes: use sync.mode = 'diloco' or 'async_diloco' "
            f"(not '{s.mode}') or leave it 0")
-    _check(s.replica_nodes == 0 or p.pp == 1, "sync.replica_nodes",
-           f"with parallel.pp = {p.pp}: a replica of nodes holds whole models here (pipeline stages "
-           f"inside one are not supported yet); use parallel.pp = 1 or leave it 0")
     _check(s.compression == "none" or s.mode in ("diloco", "async_diloco"), "sync.compression",
            f"compresses pseudo-gradients, which only sync.mode = 'diloco' or 'async_diloco' send "
            f"(sync.mode = '{s.mode}' would ignore it): leave it 'none'")

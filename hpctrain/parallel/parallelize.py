@@ -85,15 +85,16 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, schedule: str, virtual_stages: 
 
 
 def tied_weight_group(mesh: Mesh) -> dist.ProcessGroup | None:
-    """Process group of {first stage, last stage} ranks at my (dp, tp) coordinate (collective:
-    every rank creates every group)."""
+    """Process group of {first stage, last stage} ranks at my (dp, tp) coordinate in my replica
+    (sync.replica_nodes; else the one replica) (collective: every rank creates every group)."""
     dims, mine = mesh.dims, None
-    for d in range(dims.dp):
-        for k in range(dims.tp):
-            ranks = [dims.rank_of(0, d, k), dims.rank_of(dims.pp - 1, d, k)]
-            group = new_group(ranks)
-            if mesh.rank in ranks:
-                mine = group
+    for r in range(max(1, dims.replicas)):
+        for d in range(dims.dp):
+            for k in range(dims.tp):
+                ranks = [dims.rank_of(0, d, k, r), dims.rank_of(dims.pp - 1, d, k, r)]
+                group = new_group(ranks)
+                if mesh.rank in ranks:
+                    mine = group
     return mine
 
 

@@ -14,7 +14,8 @@ Owns the communication model (ring collectives: an all-reduce of M bytes over p 
   pseudo-gradient once per round of inner_steps (plan/wire.py bytes_sent, on the wire fp32,
   bf16, int8 or int4 + a scale per block), nothing in between. Hierarchical (sync.replica_nodes):
   the dp row is DDP's all-reduce inside a replica of nodes (its own link kind), the "replica" row
-  DiLoCo's rounds between the replicas (inter-node: the thin link).
+  DiLoCo's rounds between the replicas (inter-node: the thin link); with pp > 1 a replica holds
+  pp x dp x tp ranks (each stage's parameters averaged over the replicas at its position).
 - PP (parallel/pipeline.py): each micro-batch's fp32 residual stream (b, s / tp, h) to the next
   stage and its gradient back, per model chunk; the tied embedding / head gradient all-reduced
   between the first and last stage once per step.
@@ -90,6 +91,7 @@ def comm_per_step(shape: ModelShape, job: Job, blocks: int, ckpt_blocks: int, ha
     """Rows (axis, link kind, bytes sent per step by this rank, what moves); an MoE model's
     all-to-all first (ep: plan/moe.py, over the sparse layers among `block_ids`)."""
     ends = int(has_first) + int(has_last)
+    inner_dp = job.dp_size // job.replicas if job.replicas else job.dp_size  # a replica's pp x dp x tp
     dp, what = dp_bytes(shape, job, n_local - moe.held_experts(shape, job, block_ids))
     if moe.held_experts(shape, job, block_ids):  # ep > 1: left out of DDP / FSDP (plan/moe.py)
         dp += moe.replica_grad_bytes(shape, job, block_ids)
@@ -101,9 +103,9 @@ def comm_per_step(shape: ModelShape, job: Job, blocks: int, ckpt_blocks: int, ha
          tp_bytes(shape, job, blocks, ckpt_blocks, ends) + moe.tp_grad_bytes(shape, job, block_ids),
          "sequence-parallel all-gathers + reduce-scatters per block"
          + ", MoE gradients all-reduced" * bool(shape.moe_experts and job.tp > 1)),
-        ("dp", link(job.world // job.replicas if job.replicas else job.tp * job.dp_size, job), dp, what),
+        ("dp", link(job.tp * inner_dp, job), dp, what),
         *([("replica", "inter-node", *diloco_bytes(job, n_local, job.replicas))] if job.replicas else []),
-        ("pp", link(job.tp * job.dp_size * 2, job) if job.pp > 1 else "-",
+        ("pp", link(job.tp * inner_dp * 2, job) if job.pp > 1 else "-",
          pp_bytes(shape, job, has_first, has_last), "activations forward, gradients back"),
     ]
 

@@ -138,9 +138,11 @@ class Job:
         if self.sync_mode == "diloco" and self.data_parallel == "fsdp":
             raise ValueError("--sync-mode diloco: replicas train apart; use --data-parallel ddp")
         if self.replica_nodes and (self.sync_mode != "diloco" or self.replica_nodes < 0
-                                   or self.nodes % self.replica_nodes or self.pp > 1):
+                                   or self.nodes % self.replica_nodes
+                                   or self.replica_nodes * self.gpus_per_node % (self.tp * self.pp)):
             raise ValueError(f"--replica-nodes {self.replica_nodes}: needs --sync-mode diloco, "
-                             f"--pp 1 and a divisor of --nodes {self.nodes}")
+                             f"a divisor of --nodes {self.nodes} and replicas whose ranks tp x pp "
+                             f"= {self.tp * self.pp} divides")
         if self.tokens < shape.block_size + 1:
             raise ValueError(f"--tokens {self.tokens:g} holds no window of block_size+1 tokens")
         for key in ("memory_margin", "mfu"):

@@ -104,7 +104,10 @@ class StreamingDiLoCo(DiLoCo):
     @torch.no_grad()
     def _round(self, f: int, flush: bool) -> None:
         idx = self.fragments[f]
-        if not idx:  # fewer blocks on this rank than fragments
+        if not idx:  # fewer blocks on this rank (pipeline stage) than fragments: nothing to send,
+            if self.cfg.overlap and not flush:  # but the schedule's state (saved from rank 0's
+                self.has_pending[f] = True  # stage) stays the same on every stage: an empty
+                self.arrive_at[f] = self.step + self.cfg.overlap_steps  # average "in flight"
             return
         self.synced_now.append(f)
         self.sending[f] = self._flat_residuals(idx)

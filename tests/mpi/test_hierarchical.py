@@ -122,13 +122,17 @@ def test_fsdp_inside_streaming_int4_across_resumes_bit_exact(tmp_path, dataset):
 
 
 def test_layout_errors_are_one_line(tmp_path, dataset):
-    """3 pretend nodes cannot form replicas of 2; pipeline stages inside a replica are refused."""
+    """3 pretend nodes cannot form replicas of 2; a replica of one 2-rank node cannot hold
+    tp=2 x pp=2 (pipeline stages inside a replica are fine: test_hierarchical_pp.py)."""
     cfg, _ = write_config(tmp_path, dataset, "run", HIER_GPT)
     r = mpirun(3, ["-m", "hpctrain", "train", "--config", cfg, *DILOCO, "--sync.replica_nodes=2"],
                env=ONE_RANK_NODES, timeout=300)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     line = next(x for x in r.stderr.splitlines() if "error:" in x)
     assert "sync.replica_nodes" in line and "3 nodes" in line, r.stderr
-    r = train(1, cfg, *DILOCO, "--sync.replica_nodes=1", "--parallel.pp=2", check=False)
+    r = train(4, cfg, *DILOCO, "--sync.replica_nodes=1", "--parallel.pp=2", "--parallel.tp=2",
+              env=TWO_RANK_NODES, check=False)
     assert r.returncode != 0 and "Traceback" not in r.stderr
-    assert "config key 'sync.replica_nodes'" in r.stderr and "parallel.pp = 2" in r.stderr
+    line = next(x for x in r.stderr.splitlines() if "error:" in x)
+    assert "config key 'sync.replica_nodes': a replica of 2 ranks" in line, r.stderr
+    assert "tp=2 x pp=2" in line, r.stderr

@@ -45,3 +45,17 @@ def test_replica_nodes_must_divide_the_nodes():
     with pytest.raises(ValueError, match="--replica-nodes 1"):
         dataclasses.replace(JOB, replica_nodes=1, sync_mode="sync").check(PRESETS["1b"])
     assert comm.link(16, JOB) == "inter-node"
+
+
+def test_pipeline_stages_inside_a_replica():
+    """2 replicas of 2 nodes, each pp=4 x dp=2 x tp=2: DDP's all-reduce joins a stage's 2 dp
+    ranks (4 consecutive ranks with tp: one node), the stages' neighbours are 4 ranks apart (one
+    node), DiLoCo's rounds send this stage's parameters between the 2 replicas."""
+    got, plan = rows(dataclasses.replace(JOB, replica_nodes=2, pp=4, tp=2))
+    n = plan.mem.local_params  # one stage's tp shard
+    assert plan.job.dp_size == 4 and plan.job.replicas == 2
+    assert got["dp"] == ("intra-node", int(2 * (1 / 2) * 4 * n))
+    assert got["replica"] == ("inter-node", bytes_sent(n, 2, "int4") // 32)
+    assert got["pp"][0] == "intra-node" and got["pp"][1] > 0
+    with pytest.raises(ValueError, match="--replica-nodes 1: .* tp x pp = 16 divides"):
+        dataclasses.replace(JOB, replica_nodes=1, pp=8, tp=2).check(PRESETS["1b"])
