@@ -25,7 +25,8 @@ import numpy as np
 SPACE = 0x2581  # '▁'
 K = 0x110000  # code points: an edge key is parent * K + code point
 DENSE_MAX = 1 << 23  # entries of the dense child table (64 MiB)
-MAX_CHARS = 48  # longer words go to the library (bounds the per-column numpy calls)
+MAX_CHARS = 48  # longer words go to the library (bounds the per-column numpy calls;
+# with the prepended "▁" and the longest piece, an end offset fits the uint8 it is kept in)
 UNK_PENALTY = 10.0  # K_UNK_PENALTY in model.rs
 
 
