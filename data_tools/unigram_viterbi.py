@@ -88,12 +88,21 @@ class UnigramViterbi:
         table[self.keys // K * self.width + self.cls[self.keys % K]] = self.child
         self.table = table
 
-    def _step(self, node: np.ndarray, char: np.ndarray) -> np.ndarray:
-        """Each (node, next character)'s child node, -1 where none."""
+    def _codes(self, chars: np.ndarray, pad: int) -> np.ndarray:
+        """What `_step` takes per character (its class in the dense table, else the code
+        point), `pad` zeros after the text."""
+        if self.table is None:
+            return np.append(chars.astype(np.int64), np.zeros(pad, np.int64))
+        inside = chars < self.cls.size
+        codes = np.zeros(chars.size + pad, dtype=np.int32)
+        codes[:chars.size][inside] = self.cls[chars[inside]]
+        return codes
+
+    def _step(self, node: np.ndarray, code: np.ndarray) -> np.ndarray:
+        """Each (node, next character's code)'s child node, -1 where none."""
         if self.table is not None:
-            c = np.where(char < self.cls.size, self.cls[np.minimum(char, self.cls.size - 1)], 0)
-            return self.table[node * self.width + c]
-        key = node.astype(np.int64) * K + char
+            return self.table[node * self.width + code]
+        key = node.astype(np.int64) * K + code
         i = np.minimum(np.searchsorted(self.keys, key), self.keys.size - 1)
         return np.where(self.keys[i] == key, self.child[i], -1).astype(np.int32)
 
@@ -125,8 +134,8 @@ class UnigramViterbi:
         return chars, np.concatenate([[0], ends])
 
     def _matches(self, chars, starts, lens) -> list:
-        """Per piece length l (1, 2, ...): (start character, end offset in its piece, piece
-        number, score, id) of every vocabulary piece of l characters in the text, each list
+        """Per piece length l (1, 2, ...): (start node, end offset in its piece, score, id) of
+        every vocabulary piece of l characters in the text, each list
         sorted by end offset (the starts are visited by offset, so filtering keeps that order);
         length 1 also holds the unknown where no one-character piece starts."""
         piece = np.repeat(np.arange(starts.size, dtype=np.int32), lens)
@@ -134,24 +143,22 @@ class UnigramViterbi:
         at = perm = np.argsort(offset, kind="stable").astype(np.int32)  # a radix sort
         rem = (lens[piece[at]] - offset[at]).astype(np.int32)  # characters left from each start
         node, out = np.zeros(at.size, dtype=np.int32), []
-        for l in range(1, min(self.max_len, int(lens.max())) + 1):
-            if l > 1:
-                keep = rem >= l
-                at, node, rem = at[keep], node[keep], rem[keep]
-            node = self._step(node, chars[at + (l - 1)])
-            hit = node >= 0
+        width = min(self.max_len, int(lens.max()))
+        codes = self._codes(chars, width)  # padded: a step past a piece's end is masked by rem
+        for l in range(1, width + 1):
+            node = self._step(node, codes[at + (l - 1)])
+            hit = (node >= 0) & (rem >= l)
             at, node, rem = at[hit], node[hit], rem[hit]
             t = self.term[node]
+            is_term = t >= 0
             if l == 1:  # every start: the one-character piece, else the unknown
-                is_term = t >= 0
                 m, tid = perm, np.full(chars.size, -1, dtype=np.int32)
                 score = np.full(chars.size, self.unk_score)
                 tid[at[is_term]], score[at[is_term]] = t[is_term], self.term_score[node[is_term]]
                 tid, score = tid[m], score[m]
             else:
-                is_term = t >= 0
                 m, tid, score = at[is_term], t[is_term], self.term_score[node[is_term]]
-            out.append((m, offset[m] + l, piece[m], score, tid))
+            out.append((m + piece[m], offset[m] + l, score, tid))  # start node, end offset
             if at.size == 0:
                 break
         return out
@@ -170,9 +177,9 @@ class UnigramViterbi:
                 a, b = cuts[l - 1][j], cuts[l - 1][j + 1]
                 if a == b:
                     continue
-                g, _, k, score, tid = (x[a:b] for x in matches[l - 1])
-                cand = best[g + k] + score
-                end = g + k + l
+                start, _, score, tid = (x[a:b] for x in matches[l - 1])
+                cand = best[start] + score
+                end = start + l
                 up = cand > best[end]
                 end = end[up]
                 best[end], back[end], tids[end] = cand[up], l, tid[up]
