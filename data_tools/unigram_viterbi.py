@@ -28,6 +28,7 @@ DENSE_MAX = 1 << 23  # entries of the dense child table (64 MiB)
 MAX_CHARS = 48  # longer words go to the library (bounds the per-column numpy calls;
 # with the prepended "▁" and the longest piece, an end offset fits the uint8 it is kept in)
 UNK_PENALTY = 10.0  # K_UNK_PENALTY in model.rs
+CHUNK = 16384  # words per numpy pass
 
 
 class UnigramViterbi:
@@ -111,7 +112,16 @@ class UnigramViterbi:
 
     def encode_words(self, words: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """The ids of `words` (each `covers`) through Metaspace (split, prepend as built) and the
-        model, and where each word's ids start (len(words) + 1 bounds)."""
+        model, and where each word's ids start (len(words) + 1 bounds); CHUNK words at a time
+        (the allocator then reuses the temporaries: 83.5k words, 0.04 s of page faults less)."""
+        if len(words) > CHUNK:
+            parts = [self._encode(words[i:i + CHUNK]) for i in range(0, len(words), CHUNK)]
+            shift = np.cumsum([0] + [ids.size for ids, _ in parts])
+            bounds = [b[:-1] + s for (_, b), s in zip(parts, shift)] + [shift[-1:]]
+            return np.concatenate([ids for ids, _ in parts]), np.concatenate(bounds)
+        return self._encode(words)
+
+    def _encode(self, words: list[str]) -> tuple[np.ndarray, np.ndarray]:
         chars, word_starts = self._metaspace(words)
         piece = np.zeros(chars.size, bool)
         piece[word_starts[:-1]] = True
@@ -168,8 +178,8 @@ class UnigramViterbi:
         path ends column by column, the candidates of a column by decreasing length (= the
         library's increasing start), a strictly greater score replacing the kept one."""
         best = np.full(starts.size + int(lens.sum()), -np.inf)
-        back = np.zeros(best.size, dtype=np.int64)
-        tids = np.zeros(best.size, dtype=np.int64)
+        back = np.zeros(best.size, dtype=np.int8)  # lengths <= MAX_CHARS + 1
+        tids = np.zeros(best.size, dtype=np.int32)
         best[starts + np.arange(starts.size)] = 0.0
         cuts = [np.searchsorted(m[1], np.arange(int(lens.max()) + 2)) for m in matches]
         for j in range(1, int(lens.max()) + 1):
@@ -187,7 +197,7 @@ class UnigramViterbi:
 
     def _backtrack(self, starts, lens, back, tids):
         total = int(lens.sum())
-        ids, has = np.zeros(total, dtype=np.int64), np.zeros(total, bool)
+        ids, has = np.zeros(total, dtype=np.int32), np.zeros(total, bool)
         k = np.arange(starts.size)
         off = lens.copy()
         while k.size:

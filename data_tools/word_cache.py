@@ -34,6 +34,7 @@ LEFT = "!-~"  # printable ASCII: no normalizer accepted here joins one to the sp
 LEFT_BYTES = (np.arange(256) >= ord("!")) & (np.arange(256) <= ord("~"))  # LEFT as bytes
 ACCEPTED_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Nmt", "Lowercase", "Replace"}
 SPACE_PATTERNS = ({"String": " "}, {"Regex": " {2,}"}, {"Regex": " +"})
+NEW_CHUNK = 16384  # new words encoded per call of the engine
 SEP = "\ue000"  # private use: no accepted normalizer changes it or joins it to a neighbour
 
 
@@ -245,6 +246,9 @@ def metaspace_words(tok, spec: dict, prepend: bool):
     fast = UnigramViterbi.from_tokenizer(helper, prepend)
 
     def encode_new(words: list[str]) -> list[bytes]:
+        if len(words) > NEW_CHUNK:  # smaller temporaries, reused: fewer page faults
+            return [b for i in range(0, len(words), NEW_CHUNK)
+                    for b in encode_new(words[i:i + NEW_CHUNK])]
         norm = normalized(normalize, words)
         if fast is None:
             return _pieces_blobs(helper, norm)
