@@ -214,9 +214,6 @@ def _validate_sync(s: SyncConfig, p: ParallelConfig) -> None:
                "'async_diloco' counts replicas from the ranks left after sync.ps_servers (tp x pp "
                "each; FSDP inside a replica is not supported): leave parallel.dp and "
                "parallel.data_parallel at their defaults")
-        _check(s.replica_nodes == 0 or s.compression == "none", "sync.compression",
-               f"'{s.compression}' with sync.replica_nodes (async_diloco across groups of nodes) is "
-               f"not supported yet: use 'none' or leave sync.replica_nodes 0")
     if s.mode == "ps":
         _check(p.tp == 1 and p.pp == 1 and p.dp == 0 and p.data_parallel == "ddp", "sync.mode",
                "'ps' runs one model copy per worker rank: leave parallel.dp/tp/pp and "

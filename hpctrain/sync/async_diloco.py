@@ -32,6 +32,8 @@ ranks doing DDP inside (each inner-dp rank trains its slice of every batch its l
 servers fill the last group(s) of R nodes (sync.ps_servers a multiple of a group's ranks). Only
 the inner-dp rank 0 of each position touches the windows: it pulls (catch-up) and arrives, then
 broadcasts the new weights and the arrival to its inner-dp peers, which stay bit-identical.
+Compressed, the pushers alone hold the inbox (its communicator is my position's pushers and
+servers): the encoded push / pull, the push residual and the servers' view of a replica are theirs.
 
 Owns: the round (local steps, start point, arrival, dynamic step count), its metrics and its
 checkpoint entry. With sync.compression = "bf16" | "int8" | "int4" the replica pushes its encoded
@@ -86,9 +88,12 @@ class AsyncDiLoCo(AsynchronousStrategy):
         self.team, self.pushers = g.team, g.pushers  # my replica's ranks; its inner-dp rank 0s
         self.windows = GlobalModelWindows(g.part, flat(self.params), g.server_groups, self.n_workers,
                                           control_comm=ctx.comm, control_host=g.control_host)
-        self.inbox = None if s.compression == "none" else ArrivalInbox(
-            g.part, self.windows.servers, self.windows.bounds, self.n_workers, s.compression, s.int8_block,
-            None if s.pull_compression == "same" else s.pull_compression)
+        self.compressed = s.compression != "none"
+        pull_kind = None if s.pull_compression == "same" else s.pull_compression
+        self.wire_kinds = (s.compression, pull_kind or s.compression, s.error_feedback) if self.compressed else None
+        wire = g.wire() if self.compressed else None  # the pushers and servers (None: an inner-dp peer)
+        self.inbox = None if wire is None else ArrivalInbox(
+            wire[0], wire[1], self.windows.bounds, self.n_workers, s.compression, s.int8_block, pull_kind)
         if self.inbox is not None:  # an arrival whose change is the replica's own: no pull
             self.inbox.own_change = OwnChange(self.kind, **self.outer)
             self.inbox.defer_momentum = s.defer_momentum_pull
@@ -173,7 +178,7 @@ class AsyncDiLoCo(AsynchronousStrategy):
         arrival lock (an arrival holds it until every part is applied); compressed, once every
         server of the part has applied `arrivals` (later ones may be in too; the next catch-up or
         arrival takes them)."""
-        hold, theta = self.positions > 1 and self.inbox is None, None
+        hold, theta = self.positions > 1 and not self.compressed, None
         if hold and self.leader:
             self.windows.hold_arrivals()
         moved = self.windows.bytes_moved
@@ -210,7 +215,7 @@ class AsyncDiLoCo(AsynchronousStrategy):
 
         t0, moved = time.perf_counter(), self.windows.bytes_moved
         arrival = theta = None
-        if self.inbox is not None:
+        if self.compressed:
             arrival, theta, pushed = self._arrive_compressed(g, lr_scale, last)
         elif self.positions == 1 and self.pusher:
             arrival, theta = self.windows.arrive(g, apply)
@@ -222,7 +227,7 @@ class AsyncDiLoCo(AsynchronousStrategy):
                 self.windows.end_arrival()
         theta, arrival = self.groups.share(theta, arrival, len(g))  # to the inner-dp peers
         arrival_bytes = self.windows.bytes_moved - moved
-        if self.inbox is None:
+        if not self.compressed:
             pushed = arrival_bytes // 2  # theta, momentum, accumulator read, then written back
         arrive_s = time.perf_counter() - t0
         assign(self.params, theta)  # the replica goes on from the global model
@@ -248,6 +253,8 @@ class AsyncDiLoCo(AsynchronousStrategy):
         """Post the encoded pseudo-gradient, pull the change once applied; (arrival, theta, bytes
         pushed). `last`: no pull, theta = my weights (on resume, my view: nothing counted twice)."""
         arrival = self._from_leader(self.windows.count_arrival() if self.leader else None)
+        if self.inbox is None:  # sync.replica_nodes: an inner-dp peer gets theta from its pusher
+            return arrival, None, 0
         pushed = self.inbox.post(self.replica, arrival, g, lr_scale, final=last)
         if last:
             self.inbox.wait_applied(arrival)
@@ -301,8 +308,8 @@ class AsyncDiLoCo(AsynchronousStrategy):
 
     def _wire(self) -> str:
         """The wire formats, as describe() names them: 'int8 pushes' or 'int8 pushes, int4 pulls'."""
-        kinds = (self.inbox.kind, self.inbox.pull_kind) if self.inbox else ("fp32", "fp32")
-        feedback = " with error feedback" if self.inbox and self.inbox.push_residual is not None else ""
+        push, pull, feedback = self.wire_kinds or ("fp32", "fp32", False)
+        kinds, feedback = (push, pull), " with error feedback" if feedback else ""
         return f"{kinds[0]} pushes{feedback}" + ("" if kinds[1] == kinds[0] else f", {kinds[1]} pulls")
 
     # ---- the end of training, checkpoints --------------------------------------------------------
@@ -312,7 +319,7 @@ class AsyncDiLoCo(AsynchronousStrategy):
         self.pending = {}
         if self._finished and self.trains and self.round_steps > 0:
             self._arrive(last=True)  # the last, partial round: the global model holds all work
-        if self._finished and self.inbox is not None:  # servers apply those last arrivals
+        if self._finished and self.compressed:  # servers apply those last arrivals
             done = self.ctx.comm.Ibarrier()
             while not done.Test():
                 self.serve()

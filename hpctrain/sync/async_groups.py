@@ -10,7 +10,8 @@ of every batch its replica claims). The servers are the last blocks: sync.ps_ser
 whole number of blocks (R nodes each), so a site of server nodes sits beside the training sites
 and every replica crosses the thin link to reach it. Only the inner-dp rank 0 of each (pp, tp)
 position (a "pusher") pushes / pulls through the servers' windows; it broadcasts the new weights
-and the arrival count to its inner-dp peers, which therefore hold bit-identical weights.
+and the arrival count to its inner-dp peers, which therefore hold bit-identical weights. With
+sync.compression the inbox lives on the pushers and servers alone (`wire`).
 """
 from __future__ import annotations
 
@@ -51,6 +52,18 @@ class ReplicaGroups:
         self.inner = comm.Split(index * self.positions + self.position, inner_rank) \
             if dims.hierarchical else None
         self.part = comm.Split(self.position, comm.rank)  # replicas' ranks first, then the servers
+
+    def wire(self) -> tuple | None:
+        """Collective over `part`: the compressed inbox's communicator (my position's pushers,
+        replica r at rank r, then its servers) and the servers' ranks in it; None on an inner-dp
+        peer (it gets its weights from its pusher). `part` itself in the flat layout."""
+        comm = self.part
+        if self.inner is not None:
+            comm = self.part.Split(0 if self.pusher else MPI.UNDEFINED, self.part.rank)
+            if comm == MPI.COMM_NULL:
+                return None
+        n = self.server_groups
+        return comm, list(range(comm.size - n, comm.size))
 
     @property
     def inner_size(self) -> int:
