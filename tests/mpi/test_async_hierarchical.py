@@ -32,6 +32,18 @@ def model_at(run, step: int) -> dict:
     return state
 
 
+def assert_step_4_resumes_bit_exact(run_b, cfg_c, run_c, hier) -> None:
+    """run_c = run_b at its step-4 checkpoint, resumed on 4 ranks (2-rank nodes): steps 5..8 and
+    the final global model bit for bit as run_b's."""
+    copy_run_at(run_b, run_c, 4)
+    r = train(4, cfg_c, *hier, env=TWO_RANK_NODES)
+    assert "resumed from" in r.stderr and "step_00000004" in r.stderr
+    b, c = losses(run_b), losses(run_c)
+    assert [c[s] for s in range(5, 9)] == [b[s] for s in range(5, 9)], (b, c)  # bit-identical
+    mb, mc = model_at(run_b, 8)["model"], model_at(run_c, 8)["model"]
+    assert sorted(mb) == sorted(mc) and mb and all(torch.equal(mb[k], mc[k]) for k in mb)
+
+
 def test_one_replica_of_two_ranks_equals_the_flat_run_and_resumes_bit_exact(tmp_path, dataset):
     """1 replica of one 2-rank node (DDP, 2 sequences each) + 2 servers vs 1 one-rank replica (4
     sequences) + 1 server: the same batches, the same rounds, the same outer Nesterov steps; the
@@ -49,13 +61,7 @@ def test_one_replica_of_two_ranks_equals_the_flat_run_and_resumes_bit_exact(tmp_
     gap = max(abs(a[s] - b[s]) for s in a)
     print("flat vs hierarchical, max loss gap:", gap)
     assert gap <= 1e-5, (gap, a, b)
-    copy_run_at(run_b, run_c, 4)
-    r = train(4, cfg_c, *hier, env=TWO_RANK_NODES)
-    assert "resumed from" in r.stderr and "step_00000004" in r.stderr
-    c = losses(run_c)
-    assert [c[s] for s in range(5, 9)] == [b[s] for s in range(5, 9)], (b, c)  # bit-identical
-    mb, mc = model_at(run_b, 8)["model"], model_at(run_c, 8)["model"]
-    assert sorted(mb) == sorted(mc) and mb and all(torch.equal(mb[k], mc[k]) for k in mb)
+    assert_step_4_resumes_bit_exact(run_b, cfg_c, run_c, hier)
 
 
 def int8_push_bytes(n: int, servers: int, block: int = 256) -> int:
@@ -90,13 +96,7 @@ def test_int8_pushes_with_error_feedback_across_groups_equal_the_flat_run_and_re
     assert n < int8_push_bytes(n, 2) < 1.1 * n  # ~1 byte per parameter, not 4
     pulls = [rec["pulled_bytes"] for rec in arrivals]  # 4 full rounds: each pulls the change back
     assert pulls == [int8_push_bytes(n, 2)] * 4, pulls
-    copy_run_at(run_b, run_c, 4)
-    r = train(4, cfg_c, *hier, env=TWO_RANK_NODES)
-    assert "resumed from" in r.stderr and "step_00000004" in r.stderr
-    c = losses(run_c)
-    assert [c[s] for s in range(5, 9)] == [b[s] for s in range(5, 9)], (b, c)  # bit-identical
-    mb, mc = model_at(run_b, 8)["model"], model_at(run_c, 8)["model"]
-    assert sorted(mb) == sorted(mc) and mb and all(torch.equal(mb[k], mc[k]) for k in mb)
+    assert_step_4_resumes_bit_exact(run_b, cfg_c, run_c, hier)
     assert model_at(run_b, 4)["sync"]["replica"]["0"]["push_residual"].abs().max() > 0
 
 

@@ -96,18 +96,16 @@ FSDP_STREAMING = [*DILOCO, "--sync.replica_nodes=1", "--parallel.data_parallel=f
                   "--train.steps=12", "--checkpoint.interval=6"]
 
 
-def test_fsdp_inside_streaming_int4_across_resumes_bit_exact(tmp_path, dataset):
-    """FSDP over each node's 2 ranks, Streaming DiLoCo int4 across the 2 nodes; the straight run's
-    checkpoint of step 6 (fragment 1 sent at step 6, merged after step 7: in flight at it) resumed
-    in a copy: steps 7..12 bit for bit as the straight run. A checkpoint of replicas of nodes is
-    refused by another layout, naming the key."""
+def assert_step_6_resumes_bit_exact(tmp_path, dataset, overrides):
+    """A 12-step run of 2 replicas of 2-rank nodes and its copy resumed from its step-6 checkpoint
+    (a hierarchical sync state): steps 7..12, val losses and comm bytes bit for bit. The copy's config."""
     cfg_a, run_a = write_config(tmp_path, dataset, "straight", HIER_GPT)
     cfg_b, run_b = write_config(tmp_path, dataset, "resumed", HIER_GPT)
-    train(4, cfg_a, *FSDP_STREAMING, env=TWO_RANK_NODES)
+    train(4, cfg_a, *overrides, env=TWO_RANK_NODES)
     copy_run_at(run_a, run_b, 6)  # the straight run at its step-6 checkpoint
     state = json.loads((run_b / "checkpoints/step_00000006/trainer_state.json").read_text())["sync"]
     assert state["replicas"] == 2 and state["hierarchical"] is True
-    r = train(4, cfg_b, *FSDP_STREAMING, env=TWO_RANK_NODES)
+    r = train(4, cfg_b, *overrides, env=TWO_RANK_NODES)
     assert "resumed from" in r.stderr and "step_00000006" in r.stderr
     a, b = losses(run_a), losses(run_b)
     assert sorted(b) == list(range(1, 13)) and a[12] < a[1] - 0.1
@@ -115,6 +113,15 @@ def test_fsdp_inside_streaming_int4_across_resumes_bit_exact(tmp_path, dataset):
         assert a[step] == b[step], f"step {step}: {a[step]!r} != {b[step]!r}"  # bit-identical
     assert losses(run_a, "val_loss") == losses(run_b, "val_loss")
     assert losses(run_a, "comm_bytes") == losses(run_b, "comm_bytes")
+    return cfg_b
+
+
+def test_fsdp_inside_streaming_int4_across_resumes_bit_exact(tmp_path, dataset):
+    """FSDP over each node's 2 ranks, Streaming DiLoCo int4 across the 2 nodes; the straight run's
+    checkpoint of step 6 (fragment 1 sent at step 6, merged after step 7: in flight at it) resumed
+    in a copy: steps 7..12 bit for bit as the straight run. A checkpoint of replicas of nodes is
+    refused by another layout, naming the key."""
+    cfg_b = assert_step_6_resumes_bit_exact(tmp_path, dataset, FSDP_STREAMING)
     r = train(2, cfg_b, *FSDP_STREAMING, "--sync.replica_nodes=2", "--train.steps=14",
               env=ONE_RANK_NODES, check=False)  # 1 replica of 2 one-rank nodes
     assert r.returncode != 0 and "Traceback" not in r.stderr

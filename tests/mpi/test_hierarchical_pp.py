@@ -4,13 +4,13 @@ replica = one node = 2 pipeline stages, DiLoCo across the 2 replicas, each stage
 the same stage of the other replica. The H = 1 anchor (= DDP x PP over every rank), which ranks
 each collective joins, the replicas apart between rounds and equal after them, and exact resume
 with Streaming DiLoCo (fragments by blocks: one block per stage)."""
-import json
 
 import pytest
 
 from tests.conftest import losses
-from tests.helpers import assert_equal_runs, copy_run_at, train, write_config
-from tests.mpi.test_hierarchical import DILOCO, HIER_GPT, TWO_RANK_NODES, probe
+from tests.helpers import assert_equal_runs, train, write_config
+from tests.mpi.test_hierarchical import (DILOCO, HIER_GPT, TWO_RANK_NODES, assert_step_6_resumes_bit_exact,
+                                         probe)
 
 pytestmark = pytest.mark.mpi
 
@@ -64,17 +64,4 @@ def test_streaming_across_stages_resumes_bit_exact(tmp_path, dataset):
     stage 0; fragment 1 = block 1 + the head, all on stage 1: each stage holds one fragment and
     none of the other) resumed from the step-6 checkpoint, whose JSON state is rank 0's (stage
     0's), while fragment 1 is in flight on stage 1: steps 7..12 bit for bit."""
-    cfg_a, run_a = write_config(tmp_path, dataset, "straight", HIER_GPT)
-    cfg_b, run_b = write_config(tmp_path, dataset, "resumed", HIER_GPT)
-    train(4, cfg_a, *STREAMING_PP, env=TWO_RANK_NODES)
-    copy_run_at(run_a, run_b, 6)
-    state = json.loads((run_b / "checkpoints/step_00000006/trainer_state.json").read_text())["sync"]
-    assert state["replicas"] == 2 and state["hierarchical"] is True
-    r = train(4, cfg_b, *STREAMING_PP, env=TWO_RANK_NODES)
-    assert "resumed from" in r.stderr and "step_00000006" in r.stderr
-    a, b = losses(run_a), losses(run_b)
-    assert sorted(b) == list(range(1, 13)) and a[12] < a[1] - 0.1
-    for step in range(7, 13):
-        assert a[step] == b[step], f"step {step}: {a[step]!r} != {b[step]!r}"  # bit-identical
-    assert losses(run_a, "val_loss") == losses(run_b, "val_loss")
-    assert losses(run_a, "comm_bytes") == losses(run_b, "comm_bytes")
+    assert_step_6_resumes_bit_exact(tmp_path, dataset, STREAMING_PP)
