@@ -44,7 +44,8 @@ def _wheel_mpi_failure(logs: str) -> bool:
     """A cut PMI line, and a launch (the first or a relaunch after a node loss) that never got to
     its `training:` line while the test waited, or one of the wheel's MPI failures."""
     launches = 1 + len(re.findall(r"\[train\.sbatch\] node \S+ lost: .*relaunching", logs))
-    hung_in_init = "timed out waiting for" in logs and logs.count("\ntraining: ") < launches
+    waited = "timed out waiting for" in logs or "not finished after" in logs  # wait_for / Jobs.wait
+    hung_in_init = waited and logs.count("\ntraining: ") < launches
     return PMI2_FLAKE in logs and (hung_in_init or any(m in logs for m in WHEEL_MPI_FAILURES))
 
 
@@ -346,6 +347,9 @@ def test_node_dies_survivors_name_it_and_training_resumes_on_the_rest(vcluster, 
         fast_from_the_next_run(faults)
         vjobs.wait_for(lambda: "node3 lost" in out.read_text(), "the verdict", timeout=60, job_id=jid)
         detected = time.monotonic() - t_kill
+        # a relaunch hung in MPI_Init on a cut PMI line is told in 2 minutes, not the job's 5
+        vjobs.wait_for(lambda: out.read_text().count("\ntraining: ") >= 2, "the relaunch's start",
+                       timeout=120, job_id=jid)
         (rec,) = vjobs.wait(jid, timeout=300)
     finally:
         vcluster.boot_node("node3")
