@@ -210,10 +210,12 @@ def _validate_sync(s: SyncConfig, p: ParallelConfig) -> None:
            "sync.momentum_per_lr", "applies to sync.mode = 'async_diloco' with sync.outer_optimizer = "
            "'delayed_nesterov' only: leave it false")
     if s.mode == "async_diloco":
-        _check(p.dp == 0 and p.data_parallel == "ddp", "sync.mode",
+        _check(p.dp == 0, "sync.mode",
                "'async_diloco' counts replicas from the ranks left after sync.ps_servers (tp x pp "
-               "each; FSDP inside a replica is not supported): leave parallel.dp and "
-               "parallel.data_parallel at their defaults")
+               "each, or sync.replica_nodes nodes each): leave parallel.dp at its default")
+        _check(p.data_parallel == "ddp" or s.replica_nodes > 0, "parallel.data_parallel",
+               "'fsdp' with sync.mode = 'async_diloco' shards a replica of nodes: set "
+               "sync.replica_nodes (FSDP inside each group of nodes), or use 'ddp'")
     if s.mode == "ps":
         _check(p.tp == 1 and p.pp == 1 and p.dp == 0 and p.data_parallel == "ddp", "sync.mode",
                "'ps' runs one model copy per worker rank: leave parallel.dp/tp/pp and "

@@ -359,8 +359,10 @@ class SyncConfig:
     replica_nodes: int = field(default=0, metadata={
         "help": "diloco: nodes per replica (hierarchical layout): DDP or FSDP (parallel.data_parallel) "
                 "inside each group of this many nodes, DiLoCo across the groups between corresponding "
-                "ranks; async_diloco: DDP inside each group, async_diloco across them, the servers "
-                "(sync.ps_servers: a whole number of groups) on the last group(s); 0 = a replica is "
+                "ranks; async_diloco: DDP or FSDP inside each group, async_diloco across them, the "
+                "servers (sync.ps_servers: a whole number of groups) on the last group(s); with FSDP "
+                "every rank pushes / pulls its own shard to the server rank at its place in the "
+                "server group (the global model is sharded like the replicas); 0 = a replica is "
                 "one dp rank's tp x pp group (nodes: the launcher's, or HPCTRAIN_RANKS_PER_NODE's)"})
     ps_servers: int = field(default=1, metadata={
         "help": "ps / async_diloco: ranks that hold the parameters (the last ones); the others "

@@ -34,6 +34,12 @@ the inner-dp rank 0 of each position touches the windows: it pulls (catch-up) an
 broadcasts the new weights and the arrival to its inner-dp peers, which stay bit-identical.
 Compressed, the pushers alone hold the inbox (its communicator is my position's pushers and
 servers): the encoded push / pull, the push residual and the servers' view of a replica are theirs.
+With FSDP inside (parallel.data_parallel = "fsdp") every rank holds one shard and is the pusher of
+it: a part of the model is a (position, shard) pair with its own windows (and inbox), served by the
+server rank at the same place in the server group, so the global model is sharded like the
+replicas; nothing is broadcast inside the replica, the leader still claims, reads the stop flag,
+holds the arrival lock and decides the round's steps. An arrival record's bytes are the leader's
+part's (as with tp / pp positions).
 
 Owns: the round (local steps, start point, arrival, dynamic step count) and its metrics; its
 checkpoint entry is hpctrain/sync/async_state.py. With sync.compression = "bf16" | "int8" | "int4" the replica pushes its encoded
@@ -80,6 +86,7 @@ class AsyncDiLoCo(AsyncCheckpoint, AsynchronousStrategy):
         s = cfg.sync
         self.groups = g = ReplicaGroups(ctx.comm, mesh, s.ps_servers)
         self.positions, self.position, self.leader, self.pusher = g.positions, g.position, g.leader, g.pusher
+        self.parts = g.parts  # windows per replica: positions, x inner-dp shards with FSDP inside
         super().__init__(ctx, g.replicas, trains=g.trains)
         self.kind, self.inner_steps, self.dynamic = s.outer_optimizer, s.inner_steps, s.local_steps == "dynamic"
         self.catch_up, self.momentum_per_lr = s.catch_up, s.momentum_per_lr
@@ -87,7 +94,7 @@ class AsyncDiLoCo(AsyncCheckpoint, AsynchronousStrategy):
                           delay=s.nesterov_delay or self.n_workers)
         self.params = list(model.parameters())
         self.team, self.pushers = g.team, g.pushers  # my replica's ranks; its inner-dp rank 0s
-        self.windows = GlobalModelWindows(g.part, flat(self.params), g.server_groups, self.n_workers,
+        self.windows = GlobalModelWindows(g.part_comm, flat(self.params), g.server_groups, self.n_workers,
                                           control_comm=ctx.comm, control_host=g.control_host)
         self.compressed = s.compression != "none"
         pull_kind = None if s.pull_compression == "same" else s.pull_compression
@@ -106,8 +113,8 @@ class AsyncDiLoCo(AsyncCheckpoint, AsynchronousStrategy):
             if s.error_feedback and self.trains:  # what an encoded push left out rides the next one
                 self.inbox.push_residual = np.zeros_like(self.start)
         self.round_pulled = 0  # bytes pulled this round before the arrival (catch-ups)
-        # checkpoint keys of what differs by position (each rank's part of the model)
-        part = "" if self.positions == 1 else f"_{self.position}"
+        # checkpoint keys of what differs by part (each rank's part of the model: position, shard)
+        part = "" if self.parts == 1 else f"_{g.part}"
         self.state_key, self.outer_key = f"{self.replica}{part}", f"outer{part}"
         self.steps_this_round, self.round_steps = self.inner_steps, 0
         self.claimed, self.last_arrival, self.arrivals_seen = -1, 0, 0
@@ -179,7 +186,7 @@ class AsyncDiLoCo(AsyncCheckpoint, AsynchronousStrategy):
         arrival lock (an arrival holds it until every part is applied); compressed, once every
         server of the part has applied `arrivals` (later ones may be in too; the next catch-up or
         arrival takes them)."""
-        hold, theta = self.positions > 1 and not self.compressed, None
+        hold, theta = self.parts > 1 and not self.compressed, None
         if hold and self.leader:
             self.windows.hold_arrivals()
         moved = self.windows.bytes_moved
@@ -218,7 +225,7 @@ class AsyncDiLoCo(AsyncCheckpoint, AsynchronousStrategy):
         arrival = theta = None
         if self.compressed:
             arrival, theta, pushed = self._arrive_compressed(g, lr_scale, last)
-        elif self.positions == 1 and self.pusher:
+        elif self.parts == 1 and self.pusher:
             arrival, theta = self.windows.arrive(g, apply)
         elif self.pusher:  # every part of the model, in the order the leader's lock gives
             arrival, theta = self.windows.arrive(

@@ -12,6 +12,17 @@ and every replica crosses the thin link to reach it. Only the inner-dp rank 0 of
 position (a "pusher") pushes / pulls through the servers' windows; it broadcasts the new weights
 and the arrival count to its inner-dp peers, which therefore hold bit-identical weights. With
 sync.compression the inbox lives on the pushers and servers alone (`wire`).
+
+FSDP inside (parallel.data_parallel = "fsdp", hierarchical only): each inner-dp rank holds only its
+shard, so every rank of a replica is a pusher of its own shard: a "part" of the model is then a
+(position, shard) pair, not a position. Its windows are served by the server ranks at the same
+(position, inner-dp index) of the server group(s), whose model is sharded like the replicas' (the
+servers build the same layout), so server rank i of a group holds the windows of shard i and the
+global model is sharded like the replicas. Nothing is broadcast inside a replica (`share` is the
+identity); the leader (the replica's first rank) still claims batches, reads the stop flag, holds
+the arrival lock and decides the round's steps. With sync.compression each shard's pushes and
+pulls (and their error feedback) are those of one more part: the inbox of each part is its
+replicas' ranks of that part and its servers.
 """
 from __future__ import annotations
 
@@ -23,19 +34,22 @@ from hpctrain.errors import ConfigError
 
 
 class ReplicaGroups:
-    """This rank's place: trains, replica (-1 on servers), position, leader, pusher; comms team
-    (my replica's ranks, leader first), pushers (my replica's inner-dp rank 0 of each position),
-    inner (my inner-dp peers, pusher first), part (my position everywhere, servers last)."""
+    """This rank's place: trains, replica (-1 on servers), position, part (its index: the position,
+    with FSDP inside (position, shard)), leader, pusher; comms team (my replica's ranks, leader
+    first), pushers (my replica's inner-dp rank 0 of each position; with FSDP all its ranks),
+    inner (my inner-dp peers, pusher first), part_comm (my part everywhere, servers last)."""
 
     def __init__(self, comm, mesh: Mesh, ps_servers: int):
         self.positions = mesh.tp_size * mesh.pp_size
         self.position = mesh.coord("pp") * mesh.tp_size + mesh.coord("tp")
         dims = mesh.dims
+        self.sharded = dims.hierarchical and dims.fsdp  # FSDP inside: a part per (position, shard)
+        shards = mesh.dp_size if self.sharded else 1
         if dims.hierarchical:
             block = self.positions * mesh.dp_size  # ranks per replica of nodes
             servers = _server_blocks(ps_servers, block, dims.replicas)  # whole replicas of nodes
             index, inner_rank = mesh.coord("replica"), mesh.dp_rank
-            self.server_groups = servers * mesh.dp_size  # server ranks per position
+            self.server_groups = servers * mesh.dp_size // shards  # server ranks per part
             self.replicas = dims.replicas - servers
             self.control_host = dims.rank_of(0, 0, 0, replica=self.replicas)
         else:
@@ -45,21 +59,24 @@ class ReplicaGroups:
             self.control_host = dims.rank_of(0, self.replicas, 0)
         self.trains = index < self.replicas
         self.replica = index if self.trains else -1
-        self.pusher = inner_rank == 0 or not self.trains
-        self.leader = self.pusher and self.position == 0
+        self.parts = self.positions * shards
+        self.part = self.position * shards + (inner_rank if self.sharded else 0)
+        self.pusher = inner_rank == 0 or not self.trains or self.sharded
+        self.leader = self.pusher and self.position == 0 and (inner_rank == 0 or not self.sharded)
         self.team = comm.Split(index, comm.rank)
         self.pushers = comm.Split(2 * index + (0 if self.pusher else 1), comm.rank)
         self.inner = comm.Split(index * self.positions + self.position, inner_rank) \
             if dims.hierarchical else None
-        self.part = comm.Split(self.position, comm.rank)  # replicas' ranks first, then the servers
+        self.part_comm = comm.Split(self.part, comm.rank)  # replicas' ranks first, then the servers
 
     def wire(self) -> tuple | None:
-        """Collective over `part`: the compressed inbox's communicator (my position's pushers,
+        """Collective over `part_comm`: the compressed inbox's communicator (my position's pushers,
         replica r at rank r, then its servers) and the servers' ranks in it; None on an inner-dp
-        peer (it gets its weights from its pusher). `part` itself in the flat layout."""
-        comm = self.part
-        if self.inner is not None:
-            comm = self.part.Split(0 if self.pusher else MPI.UNDEFINED, self.part.rank)
+        peer (it gets its weights from its pusher). `part_comm` itself in the flat layout and with
+        FSDP inside (every rank pushes its shard)."""
+        comm = self.part_comm
+        if self.inner is not None and not self.sharded:
+            comm = self.part_comm.Split(0 if self.pusher else MPI.UNDEFINED, self.part_comm.rank)
             if comm == MPI.COMM_NULL:
                 return None
         n = self.server_groups
@@ -70,8 +87,9 @@ class ReplicaGroups:
         return 1 if self.inner is None else self.inner.size
 
     def share(self, theta: np.ndarray | None, arrival: int, n: int) -> tuple[np.ndarray, int]:
-        """The pusher's (theta, arrival) on each of its inner-dp peers (itself when alone)."""
-        if self.inner_size == 1:
+        """The pusher's (theta, arrival) on each of its inner-dp peers (itself when alone; with
+        FSDP inside every rank pulled its own shard)."""
+        if self.inner_size == 1 or self.sharded:
             return theta, arrival
         theta = np.ascontiguousarray(theta, dtype=np.float32) if self.pusher else np.empty(n, dtype=np.float32)
         self.inner.Bcast([theta, MPI.FLOAT], root=0)

@@ -127,17 +127,18 @@ def test_two_replicas_equal_inside_apart_between_rounds_every_batch_once(tmp_pat
 
 
 def test_layouts_that_do_not_fit_fail_with_one_line(tmp_path, dataset):
-    """Servers that do not fill whole groups of nodes and FSDP inside an async replica: one line
-    naming the key, no traceback."""
+    """Servers that do not fill whole groups of nodes, and FSDP without replicas of nodes (a flat
+    async replica is one dp rank: nothing to shard; FSDP inside a replica of nodes:
+    test_async_hierarchical_fsdp.py): one line naming the key, no traceback."""
     cfg, _ = write_config(tmp_path, dataset, "run", HIER_GPT)
     r = train(4, cfg, *ASYNC, "--sync.replica_nodes=1", "--sync.ps_servers=1", env=TWO_RANK_NODES, check=False)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     line = next(x for x in r.stderr.splitlines() if "error:" in x)
     assert "config key 'sync.ps_servers'" in line and "whole groups of nodes (2 ranks each)" in line, r.stderr
-    r = train(1, cfg, *HIER, "--parallel.data_parallel=fsdp", check=False)
+    r = train(1, cfg, *ASYNC, "--parallel.data_parallel=fsdp", check=False)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     line = next(x for x in r.stderr.splitlines() if "error:" in x)
-    assert "parallel.data_parallel" in line, r.stderr
+    assert "config key 'parallel.data_parallel'" in line and "set sync.replica_nodes" in line, r.stderr
 
 
 def test_pipeline_stages_inside_a_replica_equal_the_flat_run(tmp_path, dataset):

@@ -88,6 +88,7 @@ def test_roundtrip_escapes_strings(toml, tmp_path, run_dir):
       "--sync.defer_momentum_pull=true"], "sync.defer_momentum_pull"),  # no momentum step to defer
     (["--sync.staleness=-2"], "sync.staleness"),
     (["--sync.mode=diloco", "--parallel.data_parallel=fsdp"], "parallel.data_parallel"),
+    (["--sync.mode=async_diloco", "--parallel.data_parallel=fsdp"], "parallel.data_parallel"),  # flat
     (["--sync.mode=ps", "--parallel.tp=2"], "sync.mode"),
     (["--train.optimizer=lion"], "train.optimizer"),
     (["--dist.grad_allreduce=topk"], "dist.grad_allreduce"),
