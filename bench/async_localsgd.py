@@ -3,7 +3,7 @@
 Run:  python bench/async_localsgd.py [--data data/shakespeare_bytes] [--steps 240] [--plot PNG]
           [--replicas 2] [--compute-sleep 0] [--compression none|bf16|int8|int4]
           [--pull-compression same|bf16|int8|int4] [--defer-momentum-pull]
-          [--async-compression same|bf16|int8|int4] [--push-error-feedback]
+          [--async-compression same|bf16|int8|int4] [--push-error-feedback] [--keep DIR]
 
 Two replicas train the demo GPT (128 wide, block 128, 0.8M parameters) on byte-level Shakespeare;
 rank 1 computes `--slow`x slower (the test fault slow_factor in HPCTRAIN_TEST_FAULTS: it sleeps
@@ -21,8 +21,9 @@ of 2 x 8 sequences; the asynchronous modes claim 2 x --steps batches of 8 sequen
 Each run saves checkpoints at 8 points; afterwards each checkpoint's global model is scored on the
 same held-out windows, giving validation loss against wall time (from launch to the checkpoint's
 commit). Prints the final loss, the wall time, the bytes rank 0 moved for synchronization
-(`comm_bytes`), and the wall time at which each mode first reaches
-synchronous DiLoCo's final loss; then the equal-speed check (sync DiLoCo vs async DN+DyLU at slow 1);
+(`comm_bytes`), the wall time at which each mode first reaches
+synchronous DiLoCo's final loss and the seconds its checkpoint writes took (the 8 checkpoints that
+draw the curves; the ratio is printed with and without them: start-up, meetings and arrivals stay in); then the equal-speed check (sync DiLoCo vs async DN+DyLU at slow 1);
 last, async DN+DyLU's bytes per token over sync DiLoCo's, both as rank 0's bytes sent + received,
 per token of the whole run and per token rank 0 itself trained
 (sync DiLoCo's comm_bytes counts the sent half of its symmetric average; with --compression the
@@ -34,8 +35,10 @@ owed to the next pull: sync.defer_momentum_pull).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -57,6 +60,7 @@ from hpctrain.export import load_model_state  # noqa: E402
 from hpctrain.model import build_model_from_section  # noqa: E402
 
 ASYNC = ["--sync.mode=async_diloco", "--sync.ps_servers=1"]
+SAVE_LINE = re.compile(r"checkpoint: step (\d+) -> \S+ \((\d+\.\d+)s\)")  # rank 0's log line per save
 
 
 def modes(h: int, n: int = 2, compression: str = "none", pulls: str = "same",
@@ -105,16 +109,17 @@ def train(name: str, ranks: int, extra: list[str], args, tmp: Path, slow: float)
     if r.returncode:
         sys.exit(f"{name} failed:\n{r.stderr[-3000:]}")
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    saves = {int(step): float(s) for step, s in SAVE_LINE.findall(r.stdout + r.stderr)}
     arrivals = [r for r in recs if "pushed_bytes" in r]  # rank 0's (replica 0's) arrivals
     return {"run": run, "t0": t0, "wall_s": wall, "moved": max((r.get("comm_bytes", 0) for r in recs), default=0),
             "batches": sum("loss" in r for r in recs),  # rank 0's: every step (sync), its claims (async)
-            "arrivals": len(arrivals), "pushed": sum(r["pushed_bytes"] for r in arrivals),
+            "arrivals": len(arrivals), "saves": saves, "pushed": sum(r["pushed_bytes"] for r in arrivals),
             "pulled": sum(r["pulled_bytes"] for r in arrivals)}
 
 
 @torch.no_grad()
-def score(run: Path, t0: float, val: torch.Tensor) -> list[tuple[float, float]]:
-    """[(seconds from launch to the checkpoint's commit, held-out loss of its global model)]."""
+def score(run: Path, t0: float, val: torch.Tensor) -> list[tuple[float, float, int]]:
+    """[(seconds from launch to the checkpoint's commit, held-out loss of its global model, step)]."""
     out = []
     for info in directory.list_checkpoints(run / "checkpoints"):
         if info.status != "committed":
@@ -126,8 +131,15 @@ def score(run: Path, t0: float, val: torch.Tensor) -> list[tuple[float, float]]:
         total = sum(F.cross_entropy(model(c[:, :-1]).flatten(0, 1), c[:, 1:].flatten(), reduction="sum").item()
                     for c in val.split(128))
         when = json.loads((info.path / "COMMIT.json").read_text())["unix_time"] - t0
-        out.append((when, total / (val.shape[0] * (val.shape[1] - 1))))
+        out.append((when, total / (val.shape[0] * (val.shape[1] - 1)), info.step))
     return sorted(out)
+
+
+def without_saves(scored: list[tuple[float, float, int]], saves: dict[int, float]) -> list[tuple[float, float]]:
+    """The curve with the time of the checkpoint writes so far taken out of each point: what the
+    run would have taken without the 8 checkpoints the bench writes to draw its curve (a real run
+    writes one every ~30 minutes), the same for every mode; start-up, meetings and arrivals stay."""
+    return [(t - sum(s for k, s in saves.items() if k <= step), loss) for t, loss, step in scored]
 
 
 def held_out(data: str, windows: int, block: int = 128) -> torch.Tensor:
@@ -191,6 +203,8 @@ def parse_args() -> argparse.Namespace:
                     help="sync.error_feedback on the asynchronous modes' int8 / int4 pushes")
     ap.add_argument("--defer-momentum-pull", action="store_true",
                     help="sync.defer_momentum_pull in the delayed-Nesterov modes (needs --compression)")
+    ap.add_argument("--keep", default="",
+                    help="keep the runs (run dirs, metrics.jsonl, checkpoints) in this folder instead of a temporary one")
     ap.add_argument("--compute-sleep", type=float, default=0.0,
                     help="seconds every step sleeps as stand-in accelerator time (compute_sleep_s fault): "
                          "with many replicas on few cores, keeps the CPU from being what times them")
@@ -200,15 +214,17 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     val = held_out(args.data, args.windows)
-    curves, walls, moved, split = {}, {}, {}, {}
-    with tempfile.TemporaryDirectory() as tmp:
+    curves, walls, moved, split, net = {}, {}, {}, {}, {}
+    with (contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory()) as tmp:
         wire = (args.compression, args.pull_compression, args.defer_momentum_pull, args.async_compression,
                 args.push_error_feedback)
         for name, (ranks, extra) in modes(args.h, args.replicas, *wire).items():
             if args.only and name not in args.only:
                 continue
             res = train(name, ranks, extra, args, Path(tmp), args.slow)
-            curves[name], walls[name], moved[name] = score(res["run"], res["t0"], val), res["wall_s"], res["moved"]
+            scored = score(res["run"], res["t0"], val)
+            curves[name], walls[name], moved[name] = [(t, v) for t, v, _ in scored], res["wall_s"], res["moved"]
+            net[name] = without_saves(scored, res["saves"])
             split[name] = res
             print(f"  done {name} in {res['wall_s']:.0f}s", file=sys.stderr, flush=True)
         equal = {}
@@ -218,11 +234,13 @@ def main() -> None:
                 res = train(name, ranks, extra, args, Path(tmp), 1.0)
                 equal[name] = score(res["run"], res["t0"], val)[-1][1]
     target = curves["sync DiLoCo"][-1][1] if "sync DiLoCo" in curves else None
-    print(f"{'mode':<26} {'final loss':>10} {'wall s':>8} {'rank 0 MB':>10} {'s to sync-DiLoCo loss':>22}")
+    print(f"{'mode':<26} {'final loss':>10} {'wall s':>8} {'rank 0 MB':>10} {'s to sync-DiLoCo loss':>22} "
+          f"{'checkpoint writes s':>20}")
     for name, curve in curves.items():
         reach = time_to(curve, target) if target is not None else None
         print(f"{name:<26} {curve[-1][1]:>10.4f} {walls[name]:>8.1f} {moved[name] / 1e6:>10.1f} "
-              f"{f'{reach:.1f}' if reach is not None else 'not reached':>22}")
+              f"{f'{reach:.1f}' if reach is not None else 'not reached':>22} "
+              f"{sum(split[name]['saves'].values()):>20.1f}")
     if equal:
         a, b = equal["async DN+DyLU"], equal["sync DiLoCo"]
         print(f"equal speeds: async DN+DyLU {a:.4f} vs sync DiLoCo {b:.4f} ({(a / b - 1) * 100:+.1f}%, target within 2%)")
@@ -233,6 +251,10 @@ def main() -> None:
         reach = time_to(curves["async DN+DyLU"], target)
         ratio = reach / time_to(curves["sync DiLoCo"], target) if reach is not None else float("inf")
         print(f"time to sync-DiLoCo loss, async+DN+DyLU / sync DiLoCo: {ratio:.2f}x")
+        reach = time_to(net["async DN+DyLU"], target)
+        ratio = reach / time_to(net["sync DiLoCo"], target) if reach is not None else float("inf")
+        print(f"  the same without the bench's checkpoint writes "
+              f"({len(split['async DN+DyLU']['saves'])} per mode): {ratio:.2f}x")
     for name in (n for n in split if split[n]["arrivals"]):
         res = split[name]
         print(f"{name}, rank 0: {res['arrivals']} arrivals, pushed {res['pushed'] / 1e6:.1f} MB, "
