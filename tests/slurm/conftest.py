@@ -164,6 +164,27 @@ def metrics(run) -> list[dict]:
     return out
 
 
+@pytest.fixture(scope="session")
+def multinode_dataset(tmp_path_factory):
+    """test_multinode.py's 4-play dataset, sharded once per session (its `dataset`, also imported
+    by test_recovery_mpiexec.py)."""
+    from tests.slurm.test_multinode import shard_once
+
+    return shard_once(tmp_path_factory.mktemp("mn-data") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def elastic_ref(multinode_dataset, tmp_path_factory):
+    """The uninterrupted 3-rank run of test_multinode.py's ELASTIC on one node: the losses every
+    node-loss test compares (test_multinode.py and test_recovery_mpiexec.py), trained once."""
+    from tests.conftest import mpirun
+    from tests.slurm.test_multinode import elastic_config
+
+    cfg, run = elastic_config(tmp_path_factory.mktemp("elastic-ref"), multinode_dataset, "ref3")
+    mpirun(3, ["-m", "hpctrain", "train", "--config", cfg], timeout=300, check=True)
+    return losses(run)
+
+
 def losses(run) -> dict:
     return {r["step"]: r["loss"] for r in metrics(run) if "loss" in r}
 

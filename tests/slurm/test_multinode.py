@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain import step_faults
 from tests.conftest import ROOT, mpirun, run_cmd
 from tests.helpers import fast_from_the_next_run, slow_steps
 from tests.slurm.conftest import (SMALL_SCRATCH_NODE, STEPS, TINY, assert_same_files, last_step, losses,
@@ -91,7 +90,6 @@ def retry_on_pmi2_flake(test, tries: int = 3):
 
 
 TRAIN = ROOT / "slurm" / "train.sbatch"
-SLOW = step_faults.env(step_sleep_s=0.25)  # the sbatch environment reaches every rank
 
 
 def shard_args(out):
@@ -102,13 +100,30 @@ def shard_args(out):
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    """One rank, no Slurm: the reference bytes for the 2-node preprocessing test."""
-    out = tmp_path_factory.mktemp("mn-data") / "tiny"
+def dataset(multinode_dataset):
+    """One rank, no Slurm: the reference bytes for the 2-node preprocessing test (sharded once per
+    session: test_recovery_mpiexec.py trains on it too)."""
+    return multinode_dataset
+
+
+def shard_once(out: Path) -> Path:
     args = shard_args(out)
     run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", *args[:4], "--output", *args[5:]],
             timeout=300, check=True)
     return out
+
+
+@pytest.fixture(scope="module")
+def one_rank_curve(dataset, tmp_path_factory):
+    """TINY's losses on 1 rank by grad_accum, each trained once per module (the 4-node ddp and
+    fsdp tests compare with the same grad_accum 4 curve)."""
+    tmp, curves = tmp_path_factory.mktemp("one-rank"), {}
+
+    def curve(accum: int) -> dict:
+        if accum not in curves:
+            curves[accum] = one_node(tmp, dataset, f"one_accum{accum}", 1, f"--train.grad_accum={accum}")
+        return curves[accum]
+    return curve
 
 
 def n_shards(data) -> int:
@@ -202,10 +217,10 @@ def test_loopback_rendezvous_across_nodes_fails_fast_naming_the_fix(vjobs, datas
     assert "HPCTRAIN_IFACE" in log and "Traceback" not in log, log
 
 
-def test_tp_stays_inside_a_node_and_matches_one_rank(vjobs, dataset, tmp_path):
+def test_tp_stays_inside_a_node_and_matches_one_rank(vjobs, dataset, one_rank_curve, tmp_path):
     """2 nodes x 2 ranks, tp=2 (dp=2): the same global batch as 1 rank x grad_accum 2. The job has a
     third node as a hot spare (HPCTRAIN_SPARE_NODES=1): the wheel's mpiexec starts on the first 2."""
-    ref = one_node(tmp_path, dataset, "one", 1, "--train.grad_accum=2")
+    ref = one_rank_curve(2)
     cfg, run = config(tmp_path, dataset, "tp")
     jid, out = submit(vjobs, tmp_path, cfg, 3, 2, "--parallel.tp=2",
                       env={"HPCTRAIN_IFACE": "eth0", "HPCTRAIN_SPARE_NODES": "1"})
@@ -219,10 +234,10 @@ def test_tp_stays_inside_a_node_and_matches_one_rank(vjobs, dataset, tmp_path):
 
 
 @pytest.mark.parametrize("layout", ["ddp", "fsdp"])
-def test_four_nodes_one_rank_each_match_one_rank(vjobs, dataset, tmp_path, layout):
+def test_four_nodes_one_rank_each_match_one_rank(vjobs, dataset, one_rank_curve, tmp_path, layout):
     """node4's scratch disk is full: it warns and reads the shared copy; the other three stage
     every shard once each (cache_copies = 3 x shards)."""
-    ref = one_node(tmp_path, dataset, "one", 1, "--train.grad_accum=4")
+    ref = one_rank_curve(4)
     cfg, run = config(tmp_path, dataset, layout)
     jid, out = submit(vjobs, tmp_path, cfg, 4, 1, f"--parallel.data_parallel={layout}")
     (rec,) = vjobs.wait(jid, timeout=300)
@@ -282,9 +297,11 @@ def test_async_diloco_preempted_on_three_nodes_trains_every_batch_once(vjobs, da
     # UCX would call them one host and move the RMA through SysV shared memory and CMA
     # (UCX_PROTO_INFO=y: "intra-node ... cma/memory"); with tcp,self it is "inter-node ... tcp/eth0",
     # Get by software emulation, which the server's own MPI progress must serve
-    jid, out = submit(vjobs, tmp_path, cfg, 3, 1, *ASYNC, env={**SLOW, "UCX_TLS": "tcp,self"})
+    faults, slow = slow_steps(tmp_path)
+    jid, out = submit(vjobs, tmp_path, cfg, 3, 1, *ASYNC, env={**slow, "UCX_TLS": "tcp,self"})
     vjobs.wait_for(lambda: last_step(run) >= 6, "step 6", job_id=jid)
     vjobs.scancel("--signal=USR1", "--batch", jid)
+    fast_from_the_next_run(faults)  # the signalled run has read it: the requeued one trains at speed
     (rec,) = vjobs.wait(jid, timeout=300)
     log = out.read_text()
     assert (rec["JobState"], rec["Restarts"]) == ("COMPLETED", "1"), log
@@ -345,12 +362,7 @@ def elastic_config(tmp_path, data, name):
     return cfg, run
 
 
-@pytest.fixture(scope="module")
-def elastic_ref(dataset, tmp_path_factory):
-    """The uninterrupted 3-rank run of ELASTIC on one node: the losses the node-loss tests compare."""
-    cfg, run = elastic_config(tmp_path_factory.mktemp("elastic-ref"), dataset, "ref3")
-    mpirun(3, ["-m", "hpctrain", "train", "--config", cfg], timeout=300, check=True)
-    return losses(run)
+# elastic_ref (tests/slurm/conftest.py): ELASTIC's uninterrupted 3-rank losses, once per session
 
 
 @retry_on_pmi2_flake

@@ -23,9 +23,9 @@ import time
 
 import pytest
 
+from tests.helpers import fast_from_the_next_run, slow_steps
 from tests.slurm.conftest import last_step
-from tests.slurm.test_multinode import (SLOW, assert_close_curve, dataset, elastic_config,  # noqa: F401
-                                        elastic_ref, submit)
+from tests.slurm.test_multinode import assert_close_curve, dataset, elastic_config, submit  # noqa: F401
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -34,13 +34,17 @@ SNAPSHOTS = [f"--dist.heartbeat_timeout_s={HEARTBEAT_S}", "--checkpoint.snapshot
              "--checkpoint.snapshot_dir=/dev/shm"]  # each node's own tmpfs (node4's scratch is full)
 
 
-def lose(vcluster, vjobs, jid, run, out, node: str, at_step: int, nth: int) -> tuple[float, float, int, float]:
+def lose(vcluster, vjobs, jid, run, out, node: str, at_step: int, nth: int,
+         faults=None) -> tuple[float, float, int, float]:
     """SIGKILL every process of `node` once step `at_step` is trained: seconds from the kill to the
     `nth` relaunch's start and to its first trained step, the step at the kill, and this machine's
-    1-minute load average then."""
+    1-minute load average then. With `faults` (the last loss) the relaunch trains without the
+    step sleep."""
     vjobs.wait_for(lambda: last_step(run) >= at_step, f"step {at_step}", timeout=180, job_id=jid)
     vcluster.kill_node(node)
     t_kill, killed_at = time.monotonic(), last_step(run)
+    if faults:
+        fast_from_the_next_run(faults)
     vjobs.wait_for(lambda: len(re.findall(r"\] node \S+ lost: .*relaunching", out.read_text())) >= nth,
                    f"relaunch {nth}", timeout=30, job_id=jid)
     decided = time.monotonic() - t_kill
@@ -75,12 +79,14 @@ def test_spare_then_fewer_nodes_after_losses_under_mpiexec(vcluster, vjobs, data
     step 29, no spare left -> node1,node3 (dp 2, grad_accum 3, global batch 12), again from the peer
     snapshots, the 3-rank losses within 1e-5 (another summation order)."""
     cfg, run = elastic_config(tmp_path, dataset, "spare")
-    jid, out = submit(vjobs, tmp_path, cfg, 4, 1, *SNAPSHOTS, env={**SLOW, "HPCTRAIN_SPARE_NODES": "1"})
+    faults, slow = slow_steps(tmp_path)
+    jid, out = submit(vjobs, tmp_path, cfg, 4, 1, *SNAPSHOTS, env={**slow, "HPCTRAIN_SPARE_NODES": "1"})
     losses, killed = [], []
     try:
         for node, at_step in (("node2", 19), ("node4", 29)):  # past the PFS checkpoints 15, 25
             killed.append(node)
-            losses.append(lose(vcluster, vjobs, jid, run, out, node, at_step, len(killed)))
+            losses.append(lose(vcluster, vjobs, jid, run, out, node, at_step, len(killed),
+                               faults if node == "node4" else None))
         (rec,) = vjobs.wait(jid, timeout=300)
     finally:
         for node in killed:
@@ -153,7 +159,8 @@ def test_frozen_node_then_two_nodes_at_once_under_mpiexec(vcluster, vjobs, datas
     PFS checkpoint of step 25 (rank 1's snapshot was on node4 and its buddy node3); the 3-rank
     losses."""
     cfg, run = elastic_config(tmp_path, dataset, "multi")
-    jid, out = submit(vjobs, tmp_path, cfg, 4, 1, *SNAPSHOTS, env={**SLOW, "HPCTRAIN_SPARE_NODES": "1"})
+    faults, slow = slow_steps(tmp_path)
+    jid, out = submit(vjobs, tmp_path, cfg, 4, 1, *SNAPSHOTS, env={**slow, "HPCTRAIN_SPARE_NODES": "1"})
     frozen, killed, thawed = [], [], False
     try:
         vjobs.wait_for(lambda: last_step(run) >= 19, "step 19", timeout=180, job_id=jid)
@@ -173,6 +180,7 @@ def test_frozen_node_then_two_nodes_at_once_under_mpiexec(vcluster, vjobs, datas
             vcluster.kill_node(node)
             killed.append(node)
         killed_at = last_step(run)
+        fast_from_the_next_run(faults)  # the last relaunch trains without the step sleep
         (rec,) = vjobs.wait(jid, timeout=300)
         left_on_node2 = alive(frozen)
     finally:
