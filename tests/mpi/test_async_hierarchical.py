@@ -56,12 +56,17 @@ def test_one_replica_of_two_ranks_equals_the_flat_run_and_resumes_bit_exact(tmp_
     hier = [*HIER, "--checkpoint.interval=4", "--checkpoint.keep=3"]
     r = train(4, cfg_b, *hier, env=TWO_RANK_NODES)
     assert "async_diloco: 1 replicas of 2 rank(s), 2 servers" in r.stderr
-    a, b = losses(run_a), losses(run_b)
-    assert sorted(a) == sorted(b) == list(range(1, 9)) and a[8] < a[1] - 0.1, a
-    gap = max(abs(a[s] - b[s]) for s in a)
-    print("flat vs hierarchical, max loss gap:", gap)
-    assert gap <= 1e-5, (gap, a, b)
+    assert_same_learning(run_a, run_b, 1e-5, "flat vs hierarchical")
     assert_step_4_resumes_bit_exact(run_b, cfg_c, run_c, hier)
+
+
+def assert_same_learning(run_a, run_b, tol: float, what: str) -> None:
+    """Both runs logged steps 1..8, learned (step 8 at least 0.1 below step 1) and agree within `tol`."""
+    a, b = losses(run_a), losses(run_b)
+    assert sorted(a) == sorted(b) == list(range(1, 9)) and a[8] < a[1] - 0.1, (a, b)
+    gap = max(abs(a[s] - b[s]) for s in a)
+    print(f"{what}, max loss gap:", gap)
+    assert gap <= tol, (gap, a, b)
 
 
 def int8_push_bytes(n: int, servers: int, block: int = 256) -> int:

@@ -9,7 +9,8 @@ import torch
 
 from tests.conftest import losses, records
 from tests.helpers import train, write_config
-from tests.mpi.test_async_hierarchical import ASYNC, HIER, assert_step_4_resumes_bit_exact, int8_push_bytes, model_at
+from tests.mpi.test_async_hierarchical import (ASYNC, HIER, assert_same_learning, assert_step_4_resumes_bit_exact,
+                                               int8_push_bytes, model_at)
 from tests.mpi.test_diloco import model_parameters
 from tests.mpi.test_hierarchical import HIER_GPT, TWO_RANK_NODES
 
@@ -41,11 +42,7 @@ def test_fsdp_inside_equals_ddp_inside_and_moves_its_shard(tmp_path, dataset):
     r = train(4, cfg_f, *HIER, *FSDP, env=TWO_RANK_NODES)
     assert "replicas=2 x (pp=1 x dp=2 (fsdp) x tp=1)" in r.stderr, r.stderr
     assert "async_diloco: 1 replicas of 2 rank(s), 2 servers" in r.stderr
-    d, f = losses(run_d), losses(run_f)
-    assert sorted(d) == sorted(f) == list(range(1, 9)) and d[8] < d[1] - 0.1, d
-    gap = max(abs(d[s] - f[s]) for s in d)
-    print("DDP inside vs FSDP inside, max loss gap:", gap)
-    assert gap <= 1e-6, (gap, d, f)
+    assert_same_learning(run_d, run_f, 1e-6, "DDP inside vs FSDP inside")
     md, mf = model_at(run_d, 8)["model"], model_at(run_f, 8)["model"]
     assert sorted(md) == sorted(mf) and md
     assert all(torch.allclose(md[k], mf[k], rtol=0, atol=1e-6) for k in md)
@@ -115,7 +112,5 @@ def test_fsdp_with_pipeline_stages_inside_equals_ddp_inside(tmp_path, dataset):
     train(8, cfg_d, *staged, env=four)
     r = train(8, cfg_f, *staged, *FSDP, "--checkpoint.interval=8", env=four)
     assert "(pp=2 x dp=2 (fsdp) x tp=1)" in r.stderr and "1 replicas of 4 rank(s), 4 servers" in r.stderr
-    d, f = losses(run_d), losses(run_f)
-    assert sorted(d) == sorted(f) == list(range(1, 9)) and d[8] < d[1] - 0.1, (d, f)
-    assert max(abs(d[s] - f[s]) for s in d) <= 1e-6, (d, f)
+    assert_same_learning(run_d, run_f, 1e-6, "DDP x pp inside vs FSDP x pp inside")
     assert len(shards(run_f, 8)) == 4
