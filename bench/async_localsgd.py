@@ -163,6 +163,12 @@ def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
     return None
 
 
+def reach_ratio(curves: dict, target: float) -> float:
+    """Time to `target` of async DN+DyLU over sync DiLoCo's (inf: async never reached it)."""
+    reach = time_to(curves["async DN+DyLU"], target)
+    return reach / time_to(curves["sync DiLoCo"], target) if reach is not None else float("inf")
+
+
 def plot(curves: dict, path: Path, slow: float, replicas: int = 2) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -248,13 +254,9 @@ def main() -> None:
         plot(curves, Path(args.plot), args.slow, args.replicas)
         print(f"curves: {args.plot}")
     if target is not None and "async DN+DyLU" in curves:
-        reach = time_to(curves["async DN+DyLU"], target)
-        ratio = reach / time_to(curves["sync DiLoCo"], target) if reach is not None else float("inf")
-        print(f"time to sync-DiLoCo loss, async+DN+DyLU / sync DiLoCo: {ratio:.2f}x")
-        reach = time_to(net["async DN+DyLU"], target)
-        ratio = reach / time_to(net["sync DiLoCo"], target) if reach is not None else float("inf")
+        print(f"time to sync-DiLoCo loss, async+DN+DyLU / sync DiLoCo: {reach_ratio(curves, target):.2f}x")
         print(f"  the same without the bench's checkpoint writes "
-              f"({len(split['async DN+DyLU']['saves'])} per mode): {ratio:.2f}x")
+              f"({len(split['async DN+DyLU']['saves'])} per mode): {reach_ratio(net, target):.2f}x")
     for name in (n for n in split if split[n]["arrivals"]):
         res = split[name]
         print(f"{name}, rank 0: {res['arrivals']} arrivals, pushed {res['pushed'] / 1e6:.1f} MB, "
