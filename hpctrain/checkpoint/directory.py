@@ -142,13 +142,46 @@ def install(tmp: Path, final: Path) -> None:
         remove_checkpoint(aside)
 
 
+# Retention runs at every save and must tell intact checkpoints from corrupt ones among all it keeps
+# (with checkpoint.keep = 100, 100 quick checks per save: the safe parse of each `.metadata` is
+# most of a small run's save time). A checkpoint that passed is not checked again while every file
+# in it has the same inode, size, mtime and ctime (a truncated, replaced or edited file changes
+# them); only this process's verdicts, only "intact" ones.
+_intact_files: dict[Path, tuple] = {}
+
+
+def _files_as_they_are(path: Path) -> tuple | None:
+    try:
+        found = []
+        for folder, _, names in os.walk(path):
+            for name in names:
+                st = os.stat(os.path.join(folder, name), follow_symlinks=False)
+                found.append((os.path.join(folder, name), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+        return tuple(sorted(found))
+    except OSError:
+        return None
+
+
+def _intact(path: Path) -> bool:
+    """verify_checkpoint(path) finds nothing; remembered while the checkpoint's files stay as they were."""
+    files = _files_as_they_are(path)
+    if files is not None and _intact_files.get(path) == files:
+        return True
+    intact = not verify_checkpoint(path)
+    if intact and files is not None:
+        _intact_files[path] = files
+    else:
+        _intact_files.pop(path, None)
+    return intact
+
+
 def prune(root: Path, keep: int) -> list[Path]:
     """Keep the newest `keep` intact checkpoints; remove older intact ones, every `.tmp` and
     `.deleting` dir, and aside copies whose step has an intact checkpoint. Corrupt or marker-less
     `step_*` dirs are left for a human (never chosen by `find_latest`). Returns what was removed."""
     removed = []
     entries = scan(root)
-    intact = [(s, p) for s, k, p in entries if k == "checkpoint" and not verify_checkpoint(p)]
+    intact = [(s, p) for s, k, p in entries if k == "checkpoint" and _intact(p)]
     intact_steps = {s for s, _ in intact}
     doomed = [p for _, p in intact[keep:]]
     doomed += [p for s, k, p in entries if k in ("tmp", "trash")]
@@ -160,6 +193,7 @@ def prune(root: Path, keep: int) -> list[Path]:
             else:
                 remove_checkpoint(p)
             removed.append(p)
+            _intact_files.pop(p, None)
         except OSError as e:
             log.warning(f"warning: could not remove old checkpoint {p}: {e}")
     if removed:

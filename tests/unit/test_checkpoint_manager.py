@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint import filesystem as dcp_fs
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from hpctrain.checkpoint import (CheckpointError, CheckpointManager, list_checkpoints,
+from hpctrain.checkpoint import (CheckpointError, CheckpointManager, directory, list_checkpoints,
                                  verify_checkpoint)
 from hpctrain.errors import NoIntactCheckpoint
 
@@ -415,3 +415,25 @@ def test_checkpoints_written_before_stateful_objects_read_the_same(tmp_path):
         "sampler": {"epoch": 0}, "rng": [], "sync": {"mode": "sync"}}
     new = {"trainer": {"step": 3}, "sampler": {"epoch": 0}}
     assert disk_format.upgrade_trainer_state(new) == new
+
+
+def test_retention_checks_each_kept_checkpoint_once_until_its_files_change(world, tmp_path, monkeypatch):
+    """Every save prunes, and pruning must know which kept checkpoints are intact: a checkpoint
+    that passed is not read again while its files are as they were (keep = 10, 4 saves: 4 checks,
+    not 1 + 2 + 3 + 4), and one whose data file was cut since is checked again, found corrupt and
+    left for a human instead of being counted (and removed) as an intact old one."""
+    checked = []
+    real = directory.verify_checkpoint
+    monkeypatch.setattr(directory, "verify_checkpoint", lambda p, *a: checked.append(p.name) or real(p, *a))
+    m = mgr(world, tmp_path, keep=10)
+    for step in (10, 20, 30, 40):
+        save_model(m, step)
+    if world[0] == 0:  # retention runs on rank 0
+        assert sorted(checked) == ["step_00000010", "step_00000020", "step_00000030", "step_00000040"], checked
+    m = mgr(world, tmp_path, keep=2)
+    if world[0] == 0:
+        _truncate(tmp_path / "step_00000010")
+    dist.barrier()
+    save_model(m, 50)
+    # intact: 50, 40 kept, 30 and 20 removed; 10 corrupt since its check: left for a human
+    assert sorted(os.listdir(tmp_path)) == ["step_00000010", "step_00000040", "step_00000050"]
