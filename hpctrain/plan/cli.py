@@ -52,7 +52,9 @@ FROM_CONFIG = {"dp": ("parallel", "dp"), "tp": ("parallel", "tp"), "pp": ("paral
                "loss_chunk": ("train", "loss_chunk"),
                "sync_mode": ("sync", "mode"), "inner_steps": ("sync", "inner_steps"),
                "compression": ("sync", "compression"), "overlap": ("sync", "overlap"),
-               "replica_nodes": ("sync", "replica_nodes"),
+               "replica_nodes": ("sync", "replica_nodes"), "ps_servers": ("sync", "ps_servers"),
+               "pull_compression": ("sync", "pull_compression"),
+               "error_feedback": ("sync", "error_feedback"),
                "cache_bytes": ("data", "cache_bytes"), "prefetch": ("data", "prefetch"),
                "shuffle": ("data", "shuffle"), "shuffle_block_shards": ("data", "shuffle_block_shards"),
                "checkpoint_keep": ("checkpoint", "keep"),
@@ -87,11 +89,19 @@ HELP = {
     "ac_every": "parallel.ac_every: selective checkpoints blocks 0, N, 2N, ...",
     "precision": "train.precision: fp32 | bf16 | fp16 (auto = bf16 on GPUs)",
     "loss_chunk": "train.loss_chunk: tokens per chunk of the chunked loss (0 = full logits)",
-    "sync_mode": "sync.mode: sync | diloco", "inner_steps": "sync.inner_steps (diloco: steps per round)",
-    "compression": "sync.compression (diloco wire format): none | bf16 | int8 | int4",
+    "sync_mode": "sync.mode: sync | diloco | async_diloco (replicas push to --ps-servers server "
+                 "ranks as their rounds end: bytes per arrival, server host memory)",
+    "inner_steps": "sync.inner_steps (diloco, async_diloco: steps per round)",
+    "compression": "sync.compression (diloco, async_diloco push wire format): none | bf16 | int8 | int4",
+    "ps_servers": "sync.ps_servers (async_diloco: server ranks, the last ranks; a multiple of tp x "
+                  "pp, or of a group's ranks with --replica-nodes)",
+    "pull_compression": "sync.pull_compression (async_diloco: wire format of the pulls): same | "
+                        "bf16 | int8 | int4",
+    "error_feedback": "sync.error_feedback (async_diloco, int8 | int4: each pusher keeps its push "
+                      "residual)",
     "overlap": "sync.overlap (diloco: start point + pending average kept)",
-    "replica_nodes": "sync.replica_nodes (diloco: DDP inside groups of this many nodes, DiLoCo "
-                     "across them; 0 = off)",
+    "replica_nodes": "sync.replica_nodes (diloco, async_diloco: DDP inside groups of this many "
+                     "nodes, DiLoCo / the servers across them; 0 = off)",
     "checkpoint_keep": "checkpoint.keep: committed checkpoints kept on the PFS",
     "checkpoint_layout": "checkpoint.layout: rank (a data file per rank) | node (one per node)",
     "pfs_files_limit": "warn above this many files per checkpoint directory",

@@ -16,6 +16,8 @@ Owns the communication model (ring collectives: an all-reduce of M bytes over p 
   the dp row is DDP's all-reduce inside a replica of nodes (its own link kind), the "replica" row
   DiLoCo's rounds between the replicas (inter-node: the thin link); with pp > 1 a replica holds
   pp x dp x tp ranks (each stage's parameters averaged over the replicas at its position).
+  async_diloco (plan/async_model.py): no dp row in the flat layout (DDP inside a replica of nodes
+  otherwise); the "replica" row is one arrival's bytes out and back, amortized over its round.
 - PP (parallel/pipeline.py): each micro-batch's fp32 residual stream (b, s / tp, h) to the next
   stage and its gradient back, per model chunk; the tied embedding / head gradient all-reduced
   between the first and last stage once per step.
@@ -24,7 +26,7 @@ then pp: distributed/mesh.py), else "inter-node". It must never compute memory.
 """
 from __future__ import annotations
 
-from hpctrain.plan import moe
+from hpctrain.plan import async_model, moe
 from hpctrain.plan.layout import Job
 from hpctrain.plan.memory import RankMemory, checkpointed_blocks
 from hpctrain.plan.shape import ModelShape
@@ -62,6 +64,8 @@ def dp_bytes(shape: ModelShape, job: Job, n_local: int) -> tuple[int, str]:
         return 0, "none (dp = 1)"
     if job.replicas:
         return int(2 * ring_share(p) * n_local * 4), "all-reduce of fp32 gradients inside a replica"
+    if job.sync_mode == "async_diloco":  # flat: a replica is tp x pp ranks
+        return 0, "none (async_diloco: each replica trains apart)"
     if job.sync_mode == "diloco":
         return diloco_bytes(job, n_local, p)
     if job.data_parallel == "fsdp":
@@ -104,10 +108,18 @@ def comm_per_step(shape: ModelShape, job: Job, blocks: int, ckpt_blocks: int, ha
          "sequence-parallel all-gathers + reduce-scatters per block"
          + ", MoE gradients all-reduced" * bool(shape.moe_experts and job.tp > 1)),
         ("dp", link(job.tp * inner_dp, job), dp, what),
-        *([("replica", "inter-node", *diloco_bytes(job, n_local, job.replicas))] if job.replicas else []),
+        *across_replicas(job, n_local),
         ("pp", link(job.tp * inner_dp * 2, job) if job.pp > 1 else "-",
          pp_bytes(shape, job, has_first, has_last), "activations forward, gradients back"),
     ]
+
+
+def across_replicas(job: Job, n_local: int) -> list[tuple[str, str, int, str]]:
+    """The row of what crosses between replicas: DiLoCo's rounds over the replicas of nodes, or
+    async_diloco's arrivals at the servers (plan/async_model.py; amortized over a round)."""
+    if job.sync_mode == "async_diloco":
+        return [("replica", async_model.link(job), *async_model.per_step(job, n_local))]
+    return [("replica", "inter-node", *diloco_bytes(job, n_local, job.replicas))] if job.replicas else []
 
 
 def rows_of_rank(shape: ModelShape, job: Job, mem: RankMemory) -> list[tuple[str, str, int, str]]:

@@ -2,8 +2,8 @@
 
 Owns: `Job` (everything `hpctrain plan` is asked about besides the model shape) and its checks,
 which mirror what `train` refuses (dp x tp x pp = world, tp divides n_head, n_kv_head, the SwiGLU
-width and block_size, no more pipeline stages than blocks), each one line naming the option. It must
-never compute bytes.
+width and block_size, no more pipeline stages than blocks; async_diloco's server layout:
+plan/async_model.py), each one line naming the option. It must never compute bytes.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 from hpctrain.config_schema import (CheckpointConfig, DataConfig, DistConfig, ParallelConfig,
                                     SyncConfig, TrainConfig, key_choices)
+from hpctrain.plan import async_model
 from hpctrain.plan.shape import ModelShape
 
 GB = 10 ** 9
@@ -18,13 +19,14 @@ GiB = 1 << 30
 
 
 # The values each option takes: the config's own (its Literal types), less what a plan cannot
-# assume ("auto" precision / backend) or does not model (sync.mode ps and async_diloco).
+# assume ("auto" precision / backend) or does not model (sync.mode ps).
 CHOICES = {"data_parallel": key_choices(ParallelConfig, "data_parallel"),
            "pp_schedule": key_choices(ParallelConfig, "pp_schedule"),
            "activation_checkpoint": key_choices(ParallelConfig, "activation_checkpoint"),
            "precision": tuple(c for c in key_choices(TrainConfig, "precision") if c != "auto"),
-           "sync_mode": tuple(c for c in key_choices(SyncConfig, "mode") if c in ("sync", "diloco")),
+           "sync_mode": tuple(c for c in key_choices(SyncConfig, "mode") if c != "ps"),
            "compression": key_choices(SyncConfig, "compression"),
+           "pull_compression": key_choices(SyncConfig, "pull_compression"),
            "shuffle": key_choices(DataConfig, "shuffle"),
            "backend": tuple(c for c in key_choices(DistConfig, "backend") if c != "auto"),
            "checkpoint_layout": key_choices(CheckpointConfig, "layout")}
@@ -62,11 +64,14 @@ class Job:
     ac_every: int = 2
     precision: str = "bf16"             # fp32 | bf16 | fp16
     loss_chunk: int = 0                 # train.loss_chunk: 0 = full logits, else tokens per chunk
-    sync_mode: str = "sync"             # sync | diloco
+    sync_mode: str = "sync"             # sync | diloco | async_diloco (plan/async_model.py)
     inner_steps: int = 16
-    compression: str = "none"           # none | bf16 | int8 | int4 (diloco)
+    compression: str = "none"           # none | bf16 | int8 | int4 (diloco, async_diloco pushes)
     overlap: bool = False               # diloco
     replica_nodes: int = 0              # diloco: DDP inside replicas of this many nodes (0 = off)
+    ps_servers: int = 1                 # async_diloco: server ranks (the last ranks / groups of nodes)
+    pull_compression: str = "same"      # async_diloco: wire format of the pulls
+    error_feedback: bool = False        # async_diloco (int8 / int4): push residual kept
     checkpoint_keep: int = 3
     checkpoint_layout: str = "rank"     # checkpoint.layout: rank (a file per rank) | node (per node)
     meta_init: bool = True              # parallel.meta_init: only each rank's shards are built
@@ -91,9 +96,17 @@ class Job:
         return self.pp_virtual_stages if self.pp_schedule == "interleaved" else 1
 
     @property
+    def data_ranks(self) -> int:
+        """Ranks that share one step's batch: dp; async_diloco: one replica's inner dp (a step is
+        a batch one replica claims)."""
+        if self.sync_mode != "async_diloco":
+            return self.dp_size
+        return self.replica_nodes * self.gpus_per_node // (self.tp * self.pp) if self.replica_nodes else 1
+
+    @property
     def batch(self) -> int:
         """Sequences per optimizer step (micro_batch x grad_accum x dp)."""
-        return self.micro_batch * self.grad_accum * self.dp_size
+        return self.micro_batch * self.grad_accum * self.data_ranks
 
     @property
     def layout_name(self) -> str:
@@ -137,12 +150,13 @@ class Job:
             raise ValueError(f"--pp {self.pp} x {self.virtual} virtual stages > n_layer {shape.n_layer}")
         if self.sync_mode == "diloco" and self.data_parallel == "fsdp":
             raise ValueError("--sync-mode diloco: replicas train apart; use --data-parallel ddp")
-        if self.replica_nodes and (self.sync_mode != "diloco" or self.replica_nodes < 0
+        if self.replica_nodes and (self.sync_mode == "sync" or self.replica_nodes < 0
                                    or self.nodes % self.replica_nodes
                                    or self.replica_nodes * self.gpus_per_node % (self.tp * self.pp)):
-            raise ValueError(f"--replica-nodes {self.replica_nodes}: needs --sync-mode diloco, "
+            raise ValueError(f"--replica-nodes {self.replica_nodes}: needs --sync-mode diloco or async_diloco, "
                              f"a divisor of --nodes {self.nodes} and replicas whose ranks tp x pp "
                              f"= {self.tp * self.pp} divides")
+        async_model.check(self)
         if self.tokens < shape.block_size + 1:
             raise ValueError(f"--tokens {self.tokens:g} holds no window of block_size+1 tokens")
         for key in ("memory_margin", "mfu"):
@@ -161,8 +175,8 @@ class Job:
         if self.grad_accum != 1:
             raise ValueError(f"--global-batch {self.global_batch} with --grad-accum {self.grad_accum}: "
                              f"give one of them (train.global_batch derives the accumulation)")
-        per_step = self.micro_batch * self.dp_size
+        per_step = self.micro_batch * self.data_ranks
         if self.global_batch % per_step:
             raise ValueError(f"--global-batch {self.global_batch} is not a multiple of micro_batch "
-                             f"{self.micro_batch} x dp {self.dp_size} = {per_step}")
+                             f"{self.micro_batch} x dp {self.data_ranks} = {per_step}")
         return replace(self, grad_accum=self.global_batch // per_step, global_batch=0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hpctrain.plan import comm, memory, moe, storage
+from hpctrain.plan import async_model, comm, memory, moe, storage
 from hpctrain.plan.layout import Job
 from hpctrain.plan.shape import ModelShape
 
@@ -35,6 +35,7 @@ class Plan:
     checkpoint: dict
     comm: list
     warnings: list = field(default_factory=list)
+    servers: dict = field(default_factory=dict)  # async_diloco: host bytes and bytes per arrival
 
 
 def make_plan(shape: ModelShape, job: Job) -> Plan:
@@ -44,12 +45,30 @@ def make_plan(shape: ModelShape, job: Job) -> Plan:
     rows = comm.rows_of_rank(shape, job, mem)
     plan = Plan(shape, job, mem, memory.setup_bytes(shape, job, mem), storage.sampler_bytes(shape, job),
                 storage.cache_figures(shape, job), storage.checkpoint_figures(shape, job), rows)
+    if job.sync_mode == async_model.MODE:
+        plan.servers = async_figures(job, mem.local_params)
     plan.warnings = check_budgets(plan)
     return plan
 
 
+def async_figures(job: Job, n_part: int) -> dict:
+    """async_diloco's figures of the largest part (plan/async_model.py), in report order."""
+    arrival = async_model.arrival_bytes(job, n_part)
+    node, where = async_model.host_per_node(job, n_part)
+    return {**{f"per arrival: {k}": v for k, v in arrival.items()},
+            **{f"server rank (host): {k}": v for k, v in async_model.server_bytes(job, n_part).items()},
+            **{f"replica pusher (host): {k}": v for k, v in async_model.pusher_bytes(job, n_part).items()},
+            f"busiest node (host): {where}": node}
+
+
 def check_budgets(p: Plan) -> list[str]:
     j, out = p.job, []
+    node = next((v for k, v in p.servers.items() if k.startswith("busiest node")), 0)
+    if node > j.node_memory:
+        where = next(k for k in p.servers if k.startswith("busiest node")).split(": ", 1)[1]
+        out.append(f"async_diloco: {where} hold {fmt_bytes(node)} of host memory on one node > "
+                   f"--node-memory {fmt_bytes(j.node_memory)} (more --ps-servers split the "
+                   f"global model)")
     if p.mem.peak > j.usable_memory:
         out.append(f"GPU memory: peak {fmt_bytes(p.mem.peak)} on pipeline rank {p.mem.stage.pp_rank} "
                    f"> {fmt_bytes(j.usable_memory)} usable (--gpu-memory {fmt_bytes(j.gpu_memory)} "
@@ -148,6 +167,7 @@ def render(p: Plan) -> str:
              f"{j.batch} sequences ({tokens_step:,} tokens); activation_checkpoint "
              f"{j.activation_checkpoint}; {j.precision}; sync {j.sync_mode}"
              + (f" (inner_steps {j.inner_steps}, {j.compression})" if j.sync_mode == "diloco" else "")
+             + (async_model.sync_line(j) if j.sync_mode == async_model.MODE else "")
              + f". Corpus {j.tokens:.3g} tokens: {p.sampler['windows'] // j.batch:,} steps per epoch.", ""]
     lines += _memory_lines(p)
     how = ("meta init: the rank's fp32 shard + the largest whole parameter" if p.job.meta_init else
@@ -165,6 +185,9 @@ def render(p: Plan) -> str:
         lines += ["", f"Recommended: --checkpoint.layout={p.checkpoint['recommended layout']} "
                       f"({p.checkpoint['files, layout node']:,} files per checkpoint instead of "
                       f"{p.checkpoint['files']:,}; from {storage.NODE_LAYOUT_FROM_RANKS} ranks)"]
+    if p.servers:
+        lines += ["", "## async_diloco: bytes per arrival (one part, upper bound) and host memory", ""]
+        lines += _table(("what", "bytes"), [(k, fmt_bytes(v)) for k, v in p.servers.items()])
     lines += ["", "## Communication per optimizer step, sent by one rank", ""]
     lines += _table(("axis", "link", "bytes", "what"), [(a, l, fmt_bytes(b), w) for a, l, b, w in p.comm])
     lines += ["", "## Warnings", ""] + ([f"- {w}" for w in p.warnings] or ["- none: every budget holds"])

@@ -85,10 +85,11 @@ def layouts(base: Job, batch: int) -> list[Job]:
 
 
 def ranked(cands: list[Candidate], user: Job) -> list[Candidate]:
-    """Fitting layouts fastest first (ties: fewer changes to `user`'s layout, then the lower
+    """Fitting layouts fastest first (the most tokens/s: the shortest step at one global batch;
+    async_diloco's replicas step at once) (ties: fewer changes to `user`'s layout, then the lower
     peak), then the rejected ones."""
     fit = sorted((c for c in cands if c.fits),
-                 key=lambda c: (c.time.total, len(changes(user, c.job)), c.peak))
+                 key=lambda c: (-c.time.tokens_per_s, len(changes(user, c.job)), c.peak))
     return fit + [c for c in cands if not c.fits]
 
 

@@ -14,7 +14,9 @@ Owns the step-time model `hpctrain plan` ranks layouts by (docs/scale.md, "Recom
   intra-node one otherwise; exposed is what does not hide under compute: DDP's bucketed all-reduce
   runs under the last micro-batch's backward (2/3 of its compute), FSDP's prefetched all-gathers
   and its reduce-scatter under every micro-batch's forward and backward, DiLoCo's round average
-  under nothing.
+  under nothing. async_diloco: a step is one replica's batch on its ranks, the replicas step
+  at once (tokens per step x replicas); its arrival (plan/async_model.py) is exposed, amortized
+  over the round like DiLoCo's average (no collective blocks the other replicas).
 A lower bandwidth never makes a layout faster; the model ignores latency and kernel efficiency
 beyond the one MFU, so it ranks layouts, it does not promise a wall clock. It must never
 compute memory (memory.py) or format text (recommend.py).
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpctrain.plan import comm
+from hpctrain.plan import async_model, comm
 from hpctrain.plan.layout import Job
 from hpctrain.plan.memory import RankMemory, checkpointed_blocks
 from hpctrain.plan.shape import ModelShape
@@ -64,7 +66,10 @@ def step_time(shape: ModelShape, job: Job, mem: RankMemory) -> StepTime:
     """The step time of `job` (already checked) whose largest pipeline rank is `mem`."""
     tokens = job.batch * shape.block_size
     flops = shape.flops_per_token() * tokens * recompute_factor(shape, job, mem)
-    compute = flops / (job.world * job.gpu_tflops * 1e12 * job.mfu)
+    ranks, streams = job.world, 1
+    if job.sync_mode == "async_diloco":  # each replica steps on its own batch, all at once
+        ranks, streams = async_model.group_ranks(job), async_model.replicas(job)
+    compute = flops / (ranks * job.gpu_tflops * 1e12 * job.mfu)
     seconds = {axis: sent / bandwidth(job, link) if sent else 0.0
                for axis, link, sent, _ in comm.rows_of_rank(shape, job, mem)}
     pipelined = compute + seconds["tp"] + seconds.get("ep", 0.0) + seconds["pp"]
@@ -76,5 +81,5 @@ def step_time(shape: ModelShape, job: Job, mem: RankMemory) -> StepTime:
     else:
         window = compute * 2 / 3 / job.grad_accum
     exposed = max(0.0, seconds["dp"] - window) + seconds.get("replica", 0.0)  # (not overlapped)
-    return StepTime(compute, seconds["tp"], seconds["pp"], bubble, exposed, seconds["dp"], tokens,
+    return StepTime(compute, seconds["tp"], seconds["pp"], bubble, exposed, seconds["dp"], tokens * streams,
                     seconds.get("ep", 0.0))

@@ -19,13 +19,15 @@ Owns the arithmetic of:
   (one writer thread; checkpoint.layout = "node": one `__node<k>.distcp` per node, node_layout.py),
   plus `.metadata`, `state_nontensor.json`, `trainer_state.json` and `COMMIT.json`; tensors are fp32 parameters + AdamW m, v = 12 B per parameter (the tied weight
   once); DiLoCo saves the global model and outer momentum plus every replica's local model and
-  inner optimizer (sync/diloco.py checkpoint_states).
+  inner optimizer (sync/diloco.py checkpoint_states); async_diloco the global model, momentum and
+  accumulator and each replica's weights, start point, inner optimizer (plan/async_model.py).
 It must never compute GPU memory (memory.py) or communication (comm.py).
 """
 from __future__ import annotations
 
 import math
 
+from hpctrain.plan import async_model
 from hpctrain.plan.layout import Job
 from hpctrain.plan.shape import ModelShape
 
@@ -111,6 +113,8 @@ def checkpoint_figures(shape: ModelShape, job: Job) -> dict:
     if job.sync_mode == "diloco":
         per_replica = 12 * n + (4 * n if job.overlap else 0)
         tensors = 8 * n + (4 * n if job.overlap else 0) + job.dp_size * per_replica
+    if job.sync_mode == "async_diloco":
+        tensors = async_model.checkpoint_bytes(job, n)
     by_layout = {layout: checkpoint_files(job, layout) for layout in ("rank", "node")}
     return {"bytes": tensors, "largest rank file (even split)": tensors // job.world,
             "largest node file (even split)": tensors // job.nodes,
