@@ -108,22 +108,27 @@ def test_cli_accepts_async_diloco_and_prints_its_sync_line(capsys):
 
 
 @pytest.mark.mpi
-def test_the_plan_predicts_a_real_runs_bytes_per_arrival(tmp_path, dataset, capsys):
-    """1 replica + 2 servers (3 ranks), int8 pushes with error feedback, int4 pulls, the default
-    delayed Nesterov (1 replica: every arrival takes the momentum step, so every arrival pulls):
-    each arrival's pushed_bytes / pulled_bytes equal the plan's, byte for byte."""
+@pytest.mark.parametrize("ranks, servers, sync", [
+    (3, 2, ["--sync.compression=int8", "--sync.pull_compression=int4", "--sync.error_feedback=true"]),
+    (3, 2, []),
+    (4, 2, ["--parallel.tp=2", "--sync.compression=bf16"]),
+], ids=["int8-int4", "fp32", "tp2-bf16"])
+def test_the_plan_predicts_a_real_runs_bytes_per_arrival(tmp_path, dataset, ranks, servers, sync):
+    """1 replica and its servers (2 per part; tp = 2: 1 per part), the default delayed Nesterov (1 replica: every arrival
+    takes the momentum step, so every arrival pulls): each arrival's pushed_bytes / pulled_bytes /
+    arrival_bytes equal the plan's, byte for byte. int8 pushes with error feedback and int4 pulls
+    (2 slices of 60,320: 122,752 / 62,336 B); fp32 (theta, momentum, accumulator read and written
+    back: 12 B per parameter each way); a tp = 2 replica's part (its leader's shard) in bf16."""
     cfg, run = write_config(tmp_path, dataset, "async")
-    sync = ["--sync.mode=async_diloco", "--sync.ps_servers=2", "--sync.compression=int8",
-            "--sync.pull_compression=int4", "--sync.error_feedback=true", "--sync.inner_steps=2"]
-    train(3, cfg, "--train.steps=6", "--checkpoint.interval=100", "--train.eval_interval=0", *sync)
+    sync = ["--sync.mode=async_diloco", f"--sync.ps_servers={servers}", "--sync.inner_steps=2", *sync]
+    train(ranks, cfg, "--train.steps=6", "--checkpoint.interval=100", "--train.eval_interval=0", *sync)
     arrivals = [r for r in records(run) if "arrival" in r]
     assert [r["arrival"] for r in arrivals] == [1, 2, 3]
     from hpctrain.plan.cli import build_parser, shape_and_job
 
-    args = build_parser().parse_args(["--config", str(cfg), "--nodes", "1", "--gpus-per-node", "3",
-                                      *sync])  # train's spelling pastes back
-    shape, job = shape_and_job(args)
-    plan = make_plan(shape, job)
+    args = build_parser().parse_args(["--config", str(cfg), "--nodes", "1", "--gpus-per-node",
+                                      str(ranks), *sync])  # train's spelling pastes back
+    plan = make_plan(*shape_and_job(args))
     push, pull = plan.servers["per arrival: pushed"], plan.servers["per arrival: pulled"]
     assert {(r["pushed_bytes"], r["pulled_bytes"]) for r in arrivals} == {(push, pull)}
     assert {r["arrival_bytes"] for r in arrivals} == {push + pull}
