@@ -3,7 +3,7 @@
 Run:  python bench/async_localsgd.py [--data data/shakespeare_bytes] [--steps 240] [--plot PNG]
           [--replicas 2] [--compute-sleep 0] [--compression none|bf16|int8|int4]
           [--pull-compression same|bf16|int8|int4] [--defer-momentum-pull]
-          [--async-compression same|bf16|int8|int4] [--push-error-feedback] [--keep DIR]
+          [--async-compression same|bf16|int8|int4] [--push-error-feedback] [--async-h H] [--keep DIR]
 
 Two replicas train the demo GPT (128 wide, block 128, 0.8M parameters) on byte-level Shakespeare;
 rank 1 computes `--slow`x slower (the test fault slow_factor in HPCTRAIN_TEST_FAULTS: it sleeps
@@ -64,24 +64,27 @@ SAVE_LINE = re.compile(r"checkpoint: step (\d+) -> \S+ \((\d+\.\d+)s\)")  # rank
 
 
 def modes(h: int, n: int = 2, compression: str = "none", pulls: str = "same",
-          defer: bool = False, pushes: str = "same", feedback: bool = False) -> dict[str, tuple[int, list[str]]]:
+          defer: bool = False, pushes: str = "same", feedback: bool = False,
+          async_h: int = 0) -> dict[str, tuple[int, list[str]]]:
     """name -> (ranks, overrides), for n replicas; `compression`: the pseudo-gradients' wire format
     (sync DiLoCo's all-reduce, the asynchronous modes' pushes unless `pushes` says otherwise);
     `pulls`: the asynchronous modes' pulls (sync.pull_compression); `defer`:
-    sync.defer_momentum_pull (delayed Nesterov); `feedback`: sync.error_feedback on their pushes."""
+    sync.defer_momentum_pull (delayed Nesterov); `feedback`: sync.error_feedback on their pushes;
+    `async_h`: the asynchronous modes' inner steps per round (0: `h`, sync DiLoCo's)."""
     sync_wire = [f"--sync.compression={compression}"]
     wire = ([f"--sync.compression={compression if pushes == 'same' else pushes}"]
             + ([] if pulls == "same" else [f"--sync.pull_compression={pulls}"])
             + (["--sync.error_feedback=true"] if feedback else []))
+    ah = async_h or h
     dn = ["--sync.outer_optimizer=delayed_nesterov"] + (["--sync.defer_momentum_pull=true"] if defer else [])
     return {
         "ddp": (n, []),
         "sync DiLoCo": (n, ["--sync.mode=diloco", f"--sync.inner_steps={h}", *sync_wire]),
-        "async naive": (n + 1, ASYNC + [f"--sync.inner_steps={h}", "--sync.outer_optimizer=nesterov", *wire]),
-        "async DN": (n + 1, ASYNC + [f"--sync.inner_steps={h}", *dn, *wire]),
-        "async DN+DyLU": (n + 1, ASYNC + [f"--sync.inner_steps={h}", *dn, "--sync.local_steps=dynamic", *wire]),
+        "async naive": (n + 1, ASYNC + [f"--sync.inner_steps={ah}", "--sync.outer_optimizer=nesterov", *wire]),
+        "async DN": (n + 1, ASYNC + [f"--sync.inner_steps={ah}", *dn, *wire]),
+        "async DN+DyLU": (n + 1, ASYNC + [f"--sync.inner_steps={ah}", *dn, "--sync.local_steps=dynamic", *wire]),
         "async DN+DyLU no catch-up": (n + 1, ASYNC + [
-            f"--sync.inner_steps={h}", *dn, "--sync.local_steps=dynamic", "--sync.catch_up=false", *wire]),
+            f"--sync.inner_steps={ah}", *dn, "--sync.local_steps=dynamic", "--sync.catch_up=false", *wire]),
     }
 
 
@@ -192,6 +195,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--data", default="data/shakespeare_bytes", help="byte-level dataset (make demo builds it)")
     ap.add_argument("--steps", type=int, default=240, help="synchronous steps of 2 x 8 sequences (token budget)")
     ap.add_argument("--h", type=int, default=16, help="inner steps per round (the fastest replica's)")
+    ap.add_argument("--async-h", type=int, default=0,
+                    help="the asynchronous modes' inner steps per round (0: --h): an asynchronous replica "
+                         "may spend the bytes its cheaper wire format saves on more frequent arrivals")
     ap.add_argument("--slow", type=float, default=2.0, help="how many times slower rank 1 computes")
     ap.add_argument("--windows", type=int, default=512, help="held-out windows scored per checkpoint")
     ap.add_argument("--only", nargs="*", help="run only these modes (names as printed)")
@@ -223,7 +229,7 @@ def main() -> None:
     curves, walls, moved, split, net = {}, {}, {}, {}, {}
     with (contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory()) as tmp:
         wire = (args.compression, args.pull_compression, args.defer_momentum_pull, args.async_compression,
-                args.push_error_feedback)
+                args.push_error_feedback, args.async_h)
         for name, (ranks, extra) in modes(args.h, args.replicas, *wire).items():
             if args.only and name not in args.only:
                 continue
