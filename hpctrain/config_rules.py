@@ -21,6 +21,8 @@ def validate(cfg: Config) -> Config:
     _check(cfg.parallel.ep == 1 or cfg.sync.mode == "sync", "parallel.ep",
            f"{cfg.parallel.ep} with sync.mode = {cfg.sync.mode!r}: expert parallelism needs "
            f"sync.mode = 'sync' (or parallel.ep = 1)")
+    _check(not cfg.parallel.deterministic_experts or cfg.sync.mode == "sync",
+           "parallel.deterministic_experts", f"needs sync.mode = 'sync' (got {cfg.sync.mode!r}); set it to false")
     _check(t.steps >= 1, "train.steps", "must be >= 1")
     _check(t.seed >= 0, "train.seed", "must be >= 0")
     _check(0 <= t.stop_at_step <= t.steps, "train.stop_at_step", f"must be in [0, train.steps={t.steps}]")
@@ -225,7 +227,8 @@ def _validate_sync(s: SyncConfig, p: ParallelConfig) -> None:
 def _validate_compile_scope(t: TrainConfig, p: ParallelConfig) -> None:
     """train.compile_scope = model compiles the whole forward in place: under FSDP2, TP, PP or EP
     the layout's hooks and DTensors sit between the blocks, where only per-block regions work."""
-    whole_model_layout = p.data_parallel != "fsdp" and p.tp == 1 and p.pp == 1 and p.ep == 1
+    whole_model_layout = (p.data_parallel != "fsdp" and p.tp == 1 and p.pp == 1 and p.ep == 1
+                          and not p.deterministic_experts)
     _check(t.compile_scope != "model" or whole_model_layout, "train.compile_scope",
            "'model' needs 1 rank or DDP (not parallel.data_parallel = fsdp, tp, pp or ep > 1); "
            "use 'blocks' or 'auto'")
@@ -245,6 +248,11 @@ def _validate_parallel(p: ParallelConfig, m: ModelConfig, compile: bool = False)
            f"{p.ep} must divide model.moe_experts={m.moe_experts} (each rank holds experts / ep)")
     _check(p.ep == 1 or p.dp == 0 or p.dp % p.ep == 0, "parallel.ep",
            f"{p.ep} must divide parallel.dp={p.dp} (the ep ranks are borrowed from dp)")
+    _check(not p.deterministic_experts or (m.moe_experts > 0 and p.tp == 1), "parallel.deterministic_experts",
+           "needs a mixture-of-experts model (model.moe_experts > 0) and parallel.tp = 1; set it to false")
+    _check(not p.deterministic_experts or all(n & (n - 1) == 0 for n in (p.ep, p.dp)),
+           "parallel.deterministic_experts", f"needs a power-of-two parallel.ep and parallel.dp (got "
+           f"ep={p.ep}, dp={p.dp}: its summation tree pairs ranks); set it to false")
     _check(not (compile and p.pp > 1), "train.compile",
            "not supported with pipeline parallelism (parallel.pp > 1): the pipeline schedule runs "
            "stage modules directly; set train.compile = false")

@@ -266,6 +266,14 @@ class ParallelConfig:
         "help": "expert-parallel size: each MoE layer's experts sharded over ep consecutive "
                 "data-parallel ranks (tokens exchanged with all-to-all); divides dp and "
                 "model.moe_experts"})
+    deterministic_experts: bool = field(default=False, metadata={
+        "help": "MoE: expert weight gradients summed in one binary-tree order over the dp index "
+                "whatever ep is (each kept per source rank, then pairwise, then recursive doubling "
+                "over the ep replicas), so a run resumed with another ep at the same dp gives "
+                "bit-equal losses; ep = 1 then shards over a 1-rank ep group too (DDP / FSDP leave "
+                "the experts out). Costs an [ep, ...] gradient buffer per expert weight (the whole "
+                "layer's experts per rank) and log2(dp / ep) point-to-point exchanges instead of "
+                "one all-reduce. Power-of-two dp and ep, tp = 1"})
     data_parallel: Literal["ddp", "fsdp"] = field(default="ddp", metadata={
         "help": "ddp (replicated weights, all-reduce) | fsdp (FSDP2 fully_shard: sharded weights, "
                 "grads and optimizer state over dp)"})

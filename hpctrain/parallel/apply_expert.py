@@ -29,7 +29,7 @@ from hpctrain.distributed.dtensor import is_dtensor
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.errors import ConfigError
 from hpctrain.model.moe import MoEFeedForward
-from hpctrain.parallel.expert import WEIGHTS, shard_experts
+from hpctrain.parallel.expert import WEIGHTS, ExpertParallelExperts, shard_experts
 
 EXPERT_AXES = ("pp", "ep_replica", "ep", "tp")
 
@@ -42,6 +42,8 @@ class ExpertParallel:
     mesh: DeviceMesh                       # 1-D, the ep ranks (the weights' DTensor mesh)
     replica_group: dist.ProcessGroup       # the dp / ep ranks holding the same experts
     dp_size: int
+    layers: tuple[ExpertParallelExperts, ...] = ()
+    deterministic: bool = False            # parallel.deterministic_experts: sum in tree order
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether `t` (a weight or its gradient) is an expert shard of this layout."""
@@ -49,6 +51,8 @@ class ExpertParallel:
 
     def reduce_grads(self, prescaled: bool) -> None:
         """Expert gradients -> the global batch's (see the module docstring)."""
+        if self.deterministic:
+            return self._reduce_in_tree_order(prescaled)
         grads = [p.grad.to_local() for p in self.params if p.grad is not None]
         if not grads:
             return
@@ -60,6 +64,24 @@ class ExpertParallel:
         for g, v in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(v.view_as(g))
 
+    def _reduce_in_tree_order(self, prescaled: bool) -> None:
+        """parallel.deterministic_experts: each weight's gradient is the sum over the global dp
+        index of the per-source gradients in one binary tree, whatever ep is: pairwise over this
+        rank's ep sources (an aligned block of dp indices), then by recursive doubling over the
+        replicas (a two-rank sum a + b is exact on both sides), so dp / ep / 1 ranks add the same
+        numbers in the same order. Sets .grad (a DTensor like the weight)."""
+        from torch.distributed.tensor import DTensor
+
+        per_source = [g for layer in self.layers for g in layer.take_source_grads()]
+        flat = torch.cat([_pairwise_sum(g).flatten() for g in per_source])
+        flat = _recursive_doubling_sum(flat, self.replica_group)
+        if not prescaled:
+            flat /= self.dp_size
+        sizes = [g[0].numel() for g in per_source]
+        for p, v, g in zip(self.params, flat.split(sizes), per_source):
+            p.grad = DTensor.from_local(v.view_as(g[0]), p.device_mesh, p.placements, run_check=False,
+                                        shape=p.shape, stride=p.stride())
+
     def grad_norm_sq(self, grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
         """Squared L2 norm (fp64) of expert gradients `grads`, each expert counted once (summed
         over the ep ranks)."""
@@ -68,6 +90,33 @@ class ExpertParallel:
             sq += (g.to_local().double() ** 2).sum()
         dist.all_reduce(sq, group=self.mesh.get_group())
         return sq
+
+
+def _pairwise_sum(t: torch.Tensor) -> torch.Tensor:
+    """t[0] + t[1] + ... summed as a balanced binary tree (t.shape[0]: a power of two)."""
+    while t.shape[0] > 1:
+        t = t[0::2] + t[1::2]
+    return t[0]
+
+
+def _recursive_doubling_sum(flat: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The sum of every rank's `flat` over `group` (a power-of-two size), partner = rank XOR 1, 2,
+    4, ...: rank r ends with the tree ((x0 + x1) + (x2 + x3)) + ..., the same on every rank."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    step = 1
+    while step < n:
+        peer = dist.get_global_rank(group, r ^ step)
+        other = torch.empty_like(flat)
+        send = dist.isend(flat, peer, group=group)
+        dist.recv(other, peer, group=group)
+        send.wait()
+        flat = flat + other
+        step *= 2
+    return flat
+
+
+def _power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
 
 
 def expert_mesh(mesh: Mesh, ep: int) -> DeviceMesh:
@@ -83,15 +132,23 @@ def expert_mesh(mesh: Mesh, ep: int) -> DeviceMesh:
     return emesh
 
 
-def apply_expert_parallel(model: nn.Module, mesh: Mesh, ep: int) -> ExpertParallel | None:
-    """Shard the experts of every MoE layer this rank holds over `ep` ranks (in place)."""
+def apply_expert_parallel(model: nn.Module, mesh: Mesh, ep: int,
+                          deterministic: bool = False) -> ExpertParallel | None:
+    """Shard the experts of every MoE layer this rank holds over `ep` ranks (in place).
+    `deterministic` (parallel.deterministic_experts; ep = 1 too): per-source gradients summed in
+    one tree order (ExpertParallel._reduce_in_tree_order)."""
+    if deterministic and not (_power_of_two(ep) and _power_of_two(mesh.dp_size)):
+        raise ConfigError(f"config key 'parallel.deterministic_experts': needs a power-of-two "
+                          f"parallel.ep and dp (got ep={ep}, dp={mesh.dp_size}); set it to false")
     emesh = expert_mesh(mesh, ep)
-    ep_mesh, params = emesh["ep"], []
+    ep_mesh, params, layers = emesh["ep"], [], []
     for module in list(model.modules()):
         if isinstance(module, MoEFeedForward):
             n = module.cfg.n_experts
             if n % ep:
                 raise ConfigError(f"config key 'parallel.ep': {ep} must divide model.moe_experts={n}")
-            module.experts = shard_experts(module.experts, n, ep_mesh.get_group(), ep_mesh)
+            module.experts = shard_experts(module.experts, n, ep_mesh.get_group(), ep_mesh, deterministic)
             params += [getattr(module.experts, w) for w in WEIGHTS]
-    return ExpertParallel(tuple(params), ep_mesh, emesh["ep_replica"].get_group(), mesh.dp_size)
+            layers.append(module.experts)
+    return ExpertParallel(tuple(params), ep_mesh, emesh["ep_replica"].get_group(), mesh.dp_size,
+                          tuple(layers), deterministic)

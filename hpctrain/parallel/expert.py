@@ -2,8 +2,10 @@
 tokens dispatched to the rank that holds their expert and combined back with all-to-all.
 
 Owns: the dispatch (rows already sorted by global expert id, as MoEFeedForward hands them over,
-are cut by owning rank, exchanged with all_to_all_single, regrouped by local expert), the local
-experts' matmuls (the model's own Experts computation on this rank's slice), and the way back. The
+are cut by owning rank, exchanged with all_to_all_single), the local experts' matmuls (the
+model's own Experts computation on this rank's slice, one source rank's block at a time: every
+group then has the rows it has with ep = 1, so the forward is bit-equal whatever ep is), and the
+way back. The
 exchange is differentiable (functional collectives' all_to_all_single_autograd): a token's gradient returns
 to its rank, and each expert's weight gradient sums the contributions of every rank's tokens.
 Every collective's tensor is on the rows' device, as NCCL requires (the counts too: their host copy,
@@ -25,10 +27,11 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from hpctrain.distributed.dtensor import is_dtensor
-from hpctrain.model.moe import Experts
+from hpctrain.model.moe import Experts, _grouped_mm_fits
 
 WEIGHTS = ("w1", "w3", "w2")
 
@@ -38,7 +41,8 @@ class ExpertParallelExperts(nn.Module):
     [rank * E/ep, (rank + 1) * E/ep) as w1 / w3 / w2 and is called with every routed row of this
     rank, sorted by global expert, and the global per-expert counts."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], n_experts: int, group: dist.ProcessGroup):
+    def __init__(self, weights: dict[str, torch.Tensor], n_experts: int, group: dist.ProcessGroup,
+                 per_source_grads: bool = False):
         super().__init__()
         self.group = group
         self.ep, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -48,6 +52,10 @@ class ExpertParallelExperts(nn.Module):
         for name in WEIGHTS:
             setattr(self, name, nn.Parameter(weights[name]))
         self.local_rows_computed = 0  # rows this rank's experts ran, summed over calls (a count)
+        # parallel.deterministic_experts: each weight's gradient kept per source rank, [ep, ...]
+        # (summed over micro-steps; `take_source_grads` hands them over), never in .grad
+        self.per_source_grads = per_source_grads
+        self.source_grads: dict[str, torch.Tensor] = {}
 
     def _local_weights(self) -> SimpleNamespace:
         """This rank's slices as plain tensors (a DTensor's local shard; differentiable)."""
@@ -57,20 +65,107 @@ class ExpertParallelExperts(nn.Module):
         """Every collective's tensor is on x's device (NCCL takes no other): the counts are
         exchanged there, and their one host copy, the split sizes, is taken after the exchange."""
         ep, n_local, device = self.ep, self.n_local, x_sorted.device
-        # send [dest, its expert], recv [source, my expert]: the rows of each pair
-        send = torch.as_tensor(counts, dtype=torch.int64, device=device).reshape(ep, n_local)
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
-        send_h, recv_h = torch.stack([send, recv]).tolist()
-        send_rows, recv_rows = [sum(r) for r in send_h], [sum(r) for r in recv_h]
+        if ep == 1:  # parallel.deterministic_experts on one rank: no exchange
+            counts_h = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
+            n = x_sorted.shape[0]
+            out = self._per_source(x_sorted, [counts_h], [n], [(0, n)])
+            self.local_rows_computed += out.shape[0]
+            return out
+        # every source's rows per global expert [ep, E]: this rank's receive counts are its
+        # columns, the rest place each source's block inside that source's sorted rows (_per_source)
+        mine = torch.as_tensor(counts, dtype=torch.int64, device=device).reshape(-1)
+        every = torch.empty(ep * mine.numel(), dtype=torch.int64, device=device)  # (Gloo: 1-D)
+        dist.all_gather_into_tensor(every, mine, group=self.group)
+        every_h, lo, hi = every.reshape(ep, -1).tolist(), self.rank * n_local, (self.rank + 1) * n_local
+        send_rows = [sum(every_h[self.rank][d * n_local:(d + 1) * n_local]) for d in range(ep)]
+        recv_h = [row[lo:hi] for row in every_h]
+        recv_rows = [sum(r) for r in recv_h]
+        place = [(sum(row[:lo]), sum(row)) for row in every_h]
         received = _exchange(x_sorted, recv_rows, send_rows, self.group)
-        # received rows are [source][expert]-ordered: regroup them [expert][source] for the matmuls
-        order = _source_major_to_expert_major(recv, sum(recv_rows))
-        expert_rows = [sum(col) for col in zip(*recv_h)]
-        out = Experts.forward(self._local_weights(), received[order], expert_rows)
+        out = self._per_source(received, recv_h, recv_rows, place)
         self.local_rows_computed += out.shape[0]
-        back = torch.empty_like(out).index_copy(0, order, out)  # undo the regrouping
-        return _exchange(back, send_rows, recv_rows, self.group)
+        return _exchange(out, send_rows, recv_rows, self.group)
+
+    def _per_source(self, received: torch.Tensor, recv_h: list[list[int]], recv_rows: list[int],
+                    place: list[tuple[int, int]]) -> torch.Tensor:
+        """The received rows, laid out [source][local expert], computed source block by source
+        block: each block grouped by expert as its source would group its own rows on one rank
+        (same rows, order and rows per group), so every grouped-matmul group has the same shape
+        whatever ep is, and a step's forward is bit-equal across ep (#34). place[s]: (source s's
+        rows before this block, its rows in all) in its sorted rows (see _silu_in_place)."""
+        weights, outs = self._local_weights(), []
+        for s, block in enumerate(received.split(recv_rows)):
+            w = self._source_weights(weights, s) if self.per_source_grads else weights
+            if _grouped_mm_fits(block, w.w1, w.w3, w.w2):
+                ends = torch.tensor(recv_h[s], device=block.device).cumsum(0).to(torch.int32)
+                outs.append(_grouped_swiglu_in_place(block, w, ends, *place[s]))
+            else:  # the loop (silu per expert: nothing to place) or CUDA's kernel
+                outs.append(Experts.forward(w, block, recv_h[s]))
+        return torch.cat(outs)
+
+    def _source_weights(self, weights: SimpleNamespace, s: int) -> SimpleNamespace:
+        """`weights` as seen by source s's block: their gradient goes to source_grads[name][s]."""
+        for name in WEIGHTS:
+            w = getattr(weights, name)
+            if name not in self.source_grads:
+                self.source_grads[name] = w.new_zeros(self.ep, *w.shape)
+        return SimpleNamespace(**{n: GradToSlot.apply(getattr(weights, n), self.source_grads[n][s])
+                                  for n in WEIGHTS})
+
+    def take_source_grads(self) -> list[torch.Tensor]:
+        """The per-source gradients [ep, ...] of w1 / w3 / w2 (zeros where no backward ran since the
+        last call); the next forward starts new ones."""
+        out = []
+        for name in WEIGHTS:
+            slots = self.source_grads.pop(name, None)
+            if slots is None:
+                w = _to_local(getattr(self, name))
+                slots = w.new_zeros(self.ep, *w.shape)
+            out.append(slots)
+        return out
+
+
+class GradToSlot(torch.autograd.Function):
+    """Identity on a weight; its gradient is added to `slot` (a view of the per-source buffer)
+    instead of flowing to the weight, whose .grad the fixed-order reduction sets
+    (hpctrain/parallel/apply_expert.py)."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, slot: torch.Tensor):
+        ctx.slot = slot
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.slot.add_(grad)
+        return None, None
+
+
+SILU_ALIGN = 64  # elements: a multiple of the CPU kernels' chunk (2 vectors: 32 fp32 / 64 bf16 on AVX-512)
+
+
+def _grouped_swiglu_in_place(x: torch.Tensor, w: SimpleNamespace, ends: torch.Tensor,
+                             before: int, total: int) -> torch.Tensor:
+    """hpctrain.model.moe.grouped_swiglu on one source's block, its silu as in place (below)."""
+    gate = torch._grouped_mm(x, w.w1.transpose(-2, -1), offs=ends)
+    up = torch._grouped_mm(x, w.w3.transpose(-2, -1), offs=ends)
+    return torch._grouped_mm(_silu_in_place(gate, before, total) * up, w.w2.transpose(-2, -1), offs=ends)
+
+
+def _silu_in_place(gate: torch.Tensor, before: int, total: int) -> torch.Tensor:
+    """F.silu(gate) bit-equal to these rows' inside their source's whole [total, H] tensor, `before`
+    rows in (as with ep = 1). A CPU elementwise kernel runs vectorized in chunks counted from the
+    tensor's start and its last (n mod chunk) elements scalar, whose exp rounds differently: the
+    rows are computed at the same offset mod SILU_ALIGN and, where the source's rows end within
+    SILU_ALIGN elements after them, ending with them. (Not where a kernel splits a tensor over
+    threads: > 32,768 elements with several intra-op threads per rank.)"""
+    h = gate.shape[-1]
+    start, end = before * h, before * h + gate.numel()
+    lead, stop = start % SILU_ALIGN, min(total * h, -(-end // SILU_ALIGN) * SILU_ALIGN)
+    if lead == 0 and stop == end:
+        return F.silu(gate)
+    flat = F.pad(gate.reshape(-1), (lead, stop - end))
+    return F.silu(flat)[lead:lead + gate.numel()].view_as(gate)
 
 
 def _to_local(t: torch.Tensor) -> torch.Tensor:
@@ -86,19 +181,8 @@ def _exchange(rows: torch.Tensor, recv: list[int], send: list[int], group) -> to
     return torch.ops._c10d_functional.wait_tensor(out) if hasattr(out, "wait") else out
 
 
-def _source_major_to_expert_major(recv: torch.Tensor, n_rows: int) -> torch.Tensor:
-    """Row indices (on recv's device, no host sync: `n_rows` is recv's sum) that turn rows laid
-    out [source s][expert e] (recv[s, e] rows each) into [expert e][source s] order."""
-    flat = recv.reshape(-1)
-    src_start = (flat.cumsum(0) - flat).reshape(recv.shape).t().reshape(-1)  # piece [e, s]'s first row
-    lengths = recv.t().reshape(-1)                                           # piece [e, s]'s rows
-    shift = src_start - (lengths.cumsum(0) - lengths)  # where a piece starts: source-major - expert-major
-    return torch.repeat_interleave(shift, lengths, output_size=n_rows) + \
-        torch.arange(n_rows, device=recv.device)
-
-
 def shard_experts(experts: Experts, n_experts: int, group: dist.ProcessGroup,
-                  mesh: DeviceMesh | None = None) -> ExpertParallelExperts:
+                  mesh: DeviceMesh | None = None, per_source_grads: bool = False) -> ExpertParallelExperts:
     """This rank's contiguous slice of `experts` (its rows only: the other ranks' are not kept).
     With `mesh` (1-D, the ranks of `group`), each weight is a DTensor Shard(0) of the global
     tensor; a weight on the meta device stays there (meta_init materializes it)."""
@@ -115,4 +199,4 @@ def shard_experts(experts: Experts, n_experts: int, group: dist.ProcessGroup,
             part = DTensor.from_local(part, mesh, [Shard(0)], run_check=False,
                                       shape=full.shape, stride=full.stride())
         weights[name] = part
-    return ExpertParallelExperts(weights, n_experts, group)
+    return ExpertParallelExperts(weights, n_experts, group, per_source_grads)

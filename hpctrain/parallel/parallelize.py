@@ -182,7 +182,8 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, precision: str,
     split = apply_pipeline(model, mesh, p.pp_schedule, p.pp_virtual_stages) if mesh.pp_size > 1 else None
     if mesh.tp_size > 1:
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=p.sp)
-    experts = apply_expert_parallel(model, mesh, p.ep) if p.ep > 1 else None
+    experts = (apply_expert_parallel(model, mesh, p.ep, p.deterministic_experts)
+               if p.ep > 1 or p.deterministic_experts else None)
     apply_activation_checkpointing(model, p.activation_checkpoint, p.ac_every)
     roots = tuple(split.make_views()) if split else (model,)
     dp_reduce, mpi_grad_allreduce = dp_reduction(mesh, cfg), None

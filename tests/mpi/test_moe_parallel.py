@@ -7,7 +7,8 @@ experts), trained 10 steps with real mpiexec, against the same run on one rank:
 - layout-free checkpoints: the ep=4 run's step-5 checkpoint resumed with ep=2 and with ep=1 (dp4),
   and the ep=2 x FSDP run's (2 ranks) with ep=4 (4 ranks, DDP): the first resumed loss bit-exact,
   the rest within 1e-5 of the uninterrupted run and of one rank (ep=2 on dp4 is also the DDP case
-  whose expert gradients are summed over two replicas);
+  whose expert gradients are summed over two replicas); with parallel.deterministic_experts on,
+  ep 4 -> 2 and 4 -> 1 at dp4: every resumed loss and grad norm bit-exact;
 - init.from leaves no weight uninitialized (the balancing bias, which no HF tensor holds);
 - the config refuses a layout ep cannot take, naming parallel.ep.
 
@@ -119,28 +120,60 @@ def test_the_routing_is_unbalanced(runs):
         assert max(load) > 3 * sum(load) / len(load)
 
 
+def _resume(setup, source_dir, source, ep, overrides=()):
+    """The step-5 checkpoint of run `source` (in `source_dir`) resumed on 4 ranks (dp4, DDP) with
+    parallel.ep=`ep`: (the uninterrupted run's losses, the resumed run's)."""
+    tmp, _ = setup
+    run = tmp / f"resume_{source}_ep{ep}"
+    shutil.copytree(source_dir, run)
+    shutil.rmtree(run / "checkpoints" / "step_00000010")
+    (run / "metrics.jsonl").unlink()
+    cfg = tmp / f"resume_{source}_ep{ep}.toml"
+    cfg.write_text((tmp / f"{source}.toml").read_text().replace(str(source_dir), str(run)))
+    _train(4, cfg, [f"--parallel.ep={ep}", *overrides])
+    ref, got = losses(source_dir), losses(run)
+    assert sorted(got) == list(range(6, STEPS + 1))
+    return ref, got
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("source,ep", [("ep4", 2), ("ep4", 1), ("ep2_fsdp", 4)],
                          ids=["ep4_to_ep2", "ep4_to_ep1", "ep2_fsdp_to_ep4"])
 def test_a_checkpoint_resumes_with_another_ep(setup, runs, source, ep):
     """The step-5 checkpoint of `source` resumed on 4 ranks (dp4, DDP) with parallel.ep=`ep`
-    (ep2_fsdp_to_ep4 also goes from 2 ranks and FSDP to 4 and DDP)."""
-    tmp, _ = setup
-    run = tmp / f"resume_{source}_ep{ep}"
-    shutil.copytree(runs[source], run)
-    shutil.rmtree(run / "checkpoints" / "step_00000010")
-    (run / "metrics.jsonl").unlink()
-    cfg = tmp / f"resume_{source}_ep{ep}.toml"
-    cfg.write_text((tmp / f"{source}.toml").read_text().replace(str(runs[source]), str(run)))
-    _train(4, cfg, [f"--parallel.ep={ep}"])
-    ref, got = losses(runs[source]), losses(run)
-    assert sorted(got) == list(range(6, STEPS + 1))
-    # the weights read back exactly; the first step's forward is bit-equal only where the CPU's
-    # GEMM kernels do not depend on the rows per expert group (Intel here; on AMD EPYC ep 4 -> 2
-    # gives 4.9030848 vs 4.9030852): a misplaced expert shard moves it by far more than 1e-6
-    assert _rel(got[6], ref[6]) <= 1e-6, (got[6], ref[6])
+    (ep2_fsdp_to_ep4 also goes from 2 ranks and FSDP to 4 and DDP). parallel.deterministic_experts
+    is off: later steps sum the expert gradients in another order (last bits)."""
+    ref, got = _resume(setup, runs[source], source, ep)
+    # the weights read back exactly, and the experts run every source rank's rows as their own
+    # grouped matmul (every group the rows it has with ep = 1; silu at the rows' offset in the
+    # source's tensor): the first step's forward is bit-equal whatever ep is (before #34's
+    # per-source blocks, on AMD EPYC: 4.9030848 vs 4.9030852 for ep 4 -> 2, 4 -> 1, 2 -> 4)
+    assert got[6] == ref[6], (got[6], ref[6])
     one = losses(runs["one"])
     assert max(max(_rel(got[s], ref[s]), _rel(got[s], one[s])) for s in got) <= 1e-5, (got, ref)
+
+
+@pytest.fixture(scope="module")
+def deterministic_run(setup):
+    """The ep4 layout with parallel.deterministic_experts on, 10 steps."""
+    _, config = setup
+    path = config("ep4_det")
+    _train(4, path, ["--parallel.ep=4", "--parallel.deterministic_experts=true"])
+    return path.parent / "ep4_det"
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ep", [2, 1])
+def test_deterministic_experts_resume_with_another_ep_bit_exact(setup, runs, deterministic_run, ep):
+    """parallel.deterministic_experts: the expert gradients summed in one tree order over the dp
+    index, so every resumed loss and grad norm equals the uninterrupted ep=4 run's (dp4 both)."""
+    ref, got = _resume(setup, deterministic_run, "ep4_det", ep, ["--parallel.deterministic_experts=true"])
+    assert got == {s: ref[s] for s in got}, (got, ref)
+    ref_norm = losses(deterministic_run, "grad_norm")
+    got_norm = losses(deterministic_run.parent / f"resume_ep4_det_ep{ep}", "grad_norm")
+    assert got_norm == {s: ref_norm[s] for s in got_norm}, (got_norm, ref_norm)
+    one = losses(runs["one"])  # and the same training as one rank's
+    assert max(_rel(got[s], one[s]) for s in got) <= 1e-5, (got, one)
 
 
 def test_init_from_leaves_no_weight_uninitialized(setup):
@@ -190,6 +223,19 @@ def test_a_layout_ep_cannot_take_names_parallel_ep(tmp_path, overrides, names):
     cfg.write_text(_no_init(tmp_path) + MODEL)
     with pytest.raises(ConfigError, match="'parallel.ep'") as e:
         config_mod.load(cfg, overrides)
+    assert names in str(e.value)
+
+
+@pytest.mark.parametrize("overrides,names", [
+    (["--parallel.dp=6", "--parallel.ep=2"], "dp=6"),
+    (["--parallel.tp=2"], "parallel.tp = 1"),
+    (["--sync.mode=diloco"], "sync.mode"),
+])
+def test_deterministic_experts_refuses_a_layout_it_cannot_take(tmp_path, overrides, names):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(_no_init(tmp_path) + MODEL)
+    with pytest.raises(ConfigError, match="'parallel.deterministic_experts'") as e:
+        config_mod.load(cfg, ["--parallel.deterministic_experts=true", *overrides])
     assert names in str(e.value)
 
 

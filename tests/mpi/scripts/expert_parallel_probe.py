@@ -1,7 +1,8 @@
 """Run under mpiexec -n EP: one MoE layer with its experts sharded over every rank
 (hpctrain/parallel/expert.py) against the same layer on one rank, under deliberately skewed
 routing. Prints, per rank, the max |difference| of its tokens' outputs, of its experts' weight
-gradients and of the router's gradient (summed over ranks, relative to its largest entry), the rows
+gradients (relative to their largest entry) and of the router's gradient (summed over ranks,
+relative to its largest entry), the rows
 its experts computed, and how many dist collectives the sharded layer ran, each held to the rank's
 device as NCCL holds it (a tensor off it ends the probe with NCCL's message)."""
 import copy
@@ -49,7 +50,8 @@ def device_only(collective):
     return refusing
 
 
-real = {name: getattr(dist, name) for name in ("all_to_all_single", "all_reduce", "all_gather")}
+real = {name: getattr(dist, name)
+        for name in ("all_to_all_single", "all_reduce", "all_gather", "all_gather_into_tensor")}
 for name, collective in real.items():
     setattr(dist, name, device_only(collective))
 out = moe(x[share])
@@ -59,8 +61,9 @@ for name, collective in real.items():
     setattr(dist, name, collective)
 rows = slice(r * E // ep, (r + 1) * E // ep)
 d_out = (out.detach() - out_ref).abs().max()
+# relative to the largest entry: one rank sums an expert's rows in one matmul, ep ranks per source
 d_experts = max((getattr(moe.experts, n).grad - getattr(ref.experts, n).grad[rows]).abs().max()
-                for n in ("w1", "w3", "w2"))
+                / getattr(ref.experts, n).grad[rows].abs().max() for n in ("w1", "w3", "w2"))
 router_grad = moe.router.weight.grad.clone()
 dist.all_reduce(router_grad)
 d_router = (router_grad - ref.router.weight.grad).abs().max() / ref.router.weight.grad.abs().max()
