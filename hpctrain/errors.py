@@ -10,7 +10,9 @@ class ConfigError(UserError):
 
 
 class CheckpointError(UserError):
-    """A checkpoint could not be saved, found or loaded; the message starts with what and where."""
+    """A checkpoint could not be saved, found or loaded; the message starts with what and where.
+    `state_written`: a load failed after it began writing into the job's tensors in place."""
+    state_written = False
 
 
 class NoIntactCheckpoint(CheckpointError):

@@ -1,4 +1,4 @@
-"""Test-only fault injection at named points of the checkpoint save path.
+"""Test-only fault injection at named points of the checkpoint save path (and one of the load's).
 
 Owns the list of fault points (`POINTS`) and the meaning of the `save_point` item of the one
 test-fault switch, the environment variable HPCTRAIN_TEST_FAULTS (hpctrain/step_faults.py), that
@@ -44,6 +44,7 @@ POINTS = (
     "commit.done",             # root fsynced
     "retention.renamed",       # an old checkpoint renamed to .deleting, not yet deleted
     "save.end",                # save returned (retention done)
+    "load.dcp_done",           # a load's DCP read returned (the tensors written in place)
 )
 FILE_EVENTS = ("open", "write", "closed")
 

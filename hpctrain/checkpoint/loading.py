@@ -10,7 +10,7 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
-from hpctrain.checkpoint import disk_format
+from hpctrain.checkpoint import disk_format, faults
 from hpctrain.checkpoint.agreement import Agreement
 from hpctrain.checkpoint.dcp_io import describe, failure
 from hpctrain.checkpoint.state import merge_values, split_state
@@ -65,9 +65,14 @@ def load(ranks: Agreement, path: Path, state: dict) -> tuple[dict, ShareVerifier
         with quiet(ranks._dist):
             dcp.load(tensors, storage_reader=reader, planner=TensorOnlyLoadPlanner(),
                      no_dist=not ranks._dist)
+        faults.hit("load.dcp_done", path)
         merge_values(state, values, str(path))
     except (Exception, CheckpointException) as e:  # noqa: BLE001
         err = failure(e, ranks.rank)
     err = verifier.problem() or err  # a damaged file: named, whatever DCP made of it
-    ranks._agree(err, prefix)
+    try:
+        ranks._agree(err, prefix)
+    except CheckpointError as e:
+        e.state_written = True  # DCP reads into `state` in place: part of it may hold this checkpoint's
+        raise
     return json_state, verifier

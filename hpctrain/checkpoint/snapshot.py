@@ -46,6 +46,7 @@ import torch.distributed as dist
 from hpctrain import logs
 from hpctrain.checkpoint import background, disk_format, snapshot_io
 from hpctrain.checkpoint.dcp_io import describe, no_zip_crc32
+from hpctrain.checkpoint.snapshot_resume import SnapshotResume
 from hpctrain.checkpoint.state import json_part, split_state
 from hpctrain.data.private_dir import open_private_dir, resolve_cache_dir, user_root_name
 from hpctrain.distributed.run_lock import launch_id, stop_if_taken_over
@@ -346,56 +347,12 @@ class PeerSnapshots:
             shutil.rmtree(self.path, ignore_errors=True)
 
     # -- resuming ------------------------------------------------------------------------------------
-    def resume(self, pfs_step) -> Path | None:
-        """Collective (main thread, before any PFS checkpoint is loaded): this rank's path of the
-        newest snapshot that the surviving nodes cover, completed on every node, if it is newer
-        than `pfs_step()` (the newest intact PFS checkpoint's step, -1 for none; called only when a
-        snapshot qualifies); None otherwise (one warning line naming what an unusable snapshot
-        lacks)."""
+    def resume(self, pfs_step) -> tuple[Path | None, str | None]:
+        """Collective (main thread, before any PFS checkpoint is loaded): (this rank's path of the
+        newest snapshot that the surviving nodes cover, every copy checked against its checksums,
+        completed on every node from intact copies, if it is newer than `pfs_step()` (the newest
+        intact PFS checkpoint's step, -1 for none; called only when a snapshot qualifies), else
+        None; why a snapshot found was not used, else None). snapshot_resume.py."""
         if not self.enabled:
-            return None
-        topo = self.topology()
-        leader = self.rank == topo["leaders"][self.ctx.node_rank]
-        mine = snapshot_io.list_node(self.path) if leader and not self.path.is_symlink() else {}
-        listings = [x for x in self.ctx.comm.allgather((self.ctx.node_rank, mine if leader else None))
-                    if x[1] is not None]
-        step, *found = snapshot_io.choose(listings, self.key)
-        if step is None:
-            if found[0] and self.rank == 0:
-                log.warning(f"warning: peer snapshot in {self.path} not used: {found[0][0]}; "
-                            f"resuming from the PFS checkpoint")
-            return None
-        commit, holders = found
-        newest_pfs = pfs_step()
-        if newest_pfs >= step:
-            return None
-        moves = snapshot_io.transfers(holders, topo["leaders"])
-        err = None
-        try:
-            self._fetch_missing(step, moves)
-        except Exception as e:  # noqa: BLE001 - agreed below
-            err = describe(e)
-        errors = self.ctx.comm.allgather(err)  # the others read this node's copy after this
-        bad = next(((r, e) for r, e in enumerate(errors) if e), None)
-        if bad:
-            if self.rank == 0:
-                log.warning(f"warning: peer snapshot of step {step} not used: rank {bad[0]}: {bad[1]}; "
-                            f"resuming from the PFS checkpoint")
-            return None
-        return self.path / disk_format.step_dir_name(step)
-
-    def _fetch_missing(self, step: int, moves: list) -> None:
-        """Copy the files a node lacks from a node that holds them (pairs of send/recv in the
-        same order on every rank), so that every node's folder holds the whole snapshot."""
-        if not moves:
-            return
-        group = self.group()
-        folder = self.path / disk_format.step_dir_name(step)
-        for rel, src, dst in moves:
-            if self.rank == src:
-                snapshot_io.send_file(folder / rel, dst, group)
-            elif self.rank == dst:
-                if not folder.is_dir():
-                    self._open_root()
-                    folder.mkdir(exist_ok=True)
-                snapshot_io.recv_file(folder / rel, src, group)
+            return None, None
+        return SnapshotResume(self).run(pfs_step)

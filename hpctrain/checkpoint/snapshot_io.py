@@ -62,10 +62,13 @@ def list_node(root: Path | None) -> dict[int, dict]:
     return found
 
 
-def choose(listings: list[tuple[int, dict]], run_key: str):
+def choose(listings: list[tuple[int, dict]], run_key: str, damaged: dict | None = None):
     """The newest snapshot the surviving nodes can rebuild: (step, commit, {file: [nodes holding
     it]}), or (None, problems) where none can: problems names the newest incomplete one's missing
-    file or marker. `listings`: one (node, list_node()) per node."""
+    file or marker. `listings`: one (node, list_node()) per node; `damaged`: {(step, file): "is
+    damaged on node N (...)"} for the files some node's copy of failed its checksum (dropped from its
+    listing), named as such in the problems."""
+    damaged = damaged or {}
     steps = sorted({s for _, lst in listings for s in lst}, reverse=True)
     problems = []
     for step in steps:
@@ -84,7 +87,9 @@ def choose(listings: list[tuple[int, dict]], run_key: str):
             if not nodes:
                 missing.append(rel)
         if missing:
-            problems.append(f"{name}/{missing[0]} is on no surviving node"
+            why = (f"{damaged[step, missing[0]]} and no other surviving node holds an intact copy"
+                   if (step, missing[0]) in damaged else "is on no surviving node")
+            problems.append(f"{name}/{missing[0]} {why}"
                             + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
             continue
         holders[COMMIT] = [n for n, lst in listings if step in lst and lst[step]["commit"] == commit]

@@ -28,15 +28,12 @@ from hpctrain import logs
 from hpctrain.checkpoint import CheckpointManager
 from hpctrain.checkpoint.snapshot import PeerSnapshots
 from hpctrain.config import Config
-from hpctrain.config_rules import (check_resume_batch, check_same_model, global_batch_line,
-                                   stop_at_step_line)
-from hpctrain.data.sampler import check_same_dataset, saved_sampler_state
+from hpctrain.config_rules import global_batch_line, stop_at_step_line
 from hpctrain.distributed import DistContext
 from hpctrain.distributed.bootstrap import mpi_library
 from hpctrain.distributed.preempt import NONE, Preemption
 from hpctrain.distributed.mesh import Mesh, ParallelDims, replica_ranks
 from hpctrain.distributed.watchdog import watch_peers
-from hpctrain.errors import CheckpointError, ConfigError, NoIntactCheckpoint
 from hpctrain.metrics import MetricsLog, format_eta
 from hpctrain.metrics.mfu import MfuMeter
 from hpctrain.metrics.peak import job_meter
@@ -49,6 +46,7 @@ from hpctrain.train.data import TrainData
 from hpctrain.train.bad_steps import all_finite
 from hpctrain.train.engine import StepEngine
 from hpctrain.train.hooks import LoopHooks
+from hpctrain.train.resume import resume_newest
 from hpctrain.train.model_setup import build_model
 from hpctrain.train.moe_monitor import monitor_for
 from hpctrain.model.optim import build_optimizer, lr_at, set_lr
@@ -160,36 +158,8 @@ class Trainer:
             os._exit(137)
 
     def maybe_resume(self) -> None:
-        """Resume from the newest peer snapshot if it is newer than the newest PFS checkpoint,
-        else from the newest checkpoint that loads (older ones are tried when it does not)."""
-        snapshot = self.snapshots.resume(self._newest_pfs_step)
-        if snapshot is not None:
-            step = int(snapshot.name.split("_")[-1])
-            try:
-                return self._resume_from(snapshot, f"the peer snapshot of step {step} (no PFS read)")
-            except CheckpointError as e:
-                if self.ctx.is_main:
-                    logs.warning(f"warning: peer snapshot {snapshot} not used: {e}; resuming from the PFS checkpoint")
-        self.ckpt.resume_newest(self._resume_from)
-
-    def _newest_pfs_step(self) -> int:
-        """Collective: the step of the newest intact PFS checkpoint (-1: none)."""
-        try:
-            path = self.ckpt.latest()
-        except NoIntactCheckpoint:
-            return -1
-        return -1 if path is None else int(path.name.split("_")[-1])
-
-    def _resume_from(self, path: Path, source: str | None = None) -> None:
-        saved = self.ckpt.read_trainer_state(path)
-        check_same_model(saved["trainer"]["config"]["model"], self.cfg.to_dict()["model"], path)
-        states = self.checkpoint_states(saved)  # the sync strategy refuses another mode's first
-        check_resume_batch(saved_sampler_state(saved, path)["global_batch"], self.plan.train, self.plan.dp_size, path)
-        check_same_dataset(self.data.sampler, saved, self.cfg.data.path, path)
-        self.sync.before_load(saved.get("sync", {}))  # DiLoCo: adopts a sync-mode checkpoint
-        self.ckpt.load_states(path, states)
-        self.sync.after_load(self.step)
-        log(self.ctx, f"resumed from {source or f'{path} at step {self.step}'}")
+        """The newest peer snapshot or checkpoint into this trainer, or step 0 (train/resume.py)."""
+        resume_newest(self)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:

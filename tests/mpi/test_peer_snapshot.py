@@ -3,7 +3,10 @@ nodes of 2 (HPCTRAIN_RANKS_PER_NODE=2, checkpoint.snapshot_dir with a `{node}` p
 snapshot every 2 steps, killed hard after step 7 (test fault exit_after_step). A relaunch on one
 node whose partner node's memory is gone resumes from step 6's snapshot with no PFS checkpoint,
 bit for bit like the same relaunch from a PFS checkpoint of step 6; a damaged snapshot falls back
-to the PFS checkpoint with one warning naming the file.
+to the PFS checkpoint with one warning naming the file. A copy that fails its checksum is replaced
+from the other node's intact copy before anything is loaded; with no intact copy and no PFS
+checkpoint the run starts from fresh weights, and a load that failed after writing into the model
+is never trained on (#47).
 """
 import json
 import shutil
@@ -113,3 +116,66 @@ def test_snapshot_data_damaged_in_memory_fails_its_checksum_and_falls_back(kille
     warnings = [line for line in r.stderr.splitlines() if "peer snapshot" in line and "not used" in line]
     assert len(warnings) == 1 and "__2_0.distcp" in warnings[0], r.stderr[-3000:]
     assert "step_00000004" in r.stderr and "(no PFS read)" not in r.stderr, r.stderr[-3000:]
+
+
+def _flip(path: Path) -> bytes:
+    """Flip one byte in the middle of `path` (same size: the snapshot is still chosen); its old bytes."""
+    blob = bytearray(path.read_bytes())
+    original = bytes(blob)
+    blob[len(blob) // 2] ^= 0xFF
+    path.write_bytes(bytes(blob))
+    return original
+
+
+def test_damaged_copy_is_replaced_from_the_other_nodes_intact_copy(killed):
+    """No PFS checkpoint; one byte of node 0's copy of rank 0's data file flipped, node 1's copy
+    (its buddy's) intact: both nodes relaunched resume from step 6's snapshot with node 1's copy
+    (one line naming the file and node 1), and step 7 equals the relaunch from the PFS checkpoint
+    of step 6."""
+    tmp, data = killed
+    cfg, run = _copy(tmp, "killed", "healed", data)
+    shutil.rmtree(run / "checkpoints")
+    rel = "step_00000006/__0_0.distcp"
+    intact = _flip(_node_dir(tmp, "healed", 0) / rel)
+    assert (_node_dir(tmp, "healed", 1) / rel).read_bytes() == intact
+    r = train(4, cfg, *ARGS, "--train.stop_at_step=7", env=NODES_OF_2)
+    assert "resumed from the peer snapshot of step 6 (no PFS read)" in r.stderr, r.stderr[-3000:]
+    named = [line for line in r.stderr.splitlines() if "__0_0.distcp" in line]
+    assert len(named) == 1 and "node 0" in named[0] and "node 1" in named[0], r.stderr[-3000:]
+    cfg_ref, run_ref = _copy(tmp, "killed", "ref4", data)
+    shutil.rmtree(tmp / "mem_ref4")
+    train(4, cfg_ref, *ARGS, "--train.stop_at_step=7", env=NODES_OF_2)
+    assert losses(run)[7] == losses(run_ref)[7]
+
+
+def test_damaged_everywhere_without_pfs_starts_from_fresh_weights(killed):
+    """Node 1 lost, node 0's copy of rank 0's data file damaged, no PFS checkpoint: one warning
+    naming the file, one saying training starts from step 0, and step 1's loss is a fresh model's
+    (the damaged snapshot's trained weights give ~3.5 nats against ~5.5)."""
+    tmp, data = killed
+    cfg, run = _copy(tmp, "killed", "fresh", data)
+    shutil.rmtree(run / "checkpoints")
+    shutil.rmtree(tmp / "mem_fresh" / "node1")
+    _flip(_node_dir(tmp, "fresh", 0) / "step_00000006" / "__0_0.distcp")
+    r = train(2, cfg, *ARGS, "--train.stop_at_step=1", env=NODES_OF_2)
+    warnings = [line for line in r.stderr.splitlines() if line.startswith("warning")]
+    assert any("__0_0.distcp" in w and "node 0" in w for w in warnings), r.stderr[-3000:]
+    assert any("step 0" in w for w in warnings), r.stderr[-3000:]
+    assert "resumed from" not in r.stderr
+    assert losses(run)[1] == pytest.approx(losses(tmp / "killed")[1], abs=1e-5)
+
+
+def test_a_load_that_failed_after_writing_into_the_model_is_never_trained_on(killed):
+    """The snapshot's load fails after DCP wrote into the model (test fault) and there is no PFS
+    checkpoint: one error line naming the snapshot, exit != 0, no step trained, the run's metrics
+    left as they were."""
+    tmp, data = killed
+    cfg, run = _copy(tmp, "killed", "written", data)
+    shutil.rmtree(run / "checkpoints")
+    shutil.rmtree(tmp / "mem_written" / "node1")
+    r = train(2, cfg, *ARGS, check=False, env={
+        **NODES_OF_2, **step_faults.env(save_point="load.dcp_done:1::enospc")})
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error")]
+    assert r.returncode != 0 and errors and "step_00000006" in errors[0], r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    assert sorted(losses(run)) == list(range(1, 7))

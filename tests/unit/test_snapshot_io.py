@@ -147,3 +147,25 @@ def test_a_stale_leader_writes_nothing_into_the_newer_launchs_snapshot_folder(tm
                 write()
             assert stopped.value.code == 2
         assert _tree(folder) == before
+
+
+def test_a_damaged_copy_is_dropped_so_the_intact_copy_is_sent_and_its_damage_named(tmp_path):
+    """Node 0's copy of __0_0.distcp fails its checksum (damaged_share), node 1's passes: dropped
+    from node 0's listing, the file comes from node 1; damaged on both: named as damaged."""
+    from hpctrain.checkpoint import disk_format
+    from hpctrain.checkpoint.snapshot_resume import damaged_share, drop_damaged
+    (tmp_path / "__0_0.distcp").write_bytes(b"0123456789")
+    good = disk_format.hash_file(tmp_path / "__0_0.distcp", disk_format.DATA_HASH)
+    files = {**FILES, "__0_0.distcp": {"size": 10, disk_format.DATA_HASH: good}}
+    (tmp_path / "__0_0.distcp").write_bytes(b"0123456780")
+    found = damaged_share(tmp_path, {"files": files}, ["__0_0.distcp"], 0, 1)
+    assert list(found) == ["__0_0.distcp"] and "xxh3_128" in found["__0_0.distcp"]
+    assert damaged_share(tmp_path, {"files": files}, ["__0_0.distcp"], 1, 2) == {}  # not its share
+    listings = [(0, _listing(6, files=files)), (1, _listing(6, files=files))]
+    drop_damaged(listings, 6, [(0, found)])
+    step, commit, holders = snapshot_io.choose(listings, KEY)
+    assert step == 6 and holders["__0_0.distcp"] == [1]
+    assert ("__0_0.distcp", 2, 0) in snapshot_io.transfers(holders, {0: 0, 1: 2})
+    drop_damaged(listings, 6, [(1, found)])
+    step, problems = snapshot_io.choose(listings, KEY, {(6, "__0_0.distcp"): "is damaged on node 0 (x)"})
+    assert step is None and problems[0].startswith("step_00000006/__0_0.distcp is damaged on node 0")
