@@ -48,14 +48,42 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+RANK_VARS = (b"PMI_RANK", b"OMPI_COMM_WORLD_RANK", b"PMIX_RANK")  # MPICH/Hydra, Open MPI, PMIx
+
+
+def python_module(pid: int) -> str | None:
+    """The module a `python -m MODULE ...` process runs (None: another program, or gone). Ranks
+    are found by what they run, never by a substring of the command line: the checkout's path
+    may contain "hpctrain" (MPICH's .../hpctrain/.venv/bin/hydra_pmi_proxy would match)."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    after = [args[i + 1] for i in range(1, len(args) - 1) if args[i] == b"-m"]
+    return after[0].decode() if after else None
+
+
+def launcher_rank(pid: int) -> int | None:
+    """The MPI rank the launcher gave process `pid` (its environment), None if none."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for entry in env:
+        name, _, value = entry.partition(b"=")
+        if name in RANK_VARS and value.isdigit():
+            return int(value)
+    return None
+
+
+def is_rank(pid: int) -> bool:
+    """Process `pid` is an hpctrain rank: `python -m hpctrain ...` with a launcher's rank."""
+    return python_module(pid) == "hpctrain" and launcher_rank(pid) is not None
+
+
 def rank_pid(launcher: int, rank: int) -> int:
     for pid in descendants(launcher):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if f"PMI_RANK={rank}".encode() in env and b"hpctrain" in cmd:
+        if is_rank(pid) and launcher_rank(pid) == rank:
             return pid
     raise AssertionError(f"rank {rank} not found under {launcher}")
 
@@ -75,17 +103,9 @@ def rank_pids(launcher_pid):
         p = todo.pop()
         for c in children.get(p, []):
             todo.append(c)
-            try:
-                if "hpctrain" in Path(f"/proc/{c}/cmdline").read_text():
-                    out.append(c)
-            except OSError:
-                pass
+            if is_rank(c):
+                out.append(c)
     return sorted(out)
-
-
-def pmi_rank(pid):
-    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return next(int(e.split(b"=", 1)[1]) for e in env if e.startswith(b"PMI_RANK="))
 
 
 def signal_rank_midrun(n, cfg, run, rank, *extra, faults=None):
@@ -103,7 +123,7 @@ def signal_rank_midrun(n, cfg, run, rank, *extra, faults=None):
             if m.exists() and len(m.read_text().splitlines()) >= 4:
                 break
             time.sleep(0.2)
-        pids = {pmi_rank(p): p for p in rank_pids(proc.pid)}
+        pids = {launcher_rank(p): p for p in rank_pids(proc.pid)}
         assert sorted(pids) == list(range(n)), pids
         os.kill(pids[rank], signal.SIGUSR1)
         _, err = proc.communicate(timeout=120)

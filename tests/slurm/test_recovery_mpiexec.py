@@ -24,6 +24,7 @@ import time
 import pytest
 
 from tests.helpers import fast_from_the_next_run, slow_steps
+from tests.processes import python_module
 from tests.slurm.conftest import last_step
 from tests.slurm.test_multinode import assert_close_curve, dataset, elastic_config, submit  # noqa: F401
 
@@ -123,14 +124,16 @@ def test_a_ranks_own_error_under_mpiexec_is_not_a_node_loss(vjobs, tmp_path):
 
 
 def job_pids(pids: list[int]) -> list[int]:
-    """The training job's processes among `pids` (ranks, their beacons, Hydra's proxy)."""
+    """The training job's processes among `pids` (ranks, their beacons, Hydra's proxy), by what
+    they run (never a substring of the checkout's path)."""
     out = []
     for pid in pids:
         try:
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+            args = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
         except OSError:
             continue
-        if "hpctrain" in cmd or "hydra_pmi_proxy" in cmd:
+        if python_module(pid) == "hpctrain" or os.path.basename(args[0]) == b"hydra_pmi_proxy" \
+                or any(b"BEACON_SRC" in arg for arg in args[1:3]):
             out.append(pid)
     return out
 
