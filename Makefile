@@ -18,19 +18,19 @@ $(STAMP): setup.cfg pyproject.toml requirements/constraints.txt requirements/dat
 	touch $(STAMP)
 
 demo: $(STAMP)
-	PATH=$(abspath $(VENV))/bin:$$PATH bash scripts/demo.sh
+	PATH="$(abspath $(VENV))/bin:$$PATH" bash scripts/demo.sh
 
 llama-demo: $(STAMP)
-	PATH=$(abspath $(VENV))/bin:$$PATH bash scripts/llama_demo.sh
+	PATH="$(abspath $(VENV))/bin:$$PATH" bash scripts/llama_demo.sh
 
 test: $(STAMP)
-	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest tests --durations=60
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest tests --durations=60
 
 test-fast: $(STAMP)
-	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest tests -m "not slow"
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest tests -m "not slow"
 
 bench: $(STAMP)
-	PATH=$(abspath $(VENV))/bin:$$PATH bash bench/run_all.sh
+	PATH="$(abspath $(VENV))/bin:$$PATH" bash bench/run_all.sh
 
 clean:
 	rm -rf runs/demo data/shakespeare

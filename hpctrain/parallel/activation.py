@@ -10,6 +10,8 @@ prefix is stripped by torch.distributed.checkpoint.state_dict.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -38,6 +40,23 @@ def compile_scope(requested: str, device: torch.device, layout_allows_model: boo
         return requested
     whole = device.type == "cuda" and layout_allows_model and not has_experts
     return "model" if whole else "blocks"
+
+
+def compile_blocked(device: torch.device) -> str | None:
+    """Why torch.compile cannot build its kernels on `device` here (None: it can). On a CPU,
+    Inductor links C++ against torch's and Python's library folders, passed unquoted to the
+    linker (pytorch/pytorch#191010, torch 2.13): a folder with whitespace in its path fails every
+    compile at the first forward with a linker traceback, so it is refused up front instead."""
+    if device.type != "cpu":
+        return None
+    import sysconfig
+    folders = [os.path.join(os.path.dirname(torch.__file__), "lib"), sysconfig.get_config_var("LIBDIR") or ""]
+    spaced = next((f for f in folders if any(c.isspace() for c in f)), None)
+    if spaced is None:
+        return None
+    return (f"torch.compile's C++ build cannot link against a library folder whose path holds a "
+            f"space ({spaced}; pytorch/pytorch#191010): install the environment under a path "
+            f"without spaces, or set train.compile = false")
 
 
 def compile_whole_model(model: nn.Module) -> None:

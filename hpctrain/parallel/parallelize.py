@@ -23,7 +23,7 @@ from hpctrain.distributed.bootstrap import new_group
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.errors import ConfigError
 from hpctrain.metrics.wait_clock import WaitClock
-from hpctrain.parallel.activation import (apply_activation_checkpointing, compile_regions,
+from hpctrain.parallel.activation import (apply_activation_checkpointing, compile_blocked, compile_regions,
                                           compile_scope, compile_whole_model)
 from hpctrain.parallel.apply_expert import ExpertParallel, apply_expert_parallel
 from hpctrain.parallel.mpi_grad_allreduce import (MPIHookState, use_backend_allreduce,
@@ -149,6 +149,9 @@ def apply_ddp(model: nn.Module, mesh: Mesh, dist_cfg: DistConfig, clock: WaitClo
 
 def apply_compile(model: nn.Module, cfg: Config, device: torch.device, plain_or_ddp: bool) -> str:
     """train.compile over train.compile_scope's unit; returns the scope used ("blocks" | "model")."""
+    blocked = compile_blocked(device)
+    if blocked:
+        raise ConfigError(f"train.compile: {blocked}")
     p = cfg.parallel
     layout_allows_model = plain_or_ddp and p.tp == 1 and p.pp == 1 and p.ep == 1
     scope = compile_scope(cfg.train.compile_scope, device, layout_allows_model, cfg.model.moe_experts > 0)

@@ -95,6 +95,7 @@ def test_async_diloco_one_replica_is_plain_sgd_across_a_resume(tmp_path, dataset
     assert sorted(held_out) == [3, STEPS] and held_out[STEPS] < reference[1] - 0.3, held_out
 
 
+@pytest.mark.compiles
 def test_compile_matches_eager(tmp_path, dataset, reference):  # noqa: F811
     """train.compile = true over the whole model (train.compile_scope = model; per block is the
     CPU's auto, covered by the dp2/fsdp2/tp2 compile parity cases and the compiled exact resume):

@@ -32,7 +32,8 @@ def dp2_tp2(tmp_path_factory, dataset):
     return train(n, tmp_path_factory.mktemp("dp2_tp2"), dataset, "dp2_tp2", *overrides)
 
 
-@pytest.mark.parametrize("layout", [pytest.param(k, marks=pytest.mark.slow) if k in SLOW else k
+@pytest.mark.parametrize("layout", [pytest.param(k, marks=[pytest.mark.slow] * (k in SLOW)
+                                                 + [pytest.mark.compiles] * k.endswith("_compile"))
                                     for k in LAYOUTS])
 def test_loss_parity(tmp_path, dataset, reference, layout, request):
     n, overrides = LAYOUTS[layout]

@@ -48,7 +48,7 @@ def test_block_order_resumes_exactly(tmp_path, small_shards):
     assert losses(run_g)[1] != a[1]  # another order from the first step
 
 
-@pytest.mark.parametrize("accum, compile", [(1, False), (3, False), (2, True)],
+@pytest.mark.parametrize("accum, compile", [(1, False), (3, False), pytest.param(2, True, marks=pytest.mark.compiles)],
                          ids=["accum1", "accum3", "accum2_compile"])
 def test_exact_resume_two_ranks(tmp_path, dataset, accum, compile):
     """20 steps straight vs resumed from its step-10 checkpoint (a checkpoint and validation step,

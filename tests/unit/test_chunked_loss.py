@@ -115,6 +115,7 @@ def test_planner_models_the_chunked_head():
     assert sum(memory.head_bytes(gpt2, 8, 1, False, chunk=128)) * 8 <= plain
 
 
+@pytest.mark.compiles
 def test_compiled_chunks_match_the_plain_loss_and_grads():
     """train.compile: each chunk's math through torch.compile (_fused_chunk) gives the plain
     path's loss and gradients (fp32, <= 1e-6 relative; bf16: bench/hf_baseline.py --compile's curve)."""
@@ -127,6 +128,7 @@ def test_compiled_chunks_match_the_plain_loss_and_grads():
     assert got[1][1, 3:9].abs().max().item() == 0.0
 
 
+@pytest.mark.compiles
 def test_compiled_dw_upcast_add_keeps_the_bits():
     """train.compile adds each chunk's 16-bit [V, C] dW product into the fp32 dW in one compiled
     pass (_fused_add_upcast): the bits of the eager two-pass upcast-add it replaces."""
@@ -140,6 +142,7 @@ def test_compiled_dw_upcast_add_keeps_the_bits():
     assert torch.equal(fused, eager) and not torch.equal(fused, acc)
 
 
+@pytest.mark.compiles
 def test_compile_regions_compiles_each_block_in_place():
     """Regional compile: parameter names unchanged, every block's forward compiled, the chunked
     head told to compile its chunks, and the model's output that of eager (<= 1e-5)."""

@@ -230,3 +230,26 @@ def test_compile_scope_auto_picks_the_whole_model_on_cuda_only(requested, device
 
     from hpctrain.parallel.activation import compile_scope
     assert compile_scope(requested, torch.device(device), layout_allows, experts) == scope
+
+
+def test_compile_is_refused_in_one_line_where_inductor_cannot_link(monkeypatch, tmp_path):
+    """A torch installed under a path with a space (a clone in "My Projects/"): Inductor's linker
+    line splits it (pytorch/pytorch#191010), so train.compile is refused naming the key and the
+    folder before any forward; the GPU path and a path without spaces are not refused."""
+    import torch
+
+    from hpctrain import config
+    from hpctrain.parallel import activation
+    from hpctrain.parallel.parallelize import apply_compile
+    assert activation.compile_blocked(torch.device("cpu")) is None or " " in torch.__file__
+    spaced = tmp_path / "My Projects" / "torch" / "__init__.py"
+    monkeypatch.setattr(torch, "__file__", str(spaced))
+    line = activation.compile_blocked(torch.device("cpu"))
+    assert line and str(spaced.parent / "lib") in line and "191010" in line
+    assert activation.compile_blocked(torch.device("cuda")) is None
+    cfg = config.load(None, ["--run.dir=r", "--data.path=d", "--model.n_layer=1", "--model.n_head=1",
+                             "--model.n_embd=8", "--model.block_size=8", "--model.vocab_size=8",
+                             "--train.steps=1", "--train.warmup_steps=0", "--train.micro_batch_size=1",
+                             "--train.compile=true"])
+    with pytest.raises(ConfigError, match=r"^train\.compile: .*My Projects"):
+        apply_compile(torch.nn.Module(), cfg, torch.device("cpu"), plain_or_ddp=True)
