@@ -1,7 +1,7 @@
 """What the sbatch templates ask before they start any rank: which launcher, and may this job start.
 
     python -m hpctrain.distributed.sbatch_helper launcher
-        one line `LAUNCHER SRUN_MPI MPIEXEC WHY...` for `read -r` in the templates
+        one line `LAUNCHER<TAB>SRUN_MPI<TAB>MPIEXEC<TAB>WHY` for `IFS=$'\t' read -r` in the templates (a path may hold spaces)
     python -m hpctrain.distributed.sbatch_helper check CONFIG.toml [--section.key=value ...]
         exit 0, or one `error: ...` line and exit 2: a bad config, or a Slurm time limit that leaves
         no time to train (hpctrain/distributed/preempt.py, `time_limit_error`)
@@ -52,7 +52,9 @@ def loaded_libmpi() -> tuple[str, str]:
 
     vendor = MPI.get_vendor()[0]
     with open("/proc/self/maps") as maps:
-        paths = [line.split()[-1] for line in maps if "/libmpi" in line]
+        # the path is the 6th field and may hold spaces (a checkout in "My Projects/")
+        paths = [line.rstrip("\n").split(None, 5)[5] for line in maps
+                 if "/libmpi" in line and len(line.split(None, 5)) == 6]
     return (paths[0] if paths else ""), vendor
 
 
@@ -226,7 +228,7 @@ def gone(nodes: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["launcher"]:
-        print(" ".join(choose_launcher()), flush=True)
+        print("\t".join(choose_launcher()), flush=True)  # tabs: a path may hold spaces
         return 0
     if argv[:1] == ["check"]:
         return check(argv[1:])

@@ -86,6 +86,6 @@ def test_corpora_cli_lists_files(capsys):
     from data_tools.corpora import main
 
     assert main(["shakespeare"]) == 0
-    assert capsys.readouterr().out.split() == shakespeare_files()
+    assert capsys.readouterr().out.splitlines() == shakespeare_files()
     assert main(["shakespeare", "--dir"]) == 0
     assert capsys.readouterr().out.strip() == shakespeare_dir()
