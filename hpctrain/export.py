@@ -43,7 +43,8 @@ def load_model_state(ckpt: Path) -> tuple[dict, dict]:
     trainer = disk_format.read_trainer_state(ckpt, use="export").get("trainer", {})
     model_cfg = trainer.get("config", {}).get("model")
     if not model_cfg:
-        raise UserError(f"{ckpt / disk_format.TRAINER_STATE_FILE}: no config.model (not a training checkpoint)")
+        raise UserError(f"{ckpt / disk_format.TRAINER_STATE_FILE}: no config.model (not a checkpoint "
+                        f"of `hpctrain train`); export a training run's checkpoint")
     md = read_metadata(ckpt / disk_format.DCP_METADATA_FILE)
     state = {"model": {}}
     for fqn, meta in md.state_dict_metadata.items():

@@ -46,10 +46,10 @@ from hpctrain.sync import modes
 from hpctrain.train import rng, run_plan
 from hpctrain.distributed import run_lock
 from hpctrain.train.data import TrainData
-from hpctrain.train.bad_steps import all_finite
+from hpctrain.train.bad_steps import all_finite, check_resumed_weights
 from hpctrain.train.engine import StepEngine
 from hpctrain.train.hooks import LoopHooks
-from hpctrain.train.model_setup import build_model
+from hpctrain.train.model_setup import build_model, check_model_fits
 from hpctrain.train.moe_monitor import monitor_for
 from hpctrain.model.optim import build_optimizer, lr_at, set_lr
 from hpctrain.train.states import ModelState, OptimState, RNGStates
@@ -188,6 +188,7 @@ class Trainer:
         check_same_dataset(self.data.sampler, saved, self.cfg.data.path, path)
         self.sync.before_load(saved.get("sync", {}))  # DiLoCo: adopts a sync-mode checkpoint
         self.ckpt.load_states(path, states)
+        check_resumed_weights(self.model, self.ctx.device, path)  # NaN / inf: named, before a step
         self.sync.after_load(self.step)
         log(self.ctx, f"resumed from {source or f'{path} at step {self.step}'}")
 
@@ -400,6 +401,7 @@ def _percent(value: float | None) -> str:
 
 
 def train(cfg: Config, ctx: DistContext) -> int:
+    check_model_fits(cfg, ctx)  # a model no layout of this job could hold: named before building
     with watch_peers(ctx, cfg.dist.heartbeat_timeout_s, cfg.run.dir, cfg.dist.stall_timeout_s), \
             run_lock.hold(cfg.run.dir, ctx):
         # a lost rank ends the job, named; one job per run.dir
