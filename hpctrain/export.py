@@ -5,18 +5,19 @@ Weights above --max-shard-size are sharded as transformers does (hpctrain/intero
 the run's dataset tokenizer goes with them (data_tools/tokenizer_files.py), so that
 `pipeline("text-generation", OUT)` works offline.
 
-Owns the name and layout mapping from our GPT (hpctrain/model/gpt.py) to HF GPT-2: separate q/k/v
-Linear layers -> one `c_attn` Conv1D (concatenated on the output dim), Linear weights [out, in] ->
-Conv1D [in, out] (transposed), norm1/norm2/norm_f -> ln_1/ln_2/ln_f, tok_emb/pos_emb -> wte/wpe,
-lm_head tied to wte (not stored), GELU(tanh) = "gelu_new", LayerNorm eps 1e-5 (both defaults).
-It reads any layout's checkpoint (DCP keys are layout-free: DDP, FSDP, TP, PP save the same FQNs)
-in one process through the checkpoint manager (safe loading, no pickle), and must never import
-transformers (a test-only dependency) or modify the checkpoint.
+The name and layout mappings are hpctrain/interop/hf_gpt2.py's and hf_llama.py's. It reads any
+layout's checkpoint (DCP keys are layout-free: DDP, FSDP, TP, PP save the same FQNs) in one process
+through the checkpoint manager (safe loading, no pickle), writes the folder's files into a staging
+folder beside OUT (`.OUT.hpctrain-partial`) and moves them in only when all are written (a full
+disk leaves OUT as it was and removes the staging folder), and must never import transformers (a
+test-only dependency) or modify the checkpoint.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from hpctrain.checkpoint.cli import resolve_checkpoint
 from hpctrain.checkpoint.safe_load import read_metadata
 from hpctrain.errors import UserError
 from hpctrain.interop import hf_files
+from hpctrain.interop.hf_gpt2 import to_hf_gpt2
 
 
 find_checkpoint = resolve_checkpoint  # the name bench/recipe.py and the tests import
@@ -38,10 +40,11 @@ def load_model_state(ckpt: Path) -> tuple[dict, dict]:
     problems = disk_format.verify_checkpoint(ckpt)
     if problems:
         raise UserError(f"{ckpt}: not an intact checkpoint: {problems[0]}")
-    trainer = disk_format.read_trainer_state(ckpt).get("trainer", {})
+    trainer = disk_format.read_trainer_state(ckpt, use="export").get("trainer", {})
     model_cfg = trainer.get("config", {}).get("model")
     if not model_cfg:
-        raise UserError(f"{ckpt / disk_format.TRAINER_STATE_FILE}: no config.model (not a training checkpoint)")
+        raise UserError(f"{ckpt / disk_format.TRAINER_STATE_FILE}: no config.model (not a checkpoint "
+                        f"of `hpctrain train`); export a training run's checkpoint")
     md = read_metadata(ckpt / disk_format.DCP_METADATA_FILE)
     state = {"model": {}}
     for fqn, meta in md.state_dict_metadata.items():
@@ -51,40 +54,6 @@ def load_model_state(ckpt: Path) -> tuple[dict, dict]:
         raise UserError(f"{ckpt}: checkpoint holds no model.* tensors")
     CheckpointManager(ckpt.parent, keep=1, rank=0, world_size=1).load(ckpt, state)
     return state["model"], model_cfg
-
-
-def to_hf_gpt2(sd: dict, m: dict) -> tuple[dict, dict]:
-    """(HF GPT-2 state dict, config.json dict) from our model's state dict and config."""
-    def get(name):
-        if name not in sd:
-            raise UserError(f"checkpoint lacks model.{name} (not an hpctrain GPT?)")
-        return sd[name].float()
-
-    out = {"transformer.wte.weight": get("tok_emb.weight"),
-           "transformer.wpe.weight": get("pos_emb.weight"),
-           "transformer.ln_f.weight": get("norm_f.weight"),
-           "transformer.ln_f.bias": get("norm_f.bias")}
-    for i in range(m["n_layer"]):
-        ours, hf = f"blocks.{i}.", f"transformer.h.{i}."
-        for a, b in (("norm1", "ln_1"), ("norm2", "ln_2")):
-            out[hf + b + ".weight"], out[hf + b + ".bias"] = get(ours + a + ".weight"), get(ours + a + ".bias")
-        qkv = [ours + f"attn.{w}" for w in ("wq", "wk", "wv")]
-        out[hf + "attn.c_attn.weight"] = torch.cat([get(n + ".weight") for n in qkv], 0).t()
-        out[hf + "attn.c_attn.bias"] = torch.cat([get(n + ".bias") for n in qkv], 0)
-        for a, b in (("attn.wo", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
-            out[hf + b + ".weight"] = get(ours + a + ".weight").t()
-            out[hf + b + ".bias"] = get(ours + a + ".bias")
-    out = {k: v.contiguous() for k, v in out.items()}
-    config = {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": m["vocab_size"], "n_positions": m["block_size"], "n_ctx": m["block_size"],
-        "n_embd": m["n_embd"], "n_layer": m["n_layer"], "n_head": m["n_head"], "n_inner": None,
-        "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
-        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "initializer_range": 0.02,
-        "scale_attn_weights": True, "tie_word_embeddings": True, "use_cache": True,
-        "torch_dtype": "float32",
-    }
-    return out, config
 
 
 def to_hf_llama(sd: dict, m: dict) -> tuple[dict, dict]:
@@ -132,25 +101,66 @@ def write_tokenizer(trainer: dict, out: Path, block_size: int) -> list[str]:
         return []
 
 
+STAGING_SUFFIX = ".hpctrain-partial"  # as data_tools/staging.py names its own
+
+
+def write_folder(out: Path, files: dict, max_bytes: int, tokenizer) -> list[str]:
+    """Write the export into `.OUT.hpctrain-partial` beside `out`, then move its files into `out`
+    (replacing an earlier export's there, --force); returns the names written. On a failure (a
+    full disk) the staging folder is removed, `out` is left as it was: one UserError naming it.
+    `files`: {"weights": HF tensors, "config.json": dict}; `tokenizer(folder)` writes those files."""
+    from safetensors import SafetensorError
+
+    real = out.resolve()  # "." or a link: beside the folder itself (one file system)
+    staging = real.parent / f".{real.name}{STAGING_SUFFIX}"
+    shutil.rmtree(staging, ignore_errors=True)  # a killed export's
+    try:
+        staging.mkdir(parents=True)
+        written = hf_files.save_weights(files["weights"], staging, max_bytes)
+        (staging / "config.json").write_text(json.dumps(files["config.json"], indent=2) + "\n")
+        written = ["config.json", *written, *tokenizer(staging)]
+        _move_in(staging, real)
+    except (OSError, SafetensorError) as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        reason = getattr(e, "strerror", None) or str(e)
+        raise UserError(f"{out}: cannot write the export ({reason}); nothing was written there: "
+                        f"free space or choose another --output") from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return written
+
+
+def _move_in(staging: Path, out: Path) -> None:
+    """The staged files into `out` (renames on one file system: no space needed); an earlier
+    export's weight files there go first (its shards would outlive a single new file)."""
+    if not out.exists():
+        os.rename(staging, out)
+        return
+    for old in hf_files.old_weight_files(out):
+        old.unlink()
+    for staged in staging.iterdir():
+        os.replace(staged, out / staged.name)
+    staging.rmdir()
+
+
 def export_hf(checkpoint: str | Path, output: str | Path, force: bool = False,
               max_shard_size: str | int = "5GB") -> Path:
     max_bytes = hf_files.parse_size(max_shard_size)
-    check_output(Path(output), force)
-    ckpt = resolve_checkpoint(checkpoint)
+    out = Path(output)
+    check_output(out, force)
+    ckpt = resolve_checkpoint(checkpoint, use="export")
     sd, model_cfg = load_model_state(ckpt)
     if model_cfg.get("arch", "gpt2") == "llama":
         tensors, config = to_hf_llama(sd, model_cfg)
     else:
         tensors, config = to_hf_gpt2(sd, model_cfg)
-    trainer = disk_format.read_trainer_state(ckpt).get("trainer", {})
+    trainer = disk_format.read_trainer_state(ckpt, use="export").get("trainer", {})
     tok = trainer.get("tokenizer") or {}
     if isinstance(tok.get("eot_id"), int):
         config["bos_token_id"] = config["eos_token_id"] = tok["eot_id"]
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    written = hf_files.save_weights(tensors, out, max_bytes)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    written = ["config.json", *written, *write_tokenizer(trainer, out, int(model_cfg["block_size"]))]
+    written = write_folder(out, {"weights": tensors, "config.json": config}, max_bytes,
+                           lambda folder: write_tokenizer(trainer, folder, int(model_cfg["block_size"])))
     shown = written if len(written) <= 6 else [*written[:5], f"... ({len(written)} files)"]
     print(f"exported {ckpt} (step {json.loads((ckpt / disk_format.COMMIT_FILE).read_text())['step']}) "
           f"-> {out} (Hugging Face {config['architectures'][0]}: {', '.join(shown)})")

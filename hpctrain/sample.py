@@ -33,6 +33,25 @@ def _check_args(args) -> None:
         raise UserError(f"sample --top-k {args.top_k}: must be >= 0 (0 = every token)")
 
 
+def _load(path):
+    """(the model of checkpoint `path`, eval mode; its trainer entry): rebuilt from the [model]
+    section saved with it, the weights loaded through the checkpoint manager (verified)."""
+    from hpctrain.checkpoint import CheckpointManager, disk_format
+    from hpctrain.model import build_model_from_section
+
+    saved = disk_format.read_trainer_state(path, use="sample").get("trainer") or {}
+    if not isinstance(saved.get("config"), dict) or not saved["config"].get("model") \
+            or not isinstance(saved.get("tokenizer"), dict):
+        raise UserError(f"{path / disk_format.TRAINER_STATE_FILE}: no config.model or tokenizer "
+                        f"(not a checkpoint of `hpctrain train`); sample a training run's checkpoint")
+    model = build_model_from_section(saved["config"]["model"])
+    state = {"model": model.state_dict()}
+    mgr = CheckpointManager(path.parent, keep=1, rank=0, world_size=1)
+    mgr.load(path, state)  # loads only the keys present: the model, not the optimizer
+    model.load_state_dict(state["model"])
+    return model.eval(), saved
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hpctrain sample",
                                      description="Generate text from a trained checkpoint.")
@@ -50,27 +69,17 @@ def main(argv: list[str]) -> int:
     _check_args(args)
 
     from data_tools.tokenizers import dataset_tokenizer
-    from hpctrain.checkpoint import CheckpointManager, disk_format
     from hpctrain.checkpoint.cli import resolve_checkpoint
     from hpctrain.distributed import init_distributed, teardown
-    from hpctrain.model import build_model_from_section
 
     ctx = init_distributed("gloo", timeout_s=120)
     try:
         if ctx.world_size > 1:
-            from hpctrain.errors import UserError
             raise UserError(f"sample runs as one process but was started as {ctx.world_size} ranks: "
                             f"run `python -m hpctrain sample ...` without mpiexec/srun")
-        path = resolve_checkpoint(args.checkpoint)
-        mgr = CheckpointManager(path.parent, keep=1, rank=0, world_size=1)
-        saved = disk_format.read_trainer_state(path)["trainer"]
-        m = saved["config"]["model"]
-        model = build_model_from_section(m)  # the [model] section saved with the checkpoint
-        state = {"model": model.state_dict()}
-        mgr.load(path, state)  # loads only the keys present: the model, not the optimizer
-        model.load_state_dict(state["model"])
-        model.eval()
-        tok = dataset_tokenizer(saved["tokenizer"], saved["config"]["data"]["path"])
+        path = resolve_checkpoint(args.checkpoint, use="sample")
+        model, saved = _load(path)
+        tok = dataset_tokenizer(saved["tokenizer"], saved["config"].get("data", {}).get("path", ""))
         ids = tok.encode(args.prompt)
         if len(ids) == 0:
             ids = [saved["tokenizer"]["eot_id"]]

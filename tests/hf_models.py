@@ -62,3 +62,37 @@ def make_hf_model(kind: str, folder, dtype=torch.float32, max_shard_size="5GB", 
             p.normal_(0.0, 0.2)
     hf.to(dtype).save_pretrained(folder, max_shard_size=max_shard_size)
     return hf.float()
+
+
+# Damaging a model folder (init.from's refusals, #47): its weights edited, or split into shards
+def edit_weights(folder, edit) -> None:
+    """model.safetensors rewritten with `edit(tensors)` applied to its {name: tensor}."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def split_in_two(folder) -> dict:
+    """model.safetensors as two shards + model.safetensors.index.json (the tensors in name order,
+    half in each); returns the index's weight_map."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    names = sorted(tensors)
+    files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    weight_map = {name: files[i >= len(names) // 2] for i, name in enumerate(names)}
+    for file in files:
+        save_file({n: tensors[n] for n in names if weight_map[n] == file}, str(folder / file))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return weight_map
+
+
+def write_index(folder, weight_map: dict) -> None:
+    import json
+
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))

@@ -33,16 +33,16 @@ def is_checkpoint_dir(p: Path) -> bool:
     return (p / disk_format.COMMIT_FILE).exists() or disk_format.parse_dir_name(p.name) is not None
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """The one answer to "which checkpoint does this path mean" (sample, export): a step dir
-    (COMMIT.json, or a step_N name) as given; under a run dir or a checkpoint root the newest
+def resolve_checkpoint(path: str | Path, use: str = "sample") -> Path:
+    """The one answer to "which checkpoint does this path mean" (`use`: sample, export): a step
+    dir (COMMIT.json, or a step_N name) as given; under a run dir or a checkpoint root the newest
     committed and intact one (damaged newer ones are skipped with one warning line each;
     NoIntactCheckpoint when none is intact). CheckpointError naming the path when it is missing,
     not a directory, or holds no checkpoint."""
     p = Path(path)
     if p.is_dir() and is_checkpoint_dir(p):
         return p
-    found, _ = directory.find_latest(resolve_root(p))
+    found, _ = directory.find_latest(resolve_root(p), use=use)
     if found is None:
         raise CheckpointError(f"{p}: no committed checkpoint found")
     return found

@@ -69,11 +69,21 @@ def _safe_list(path: Path) -> list[str]:
         return []
 
 
-def find_latest(root: Path, skip=()):
+# What to do when a root's checkpoints are all damaged, by what looked for one (train resumes;
+# `sample` and `export` read one: their errors must not speak of training)
+NONE_INTACT_HINT = {
+    "resume": "refusing to start over from step 0 in a run directory with history: repair or "
+              "move them aside, or use a new run.dir to start afresh",
+    "sample": "nothing to sample: repair one, or give --checkpoint another run or step_N folder",
+    "export": "nothing to export: repair one, or give --checkpoint another run or step_N folder"}
+
+
+def find_latest(root: Path, skip=(), use: str = "resume"):
     """(path, dcp_metadata) of the newest committed and intact checkpoint not in ``skip`` (ones
     that failed while loading), or (None, None) when root holds no checkpoint at all. Skipped
     candidates get a one-line warning; `.tmp` dirs are ignored silently. Checkpoints that exist
-    but are all unusable raise NoIntactCheckpoint: training must not silently start over."""
+    but are all unusable raise NoIntactCheckpoint (what to do: NONE_INTACT_HINT[use]): training
+    must not silently start over."""
     skip = {Path(p) for p in skip}
     seen = []
     for step, kind, path in scan(root):
@@ -91,8 +101,7 @@ def find_latest(root: Path, skip=()):
         names = ", ".join(p.name for p in seen[:3]) + (f" (+{len(seen) - 3} more)" if len(seen) > 3 else "")
         raise NoIntactCheckpoint(
             f"{root}: {len(seen)} checkpoint(s) ({names}), none intact (see the lines above, or "
-            f"`hpctrain ckpt list {root}`); refusing to start over from step 0 in a run directory "
-            f"with history: repair or move them aside, or use a new run.dir to start afresh")
+            f"`hpctrain ckpt list {root}`); {NONE_INTACT_HINT[use]}")
     return None, None
 
 

@@ -53,8 +53,16 @@ def upgrade_trainer_state(state: dict) -> dict:
     return out
 
 
-def read_trainer_state(ckpt: Path) -> dict:
-    """The checkpoint's JSON state, {name: ...}; CheckpointError when it is not a JSON object."""
+# What to do about a damaged checkpoint, by what opened it: `train` resumes, `sample` and
+# `export` read one (their errors must not speak of training)
+OLDER_ONE = {"resume": "resume from an older one",
+             "sample": "sample an older one: give --checkpoint its step_N folder",
+             "export": "export an older one: give --checkpoint its step_N folder"}
+
+
+def read_trainer_state(ckpt: Path, use: str = "resume") -> dict:
+    """The checkpoint's JSON state, {name: ...}; CheckpointError when it is not a JSON object or
+    its counters are damaged (what to do: OLDER_ONE[use])."""
     try:
         state = json.loads((Path(ckpt) / TRAINER_STATE_FILE).read_bytes())
     except (ValueError, OSError) as e:
@@ -65,7 +73,7 @@ def read_trainer_state(ckpt: Path) -> dict:
     problem = state_problem(state) or _step_mismatch(Path(ckpt).name, state)
     if problem:
         raise CheckpointError(f"{Path(ckpt) / TRAINER_STATE_FILE}: {problem} (a damaged or "
-                              f"hand-edited checkpoint; resume from an older one)")
+                              f"hand-edited checkpoint; {OLDER_ONE[use]})")
     return state
 
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from hpctrain.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

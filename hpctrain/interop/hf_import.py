@@ -16,33 +16,9 @@ import json
 from pathlib import Path
 
 from hpctrain.errors import ConfigError, UserError
-
-SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
-
-
-def read_hf_config(folder: str | Path) -> dict:
-    path = Path(folder) / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config key 'init.from': {path} not found (a Hugging Face model folder "
-                          f"holds config.json and model.safetensors)") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"config key 'init.from': {path}: cannot read it as JSON ({e})") from None
-
-
-def gpt2_section(cfg: dict) -> dict:
-    """The [model] section of a GPT2LMHeadModel config.json (what hpctrain's gpt2 can represent)."""
-    width = cfg["n_embd"]
-    if cfg.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise UserError(f"config.json: activation_function {cfg['activation_function']!r}: "
-                        f"hpctrain's gpt2 uses gelu_new")
-    if cfg.get("n_inner") not in (None, 4 * width) or not cfg.get("tie_word_embeddings", True):
-        raise UserError("config.json: n_inner != 4 n_embd or untied embeddings: not hpctrain's gpt2")
-    if abs(cfg.get("layer_norm_epsilon", 1e-5) - 1e-5) > 1e-12:
-        raise UserError(f"config.json: layer_norm_epsilon {cfg['layer_norm_epsilon']}: gpt2 uses 1e-5")
-    return {"arch": "gpt2", "n_layer": cfg["n_layer"], "n_head": cfg["n_head"], "n_embd": width,
-            "block_size": cfg["n_positions"], "vocab_size": cfg["vocab_size"]}
+from hpctrain.interop import hf_gpt2
+from hpctrain.interop.hf_config import read_hf_config
+from hpctrain.interop.hf_weights import WeightFiles, open_checked
 
 
 def model_section(folder: str | Path) -> dict:
@@ -52,7 +28,7 @@ def model_section(folder: str | Path) -> dict:
     cfg = read_hf_config(folder)
     try:
         if cfg.get("model_type") == "gpt2":
-            return gpt2_section(cfg)
+            return hf_gpt2.gpt2_section(cfg)
         return hf_llama.model_section_from_hf(cfg)
     except KeyError as e:
         raise ConfigError(f"config key 'init.from': {Path(folder) / 'config.json'} lacks {e}") from None
@@ -109,66 +85,13 @@ def fill_model_section(raw: dict, coerce) -> dict:
     return {**raw, "model": given}
 
 
-class WeightFiles:
-    """The folder's tensors by HF name, opened lazily (one safe_open per file)."""
-
-    def __init__(self, folder: str | Path):
-        from safetensors import safe_open
-
-        self.folder = Path(folder)
-        index = self.folder / INDEX
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-        elif (self.folder / SINGLE).is_file():
-            with safe_open(str(self.folder / SINGLE), "pt") as f:
-                weight_map = {k: SINGLE for k in f.keys()}
-        else:
-            raise UserError(f"{self.folder}: no {SINGLE} or {INDEX} (init.from)")
-        self.weight_map, self.open_files = weight_map, {}
-
-    def slice(self, name: str):
-        if name not in self.weight_map and name.startswith("transformer.") \
-                and name[len("transformer."):] in self.weight_map:
-            name = name[len("transformer."):]  # saved from GPT2Model
-        if name not in self.weight_map:
-            raise UserError(f"{self.folder}: tensor {name!r} not found (init.from)")
-        file = self.weight_map[name]
-        if file not in self.open_files:
-            from safetensors import safe_open
-
-            self.open_files[file] = safe_open(str(self.folder / file), "pt")
-        return self.open_files[file].get_slice(name)
-
-
-_GPT2_BLOCK = {"norm1": ("ln_1", False), "norm2": ("ln_2", False), "attn.wo": ("attn.c_proj", True),
-               "mlp.fc": ("mlp.c_fc", True), "mlp.proj": ("mlp.c_proj", True)}
-
-
-def gpt2_source(fqn: str, width: int) -> tuple[str, bool, int]:
-    """(HF tensor, stored transposed (Conv1D), offset on its output dim) of our gpt2 parameter."""
-    top = {"tok_emb.weight": "transformer.wte.weight", "lm_head.weight": "transformer.wte.weight",
-           "pos_emb.weight": "transformer.wpe.weight", "norm_f.weight": "transformer.ln_f.weight",
-           "norm_f.bias": "transformer.ln_f.bias"}
-    if fqn in top:
-        return top[fqn], False, 0
-    _, layer, rest = fqn.split(".", 2)
-    module, kind = rest.rsplit(".", 1)
-    hf = f"transformer.h.{layer}."
-    if module in ("attn.wq", "attn.wk", "attn.wv"):  # one c_attn, q | k | v on the output dim
-        return hf + "attn.c_attn." + kind, True, "qkv".index(module[-1]) * width
-    if module not in _GPT2_BLOCK:
-        raise UserError(f"parameter {fqn!r}: not a parameter of hpctrain's gpt2")
-    name, transposed = _GPT2_BLOCK[module]
-    return hf + f"{name}.{kind}", transposed, 0
-
-
 def source_of(fqn: str, section: dict) -> tuple[str, bool, int] | None:
     """(HF tensor name, transposed, row offset) our parameter is read from; '{e}' in the name: one
     tensor per expert, stacked; None: a parameter HF does not have (the MoE balancing bias)."""
     from hpctrain.interop import hf_llama, hf_moe
 
     if section.get("arch", "gpt2") == "gpt2":
-        return gpt2_source(fqn, section["n_embd"])
+        return hf_gpt2.gpt2_source(fqn, section["n_embd"])
     if fqn == "lm_head.weight" and section.get("tie_embeddings"):
         return "model.embed_tokens.weight", False, 0
     kind = hf_moe.moe_type(section) if section.get("moe_experts") else None
@@ -207,15 +130,17 @@ def read_region(files: WeightFiles, source: tuple[str, bool, int], offset, shape
     return sl[cols, rows].t() if transposed else sl[rows, cols]
 
 
-def load_weights(model, folder: str | Path, section: dict) -> int:
+def load_weights(model, folder: str | Path | WeightFiles, section: dict) -> int:
     """Copy the folder's weights into the parts of `model` (laid out, materialized) this rank
-    holds; returns the number of parameters written."""
+    holds; returns the number of parameters written. `folder`: a path (its files opened and
+    checked against `section` first: hf_weights.open_checked) or the files opened so."""
     import torch
     from torch.distributed.tensor import DTensor
 
     from hpctrain.parallel.meta_init import _copy_part, _held_params
 
-    files, done = WeightFiles(folder), set()
+    files = folder if isinstance(folder, WeightFiles) else open_checked(folder, section)
+    done = set()
     with torch.no_grad():
         for fqn, param in _held_params(model).items():
             if id(param) in done:
@@ -233,7 +158,42 @@ def load_weights(model, folder: str | Path, section: dict) -> int:
             elif tuple(part.shape) == tuple(param.shape):
                 _copy_part(param, part)  # whole tensor read: a plain parameter, or a 2-D shard
             else:
-                raise UserError(f"{Path(folder)}: tensor {source_of(fqn, section)[0]!r} has shape "
-                                f"{tuple(part.shape)}, the model expects {tuple(param.shape)} (init.from)")
+                raise UserError(f"{files.where(source[0])} has shape {tuple(part.shape)}, the model "
+                                f"expects {tuple(param.shape)} (init.from)")
             done.add(id(param))
     return len(done)
+
+
+def source_words(files: WeightFiles, fqn: str, param, section: dict) -> str:
+    """"FILE: tensor 'NAME'" of the HF tensor our parameter `fqn` is read from; a stacked-experts
+    parameter: the first expert whose values in this rank's part (`param`, None: held by
+    another rank) are not finite."""
+    import torch
+
+    name = source_of(fqn, section)[0]
+    if "{e}" in name and param is None:
+        name = name.format(e="*")
+    elif "{e}" in name:
+        offset, _ = local_region(param)
+        local = param.to_local() if hasattr(param, "to_local") else param
+        bad = (~torch.isfinite(local.detach())).flatten(1).any(1).nonzero().flatten().tolist()
+        name = name.format(e=offset[0] + bad[0] if bad else "*")
+    return files.where(name)
+
+
+# [model] key -> the config.json field it comes from (hf_gpt2.gpt2_section, hf_llama, hf_moe)
+CONFIG_JSON_KEYS = {
+    "gpt2": {"n_layer": "n_layer", "n_embd": "n_embd", "vocab_size": "vocab_size",
+             "block_size": "n_positions"},
+    "llama": {"n_layer": "num_hidden_layers", "n_embd": "hidden_size", "vocab_size": "vocab_size",
+              "ffn_hidden": "intermediate_size", "block_size": "max_position_embeddings",
+              "moe_experts": "num_local_experts / num_experts",
+              "moe_expert_hidden": "intermediate_size / moe_intermediate_size",
+              "moe_shared_hidden": "shared_expert_intermediate_size"},
+}
+
+
+def config_json_key(key: str, arch: str, folder: str | Path) -> str:
+    """" (FIELD of FOLDER/config.json)": where init.from's [model] `key` was set, for messages."""
+    field = CONFIG_JSON_KEYS.get(arch, {}).get(key, key)
+    return f" ({field} of {Path(folder) / 'config.json'})"

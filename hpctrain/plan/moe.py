@@ -42,6 +42,15 @@ def sparse_layers(shape, block_ids=None) -> list[int]:
     return [i for i in ids if i >= shape.moe_first_dense and (i + 1) % shape.moe_every == 0]
 
 
+def n_sparse_layers(shape) -> int:
+    """len(sparse_layers(shape)), by arithmetic (no list: n_layer may be a typo of 10^9): the
+    layers i >= moe_first_dense with i + 1 a multiple of moe_every."""
+    if not shape.moe_experts:
+        return 0
+    every = shape.moe_every
+    return max(0, shape.n_layer // every - shape.moe_first_dense // every)
+
+
 def expert_hidden(shape) -> int:
     return shape.moe_expert_hidden or shape.ffn
 
@@ -76,7 +85,7 @@ def tp_grad_bytes(shape, job, block_ids) -> int:
 def inactive_params(shape) -> int:
     """Routed-expert parameters one token does not use, over the model (Llama.active_params)."""
     e = shape.moe_experts
-    return len(sparse_layers(shape)) * (routed_params(shape) * (e - shape.moe_top_k) // e) if e else 0
+    return n_sparse_layers(shape) * (routed_params(shape) * (e - shape.moe_top_k) // e) if e else 0
 
 
 def _checkpointed(job, layer: int) -> bool:

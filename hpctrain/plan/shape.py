@@ -23,6 +23,13 @@ from dataclasses import dataclass
 from hpctrain.config_rules import llama_ffn_hidden
 from hpctrain.plan import moe
 
+# Bytes of training state per parameter: fp32 weights, fp32 gradients and AdamW's fp32 m and v
+# (plan/memory.py's model state, 4 + 4 + 8 in every precision), before any sharding
+STATE_BYTES_PER_PARAM = 16
+# The [model] keys a parameter count grows with (`ModelShape.size_key` names one)
+SIZE_KEYS = ("n_layer", "n_embd", "vocab_size", "ffn_hidden", "block_size", "moe_experts",
+             "moe_expert_hidden", "moe_shared_hidden")
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -148,7 +155,18 @@ class ModelShape:
         """Every parameter, a tied weight once (num_params(non_embedding=False))."""
         return (self.n_layer * self.block_params + self.embedding_params + self.head_params
                 + self.position_params + self.norm_f_params
-                + len(moe.sparse_layers(self)) * moe.extra_params(self))
+                + moe.n_sparse_layers(self) * moe.extra_params(self))
+
+    def state_bytes(self) -> int:
+        """The whole model's training state: STATE_BYTES_PER_PARAM x total_params() (the least any
+        layout holds over all its ranks together, activations aside)."""
+        return STATE_BYTES_PER_PARAM * self.total_params()
+
+    def size_key(self) -> str:
+        """The [model] key of SIZE_KEYS this shape's size grows with most: the one whose value,
+        set to 1, shrinks total_params() the most (model.n_layer for a 10^9-layer typo)."""
+        keys = [k for k in SIZE_KEYS if getattr(self, k) > 1]
+        return min(keys, key=lambda k: dataclasses.replace(self, **{k: 1}).total_params())
 
     def num_params(self) -> int:
         """The model's num_params() (what MFU and `train` report): gpt2 without the position

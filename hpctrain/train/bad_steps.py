@@ -5,7 +5,8 @@ flag over the whole world (robust for any layout: under TP/PP/FSDP ranks may see
 losses or norms), the count of skipped steps, and stopping with a clear error after
 `train.max_bad_steps` bad steps in a row (the caller must then not save: the newest checkpoint stays
 the last good state). Also the test-only fault inject_nan_at_step (hpctrain/step_faults.py: NaN
-loss on the last rank only, so agreement is what makes the other ranks skip too).
+loss on the last rank only, so agreement is what makes the other ranks skip too). And the check of
+the weights a run starts from (init.from's, a resumed checkpoint's): `first_nonfinite`, agreed alike.
 
 It must never step or zero the optimizer itself (the loop does), and never decide on one rank alone.
 """
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.distributed.flight_recorder import RECORDER
-from hpctrain.errors import TrainingDivergedError  # noqa: F401 - re-exported
+from hpctrain.errors import TrainingDivergedError, UserError  # noqa: F401 - re-exported
 
 
 class BadStepPolicy:
@@ -71,3 +72,41 @@ def all_finite(params, device) -> bool:
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return bool(ok.item() == 1)
+
+
+def first_nonfinite(named: dict, device) -> str | None:
+    """Collective over the default group (when there is one): the name of the first tensor of
+    `named` (this rank's, by name; a DTensor: its local part) holding NaN or inf, on the lowest
+    rank that has one; None when every rank's are finite. One pass and one host sync: every
+    tensor's isfinite().all() flag stacked on the device, one MIN all-reduce of their AND; the
+    names are gathered only when one is bad."""
+    unique = {}
+    for name, tensor in named.items():  # a tied weight once
+        unique.setdefault(id(tensor), (name, tensor.to_local() if hasattr(tensor, "to_local") else tensor))
+    names = [name for name, _ in unique.values()]
+    flags = torch.stack([torch.isfinite(t.detach()).all() for _, t in unique.values()]) if unique \
+        else torch.ones(1, dtype=torch.bool, device=device)
+    ok = flags.all().to(torch.float32).to(device)
+    collective = dist.is_available() and dist.is_initialized()
+    if collective:
+        with RECORDER.collective("finite_weights", f"world({dist.get_world_size()})"):
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if ok.item() == 1:
+        return None
+    mine = None if bool(flags.all()) else names[flags.tolist().index(False)]
+    if not collective:
+        return mine
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return next((name for name in every if name is not None), None)
+
+
+def check_resumed_weights(model, device, path) -> None:
+    """Collective, after a resume's load: UserError naming checkpoint `path`'s first model tensor
+    holding NaN or inf (saves refuse such weights: this one was written elsewhere or edited)."""
+    from hpctrain.parallel.meta_init import _held_params
+
+    bad = first_nonfinite(_held_params(model), device)
+    if bad is not None:
+        raise UserError(f"checkpoint {path}: tensor 'model.{bad}' holds NaN or inf values; move "
+                        f"{path} aside to resume from the checkpoint before it")

@@ -43,11 +43,11 @@ from hpctrain.sync import modes
 from hpctrain.train import rng, run_plan
 from hpctrain.distributed import run_lock
 from hpctrain.train.data import TrainData
-from hpctrain.train.bad_steps import all_finite
+from hpctrain.train.bad_steps import all_finite, check_resumed_weights
 from hpctrain.train.engine import StepEngine
 from hpctrain.train.hooks import LoopHooks
 from hpctrain.train.resume import resume_newest
-from hpctrain.train.model_setup import build_model
+from hpctrain.train.model_setup import build_model, check_model_fits
 from hpctrain.train.moe_monitor import monitor_for
 from hpctrain.model.optim import build_optimizer, lr_at, set_lr
 from hpctrain.train.states import ModelState, OptimState, RNGStates
@@ -370,6 +370,7 @@ def _percent(value: float | None) -> str:
 
 
 def train(cfg: Config, ctx: DistContext) -> int:
+    check_model_fits(cfg, ctx)  # a model no layout of this job could hold: named before building
     with watch_peers(ctx, cfg.dist.heartbeat_timeout_s, cfg.run.dir, cfg.dist.stall_timeout_s), \
             run_lock.hold(cfg.run.dir, ctx):
         # a lost rank ends the job, named; one job per run.dir

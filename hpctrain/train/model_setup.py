@@ -6,22 +6,33 @@ otherwise whole in fp32 on every rank, moved to the device, then laid out. Both 
 initial weights for a seed (tests/mpi/test_meta_init.py). It must never apply a layout itself
 (parallelize does) or know how a layout shards a tensor (meta_init does). With init.from, a Hugging
 Face model's weights replace the initial ones after that (hpctrain/interop/hf_import.py), unless
-the run has checkpoints (it resumes from them).
+the run has checkpoints (it resumes from them): the folder's tensors are checked against [model]
+before anything is built (hpctrain/interop/hf_weights.py), its values for NaN / inf once loaded.
+`check_model_fits` refuses, before anything is built, a [model] whose training state alone would
+not fit in the memory of the whole job (a typo such as n_layer = 1000000000 would otherwise build
+for minutes).
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
 
 from hpctrain.config import Config
+from hpctrain.distributed import DistContext
 from hpctrain.distributed.mesh import Mesh
-from hpctrain.interop.hf_import import run_has_checkpoints
+from hpctrain.errors import ConfigError, UserError
+from hpctrain.interop import hf_import
+from hpctrain.interop.hf_weights import WeightFiles, open_checked
 from hpctrain.model import build_model_from_section
 from hpctrain.parallel import Layout, parallelize
-from hpctrain.parallel.meta_init import allocate, build_on_meta, materialize
+from hpctrain.parallel.meta_init import _held_params, allocate, build_on_meta, materialize
 from hpctrain.parallel.loss import use_chunked_head
+from hpctrain.plan.report import fmt_bytes
+from hpctrain.plan.shape import STATE_BYTES_PER_PARAM, ModelShape
+from hpctrain.train.bad_steps import first_nonfinite
 
 
 @dataclass(frozen=True)
@@ -33,10 +44,14 @@ class BuiltModel:
 
 def build_model(cfg: Config, mesh: Mesh, device: torch.device, precision: str) -> BuiltModel:
     """The GPT of cfg.model in cfg.parallel's layout; weights as `torch.manual_seed(seed);
-    GPT(...)` makes them, on every rank (the same values before sharding). `precision`: the
-    resolved train.precision (FSDP's mixed precision)."""
+    GPT(...)` makes them, on every rank (the same values before sharding), or init.from's.
+    `precision`: the resolved train.precision (FSDP's mixed precision)."""
     section = dataclasses.asdict(cfg.model)  # model.arch picks GPT or Llama (hpctrain/model)
     seed = cfg.train.seed
+    # init.from seeds a fresh run only (on resume the checkpoint's weights replace the seed's:
+    # the folder is not read, it may be gone); its tensors checked before anything is built
+    hf_files = (open_checked(cfg.init.from_dir, section)
+                if cfg.init.from_dir and not hf_import.run_has_checkpoints(cfg.checkpoint_dir) else None)
     if cfg.parallel.meta_init:
         recipe, model = build_on_meta(lambda: build_model_from_section(section))
         init = lambda m: materialize(m, recipe, seed, device)  # noqa: E731
@@ -46,21 +61,72 @@ def build_model(cfg: Config, mesh: Mesh, device: torch.device, precision: str) -
     n_params, flops = model.num_params(), model.flops_per_token()  # before a pipeline split
     if cfg.train.loss_chunk:
         use_chunked_head(model)  # lm_head hands hidden states to the chunked loss (parallel/loss.py)
-    if cfg.init.from_dir and not run_has_checkpoints(cfg.checkpoint_dir):
-        # each rank reads its part of a Hugging Face model's weights instead (on resume the
-        # checkpoint's replace the seed's: the folder is not read, it may be gone)
-        init = load_hf_weights(cfg.init.from_dir, section, device if cfg.parallel.meta_init else None)
-    return BuiltModel(parallelize(model, mesh, cfg, precision, materialize=init), n_params, flops)
+    if hf_files is not None:  # each rank reads its part of the Hugging Face weights instead
+        init = load_hf_weights(hf_files, section, device if cfg.parallel.meta_init else None)
+    layout = parallelize(model, mesh, cfg, precision, materialize=init)
+    if hf_files is not None:
+        check_loaded_weights(layout.module, hf_files, section, device)
+    return BuiltModel(layout, n_params, flops)
 
 
-def load_hf_weights(folder: str, section: dict, meta_device: torch.device | None):
+def load_hf_weights(files: WeightFiles, section: dict, meta_device: torch.device | None):
     """The materialize step for init.from: a meta-built model's shards are allocated on
     `meta_device` without replaying the seed's init (every parameter is overwritten), then the
     folder's weights are copied into the parts this rank holds (hpctrain/interop/hf_import.py)."""
-    from hpctrain.interop.hf_import import load_weights
-
     def allocate_and_load(model: torch.nn.Module) -> None:
         if meta_device is not None:
             allocate(model, meta_device)
-        load_weights(model, folder, section)
+        hf_import.load_weights(model, files, section)
     return allocate_and_load
+
+
+def check_loaded_weights(model: torch.nn.Module, files: WeightFiles, section: dict,
+                         device: torch.device) -> None:
+    """Collective: UserError naming the first init.from tensor (and its file) holding NaN or inf."""
+    held = _held_params(model)
+    bad = first_nonfinite(held, device)
+    if bad is not None:
+        raise UserError(f"{hf_import.source_words(files, bad, held.get(bad), section)} holds NaN "
+                        f"or inf values (init.from): a damaged or diverged model; fix or replace "
+                        f"its weights")
+
+
+def job_memory(ctx: DistContext) -> tuple[int, str]:
+    """(bytes, in words) of the memory every rank of the job holds together: each rank's GPU on
+    CUDA, else each node's host memory (0: unknown)."""
+    if ctx.device.type == "cuda":
+        gpu = torch.cuda.get_device_properties(ctx.device).total_memory
+        return gpu * ctx.world_size, f"{ctx.world_size} GPU(s) x {fmt_bytes(gpu)}"
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError):
+        return 0, "unknown"
+    return host * ctx.n_nodes, f"{ctx.n_nodes} node(s) x {fmt_bytes(host)} of host memory"
+
+
+def check_model_fits(cfg: Config, ctx: DistContext) -> None:
+    """Before anything is built: `size_error` against all the memory of this job (`job_memory`)."""
+    have, words = job_memory(ctx)
+    hf_folder = cfg.init.from_dir if cfg.init.from_dir and \
+        not hf_import.run_has_checkpoints(cfg.checkpoint_dir) else None
+    error = size_error(cfg.model, have, words, hf_folder)
+    if error is not None:
+        raise error
+
+
+def size_error(model, have: int, words: str, hf_folder: str | None = None) -> ConfigError | None:
+    """A ConfigError naming the [model] key the size grows with when the whole model's training
+    state (16 B per parameter: plan/shape.py) exceeds `have` bytes, the memory of every rank of
+    the job together (`words`): no layout could hold it, whatever it shards. 0: unknown, no check.
+    `hf_folder`: init.from's, whose config.json set the key."""
+    shape = ModelShape.of_model_config(model)
+    need = shape.state_bytes()
+    if not have or need <= have:
+        return None
+    key = shape.size_key()
+    origin = hf_import.config_json_key(key, model.arch, hf_folder) if hf_folder else ""
+    return ConfigError(f"config key 'model.{key}': {getattr(shape, key)}{origin} makes a model of "
+                       f"{shape.total_params():.3g} parameters, {fmt_bytes(need)} of fp32 weights, "
+                       f"gradients and AdamW state ({STATE_BYTES_PER_PARAM} B per parameter), more "
+                       f"than this job's {words} together; lower it (`hpctrain plan` shows what "
+                       f"fits where)")

@@ -14,6 +14,7 @@ from hpctrain import logs
 from hpctrain.config_rules import check_resume_batch, check_same_model
 from hpctrain.data.sampler import check_same_dataset, saved_sampler_state
 from hpctrain.errors import CheckpointError, NoIntactCheckpoint
+from hpctrain.train.bad_steps import check_resumed_weights
 
 
 def resume_newest(trainer) -> None:
@@ -65,6 +66,7 @@ def resume_from(trainer, path: Path, source: str | None = None) -> None:
     check_same_dataset(trainer.data.sampler, saved, trainer.cfg.data.path, path)
     trainer.sync.before_load(saved.get("sync", {}))  # DiLoCo: adopts a sync-mode checkpoint
     trainer.ckpt.load_states(path, states)
+    check_resumed_weights(trainer.model, trainer.ctx.device, path)  # NaN / inf: named, before a step
     trainer.sync.after_load(trainer.step)
     if trainer.ctx.is_main:
         logs.info(f"resumed from {source or f'{path} at step {trainer.step}'}")

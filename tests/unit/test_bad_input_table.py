@@ -10,12 +10,14 @@ import hashlib
 import json
 import re
 import shutil
+import struct
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY_TRAIN, checksums, run_cmd
+from tests.conftest import TINY_MODEL, TINY_TRAIN, checksums, run_cmd
+from tests.hf_models import edit_weights
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +46,22 @@ def other_dataset(tmp_path_factory):
     return out
 
 
-class Setup:
-    """What a row may use: a temp dir, the module's dataset and trained run (copied before use)."""
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory, trained):
+    """The trained run exported as a Hugging Face GPT-2 folder (TINY_TRAIN's model, vocab 257):
+    what the init.from rows start from."""
+    out = tmp_path_factory.mktemp("hf") / "gpt2"
+    run_cmd([sys.executable, "-m", "hpctrain", "export", "--checkpoint", trained[1], "--output", out],
+            check=True, timeout=180)
+    return out
 
-    def __init__(self, tmp: Path, dataset: Path, trained, other: Path):
-        self.tmp, self.dataset, self.other = tmp, dataset, other
+
+class Setup:
+    """What a row may use: a temp dir, the module's dataset and trained run (copied before use),
+    the run as a Hugging Face folder."""
+
+    def __init__(self, tmp: Path, dataset: Path, trained, other: Path, hf: Path | None = None):
+        self.tmp, self.dataset, self.other, self._hf = tmp, dataset, other, hf
         self.cfg, self._run = trained
 
     def run_copy(self) -> Path:
@@ -67,6 +80,96 @@ def config_row(*overrides, key):
         return s.train_args("--train.steps=4", *overrides), s.tmp, [key]
     row.__name__ = "_".join(o.strip("-").replace("train.", "").replace("model.", "") for o in overrides)
     return row
+
+
+def hf_copy(s: Setup) -> Path:
+    folder = s.tmp / "hf"
+    shutil.copytree(s._hf, folder)
+    return folder
+
+
+def init_from_row(name: str, damage):
+    """`train --init.from` of the exported folder damaged by `damage(folder)`, which returns
+    what the error line names; the TOML has no [model] (config.json gives it)."""
+    def row(s: Setup):
+        folder = hf_copy(s)
+        named = damage(folder)
+        cfg = s.tmp / "init.toml"
+        cfg.write_text(TINY_TRAIN.replace(TINY_MODEL, "").format(run=s.tmp / "new-run",
+                                                                 data=s.dataset, steps=2))
+        return ["hpctrain", "train", "--config", cfg, f"--init.from={folder}"], folder, named
+    row.__name__ = name
+    return row
+
+
+def _extra_tensor(folder):
+    edit_weights(folder, lambda t: t.__setitem__("evil.extra", t["transformer.ln_f.bias"].clone()))
+    return ["'evil.extra'", str(folder / "model.safetensors")]
+
+
+def _index_outside(folder):
+    (folder.parent / "outside").mkdir()
+    shutil.move(folder / "model.safetensors", folder.parent / "outside" / "secret.safetensors")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "transformer.wte.weight": "../outside/secret.safetensors"}}))
+    return ["model.safetensors.index.json", "'transformer.wte.weight'", "../outside/secret.safetensors"]
+
+
+def _truncated(folder):
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:4000])
+    return [str(weights)]
+
+
+def _config_field(field, value):
+    def damage(folder):
+        cfg = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**cfg, field: value}))
+        return [str(folder / "config.json"), f"'{field}'"]
+    return damage
+
+
+def _layers_1e9(folder):
+    _config_field("n_layer", 10**9)(folder)
+    return ["'model.n_layer'", str(folder / "config.json")]
+
+
+def _nan_weight(folder):
+    edit_weights(folder, lambda t: t["transformer.h.0.mlp.c_fc.weight"].__setitem__((3, 4), float("nan")))
+    return ["'transformer.h.0.mlp.c_fc.weight'", str(folder / "model.safetensors")]
+
+
+def poison(ckpt: Path, fqn: str) -> None:
+    """One value of checkpoint tensor `fqn` set to NaN in its .distcp file, the file's xxh3 in
+    COMMIT.json recomputed (an intact checkpoint, as a tool other than `train` could save it)."""
+    import torch
+
+    from hpctrain.checkpoint import CheckpointManager, disk_format
+    from hpctrain.checkpoint.safe_load import read_metadata
+
+    meta = read_metadata(ckpt / ".metadata").state_dict_metadata[fqn]
+    state = {"model": {fqn.split(".", 1)[1]: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)}}
+    CheckpointManager(ckpt.parent, keep=9, rank=0, world_size=1).load(ckpt, state)
+    values = next(iter(state["model"].values())).numpy().tobytes()
+    for data_file in sorted(ckpt.glob("*.distcp")):
+        data = bytearray(data_file.read_bytes())
+        at = data.find(values)
+        if at >= 0:
+            data[at:at + 4] = struct.pack("<f", float("nan"))
+            data_file.write_bytes(bytes(data))
+            commit = json.loads((ckpt / "COMMIT.json").read_text())
+            commit["files"][data_file.name][disk_format.DATA_HASH] = disk_format.hash_file(
+                data_file, disk_format.DATA_HASH)
+            (ckpt / "COMMIT.json").write_text(json.dumps(commit))
+            return
+    raise AssertionError(f"{fqn}'s bytes not found in {ckpt}")
+
+
+def resume_a_checkpoint_with_nan_weights(s: Setup):
+    run = s.run_copy()
+    ckpt = run / "checkpoints" / "step_00000002"
+    poison(ckpt, "model.blocks.0.mlp.fc.weight")
+    return s.train_args("--train.steps=4", run=run), run, [str(ckpt), "'model.blocks.0.mlp.fc.weight'"]
 
 
 def micro_batch_larger_than_the_data(s: Setup):
@@ -161,12 +264,22 @@ ROWS = [config_row("--train.lr=-1", key="train.lr"),
         edited_state("state_position_past_the_data", _set("sampler", "position", 10**12)),
         edited_state("state_step_not_its_folders", _set("trainer", "step", 1)),
         sample_row("--temperature", "nan"), sample_row("--top-k", "-3"),
-        sample_row("--tokens", "-5"), export_into_a_folder_with_files]
+        sample_row("--tokens", "-5"), export_into_a_folder_with_files,
+        # #47: a model no job could hold (a typo), init.from folders that are not the model their
+        # config.json describes, NaN / inf weights in init.from's folder and in a resumed checkpoint
+        config_row("--model.n_layer=1000000000", key="model.n_layer"),
+        init_from_row("init_from_config_json_n_layer_1e9", _layers_1e9),
+        init_from_row("init_from_config_json_n_head_0", _config_field("n_head", 0)),
+        init_from_row("init_from_extra_tensor", _extra_tensor),
+        init_from_row("init_from_index_entry_outside", _index_outside),
+        init_from_row("init_from_truncated_weights", _truncated),
+        init_from_row("init_from_nan_weight", _nan_weight),
+        resume_a_checkpoint_with_nan_weights]
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.__name__ for r in ROWS])
-def test_bad_input_is_one_line_naming_it(tmp_path, dataset, trained, other_dataset, row):  # noqa: F811
-    args, watched, named, *also = row(Setup(tmp_path, dataset, trained, other_dataset))
+def test_bad_input_is_one_line_naming_it(tmp_path, dataset, trained, other_dataset, hf_folder, row):  # noqa: F811
+    args, watched, named, *also = row(Setup(tmp_path, dataset, trained, other_dataset, hf_folder))
     watched.mkdir(parents=True, exist_ok=True)
     before = checksums(watched)
     r = run_cmd([sys.executable, "-m", *map(str, args)], timeout=180)
@@ -260,3 +373,44 @@ def test_state_problem(state, problem):
 
     found = state_problem(state)
     assert found == problem if problem is None else found.startswith(problem), found
+
+
+# What sample / export must not say of a checkpoint they refuse: what to do when *training* (#47:
+# "resume from an older one", "use a new run.dir to start afresh")
+TRAINING_WORDS = ("resum", "run.dir", "start over", "afresh")
+
+
+def _refused_checkpoint(run: Path, damage: str) -> Path:
+    """Damage the run's only checkpoint one way; returns the path the error line must name."""
+    ckpt = run / "checkpoints" / "step_00000002"
+    if damage == "state_step_abc":
+        rewrite_state(ckpt, _set("trainer", "step", "abc"))
+        return ckpt / "trainer_state.json"
+    if damage == "uncommitted":
+        (ckpt / "COMMIT.json").unlink()
+        return run / "checkpoints"
+    import torch  # not a checkpoint of `train`: no config, no tokenizer
+
+    from hpctrain.checkpoint import CheckpointManager
+
+    shutil.rmtree(run / "checkpoints")
+    CheckpointManager(run / "checkpoints", keep=1, rank=0, world_size=1).save(
+        2, {"model": {"w": torch.ones(4)}}, {"step": 2})
+    return ckpt / "trainer_state.json"
+
+
+@pytest.mark.parametrize("damage", ["state_step_abc", "uncommitted", "not_a_training_checkpoint"])
+@pytest.mark.parametrize("command", ["sample", "export"])
+def test_sample_and_export_of_a_refused_checkpoint_speak_of_themselves(tmp_path, trained, command,
+                                                                       damage):
+    run = tmp_path / "run"
+    shutil.copytree(trained[1], run)
+    named = _refused_checkpoint(run, damage)
+    args = [command, "--checkpoint", run, *(["--output", tmp_path / "out"] if command == "export" else [])]
+    r = run_cmd([sys.executable, "-m", "hpctrain", *map(str, args)], timeout=180)
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert len(lines) == 1 and str(named) in lines[0], r.stderr
+    words = lines[0].replace(str(tmp_path), "")  # the test's name is in its folder's
+    assert command in words and not [w for w in TRAINING_WORDS if w in words], lines[0]
+    assert not (tmp_path / "out").exists()

@@ -1,8 +1,8 @@
 """Every failure a user can cause ends with one line naming the file, exit status != 0, no
-traceback, and nothing that existed before is changed (#16). Table-driven: each row sets up a
-fault, runs a real command (`python -m data_tools ...`, `python -m hpctrain ...`) and the checks
-are the same for all rows. Full and read-only disks are real tmpfs mounts (root only; skipped
-elsewhere, with the reason).
+traceback, nothing that existed before is changed and nothing half-written is left (#16, #47).
+Table-driven: each row sets up a fault, runs a real command (`python -m data_tools ...`,
+`python -m hpctrain ...`) and the checks are the same for all rows. Full and read-only disks are
+real tmpfs mounts (root only; skipped elsewhere, with the reason).
 """
 from __future__ import annotations
 
@@ -76,6 +76,23 @@ def train_onto_a_full_disk(tmp, ds, mounts):
     return ["hpctrain", "train", "--config", cfg], tmp / "full-run-before", str(disk / "run")
 
 
+def export_onto_a_full_disk(tmp, ds, mounts):
+    """A 200 KB weight file onto 64 KB: one line naming the output, no partial folder left."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from hpctrain.checkpoint import CheckpointManager
+    from hpctrain.model import build_model_from_section
+
+    section = {"n_layer": 1, "n_head": 2, "n_embd": 64, "block_size": 32, "vocab_size": 257}
+    msd, _ = get_state_dict(build_model_from_section(section), [])
+    CheckpointManager(tmp / "run" / "checkpoints", keep=1, rank=0, world_size=1).save(
+        1, {"model": msd}, {"step": 1, "config": {"model": section, "data": {"path": str(ds)}},
+                            "tokenizer": {"name": "bytes", "eot_id": 256, "vocab_size": 257}})
+    disk = mounts.tmpfs(tmp / "small-out", "64k")
+    return (["hpctrain", "export", "--checkpoint", tmp / "run", "--output", disk / "hf"], disk,
+            str(disk / "hf"))
+
+
 def verify_a_missing_checkpoint(tmp, ds, mounts):
     return ["hpctrain", "ckpt", "verify", tmp / "no-such-run"], ds, str(tmp / "no-such-run")
 
@@ -101,7 +118,7 @@ def train_through_the_node_cache_from_corrupt_shards(tmp, ds, mounts):
 
 ROWS = [truncated_shard, deleted_shard, misspelled_input_over_a_dataset, shard_onto_a_full_disk,
         shard_onto_a_read_only_disk, train_into_a_read_only_run_dir, train_onto_a_full_disk,
-        verify_a_missing_checkpoint, tune_status_given_a_training_config,
+        export_onto_a_full_disk, verify_a_missing_checkpoint, tune_status_given_a_training_config,
         train_through_the_node_cache_from_corrupt_shards]
 
 
@@ -109,7 +126,7 @@ ROWS = [truncated_shard, deleted_shard, misspelled_input_over_a_dataset, shard_o
 def test_failure_is_one_line_naming_the_file_and_changes_nothing(tmp_path, dataset, mounts, row):
     args, watched, named = row(tmp_path, dataset, mounts)
     watched.mkdir(parents=True, exist_ok=True)
-    before = checksums(watched)
+    before, entries = checksums(watched), sorted(p.name for p in watched.iterdir())
     r = run_cmd([sys.executable, "-m", *map(str, args)], timeout=180)
     if args[0] == "hpctrain":  # its stderr also carries the training log: the error lines
         lines = [l for l in r.stderr.splitlines() if re.match(r"(\[rank \d+\] )?error: ", l)]
@@ -119,4 +136,5 @@ def test_failure_is_one_line_naming_the_file_and_changes_nothing(tmp_path, datas
     assert "Traceback" not in r.stderr, r.stderr
     assert len(lines) == 1 and named in lines[0], r.stderr
     assert checksums(watched) == before
+    assert sorted(p.name for p in watched.iterdir()) == entries  # no folder left half written
     assert not [p for p in watched.parent.iterdir() if p.name.endswith(".hpctrain-partial")]
