@@ -3,13 +3,16 @@
 Owns: the options (every one explained in --help), reading a training TOML's [model], [parallel],
 [train], [sync], [data] and [checkpoint] keys as defaults, sizes like "80GB" / "1e12", and turning
 a bad value into one line naming the option; the layout options also under train's spelling
-(--parallel.tp=2), so a `recommended:` line pastes back. It must never compute a figure.
+(--parallel.tp=2), so a `recommended:` line pastes back; the order of the report (the advice
+first when your layout does not fit); --sbatch's options (the script: plan/sbatch.py); CPU nodes
+(--gpus-per-node 0 --ranks-per-node R: layout.on_cpu_nodes). It must never compute a figure.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import os
 import re
 import shlex
 import sys
@@ -128,8 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=sorted(PRESETS), help="model shape: gpt2 1b (24 x 2048), 7b "
                    "(32 x 4096), 70b (80 x 8192; ~65B parameters), vocab 50304, block 2048; Meta's "
                    "llama3-8b (32 x 4096) and llama3-70b (80 x 8192): 8 kv heads, vocab 128256, "
-                   "untied, block 8192; mixtral-8x7b: 8 experts top 2 (46.7B, 12.7B active; "
-                   "split them with --ep)")
+                   "untied, block 8192, with their shipped configs' (configs/llama3_*.toml) global batch "
+                   "512, micro-batch 1, bf16 and loss_chunk 1024, as --config of them plans; "
+                   "mixtral-8x7b: 8 experts top 2 (46.7B, 12.7B active; split them with --ep)")
     p.add_argument("--config", help="a training TOML: its [model], [parallel], [train], [sync], "
                    "[data] and [checkpoint] keys (train.precision auto counts as bf16)")
     for key in MODEL_KEYS:
@@ -145,7 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=5, help="fitting layouts shown (default 5)")
     p.add_argument("--ranks-per-node", type=int, help="with --gpus-per-node 0 (CPU nodes): ranks per "
                    "node; each rank's memory budget is its share of --node-memory unless "
-                   "--gpu-memory gives it, auto precision counts as fp32 and auto backend as gloo")
+                   "--gpu-memory gives it, auto precision counts as fp32 and auto backend as gloo; the step "
+                   "times use --gpu-tflops and the --*-bw options as given (per rank): give your "
+                   "CPUs' figures")
     _script_options(p)
     defaults = Job()
     for f in dataclasses.fields(Job):
@@ -255,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         print(_report(shape, job, plan, advice, args.top, config), end="")
     if written and not args.json:
         print(f"\nwrote {written['sbatch']['file']}: {written['sbatch']['what']}\n"
-              f"submit it: {written['sbatch']['submit']}")
+              f"submit it{written['sbatch']['where']}: {written['sbatch']['submit']}")
     return 0
 
 
@@ -295,4 +301,6 @@ def _write_sbatch(args: argparse.Namespace, argv: list[str], script: tuple, job:
     what = (f"{source} with #SBATCH "
             f"{' '.join(sbatch.directives(text))}, training {config} with the recommended "
             f"{best.job.layout_name}")
-    return {"sbatch": {"file": args.sbatch, "what": what, "submit": f"sbatch {shlex.quote(args.sbatch)}"}}
+    where = "" if os.path.isabs(config) else f" from {os.getcwd()} (the config's path is relative)"
+    return {"sbatch": {"file": args.sbatch, "what": what, "where": where,
+                       "submit": f"sbatch {shlex.quote(args.sbatch)}"}}

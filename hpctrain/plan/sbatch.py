@@ -103,7 +103,8 @@ def check_time(s: Script, text: str) -> str:
     time = s.time or template_value(text, "time") or ""
     seconds, lead = parse_duration(time), signal_lead(text) or 0
     if seconds is None:
-        raise ValueError(f"--time {time!r}: expected Slurm's [days-]hours:minutes:seconds (04:00:00, 2-00:00:00)")
+        raise ValueError(f"--time {time!r}: expected Slurm's [days-]hours:minutes:seconds "
+                         f"(04:00:00, 2-00:00:00)")
     if seconds <= lead:
         raise ValueError(f"--time {time}: the job gets USR1 {lead} s before its end (--signal="
                          f"{template_value(text, 'signal')}) to checkpoint; give more wall time than that")

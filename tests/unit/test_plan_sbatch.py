@@ -167,7 +167,8 @@ def test_cpu_nodes_write_no_gpu_line(capsys, tmp_path):
     assert "##SBATCH --gpus-per-node=4" in target.read_text()  # the template's, still commented
     _, job = shape_and_job(build_parser().parse_args(["--preset", "1b", "--gpus-per-node", "0",
                                                       "--ranks-per-node", "4", "--node-memory", "256GB"]))
-    assert (job.gpus_per_node, job.gpu_memory, job.backend, job.precision) == (4, 64 * 10 ** 9, "gloo", "fp32")
+    assert (job.gpus_per_node, job.gpu_memory, job.backend, job.precision) == (
+        4, 64 * 10 ** 9, "gloo", "fp32")  # a quarter of the node's 256 GB
     rc, _, err = _plan(capsys, ["--preset", "1b", "--ranks-per-node", "4"])
     assert rc == 2 and err.startswith("error: --ranks-per-node is for CPU nodes")
 
