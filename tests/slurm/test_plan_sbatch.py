@@ -11,7 +11,7 @@ import pytest
 from hpctrain.plan.cli import main as plan_main
 from tests.slurm.conftest import TINY, losses
 
-pytestmark = [pytest.mark.slurm]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]  # as every test here: it may install and start Slurm
 
 STEPS = 12
 
