@@ -3,21 +3,26 @@
 Owns: the options (every one explained in --help), reading a training TOML's [model], [parallel],
 [train], [sync], [data] and [checkpoint] keys as defaults, sizes like "80GB" / "1e12", and turning
 a bad value into one line naming the option; the layout options also under train's spelling
-(--parallel.tp=2), so a `recommended:` line pastes back. It must never compute a figure.
+(--parallel.tp=2), so a `recommended:` line pastes back; the order of the report (the advice
+first when your layout does not fit); --sbatch's options (the script: plan/sbatch.py); CPU nodes
+(--gpus-per-node 0 --ranks-per-node R: layout.on_cpu_nodes). It must never compute a figure.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import os
 import re
+import shlex
+import sys
 
 from hpctrain import logs
 from hpctrain.config_schema import ModelConfig, key_choices
-from hpctrain.plan import recommend
-from hpctrain.plan.layout import Job
-from hpctrain.plan.report import SUMMARY_HEAD, make_plan, render, summary_row
-from hpctrain.plan.shape import PRESETS, ModelShape
+from hpctrain.plan import recommend, sbatch, search
+from hpctrain.plan.layout import Job, on_cpu_nodes
+from hpctrain.plan.report import SUMMARY_HEAD, make_plan, render, summary_row, title
+from hpctrain.plan.shape import PRESET_CONFIGS, PRESETS, ModelShape
 
 _UNITS = {"": 1, "k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12, "p": 10 ** 15,
           "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12, "pb": 10 ** 15,
@@ -61,7 +66,8 @@ FROM_CONFIG = {"dp": ("parallel", "dp"), "tp": ("parallel", "tp"), "pp": ("paral
                "checkpoint_layout": ("checkpoint", "layout"), "meta_init": ("parallel", "meta_init"),
                "backend": ("dist", "backend")}
 HELP = {
-    "nodes": "nodes in the job", "gpus_per_node": "GPUs (= ranks) per node",
+    "nodes": "nodes in the job", "gpus_per_node": "GPUs (= ranks) per node; 0: CPU nodes of "
+                                                   "--ranks-per-node ranks",
     "tokens": "training corpus size in tokens (1e12, 15e12)",
     "gpu_memory": "memory per GPU (80GB; 'GiB' units too)", "node_memory": "host RAM per node",
     "node_disk": "node-local disk per node (where the node cache lives)",
@@ -125,8 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=sorted(PRESETS), help="model shape: gpt2 1b (24 x 2048), 7b "
                    "(32 x 4096), 70b (80 x 8192; ~65B parameters), vocab 50304, block 2048; Meta's "
                    "llama3-8b (32 x 4096) and llama3-70b (80 x 8192): 8 kv heads, vocab 128256, "
-                   "untied, block 8192; mixtral-8x7b: 8 experts top 2 (46.7B, 12.7B active; "
-                   "split them with --ep)")
+                   "untied, block 8192, with their shipped configs' (configs/llama3_*.toml) global batch "
+                   "512, micro-batch 1, bf16 and loss_chunk 1024, as --config of them plans; "
+                   "mixtral-8x7b: 8 experts top 2 (46.7B, 12.7B active; split them with --ep)")
     p.add_argument("--config", help="a training TOML: its [model], [parallel], [train], [sync], "
                    "[data] and [checkpoint] keys (train.precision auto counts as bf16)")
     for key in MODEL_KEYS:
@@ -140,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "assumptions, your layout, the recommended one with its train command, every "
                    "candidate with fits / why / peak / step time")
     p.add_argument("--top", type=int, default=5, help="fitting layouts shown (default 5)")
+    p.add_argument("--ranks-per-node", type=int, help="with --gpus-per-node 0 (CPU nodes): ranks per "
+                   "node; each rank's memory budget is its share of --node-memory unless "
+                   "--gpu-memory gives it, auto precision counts as fp32 and auto backend as gloo; the step "
+                   "times use --gpu-tflops and the --*-bw options as given (per rank): give your "
+                   "CPUs' figures")
+    _script_options(p)
     defaults = Job()
     for f in dataclasses.fields(Job):
         typ = size if f.name in ("tokens", "gpu_memory", "node_memory", "node_disk", "cache_bytes",
@@ -155,6 +168,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _script_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("job script (--sbatch)", "Write the recommended layout as a batch script "
+                             "to submit as it is: slurm/train.sbatch with its #SBATCH lines for this "
+                             "job (--nodes, --ntasks-per-node = ranks per node, --gpus-per-node, "
+                             "--cpus-per-task, --time, the template's --signal=B:USR1@300) and the "
+                             "config + the layout's flags baked in; its preemption, requeue and "
+                             "node-loss relaunch are the template's.")
+    g.add_argument("--sbatch", metavar="FILE", help="write the job script here (atomically, mode "
+                   "0755; an existing FILE only with --force) and print the sbatch command; needs "
+                   "--config, or a --preset with a shipped config (llama3-8b, llama3-70b)")
+    g.add_argument("--sbatch-template", metavar="FILE", help="the template (default: this checkout's "
+                   "slurm/train.sbatch; give your edited copy with its ENVIRONMENT block)")
+    g.add_argument("--force", action="store_true", help="--sbatch replaces an existing FILE")
+    g.add_argument("--time", help="#SBATCH --time, Slurm's [days-]hours:minutes:seconds (default: "
+                   "the template's, 04:00:00); more than the --signal lead")
+    g.add_argument("--cpus-per-task", type=int, help="#SBATCH --cpus-per-task: CPU cores per rank, "
+                   "torch's threads (default: the template's, 1; typically cores per node / ranks)")
+    g.add_argument("--partition", help="#SBATCH --partition (default: none, the site's default)")
+    g.add_argument("--account", help="#SBATCH --account (default: none)")
+
+
 def _show(name: str, value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
@@ -166,9 +200,12 @@ def _boolean(text: str) -> bool:
 
 
 def shape_and_job(args: argparse.Namespace) -> tuple[ModelShape, Job]:
+    """The model and job: --preset (with its shipped config's batch keys) or --config, then the
+    explicit options over them."""
     model, job = {}, {}
     if args.preset:
         model = dataclasses.asdict(PRESETS[args.preset])
+        job.update(PRESET_CONFIGS.get(args.preset, (None, {}))[1])
     if args.config:
         from hpctrain import config
 
@@ -176,8 +213,6 @@ def shape_and_job(args: argparse.Namespace) -> tuple[ModelShape, Job]:
         model = dataclasses.asdict(ModelShape.of_model_config(cfg.model))
         for opt, (section, key) in FROM_CONFIG.items():
             job[opt] = getattr(getattr(cfg, section), key)
-        job["precision"] = "bf16" if job["precision"] == "auto" else job["precision"]
-        job["backend"] = "nccl" if job["backend"] == "auto" else job["backend"]  # GPUs
     for key in (*MODEL_KEYS, "arch", *ARCH_OPTIONS):
         if getattr(args, key) is not None:
             model[key] = getattr(args, key)
@@ -187,23 +222,85 @@ def shape_and_job(args: argparse.Namespace) -> tuple[ModelShape, Job]:
     for f in dataclasses.fields(Job):
         if getattr(args, f.name) is not None:
             job[f.name] = getattr(args, f.name)
-    return ModelShape(**model), Job(**job)
+    if args.grad_accum is not None and args.global_batch is None:
+        job["global_batch"] = 0  # an explicit accumulation over the config's / preset's batch
+    return ModelShape(**model), Job(**_on_the_nodes(args, job))
+
+
+def _on_the_nodes(args: argparse.Namespace, job: dict) -> dict:
+    """`auto` precision / backend for GPU nodes, or the CPU nodes of --gpus-per-node 0."""
+    if args.gpus_per_node == 0:
+        return on_cpu_nodes(job, args.ranks_per_node or 0)
+    if args.ranks_per_node is not None:
+        raise ValueError("--ranks-per-node is for CPU nodes (--gpus-per-node 0): on GPU nodes "
+                         "the ranks are the GPUs (--gpus-per-node)")
+    auto = {"precision": "bf16", "backend": "nccl"}  # what `auto` is on GPUs
+    return {**job, **{k: v for k, v in auto.items() if job.get(k) == "auto"}}
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     try:
+        script = _script_inputs(args)
         shape, job = shape_and_job(args)
-        plan = make_plan(shape, job)
-        advice = None if args.summary else recommend.advise(shape, job)
+        advice = None if args.summary and not args.sbatch else recommend.advise(shape, job)
+        # a layout for another world size (a config's, for more nodes) has no figures of its own
+        plan = make_plan(shape, job) if args.summary or not job.world_problem() else None
+        config = args.config or PRESET_CONFIGS.get(args.preset, (None,))[0]
+        written = _write_sbatch(args, argv, script, job, advice) if script else None
     except ValueError as e:
         logs.error(f"error: {e}")
         return 2
     if args.json:
-        print(json.dumps(recommend.as_json(advice, args.config)))
+        print(json.dumps({**recommend.as_json(advice, config), **(written or {})}))
     elif args.summary:
         print("| " + " | ".join(SUMMARY_HEAD) + " |\n|" + "---|" * len(SUMMARY_HEAD))
         print("| " + " | ".join(str(c) for c in summary_row(plan)) + " |")
     else:
-        print(render(plan) + recommend.render(advice, args.top, args.config), end="")
+        print(_report(shape, job, plan, advice, args.top, config), end="")
+    if written and not args.json:
+        print(f"\nwrote {written['sbatch']['file']}: {written['sbatch']['what']}\n"
+              f"submit it{written['sbatch']['where']}: {written['sbatch']['submit']}")
     return 0
+
+
+def _report(shape: ModelShape, job: Job, plan, advice, top: int, config: str | None) -> str:
+    """Your layout's figures, then the advice; when your layout does not fit, the advice first."""
+    if advice.user.fits:
+        return render(plan) + recommend.render(advice, top, config)
+    rest = ("" if plan is None else "\n## Your layout, which does not fit: its figures\n\n"
+            + render(plan, head=False))
+    return title(shape, job).rstrip("\n") + "\n" + recommend.render(advice, top, config) + rest
+
+
+def _script_inputs(args: argparse.Namespace) -> tuple | None:
+    """(target, template, config path) of --sbatch, checked before anything is computed."""
+    if not args.sbatch:
+        return None
+    target = sbatch.check_target(args.sbatch, args.force)
+    template = sbatch.read_template(args.sbatch_template)
+    shipped = PRESET_CONFIGS.get(args.preset, (None,))[0]
+    return target, template, sbatch.config_path(args.config, args.preset, shipped)
+
+
+def _write_sbatch(args: argparse.Namespace, argv: list[str], script: tuple, job: Job, advice) -> dict:
+    target, template, config = script
+    best = advice.best
+    if best is None:
+        raise ValueError(f"--sbatch {args.sbatch}: no layout fits {job.nodes} node(s) here (see "
+                         f"`hpctrain plan` without --sbatch for the node count that does); nothing written")
+    spec = sbatch.Script(nodes=best.job.nodes, ranks_per_node=best.job.gpus_per_node,
+                         gpus_per_node=0 if args.gpus_per_node == 0 else best.job.gpus_per_node,
+                         config=config, flags=search.train_flags(best.job), layout=best.job.layout_name,
+                         cpus_per_task=args.cpus_per_task, time=args.time, partition=args.partition,
+                         account=args.account)
+    source = args.sbatch_template or "slurm/train.sbatch"
+    text = sbatch.render(spec, template, args.sbatch, source, shlex.join(argv))
+    sbatch.write(target, text, args.force)
+    what = (f"{source} with #SBATCH "
+            f"{' '.join(sbatch.directives(text))}, training {config} with the recommended "
+            f"{best.job.layout_name}")
+    where = "" if os.path.isabs(config) else f" from {os.getcwd()} (the config's path is relative)"
+    return {"sbatch": {"file": args.sbatch, "what": what, "where": where,
+                       "submit": f"sbatch {shlex.quote(args.sbatch)}"}}

@@ -125,6 +125,14 @@ class Job:
     def half(self) -> bool:
         return self.precision in ("bf16", "fp16")
 
+    def world_problem(self) -> str:
+        """Why dp x tp x pp is not the world size ('' when it is): a layout of another node count,
+        as a config's [parallel] for more nodes."""
+        if self.tp < 1 or self.pp < 1 or self.dp_size * self.tp * self.pp == self.world:
+            return ""
+        return (f"--dp/--tp/--pp: dp={self.dp_size} x tp={self.tp} x pp={self.pp} does not match the "
+                f"world size {self.world} (nodes x gpus per node)")
+
     def check(self, shape: ModelShape) -> "Job":
         """The job with train.global_batch resolved into grad_accum, or one line naming the option."""
         for key, allowed in CHOICES.items():
@@ -136,9 +144,8 @@ class Job:
                     "shuffle_block_shards"):
             if getattr(self, key) < 1:
                 raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
-        if self.dp_size * self.tp * self.pp != self.world:
-            raise ValueError(f"--dp/--tp/--pp: dp={self.dp_size} x tp={self.tp} x pp={self.pp} does not "
-                             f"match the world size {self.world} (nodes x gpus per node)")
+        if self.world_problem():
+            raise ValueError(self.world_problem())
         if self.ep < 1 or self.dp_size % self.ep or (self.ep > 1 and (shape.moe_experts % self.ep
                                                                         or not shape.moe_experts)):
             raise ValueError(f"--ep {self.ep} must divide dp {self.dp_size} and model.moe_experts "
@@ -180,3 +187,18 @@ class Job:
             raise ValueError(f"--global-batch {self.global_batch} is not a multiple of micro_batch "
                              f"{self.micro_batch} x dp {self.data_ranks} = {per_step}")
         return replace(self, grad_accum=self.global_batch // per_step, global_batch=0)
+
+
+def on_cpu_nodes(given: dict, ranks_per_node: int) -> dict:
+    """`--gpus-per-node 0 --ranks-per-node R`: nodes of R CPU ranks. The Job's keys for them: R
+    ranks per node, each rank's memory budget its share of --node-memory (--gpu-memory, when
+    given, is the budget per rank), `auto` precision as fp32 (train measures it on a CPU: fp32
+    unless bf16 is faster) and `auto` backend as gloo (train's on a CPU)."""
+    if ranks_per_node < 1:
+        raise ValueError(f"--ranks-per-node {ranks_per_node}: --gpus-per-node 0 (CPU nodes) needs "
+                         f"--ranks-per-node N >= 1, the ranks each node runs")
+    out = {"gpu_memory": given.get("node_memory", Job.node_memory) // ranks_per_node, **given,
+           "gpus_per_node": ranks_per_node}
+    out["precision"] = "fp32" if out.get("precision", "auto") == "auto" else out["precision"]
+    out["backend"] = "gloo" if out.get("backend", "auto") == "auto" else out["backend"]
+    return out

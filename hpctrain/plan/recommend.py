@@ -7,7 +7,7 @@ the token budget (--tokens). It must never judge a layout (search.py does).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hpctrain.plan import search
 from hpctrain.plan.layout import Job
@@ -31,12 +31,15 @@ class Advice:
 
 
 def advise(shape: ModelShape, job: Job) -> Advice:
-    job = job.check(shape)
-    ranked = search.search(shape, job)
-    user = search.evaluate(shape, job)
-    advice = Advice(job, user, ranked)
+    """The search at the job's batch. A layout of another world size (a config's [parallel] for
+    more nodes) is a layout that does not fit: the search runs on the job's cluster and batch."""
+    problem = job.world_problem()
+    checked = (replace(job, dp=0, tp=1, pp=1) if problem else job).check(shape)
+    ranked = search.search(shape, checked)
+    user = search.Candidate(job, False, problem) if problem else search.evaluate(shape, checked)
+    advice = Advice(checked, user, ranked)
     if not user.fits:
-        advice.fixes = search.nearest_fixes(job, ranked)
+        advice.fixes = search.nearest_fixes(user.job, ranked)
     if advice.best is None:
         advice.more_nodes = search.smallest_fitting_nodes(shape, job)
     return advice
@@ -100,9 +103,9 @@ def _row(c: search.Candidate, tokens: float) -> tuple:
 def _user_lines(a: Advice) -> list[str]:
     u = a.user
     if u.fits:
-        return [f"your layout: {a.job.layout_name} fits (peak {fmt_bytes(u.peak)}), step "
+        return [f"your layout: {u.job.layout_name} fits (peak {fmt_bytes(u.peak)}), step "
                 f"{fmt_seconds(u.time.total)}, {u.time.tokens_per_s:,.0f} tokens/s"]
-    lines = [f"your layout: {a.job.layout_name} does not fit: {u.why}"]
+    lines = [f"your layout: {u.job.layout_name} does not fit: {u.why}"]
     for ch, c in a.fixes:
         lines.append(f"- fits with: {' + '.join(ch)} (peak {fmt_bytes(c.peak)}, step "
                      f"{fmt_seconds(c.time.total)}, {c.time.tokens_per_s:,.0f} tokens/s)")
@@ -126,7 +129,11 @@ def render(a: Advice, top: int = 5, config: str | None = None) -> str:
     lines += ["| " + " | ".join(_row(c, j.tokens)) + " |" for c in fit[:top]]
     lines.append("")
     if a.best:
-        lines.append(f"recommended: {a.best.job.layout_name}: {train_command(a.best.job, config)}")
+        b = a.best.job
+        lines += [f"recommended: {b.layout_name}: {train_command(b, config)}",
+                  f"  (--parallel.dp=0: dp = world / (tp x pp), parallel.dp of `hpctrain train --help`; "
+                  f"{b.world} / ({b.tp} x {b.pp}) = {b.dp_size} here, and it follows the world of an "
+                  f"elastic restart on fewer nodes)"]
     else:
         more = a.more_nodes
         lines.append(f"nothing fits {j.nodes} x {j.gpus_per_node} GPUs of {fmt_bytes(j.gpu_memory)}: "

@@ -157,12 +157,15 @@ def _shape_name(s: ModelShape) -> str:
             f"{fmt_params(_named_params(s))} parameters{active}")
 
 
-def render(p: Plan) -> str:
+def title(s: ModelShape, j: Job) -> str:
+    return f"# Plan: {_shape_name(s)}; {j.nodes} nodes x {j.gpus_per_node} = {j.world} ranks\n\n"
+
+
+def render(p: Plan, head: bool = True) -> str:
+    """The report of the plan's layout; `head`: under its title line."""
     s, j = p.shape, p.job
     tokens_step = j.batch * s.block_size
-    lines = [f"# Plan: {_shape_name(s)}; {j.nodes} nodes x "
-             f"{j.gpus_per_node} = {j.world} ranks", "",
-             f"Layout: dp {j.dp_size} ({j.data_parallel}{f', ep {j.ep}' if j.ep > 1 else ''}) x tp {j.tp} x pp {j.pp} ({j.pp_schedule}), "
+    lines = [f"Layout: dp {j.dp_size} ({j.data_parallel}{f', ep {j.ep}' if j.ep > 1 else ''}) x tp {j.tp} x pp {j.pp} ({j.pp_schedule}), "
              f"micro_batch {j.micro_batch} x grad_accum {j.grad_accum} -> global batch "
              f"{j.batch} sequences ({tokens_step:,} tokens); activation_checkpoint "
              f"{j.activation_checkpoint}; {j.precision}; sync {j.sync_mode}"
@@ -191,7 +194,7 @@ def render(p: Plan) -> str:
     lines += ["", "## Communication per optimizer step, sent by one rank", ""]
     lines += _table(("axis", "link", "bytes", "what"), [(a, l, fmt_bytes(b), w) for a, l, b, w in p.comm])
     lines += ["", "## Warnings", ""] + ([f"- {w}" for w in p.warnings] or ["- none: every budget holds"])
-    return "\n".join(lines) + "\n"
+    return (title(s, j) if head else "") + "\n".join(lines) + "\n"
 
 
 def _checkpoint_value(key: str, value) -> str:

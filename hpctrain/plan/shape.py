@@ -2,8 +2,8 @@
 
 Owns: the parameter count per piece (blocks, embedding, head, positions, final norm) of each
 `model.arch`, what one rank holds of it under tensor parallelism (the DTensor plan of
-parallel/tensor_parallel.py), which tp the model allows (as config_rules refuses it) and the
-presets of `hpctrain plan --preset`.
+parallel/tensor_parallel.py), which tp the model allows (as config_rules refuses it), the
+presets of `hpctrain plan --preset` and the shipped configs' batch keys of those that have one.
 - gpt2: LayerNorms with bias, learned positions, a 4C GELU MLP, tied embedding / head. Its "70b"
   is a 70B-*shaped* model (80 x 8192): ~65B parameters, not Llama's 70B.
 - llama: RMSNorms (weight only), rotary positions (no table), grouped-query attention (wk, wv are
@@ -227,3 +227,11 @@ PRESETS = {
     "mixtral-8x7b": ModelShape(n_layer=32, n_embd=4096, n_head=32, vocab_size=32000, block_size=4096,
                                arch="llama", n_kv_head=8, ffn_hidden=14336, moe_experts=8, moe_top_k=2),
 }
+
+# The presets this checkout ships a training config for: --preset takes that config's batch and
+# precision keys (the Job's names), so that `--preset` and `--config` of one model plan the same
+# job (tests/unit/test_plan_sbatch.py checks them against the files), and its `recommended:` line
+# and --sbatch script name the config. The [parallel] layout stays the planner's default (DDP).
+RECIPE = {"micro_batch": 1, "global_batch": 512, "precision": "bf16", "loss_chunk": 1024}
+PRESET_CONFIGS = {"llama3-8b": ("configs/llama3_8b.toml", RECIPE),
+                  "llama3-70b": ("configs/llama3_70b.toml", RECIPE)}
