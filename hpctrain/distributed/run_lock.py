@@ -120,6 +120,19 @@ def _read_lock(path: Path) -> tuple[dict | None, float, tuple[int, int]]:
     return (owner if isinstance(owner, dict) else None), time.time() - st.st_mtime, (st.st_dev, st.st_ino)
 
 
+def holder_gone(run_dir) -> str | None:
+    """Why no live job holds `run_dir`'s lock (none there: its job ended cleanly, or the reason a
+    new job would take it over: a process gone, a lease run out), or None while one may hold it.
+    For a tool deciding that the training of a run dir has ended (hpctrain/tune/study.py)."""
+    try:
+        owner, age, _ = _read_lock(Path(run_dir) / LOCK_NAME)
+    except FileNotFoundError:
+        return "no run lock"
+    except OSError:
+        return None
+    return _abandoned(owner, age, _me())
+
+
 def _identity(path) -> tuple[int, int]:
     st = os.stat(path)
     return st.st_dev, st.st_ino
