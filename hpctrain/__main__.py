@@ -12,7 +12,9 @@ from hpctrain.distributed import run_or_abort  # noqa: E402
 
 TRAIN_EPILOG = """\
 Every config key can be given in the TOML file or overridden on the command line as
---section.key=value (or --section.key value). Unknown keys are errors. Keys:
+--section.key=value (or --section.key value). Unknown keys are errors, and so are numbers no key
+takes: nan or inf, integers beyond 64 bits, keys in seconds (*_s) below 0 or above 604800 (7 days).
+Keys:
 {keys}
 
 Launch: `python -m hpctrain train ...` runs one rank; `mpiexec -n N python -m hpctrain train ...` or

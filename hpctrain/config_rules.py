@@ -8,9 +8,11 @@ It must never import torch or look at anything but the config's values.
 from __future__ import annotations
 
 import dataclasses
+import re
+import typing
 
-from hpctrain.config_schema import (Config, ModelConfig, ParallelConfig, SlurmConfig, SyncConfig,
-                                    TrainConfig)
+from hpctrain.config_schema import (CheckpointConfig, Config, ModelConfig, ParallelConfig,
+                                    SlurmConfig, SyncConfig, TrainConfig, sections)
 from hpctrain.errors import ConfigError
 
 
@@ -24,7 +26,7 @@ def validate(cfg: Config) -> Config:
     _check(not cfg.parallel.deterministic_experts or cfg.sync.mode == "sync",
            "parallel.deterministic_experts", f"needs sync.mode = 'sync' (got {cfg.sync.mode!r}); set it to false")
     _check(t.steps >= 1, "train.steps", "must be >= 1")
-    _check(t.seed >= 0, "train.seed", "must be >= 0")
+    _check(0 <= t.seed <= MAX_SEED, "train.seed", f"{t.seed}: must be in [0, {MAX_SEED}]")
     _check(0 <= t.stop_at_step <= t.steps, "train.stop_at_step", f"must be in [0, train.steps={t.steps}]")
     _check(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
     _check(t.grad_accum >= 1, "train.grad_accum", "must be >= 1")
@@ -41,13 +43,12 @@ def validate(cfg: Config) -> Config:
     _check(t.loss_scale_init > 0, "train.loss_scale_init", "must be > 0")
     _check(t.loss_scale_growth_interval >= 1, "train.loss_scale_growth_interval", "must be >= 1")
     _check(0 <= t.warmup_steps <= t.steps, "train.warmup_steps", "must be in [0, train.steps]")
-    _check(cfg.checkpoint.interval >= 1, "checkpoint.interval", "must be >= 1")
-    _check(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
-    _check(0 < cfg.checkpoint.async_cpu_share <= 1, "checkpoint.async_cpu_share", "must be in (0, 1]")
-    _check(cfg.checkpoint.snapshot_interval >= 0, "checkpoint.snapshot_interval", "must be >= 0 (0 = off)")
+    _validate_checkpoint(cfg.checkpoint)
     _check(t.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1")
     _check(t.straggler_window >= 2, "train.straggler_window", "must be >= 2")
-    _check(cfg.dist.heartbeat_timeout_s >= 0, "dist.heartbeat_timeout_s", "must be >= 0")
+    hb = cfg.dist.heartbeat_timeout_s
+    _check(hb == 0 or MIN_HEARTBEAT_S <= hb <= MAX_HEARTBEAT_S, "dist.heartbeat_timeout_s",
+           f"{hb:g}: must be 0 (off) or in [{MIN_HEARTBEAT_S:g}, {MAX_HEARTBEAT_S:g}] seconds")
     _check(cfg.dist.stall_timeout_s > 0, "dist.stall_timeout_s", "must be > 0")
     _check(cfg.data.cache_bytes >= 0, "data.cache_bytes", "must be >= 0 (0 = auto)")
     _check(cfg.data.prefetch >= 0, "data.prefetch", "must be >= 0")
@@ -64,7 +65,58 @@ def validate(cfg: Config) -> Config:
     _validate_parallel(cfg.parallel, m, t.compile)
     _validate_compile_scope(t, cfg.parallel)
     _validate_slurm(cfg.slurm)
+    _validate_seconds(cfg)
     return cfg
+
+
+# Every float key in seconds (its name ends in `_s`): a wait longer than a week is a typo (1e300
+# overflowed the timedelta of the first collective, with a traceback); the heartbeat's own range:
+# below 1 s its beats (every timeout / 10, at least 0.2 s) leave no slack; above a day it is off.
+MAX_SECONDS = 7 * 24 * 3600
+MIN_HEARTBEAT_S, MAX_HEARTBEAT_S = 1.0, 86400.0
+MAX_SEED = 2**32 - 1  # torch.manual_seed(seed * 1_000_003 + rank + 1) must fit 64 bits
+# `lfs setstripe -S`: bytes with an optional k/M/G suffix, a multiple of 64 KiB below 4 GiB, 0 = default
+STRIPE_UNIT, STRIPE_MAX = 64 << 10, (4 << 30) - (64 << 10)
+MAX_STRIPE_COUNT = 2000  # Lustre's LOV_MAX_STRIPE_COUNT
+
+
+def _validate_checkpoint(c: CheckpointConfig) -> None:
+    _check(c.interval >= 1, "checkpoint.interval", "must be >= 1")
+    _check(c.keep >= 1, "checkpoint.keep", "must be >= 1")
+    _check(0 < c.async_cpu_share <= 1, "checkpoint.async_cpu_share", "must be in (0, 1]")
+    _check(c.snapshot_interval >= 0, "checkpoint.snapshot_interval", "must be >= 0 (0 = off)")
+    _check(c.snapshot_dir.strip() != "", "checkpoint.snapshot_dir",
+           f"{c.snapshot_dir!r} is empty: give 'auto' ($SLURM_TMPDIR, else /dev/shm) or a path (may "
+           f"contain {{node}}); to turn peer snapshots off, set checkpoint.snapshot_interval = 0")
+    _check(-1 <= c.stripe_count <= MAX_STRIPE_COUNT, "checkpoint.stripe_count",
+           f"{c.stripe_count}: must be -1 (all OSTs), 0 (auto) or in [1, {MAX_STRIPE_COUNT}]")
+    _check(stripe_size_bytes(c.stripe_size) is not None, "checkpoint.stripe_size",
+           f"{c.stripe_size!r}: expected what `lfs setstripe -S` takes: bytes with an optional k, "
+           f"M or G suffix, a multiple of 64k below 4G (e.g. 1M, 4M, 16M), or 0 for the file "
+           f"system's default")
+
+
+def stripe_size_bytes(text: str) -> int | None:
+    """checkpoint.stripe_size in bytes (0: the file system's default), None if lfs would refuse it."""
+    m = re.fullmatch(r"(\d+)([kKmMgG]?)", text.strip())
+    if m is None:
+        return None
+    size = int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
+    ok = size == 0 or (size % STRIPE_UNIT == 0 and size <= STRIPE_MAX)
+    return size if ok else None
+
+
+def _validate_seconds(cfg: Config) -> None:
+    """Every float key in seconds, generically (a new one is covered): at most MAX_SECONDS, and
+    not negative (each key's own rule may ask more, e.g. > 0); nan and inf never parse (coerce)."""
+    for section, cls in sections().items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name.endswith("_s") and hints[f.name] is float:
+                value, key = getattr(getattr(cfg, section), f.name), f"{section}.{f.name}"
+                _check(value >= 0, key, f"{value:g}: must be >= 0 seconds")
+                _check(value <= MAX_SECONDS, key, f"{value:g}: must be at most {MAX_SECONDS} "
+                       f"seconds (7 days)")
 
 
 # The largest train.lr accepted: AdamW moves every weight by about lr per step, so above this a

@@ -18,6 +18,7 @@ from typing import Literal
 from hpctrain.errors import ConfigError
 
 REQUIRED = dataclasses.MISSING
+INT_MIN, INT_MAX = -2**63, 2**63 - 1  # every int key: a TOML integer (64-bit signed)
 
 
 @dataclass
@@ -137,7 +138,7 @@ class TrainConfig:
                 "global_batch / micro_batch_size"})
     stop_at_step: int = field(default=0, metadata={
         "help": "checkpoint and exit cleanly at this step without changing the schedule (0 = run to `steps`)"})
-    seed: int = field(default=1337, metadata={"help": "seed for init, data order and dropout"})
+    seed: int = field(default=1337, metadata={"help": "seed for init, data order and dropout (0 to 2^32 - 1)"})
     precision: Literal["fp32", "bf16", "fp16", "auto"] = field(default="fp32", metadata={
         "help": "fp32 | bf16 | fp16 | auto (autocast; master weights stay fp32). fp16 is for GPUs "
                 "without bf16 (V100, T4): dynamic loss scaling, overflow steps skipped and counted. "
@@ -219,9 +220,12 @@ class CheckpointConfig:
     stripe_count: int = field(default=0, metadata={
         "help": "on Lustre: rank 0 runs `lfs setstripe -c N -S stripe_size` on the checkpoint dir "
                 "once per run (a failure is a warning); 0 = auto: 1 with layout rank (the files "
-                "spread over OSTs), 4 with layout node (one stream per node file); -1 = all OSTs"})
+                "spread over OSTs), 4 with layout node (one stream per node file); -1 = all OSTs; "
+                "else 1 to 2000 (Lustre's most)"})
     stripe_size: str = field(default="4M", metadata={
-        "help": "on Lustre: the stripe size for `lfs setstripe -S` (e.g. 1M, 4M, 16M)"})
+        "help": "on Lustre: the stripe size for `lfs setstripe -S`, checked at start as lfs takes it: "
+                "bytes with an optional k, M or G suffix, a multiple of 64k below 4G (e.g. 1M, 4M, "
+                "16M), or 0 for the file system's default"})
     snapshot_interval: int = field(default=50, metadata={
         "help": "every N steps a peer snapshot: each rank's state into node-local memory on its "
                 "node and on a buddy node, in the background; a relaunch after losing one node "
@@ -229,7 +233,8 @@ class CheckpointConfig:
                 "50: ~1% of step time measured, docs/benchmarks.md)"})
     snapshot_dir: str = field(default="auto", metadata={
         "help": "node-local folder of the peer snapshots: auto ($SLURM_TMPDIR, else /dev/shm) or a "
-                "path; '{node}' is replaced by the node's index"})
+                "path; '{node}' is replaced by the node's index. Never empty: snapshots are turned "
+                "off by checkpoint.snapshot_interval = 0"})
 
 
 @dataclass
@@ -243,8 +248,9 @@ class DistConfig:
         "help": "with grad_allreduce = 'powersgd': rank of the low-rank gradient approximation"})
     heartbeat_timeout_s: float = field(default=8.0, metadata={
         "help": "a rank whose process is dead or stopped, or whose node is unreachable, this long "
-                "ends the job with an error naming it (0 = off); beats come from a sidecar process "
-                "per rank, so slow steps, long saves or C calls holding the GIL are no silence"})
+                "ends the job with an error naming it (0 = off, else 1 to 86400 s); beats come from "
+                "a sidecar process per rank, so slow steps, long saves or C calls holding the GIL "
+                "are no silence"})
     stall_timeout_s: float = field(default=60.0, metadata={
         "help": "a rank inside one collective longer than this, or 4 x the median step time when "
                 "that is longer, while every peer is alive, is a stall: forensics files and a "
@@ -439,13 +445,18 @@ def coerce(key: str, value, typ: type):
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
     elif typ is int:
+        number = None
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
+            number = value
+        elif isinstance(value, str):
             try:
-                return int(value)
+                number = int(value)
             except ValueError:
                 pass
+        if number is not None and not INT_MIN <= number <= INT_MAX:  # TOML's and torch's integers
+            raise ConfigError(f"config key '{key}': {value!r} is out of range (a 64-bit integer)")
+        if number is not None:
+            return number
     elif typ is float:
         number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):

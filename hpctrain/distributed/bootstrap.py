@@ -16,8 +16,10 @@ Environment overrides (they win over discovery):
   MPIR_CVAR_ENABLE_GPU / OMPI_MCA_opal_cuda_support   default 0: hpctrain gives MPI host memory
                               only, so a CUDA-aware MPI opens no CUDA context at MPI_Init (which
                               runs before the rank's GPU is chosen: it would land on GPU 0)
-  HPCTRAIN_RANKS_PER_NODE     split one machine's ranks into "nodes" of this many ranks (tests)
-  HPCTRAIN_THREADS            intra-op threads per rank (else derived from cores per node / local ranks)
+  HPCTRAIN_RANKS_PER_NODE     split one machine's ranks into "nodes" of this many ranks (tests);
+                              threads per rank still count every rank on the machine
+  HPCTRAIN_THREADS            intra-op threads per rank (else the machine's cores / the job's ranks
+                              that really share it: MPI's shared-memory split of COMM_WORLD)
   TORCH_CPP_LOG_LEVEL         set: torch's C++ warnings are shown as the user asked, also while the
                               store connects (unset, they are hidden there: _quiet_c10d_warnings)
 """
@@ -111,14 +113,15 @@ def mpi_library() -> str:
     return first.split(",")[0].strip()
 
 
-def _node_comm(MPI, comm):
-    """Ranks sharing a node, from MPI shared-memory split (or a forced split for tests).
+def _node_comm(MPI, comm, pretend: bool = True):
+    """Ranks sharing a node, from MPI shared-memory split (or, with `pretend`, the forced split of
+    HPCTRAIN_RANKS_PER_NODE for tests).
 
     Some MPI + PMI pairs hand MPI no locality at all: Open MPI 5 under a Slurm whose pmix plugin
     does not pass it (our test cluster) puts every rank alone in its "node", so every rank would
     think it leads a node (node cache, threads per rank). That pattern (all splits of size 1 while
     host names repeat) is detected, and ranks are grouped by host name instead, with a warning."""
-    forced = os.environ.get("HPCTRAIN_RANKS_PER_NODE")
+    forced = os.environ.get("HPCTRAIN_RANKS_PER_NODE") if pretend else None
     rank = comm.Get_rank()
     if forced:
         per_node = int(forced)
@@ -195,6 +198,18 @@ def _use_interface(iface: str | None, asked: bool) -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
         if asked:
             os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
+
+
+def _ranks_on_machine(MPI, job_node_comm) -> int:
+    """Collective over COMM_WORLD: how many of the job's ranks really share this machine's cores
+    (`job_node_comm`: this node's ranks of the whole job, unless HPCTRAIN_RANKS_PER_NODE split the
+    machine into pretend nodes: each rank then got every core's threads, 722 vs 46k tok/s at 1)."""
+    if not os.environ.get("HPCTRAIN_RANKS_PER_NODE"):
+        return job_node_comm.Get_size()
+    machine = _node_comm(MPI, MPI.COMM_WORLD, pretend=False)
+    size = machine.Get_size()
+    machine.Free()
+    return size
 
 
 def _threads_per_rank(local_size: int) -> int:
@@ -312,7 +327,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, comm=None)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    threads = _threads_per_rank(local_size)
+    threads = _threads_per_rank(_ranks_on_machine(MPI, job_node_comm))
     torch.set_num_threads(threads)
 
     global _timeout

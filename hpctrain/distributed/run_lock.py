@@ -120,6 +120,19 @@ def _read_lock(path: Path) -> tuple[dict | None, float, tuple[int, int]]:
     return (owner if isinstance(owner, dict) else None), time.time() - st.st_mtime, (st.st_dev, st.st_ino)
 
 
+def holder_gone(run_dir) -> str | None:
+    """Why no live job holds `run_dir`'s lock (none there: its job ended cleanly, or the reason a
+    new job would take it over: a process gone, a lease run out), or None while one may hold it.
+    For a tool deciding that the training of a run dir has ended (hpctrain/tune/study.py)."""
+    try:
+        owner, age, _ = _read_lock(Path(run_dir) / LOCK_NAME)
+    except FileNotFoundError:
+        return "no run lock"
+    except OSError:
+        return None
+    return _abandoned(owner, age, _me())
+
+
 def _identity(path) -> tuple[int, int]:
     st = os.stat(path)
     return st.st_dev, st.st_ino
@@ -312,9 +325,10 @@ def assert_held() -> None:
 
 
 @contextmanager
-def hold(run_dir, ctx):
+def hold(run_dir, ctx, job=None):
     """Collective: hold the run directory's lock for the body; RunDirBusy on every rank if another
-    job holds it."""
+    job holds it. `job`: the whole job's communicator where `ctx` is one part of it (a PBT member,
+    each with its own run dir; collective over `job` then): what was taken over is said once."""
     global _held, _fence
     me, path = _me(), Path(run_dir) / LOCK_NAME
     answer, lease = None, None
@@ -328,6 +342,7 @@ def hold(run_dir, ctx):
         except UserError as e:
             answer = ("error", str(e), "")
     status, text, written = ctx.comm.bcast(answer, root=0) if ctx.comm is not None else answer
+    _say_taken_over(f"run dir {run_dir}: {text}" if status == "ok" and text and ctx.rank == 0 else None, job)
     if status == "error":
         raise UserError(text)
     if status == "busy":
@@ -337,8 +352,6 @@ def hold(run_dir, ctx):
     stop = threading.Event()
     _fence = (path, written.encode())
     if lease is not None:
-        if text:
-            logs.warning(f"warning: run dir {run_dir}: {text}")
         _held = lease
         threading.Thread(target=_renew, args=(lease, stop), name="hpctrain-run-lock", daemon=True).start()
     try:
@@ -349,6 +362,16 @@ def hold(run_dir, ctx):
         if lease is not None:
             _held = None
             lease.release()
+
+
+def _say_taken_over(note: str | None, job) -> None:
+    """One warning line per job for the locks it took over from holders that are gone: rank 0's
+    own (`note`), or with `job` every part's, gathered to the job's rank 0 (a PBT population of
+    N one-rank members printed N lines, one per rank)."""
+    notes = [note] if job is None else job.gather(note, root=0)
+    notes = [n for n in notes or () if n]
+    if notes:
+        logs.warning("warning: " + "; ".join(notes))
 
 
 def _renew(lease: Lease, stop: threading.Event) -> None:

@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
+from hpctrain.distributed.collectives import all_gather_single
 from hpctrain.distributed.dtensor import is_dtensor
 from hpctrain.model.moe import Experts, _grouped_mm_fits
 
@@ -75,7 +76,7 @@ class ExpertParallelExperts(nn.Module):
         # columns, the rest place each source's block inside that source's sorted rows (_per_source)
         mine = torch.as_tensor(counts, dtype=torch.int64, device=device).reshape(-1)
         every = torch.empty(ep * mine.numel(), dtype=torch.int64, device=device)  # (Gloo: 1-D)
-        dist.all_gather_into_tensor(every, mine, group=self.group)
+        all_gather_single(every, mine, group=self.group)  # no deprecated name: no warning per rank
         every_h, lo, hi = every.reshape(ep, -1).tolist(), self.rank * n_local, (self.rank + 1) * n_local
         send_rows = [sum(every_h[self.rank][d * n_local:(d + 1) * n_local]) for d in range(ep)]
         recv_h = [row[lo:hi] for row in every_h]

@@ -24,11 +24,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hpctrain.distributed.collectives import all_gather_single
 from hpctrain.plan.wire import code_bytes, wire_layout
 
-# torch >= 2.12 calls it all_gather_single (and deprecates all_gather_into_tensor, the only name in
-# torch 2.11, which the first GPU machine had: AttributeError there)
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def quantize_int8(x: torch.Tensor, block: int, levels: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,7 +126,7 @@ def average(flat: torch.Tensor, group, kind: str = "none", block: int = 256,
     _keep_residual(owned, mine, codec, part)
     full = [torch.empty(p * t.numel(), dtype=t.dtype, device=t.device) for t in part]
     for f, t in zip(full, part):  # phase 2: every chunk average -> every rank
-        _all_gather_single(f, t, group=group)
+        all_gather_single(f, t, group=group)
     chunks = [f.view(p, -1) for f in full]
     out = torch.cat([codec.decode([c[r] for c in chunks]) for r in range(p)])
     return out[:n]

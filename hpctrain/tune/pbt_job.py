@@ -38,7 +38,7 @@ def pbt(config_path: str, overrides: list[str]) -> int:
     watched = world_watch(world, cfg.dist.heartbeat_timeout_s)
     # forensics (stacks, last collective) of a verdict or stall go to the population's run dir
     with watch_peers(watched, cfg.dist.heartbeat_timeout_s, cfg.run.dir, cfg.dist.stall_timeout_s), \
-            run_lock.hold(mcfg.run.dir, ctx):
+            run_lock.hold(mcfg.run.dir, ctx, job=world):  # taken-over locks: one line per job
         run = PopulationRun(mcfg, ctx, tune, pbt_cfg, world, member, k, Path(cfg.run.dir))
         status = run.fit()
     world.Barrier()  # every rank's watcher has stopped before world rank 0 ends their store

@@ -59,7 +59,7 @@ def search(config_path: str, overrides: list[str], launch_prefix: list[str],
     while not signals.received():
         study_mod.check_claim_free(tune, worker)
         # its own trial; a new one; once the budget is spent, one whose worker has gone
-        trial = (_claimed_trial(study, tune, worker) or study_mod.ask_new(study, tune)
+        trial = (_claimed_trial(study, tune, worker) or study_mod.ask_new(study, tune, worker)
                  or _orphan(study, tune, worker))
         if trial is None:
             log.info(f"[tune] worker {worker}: the study has its {tune.n_trials} trials; done")
@@ -97,20 +97,27 @@ def _claimed_trial(study, tune, worker: str):
 
 
 def _orphan(study, tune, worker: str):
-    """A RUNNING trial whose worker was a Slurm job that has ended (a task stopped with exit 75
-    and not requeued, then the array submitted again): this worker resumes it."""
-    number = study_mod.adopt_orphan(study, tune, worker, _slurm_job_ended)
-    if number is None:
+    """A RUNNING trial whose worker is gone (a Slurm job that has ended: a task stopped with exit
+    75 and not requeued, then the array submitted again; a worker outside Slurm whose process on
+    this host has exited), or that no worker claims and whose training has ended (its outcome's
+    journal record was torn by a kill): this worker resumes it from its checkpoint, and its
+    outcome is told again (a finished training ends at once with its last validation loss)."""
+    adopted = study_mod.adopt_orphan(study, tune, worker, lambda name: _worker_gone(tune, name))
+    if adopted is None:
         return None
-    log.info(f"[tune] worker {worker}: taking over trial {number}, whose worker's Slurm job "
-             f"has ended")
+    number, why = adopted
+    log.info(f"[tune] worker {worker}: taking over trial {number}, still RUNNING: {why}")
     return study_mod.trial_by_number(study, number)
 
 
-def _slurm_job_ended(name: str) -> bool:
-    from hpctrain.distributed import slurm
+def _worker_gone(tune, name: str) -> bool:
+    """A Slurm worker (`<job>` or `<array job>_<task>`) when its job has ended (a requeued one
+    comes back to its claim); any other when its claim names a process on this host that has exited."""
+    if re.fullmatch(r"\d+(_\d+)?", name):
+        from hpctrain.distributed import slurm
 
-    return bool(re.fullmatch(r"\d+(_\d+)?", name)) and slurm.job_ended(name) is True
+        return slurm.job_ended(name) is True
+    return study_mod.claim_process_gone(tune, name)
 
 
 def _requeue(cfg) -> int:

@@ -21,6 +21,7 @@ import warnings
 from pathlib import Path
 
 from hpctrain import config
+from hpctrain.distributed.run_lock import holder_gone
 from hpctrain.errors import ConfigError, UserError
 from hpctrain.tune import locks, space
 from hpctrain.tune.space import TuneConfig
@@ -113,10 +114,11 @@ def trial_by_number(study, number: int):
     return optuna.trial.Trial(study, trial_id)
 
 
-def ask_new(study, tune: TuneConfig):
+def ask_new(study, tune: TuneConfig, worker: str | None = None):
     """The next trial with its parameters sampled, or None when the study has its n_trials. Under
     the ask lock, so concurrent workers never make more than n_trials (enqueued WAITING ones are
-    handed out first and count once started)."""
+    handed out first and count once started); `worker`'s claim on it is written under the lock
+    too, so a RUNNING trial without a claim is one no worker holds (adopt_orphan)."""
     optuna = import_optuna()
     with ask_lock(Path(tune.journal)):
         started = [t for t in study.get_trials(deepcopy=False)
@@ -127,6 +129,8 @@ def ask_new(study, tune: TuneConfig):
         trial = study.ask()
         for p in tune.params:
             p.suggest(trial)
+        if worker is not None:
+            write_claim(tune, worker, trial.number)
         return trial
 
 
@@ -152,22 +156,37 @@ def write_claim(tune: TuneConfig, worker: str, number: int) -> None:
 def check_claim_free(tune: TuneConfig, worker: str) -> None:
     """Refuse a worker name that a live process on this host is using (two `tune search` without
     --worker outside Slurm would both be 'local' and train the same claimed trial)."""
-    path = claim_path(tune, worker)
+    pid = _claim_pid_here(tune, worker)
+    if pid is None or _exited(pid):
+        return  # no claim, another host's or ours; or the previous worker of this name is gone
+    raise UserError(f"{claim_path(tune, worker)}: worker name '{worker}' is in use by process "
+                    f"{pid} on this host: give each concurrent worker its own --worker NAME")
+
+
+def claim_process_gone(tune: TuneConfig, worker: str) -> bool:
+    """The worker's claim names a process on this host that has exited (the worker was killed)."""
+    pid = _claim_pid_here(tune, worker)
+    return pid is not None and _exited(pid)
+
+
+def _claim_pid_here(tune: TuneConfig, worker: str) -> int | None:
+    """The pid a worker's claim names when that is another process on this host."""
     try:
-        claim = json.loads(path.read_text())
+        claim = json.loads(claim_path(tune, worker).read_text())
         host, pid = claim["host"], int(claim["pid"])
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
-        return
-    if host != socket.gethostname() or pid == os.getpid():
-        return
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return pid if host == socket.gethostname() and pid != os.getpid() else None
+
+
+def _exited(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return  # the previous worker of this name is gone: its trial is ours to resume
+        return True
     except PermissionError:
         pass
-    raise UserError(f"{path}: worker name '{worker}' is in use by process {pid} on this host: "
-                    f"give each concurrent worker its own --worker NAME")
+    return False
 
 
 def read_claim(tune: TuneConfig, worker: str) -> int | None:
@@ -181,24 +200,30 @@ def read_claim(tune: TuneConfig, worker: str) -> int | None:
                         f"to let this worker ask for a new trial") from None
 
 
-def adopt_orphan(study, tune: TuneConfig, worker: str, gone) -> int | None:
-    """Take over a RUNNING trial whose worker is gone for good (`gone(name)` is True: e.g. its
-    Slurm task ended with exit 75 under --no-requeue and the array was submitted again): its claim
-    becomes this worker's. Under the ask lock, so one worker adopts each orphan."""
+def adopt_orphan(study, tune: TuneConfig, worker: str, gone) -> tuple[int, str] | None:
+    """(number, why) of a RUNNING trial this worker takes over, or None: one whose worker is gone
+    for good (`gone(name)` is True: e.g. its Slurm task ended with exit 75 under --no-requeue and
+    the array was submitted again; its claim becomes this worker's), or one that no worker claims
+    and whose training has ended (its outcome record was lost: the worker was killed while telling
+    it, which tears the journal's last record; else it stayed RUNNING for ever). Under the ask
+    lock, so one worker adopts each orphan."""
     from optuna.trial import TrialState
 
     running = {t.number for t in study.get_trials(deepcopy=False) if t.state == TrialState.RUNNING}
     with ask_lock(Path(tune.journal)):
+        claims = []  # (worker, trial) of every readable claim
         for path in sorted(claim_path(tune, worker).parent.glob("*.json")):
-            name = path.stem
-            try:
-                number = read_claim(tune, name)
-            except UserError:
-                continue
-            if name == worker or number not in running or not gone(name):
-                continue
-            os.replace(path, claim_path(tune, worker))
-            return number
+            with contextlib.suppress(UserError):
+                claims.append((path.stem, read_claim(tune, path.stem)))
+        for name, number in claims:
+            if name != worker and number in running and gone(name):
+                os.replace(claim_path(tune, name), claim_path(tune, worker))
+                return number, f"its worker {name} is gone"
+        for number in sorted(running - {number for _, number in claims}):
+            ended = holder_gone(tune.trial_dir(number))
+            if ended is not None:
+                write_claim(tune, worker, number)
+                return number, f"no worker claims it and its training has ended ({ended})"
     return None
 
 

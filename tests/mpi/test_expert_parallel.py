@@ -7,7 +7,8 @@ and dropless: the rows the experts computed, summed over ranks, are exactly the 
 (192 tokens x top-2); every dist collective of the sharded layer (the counts' all-gather) gets
 tensors on the rank's device only, as NCCL requires: the probe makes torch's default device "meta"
 and refuses any other with NCCL's message (a "cuda:gloo" group, which refuses CPU tensors for real,
-cannot run a CPU rank's layer at all: tests/unit/test_gpu_safety.py)."""
+cannot run a CPU rank's layer at all: tests/unit/test_gpu_safety.py); and no rank prints a
+deprecation warning (#47: torch's FutureWarning for all_gather_into_tensor, once per rank)."""
 from __future__ import annotations
 
 import pytest
@@ -32,3 +33,5 @@ def test_sharded_experts_equal_one_rank(ep):
         assert int(fields["computed"]) == int(fields["routed"]) == 192 * 2, ln
         assert int(fields["max_load"]) > 1.5 * 192 * 2 / 8, ln  # really unbalanced
         assert int(fields["collectives"]) >= 1, ln  # the counts' exchange ran under the device check
+    # #47: the counts' all-gather used torch's deprecated name: a FutureWarning on every rank
+    assert "FutureWarning" not in r.stderr and "deprecated" not in r.stderr, r.stderr[-2000:]

@@ -45,6 +45,23 @@ def test_forced_node_split_and_env_overrides(tmp_path):
     assert all(v["torch_threads"] == 1 for v in vs)
 
 
+def test_pretend_nodes_keep_the_threads_of_the_ranks_sharing_the_machine(tmp_path):
+    """HPCTRAIN_RANKS_PER_NODE=1 splits 2 ranks into 2 pretend nodes, but both still share this
+    machine's cores: each rank's threads are what they are without the variable (#47: each got
+    every core's threads, oversubscribed: 722 vs 46k tok/s), and the pretend layout stays."""
+    env = {"HPCTRAIN_THREADS": "", "SLURM_CPUS_PER_TASK": ""}  # derived, not given
+    (tmp_path / "real").mkdir()
+    (tmp_path / "pretend").mkdir()
+    mpirun(2, [PROBE, tmp_path / "real"], timeout=120, check=True, env=env)
+    mpirun(2, [PROBE, tmp_path / "pretend"], timeout=120, check=True,
+           env={**env, "HPCTRAIN_RANKS_PER_NODE": "1"})
+    real, pretend = views(tmp_path / "real"), views(tmp_path / "pretend")
+    assert [(v["n_nodes"], v["local_size"]) for v in real] == [(1, 2)] * 2
+    assert [(v["n_nodes"], v["node_rank"], v["local_size"]) for v in pretend] == [(2, 0, 1), (2, 1, 1)]
+    assert [v["torch_threads"] for v in pretend] == [v["torch_threads"] for v in real], (real, pretend)
+    assert all(v["threads"] == v["torch_threads"] for v in pretend)
+
+
 def test_exception_on_one_rank_aborts_all_quickly(tmp_path):
     t0 = time.monotonic()
     r = mpirun(2, [PROBE, tmp_path, "1"], timeout=120)

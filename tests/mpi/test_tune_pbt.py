@@ -169,3 +169,26 @@ def test_a_hung_member_rank_ends_the_population_naming_it(tmp_path, data):
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 0 and "rank 1: no forensics file (rank 1 named lost" in r.stdout, \
         r.stdout + r.stderr
+
+
+def test_locks_taken_over_from_a_killed_population_are_one_line(tmp_path, data):
+    """Both members' run dirs hold the run lock of a process that is gone (a population killed):
+    the relaunch takes both over and says so in ONE line naming each member's run dir and the pid
+    it took over from (#47: one line per member, i.e. per rank at members of 1 rank)."""
+    cfg = write_config(tmp_path, data, "killed")
+    gone = {}
+    for member in (0, 1):
+        pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                                 capture_output=True, text=True).stdout)
+        run = tmp_path / "killed" / f"member_{member}"
+        run.mkdir(parents=True)
+        (run / ".hpctrain.lock").write_text(json.dumps(
+            {"host": socket.gethostname(), "pid": pid, "job": None, "restart": "0", "started": 1.0}))
+        gone[run] = pid
+    rc, out = finish(start(cfg, "--train.stop_at_step=4"))
+    assert rc == 0, out
+    lines = [line for line in out.splitlines() if "took over the lock" in line]
+    assert len(lines) == 1 and lines[0].startswith("warning: "), out
+    for run, pid in gone.items():
+        assert f"run dir {run}: took over the lock of pid {pid} on {socket.gethostname()}" in lines[0]
+        assert f"process {pid} on {socket.gethostname()} has exited" in lines[0]

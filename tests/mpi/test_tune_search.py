@@ -175,3 +175,33 @@ def trial_process_command(cfg, trial, run_dir):
 
     launch = Launch([], str(cfg), [])
     return launch.command(launch.train_overrides(trial.params, run_dir))
+
+
+def test_a_torn_completion_record_is_told_again_on_the_next_run(tmp_path, data):
+    """#47: the worker killed while appending trial 0's completion (the journal's last record cut
+    mid-line): the trial read RUNNING, its claim already dropped, and every later `tune search`
+    said 'done' with it RUNNING for ever. Now the next worker takes it over (no claim, its training
+    ended), resumes it from its final checkpoint, which ends at once, and tells the same value."""
+    cfg, tune = write_study(tmp_path, data, [3e-3])
+    rc, out = finish(start_worker(cfg, {}))
+    assert rc == 0, out
+    (t0,) = trials(tune)
+    assert t0.state.name == "COMPLETE", out
+    journal = Path(tune.journal)
+    data_ = journal.read_bytes()
+    last = data_.rstrip(b"\n").rfind(b"\n") + 1
+    record = json.loads(data_[last:])
+    assert record["op_code"] == 6 and record["state"] == 1, record  # SET_TRIAL_STATE_VALUES: COMPLETE
+    journal.write_bytes(data_[:last + len(data_[last:]) // 2])  # torn mid-append
+    assert [t.state.name for t in trials(tune)] == ["RUNNING"]
+    assert not list((tune.study_dir / "workers").glob("*.json"))  # dropped after the tell
+
+    rc, out = finish(start_worker(cfg, {}))
+    assert rc == 0, out
+    assert "taking over trial 0, still RUNNING: no worker claims it" in out, out
+    (again,) = trials(tune)
+    assert (again.state.name, again.value, again.user_attrs["steps"]) == ("COMPLETE", t0.value, STEPS), out
+    assert again.user_attrs["launches"] == 2
+    run0 = tune.trial_dir(0)
+    assert sorted(losses(run0)) == list(range(1, STEPS + 1))  # no step trained twice
+    assert re.search(rf"resumed from \S+step_0*{STEPS} at step {STEPS}\b", (run0 / "train.log").read_text())

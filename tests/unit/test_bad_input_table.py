@@ -258,6 +258,12 @@ ROWS = [config_row("--train.lr=-1", key="train.lr"),
         config_row("--train.grad_clip=-1", key="train.grad_clip"),
         config_row("--train.min_lr=-1", key="train.min_lr"),
         config_row("--dist.timeout_s=inf", key="dist.timeout_s"),
+        # #47: trained silently (stripe_size: a warning at the first save on Lustre; snapshot_dir:
+        # no snapshots), or a traceback at the first collective (1e300 s)
+        config_row("--checkpoint.stripe_size=abc", key="checkpoint.stripe_size"),
+        config_row("--checkpoint.snapshot_dir=", key="checkpoint.snapshot_dir"),
+        config_row("--dist.heartbeat_timeout_s=1e300", key="dist.heartbeat_timeout_s"),
+        config_row("--dist.timeout_s=1e300", key="dist.timeout_s"),
         micro_batch_larger_than_the_data, toml_not_utf8, resume_on_another_dataset,
         edited_state("state_step_abc", _set("trainer", "step", "abc")),
         edited_state("state_step_negative", _set("trainer", "step", -5)),

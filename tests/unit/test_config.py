@@ -112,6 +112,23 @@ def test_roundtrip_escapes_strings(toml, tmp_path, run_dir):
     (["--train.compile_scope=model", "--parallel.data_parallel=fsdp"], "train.compile_scope"),
     (["--train.compile_scope=model", "--parallel.tp=2"], "train.compile_scope"),
     (["--train.compile_scope=layer"], "train.compile_scope"),
+    # #47: accepted silently before
+    (["--checkpoint.stripe_size=abc"], "checkpoint.stripe_size"),  # lfs setstripe -S refuses it
+    (["--checkpoint.stripe_size=1.5M"], "checkpoint.stripe_size"),
+    (["--checkpoint.stripe_size=-1M"], "checkpoint.stripe_size"),
+    (["--checkpoint.stripe_size=96k"], "checkpoint.stripe_size"),  # not a multiple of 64k
+    (["--checkpoint.stripe_size=4G"], "checkpoint.stripe_size"),  # Lustre's most: 4G - 64k
+    (["--checkpoint.stripe_count=-2"], "checkpoint.stripe_count"),
+    (["--checkpoint.stripe_count=2001"], "checkpoint.stripe_count"),
+    (["--checkpoint.snapshot_dir="], "checkpoint.snapshot_dir"),  # silently no snapshots before
+    (["--checkpoint.snapshot_dir=  "], "checkpoint.snapshot_dir"),
+    (["--dist.heartbeat_timeout_s=1e300"], "dist.heartbeat_timeout_s"),  # a traceback at start
+    (["--dist.heartbeat_timeout_s=-1"], "dist.heartbeat_timeout_s"),
+    (["--dist.heartbeat_timeout_s=0.5"], "dist.heartbeat_timeout_s"),
+    (["--dist.heartbeat_timeout_s=86401"], "dist.heartbeat_timeout_s"),
+    (["--train.seed=4294967296"], "train.seed"),
+    (["--train.seed=99999999999999999999999"], "train.seed"),  # torch.manual_seed: a traceback
+    (["--checkpoint.interval=9223372036854775808"], "checkpoint.interval"),  # past a TOML integer
 ])
 def test_bad_input_names_the_key(toml, overrides, key):
     with pytest.raises(ConfigError) as e:
@@ -135,6 +152,56 @@ def test_every_float_key_refuses_non_finite_values(toml, value):
     for key in keys:
         with pytest.raises(ConfigError, match=f"^config key '{key}': '{value}' is not a finite"):
             config.load(toml, [f"--{key}={value}"])
+
+
+def _seconds_keys() -> list[str]:
+    return [key for key in _float_keys() if key.endswith("_s")]
+
+
+@pytest.mark.parametrize("value, words", [("1e300", "at most 604800"), ("604801", "at most 604800"),
+                                          ("-1", ""), ("-1e-9", "")])  # each key's own lower bound
+def test_every_seconds_key_is_bounded(toml, value, words):
+    """Generic over every float key in seconds (a new one is covered): 1e300 overflowed the first
+    collective's timedelta with a traceback (dist.timeout_s, dist.heartbeat_timeout_s) or was kept
+    (slurm.time_check_s); one line naming the key and the bound."""
+    keys = _seconds_keys()
+    assert {"dist.timeout_s", "dist.heartbeat_timeout_s", "dist.stall_timeout_s",
+            "slurm.time_margin_s", "slurm.time_check_s"} <= set(keys)
+    for key in keys:
+        with pytest.raises(ConfigError, match=f"^config key '{key}': ") as e:
+            config.load(toml, [f"--{key}={value}"])
+        assert "\n" not in str(e.value)
+        if key != "dist.heartbeat_timeout_s":  # its own range: [1, 86400]
+            assert words in str(e.value), str(e.value)
+
+
+def test_heartbeat_range_is_named(toml):
+    with pytest.raises(ConfigError) as e:
+        config.load(toml, ["--dist.heartbeat_timeout_s=1e300"])
+    assert str(e.value).startswith("config key 'dist.heartbeat_timeout_s': 1e+300:")
+    assert "0" in str(e.value) and "[1, 86400]" in str(e.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["--checkpoint.stripe_size=1M", "--checkpoint.stripe_count=-1"],
+    ["--checkpoint.stripe_size=4m", "--checkpoint.stripe_count=2000"],
+    ["--checkpoint.stripe_size=65536"], ["--checkpoint.stripe_size=0"],
+    ["--checkpoint.stripe_size=4194240k"],  # 4G - 64k: Lustre's largest
+    ["--dist.heartbeat_timeout_s=0", "--dist.timeout_s=604800"],
+    ["--dist.heartbeat_timeout_s=1", "--slurm.time_margin_s=0"],
+    ["--dist.heartbeat_timeout_s=86400"],
+    ["--checkpoint.snapshot_dir=auto"], ["--checkpoint.snapshot_dir=/dev/shm/{node}"],
+    ["--train.seed=4294967295"]])
+def test_values_at_the_new_bounds_are_accepted(toml, overrides):
+    config.load(toml, overrides)
+
+
+def test_stripe_size_bytes():
+    from hpctrain.config_rules import stripe_size_bytes
+
+    assert [stripe_size_bytes(t) for t in ("4M", "1m", "64k", "65536", "0", "1G")] == [
+        4 << 20, 1 << 20, 64 << 10, 65536, 0, 1 << 30]
+    assert [stripe_size_bytes(t) for t in ("abc", "", "4MB", "1.5M", "-1M", "4G", "100")] == [None] * 7
 
 
 def test_non_finite_in_the_toml_file(toml):

@@ -88,12 +88,65 @@ def test_a_trial_whose_worker_is_gone_goes_to_one_new_worker(tmp_path):
         study_mod.write_claim(tune, worker, n)
     study.tell(2, 1.0)  # finished, its claim left behind: never adopted
     gone = {"100_0", "100_2"}.__contains__
-    assert study_mod.adopt_orphan(study, tune, "200_0", gone) == 0
+    assert study_mod.adopt_orphan(study, tune, "200_0", gone)[0] == 0
     assert study_mod.read_claim(tune, "200_0") == 0 and study_mod.read_claim(tune, "100_0") is None
     assert study_mod.adopt_orphan(study, tune, "200_1", gone) is None  # 100_1 alive, 2 finished
-    assert study_mod.adopt_orphan(study, tune, "200_1", lambda name: True) == 1
+    assert study_mod.adopt_orphan(study, tune, "200_1", lambda name: True)[0] == 1
     assert study_mod.ask_new(study, tune) is None  # the budget: 3 trials, never more
     assert sorted(p.stem for p in (tmp_path / "workers").glob("*.json")) == ["100_2", "200_0", "200_1"]
+
+
+def test_a_running_trial_that_no_worker_claims_is_adopted_once_its_training_ended(tmp_path):
+    """#47: a worker killed while telling a trial's outcome tears the journal's last record; the
+    trial reads RUNNING, its claim already dropped, and no worker ever took it again. Now one is
+    adopted when no worker claims it and its run dir's lock says its training has ended; never
+    while a live training holds that lock, nor a trial a worker has just asked (its claim is
+    written under the ask lock)."""
+    import json
+    import socket
+
+    tune = space.parse({"n_trials": 3, "journal": str(tmp_path / "s.journal"), "params": PARAMS})
+    study = study_mod.open_study(tune)
+    never = lambda name: False  # noqa: E731 - no claimed worker is gone
+    for n in range(3):
+        assert study_mod.ask_new(study, tune, f"w{n}").number == n
+        assert study_mod.read_claim(tune, f"w{n}") == n  # written with the ask, under its lock
+    assert study_mod.adopt_orphan(study, tune, "w9", never) is None  # every trial claimed
+    study_mod.drop_claim(tune, "w0")  # trial 0: told, record torn, claim dropped: RUNNING, unclaimed
+    study_mod.drop_claim(tune, "w1")  # trial 1: the same, but its training still holds its run dir
+    run1 = tune.trial_dir(1)
+    run1.mkdir(parents=True)
+    (run1 / ".hpctrain.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+    number, why = study_mod.adopt_orphan(study, tune, "w9", never)
+    assert number == 0 and "no worker claims it" in why and "no run lock" in why, why
+    assert study_mod.read_claim(tune, "w9") == 0
+    assert study_mod.adopt_orphan(study, tune, "w8", never) is None  # 1: live lock; 0: w9's now
+    (run1 / ".hpctrain.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": _gone_pid()}))
+    number, why = study_mod.adopt_orphan(study, tune, "w8", never)
+    assert number == 1 and "has exited" in why, why
+
+
+def _gone_pid() -> int:
+    import subprocess
+
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True).stdout)
+
+
+def test_a_claim_of_a_process_gone_on_this_host(tmp_path):
+    """A worker outside Slurm that was killed: its trial goes to another worker (search._orphan)."""
+    import json
+    import socket
+
+    tune = space.parse({"journal": str(tmp_path / "s.journal"), "params": PARAMS})
+    study_mod.write_claim(tune, "mine", 0)
+    assert not study_mod.claim_process_gone(tune, "mine")  # this process
+    for name, host, pid, gone in [("dead", socket.gethostname(), _gone_pid(), True),
+                                  ("alive", socket.gethostname(), os.getppid(), False),
+                                  ("elsewhere", "node-that-is-not-this-one", _gone_pid(), False)]:
+        study_mod.claim_path(tune, name).write_text(json.dumps({"trial": 1, "host": host, "pid": pid}))
+        assert study_mod.claim_process_gone(tune, name) is gone, name
+    assert not study_mod.claim_process_gone(tune, "nobody")
 
 
 @pytest.mark.parametrize("rc, out, err, ended", [

@@ -50,8 +50,9 @@ def device_only(collective):
     return refusing
 
 
-real = {name: getattr(dist, name)
-        for name in ("all_to_all_single", "all_reduce", "all_gather", "all_gather_into_tensor")}
+real = {name: getattr(dist, name)  # all_gather_single: the counts' exchange (torch >= 2.12)
+        for name in ("all_to_all_single", "all_reduce", "all_gather", "all_gather_into_tensor",
+                     "all_gather_single") if hasattr(dist, name)}
 for name, collective in real.items():
     setattr(dist, name, device_only(collective))
 out = moe(x[share])
