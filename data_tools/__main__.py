@@ -14,6 +14,7 @@ import sys
 import traceback
 
 from . import logs
+from .errors import out_of_memory
 from .format import DataError
 
 DESCRIPTION = """Build, verify and inspect hpctrain token datasets (HDF5 shards + manifest.json).
@@ -22,8 +23,15 @@ Run `shard` under `mpiexec -n N` to tokenize in parallel; the output is byte-ide
 See docs/data.md for the format."""
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """A usage error is one `error:` line (exit 2), not the usage block and `PROG: error:`."""
+
+    def error(self, message):
+        self.exit(2, f"error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m data_tools", description=DESCRIPTION)
+    p = _OneLineErrors(prog="python -m data_tools", description=DESCRIPTION)
     sub = p.add_subparsers(dest="command", required=True, metavar="{shard,blend,verify,inspect,stats,validate,train-tokenizer}")
     _add_shard_parser(sub)
     _add_blend_parser(sub)
@@ -241,6 +249,10 @@ def main(argv=None) -> int:
     from .heartbeat import EXIT_INTERRUPTED
 
     args = build_parser().parse_args(argv)
+    # Before pyarrow loads: its default allocator (mimalloc) reserves ~3 x what it uses as address
+    # space (a 300 MB Parquet row: VmPeak 3.3 GB for 1.2 GB resident), so `ulimit -v` failed runs
+    # that fit; the system's malloc maps what it uses. ARROW_DEFAULT_MEMORY_POOL set: left alone.
+    os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
     logs.setup()  # one process; an MPI command's rank below
     comm = None
     try:
@@ -259,7 +271,11 @@ def main(argv=None) -> int:
         return EXIT_INTERRUPTED
     except OSError as e:  # a missing, truncated or unreadable file, a full or read-only disk
         return _report_os_error(e, comm)
-    except Exception:
+    except Exception as e:
+        if out_of_memory(e):  # where no reader named the file itself (parquet.py, documents.py do)
+            return _report_data_error(DataError(_inputs_of(args), f"out of memory during "
+                                                f"{args.command}: give the process more memory "
+                                                f"(docs/data.md: memory bound)"), comm)
         if comm is not None and comm.Get_size() > 1:
             traceback.print_exc()
             sys.stderr.flush()
@@ -300,7 +316,7 @@ def _verify(args) -> int:
     problems = verify_dataset(args.dir, checksums=not args.no_checksums)
     if problems:
         more = f" (+{len(problems) - 1} more problems)" if len(problems) > 1 else ""
-        print(problems[0] + more, file=sys.stderr)
+        print(f"error: {problems[0]}{more}", file=sys.stderr)
         return 1
     from .blend import data_manifest
 
@@ -315,11 +331,17 @@ def _report_data_error(e: DataError, comm) -> int:
     """The DataError's one line (rank 0's; a rank failing alone prints it and aborts the job)."""
     size = comm.Get_size() if comm is not None else 1
     if size > 1 and not e.collective:
-        print(e, file=sys.stderr, flush=True)
+        print(f"error: {e}", file=sys.stderr, flush=True)
         comm.Abort(1)  # only this rank failed: the others would hang in a collective
     if comm is None or comm.Get_rank() == 0:
-        print(e, file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
     return 1
+
+
+def _inputs_of(args) -> str:
+    """What a command was reading, for a message: its --input paths or its DIR."""
+    paths = getattr(args, "input", None) or [getattr(args, "dir", None) or args.command]
+    return ", ".join(map(str, paths[:4])) + (f" (+{len(paths) - 4} more)" if len(paths) > 4 else "")
 
 
 def _report_os_error(e: OSError, comm) -> int:
@@ -337,7 +359,7 @@ def _describe_os_error(e: OSError) -> str:
     what = (e.strerror or str(e)).strip().splitlines()[0] if (e.strerror or str(e)).strip() else type(e).__name__
     if e.filename and str(e.filename) not in what:
         what = f"{e.filename}: {what}"
-    return (f"{what} (check the path, free space and permissions; `python -m data_tools verify "
+    return (f"error: {what} (check the path, free space and permissions; `python -m data_tools verify "
             f"DIR` checks a dataset's files; HPCTRAIN_DEBUG=1 shows the traceback)")
 
 

@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     try:
         print(dir_fn() if args.dir else "\n".join(files_fn()))
     except DataError as e:
-        logs.get_logger("data_tools").error(str(e))
+        logs.get_logger("data_tools").error(f"error: {e}")
         return 1
     return 0
 

@@ -125,7 +125,8 @@ def where(table: DocumentTable, i: int) -> str:
 
 def iter_texts(table: DocumentTable, start: int, end: int):
     """Yield (doc_index, text) for documents [start, end) in order.  Raises DataError naming
-    ``file`` or ``file:line`` for undecodable text, bad JSON, or a line without ``text``."""
+    ``file``, ``file:line`` or ``file row N`` for undecodable text, bad JSON, a line without
+    ``text``, or memory running out while reading it.  Holds no text between two documents."""
     handle, handle_idx, rows = None, -1, None
     try:
         for i in range(start, end):
@@ -142,28 +143,40 @@ def iter_texts(table: DocumentTable, start: int, end: int):
                 if handle is not None:
                     handle.close()
                 handle, handle_idx = open(path, "rb"), fi
-            if table.jsonl[fi]:
-                where = f"{path}:{int(table.line[i])}"
-                handle.seek(int(table.offset[i]))
-                raw = handle.read(int(table.length[i]))
-                try:
-                    obj = json.loads(raw)
-                except ValueError as e:
-                    raise DataError(where, f"invalid JSON ({e})") from None
-                if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                    raise DataError(where, "JSONL line has no string 'text' field")
-                yield i, obj["text"]
-            else:
-                handle.seek(0)
-                raw = handle.read()
-                try:
-                    text = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise DataError(path, f"not valid UTF-8 (byte {e.start})") from None
-                yield i, text
+            try:
+                yield i, (_jsonl_text(handle, table, i) if table.jsonl[fi] else _file_text(handle, path))
+            except MemoryError:
+                raise DataError(where(table, i), f"out of memory reading it "
+                                f"({int(table.length[i]) / 2 ** 20:,.0f} MiB): give the process "
+                                f"more memory (docs/data.md: memory bound)") from None
     finally:
         if handle is not None:
             handle.close()
+
+
+def _jsonl_text(handle, table: DocumentTable, i: int) -> str:
+    """The ``text`` field of JSONL document i (its line at table.offset[i])."""
+    handle.seek(int(table.offset[i]))
+    raw = handle.read(int(table.length[i]))
+    try:
+        obj = json.loads(raw)
+    except RecursionError:
+        raise DataError(where(table, i), "invalid JSON (nested too deeply to parse)") from None
+    except ValueError as e:
+        raise DataError(where(table, i), f"invalid JSON ({e})") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+        raise DataError(where(table, i), "JSONL line has no string 'text' field")
+    return obj["text"]
+
+
+def _file_text(handle, path: str) -> str:
+    """A whole text file, decoded as UTF-8."""
+    handle.seek(0)
+    raw = handle.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(path, f"not valid UTF-8 (byte {e.start})") from None
 
 
 # ----------------------------------------------------------------------------- split rule

@@ -260,6 +260,9 @@ def load_manifest_json(root: str) -> tuple[dict, bytes]:
         m = json.loads(raw.decode("utf-8"))
     except (OSError, ValueError) as e:
         raise DataError(path, f"unreadable ({e})") from None
+    except RecursionError:
+        raise DataError(path, "unreadable (JSON nested too deeply to parse): not a manifest "
+                              "`shard` or `blend` wrote") from None
     if not isinstance(m, dict):
         raise DataError(path, "not a JSON object")
     if m.get("format_version") != FORMAT_VERSION:

@@ -78,6 +78,8 @@ def _eos_from_config(path: str):
             eos = json.load(f).get("eos_token")
     except (OSError, ValueError, AttributeError) as e:
         raise DataError(cfg, f"unreadable ({e})") from None
+    except RecursionError:
+        raise DataError(cfg, "unreadable (JSON nested too deeply to parse)") from None
     return (eos.get("content") if isinstance(eos, dict) else eos), cfg
 
 

@@ -12,6 +12,7 @@ import os
 import sys
 import traceback
 
+from .errors import out_of_memory
 from .format import DataError
 
 # Variables set by mpiexec/srun launchers (MPICH hydra, PMI-2, PMIx, Open MPI).  Without one of
@@ -84,6 +85,8 @@ def _describe(exc: BaseException, rank: int) -> str:
         return str(exc)
     if isinstance(exc, OSError) and exc.filename:
         return f"{exc.filename}: {exc.strerror or exc}"
+    if out_of_memory(exc):  # where no reader named the file itself
+        return f"rank {rank}: out of memory: give each rank more memory (docs/data.md: memory bound)"
     traceback.print_exc(file=sys.stderr)
     return f"rank {rank}: internal error {type(exc).__name__}: {exc}"
 

@@ -38,9 +38,9 @@ def lock_path(output: str) -> str:
 def _holder(fd: int) -> str:
     try:
         who = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # a lock file planted or cut short
         who = {}
-    if not who:
+    if not who or not isinstance(who, dict):
         return "a run that is just starting"
     return f"pid {who.get('pid', '?')} on {who.get('host', '?')}, started " \
            f"{time.strftime('%H:%M:%S', time.localtime(who.get('started', 0)))}"

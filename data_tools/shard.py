@@ -67,7 +67,9 @@ class _Buffer:
         self.n += tokens.size
 
     def take(self, dtype) -> tuple[np.ndarray, np.ndarray]:
-        toks = np.concatenate(self.pieces) if self.pieces else np.zeros(0, dtype)
+        # one piece (a document larger than a shard) is used as it is: no second copy of it
+        toks = (self.pieces[0] if len(self.pieces) == 1 else np.concatenate(self.pieces)
+                if self.pieces else np.zeros(0, dtype))
         starts = np.asarray(self.starts, dtype=np.int64)
         self.pieces, self.starts, self.n = [], [], 0
         return toks, starts
@@ -261,26 +263,38 @@ def _document_tokenizer(tok, dtype, table, is_val, threads, bar):
     each, in batches of BATCH_BYTES / BATCH_DOCS; ``bar`` (1 rank only) advances per document."""
 
     def run(batch, add):
-        arrs = tok.encode_batch([t for _, t in batch], num_threads=threads)
-        for (i, _), ids in zip(batch, arrs):
-            if ids.size and int(ids.max()) >= tok.vocab_size:  # never a silent wrap to uint16
-                raise DataError(documents.where(table, i), f"token id {int(ids.max())} >= "
-                                f"the vocabulary size {tok.vocab_size} of {tok.name}")
-            doc = np.empty(ids.size + 1, dtype)  # one copy: ids cast in place, then end-of-text
-            doc[:-1] = ids
-            doc[-1] = tok.eot_id
-            add("val" if is_val[i] else "train", doc)
-            if bar is not None:
-                bar.update(int(table.length[i]))
+        docs, texts = [i for i, _ in batch], [t for _, t in batch]
+        batch.clear()  # each text goes once it is tokenized, each token list once it is cast
+        try:
+            arrs = tok.encode_batch(texts, num_threads=threads)
+            del texts
+            for j, i in enumerate(docs):
+                ids, arrs[j] = arrs[j], None
+                if ids.size and int(ids.max()) >= tok.vocab_size:  # never a silent wrap to uint16
+                    raise DataError(documents.where(table, i), f"token id {int(ids.max())} >= "
+                                    f"the vocabulary size {tok.vocab_size} of {tok.name}")
+                doc = np.empty(ids.size + 1, dtype)  # one copy: ids cast in place, then end-of-text
+                doc[:-1] = ids
+                doc[-1] = tok.eot_id
+                del ids
+                add("val" if is_val[i] else "train", doc)
+                if bar is not None:
+                    bar.update(int(table.length[i]))
+        except MemoryError:
+            largest = max(docs, key=lambda d: int(table.length[d]))
+            raise DataError(documents.where(table, largest), f"out of memory tokenizing it "
+                            f"({int(table.length[largest]) / 2 ** 20:,.0f} MiB of text): give the "
+                            f"process more memory (docs/data.md: memory bound)") from None
 
     def tokenize(lo, hi, add):
         batch, nbytes = [], 0
         for i, text in documents.iter_texts(table, lo, hi):
             batch.append((i, text))
             nbytes += len(text)
+            del text  # the batch holds the only reference: run() lets it go when tokenized
             if nbytes >= BATCH_BYTES or len(batch) >= BATCH_DOCS:
                 run(batch, add)
-                batch, nbytes = [], 0
+                nbytes = 0
         run(batch, add)
 
     return tokenize

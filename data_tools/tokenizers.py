@@ -58,6 +58,10 @@ class BytesTokenizer(Tokenizer):
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
 
+    def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[np.ndarray]:
+        """uint8 views of the UTF-8 bytes: no int64 copy (8 B a byte: 2.4 GB for a 300 MB text)."""
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+
     def decode(self, ids) -> str:
         ids = np.asarray(ids, dtype=np.int64).ravel()
         if ids.size and (ids.min() < 0 or ids.max() > self.eot_id):

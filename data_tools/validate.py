@@ -31,12 +31,16 @@ def _scan(table, lo: int, hi: int, min_chars: int) -> tuple[list, list]:
     try:
         for i in range(lo, hi):
             fi = int(table.file_idx[i])
-            if table.parquet and table.parquet[fi]:  # Arrow strings are valid UTF-8 already
-                from .parquet import RowReader
+            if table.parquet and table.parquet[fi]:  # Arrow does not check UTF-8: the reader does
+                from .parquet import InvalidText, RowReader
 
                 if rows is None or rows.path != table.files[fi]:
                     rows = RowReader(table.files[fi], table.text_column)
-                raw, fi = rows.text(int(table.offset[i])).encode("utf-8"), -1
+                try:
+                    raw = rows.text(int(table.offset[i])).encode("utf-8")
+                except InvalidText:
+                    raw = b"\xff"  # counted "invalid" below, as a text file's bad UTF-8 is
+                fi = -1
             elif fi != handle_idx:
                 if handle is not None:
                     handle.close()
@@ -51,7 +55,7 @@ def _scan(table, lo: int, hi: int, min_chars: int) -> tuple[list, list]:
                     text = obj["text"] if isinstance(obj, dict) else None
                     if not isinstance(text, str):
                         raise ValueError("no string 'text'")
-            except (UnicodeDecodeError, ValueError, KeyError):
+            except (UnicodeDecodeError, ValueError, KeyError, RecursionError):
                 reasons.append("invalid")
                 digests.append(None)
                 continue

@@ -42,7 +42,7 @@ def test_parallel_error_is_one_line_on_all_ranks_and_exits(tmp_path):
                    tmp_path / "out", "--tokenizer", "bytes", "--no-progress"], timeout=120)
     assert r.returncode == 1
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert lines == [f"{bad}:6: JSONL line has no string 'text' field"]
+    assert lines == [f"error: {bad}:6: JSONL line has no string 'text' field"]
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 

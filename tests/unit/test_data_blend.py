@@ -96,14 +96,14 @@ def test_errors_are_one_line(parts_dir, capsys, tmp_path):
     a, b, g, mix = (str(parts_dir / n) for n in ("a", "b", "g", "mix"))
     out = str(tmp_path / "o")
     assert one_line_error(capsys, ["blend", "--input", f"{tmp_path}:1", "--output", out]) == \
-        f"{tmp_path}/manifest.json: missing — not an hpctrain dataset or an incomplete shard run"
+        f"error: {tmp_path}/manifest.json: missing — not an hpctrain dataset or an incomplete shard run"
     for w, why in (("0", "must be > 0"), ("-2", "must be > 0"), ("x", "is not a number"),
                    ("nan", "is not a number")):
         assert one_line_error(capsys, ["blend", "--input", f"{a}:{w}", f"{b}:1", "--output", out]) \
-            == f"{a}: weight '{w}' {why}"
+            == f"error: {a}: weight '{w}' {why}"
     assert "expected DIR:WEIGHT" in one_line_error(capsys, ["blend", "--input", a, "--output", out])
     err = one_line_error(capsys, ["blend", "--input", f"{a}:1", f"{g}:1", "--output", out])
-    assert err.startswith(f"{g}/manifest.json: tokenizer gpt2 (vocab_size 50257") and a in err
+    assert err.startswith(f"error: {g}/manifest.json: tokenizer gpt2 (vocab_size 50257") and a in err
     assert "blends of blends" in one_line_error(capsys, ["blend", "--input", f"{mix}:1",
                                                          "--output", out])
     assert "listed twice" in one_line_error(capsys, ["blend", "--input", f"{a}:1", f"{a}:2",
@@ -120,11 +120,11 @@ def test_errors_are_one_line(parts_dir, capsys, tmp_path):
     shard_dataset(shakespeare_files()[2:3], str(c), tokenizer="bytes", shard_tokens=40_000,
                   val_fraction=0.0, seed=1, **QUIET)
     err = one_line_error(capsys, ["verify", str(tmp_path / "m2")])
-    assert err.startswith(f"{c}/manifest.json: changed since the blend was made")
+    assert err.startswith(f"error: {c}/manifest.json: changed since the blend was made")
     assert "re-run" in err
     shutil.rmtree(c)
     err = one_line_error(capsys, ["inspect", str(tmp_path / "m2")])
-    assert err.startswith(f"{c}/manifest.json: missing (component 1 of the blend")
+    assert err.startswith(f"error: {c}/manifest.json: missing (component 1 of the blend")
 
 
 def test_interleave_prefix_counts_within_one():
@@ -355,5 +355,5 @@ def test_unrepresentable_weights_refused_before_writing(parts_dir, tmp_path, cap
     out = tmp_path / "refused"
     err = one_line_error(capsys, ["blend", "--input", *(f"{d}:{w}" for d, w in zip(dirs, weights)),
                                   "--output", str(out)])
-    assert err.startswith(f"{dirs[bad]}: weight ") and weights[bad] in err
+    assert err.startswith(f"error: {dirs[bad]}: weight ") and weights[bad] in err
     assert not out.exists() and not list(tmp_path.iterdir())  # no manifest, no lock file left

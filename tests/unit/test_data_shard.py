@@ -163,7 +163,7 @@ def test_cli_shakespeare_gpt2(tmp_path, capsys):
     assert "tokenizer gpt2 (vocab_size 50257" in capsys.readouterr().out
     assert main(["verify", str(tmp_path)]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"{tmp_path}/manifest.json: missing")
+    assert err.count("\n") == 1 and err.startswith(f"error: {tmp_path}/manifest.json: missing")
 
 
 def test_cli_help_explains_options(capsys):
@@ -261,7 +261,7 @@ def _refused_or_ok(proc, out) -> int:
     _, err = proc.communicate(timeout=120)
     lines = [ln for ln in err.splitlines() if ln.strip()]
     if proc.returncode:  # refused: one line naming the output and the holder's pid
-        assert len(lines) == 1 and lines[0].startswith(f"{out}: another run is writing"), err
+        assert len(lines) == 1 and lines[0].startswith(f"error: {out}: another run is writing"), err
         assert "Traceback" not in err and re.search(r"pid \d+ on ", lines[0]), err
     return proc.returncode
 
@@ -314,7 +314,7 @@ def test_blend_onto_a_locked_output_is_refused(tmp_path, corpus, capsys):
     with OutputLock(str(out)):
         assert main(["blend", "--input", f"{src}:1", "--output", str(out)]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"{out}: another run is writing") and f"pid {os.getpid()} " in err
+    assert err.startswith(f"error: {out}: another run is writing") and f"pid {os.getpid()} " in err
     assert err.count("\n") == 1 and not out.exists()
     assert main(["blend", "--input", f"{src}:1", "--output", str(out)]) == 0
     assert not [n for n in os.listdir(tmp_path) if "hpctrain-lock" in n]

@@ -43,7 +43,7 @@ def check_one_line(ds, capsys, expect_prefix, expect_text):
     assert all("\n" not in p for p in problems)
     assert main(["verify", str(ds)]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(expect_prefix) and expect_text in err
+    assert err.count("\n") == 1 and err.startswith(f"error: {expect_prefix}") and expect_text in err
     assert digests(ds) == before  # verify never modifies anything
     return problems[0]
 
