@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -118,12 +119,13 @@ def test_no_c10d_noise_without_reverse_dns(tmp_path, dataset, cpp_log_level, noi
     EAI_AGAIN (err=-3) as on a cluster without reverse DNS: torch's TCP store warns once per
     connecting rank. Hidden by default; shown when the user asks for C++ warnings."""
     cfg, _ = _config(tmp_path, dataset, 2)
-    env = f"export PATH={BIN}:$PATH XDG_CACHE_HOME={tmp_path / 'cache'} MASTER_ADDR=127.0.0.2; "
+    q = shlex.quote  # the checkout's path may hold spaces
+    env = f"export PATH={q(str(BIN))}:\"$PATH\" XDG_CACHE_HOME={q(str(tmp_path / 'cache'))} MASTER_ADDR=127.0.0.2; "
     if cpp_log_level:
         env += f"export TORCH_CPP_LOG_LEVEL={cpp_log_level}; "
     r = run_cmd(["unshare", "-rn", "sh", "-c",
-                 f"ip link set lo up && {env} mpiexec -n 2 {sys.executable} -m hpctrain train "
-                 f"--config {cfg}"], timeout=240)
+                 f"ip link set lo up && {env} mpiexec -n 2 {q(sys.executable)} -m hpctrain train "
+                 f"--config {q(str(cfg))}"], timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "rendezvous 127.0.0.2:" in r.stderr
     assert r.stderr.count("cannot be retrieved. err=-3") == noise, r.stderr

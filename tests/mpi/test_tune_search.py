@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -35,7 +36,7 @@ def start_worker(cfg, faults):
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1",
                **faults)
     return subprocess.Popen([sys.executable, "-m", "hpctrain", "tune", "search", str(cfg), "--launch",
-                             f"{mpiexec_path()} -n 2", "--worker", "w0"], cwd=ROOT, env=env,
+                             f"{shlex.quote(mpiexec_path())} -n 2", "--worker", "w0"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
