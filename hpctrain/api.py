@@ -139,7 +139,7 @@ def load(path, device=None, step: int | None = None) -> LoadedModel:
 
 def load_as(path, device=None, step: int | None = None, use: str = "load") -> LoadedModel:
     """`load`, for a command: `use` (load, sample) picks the words of a damaged checkpoint's error."""
-    p, device = Path(path), _device(device)
+    p, device = Path(path), resolve_device(device)
     if use == "load":
         _check_path(p)
     if _is_hf_folder(p):
@@ -154,7 +154,7 @@ def load_as(path, device=None, step: int | None = None, use: str = "load") -> Lo
     return loaded
 
 
-def _device(device) -> torch.device:
+def resolve_device(device) -> torch.device:
     """`device` as a torch.device (None: CUDA when available, else the CPU); a UserError naming it
     when it is no device name or its kind is not here."""
     if device is None:

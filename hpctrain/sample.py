@@ -30,6 +30,12 @@ def _check_args(args) -> None:
     if problem is not None:
         flag, _, rest = problem.partition(" ")
         raise UserError(f"sample --{flag.replace('_', '-')} {rest}")
+    from hpctrain.api import resolve_device
+
+    try:
+        resolve_device(args.device)
+    except UserError as e:  # "device 'x': ..." -> "sample --device 'x': ..."
+        raise UserError(f"sample --{e}") from None
 
 
 def _parser() -> argparse.ArgumentParser:
