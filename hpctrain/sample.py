@@ -64,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--stop-at-eos", action="store_true",
                         help="stop at the tokenizer's end-of-text token (default: write --tokens "
                              "tokens, end-of-text ones included)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s): the same seed, the same text")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="sampling seed (default %(default)s): the same seed, the same text")
     parser.add_argument("--device", default="cpu",
                         help="where the model runs: cpu, cuda, cuda:1 (the GPU's numerics may "
                              "choose other tokens than the CPU's; default %(default)s)")

@@ -285,3 +285,27 @@ def test_the_readme_example_runs(run, root, capsys):
     exec(code.replace('"runs/demo"', repr(str(run[0]))), {})
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("<LoadedModel Llama from ") and lines[-1].endswith(" True"), lines
+
+
+def test_a_hugging_face_folder_brings_its_tokenizer(tmp_path):
+    """tokenizer.json (its end-of-text found as `sample` finds it), or GPT-2's genuine vocab.json +
+    merges.txt; text in, text out through it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from data_tools.tokenizer_files import write_hf_tokenizer
+
+    make_hf_model("llama_gqa_untied", tmp_path / "words")
+    vocab = {**{f"w{i}": i for i in range(130)}, "</s>": 130}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "words" / "tokenizer.json"))
+    lm = hpctrain.load(tmp_path / "words", device="cpu")
+    assert lm.encode("w5 w7") == [5, 7] and lm.tokenizer.eot_id == 130 and lm.eos_ids == (2,)
+    ids = lm.generate([5, 7], 6)
+    assert lm.generate("w5 w7", 6) == lm.decode([i for i in ids if i != 2])
+    assert lm.decode(ids).startswith("w5 w7 ")
+
+    make_hf_model("gpt2", tmp_path / "gpt2")
+    write_hf_tokenizer({"name": "gpt2"}, "", str(tmp_path / "gpt2"))
+    lm = hpctrain.load(tmp_path / "gpt2", device="cpu")
+    assert lm.tokenizer.name == "gpt2" and lm.encode("Hello world") == [15496, 995]
