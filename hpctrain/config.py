@@ -8,6 +8,7 @@ never import torch or touch the filesystem beyond reading the TOML file.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import sys
 import typing
@@ -21,6 +22,7 @@ else:  # pragma: no cover
 from hpctrain.config_schema import (  # noqa: F401 - the sections are re-exported from here
     REQUIRED, CheckpointConfig, Config, DataConfig, DistConfig, ModelConfig, ParallelConfig,
     RunConfig, SlurmConfig, SyncConfig, TrainConfig, choices, coerce, sections, type_name)
+from hpctrain import logs
 from hpctrain.config_rules import validate
 from hpctrain.errors import ConfigError
 from hpctrain.step_faults import ENV as TEST_FAULTS_ENV
@@ -28,6 +30,8 @@ from hpctrain.step_faults import ENV as TEST_FAULTS_ENV
 
 # Spellings accepted for a key: TOML `async` is a Python keyword, so the field is `async_save`.
 ALIASES = {"checkpoint.async": "async_save", "init.from": "from_dir"}
+# The name --help, the docs and errors use where it is not the field's (`from` is a Python keyword)
+SHOWN = {"init.from_dir": "init.from"}
 # keys that moved to another section: named in the error (run dirs written before the move hold them)
 MOVED = {"dist.grad_sync": "dist.grad_allreduce"}  # 'sync' is the [sync] section's word
 # The test-only faults, once config keys (the [debug] section, before it these four), are no config
@@ -50,8 +54,38 @@ def _unknown_key(section: str, key: str, value, where: str) -> ConfigError:
     if name in TEST_FAULT_KEYS:
         hint = _test_faults_hint({TEST_FAULT_KEYS[name]: value})
     else:
-        hint = f": it is now '{MOVED[name]}'" if name in MOVED else ""
+        hint = f": it is now '{MOVED[name]}'" if name in MOVED else _did_you_mean(section, key)
     return ConfigError(f"unknown config key '{name}' {where}{hint}")
+
+
+def section_keys(section: str) -> list[str]:
+    """The keys a section accepts: its fields and their other spellings (ALIASES)."""
+    by_name = sections()
+    if section not in by_name:
+        return []
+    return ([f.name for f in dataclasses.fields(by_name[section])]
+            + [alias.partition(".")[2] for alias in ALIASES if alias.startswith(f"{section}.")])
+
+
+def _did_you_mean(section: str, key: str) -> str:
+    """' (did you mean SECTION.KEY?)': the section's key nearest to an unknown one (difflib), else
+    the same key in another section; '' when none is near."""
+    near = difflib.get_close_matches(key, section_keys(section), n=1)
+    if near:
+        return f" (did you mean {section}.{near[0]}?)"
+    elsewhere = [f"{other}.{key}" for other in sections() if key in section_keys(other)]
+    return f" (did you mean {elsewhere[0]}?)" if elsewhere else ""
+
+
+def _clamp_default_warmup(raw: dict, train: TrainConfig) -> TrainConfig:
+    """train.warmup_steps not given (its default) but longer than train.steps: warm up over every
+    step instead, said once; one the user gave stays as given (config_rules refuses it)."""
+    given = raw.get("train") if isinstance(raw.get("train"), dict) else {}
+    if "warmup_steps" in given or not 1 <= train.steps < train.warmup_steps:
+        return train
+    logs.info(f"train.warmup_steps: {train.warmup_steps} > train.steps={train.steps}, using "
+              f"{train.steps} (the default warmup; set train.warmup_steps to choose)")
+    return dataclasses.replace(train, warmup_steps=train.steps)
 
 
 # Sections of a training TOML that are not training settings: [tune] is `hpctrain tune`'s search
@@ -92,11 +126,12 @@ def from_dict(raw: dict, source: str = "config", cli_keys: frozenset = frozenset
             if key not in known:
                 where = "on the command line" if f"{name}.{key}" in cli_keys else f"in {source}"
                 raise _unknown_key(name, key, value, where)
-            kwargs[key] = coerce(f"{name}.{key}", value, hints[key])
+            kwargs[key] = coerce(SHOWN.get(f"{name}.{key}", f"{name}.{key}"), value, hints[key])
         for key, f in known.items():
             if key not in kwargs and f.default is REQUIRED and f.default_factory is REQUIRED:
                 raise ConfigError(_missing_key(f"{name}.{key}", source, by_name))
         built[name] = cls(**kwargs)
+    built["train"] = _clamp_default_warmup(raw, built["train"])
     return validate(Config(**built))
 
 
@@ -232,5 +267,10 @@ def describe() -> str:
                 default = repr(f.default_factory())
             else:
                 default = "required"
-            out.append(f"  --{section}.{f.name}={type_name(hints[f.name]):<6} [{default}] {f.metadata.get('help', '')}")
+            name = SHOWN.get(f"{section}.{f.name}", f"{section}.{f.name}")
+            spellings = [f"{section}.{f.name}"] + [alias for alias, field in ALIASES.items()
+                                                   if alias.startswith(f"{section}.") and field == f.name]
+            others = [f"--{k}" for k in spellings if k != name]
+            also = f" (also spelled {', '.join(others)})" if others else ""
+            out.append(f"  --{name}={type_name(hints[f.name]):<6} [{default}] {f.metadata.get('help', '')}{also}")
     return "\n".join(out)

@@ -42,7 +42,8 @@ def validate(cfg: Config) -> Config:
            f"'{cfg.sync.mode}' workers do not do: use fp32 or bf16 there")
     _check(t.loss_scale_init > 0, "train.loss_scale_init", "must be > 0")
     _check(t.loss_scale_growth_interval >= 1, "train.loss_scale_growth_interval", "must be >= 1")
-    _check(0 <= t.warmup_steps <= t.steps, "train.warmup_steps", "must be in [0, train.steps]")
+    _check(0 <= t.warmup_steps <= t.steps, "train.warmup_steps",
+           f"{t.warmup_steps}: must be in [0, train.steps={t.steps}]")
     _validate_checkpoint(cfg.checkpoint)
     _check(t.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1")
     _check(t.straggler_window >= 2, "train.straggler_window", "must be >= 2")

@@ -202,8 +202,7 @@ class CheckpointConfig:
     keep: int = field(default=3, metadata={"help": "committed checkpoints to keep (newest)"})
     dir: str = field(default="", metadata={"help": "checkpoint root (default: <run.dir>/checkpoints)"})
     async_save: bool = field(default=False, metadata={
-        "help": "write checkpoints in the background (the step loop pays only a copy to host memory);"
-                " TOML may spell it `async`"})
+        "help": "write checkpoints in the background (the step loop pays only a copy to host memory)"})
     async_cpu_share: float = field(default=0.1, metadata={
         "help": "with async: the background writer's duty cycle (0-1]; it sleeps between chunks so "
                 "steps overlapping a write stay within ~this fraction of their time; the write "
@@ -404,9 +403,9 @@ class SlurmConfig:
 @dataclass
 class InitConfig:
     from_dir: str = field(default="", metadata={
-        "help": "'init.from': a local Hugging Face model folder (config.json + model.safetensors or "
-                "shards with model.safetensors.index.json; Llama, Mistral, Qwen2 or GPT-2; fp32 or "
-                "bf16) to start a fresh run from: its config.json fills [model] (a conflicting key "
+        "help": "a local Hugging Face model folder (config.json + model.safetensors or shards with "
+                "model.safetensors.index.json; Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE or GPT-2; "
+                "fp32, bf16 or fp16) to start a fresh run from: its config.json fills [model] (a conflicting key "
                 "is an error), each rank reads only its part of the weights. Seeds a fresh run "
                 "only: a checkpoint in the run dir takes precedence on resume ('' = random init)"})
 

@@ -1,6 +1,7 @@
 """`python -m hpctrain export --checkpoint DIR --format hf --output OUT`: a checkpoint as a Hugging
-Face GPT-2 model folder (config.json + model.safetensors) that `GPT2LMHeadModel.from_pretrained` loads;
-a model.arch = "llama" checkpoint as a LlamaForCausalLM (Qwen2ForCausalLM with q/k/v bias) folder.
+Face model folder (config.json + model.safetensors) that `AutoModelForCausalLM.from_pretrained`
+loads: GPT2LMHeadModel for model.arch = "gpt2"; for "llama" LlamaForCausalLM, Qwen2ForCausalLM
+(q/k/v bias), MixtralForCausalLM (experts) or Qwen2MoeForCausalLM (experts + a gated shared one).
 Weights above --max-shard-size are sharded as transformers does (hpctrain/interop/hf_files.py), and
 the run's dataset tokenizer goes with them (data_tools/tokenizer_files.py), so that
 `pipeline("text-generation", OUT)` works offline.
@@ -172,7 +173,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--checkpoint", required=True,
                         help="step_N directory, checkpoint root or run directory (newest intact)")
     parser.add_argument("--format", default="hf", choices=["hf"],
-                        help="hf: Hugging Face GPT-2, or Llama / Qwen2 for model.arch = 'llama'")
+                        help="hf: a Hugging Face folder: GPT-2 (model.arch = 'gpt2'), or for 'llama' Llama, "
+                             "Qwen2 (qkv_bias), Mixtral (moe_experts) or Qwen2-MoE (a gated "
+                             "shared expert)")
     parser.add_argument("--output", required=True, help="output folder (new or empty)")
     parser.add_argument("--force", action="store_true",
                         help="export into a folder that is not empty: replace its config.json and "

@@ -1,15 +1,13 @@
 """`python -m hpctrain sample`: generate text from a committed checkpoint (single process).
 
-Owns: resolving which checkpoint to load (a run dir, a checkpoint root or one step dir), rebuilding the
-model from the config stored in the checkpoint, and decoding with the dataset's tokenizer. Loading
-goes through the checkpoint manager (verified, never unpickled).
+Owns: the command's flags and what it prints. Which checkpoint a path means, rebuilding the model
+from the config stored in it, loading (through the checkpoint manager: verified, never unpickled)
+and the dataset's tokenizer are the Python API's (hpctrain/api.py, `hpctrain.load`); choosing
+tokens is hpctrain/model/sampling.py's.
 """
 from __future__ import annotations
 
 import argparse
-import math
-
-import torch
 
 from hpctrain.errors import UserError
 
@@ -24,52 +22,65 @@ def _print_real_words(text: str, dataset: str) -> None:
 
 def _check_args(args) -> None:
     """One UserError naming the flag, before anything is loaded."""
+    from hpctrain.model.sampling import check_sampling
+
     if args.tokens < 1:
         raise UserError(f"sample --tokens {args.tokens}: must be >= 1 (tokens to generate)")
-    if not math.isfinite(args.temperature) or args.temperature < 0:
-        raise UserError(f"sample --temperature {args.temperature}: must be a finite number >= 0 "
-                        f"(0 = greedy)")
-    if args.top_k < 0:
-        raise UserError(f"sample --top-k {args.top_k}: must be >= 0 (0 = every token)")
+    problem = check_sampling(args.temperature, args.top_k, args.top_p, args.repetition_penalty)
+    if problem is not None:
+        flag, _, rest = problem.partition(" ")
+        raise UserError(f"sample --{flag.replace('_', '-')} {rest}")
+    from hpctrain.api import resolve_device
+
+    try:
+        resolve_device(args.device)
+    except UserError as e:  # "device 'x': ..." -> "sample --device 'x': ..."
+        raise UserError(f"sample --{e}") from None
 
 
-def _load(path):
-    """(the model of checkpoint `path`, eval mode; its trainer entry): rebuilt from the [model]
-    section saved with it, the weights loaded through the checkpoint manager (verified)."""
-    from hpctrain.checkpoint import CheckpointManager, disk_format
-    from hpctrain.model import build_model_from_section
-
-    saved = disk_format.read_trainer_state(path, use="sample").get("trainer") or {}
-    if not isinstance(saved.get("config"), dict) or not saved["config"].get("model") \
-            or not isinstance(saved.get("tokenizer"), dict):
-        raise UserError(f"{path / disk_format.TRAINER_STATE_FILE}: no config.model or tokenizer "
-                        f"(not a checkpoint of `hpctrain train`); sample a training run's checkpoint")
-    model = build_model_from_section(saved["config"]["model"])
-    state = {"model": model.state_dict()}
-    mgr = CheckpointManager(path.parent, keep=1, rank=0, world_size=1)
-    mgr.load(path, state)  # loads only the keys present: the model, not the optimizer
-    model.load_state_dict(state["model"])
-    return model.eval(), saved
-
-
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="hpctrain sample",
-                                     description="Generate text from a trained checkpoint.")
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hpctrain sample",
+        description="Generate text from a trained checkpoint (in Python: hpctrain.load(path)"
+                    ".generate(...), README \"Python API\"). The next token is chosen as "
+                    "transformers' generate() does: the repetition penalty, then temperature, "
+                    "top-k and top-p.")
     parser.add_argument("--checkpoint", required=True,
                         help="run dir, checkpoint root, or a checkpoint step dir (newest committed is used)")
-    parser.add_argument("--prompt", default="\n", help="text to continue")
-    parser.add_argument("--tokens", type=int, default=200, help="number of tokens to generate")
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=50, help="sample from the k most likely tokens (0 = all)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    parser.add_argument("--tokens", type=int, default=200, help="number of tokens to generate (default %(default)s)")
+    parser.add_argument("--temperature", type=float, default=0.8,
+                        help="divides the logits before sampling: < 1 sharper, > 1 flatter; "
+                             "0 = greedy (always the most likely token); default %(default)s")
+    parser.add_argument("--top-k", type=int, default=50,
+                        help="sample from the k most likely tokens only (0 = all; default %(default)s)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="nucleus sampling: only the most likely tokens whose probabilities "
+                             "add up to p (in (0, 1]; 1 = all, the default; the most likely is always kept)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="> 1 makes tokens already in the text (prompt included) less likely: "
+                             "a positive logit is divided by it, a negative one multiplied "
+                             "(1 = off, the default; 1.1-1.3 is usual)")
+    parser.add_argument("--stop-at-eos", action="store_true",
+                        help="stop at the tokenizer's end-of-text token (default: write --tokens "
+                             "tokens, end-of-text ones included)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="sampling seed (default %(default)s): the same seed, the same text")
+    parser.add_argument("--device", default="cpu",
+                        help="where the model runs: cpu, cuda, cuda:1 (the GPU's numerics may "
+                             "choose other tokens than the CPU's; default %(default)s)")
     parser.add_argument("--real-words", metavar="DATASET", default=None,
                         help="also print the fraction of sampled words (letters only, >= 3 letters) "
                              "found in DATASET's training text: how much of the sample is real words")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
     _check_args(args)
 
-    from data_tools.tokenizers import dataset_tokenizer
-    from hpctrain.checkpoint.cli import resolve_checkpoint
+    from hpctrain.api import load_as
+    from hpctrain.checkpoint import disk_format
     from hpctrain.distributed import init_distributed, teardown
 
     ctx = init_distributed("gloo", timeout_s=120)
@@ -77,19 +88,18 @@ def main(argv: list[str]) -> int:
         if ctx.world_size > 1:
             raise UserError(f"sample runs as one process but was started as {ctx.world_size} ranks: "
                             f"run `python -m hpctrain sample ...` without mpiexec/srun")
-        path = resolve_checkpoint(args.checkpoint, use="sample")
-        model, saved = _load(path)
-        tok = dataset_tokenizer(saved["tokenizer"], saved["config"].get("data", {}).get("path", ""))
-        ids = tok.encode(args.prompt)
-        if len(ids) == 0:
-            ids = [saved["tokenizer"]["eot_id"]]
-        gen = torch.Generator().manual_seed(args.seed)
-        out = model.generate(torch.tensor([list(ids)], dtype=torch.long), args.tokens,
-                             temperature=args.temperature, top_k=args.top_k or None, generator=gen)
-        print(f"# checkpoint {path} (step {saved['step']})")
-        print(tok.decode(out[0].tolist()))
+        lm = load_as(args.checkpoint, device=args.device, use="sample")
+        if lm.tokenizer is None:
+            raise UserError(f"{lm.path / disk_format.TRAINER_STATE_FILE}: no tokenizer (not a "
+                            f"checkpoint of `hpctrain train`); sample a training run's checkpoint")
+        ids = lm.encode(args.prompt) or [lm.tokenizer.eot_id]
+        out = lm.generate(ids, args.tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.seed, stop_at_eos=args.stop_at_eos)
+        print(f"# checkpoint {lm.path} (step {lm.step})")
+        print(lm.decode(out))
         if args.real_words:  # the generated part only: the prompt's words would count as real
-            _print_real_words(tok.decode(out[0][len(ids):].tolist()), args.real_words)
+            _print_real_words(lm.decode(out[len(ids):]), args.real_words)
     finally:
         teardown()
     return 0

@@ -34,7 +34,7 @@ def is_checkpoint_dir(p: Path) -> bool:
 
 
 def resolve_checkpoint(path: str | Path, use: str = "sample") -> Path:
-    """The one answer to "which checkpoint does this path mean" (`use`: sample, export): a step
+    """The one answer to "which checkpoint does this path mean" (`use`: sample, export, load): a step
     dir (COMMIT.json, or a step_N name) as given; under a run dir or a checkpoint root the newest
     committed and intact one (damaged newer ones are skipped with one warning line each;
     NoIntactCheckpoint when none is intact). CheckpointError naming the path when it is missing,

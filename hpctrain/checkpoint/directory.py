@@ -70,12 +70,13 @@ def _safe_list(path: Path) -> list[str]:
 
 
 # What to do when a root's checkpoints are all damaged, by what looked for one (train resumes;
-# `sample` and `export` read one: their errors must not speak of training)
+# `sample`, `export` and hpctrain.load read one: their errors must not speak of training)
 NONE_INTACT_HINT = {
     "resume": "refusing to start over from step 0 in a run directory with history: repair or "
               "move them aside, or use a new run.dir to start afresh",
     "sample": "nothing to sample: repair one, or give --checkpoint another run or step_N folder",
-    "export": "nothing to export: repair one, or give --checkpoint another run or step_N folder"}
+    "export": "nothing to export: repair one, or give --checkpoint another run or step_N folder",
+    "load": "nothing to load: repair one, or give hpctrain.load another run or step_N folder"}
 
 
 def find_latest(root: Path, skip=(), use: str = "resume"):

@@ -57,7 +57,8 @@ def upgrade_trainer_state(state: dict) -> dict:
 # `export` read one (their errors must not speak of training)
 OLDER_ONE = {"resume": "resume from an older one",
              "sample": "sample an older one: give --checkpoint its step_N folder",
-             "export": "export an older one: give --checkpoint its step_N folder"}
+             "export": "export an older one: give --checkpoint its step_N folder",
+             "load": "load an older one: give hpctrain.load its step_N folder or step=N"}
 
 
 def read_trainer_state(ckpt: Path, use: str = "resume") -> dict:

@@ -1,6 +1,7 @@
 """`init.from = "DIR"`: start a fresh run from a local Hugging Face model folder (config.json +
-model.safetensors, or shards + model.safetensors.index.json; fp32 or bf16) of LlamaForCausalLM,
-MistralForCausalLM, Qwen2ForCausalLM or GPT2LMHeadModel.
+model.safetensors, or shards + model.safetensors.index.json; fp32, bf16 or fp16) of LlamaForCausalLM,
+MistralForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM or GPT2LMHeadModel.
+`hpctrain.load` (hpctrain/api.py) reads a folder the same way.
 
 Owns: the [model] section an HF config.json gives (`fill_model_section`, at config load: a key the
 user set to another value is a one-line error naming it), and loading the weights into a laid-out

@@ -1,8 +1,9 @@
 """GPT architecture only: pre-norm decoder blocks, causal self-attention, tied embeddings.
 
-Owns: the modules, their parameter names, initialization, the forward pass, a FLOP estimate and greedy
-/ sampled generation. It must never import distributed, checkpoint or data code: parallelism
-(DDP, FSDP, tensor and pipeline parallel) is applied from outside by `hpctrain.parallel`.
+Owns: the modules, their parameter names, initialization, the forward pass, a FLOP estimate and
+`generate` (greedy / sampled decoding: hpctrain/model/sampling.py). It must never import
+distributed, checkpoint or data code: parallelism (DDP, FSDP, tensor and pipeline parallel) is
+applied from outside by `hpctrain.parallel`.
 
 Design choices that keep later work cheap:
 - q, k, v are separate Linear layers (column-parallel TP shards them per head without reshuffling);
@@ -136,18 +137,11 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Append `max_new_tokens` sampled tokens to `idx` ([B, T]); temperature 0 means greedy."""
-        for _ in range(max_new_tokens):
-            ctx = idx[:, -self.cfg.block_size:]
-            logits = self(ctx)[:, -1, :].float()
-            if temperature <= 0:
-                nxt = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k:
-                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
-            idx = torch.cat([idx, nxt], dim=1)
-        return idx
+                 top_k: int | None = None, generator: torch.Generator | None = None,
+                 top_p: float = 1.0, repetition_penalty: float = 1.0, eos_ids=()) -> torch.Tensor:
+        """Append up to `max_new_tokens` tokens to `idx` ([B, T]); temperature 0 means greedy
+        (hpctrain/model/sampling.py: top-k, top-p, repetition penalty and eos as transformers)."""
+        from hpctrain.model.sampling import generate
+
+        return generate(self, idx, max_new_tokens, self.cfg.block_size, temperature, top_k, top_p,
+                        repetition_penalty, generator, eos_ids)

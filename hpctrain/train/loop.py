@@ -74,7 +74,7 @@ class Trainer:
         # the model in this job's layout, initialized from t.seed (on the meta device first, then
         # only this rank's shards: parallel.meta_init)
         built = build_model(cfg, self.mesh, ctx.device, t.precision)
-        self.n_params, self.flops_per_token = built.n_params, built.flops_per_token
+        self.params, self.flops_per_token = built.params, built.flops_per_token
         self.layout = built.layout  # the modules in this job's layout
         self.model = self.layout.module  # this rank's parameters (a pipeline stage holds a subset)
         self.optimizer = build_optimizer(self.model, t)
@@ -341,7 +341,7 @@ class Trainer:
     def _log_start(self, end: int) -> None:
         ctx, t = self.ctx, self.plan.train
         tokens_per_step = self.data.global_batch * self.cfg.model.block_size
-        log(ctx, f"training: {self.n_params / 1e6:.2f}M params, world {ctx.world_size} "
+        log(ctx, f"training: {self.params}, world {ctx.world_size} "
                  f"[{self.mesh.dims.describe()}] "
                  f"({ctx.backend}, {ctx.threads} threads/rank, {mpi_library()}), "
                  f"{ctx.n_nodes} node(s), rendezvous {ctx.master_addr}:{ctx.master_port}"

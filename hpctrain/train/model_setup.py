@@ -27,6 +27,7 @@ from hpctrain.errors import ConfigError, UserError
 from hpctrain.interop import hf_import
 from hpctrain.interop.hf_weights import WeightFiles, open_checked
 from hpctrain.model import build_model_from_section
+from hpctrain.model.params import hf_param_counts, params_words
 from hpctrain.parallel import Layout, parallelize
 from hpctrain.parallel.meta_init import _held_params, allocate, build_on_meta, materialize
 from hpctrain.parallel.loss import use_chunked_head
@@ -40,6 +41,7 @@ class BuiltModel:
     layout: Layout
     n_params: int            # of the whole model, without position embeddings (GPT.num_params)
     flops_per_token: float   # of the whole model
+    params: str = ""         # the start-up line's counts, as transformers counts them (model/params.py)
 
 
 def build_model(cfg: Config, mesh: Mesh, device: torch.device, precision: str) -> BuiltModel:
@@ -59,6 +61,7 @@ def build_model(cfg: Config, mesh: Mesh, device: torch.device, precision: str) -
         torch.manual_seed(seed)  # identical initial weights on every rank
         model, init = build_model_from_section(section).to(device), None
     n_params, flops = model.num_params(), model.flops_per_token()  # before a pipeline split
+    params = params_words(*hf_param_counts(model))
     if cfg.train.loss_chunk:
         use_chunked_head(model)  # lm_head hands hidden states to the chunked loss (parallel/loss.py)
     if hf_files is not None:  # each rank reads its part of the Hugging Face weights instead
@@ -66,7 +69,7 @@ def build_model(cfg: Config, mesh: Mesh, device: torch.device, precision: str) -
     layout = parallelize(model, mesh, cfg, precision, materialize=init)
     if hf_files is not None:
         check_loaded_weights(layout.module, hf_files, section, device)
-    return BuiltModel(layout, n_params, flops)
+    return BuiltModel(layout, n_params, flops, params)
 
 
 def load_hf_weights(files: WeightFiles, section: dict, meta_device: torch.device | None):

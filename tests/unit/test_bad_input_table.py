@@ -270,7 +270,9 @@ ROWS = [config_row("--train.lr=-1", key="train.lr"),
         edited_state("state_position_past_the_data", _set("sampler", "position", 10**12)),
         edited_state("state_step_not_its_folders", _set("trainer", "step", 1)),
         sample_row("--temperature", "nan"), sample_row("--top-k", "-3"),
-        sample_row("--tokens", "-5"), export_into_a_folder_with_files,
+        sample_row("--tokens", "-5"), sample_row("--top-p", "1.5"), sample_row("--top-p", "0"),
+        sample_row("--repetition-penalty", "0"), sample_row("--repetition-penalty", "nan"),
+        sample_row("--device", "gpu0"), export_into_a_folder_with_files,
         # #47: a model no job could hold (a typo), init.from folders that are not the model their
         # config.json describes, NaN / inf weights in init.from's folder and in a resumed checkpoint
         config_row("--model.n_layer=1000000000", key="model.n_layer"),

@@ -274,14 +274,76 @@ def test_an_unknown_override_is_named_as_a_command_line_key(toml):
     """A typo on the command line is not blamed on the TOML file; a renamed key names its new name."""
     with pytest.raises(ConfigError) as e:
         config.load(toml, ["--train.lrr=1"])
-    assert str(e.value) == "unknown config key 'train.lrr' on the command line"
+    assert str(e.value) == "unknown config key 'train.lrr' on the command line (did you mean train.lr?)"
     with pytest.raises(ConfigError) as e:
         config.load(toml, ["--dist.grad_sync=mpi"])
     assert str(e.value) == ("unknown config key 'dist.grad_sync' on the command line: it is now "
                             "'dist.grad_allreduce'")
     toml.write_text(toml.read_text().replace("[train]", "[train]\nlrr = 1", 1))
-    with pytest.raises(ConfigError, match=f"unknown config key 'train.lrr' in {toml}$"):
+    with pytest.raises(ConfigError, match=rf"unknown config key 'train.lrr' in {toml} \(did you mean train.lr\?\)$"):
         config.load(toml, [])
+
+
+@pytest.mark.parametrize("override, near", [
+    ("--train.stpes=3", "train.steps"), ("--train.warmup=3", "train.warmup_steps"),
+    ("--model.lr=1e-3", "train.lr"),  # the right key in the wrong section
+    ("--checkpoint.asyn=true", "checkpoint.async"), ("--init.frm=x", "init.from"),
+    ("--train.nope=1", None), ("--parallel.zzz=1", None)])
+def test_an_unknown_key_says_the_nearest_known_one(toml, override, near):
+    with pytest.raises(ConfigError) as e:
+        config.load(toml, [override])
+    key = override[2:].split("=")[0]
+    hint = f" (did you mean {near}?)" if near else ""
+    assert str(e.value) == f"unknown config key '{key}' on the command line{hint}"
+
+
+def test_a_default_warmup_longer_than_the_run_is_clamped_once(toml, capsys):
+    """`--train.steps=2` alone: the default warmup (10) becomes 2, said in one line; a warmup the
+    user gave is theirs: still refused, naming the key and both values."""
+    cfg = config.load(toml, ["--train.steps=2"])
+    assert (cfg.train.steps, cfg.train.warmup_steps) == (2, 2)
+    err = capsys.readouterr().err
+    assert err == "train.warmup_steps: 10 > train.steps=2, using 2 (the default warmup; set " \
+                  "train.warmup_steps to choose)\n"
+    for given in (["--train.warmup_steps=10"], ["--train.warmup_steps", "3"]):
+        with pytest.raises(ConfigError) as e:
+            config.load(toml, ["--train.steps=2", *given])
+        assert str(e.value) == (f"config key 'train.warmup_steps': {given[-1].split('=')[-1]}: must be "
+                                f"in [0, train.steps=2]")
+    toml.write_text(toml.read_text().replace("steps = 10", "steps = 2\nwarmup_steps = 10"))
+    with pytest.raises(ConfigError, match="'train.warmup_steps': 10: must be in"):
+        config.load(toml)  # given in the file: as given
+    assert config.load(toml, ["--train.steps=12"]).train.warmup_steps == 10
+    assert capsys.readouterr().err == ""  # nothing clamped, nothing said
+
+
+# The words a family goes by in --help and the docs, by Hugging Face model_type (hf_llama.ARCHITECTURES)
+FAMILY_WORDS = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "mixtral": "Mixtral",
+                "qwen2_moe": "Qwen2-MoE"}
+
+
+def test_help_and_docs_name_keys_and_families_as_the_code_does(root):
+    """--help names init.from and checkpoint.async_save as README and docs/*.md do (the other
+    spelling said beside it), and the init.from / export help name every family the code reads /
+    writes (export writes no Mistral: a Mistral-shaped model exports as Llama)."""
+    import re
+
+    from hpctrain.interop.hf_llama import ARCHITECTURES
+    keys = config.describe()
+    assert "--init.from=str" in keys and "(also spelled --init.from_dir)" in keys
+    assert "--checkpoint.async_save=bool" in keys and "(also spelled --checkpoint.async)" in keys
+    for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        text = path.read_text()
+        assert not re.search(r"checkpoint\.async\b|init\.from_dir|\bfrom_dir\b", text), path
+    assert set(FAMILY_WORDS) == set(ARCHITECTURES)
+    init_help = next(line for line in keys.splitlines() if line.startswith("  --init.from="))
+    r = subprocess.run([sys.executable, "-m", "hpctrain", "export", "--help"], capture_output=True,
+                       text=True, timeout=120)
+    export_help = " ".join(r.stdout.split())
+    for kind, words in FAMILY_WORDS.items():
+        assert words in init_help, kind
+        assert kind == "mistral" or words in export_help, kind
+    assert "GPT-2" in init_help and "GPT-2" in export_help
 
 
 @pytest.mark.parametrize("requested, device, layout_allows, experts, scope", [
@@ -320,3 +382,40 @@ def test_compile_is_refused_in_one_line_where_inductor_cannot_link(monkeypatch, 
                              "--train.compile=true"])
     with pytest.raises(ConfigError, match=r"^train\.compile: .*My Projects"):
         apply_compile(torch.nn.Module(), cfg, torch.device("cpu"), plain_or_ddp=True)
+
+
+LLAMA_TIED = """[model]
+arch = "llama"
+n_layer = 1
+n_head = 4
+n_embd = 256
+ffn_hidden = 512
+block_size = 32
+vocab_size = 257
+tie_embeddings = true
+"""
+
+
+def test_steps_alone_trains_and_the_start_line_counts_params_as_transformers(tmp_path, one_play):
+    """`--train.steps=2` with no warmup in the config trains (before: 'train.warmup_steps: must be
+    in [0, train.steps]'), saying the clamp once; the start-up line's counts are transformers'
+    num_parameters() of the same Llama (tied: the embedding counted once; without embeddings:
+    num_parameters(exclude_embeddings=True))."""
+    import transformers
+
+    from hpctrain.model.params import params_words
+    from tests.conftest import TINY_MODEL, TINY_TRAIN, run_cmd
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(TINY_TRAIN.replace("warmup_steps = 0\n", "").replace(TINY_MODEL, LLAMA_TIED).format(
+        run=tmp_path / "run", data=one_play, steps=40))
+    r = run_cmd([sys.executable, "-m", "hpctrain", "train", "--config", cfg, "--train.steps=2"],
+                timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.count("train.warmup_steps: 10 > train.steps=2, using 2") == 1, r.stderr
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=257, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+        num_attention_heads=4, max_position_embeddings=32, tie_word_embeddings=True))
+    total, without = hf.num_parameters(), hf.num_parameters(exclude_embeddings=True)
+    assert without < total  # the counts differ in the line's 2 decimals: 0.72M vs 0.66M
+    assert f"training: {params_words(total, without)}, world 1" in r.stderr, r.stderr

@@ -68,3 +68,16 @@ def test_failure_unwraps_dcp_exceptions_once_dcp_is_imported():
     assert failure(exc, rank=0) == (1, "[Errno 28] No space left on device: '/x'")  # relayed
     assert failure(exc, rank=1)[0] == 0  # its own
     assert failure(ValueError("bad"), rank=0) == (0, "ValueError: bad")
+
+
+def test_import_hpctrain_is_light_and_load_imports_torch_when_called():
+    """`import hpctrain` (every command's start-up, and Python code that calls `hpctrain.load`)
+    imports neither torch nor the API; `hpctrain.load` / `hpctrain.LoadedModel` bring them in."""
+    code = ("import json, sys, hpctrain; heavy = lambda: sorted(m for m in ('torch', 'numpy', "
+            "'hpctrain.api') if m in sys.modules); before = heavy(); "
+            "name = hpctrain.LoadedModel.__name__; print(json.dumps([before, callable(hpctrain.load), "
+            "name, heavy()]))")
+    r = run_cmd([sys.executable, "-c", code], timeout=120, check=True)
+    before, callable_load, name, after = json.loads(r.stdout.strip().splitlines()[-1])
+    assert before == [] and callable_load and name == "LoadedModel"
+    assert {"torch", "hpctrain.api"} <= set(after)
