@@ -131,6 +131,9 @@ def _validate_model(m: ModelConfig) -> None:
     _check(m.n_head >= 1 and m.n_embd % m.n_head == 0, "model.n_head",
            f"n_embd={m.n_embd} must be divisible by n_head={m.n_head}")
     _check(m.block_size >= 1, "model.block_size", "must be >= 1")
+    _check(m.max_positions == 0 or m.max_positions >= m.block_size, "model.max_positions",
+           f"{m.max_positions}: must be 0 (= block_size) or >= model.block_size={m.block_size} "
+           f"(the positions a training sequence uses)")
     _check(m.vocab_size >= 1, "model.vocab_size", "must be >= 1")
     _check(0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)")
     _validate_llama(m)
@@ -389,6 +392,12 @@ def check_same_model(saved: dict, current: dict, path) -> None:
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
     saved = {**defaults, **saved}
     diff = [k for k in current if saved.get(k) != current[k] and k not in _MAY_CHANGE_ON_RESUME]
+    if diff and diff[0] == "block_size":  # a training length, but the data order is in its windows
+        raise ConfigError(f"config key 'model.block_size': {current['block_size']!r} differs from "
+                          f"checkpoint {path} ({saved['block_size']!r}): its sample order counts "
+                          f"windows of block_size + 1 tokens, so it resumes only at that length; to "
+                          f"train at another, `hpctrain export` this run and start a new run.dir "
+                          f"with init.from = the export")
     if diff:
         k = diff[0]
         raise ConfigError(f"config key 'model.{k}': {current[k]!r} differs from checkpoint {path} "

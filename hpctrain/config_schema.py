@@ -71,6 +71,11 @@ class ModelConfig:
     block_size: int = field(metadata={"help": "context length in tokens (training window)"})
     vocab_size: int = field(metadata={"help": "must be >= the dataset's vocab size (padding is allowed)"})
     dropout: float = field(default=0.0, metadata={"help": "dropout probability (0 keeps runs bit-reproducible cheaply)"})
+    max_positions: int = field(default=0, metadata={
+        "help": "positions the model holds (gpt2: rows of its position table; both: what export "
+                "writes as n_positions / max_position_embeddings); 0 = block_size. init.from sets "
+                "it to the folder's, so a shorter block_size trains at that length and the export "
+                "keeps the folder's table and limit"})
     arch: Literal["gpt2", "llama"] = field(default="gpt2", metadata={
         "help": "'gpt2' (LayerNorm, learned positions, GELU, tied embeddings) or 'llama' (RMSNorm, "
                 "rotary positions, SwiGLU, grouped-query attention: Llama 2/3, Mistral, Qwen2). "

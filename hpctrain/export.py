@@ -4,7 +4,9 @@ loads: GPT2LMHeadModel for model.arch = "gpt2"; for "llama" LlamaForCausalLM, Qw
 (q/k/v bias), MixtralForCausalLM (experts) or Qwen2MoeForCausalLM (experts + a gated shared one).
 Weights above --max-shard-size are sharded as transformers does (hpctrain/interop/hf_files.py), and
 the run's dataset tokenizer goes with them (data_tools/tokenizer_files.py), so that
-`pipeline("text-generation", OUT)` works offline.
+`AutoTokenizer.from_pretrained(OUT)` gives the ids the shards hold and
+`pipeline("text-generation", OUT)` works offline. n_positions / max_position_embeddings is
+model.max_positions (an init.from folder's, whatever block_size the run trained at).
 
 The name and layout mappings are hpctrain/interop/hf_gpt2.py's and hf_llama.py's. It reads any
 layout's checkpoint (DCP keys are layout-free: DDP, FSDP, TP, PP save the same FQNs) in one process
@@ -87,16 +89,19 @@ def check_output(out: Path, force: bool) -> None:
                         f"or empty folder, or pass --force to replace its {', '.join(EXPORT_FILES)}")
 
 
-def write_tokenizer(trainer: dict, out: Path, block_size: int) -> list[str]:
-    """The run's dataset tokenizer (as the checkpoint records it) as Hugging Face tokenizer files;
+def write_tokenizer(trainer: dict, out: Path, config: dict) -> list[str]:
+    """The run's dataset tokenizer (as the checkpoint records it) as Hugging Face tokenizer files
+    with which AutoTokenizer gives the shards' ids, for the model of `config` (config.json);
     none, with a one-line warning, for a tokenizer that has no Hugging Face form (bytes)."""
     from data_tools.format import DataError
     from data_tools.tokenizer_files import write_hf_tokenizer
 
     info = trainer.get("tokenizer") or {}
     data_path = str(((trainer.get("config") or {}).get("data") or {}).get("path", ""))
+    positions = config.get("max_position_embeddings") or config["n_positions"]
     try:
-        return write_hf_tokenizer(info, data_path, str(out), max_length=block_size)
+        return write_hf_tokenizer(info, data_path, str(out), max_length=positions,
+                                  model_type=config["model_type"])
     except DataError as e:
         logs.warning(f"warning: no tokenizer files exported: {e}")
         return []
@@ -161,7 +166,7 @@ def export_hf(checkpoint: str | Path, output: str | Path, force: bool = False,
     if isinstance(tok.get("eot_id"), int):
         config["bos_token_id"] = config["eos_token_id"] = tok["eot_id"]
     written = write_folder(out, {"weights": tensors, "config.json": config}, max_bytes,
-                           lambda folder: write_tokenizer(trainer, folder, int(model_cfg["block_size"])))
+                           lambda folder: write_tokenizer(trainer, folder, config))
     shown = written if len(written) <= 6 else [*written[:5], f"... ({len(written)} files)"]
     print(f"exported {ckpt} (step {json.loads((ckpt / disk_format.COMMIT_FILE).read_text())['step']}) "
           f"-> {out} (Hugging Face {config['architectures'][0]}: {', '.join(shown)})")

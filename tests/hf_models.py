@@ -45,12 +45,13 @@ HF_CASES = {
 
 
 def make_hf_model(kind: str, folder, dtype=torch.float32, max_shard_size="5GB", **sizes):
-    """A transformers model of HF_CASES[kind] (sizes: LlamaConfig-style keys to change), saved."""
+    """A transformers model of HF_CASES[kind] (sizes: config keys to change, LlamaConfig-style or
+    GPT2Config's), saved."""
     import transformers
 
     cls_name, extra = HF_CASES[kind]
     if cls_name == "GPT2Config":
-        cfg = transformers.GPT2Config(**extra)
+        cfg = transformers.GPT2Config(**{**extra, **sizes})
     else:
         cfg = getattr(transformers, cls_name)(**{
             "vocab_size": 131, "hidden_size": 32, "intermediate_size": 80, "num_hidden_layers": 2,

@@ -29,7 +29,8 @@ def gpt2_section(cfg: dict) -> dict:
     if abs(cfg.get("layer_norm_epsilon", 1e-5) - 1e-5) > 1e-12:
         raise UserError(f"config.json: layer_norm_epsilon {cfg['layer_norm_epsilon']}: gpt2 uses 1e-5")
     return {"arch": "gpt2", "n_layer": cfg["n_layer"], "n_head": cfg["n_head"], "n_embd": width,
-            "block_size": cfg["n_positions"], "vocab_size": cfg["vocab_size"]}
+            "block_size": cfg["n_positions"], "max_positions": cfg["n_positions"],
+            "vocab_size": cfg["vocab_size"]}
 
 
 def gpt2_source(fqn: str, width: int) -> tuple[str, bool, int]:
@@ -72,9 +73,10 @@ def to_hf_gpt2(sd: dict, m: dict) -> tuple[dict, dict]:
             out[hf + b + ".weight"] = get(ours + a + ".weight").t()
             out[hf + b + ".bias"] = get(ours + a + ".bias")
     out = {k: v.contiguous() for k, v in out.items()}
+    positions = m.get("max_positions") or m["block_size"]  # wpe's rows, all of them
     config = {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": m["vocab_size"], "n_positions": m["block_size"], "n_ctx": m["block_size"],
+        "vocab_size": m["vocab_size"], "n_positions": positions, "n_ctx": positions,
         "n_embd": m["n_embd"], "n_layer": m["n_layer"], "n_head": m["n_head"], "n_inner": None,
         "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "initializer_range": 0.02,

@@ -78,12 +78,29 @@ def fill_model_section(raw: dict, coerce) -> dict:
     resumed = resumed_model_section(checkpoint_root(raw))
     if resumed:  # a key given that differs: the resume's model check names it and the checkpoint
         return {**raw, "model": {**resumed, **given}}
-    for key, value in model_section(folder).items():
-        if key in given and coerce(f"model.{key}", given[key], value) != value:
+    section = model_section(folder)
+    length = given.get("block_size")  # the training length: any up to the folder's positions
+    for key, value in section.items():
+        if key in given and key != "block_size" and coerce(f"model.{key}", given[key], value) != value:
             raise ConfigError(f"config key 'model.{key}': {given[key]!r} conflicts with init.from "
                               f"{Path(folder) / 'config.json'} ({value!r}); remove the key")
         given[key] = value
+    if length is not None:
+        given["block_size"] = training_length(coerce("model.block_size", length, 1), section, folder)
     return {**raw, "model": given}
+
+
+def training_length(length: int, section: dict, folder: str | Path) -> int:
+    """model.block_size given with init.from: the sequence length to train at, at most the
+    positions the folder's model holds (max_position_embeddings / n_positions: rope tables are
+    computed for the training length, gpt2's position table keeps all its rows)."""
+    limit = section["max_positions"]
+    if length > limit:
+        field = CONFIG_JSON_KEYS[section.get("arch", "gpt2")]["max_positions"]
+        raise ConfigError(f"config key 'model.block_size': {length} exceeds init.from "
+                          f"{Path(folder) / 'config.json'}'s {field} ({limit}); train at most "
+                          f"{limit} tokens per sequence (longer, by rope scaling, is not supported)")
+    return length
 
 
 def source_of(fqn: str, section: dict) -> tuple[str, bool, int] | None:
@@ -185,9 +202,10 @@ def source_words(files: WeightFiles, fqn: str, param, section: dict) -> str:
 # [model] key -> the config.json field it comes from (hf_gpt2.gpt2_section, hf_llama, hf_moe)
 CONFIG_JSON_KEYS = {
     "gpt2": {"n_layer": "n_layer", "n_embd": "n_embd", "vocab_size": "vocab_size",
-             "block_size": "n_positions"},
+             "block_size": "n_positions", "max_positions": "n_positions"},
     "llama": {"n_layer": "num_hidden_layers", "n_embd": "hidden_size", "vocab_size": "vocab_size",
               "ffn_hidden": "intermediate_size", "block_size": "max_position_embeddings",
+              "max_positions": "max_position_embeddings",
               "moe_experts": "num_local_experts / num_experts",
               "moe_expert_hidden": "intermediate_size / moe_intermediate_size",
               "moe_shared_hidden": "shared_expert_intermediate_size"},

@@ -97,7 +97,7 @@ def hf_config(model: dict, model_type: str = "llama") -> dict:
            "vocab_size": c.vocab_size, "hidden_size": c.n_embd, "intermediate_size": c.ffn_hidden_size,
            "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head,
            "num_key_value_heads": c.kv_heads, "head_dim": c.head_dim, "hidden_act": "silu",
-           "max_position_embeddings": c.block_size, "rms_norm_eps": c.rms_norm_eps,
+           "max_position_embeddings": c.max_positions or c.block_size, "rms_norm_eps": c.rms_norm_eps,
            "rope_theta": c.rope_theta, "tie_word_embeddings": c.tie_embeddings,
            "attention_dropout": 0.0, "torch_dtype": "float32"}
     if c.rope_scaling_factor > 0:
@@ -137,7 +137,8 @@ def model_section_from_hf(cfg: dict) -> dict:
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     section = {"arch": "llama", "n_layer": cfg["num_hidden_layers"], "n_head": n_head, "n_embd": width,
                "n_kv_head": cfg.get("num_key_value_heads") or n_head,
-               "block_size": cfg.get("max_position_embeddings", 2048), "vocab_size": cfg["vocab_size"],
+               "block_size": cfg.get("max_position_embeddings", 2048),
+               "max_positions": cfg.get("max_position_embeddings", 2048), "vocab_size": cfg["vocab_size"],
                "ffn_hidden": cfg["intermediate_size"], "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6),
                "rope_theta": float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
                "qkv_bias": kind in ("qwen2", "qwen2_moe"),

@@ -30,6 +30,11 @@ class GPTConfig:
     block_size: int
     vocab_size: int
     dropout: float = 0.0
+    max_positions: int = 0  # rows of the position table (0: block_size); only the first block_size are used
+
+    @property
+    def positions(self) -> int:
+        return self.max_positions or self.block_size
 
 
 class CausalSelfAttention(nn.Module):
@@ -85,7 +90,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.pos_emb = nn.Embedding(cfg.positions, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
         self.norm_f = nn.LayerNorm(cfg.n_embd)

@@ -38,6 +38,7 @@ class LlamaConfig:
     block_size: int
     vocab_size: int
     dropout: float = 0.0
+    max_positions: int = 0          # what export writes as max_position_embeddings (0: block_size)
     n_kv_head: int = 0              # 0: n_head (multi-head attention)
     rope_theta: float = 10000.0
     rope_scaling_factor: float = 0.0  # 0: off; > 0: Llama-3.1 "llama3" frequency scaling

@@ -27,8 +27,8 @@ from hpctrain.plan import moe
 # (plan/memory.py's model state, 4 + 4 + 8 in every precision), before any sharding
 STATE_BYTES_PER_PARAM = 16
 # The [model] keys a parameter count grows with (`ModelShape.size_key` names one)
-SIZE_KEYS = ("n_layer", "n_embd", "vocab_size", "ffn_hidden", "block_size", "moe_experts",
-             "moe_expert_hidden", "moe_shared_hidden")
+SIZE_KEYS = ("n_layer", "n_embd", "vocab_size", "ffn_hidden", "block_size", "max_positions",
+             "moe_experts", "moe_expert_hidden", "moe_shared_hidden")
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class ModelShape:
     vocab_size: int
     block_size: int
     dropout: float = 0.0
+    max_positions: int = 0          # gpt2's position table rows (0 = block_size)
     arch: str = "gpt2"              # model.arch: gpt2 | llama; the keys below are llama's
     n_kv_head: int = 0              # 0 = n_head
     ffn_hidden: int = 0             # 0 = Llama's rule from multiple_of / ffn_dim_multiplier
@@ -144,8 +145,14 @@ class ModelShape:
         return 0 if self.tied else self.vocab_size * self.n_embd
 
     @property
+    def positions(self) -> int:
+        """gpt2's position table rows: model.max_positions (init.from's n_positions), else
+        block_size (the training length, which may be shorter than the table)."""
+        return self.max_positions or self.block_size
+
+    @property
     def position_params(self) -> int:
-        return 0 if self.llama else self.block_size * self.n_embd
+        return 0 if self.llama else self.positions * self.n_embd
 
     @property
     def norm_f_params(self) -> int:
@@ -204,7 +211,7 @@ class ModelShape:
         return math.ceil(self.vocab_size / tp) * self.n_embd
 
     def position_params_tp(self, tp: int) -> int:
-        return math.ceil(self.block_size / tp) * self.n_embd if not self.llama else 0
+        return math.ceil(self.positions / tp) * self.n_embd if not self.llama else 0
 
 
 def _llama3(n_layer: int, n_embd: int, n_head: int) -> ModelShape:

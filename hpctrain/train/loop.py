@@ -49,7 +49,7 @@ from hpctrain.train.hooks import LoopHooks
 from hpctrain.train.resume import resume_newest
 from hpctrain.train.model_setup import build_model, check_model_fits
 from hpctrain.train.moe_monitor import monitor_for
-from hpctrain.model.optim import build_optimizer, lr_at, set_lr
+from hpctrain.model.optim import build_optimizer, lr_at, set_lr, undecayed_matrices
 from hpctrain.train.states import ModelState, OptimState, RNGStates
 
 
@@ -77,7 +77,7 @@ class Trainer:
         self.params, self.flops_per_token = built.params, built.flops_per_token
         self.layout = built.layout  # the modules in this job's layout
         self.model = self.layout.module  # this rank's parameters (a pipeline stage holds a subset)
-        self.optimizer = build_optimizer(self.model, t)
+        self.optimizer = build_optimizer(self.model, t, undecayed_matrices(cfg.model))
         self.ckpt = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep, ctx.rank, ctx.world_size,
                                       timeout_s=cfg.dist.timeout_s,
                                       full_checksums=cfg.checkpoint.full_checksums,

@@ -36,8 +36,9 @@ def hpctrain(*args, **kw):
     return run_cmd([sys.executable, "-m", "hpctrain", *args], timeout=180, env=OFFLINE, **kw)
 
 
-def save_run(run, section: dict, seed: int = 5):
-    """A run dir with one checkpoint of `section`'s model, random (not init-time) weights."""
+def save_run(run, section: dict, seed: int = 5, tokenizer: dict = GPT2_TOKENIZER):
+    """A run dir with one checkpoint of `section`'s model, random (not init-time) weights, whose
+    dataset had `tokenizer` (a checkpoint's record: the manifest's + tokenizer_file_of)."""
     torch.manual_seed(seed)
     model = build_model_from_section(section)
     with torch.no_grad():
@@ -46,7 +47,7 @@ def save_run(run, section: dict, seed: int = 5):
     msd, _ = get_state_dict(model, [])
     mgr = CheckpointManager(run / "checkpoints", keep=1, rank=0, world_size=1)
     mgr.save(7, {"model": msd}, {"step": 7, "config": {"model": section, "data": {"path": ""}},
-                                 "tokenizer": GPT2_TOKENIZER})
+                                 "tokenizer": tokenizer})
     return model.eval()
 
 
