@@ -417,8 +417,9 @@ class MetricsConfig:
         "help": "also log every metrics.jsonl record (loss, lr, grad_norm, tokens_per_s, mfu, val_loss, "
                 "...; the TensorBoard tags) to Weights & Biases from rank 0, step = training step; needs "
                 "`pip install 'hpctrain[wandb]'`. WANDB_MODE=offline (compute nodes without network) "
-                "writes RUN_DIR/wandb/offline-run-*: upload it with `wandb sync`. The W&B run id is "
-                "kept in RUN_DIR/wandb_run.json: a resume or requeue continues the same W&B run"})
+                "writes RUN_DIR/wandb/offline-run-* (or under $WANDB_DIR): upload it with `wandb "
+                "sync`. The W&B run id is kept in RUN_DIR/wandb_run.json: a resume or requeue "
+                "continues the same W&B run, each step logged once"})
     wandb_project: str = field(default="hpctrain", metadata={"help": "W&B project"})
     wandb_entity: str = field(default="", metadata={"help": "W&B team or user ('' = your default entity)"})
     wandb_run_name: str = field(default="", metadata={"help": "W&B run name ('' = the run dir's name)"})
@@ -433,9 +434,9 @@ class MetricsConfig:
     profile_with_stack: bool = field(default=False, metadata={
         "help": "profile_steps: record Python stacks of operators (larger traces, slower steps in the range)"})
     memory_snapshot_steps: str = field(default="", metadata={
-        "help": "'A-B': CUDA allocator history over steps A..B dumped at the end of B to "
-                "RUN_DIR/profile/memory_rank_<r>.pickle (drag into pytorch.org/memory_viz); needs "
-                "CUDA: a run on CPUs refuses it at start ('' = off)"})
+        "help": "'A-B': CUDA allocator history over steps A..B dumped after step B to "
+                "RUN_DIR/profile/memory_rank_<r>_steps_A-B.pickle (drag into pytorch.org/memory_viz); "
+                "needs CUDA: a run on CPUs refuses it at start ('' = off)"})
 
 
 @dataclass

@@ -14,11 +14,17 @@ Network: W&B's own `WANDB_MODE` is honoured. On compute nodes without network se
 `WANDB_MODE=offline`: the run is written to `<run.dir>/wandb/offline-run-*` (or under `$WANDB_DIR`)
 and `wandb sync <run.dir>/wandb/offline-run-*` uploads it later from a login node.
 
-Resume: W&B cannot take back a logged step. The loop reopens the log at the checkpoint's step S;
-the steps after S that the stopped attempt logged (up to metrics.jsonl's last step) are re-run
-bit-exactly and not logged again (W&B keeps the first values). A bigger cut (a start over, a resume
-from an older checkpoint: the cases where metrics.jsonl keeps its old file aside) starts a new W&B
-run, so no W&B run mixes two histories; the old W&B run stays as the record of what was cut.
+Resume: W&B cannot take back a logged step. The loop reopens the log at the checkpoint's step S,
+keeping metrics.jsonl's records up to S. The W&B run continues, and first learns the last step it
+holds, H: online the server's; offline the last row of its earlier `offline-run-*` files
+(wandb_history.py; a killed job's W&B service dies with the rows of its last seconds, which only
+reach the file every 15 s or at the end). The kept records after H are replayed from the file, and
+the re-run steps W&B holds (up to H) are not logged again (the re-run is bit-exact): W&B ends with
+every step once, metrics.jsonl's numbers. Without its earlier files (synced and cleaned, moved) H
+is what metrics.jsonl held before. A bigger cut (a start over, a resume from an older checkpoint:
+the cases where metrics.jsonl keeps its old file aside) starts a new W&B run holding the kept log,
+so no W&B run mixes two histories; the old W&B run stays as the record of what was cut. Turning
+W&B on at a resume gives the new W&B run the whole log so far.
 """
 from __future__ import annotations
 
@@ -109,7 +115,8 @@ def _run_identity(run_dir: Path, cfg, fresh: bool, root: str) -> tuple[dict, boo
     stored = _read_identity(path)
     continued = stored is not None and not fresh
     if continued:
-        identity = {**stored, "dirs": [*stored.get("dirs", []), *([] if root in stored.get("dirs", []) else [root])]}
+        dirs = stored.get("dirs", [])
+        identity = {**stored, "dirs": dirs if root in dirs else [*dirs, root]}
     else:
         group = slurm_group() if cfg.metrics.wandb_group == "auto" else (cfg.metrics.wandb_group or None)
         identity = {"id": new_id(), "group": group, "dirs": [root]}
@@ -163,7 +170,8 @@ def open_writer(cfg, start) -> WandbWriter | None:
     try:
         run = wandb.init(project=m.wandb_project, entity=m.wandb_entity or None,
                          name=m.wandb_run_name or run_dir.name, group=identity.get("group"),
-                         id=identity["id"], resume="allow", config=cfg.to_dict(), job_type="train",
+                         id=identity["id"], resume="allow", config=cfg.to_dict(), allow_val_change=True,
+                         job_type="train",
                          dir=root, settings=wandb.Settings(console="off", quiet=True))
     except Exception as e:  # no network without WANDB_MODE=offline, a bad entity, ...
         log.warning(f"warning: W&B logging off: {e} (no network on this node? set WANDB_MODE=offline "
