@@ -33,6 +33,9 @@ def _train(argv: list[str]) -> int:
     parser.add_argument("--config", help="TOML config file (see configs/)")
     args, overrides = parser.parse_known_args(argv)
     cfg = config.load(args.config, overrides)  # config errors surface before MPI starts
+    from hpctrain.metrics.wandb_log import check_installed
+
+    check_installed(cfg)  # metrics.wandb = true needs the extra: said before MPI starts too
 
     from hpctrain.distributed import init_distributed, teardown
     from hpctrain.distributed.preempt import install_signal_handlers, requeue_if_requested

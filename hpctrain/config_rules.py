@@ -67,6 +67,11 @@ def validate(cfg: Config) -> Config:
     _validate_compile_scope(t, cfg.parallel)
     _validate_slurm(cfg.slurm)
     _validate_seconds(cfg)
+    for key in ("profile_steps", "memory_snapshot_steps"):  # 'A-B' within the run, or '' (off)
+        text = getattr(cfg.metrics, key)
+        _check(text == "" or step_range(text, t.steps) is not None, f"metrics.{key}",
+               f"{text!r}: expected 'A-B', training steps 1 <= A <= B <= train.steps={t.steps} (e.g. "
+               f"'10-12'), or '' (off)")
     return cfg
 
 
@@ -105,6 +110,13 @@ def stripe_size_bytes(text: str) -> int | None:
     size = int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
     ok = size == 0 or (size % STRIPE_UNIT == 0 and size <= STRIPE_MAX)
     return size if ok else None
+
+
+def step_range(text: str, steps: int) -> tuple[int, int] | None:
+    """metrics.profile_steps / memory_snapshot_steps 'A-B' as (A, B); None unless 1 <= A <= B <= steps."""
+    m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", text)
+    first, last = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+    return (first, last) if 1 <= first <= last <= steps else None
 
 
 def _validate_seconds(cfg: Config) -> None:

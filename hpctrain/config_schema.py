@@ -416,6 +416,34 @@ class InitConfig:
 
 
 @dataclass
+class MetricsConfig:
+    wandb: bool = field(default=False, metadata={
+        "help": "also log every metrics.jsonl record (loss, lr, grad_norm, tokens_per_s, mfu, val_loss, "
+                "...; the TensorBoard tags) to Weights & Biases from rank 0, step = training step; needs "
+                "`pip install 'hpctrain[wandb]'`. WANDB_MODE=offline (compute nodes without network) "
+                "writes RUN_DIR/wandb/offline-run-* (or under $WANDB_DIR): upload it with `wandb "
+                "sync`. The W&B run id is kept in RUN_DIR/wandb_run.json: a resume or requeue "
+                "continues the same W&B run, each step logged once"})
+    wandb_project: str = field(default="hpctrain", metadata={"help": "W&B project"})
+    wandb_entity: str = field(default="", metadata={"help": "W&B team or user ('' = your default entity)"})
+    wandb_run_name: str = field(default="", metadata={"help": "W&B run name ('' = the run dir's name)"})
+    wandb_group: str = field(default="auto", metadata={
+        "help": "W&B group: auto (the Slurm job array's id, else the Slurm job id, kept from the "
+                "run's first job; none outside Slurm) | '' (none) | a name"})
+    profile_steps: str = field(default="", metadata={
+        "help": "'A-B': torch.profiler over training steps A..B (one warmup step before A), a Chrome "
+                "trace per training rank in RUN_DIR/profile/rank_<r>_steps_A-B.json (chrome://tracing, "
+                "Perfetto); CPU + CUDA activities on GPUs; nothing outside the range ('' = off)"})
+    profile_record_shapes: bool = field(default=False, metadata={"help": "profile_steps: record operator input shapes"})
+    profile_with_stack: bool = field(default=False, metadata={
+        "help": "profile_steps: record Python stacks of operators (larger traces, slower steps in the range)"})
+    memory_snapshot_steps: str = field(default="", metadata={
+        "help": "'A-B': CUDA allocator history over steps A..B dumped after step B to "
+                "RUN_DIR/profile/memory_rank_<r>_steps_A-B.pickle (drag into pytorch.org/memory_viz); "
+                "needs CUDA: a run on CPUs refuses it at start ('' = off)"})
+
+
+@dataclass
 class Config:
     run: RunConfig
     data: DataConfig
@@ -427,6 +455,7 @@ class Config:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     init: InitConfig = field(default_factory=InitConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     @property
     def checkpoint_dir(self) -> Path:

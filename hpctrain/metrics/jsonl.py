@@ -15,8 +15,9 @@ line naming the file: metrics are the record of the run, and a full disk fails t
 too, so the run stops at its last committed checkpoint and resumes from it once there is space.
 
 The same records also go to TensorBoard event files in `tensorboard/` next to the log, when the
-`tensorboard` package is installed and `HPCTRAIN_TENSORBOARD` is not 0 (see `tensorboard.py`). A
-failure there is reported once and turns TensorBoard off; it never stops training.
+`tensorboard` package is installed and `HPCTRAIN_TENSORBOARD` is not 0 (see `tensorboard.py`), and,
+with `metrics.wandb = true` (the run's config given), to Weights & Biases (`wandb_log.py`). A
+failure in one of these views is reported once and turns it off; it never stops training.
 """
 from __future__ import annotations
 
@@ -26,19 +27,26 @@ from pathlib import Path
 
 from hpctrain import logs
 from hpctrain.errors import UserError
-from hpctrain.metrics import tensorboard
+from hpctrain.metrics import tensorboard, wandb_log
 from hpctrain.distributed.run_lock import assert_held
 
 log = logs.get_logger(__name__)
 
 
 class MetricsLog:
-    def __init__(self, path: str | Path, enabled: bool, resume_step: int = 0, rerun_window: int = 0):
+    """`cfg`: the run's config, for the views its [metrics] section turns on (W&B); None for the
+    per-rank logs of workers that step apart."""
+
+    def __init__(self, path: str | Path, enabled: bool, resume_step: int = 0, rerun_window: int = 0,
+                 cfg=None):
         self.path = Path(path)
         self.rerun_window = rerun_window
         self.enabled = enabled
         self._fd = None
-        self._tb = None
+        self._views = {}  # name: writer (write, close) of the views of the log
+        # this start: the step it resumes from, the records kept (step <= it), the last step the log
+        # held before and whether that log was kept aside (a cut): what W&B needs to catch up
+        self.resume_step, self.kept, self.last_step, self.cut = resume_step, [], None, False
         if not enabled:
             return
         try:
@@ -47,7 +55,11 @@ class MetricsLog:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as e:
             raise _cannot_write(self.path, e, "open") from e
-        self._tb = tensorboard.open_writer(self.path.parent / "tensorboard", resume_step)
+        views = {"TensorBoard": tensorboard.open_writer(self.path.parent / "tensorboard", resume_step)}
+        if cfg is not None:
+            views["W&B"] = wandb_log.open_writer(cfg, self)
+        self._views = {name: w for name, w in views.items() if w is not None}
+        self.kept = []
 
     def _resume_at(self, step: int) -> None:
         """Drop the records after `step` (keeping the file as it was), and any torn last line."""
@@ -60,6 +72,8 @@ class MetricsLog:
         dropped = len(records) - len(kept)
         last = max((rec.get("step", 0) for _, rec in records), default=0)
         keep_old = dropped and (step == 0 or last - step > self.rerun_window)
+        self.last_step, self.cut = (last if records else None), bool(keep_old)
+        self.kept = [rec for _, rec in records if rec.get("step", 0) <= step]
         if not dropped and len(kept) == len(lines) and (not raw or raw.endswith(b"\n")):
             return  # nothing to drop, nothing torn: append to it as it is
         assert_held()
@@ -95,18 +109,18 @@ class MetricsLog:
         except OSError as e:
             _cut_back(self._fd, good)
             raise _cannot_write(self.path, e, f"append step {record.get('step')} to") from e
-        if self._tb is not None:
+        for name, view in list(self._views.items()):
             try:
-                self._tb.write(record)
+                view.write(record)
             except Exception as e:  # a view of the log: never worth stopping training for
-                log.warning(f"warning: TensorBoard logging off after an error: {e}")
-                self._close_tb()
+                log.warning(f"warning: {name} logging off after an error: {e}")
+                self._close_view(name)
 
-    def _close_tb(self) -> None:
-        tb, self._tb = self._tb, None
-        if tb is not None:
+    def _close_view(self, name: str) -> None:
+        view = self._views.pop(name, None)
+        if view is not None:
             try:
-                tb.close()
+                view.close()
             except Exception:
                 pass
 
@@ -114,7 +128,8 @@ class MetricsLog:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        self._close_tb()
+        for name in list(self._views):
+            self._close_view(name)
 
 
 def _cannot_write(path: Path, e: OSError, what: str) -> UserError:

@@ -29,19 +29,18 @@ from hpctrain.checkpoint import CheckpointManager
 from hpctrain.checkpoint.snapshot import PeerSnapshots
 from hpctrain.config import Config
 from hpctrain.config_rules import global_batch_line, stop_at_step_line
-from hpctrain.distributed import DistContext
+from hpctrain.distributed import DistContext, run_lock
 from hpctrain.distributed.bootstrap import mpi_library
 from hpctrain.distributed.preempt import NONE, Preemption
 from hpctrain.distributed.mesh import Mesh, ParallelDims, replica_ranks
 from hpctrain.distributed.watchdog import watch_peers
-from hpctrain.metrics import MetricsLog, format_eta
+from hpctrain.metrics import MetricsLog, format_eta, profiling
 from hpctrain.metrics.mfu import MfuMeter
 from hpctrain.metrics.peak import job_meter
 from hpctrain.metrics.straggler import StragglerDetector
 from hpctrain.parallel import build_runner
 from hpctrain.sync import modes
 from hpctrain.train import rng, run_plan
-from hpctrain.distributed import run_lock
 from hpctrain.train.data import TrainData
 from hpctrain.train.bad_steps import all_finite, check_resumed_weights
 from hpctrain.train.engine import StepEngine
@@ -101,6 +100,7 @@ class Trainer:
         self.hooks = LoopHooks()
         self.hooks.add("before_save", self.sync.before_save)  # ps, async_diloco: the servers' model
         self.hooks.add("after_save", self.sync.after_save)
+        profiling.attach(self)  # metrics.profile_steps / memory_snapshot_steps: their windows of steps
         # every checkpoint.snapshot_interval steps: the state into node memory here and on a buddy node
         self.snapshots = PeerSnapshots(cfg.checkpoint.snapshot_interval, cfg.checkpoint.snapshot_dir,
                                        cfg.run.dir, ctx, timeout_s=cfg.dist.timeout_s,
@@ -282,7 +282,7 @@ class Trainer:
         run, ctx = Path(self.cfg.run.dir), self.ctx
         window = self.cfg.checkpoint.interval
         if ctx.is_main or self.sync.collective_steps:
-            return MetricsLog(run / "metrics.jsonl", ctx.is_main, self.step, window)
+            return MetricsLog(run / "metrics.jsonl", ctx.is_main, self.step, window, self.cfg)
         return MetricsLog(run / f"metrics.rank{ctx.rank}.jsonl", self.sync.writes_metrics, self.step, window)
 
     def _validate(self, metrics: MetricsLog) -> None:

@@ -18,7 +18,8 @@ from tests.conftest import run_cmd
 # Not imported by `import hpctrain.train.loop` (each ~0.1-0.6 s CPU, or pulled in by one that is)
 DEFERRED = ("sympy", "torch.fx.experimental.symbolic_shapes", "torch.distributed.tensor",
             "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.pipelining",
-            "torch.distributed._functional_collectives", "torch._dynamo")
+            "torch.distributed._functional_collectives", "torch._dynamo",
+            "wandb")  # ~0.5 s; only with metrics.wandb = true (hpctrain/metrics/wandb_log.py)
 
 
 PROBE = """

@@ -137,7 +137,7 @@ def test_write_error_turns_tensorboard_off(tmp_path, monkeypatch, capfd):
     def boom(record):
         raise OSError("disk full")
 
-    monkeypatch.setattr(m._tb, "write", boom)
+    monkeypatch.setattr(m._views["TensorBoard"], "write", boom)
     m.write(step_rec(1, 3.0))
     m.write(step_rec(2, 2.9))
     m.close()
