@@ -30,7 +30,7 @@ MAX_FILE_BYTES = 16 << 20
 MAX_WORLD = 1 << 20  # a world larger than this is a damaged number (the report lists the ranks)
 # field -> (kind, may it be null, must it be present); kinds: see _KINDS
 RECORD_FIELDS = {
-    "rank": ("int", False, True), "world": ("int", False, True), "step": ("int", False, True),
+    "rank": ("int", False, True), "world": ("int", False, True), "step": ("step", False, True),
     "kind": ("str", False, False), "verdict": ("str", False, False), "lost": ("int", True, False),
     "pid": ("int", True, False), "host": ("str", True, False),
     "innermost_frame": ("str", True, False), "open": ("entry", True, False),
@@ -144,9 +144,11 @@ def _check_stacks(stacks) -> None:
 
 
 _KINDS = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+          # a beacon's verdict record (beacon.py) does not know the step: "?"
+          "step": lambda v: v == "?" or (isinstance(v, int) and not isinstance(v, bool)),
           "str": lambda v: isinstance(v, str), "bool": lambda v: isinstance(v, bool),
           "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}
-_KIND_NAMES = {"int": "an integer", "str": "a string", "bool": "true/false", "number": "a number"}
+_KIND_NAMES = {"int": "an integer", "step": 'an integer (or "?")', "str": "a string", "bool": "true/false", "number": "a number"}
 
 
 def _json_kind(value) -> str:

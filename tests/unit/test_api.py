@@ -307,5 +307,8 @@ def test_a_hugging_face_folder_brings_its_tokenizer(tmp_path):
 
     make_hf_model("gpt2", tmp_path / "gpt2")
     write_hf_tokenizer({"name": "gpt2"}, "", str(tmp_path / "gpt2"))
+    lm = hpctrain.load(tmp_path / "gpt2", device="cpu")  # its tokenizer.json first, as transformers
+    assert lm.encode("Hello world") == [15496, 995]
+    (tmp_path / "gpt2" / "tokenizer.json").unlink()  # then GPT-2's genuine vocab.json + merges.txt
     lm = hpctrain.load(tmp_path / "gpt2", device="cpu")
     assert lm.tokenizer.name == "gpt2" and lm.encode("Hello world") == [15496, 995]
