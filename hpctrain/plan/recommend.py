@@ -7,6 +7,7 @@ the token budget (--tokens). It must never judge a layout (search.py does).
 """
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass, field, replace
 
 from hpctrain.plan import search
@@ -91,7 +92,7 @@ def as_json(a: Advice, config: str | None = None) -> dict:
 
 
 def train_command(job: Job, config: str | None) -> str:
-    return f"python -m hpctrain train --config {config or 'YOUR.toml'} {search.train_flags(job)}"
+    return f"python -m hpctrain train --config {shlex.quote(config or 'YOUR.toml')} {search.train_flags(job)}"
 
 
 def _row(c: search.Candidate, tokens: float) -> tuple:

@@ -10,6 +10,7 @@ import difflib
 import json
 import os
 import re
+import shlex
 import stat
 import subprocess
 
@@ -44,7 +45,7 @@ def test_preset_and_config_recommend_the_same_line(capsys, preset, nodes):
     rc_c, by_config, err = _plan(capsys, ["--config", ROOT / config, "--nodes", nodes])
     assert (rc_p, rc_c) == (0, 0), err
     line = _recommended(by_preset)
-    assert line == _recommended(by_config).replace(str(ROOT / config), config)
+    assert line == _recommended(by_config).replace(shlex.quote(str(ROOT / config)), config)
     assert "--train.global_batch=512" in line and "--train.micro_batch_size=1" in line
     if preset == "llama3-8b":
         assert line.startswith("recommended: fsdp dp16 tp2 pp1 mb1x32 ac=none: ")
@@ -113,8 +114,8 @@ def test_the_written_script_carries_the_plan(capsys, tmp_path):
         assert want in got, got
     assert len(got) == len({d.split("=")[0] for d in got})  # each key once
     assert not [d for d in got if d.startswith(("--gpus-per-task", "--gres", "--ntasks="))]
-    flags = _recommended(out).split(f"--config {CFG_8B} ", 1)[1]
-    assert f"CONFIG={CFG_8B}\nset -- {flags} \"$@\"\n" in text
+    flags = _recommended(out).split(f"--config {shlex.quote(CFG_8B)} ", 1)[1]  # a path may hold spaces
+    assert f"CONFIG={shlex.quote(CFG_8B)}\nset -- {flags} \"$@\"\n" in text
     assert f"wrote {target}: " in out and out.rstrip().endswith(f"submit it: sbatch {target}")
 
 
