@@ -26,6 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hpctrain.model.moe_rows import combine, dispatch, rows_by_token
+
 GATES = ("softmax", "sigmoid")
 
 
@@ -201,9 +203,13 @@ class MoEFeedForward(nn.Module):
         # rows per expert, without bincount (on CUDA it reads the ids' min and max on the host)
         counts = torch.zeros(self.cfg.n_experts, dtype=torch.int64, device=flat.device).index_add_(
             0, flat, torch.ones_like(flat))
-        out_sorted = self.experts(x[order // self.cfg.top_k], counts)  # on x's device
+        # each sorted row's token, and the rows grouped by token: dispatch and combine (and their
+        # backward) gather and add in a fixed order, no atomics (hpctrain/model/moe_rows.py)
+        token_of_row, top_k = order // self.cfg.top_k, self.cfg.top_k
+        by_token = rows_by_token(token_of_row)
+        out_sorted = self.experts(dispatch(x, token_of_row, by_token, top_k), counts)  # on x's device
         weighted = out_sorted * gates.reshape(-1)[order, None]  # fp32 gates, as transformers
-        out = torch.zeros_like(x).index_add_(0, order // self.cfg.top_k, weighted.to(x.dtype))
+        out = combine(weighted.to(x.dtype), token_of_row, by_token, top_k)
         if self.shared is not None:
             shared = self.shared(x, [x.shape[0]])
             if self.shared_gate is not None:
