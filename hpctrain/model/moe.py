@@ -69,18 +69,20 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
 
-    def forward(self, x_sorted: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
+    def forward(self, x_sorted: torch.Tensor, counts: list[int] | torch.Tensor,
+                counts_host: list[int] | None = None) -> torch.Tensor:
         """x_sorted [N, C], rows grouped by expert, counts[e] rows for local expert e (a host list,
-        or a tensor on x's device: MoEFeedForward's, which expert parallelism exchanges as is)."""
+        or a tensor on x's device: MoEFeedForward's, which expert parallelism exchanges as is).
+        `counts_host`: the same counts on the host, when the caller has them (no host copy here)."""
         if _grouped_mm_fits(x_sorted, self.w1, self.w3, self.w2):
             counts = torch.as_tensor(counts, device=x_sorted.device)
             return grouped_swiglu(x_sorted, self.w1, self.w3, self.w2, counts.cumsum(0).to(torch.int32))
         counts_t = counts if isinstance(counts, torch.Tensor) else None
-        if counts_t is not None:
-            counts = counts_t.tolist()  # the CUDA and loop paths size their groups on the host
+        if counts_host is None:  # the CUDA and loop paths size their groups on the host: on a GPU
+            counts_host = counts_t.tolist() if counts_t is not None else list(counts)  # one sync
         if _cuda_grouped_mm_fits(x_sorted, self.w1):
-            return cuda_grouped_swiglu(x_sorted, self.w1, self.w3, self.w2, counts, counts_t)
-        return loop_swiglu(x_sorted, self.w1, self.w3, self.w2, counts)
+            return cuda_grouped_swiglu(x_sorted, self.w1, self.w3, self.w2, counts_host, counts_t)
+        return loop_swiglu(x_sorted, self.w1, self.w3, self.w2, counts_host)
 
 
 def loop_swiglu(x_sorted: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
