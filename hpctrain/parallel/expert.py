@@ -84,7 +84,7 @@ class ExpertParallelExperts(nn.Module):
         recv_rows = [sum(r) for r in recv_h]
         place = [(sum(row[:lo]), sum(row)) for row in every_h]
         received = _exchange(x_sorted, recv_rows, send_rows, self.group) if ep > 1 else x_sorted
-        if received.is_cuda and not self.per_source_grads:  # one grouped matmul for every source
+        if one_group_per_expert(received, self.per_source_grads):
             out = all_sources_grouped(received, self._local_weights(), recv_t, recv_h)
         else:
             out = self._per_source(received, recv_h, recv_t, place)
@@ -129,6 +129,12 @@ class ExpertParallelExperts(nn.Module):
                 slots = w.new_zeros(self.ep, *w.shape)
             out.append(slots)
         return out
+
+
+def one_group_per_expert(received: torch.Tensor, per_source_grads: bool) -> bool:
+    """Whether every source's rows of an expert go in one group (all_sources_grouped): on CUDA,
+    unless parallel.deterministic_experts keeps the per-source blocks (and their gradients)."""
+    return received.is_cuda and not per_source_grads
 
 
 def all_sources_grouped(received: torch.Tensor, w: SimpleNamespace, recv_t: torch.Tensor,
