@@ -154,3 +154,20 @@ def test_cpu_numbers_bit_identical_to_index_add(dtype, top_k):
     assert len(new_numbers) == len(old_numbers) == 9
     for a, b in zip(new_numbers, old_numbers):
         assert torch.equal(a, b), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("device, asked, on", [("cuda", True, True), ("cpu", True, False),
+                                               ("cuda", False, False)])
+def test_deterministic_experts_turn_on_torchs_deterministic_algorithms_on_cuda_only(device, asked, on, monkeypatch):
+    """The rest of a CUDA step (attention's backward) adds in one order only in torch's
+    deterministic mode: parallel.deterministic_experts sets it there, with cuBLAS's workspace."""
+    from hpctrain.train.precision import apply_deterministic
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        assert apply_deterministic(torch.device(device), asked) is on
+        assert torch.are_deterministic_algorithms_enabled() is on
+        assert ("CUBLAS_WORKSPACE_CONFIG" in __import__("os").environ) is on
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
