@@ -79,10 +79,17 @@ class Experts(nn.Module):
             return grouped_swiglu(x_sorted, self.w1, self.w3, self.w2, counts.cumsum(0).to(torch.int32))
         counts_t = counts if isinstance(counts, torch.Tensor) else None
         if counts_host is None:  # the CUDA and loop paths size their groups on the host: on a GPU
-            counts_host = counts_t.tolist() if counts_t is not None else list(counts)  # one sync
+            counts_host = host_list(counts_t) if counts_t is not None else list(counts)  # one sync
         if _cuda_grouped_mm_fits(x_sorted, self.w1):
             return cuda_grouped_swiglu(x_sorted, self.w1, self.w3, self.w2, counts_host, counts_t)
         return loop_swiglu(x_sorted, self.w1, self.w3, self.w2, counts_host)
+
+
+def host_list(t: torch.Tensor) -> list:
+    """t's values on the host, copied by one dispatched op (aten._to_copy: on a GPU the layer's
+    one device->host sync), which activation checkpointing keeps from the forward instead of
+    copying again in the recomputation (hpctrain/parallel/activation.py)."""
+    return t.to("cpu", copy=True).tolist()
 
 
 def loop_swiglu(x_sorted: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,

@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hpctrain.distributed.collectives import all_gather_single
 from hpctrain.distributed.dtensor import is_dtensor
-from hpctrain.model.moe import Experts, _grouped_mm_fits
+from hpctrain.model.moe import Experts, _grouped_mm_fits, host_list
 
 WEIGHTS = ("w1", "w3", "w2")
 
@@ -78,7 +78,7 @@ class ExpertParallelExperts(nn.Module):
             every = torch.empty(ep * mine.numel(), dtype=torch.int64, device=device)  # (Gloo: 1-D)
             all_gather_single(every, mine, group=self.group)  # no deprecated name: no warning per rank
         every = every.reshape(ep, -1)
-        every_h, lo, hi = every.tolist(), self.rank * n_local, (self.rank + 1) * n_local  # the one sync
+        every_h, lo, hi = host_list(every), self.rank * n_local, (self.rank + 1) * n_local  # the one sync
         send_rows = [sum(every_h[self.rank][d * n_local:(d + 1) * n_local]) for d in range(ep)]
         recv_h, recv_t = [row[lo:hi] for row in every_h], every[:, lo:hi]  # host, device
         recv_rows = [sum(r) for r in recv_h]

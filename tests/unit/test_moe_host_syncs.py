@@ -9,7 +9,9 @@ step. Measured before #49 (main 4b1b656): 2 syncs in forward (1 per layer: the c
 which sizes the padded groups) and 13 in the monitor on every step (7 on device tensors in a CUDA
 run: the loads' .cpu(), then each layer's entropy, aux loss and bias spread); after: 2 in forward,
 0 in backward, 0 in the monitor between log steps, 1 at a log step (one copy of every layer's
-numbers). Expert parallelism's step (2 ranks): tests/mpi/test_expert_parallel.py."""
+numbers). Under activation checkpointing the recomputation copied the counts again (2 more in
+backward); now the forward's copy is kept for it (0). Expert parallelism's step (2 ranks):
+tests/mpi/test_expert_parallel.py."""
 from __future__ import annotations
 
 import collections
@@ -34,6 +36,8 @@ class HostSyncs(TorchDispatchMode):
         super().__init__()
         self.counts: collections.Counter = collections.Counter()
         self._patched = {}
+        self.host: dict[int, torch.Tensor] = {}  # copies made to the host (by id, kept alive):
+        # reading them syncs nothing more
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -45,11 +49,17 @@ class HostSyncs(TorchDispatchMode):
             self.counts[f"{packet} (bool mask)"] += 1
         elif packet is aten.repeat_interleave and kwargs.get("output_size") is None and len(args) < 4:
             self.counts[str(packet)] += 1
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if (packet is aten._to_copy and kwargs.get("device") == torch.device("cpu")
+                and kwargs.get("dtype") in (None, args[0].dtype)):  # not a dtype cast on the device
+            self.counts["to cpu"] += 1
+            self.host[id(out)] = out
+        return out
 
     def _counting(self, name, real):
         def counted(*args, **kwargs):
-            self.counts[name] += 1
+            if not (args and id(args[0]) in self.host):
+                self.counts[name] += 1
             return real(*args, **kwargs)
         return counted
 
@@ -104,7 +114,34 @@ def test_one_rank_moe_step_syncs_once_per_layer_in_forward_and_only_at_log_steps
     assert per_phase[1] == (2, 0, 0), (forward.counts, backward.counts, monitoring.counts)
     assert per_phase[2] == per_phase[3] == (2, 0, 0)
     assert per_phase[4] == (2, 0, 1) and monitoring.counts == {"Tensor.cpu": 1}, monitoring.counts
-    assert forward.counts == {"Tensor.tolist": 2}, forward.counts  # the padded groups' sizes
+    assert forward.counts == {"to cpu": 2}, forward.counts  # the padded groups' sizes
     assert sorted(rec) == sorted(f"moe.{i}.{k}" for i in "01" for k in
                                  ("max_mean", "load", "entropy", "aux_loss", "bias_spread"))
     assert sum(rec["moe.0.load"]) == 2 * 16 * 2  # the log step's own loads, every routed row
+
+
+def test_activation_checkpointing_keeps_the_forwards_host_copy_for_the_recomputation(cuda_expert_path):
+    """Every block checkpointed (parallel.activation_checkpoint = full): the recomputation in
+    backward takes each MoE layer's counts from the forward's host copy (selective checkpointing
+    keeps it: hpctrain/parallel/activation.py) instead of copying them again: backward 2 -> 0
+    device->host copies; the gradients bit-equal to the model's without checkpointing."""
+    import copy
+
+    from hpctrain.parallel.activation import apply_activation_checkpointing
+
+    plain = _model()
+    checkpointed = copy.deepcopy(plain)
+    assert apply_activation_checkpointing(checkpointed, "full", 1) == 2
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    plain(tokens).float().mean().backward()
+    with HostSyncs() as forward:
+        loss = checkpointed(tokens).float().mean()
+    with HostSyncs() as backward:
+        loss.backward()
+    # backward reads the kept host copies (.tolist() of a host tensor: no sync on a GPU; this
+    # counter cannot tell them from a device tensor's, the copy itself it sees); before: 2 copies
+    assert forward.counts == {"to cpu": 2}, forward.counts
+    assert backward.counts == {"Tensor.tolist": 2}, backward.counts
+    grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in checkpointed.named_parameters()}
+    for name, p in plain.named_parameters():
+        assert (p.grad is None and grads[name] is None) or torch.equal(p.grad, grads[name]), name
