@@ -86,6 +86,8 @@ CASES = {
                                       "--train.grad_accum=1"], True),
     "moe_top3": (1, MOE + ["--model.moe_top_k=3"], False),  # 3 rows per token: the combine's order
     "moe_ac": (1, MOE + ["--parallel.activation_checkpoint=full"], False),  # the kept host copy
+    "moe_ep2_ac": (2, MOE + ["--parallel.ep=2", "--train.grad_accum=1",
+                             "--parallel.activation_checkpoint=full"], False),
     "moe_dp2_deterministic": (2, MOE + ["--parallel.deterministic_experts=true", "--train.grad_accum=1"],
                               False),  # ep 1: the replicas' recursive-doubling exchange
     "moe_ep2_deterministic": (2, MOE + ["--parallel.ep=2", "--parallel.deterministic_experts=true",
