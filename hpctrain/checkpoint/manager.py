@@ -283,6 +283,7 @@ class CheckpointManager(Agreement):
         # 2. every rank writes its DCP shards; rank 0 the JSON files. Agree on success.
         digest = hashlib.sha256(job.values_json.encode()).hexdigest()
         err, hashes = self._write(job, group, pacer)
+        job.tensors = {}  # written: staged GPU shards go back to the pinned cache (background.py)
         try:
             results = self._gather((err, digest, hashes), group)
             self._raise_first([e for e, _, _ in results], prefix)
