@@ -107,7 +107,7 @@ def metrics(run: Path) -> dict:
     late = [r["tokens_per_s"] for s, r in steps.items() if s >= 4 and "tokens_per_s" in r]
     return {"tokens_per_s": round(statistics.median(late)) if late else None,
             "step1_loss": steps[1]["loss"] if 1 in steps else None,
-            "peak_mem_gib": max((r.get("gpu_mem_gib", 0) for r in recs), default=None),
+            "peak_mem_gib": max((r["gpu_mem_gib"] for r in recs if "gpu_mem_gib" in r), default=None),
             "losses": {s: r["loss"] for s, r in sorted(steps.items())}}
 
 

@@ -122,7 +122,9 @@ def first_grad_tensor(output) -> torch.Tensor | None:
     """The first tensor that needs a gradient in a module's output (a tensor, tuple, list or dict)."""
     if isinstance(output, torch.Tensor):
         return output if output.requires_grad else None
-    items = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
+    if isinstance(output, dict):
+        output = list(output.values())
+    items = output if isinstance(output, (tuple, list)) else ()
     return next((t for t in map(first_grad_tensor, items) if t is not None), None)
 
 

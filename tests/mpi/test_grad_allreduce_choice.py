@@ -70,7 +70,8 @@ for mode in ("auto", "backend", "powersgd"):
 class Root(nn.Module):
     def __init__(self):
         super().__init__()
-        self.emb, self.blocks, self.head = nn.Linear(16, 16), nn.ModuleDict({"0": nn.Linear(16, 16)}), nn.Linear(16, 4)
+        self.emb, self.head = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.blocks = nn.ModuleDict({"0": nn.Linear(16, 16)})
     def forward(self, x):
         return self.head(self.blocks["0"](self.emb(x)))
 
