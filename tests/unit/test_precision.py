@@ -51,11 +51,17 @@ def best_seconds(a, b, reps=20, trials=5):
 def test_the_measured_speedup_agrees_with_an_independent_timing():
     """The real measurement within 3x of this test's own timing of the same products (the value
     depends on the chip, ~4x on avx512_bf16, below 1 on chips without bf16 units; the margin is
-    for the shared CI cores)."""
+    for the shared CI cores). Three tries, the pair timed back to back: a neighbour process (the
+    other xdist worker) can stall one timing; a wrong measurement disagrees every time."""
     a, b = torch.randn(384, 128), torch.randn(128, 512)
-    expected = best_seconds(a, b) / best_seconds(a.bfloat16(), b.bfloat16())
-    got = precision.bf16_speedup(384, 128, 512)
-    assert expected / 3 < got < expected * 3, (got, expected)
+    pairs = []
+    for _ in range(3):
+        expected = best_seconds(a, b) / best_seconds(a.bfloat16(), b.bfloat16())
+        got = precision.bf16_speedup(384, 128, 512)
+        pairs.append((got, expected))
+        if expected / 3 < got < expected * 3:
+            return
+    raise AssertionError(f"(measured, expected) speedups: {pairs}")
 
 
 def test_auto_is_a_valid_config_value_and_others_are_named(root):

@@ -167,7 +167,7 @@ def test_compressed_pulls_keep_each_replica_within_one_quantization_step(tmp_pat
     carried: the sum the servers applied is the replica's sum of pseudo-gradients minus its
     residual (to fp32 rounding), the residual within half a step of the last push's block, while
     without it the roundings add up."""
-    mpirun(4, [ROOT / "tests/mpi/scripts/pull_probe.py", tmp_path], check=True, timeout=120)
+    mpirun(4, [ROOT / "tests/mpi/scripts/pull_probe.py", tmp_path], check=True, timeout=300)
     for kind in ("int8", "int4", "int8-int4", "int4-int4-ef"):
         servers = [json.loads((tmp_path / f"server{r}_{kind}.json").read_text()) for r in (2, 3)]
         for s in servers:
