@@ -17,6 +17,7 @@ checkpoint manager does).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -35,6 +36,7 @@ from hpctrain.distributed.preempt import NONE, Preemption
 from hpctrain.distributed.mesh import Mesh, ParallelDims, replica_ranks
 from hpctrain.distributed.watchdog import watch_peers
 from hpctrain.metrics import MetricsLog, format_eta, profiling
+from hpctrain.metrics.host_syncs import StepSyncLog
 from hpctrain.metrics.mfu import MfuMeter
 from hpctrain.metrics.peak import job_meter
 from hpctrain.metrics.straggler import StragglerDetector
@@ -113,6 +115,8 @@ class Trainer:
         if moe is not None:
             self.hooks.add("after_step", moe.record)
         self.step = 0
+        # HPCTRAIN_COUNT_HOST_SYNCS=1: each step's host syncs into host_syncs.rank<r>.json (tests)
+        self.sync_log = StepSyncLog(cfg.run.dir, ctx.rank) if StepSyncLog.enabled() else None
         self.stragglers = StragglerDetector(ctx.comm, window=t.straggler_window)
         rng.seed_rank(t.seed, ctx.rank)
 
@@ -227,6 +231,8 @@ class Trainer:
         self.hooks.run("end_of_run")
         self.sync.close()
         metrics.close()
+        if self.sync_log is not None:
+            self.sync_log.write()
         if self.preempt.stopped:
             return self.preempt.finish(self.step, resumed_at=self.start_step)  # requeue and/or exit 75
         if t.stop_at_step and self.step < t.steps:
@@ -236,10 +242,12 @@ class Trainer:
     def _run_until(self, until: int, end: int, metrics: MetricsLog) -> int:
         """Train up to step `until` unless a stop comes first; the agreed stop reason (NONE)."""
         while self.sync.trains and self.step < until:
-            rec = self._one_step(end, until=until)
+            with self._counting_syncs(self.step + 1):
+                rec = self._one_step(end, until=until)
+                if rec is not None:
+                    metrics.write(rec)
             if rec is None:  # asynchronous: the stop flag is up (the meeting reads it), or the
                 return NONE  # next batch is past the checkpoint step
-            metrics.write(rec)
             if self.step < end:
                 stop = self.sync.stop_reason(self.preempt, self.step)
                 if stop != NONE:
@@ -275,6 +283,10 @@ class Trainer:
             log(self.ctx, f"step {self.step}/{end} loss {loss:.4f}{val_txt} lr {lr:.2e} "
                           f"{rec['tokens_per_s']:,.0f} tok/s mfu {_percent(rec.get('mfu'))} eta {format_eta(eta)}")
         return rec
+
+    def _counting_syncs(self, step: int):
+        """HPCTRAIN_COUNT_HOST_SYNCS=1: the host syncs of step `step` counted (metrics/host_syncs.py)."""
+        return self.sync_log.count(step) if self.sync_log is not None else contextlib.nullcontext()
 
     def _metrics_log(self) -> MetricsLog:
         """metrics.jsonl from rank 0; where workers step apart, each other worker writes its own

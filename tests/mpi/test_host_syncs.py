@@ -1,0 +1,59 @@
+"""Host syncs per optimizer step on every layout, counted in the real trainer loop under a real
+mpiexec (HPCTRAIN_COUNT_HOST_SYNCS=1: hpctrain/metrics/host_syncs.py, per rank and step in
+<run.dir>/host_syncs.rank<r>.json). On a GPU each of them stalls the host until the stream drains.
+
+Target: no sync between log intervals; at a log step one batched read of the interval's values
+(loss, grad norm, ...). K below is the most allowed per step on any rank, with its reason."""
+import json
+
+import pytest
+
+from tests.helpers import PARITY_GPT, train, write_config
+
+pytestmark = pytest.mark.mpi
+
+STEPS, LOG_EVERY = 8, 4
+STEADY = range(3, STEPS + 1)  # steps 1-2: lazy set-up (pipeline shapes, optimizer state)
+LLAMA = ["--model.arch=llama", "--model.n_kv_head=2", "--model.multiple_of=32"]
+MOE = LLAMA + ["--model.moe_experts=4", "--model.moe_top_k=2"]
+PP = ["--parallel.pp=2", "--train.micro_batch_size=2", "--train.grad_accum=4"]
+TP = ["--parallel.tp=2", "--train.micro_batch_size=8", "--train.grad_accum=1"]
+
+# name: (ranks, overrides, K between log steps, K at a log step)
+LAYOUTS = {
+    "one": (1, [], 0, 1),
+    "ddp": (2, ["--train.grad_accum=1"], 0, 1),
+    "fsdp2": (2, ["--parallel.data_parallel=fsdp", "--train.grad_accum=1"], 0, 1),
+    "tp2": (2, TP, 0, 1),
+    "pp2": (2, PP + ["--parallel.pp_schedule=1f1b"], 0, 1),
+    "diloco": (2, ["--train.grad_accum=1", "--sync.mode=diloco", "--sync.inner_steps=2"], 0, 1),
+    "chunked_loss": (1, ["--train.loss_chunk=16"], 0, 1),
+    "chunked_loss_tp2": (2, TP + ["--train.loss_chunk=16"], 0, 1),
+    "fp16": (2, ["--train.grad_accum=1", "--train.precision=fp16"], 0, 1),
+    "moe_one": (1, MOE, 99, 99),
+    "moe_ep2": (2, MOE + ["--parallel.ep=2", "--train.grad_accum=1"], 99, 99),
+}
+
+
+def sync_counts(run, ranks: int) -> dict[int, dict[str, int]]:
+    """{step: {"op @ file:line": most on any rank}} of the steady steps."""
+    out = {}
+    for r in range(ranks):
+        steps = json.loads((run / f"host_syncs.rank{r}.json").read_text())["steps"]
+        for step in STEADY:
+            for key, n in steps[str(step)].items():
+                out.setdefault(step, {})[key] = max(n, out.get(step, {}).get(key, 0))
+    return {step: out.get(step, {}) for step in STEADY}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_host_syncs_per_step(tmp_path, dataset, name):
+    ranks, overrides, between, at_log = LAYOUTS[name]
+    cfg, run = write_config(tmp_path, dataset, template=PARITY_GPT)
+    train(ranks, cfg, f"--train.steps={STEPS}", f"--train.log_interval={LOG_EVERY}",
+          "--train.eval_interval=0", "--checkpoint.interval=100", *overrides,
+          env={"HPCTRAIN_COUNT_HOST_SYNCS": "1"})
+    counts = sync_counts(run, ranks)
+    for step, ops in counts.items():
+        limit = at_log if step % LOG_EVERY == 0 else between
+        assert sum(ops.values()) <= limit, (name, step, limit, ops)
