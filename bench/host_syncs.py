@@ -66,7 +66,7 @@ def measure(work: Path, data: Path, name: str, steps: int, log_every: int) -> di
     cfg.write_text(PARITY_GPT.format(run=run_dir, data=data))
     run(["-m", "hpctrain", "train", "--config", str(cfg), f"--train.steps={steps}",
          f"--train.log_interval={log_every}", "--train.eval_interval=0", "--checkpoint.interval=1000",
-         *overrides], ranks, env={"HPCTRAIN_COUNT_HOST_SYNCS": "1"})
+         *overrides], ranks, env={"HPCTRAIN_COUNT_HOST_SYNCS": "1", "HPCTRAIN_METRICS_FLUSH_S": "3600"})
     between, at_log, ops = 0, 0, {}
     for r in range(ranks):
         per_step = json.loads((run_dir / f"host_syncs.rank{r}.json").read_text())["steps"]

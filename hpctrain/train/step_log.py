@@ -3,7 +3,9 @@
 A step's loss, gradient norm, loss scale and bad-step flag are 0-dim tensors on the compute device;
 on a GPU each `.item()` would stall the host until the stream drains, every step. The loop hands
 each step's record here (`add`) and they wait, tensors and all, until a log step, the run's end, a
-save or a snapshot (`flush`): then one stacked device-to-host copy reads every pending number, and
+save or a snapshot (`flush`), or until the oldest has waited HPCTRAIN_METRICS_FLUSH_S seconds
+(default 1: metrics.jsonl stays at most about a second behind for whoever watches it, at the cost
+of at most one read a second where steps are fast, one per step where they are slower): then one stacked device-to-host copy reads every pending number, and
 in step order each record gets its Python numbers, the bad-step verdict is counted (BadStepPolicy:
 after train.max_bad_steps in a row it raises, before that step's record is written), the progress
 line of a log step is printed, and the record goes to metrics.jsonl.
@@ -13,6 +15,7 @@ decide when a run saves or stops, or write a record out of step order.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -22,6 +25,7 @@ from hpctrain.metrics import format_eta
 
 # what a record's tensor becomes on the host (everything else: float)
 CASTS = {"overflow": bool, "overflow_steps": int, "skipped": bool}
+FLUSH_ENV = "HPCTRAIN_METRICS_FLUSH_S"  # the longest a record waits (seconds; default 1)
 
 
 def read_records(records: list[dict]) -> None:
@@ -41,12 +45,16 @@ class StepLog:
         self.ctx, self.metrics, self.bad_steps, self.train, self.end = ctx, metrics, bad_steps, train, end
         self.t_start, self.start_step = started
         self.pending: list[dict] = []
+        self.max_wait_s, self.oldest = float(os.environ.get(FLUSH_ENV) or 1.0), None
 
     def add(self, rec: dict) -> None:
-        """A step's record; flushed at once on a log step or the run's last step."""
+        """A step's record; flushed at once on a log step, the run's last step, or when the oldest
+        pending one has waited max_wait_s."""
+        now = time.monotonic()
         self.pending.append(rec)
+        self.oldest = now if self.oldest is None else self.oldest
         step = rec["step"]
-        if step % self.train.log_interval == 0 or step >= self.end:
+        if step % self.train.log_interval == 0 or step >= self.end or now - self.oldest >= self.max_wait_s:
             self.flush()
 
     def write(self, rec: dict) -> None:
@@ -55,7 +63,7 @@ class StepLog:
         self.metrics.write(rec)
 
     def flush(self) -> None:
-        records, self.pending = self.pending, []
+        records, self.pending, self.oldest = self.pending, [], None
         read_records(records)
         for rec in records:
             self._count_bad_step(rec)  # raises after max_bad_steps in a row: that record unwritten

@@ -1,5 +1,6 @@
 """train/step_log.py: the loop's step records keep their device numbers until a log step, then one
 host read for all of them; bad-step verdicts are counted in step order at that read."""
+import time
 import types
 
 import pytest
@@ -19,12 +20,14 @@ class Written:
         self.records.append(dict(rec))
 
 
-def step_log(max_bad=3, log_interval=4, end=100):
+def step_log(max_bad=3, log_interval=4, end=100, flush_s="3600"):
     ctx = types.SimpleNamespace(is_main=False)
     train = types.SimpleNamespace(log_interval=log_interval, max_bad_steps=max_bad)
     written = Written()
     policy = BadStepPolicy(max_bad, 0, 0, 1)
-    return StepLog(ctx, written, policy, train, end, (0.0, 0)), written, policy
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HPCTRAIN_METRICS_FLUSH_S", flush_s)
+        return StepLog(ctx, written, policy, train, end, (0.0, 0)), written, policy
 
 
 def record(step, loss, bad=0.0):
@@ -67,3 +70,13 @@ def test_after_a_skip_records_keep_the_count():
         log.add(record(step, 1.0, bad))
     log.flush()
     assert [(r["skipped"], r["bad_steps"]) for r in written.records] == [(True, 1), (False, 1)]
+
+
+def test_a_record_waits_at_most_the_flush_time():
+    """HPCTRAIN_METRICS_FLUSH_S: a watcher of metrics.jsonl sees a step within that many seconds."""
+    log, written, _ = step_log(log_interval=100, flush_s="0.2")
+    log.add(record(1, 1.0))
+    assert written.records == []
+    time.sleep(0.25)
+    log.add(record(2, 1.0))
+    assert [r["step"] for r in written.records] == [1, 2]
