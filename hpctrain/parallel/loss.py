@@ -152,10 +152,11 @@ def _chunk_loss_and_grad(hc, wc, t, offset, group, weight, f32, low):
     loss_sum = torch.where(valid, sum_exp.log() - target, 0.0).sum()
     if weight is None:
         return loss_sum, None
-    # (softmax - one-hot) x weight, in one pass over the chunk's logits
+    # (softmax - one-hot) x weight, in one pass over the chunk's logits. The one-hot part without
+    # boolean-mask indexing (a host sync per mask on a GPU): every row's target column (column 0
+    # where this rank does not own it) gets weight x owned subtracted, 0 on rows it does not own
     probs = logits.mul_((weight / sum_exp).unsqueeze(1))
-    rows = torch.arange(len(t), device=t.device)[owned]
-    probs[rows, idx.squeeze(1)[owned]] -= weight[rows]
+    probs.scatter_(1, idx, probs.gather(1, idx) - (weight * owned).unsqueeze(1))
     return loss_sum, probs if low is None else low[:len(t)].copy_(probs)
 
 

@@ -83,7 +83,8 @@ class StepRunner(ABC):
         """The loss that backward sees: after the loss hook, times the loss scale."""
         loss = self._loss(logits, targets)
         loss = self._loss_hook(loss) if self._loss_hook is not None else loss
-        return loss * self._loss_scale if self._loss_scale != 1.0 else loss
+        scaled = isinstance(self._loss_scale, torch.Tensor) or self._loss_scale != 1.0
+        return loss * self._loss_scale if scaled else loss
 
     def _loss_context(self):
         if self.layout.mesh.tp_size == 1:
@@ -152,9 +153,10 @@ class StepRunner(ABC):
             norm = (norm.double() ** 2 + sq).sqrt().to(norm.dtype)
         return norm
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Global L2 norm of all gradients (every shard, every stage, the tied weight once); clips
-        to `max_norm` when it is > 0. Returns the norm before clipping."""
+        to `max_norm` when it is > 0. Returns the norm before clipping, a 0-dim tensor on the device
+        (never read on the host here)."""
         norm = self._replica_grad_norm([q.grad for q in self._norm_params if q.grad is not None])
         if max_norm > 0:
             experts, params = self.layout.experts, list(self.layout.module.parameters())
@@ -162,19 +164,20 @@ class StepRunner(ABC):
                 params = [q for q in params if not experts.holds(q)]
                 torch.nn.utils.clip_grads_with_norm_(list(experts.params), max_norm, norm)
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        return float(norm)
+        return norm
 
     # ---- the step and evaluation ----------------------------------------------------------
     def forward_backward(self, micro_batches: list[torch.Tensor], autocast, loss_hook=None,
-                         loss_scale: float = 1.0) -> torch.Tensor:
+                         loss_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
         """Forward + backward of one optimizer step's micro-batches ([mb, T+1] token tensors) in
         training mode; leaves averaged gradients in `.grad`, times `loss_scale` (fp16 loss
-        scaling). Returns the global mean loss (same value on every rank, unscaled).
+        scaling: a 0-dim device tensor, never read on the host but for MoE's aux loss). Returns the
+        global mean loss (same value on every rank, unscaled, on the device).
         `loss_hook(loss) -> loss`, if given, sees each micro-batch loss before backward."""
         self.layout.module.train()
         self._loss_hook, self._loss_scale = loss_hook, loss_scale
         for moe in self._moe_layers:  # the aux loss is per optimizer step, as the main loss
-            moe.aux_scale = loss_scale * self._micro_batch_weight(len(micro_batches))
+            moe.aux_scale = float(loss_scale) * self._micro_batch_weight(len(micro_batches))
         try:  # DDP's / FSDP's gradient collectives run inside: recorded as one phase
             with RECORDER.collective("forward_backward (DDP/FSDP all-reduce inside)", self._dp_name):
                 total = self._forward_backward_sum(micro_batches, autocast, loss_scale)

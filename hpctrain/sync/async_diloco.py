@@ -136,8 +136,9 @@ class AsyncDiLoCo(AsyncCheckpoint, AsynchronousStrategy):
         """A record counts its replica's tokens (MFU against that replica's ranks)."""
         return self.team.size
 
-    def step_loss(self, loss: float) -> float:
-        return self.groups.mean_inside(loss)  # sync.replica_nodes: each inner-dp rank its slice
+    def step_loss(self, loss) -> float:
+        # sync.replica_nodes: each inner-dp rank its slice (over MPI: a host number, read here)
+        return loss if self.groups.inner_size == 1 else self.groups.mean_inside(float(loss))
 
     def _from_leader(self, value):
         """The leader's `value` on every rank of the replica (itself when it is one rank)."""

@@ -160,7 +160,8 @@ class DiLoCo(SyncStrategy):
                                       self.cfg.int8_block)
         self.syncs += 1
         if self.is_main:  # this rank's part of its replica's pseudo-gradient
-            self.round_log = {"norm": float(delta.norm()), "wait_s": self.round_log.get("wait_s", 0.0)}
+            # on the device: read only when round_line prints it (a host read per round otherwise)
+            self.round_log = {"norm": delta.norm(), "wait_s": self.round_log.get("wait_s", 0.0)}
         t0 = time.perf_counter()
         dp = f"dp({self.replicas})"  # the flight recorder's group name (main thread only)
         if self.cfg.overlap:
@@ -205,7 +206,7 @@ class DiLoCo(SyncStrategy):
                                       step // log_interval > self.logged_step // log_interval):
             return None
         line = (f"diloco round {self.syncs} at step {step}: pseudo-grad norm "
-                f"{self.round_log['norm']:.4g} (rank 0's part), {self.bytes_sent / 2**20:.3g} MiB sent "
+                f"{float(self.round_log['norm']):.4g} (rank 0's part), {self.bytes_sent / 2**20:.3g} MiB sent "
                 f"so far, waited {self.round_log['wait_s']:.3f} s for averages")
         self.round_log, self.logged_step = {}, step
         return line
@@ -255,11 +256,17 @@ class DiLoCo(SyncStrategy):
     def comm_bytes(self, step: int) -> int:
         return self.bytes_sent
 
-    def mean_over_replicas(self, value: float) -> float:
+    def mean_over_replicas(self, value: float | torch.Tensor) -> float | torch.Tensor:
         """In a hierarchical layout the layout averaged a loss over its replica only: the mean
-        over every rank (one scalar on the world group, main thread; replicas are equal-sized)."""
+        over every rank (one scalar on the world group, main thread; replicas are equal-sized).
+        A tensor (a step's loss) stays on the device: its fp32 sum divided in float64, the same
+        number as the float's path."""
         if not self.hierarchical or self.replicas == 1:
             return value
+        if isinstance(value, torch.Tensor):
+            t = value.detach().reshape(1).to(torch.float32).clone()
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            return t.reshape(()).double() / dist.get_world_size()
         t = torch.tensor([value], dtype=torch.float32, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return float(t) / dist.get_world_size()

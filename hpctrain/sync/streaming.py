@@ -149,7 +149,8 @@ class StreamingDiLoCo(DiLoCo):
                                       self.cfg.int8_block)
         self.syncs += 1
         if self.is_main:
-            self.round_log = {"norm": float(delta.norm()), "wait_s": self.round_log.get("wait_s", 0.0)}
+            # on the device: read only when round_line prints it (a host read per round otherwise)
+            self.round_log = {"norm": delta.norm(), "wait_s": self.round_log.get("wait_s", 0.0)}
 
     @torch.no_grad()
     def _merge(self, f: int) -> None:

@@ -34,20 +34,25 @@ class BadStepPolicy:
             return loss * float("nan")
         return loss
 
-    def should_skip(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | float,
-                    agreed: bool = False) -> bool:
-        """True if any rank saw a non-finite loss or grad norm for this step; raises
-        TrainingDivergedError after max_bad_steps such steps in a row. Collective over the default
-        group unless `agreed`: the loss and the norm are already the same on every rank (the
-        all-reduced mean loss and the global norm of synchronized gradients, where a NaN on any
-        rank reaches all), so every rank decides alike without a vote."""
+    def flag(self, loss: torch.Tensor, grad_norm: torch.Tensor | float, agreed: bool = False) -> torch.Tensor:
+        """A 0-dim float32 flag on the loss's device: 1.0 when any rank saw a non-finite loss or
+        grad norm for this step. Collective over the default group unless `agreed`: the loss and
+        the norm are already the same on every rank (the all-reduced mean loss and the global norm
+        of synchronized gradients, where a NaN on any rank reaches all), so every rank decides
+        alike without a vote. Never read on the host (the optimizer skips on it: loss_scaling.py)."""
         loss = loss.detach().float().reshape(())
         norm = torch.as_tensor(grad_norm, dtype=torch.float32, device=loss.device).reshape(())
         flag = (~torch.isfinite(loss) | ~torch.isfinite(norm)).float()
         if not agreed and dist.is_available() and dist.is_initialized():
             with RECORDER.collective("finite_check", f"world({dist.get_world_size()})"):
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() == 0:
+        return flag
+
+    def record(self, step: int, bad: bool) -> bool:
+        """Count step `step`'s verdict (read from its flag, in step order; the loop reads them at
+        its log steps and before a save); raises TrainingDivergedError after max_bad_steps bad
+        steps in a row."""
+        if not bad:
             self.in_a_row = 0
             return False
         self.skipped += 1
@@ -60,15 +65,18 @@ class BadStepPolicy:
                 f"check the data, or use train.precision=fp32)")
         return True
 
+    def should_skip(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | float,
+                    agreed: bool = False) -> bool:
+        """`flag` read on the host and `record`ed at once: True if this step is skipped."""
+        return self.record(step, bool(self.flag(loss, grad_norm, agreed).item() != 0))
+
 
 def all_finite(params, device) -> bool:
-    """Collective: every rank's parameters are finite (checked before a checkpoint is written)."""
-    ok = torch.ones((), device=device)
-    for p in params:
-        local = p.to_local() if hasattr(p, "to_local") else p
-        if not bool(torch.isfinite(local.detach()).all()):
-            ok = torch.zeros((), device=device)
-            break
+    """Collective: every rank's parameters are finite (checked before a checkpoint is written).
+    One host read: every tensor's isfinite().all() flag stacked on the device, one MIN all-reduce."""
+    flags = [torch.isfinite((p.to_local() if hasattr(p, "to_local") else p).detach()).all() for p in params]
+    ok = (torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device))
+    ok = ok.to(device=device, dtype=torch.float32)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return bool(ok.item() == 1)

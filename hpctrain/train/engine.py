@@ -37,10 +37,11 @@ class StepEngine:
                          else contextlib.nullcontext())
         self.loss_scaling = LossScaling(device, train.loss_scale_init, train.loss_scale_growth_interval,
                                         enabled=train.precision == "fp16")
-        self.skipped = False  # the last step's update was skipped (a bad step)
+        self.skipped = None  # the last step's bad-step flag (a 0-dim device tensor, 1.0: skipped)
 
-    def step(self, micro_batches, step: int, grad_clip: float, started: float) -> tuple[float, float]:
-        """Optimizer step number `step` (1-based) on `micro_batches`; (loss, grad norm).
+    def step(self, micro_batches, step: int, grad_clip: float, started: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Optimizer step number `step` (1-based) on `micro_batches`; (loss, grad norm) as 0-dim
+        device tensors: nothing in a step is read on the host (the loop reads its log steps').
         `started`: perf_counter() when the step began (its batch fetch included)."""
         faults = self.faults
         if faults.delay_s and self.rank == faults.delay_rank:
@@ -56,16 +57,15 @@ class StepEngine:
         # global mean and, where gradients are synchronized every step (all but DiLoCo's inner
         # steps), so is the norm: no vote needed then. An fp16 overflow is the loss scale's
         # business (skipped, counted apart), not a bad step
-        self.skipped = self.bad_steps.should_skip(step, loss_avg, 0.0 if overflow else grad_norm,
-                                                  agreed=self.agreed)
-        self.loss_scaling.step(self.optimizer, skip=self.skipped)
+        voted_norm = grad_norm if overflow is None else torch.where(overflow > 0, 0.0, grad_norm)
+        self.skipped = self.bad_steps.flag(loss_avg, voted_norm, agreed=self.agreed)
+        self.loss_scaling.step(self.optimizer, skip=self.skipped)  # decided on the device
         self.optimizer.zero_grad(set_to_none=True)
-        loss = loss_avg.item()
         if faults.compute_sleep_s > 0:  # test-only: accelerator time on a shared CPU
             time.sleep(faults.compute_sleep_s)
         if faults.slow_factor > 1 and self.rank == faults.delay_rank:  # test-only: k x slower
             time.sleep((faults.slow_factor - 1.0) * (time.perf_counter() - started))
-        return loss, float(grad_norm)
+        return loss_avg.detach(), grad_norm
 
     @torch.no_grad()
     def eval_loss(self, batches) -> torch.Tensor:

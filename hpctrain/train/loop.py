@@ -17,6 +17,7 @@ checkpoint manager does).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -34,7 +35,8 @@ from hpctrain.distributed.bootstrap import mpi_library
 from hpctrain.distributed.preempt import NONE, Preemption
 from hpctrain.distributed.mesh import Mesh, ParallelDims, replica_ranks
 from hpctrain.distributed.watchdog import watch_peers
-from hpctrain.metrics import MetricsLog, format_eta, profiling
+from hpctrain.metrics import MetricsLog, profiling
+from hpctrain.metrics.host_syncs import StepSyncLog
 from hpctrain.metrics.mfu import MfuMeter
 from hpctrain.metrics.peak import job_meter
 from hpctrain.metrics.straggler import StragglerDetector
@@ -44,6 +46,7 @@ from hpctrain.train import rng, run_plan
 from hpctrain.train.data import TrainData
 from hpctrain.train.bad_steps import all_finite, check_resumed_weights
 from hpctrain.train.engine import StepEngine
+from hpctrain.train.step_log import StepLog
 from hpctrain.train.hooks import LoopHooks
 from hpctrain.train.resume import resume_newest
 from hpctrain.train.model_setup import build_model, check_model_fits
@@ -114,6 +117,9 @@ class Trainer:
         if moe is not None:
             self.hooks.add("after_step", moe.record)
         self.step = 0
+        self._flush_now, self._step_log = False, None
+        # HPCTRAIN_COUNT_HOST_SYNCS=1: each step's host syncs into host_syncs.rank<r>.json (tests)
+        self.sync_log = StepSyncLog(cfg.run.dir, ctx.rank) if StepSyncLog.enabled() else None
         self.stragglers = StragglerDetector(ctx.comm, window=t.straggler_window)
         rng.seed_rank(t.seed, ctx.rank)
 
@@ -154,8 +160,10 @@ class Trainer:
     def _after_step_snapshot(self, rec: dict) -> None:
         if self.snapshots.due(self.step):
             self.snapshots.save(self.step, self.checkpoint_states())
+            self._flush_now = True  # a resume from it cuts metrics.jsonl there: no gap before it
         if self.plan.faults.exit_after_step == self.step:  # test fault: a job killed after a step
             self.snapshots.wait()
+            self._step_log.flush()  # the steps before this one, as when each was written at once
             os._exit(137)
 
     def maybe_resume(self) -> None:
@@ -183,6 +191,9 @@ class Trainer:
             return 0
         end = self.plan.end_step
         metrics = self._start(end)
+        # each step's record waits with its device tensors until a log step (one host read each)
+        metrics = self._step_log = StepLog(self.ctx, metrics, self.engine.bad_steps, t, end,
+                                           (self.t_start, self.start_step))
         stop = NONE
         while self.step < end and stop == NONE:
             checkpoint_at = min(end, _next_multiple(self.step, self.cfg.checkpoint.interval))
@@ -191,6 +202,7 @@ class Trainer:
             stop = self._meet(stop, end, metrics)
             hooks.run("at_meeting")
             if stop != NONE or until == checkpoint_at:
+                metrics.flush()  # the records up to here, and a bad-step streak's error, first
                 self.save()
         return self._end_of_run(metrics)
 
@@ -208,39 +220,48 @@ class Trainer:
         self.t_start, self.start_step = time.perf_counter(), self.step
         return metrics
 
-    def _meet(self, stop: int, end: int, metrics: MetricsLog) -> int:
+    def _meet(self, stop: int, end: int, metrics: StepLog) -> int:
         """Where every rank stops at the end of a span (the strategy decides the step); the agreed
         stop reason."""
         step, stop = self.sync.meet(self.preempt, self.step, stop, end)
         if self.sync.meeting_metrics():  # async_diloco: the last, partial round's arrival
             metrics.write({"step": max(self.step, step), **self.sync.meeting_metrics()})
         while self.sync.trains and self.sync.every_worker_steps and self.step < step:
-            metrics.write(self._one_step(end, stop_aware=False))  # ps: catch up with the furthest
+            metrics.add(self._one_step(end, stop_aware=False))  # ps: catch up with the furthest
+        metrics.flush()
         self.step = max(self.step, step)
         return stop
 
-    def _end_of_run(self, metrics: MetricsLog) -> int:
+    def _end_of_run(self, metrics: StepLog) -> int:
         t = self.cfg.train
+        metrics.flush()
         self.ckpt.wait()  # an async save still in flight: commit it (or raise its error) first
         self.snapshots.finish()  # the run's newest state is on the PFS: its snapshots go
         if not self.sync.collective_steps and not self.preempt.stopped:
             self._validate(metrics)  # ps: the final parameters (pulled by the save)
         self.hooks.run("end_of_run")
         self.sync.close()
-        metrics.close()
+        metrics.metrics.close()
+        if self.sync_log is not None:
+            self.sync_log.write()
         if self.preempt.stopped:
             return self.preempt.finish(self.step, resumed_at=self.start_step)  # requeue and/or exit 75
         if t.stop_at_step and self.step < t.steps:
             log(self.ctx, stop_at_step_line(t, self.step))
         return 0
 
-    def _run_until(self, until: int, end: int, metrics: MetricsLog) -> int:
+    def _run_until(self, until: int, end: int, metrics: StepLog) -> int:
         """Train up to step `until` unless a stop comes first; the agreed stop reason (NONE)."""
         while self.sync.trains and self.step < until:
-            rec = self._one_step(end, until=until)
+            with self._counting_syncs(self.step + 1):
+                rec = self._one_step(end, until=until)
+                if rec is not None:
+                    metrics.add(rec)  # read from the device at log steps (StepLog)
+                    if self._flush_now:  # a snapshot was taken: its steps' records on disk
+                        metrics.flush()
+                        self._flush_now = False
             if rec is None:  # asynchronous: the stop flag is up (the meeting reads it), or the
                 return NONE  # next batch is past the checkpoint step
-            metrics.write(rec)
             if self.step < end:
                 stop = self.sync.stop_reason(self.preempt, self.step)
                 if stop != NONE:
@@ -269,13 +290,11 @@ class Trainer:
             log(self.ctx, round_line)
         rec = self._step_record(loss, grad_norm, lr, dt, wait)
         self.hooks.run("after_step", rec)
-        if self.ctx.is_main and (self.step % self.cfg.train.log_interval == 0 or self.step == end):
-            done = max(1, self.step - self.start_step)
-            eta = (time.perf_counter() - self.t_start) / done * (end - self.step)
-            val_txt = f" val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
-            log(self.ctx, f"step {self.step}/{end} loss {loss:.4f}{val_txt} lr {lr:.2e} "
-                          f"{rec['tokens_per_s']:,.0f} tok/s mfu {_percent(rec.get('mfu'))} eta {format_eta(eta)}")
-        return rec
+        return rec  # its device numbers are read at a log step, with its progress line (StepLog)
+
+    def _counting_syncs(self, step: int):
+        """HPCTRAIN_COUNT_HOST_SYNCS=1: the host syncs of step `step` counted (metrics/host_syncs.py)."""
+        return self.sync_log.count(step) if self.sync_log is not None else contextlib.nullcontext()
 
     def _metrics_log(self) -> MetricsLog:
         """metrics.jsonl from rank 0; where workers step apart, each other worker writes its own
@@ -292,10 +311,11 @@ class Trainer:
             metrics.write({"step": self.step, "val_loss": val})
             log(self.ctx, f"step {self.step} val {val:.4f}")
 
-    def _step_record(self, loss: float, grad_norm: float, lr: float, dt: float, wait: float) -> dict:
+    def _step_record(self, loss, grad_norm, lr: float, dt: float, wait: float) -> dict:
         """The metrics of the step just taken (`wait`: of its `dt` seconds, those spent waiting for
         peers). Where steps are collective (every rank steps together) also validation, data and
-        straggler statistics, which are collectives."""
+        straggler statistics, which are collectives. `loss`, `grad_norm` (and the loss scale and
+        bad-step flag) stay device tensors until StepLog reads them at a log step."""
         ctx, t = self.ctx, self.cfg.train
         tok_s = self.data.global_batch * self.cfg.model.block_size / dt
         rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
@@ -311,16 +331,12 @@ class Trainer:
             val = self.evaluate()
             if val is not None:
                 rec["val_loss"] = val
-        scaling, bad_steps, skipped = self.engine.loss_scaling, self.engine.bad_steps, self.engine.skipped
+        scaling = self.engine.loss_scaling  # device tensors (copies: they change in place)
         if scaling.enabled:
-            rec.update(loss_scale=scaling.factor, overflow=scaling.last_overflowed,
-                       overflow_steps=scaling.overflow_steps)
-        if skipped or bad_steps.skipped:
-            rec.update(skipped=skipped, bad_steps=bad_steps.skipped)
-            if skipped:
-                log(ctx, f"step {self.step}: loss {loss} / grad norm {grad_norm}: not finite, "
-                         f"update skipped ({bad_steps.in_a_row} in a row, "
-                         f"train.max_bad_steps={t.max_bad_steps})")
+            rec.update(loss_scale=scaling.factor.clone(), overflow=scaling.overflowed.clone(),
+                       overflow_steps=scaling.overflow_count.clone())
+        # the bad-step flag, counted at the flush (StepLog drops both keys until a step is skipped)
+        rec.update(skipped=self.engine.skipped, bad_steps=0)
         if not collective:
             return rec
         rec.update(self.data.step_metrics())  # data_time_s, data_wait_s, cache_* (all ranks)
@@ -364,10 +380,6 @@ class Trainer:
 
 def _next_multiple(step: int, every: int) -> int:
     return (step // every + 1) * every
-
-
-def _percent(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1%}"
 
 
 def train(cfg: Config, ctx: DistContext) -> int:

@@ -129,7 +129,7 @@ from hpctrain.train.bad_steps import BadStepPolicy, all_finite
 from hpctrain.parallel.runner import StepRunner
 from hpctrain.sync.compress import average
 scaling = LossScaling(cpu, 1024.0, 100, enabled=True)
-site("fp16_overflow_flag", lambda: scaling.unscale_(opt))
+site("fp16_overflow_flag", lambda: bool(scaling.unscale_(opt) > 0))  # a device flag now
 site("bad_step_vote", lambda: BadStepPolicy(3, 0, rank, 2).should_skip(
     1, torch.ones((), device=cpu), 1.0))
 site("all_finite", lambda: all_finite([w], cpu))
