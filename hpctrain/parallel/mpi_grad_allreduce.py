@@ -98,7 +98,9 @@ def backend_allreduce_hook(group: dist.ProcessGroup,
     sum over the process group's backend (Gloo, NCCL), asynchronous."""
     buf = bucket.buffer()
     buf.mul_(1.0 / group.size())
-    return dist.all_reduce(buf, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+    # the future's value is `buf` itself (an in-place all-reduce); returned as such, so that a group
+    # whose future carries no value (the dry run's fake group) works alike
+    return dist.all_reduce(buf, group=group, async_op=True).get_future().then(lambda fut: buf)
 
 
 def use_backend_allreduce(ddp_model, group: dist.ProcessGroup, clock: WaitClock | None) -> None:
