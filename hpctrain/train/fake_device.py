@@ -28,8 +28,10 @@ import weakref
 from unittest import mock
 
 import torch
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.nn.parallel import distributed as ddp_module
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -153,7 +155,6 @@ aten = torch.ops.aten
 DATA_DEPENDENT = {aten.nonzero.default: _nonzero,
                   aten.masked_select.default: lambda x, mask: x.new_empty(
                       torch.broadcast_shapes(x.shape, mask.shape).numel())}
-FLASH, EFFICIENT = 1, 2  # torch.nn.attention.SDPBackend's values
 TRANSFERS = (aten.copy_.default, aten._to_copy.default)  # host <-> device copies: allowed
 INDEXING = (aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
             aten._index_put_impl_.default)
@@ -169,6 +170,7 @@ class Watch(TorchDispatchMode):
         self.peak_bytes = 0
         self.host_reads = 0             # .item() / .tolist() values a GPU step would sync for
         self.peak_listeners: list = []
+        self.paused = 0                 # > 0: inside DTensor's shape propagation (no job memory)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -186,8 +188,6 @@ class Watch(TorchDispatchMode):
             self.host_reads += 1
             dtype = args[0].dtype
             return True if dtype == torch.bool else (0.0 if dtype.is_floating_point else 0)
-        if func is aten._fused_sdp_choice.default:  # as on an H100: flash, or fp32 memory-efficient
-            return FLASH if args[0].dtype in (torch.bfloat16, torch.float16) else EFFICIENT
         if func in DATA_DEPENDENT:
             return DATA_DEPENDENT[func](*args, **kwargs)
         if func in INDEXING and any(i is not None and i.dtype == torch.bool for i in args[1]):
@@ -212,6 +212,8 @@ class Watch(TorchDispatchMode):
                                  f"{name}: move it to the device")
 
     def _track(self, t: torch.Tensor) -> None:
+        if self.paused:
+            return
         storage = t.untyped_storage()
         key = id(storage)
         if key in self.live:
@@ -223,6 +225,35 @@ class Watch(TorchDispatchMode):
             self.peak_bytes = total
             for listener in self.peak_listeners:
                 listener(self)
+
+
+def _fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                     enable_gqa=False):
+    """SDPA as CUDA runs it on an H100 (flash for 16-bit, memory-efficient for fp32: both save
+    q, k, v, the output and an fp32 logsumexp, never the s x s scores); the fake device would
+    otherwise take the math path, which saves them."""
+    if attn_mask is not None:
+        return None
+    if q.dtype in (torch.bfloat16, torch.float16):
+        return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
+    return aten._scaled_dot_product_efficient_attention(q, k, v, None, True, dropout_p, is_causal,
+                                                        scale=scale)[0]
+
+
+class _Attention(TorchFunctionMode):
+    """F.scaled_dot_product_attention on fake device tensors: `_fused_attention`."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention and isinstance(args[0], FakeTensor) \
+                and args[0].device.type == DEVICE:
+            q, k, v = args[:3]
+            if kwargs.get("enable_gqa") and k.shape[-3] != q.shape[-3]:  # kv heads shared by groups
+                k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) for t in (k, v))
+            out = _fused_attention(q, k, v, *args[3:], **{n: a for n, a in kwargs.items() if n != "enable_gqa"})
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
 
 
 class FakeGpu(contextlib.ExitStack):
@@ -239,4 +270,20 @@ class FakeGpu(contextlib.ExitStack):
         self.enter_context(mock.patch.object(ddp_module, "_verify_param_shape_across_processes",
                                              lambda *args, **kwargs: None))
         fake_mode = self.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-        return self.enter_context(Watch(fake_mode))
+        watch = self.enter_context(Watch(fake_mode))
+        self.enter_context(_Attention())
+        self.enter_context(mock.patch.object(ShardingPropagator, "_propagate_tensor_meta_non_cached",
+                                             _untracked(watch, ShardingPropagator._propagate_tensor_meta_non_cached)))
+        return watch
+
+
+def _untracked(watch: Watch, method):
+    """`method` with `watch` not counting: DTensor's sharding propagation makes (and caches)
+    global-shape tensors to learn an op's output shapes; on a GPU they are fake tensors too."""
+    def untracked(*args, **kwargs):
+        watch.paused += 1
+        try:
+            return method(*args, **kwargs)
+        finally:
+            watch.paused -= 1
+    return untracked
