@@ -31,7 +31,6 @@ import torch
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.nn.parallel import distributed as ddp_module
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -240,20 +239,17 @@ def _fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sc
                                                         scale=scale)[0]
 
 
-class _Attention(TorchFunctionMode):
-    """F.scaled_dot_product_attention on fake device tensors: `_fused_attention`."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention and isinstance(args[0], FakeTensor) \
-                and args[0].device.type == DEVICE:
-            q, k, v = args[:3]
-            if kwargs.get("enable_gqa") and k.shape[-3] != q.shape[-3]:  # kv heads shared by groups
-                k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) for t in (k, v))
-            out = _fused_attention(q, k, v, *args[3:], **{n: a for n, a in kwargs.items() if n != "enable_gqa"})
-            if out is not None:
-                return out
-        return func(*args, **kwargs)
+def _attention(sdpa):
+    """F.scaled_dot_product_attention, on fake device tensors `_fused_attention` (a patch of the
+    function, not a mode: activation checkpointing recomputes in autograd's device thread)."""
+    def attention(q, k, v, *args, **kwargs):
+        if not (isinstance(q, FakeTensor) and q.device.type == DEVICE):
+            return sdpa(q, k, v, *args, **kwargs)
+        if kwargs.pop("enable_gqa", False) and k.shape[-3] != q.shape[-3]:  # kv heads per group
+            k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) for t in (k, v))
+        out = _fused_attention(q, k, v, *args, **kwargs)
+        return out if out is not None else sdpa(q, k, v, *args, **kwargs)
+    return attention
 
 
 class FakeGpu(contextlib.ExitStack):
@@ -271,7 +267,8 @@ class FakeGpu(contextlib.ExitStack):
                                              lambda *args, **kwargs: None))
         fake_mode = self.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         watch = self.enter_context(Watch(fake_mode))
-        self.enter_context(_Attention())
+        self.enter_context(mock.patch.object(torch.nn.functional, "scaled_dot_product_attention",
+                                             _attention(torch.nn.functional.scaled_dot_product_attention)))
         self.enter_context(mock.patch.object(ShardingPropagator, "_propagate_tensor_meta_non_cached",
                                              _untracked(watch, ShardingPropagator._propagate_tensor_meta_non_cached)))
         return watch
