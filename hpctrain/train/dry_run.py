@@ -98,7 +98,7 @@ class _PeakParts:
         self.snapshot: dict[int, int] = {}
 
     def __call__(self, watch) -> None:
-        self.snapshot = dict(watch.live)
+        self.snapshot = watch.sizes()
 
     def split(self, model: torch.nn.Module, grads: set[int], optimizer) -> dict:
         params = _storages(model.parameters())

@@ -3,7 +3,7 @@
     register_fake_gpu()               # once per process: the "gpu" device (torch's PrivateUse1)
     with FakeGpu() as watch:          # torch's FakeTensorMode: tensors on "gpu:0", shapes only
         ... build, parallelize, step ...
-    watch.peak_bytes, watch.live      # of the fake device memory, every allocation counted
+    watch.peak_bytes, watch.sizes()   # of the fake device memory, every allocation counted
 
 Why "gpu" and not "cuda": a CPU-only torch has no CUDA device guard, hooks or autocast for
 fake CUDA tensors (autograd's engine refuses a CUDA tensor: "Cannot access accelerator device
@@ -165,7 +165,7 @@ class Watch(TorchDispatchMode):
     def __init__(self, fake_mode: FakeTensorMode):
         super().__init__()
         self.fake_mode = fake_mode
-        self.live: dict[int, int] = {}  # id(storage) -> bytes, fake device storage alive now
+        self.live: dict[int, weakref.ref] = {}  # id(storage) -> the fake device storage, alive now
         self.peak_bytes = 0
         self.host_reads = 0             # .item() / .tolist() values a GPU step would sync for
         self.peak_listeners: list = []
@@ -211,19 +211,33 @@ class Watch(TorchDispatchMode):
                                  f"{name}: move it to the device")
 
     def _track(self, t: torch.Tensor) -> None:
+        """Count `t`'s storage from now until torch frees it; a new peak tells the listeners."""
         if self.paused:
             return
         storage = t.untyped_storage()
         key = id(storage)
         if key in self.live:
             return
-        self.live[key] = storage.nbytes()
+        self.live[key] = weakref.ref(storage)
         weakref.finalize(storage, self.live.pop, key, None)
-        total = sum(self.live.values())
+        total = self.live_bytes()
         if total > self.peak_bytes:
             self.peak_bytes = total
             for listener in self.peak_listeners:
                 listener(self)
+
+    def live_bytes(self) -> int:
+        return sum(self.sizes().values())
+
+    def sizes(self) -> dict[int, int]:
+        """{id(storage): bytes now}: a storage's size is read each time, as FSDP2 frees and
+        re-allocates its unsharded parameters by resizing their storage (`resize_(0)`)."""
+        out = {}
+        for key, ref in self.live.items():
+            storage = ref()
+            if storage is not None:
+                out[key] = storage.nbytes()
+        return out
 
 
 def _fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
