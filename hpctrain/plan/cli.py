@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after the report, dry-run the recommended layout of --config (or a "
                         "--preset's config) at its world size in this one process (`hpctrain "
                         "train --dry-run`): the parameter, gradient, optimizer and peak bytes of a "
-                        "real step beside this plan's")
+                        "real step beside this plan's (with --json: a second JSON line)")
     return p
 
 

@@ -7,6 +7,7 @@ the plan's world size after the plan's report. It must never compute a figure it
 """
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 
@@ -18,16 +19,17 @@ DRY_RUN_HELP = (
     "training steps (forward, backward, clip, optimizer) as rank 0 (and the last pipeline stage's "
     "first rank): fake GPU tensors (shapes only) and a fake process group; no data, checkpoint, "
     "MPI or GPU. Prints per rank the parameter, gradient, optimizer-state and peak bytes beside "
-    "`hpctrain plan`'s figures (--json: as JSON). A CPU tensor reaching a collective or meeting a "
+    "`hpctrain plan`'s figures (--json: as one JSON line). A CPU tensor reaching a collective or meeting a "
     "GPU tensor is one error line naming the op")
 
 
 def run_dry(cfg: Config, world: int, as_json: bool) -> int:
+    """The dry run's table, or with `as_json` its JSON on one line."""
     from hpctrain.train.dry_run import dry_run
-    from hpctrain.train.dry_run_report import as_dict, render, to_json
+    from hpctrain.train.dry_run_report import as_dict, render
 
     report = as_dict(cfg, world, dry_run(cfg, world))
-    print(to_json(report) if as_json else render(report), end="\n" if as_json else "")
+    print(json.dumps(report) if as_json else render(report), end="\n" if as_json else "")
     return 0
 
 
@@ -53,6 +55,7 @@ def verify_plan(argv: list[str]) -> int:
         logs.error(f"error: --verify: no layout fits {job.nodes} node(s): nothing to dry-run")
         return 2
     flags = shlex.split(search.train_flags(best.job))
-    print(f"\n## --verify: the dry run of the recommended layout ({best.job.world} ranks)\n")
+    if not args.json:  # --json: the plan's JSON line, then the dry run's
+        print(f"\n## --verify: the dry run of the recommended layout ({best.job.world} ranks)\n")
     sys.stdout.flush()
     return run_dry(config.load(path, flags), best.job.world, args.json)

@@ -8,7 +8,6 @@ does) nor compute bytes of its own.
 from __future__ import annotations
 
 import dataclasses
-import json
 
 from hpctrain.config import Config
 from hpctrain.plan.layout import Job
@@ -76,7 +75,3 @@ def render(report: dict) -> str:
         lines.append("| at the peak: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in r["peak_parts"].items())
                      + " | | | |")
     return "\n".join(lines) + "\n"
-
-
-def to_json(report: dict) -> str:
-    return json.dumps(report, indent=1)

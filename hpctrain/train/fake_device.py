@@ -14,9 +14,9 @@ registered for it and NCCL's rule for collectives (device tensors only). Code th
 by name (`device.type == "cuda"`: MoE's grouped matmul, compile of the whole model) takes its
 non-CUDA path in a dry run.
 
-Owns: that device, the values a host sync would read (`.item()`: what a healthy step reads, 0 or True (no NaN
-flag, no overflow); a
-data-dependent size: its largest), the live and peak bytes of fake device storage, and the checks
+Owns: that device, the values a host sync would read (`.item()`: what a healthy step reads, 0 or
+True: no NaN flag, no overflow; a data-dependent size: its largest), attention as an H100 runs it
+(`_fused_attention`), the live and peak bytes of fake device storage, and the checks
 a GPU job fails at: a CPU tensor in a collective, or a CPU tensor (not a 0-dim scalar) meeting a
 device tensor in an op, raises `DeviceMixError` naming the op. It must never build a model or run
 a step (train/dry_run.py does), nor start a real process group.

@@ -145,3 +145,17 @@ def test_dry_run_prints_its_table_and_help_explains_it(cfg):
     helptext = run("-m", "hpctrain", "train", "--help").stdout
     assert "--dry-run N" in helptext and "--json" in helptext
     assert "--verify" in run("-m", "hpctrain", "plan", "--help").stdout
+
+
+@pytest.mark.slow
+def test_plan_verify_dry_runs_the_recommended_layout_of_llama3_8b():
+    """`plan --verify --json`: the plan's JSON line, then the dry run of its recommended layout
+    (32 ranks, fsdp dp16 tp2: 8.03B parameters / 32 in fp32, + FSDP's padding of a few rows)."""
+    out = run("-m", "hpctrain", "plan", "--config", "configs/llama3_8b.toml", "--nodes", "4",
+              "--verify", "--json")
+    plan, dry = (json.loads(line) for line in out.stdout.splitlines())
+    assert (plan["recommended"]["dp"], plan["recommended"]["tp"]) == (16, 2)
+    (rank,) = dry["ranks"]
+    assert dry["world_size"] == 32 and rank["grad_accum"] == 32 and rank["micro_batches"] == 3
+    assert 0 <= rank["parameters"] - 8_030_261_248 * 4 // 32 <= 64 << 10
+    assert rank["optimizer"] == 2 * rank["parameters"] + 4 * 291  # m, v + a step per tensor
