@@ -4,6 +4,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
+# pytest-xdist workers for `make test` (tests/slurm share one cluster: they stay on one worker)
+TEST_WORKERS ?= 2
 
 .PHONY: install demo llama-demo test test-fast bench clean
 
@@ -24,10 +26,10 @@ llama-demo: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash scripts/llama_demo.sh
 
 test: $(STAMP)
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest tests --durations=60
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --durations=60
 
 test-fast: $(STAMP)
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest tests -m "not slow"
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
 
 bench: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash bench/run_all.sh

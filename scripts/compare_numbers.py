@@ -84,6 +84,14 @@ CASES = {
     "moe_ep2": (2, MOE + ["--parallel.ep=2", "--train.grad_accum=1"], False),
     "moe_ep2_fsdp_resume": (2, MOE + ["--parallel.ep=2", "--parallel.data_parallel=fsdp",
                                       "--train.grad_accum=1"], True),
+    "moe_top3": (1, MOE + ["--model.moe_top_k=3"], False),  # 3 rows per token: the combine's order
+    "moe_ac": (1, MOE + ["--parallel.activation_checkpoint=full"], False),  # the kept host copy
+    "moe_ep2_ac": (2, MOE + ["--parallel.ep=2", "--train.grad_accum=1",
+                             "--parallel.activation_checkpoint=full"], False),
+    "moe_dp2_deterministic": (2, MOE + ["--parallel.deterministic_experts=true", "--train.grad_accum=1"],
+                              False),  # ep 1: the replicas' recursive-doubling exchange
+    "moe_ep2_deterministic": (2, MOE + ["--parallel.ep=2", "--parallel.deterministic_experts=true",
+                                        "--train.grad_accum=1"], False),
 }
 # Keys that measure time or the machine, never compared.
 TIMING = ("time", "tokens_per_s", "mfu", "wait", "elapsed", "_s", "throughput", "samples_per_s",

@@ -2,6 +2,9 @@
 answer broadcast) before the next collective step, and any failure on any rank becomes the same
 one-line CheckpointError raised on every rank, so no rank is ever left waiting in a collective that
 another skipped. With one process and no process group the collectives are the identity.
+A collective without a `group` runs on `_group()`: the world here; the checkpoint manager's own
+gloo group there (manager.py), so that a rank slow to read or write on a busy file system is
+waited for on host sockets with that group's long timeout, never on the default (NCCL) group.
 """
 from __future__ import annotations
 
@@ -24,9 +27,14 @@ class Agreement:
         if not self._dist and world_size != 1:
             raise ValueError(f"{name} with world_size > 1 needs torch.distributed initialized")
 
+    def _group(self):
+        """The group of a collective called without one (None: the default group)."""
+        return None
+
     def _gather(self, obj, group=None) -> list:
         if not self._dist:
             return [obj]
+        group = self._group() if group is None else group
         out = [None] * self.world_size
         with RECORDER.collective("ckpt_gather", self._group_name(group)):  # main thread only
             dist.all_gather_object(out, obj, group=group)
@@ -35,6 +43,7 @@ class Agreement:
     def _bcast(self, obj, group=None):
         if not self._dist:
             return obj
+        group = self._group() if group is None else group
         box = [obj]
         with RECORDER.collective("ckpt_bcast", self._group_name(group)):
             dist.broadcast_object_list(box, src=0, group=group)

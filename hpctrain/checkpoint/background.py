@@ -1,7 +1,10 @@
 """Async checkpointing support: staging a state dict into host memory, and the one in-flight save.
 
-Owns the copy of the tensors the step loop pays for (`stage`: into reused host buffers, pinned when
-the source is on a GPU), which rank stages a plain tensor several ranks hold (`assign_writers`:
+Owns the copy of the tensors the step loop pays for (`stage`: a host tensor into host buffers
+reused between saves; a GPU tensor into pinned memory from torch's pinned-memory cache, given back
+when the save or snapshot holding it has been written, so that the async checkpoint and the peer
+snapshot stage into the same pinned blocks: one pinned copy of the state per rank, not one per
+stager kept all run), which rank stages a plain tensor several ranks hold (`assign_writers`:
 one of them; DCP writes such a replicated tensor once, so DDP ranks each stage ~1/world of the
 model + optimizer instead of all of it, in buffers kept between saves) and the background thread that runs the rest of a save (`InFlight`). The
 manager decides what that thread does and which process group it uses; this module must never run
@@ -19,14 +22,18 @@ from hpctrain.distributed.dtensor import is_dtensor
 
 
 def _copy_into(buffers: dict, key: str, src: torch.Tensor) -> torch.Tensor:
-    """src copied into a host buffer remembered under `key` (reused while shape/dtype match)."""
+    """src copied to host memory: a GPU tensor into a pinned block of torch's pinned-memory cache
+    (asynchronously; not remembered: its holder drops it once written, module docstring), a host
+    tensor into a buffer remembered under `key` (reused while shape/dtype/stride match)."""
+    if src.device.type == "cuda":
+        buf = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device="cpu", pin_memory=True)
+        buf.copy_(src.detach(), non_blocking=True)
+        return buf
     buf = buffers.get(key)
     if buf is None or buf.shape != src.shape or buf.dtype != src.dtype or buf.stride() != src.stride():
-        pin = src.device.type == "cuda"
-        buf = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device="cpu",
-                                  pin_memory=pin)
+        buf = torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device="cpu")
         buffers[key] = buf
-    buf.copy_(src.detach(), non_blocking=src.device.type == "cuda")
+    buf.copy_(src.detach())
     return buf
 
 

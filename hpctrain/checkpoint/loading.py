@@ -2,6 +2,10 @@
 files, every rank gets them, DCP reads the tensors (resharded to this job's layout; only tensors:
 safe_load.py) while each rank re-checks its share of the data checksums (verify.py), and any
 failure on any rank becomes the same one-line CheckpointError on every rank.
+
+Every collective here, DCP's own included, runs on the manager's gloo save group (its long
+timeout; manager.py): ranks that read and hash at different speeds on a busy file system wait for
+each other on host sockets, never in an NCCL collective under dist.timeout_s.
 """
 from __future__ import annotations
 
@@ -11,7 +15,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from hpctrain.checkpoint import disk_format, faults
-from hpctrain.checkpoint.agreement import Agreement
 from hpctrain.checkpoint.dcp_io import describe, failure
 from hpctrain.checkpoint.state import merge_values, split_state
 from hpctrain.checkpoint.verify import ShareVerifier
@@ -27,17 +30,20 @@ def quiet(dist_on: bool):
         yield
 
 
-def load(ranks: Agreement, path: Path, state: dict) -> tuple[dict, ShareVerifier]:
+def load(ranks, path: Path, state: dict) -> tuple[dict, ShareVerifier]:
     """Collective. Checkpoint `path` into `state` in place; (the saved JSON state, this rank's
-    checksum verifier: what it hashed and how long it waited)."""
+    checksum verifier: what it hashed and how long it waited). `ranks`: the CheckpointManager
+    (its agreement, on its save group)."""
     import torch.distributed.checkpoint as dcp  # imported by the manager's import_dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     from hpctrain.checkpoint.safe_load import SafeFileSystemReader, TensorOnlyLoadPlanner
 
     prefix = f"checkpoint load from {path}"
+    group = ranks.save_group()  # every collective below (module docstring)
     payload = None
     if ranks.rank == 0:
+        faults.hit("load.begin", path)
         try:
             problems, commit, metadata = disk_format.check_checkpoint(path)
             if problems:
@@ -64,7 +70,7 @@ def load(ranks: Agreement, path: Path, state: dict) -> tuple[dict, ShareVerifier
         reader = SafeFileSystemReader(path, metadata=metadata)
         with quiet(ranks._dist):
             dcp.load(tensors, storage_reader=reader, planner=TensorOnlyLoadPlanner(),
-                     no_dist=not ranks._dist)
+                     process_group=group, no_dist=not ranks._dist)
         faults.hit("load.dcp_done", path)
         merge_values(state, values, str(path))
     except (Exception, CheckpointException) as e:  # noqa: BLE001

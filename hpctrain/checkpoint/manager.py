@@ -7,11 +7,13 @@ turning any failure on any rank into the same one-line CheckpointError raised on
 (agreement.py; the load's steps are in loading.py).
 `save_async` splits a save: validation, agreement and the copy to host memory on the caller's
 thread; write, agreement and commit in a background thread, one save in flight at a time
-(background.py). The write, agreement and commit of every save (sync or async) run on the
-manager's own gloo group with a long timeout (COMMIT_TIMEOUT_S): while rank 0 commits on a slow
-file system the other ranks wait on host sockets, never in a device (NCCL) collective whose
-watchdog would end the job after dist.timeout_s. A rank that dies meanwhile is still seen at once
-(its sockets close) or by the heartbeat watchdog (dist.heartbeat_timeout_s).
+(background.py). Every collective of the manager, a save's (sync or async) and a load's
+(`latest`, the trainer state, DCP's read, every agreement), runs on the manager's own gloo group
+with a long timeout (COMMIT_TIMEOUT_S): while rank 0 commits, or scans and reads on a slow file
+system, and while ranks read and checksum their shares at different speeds, the others wait on host
+sockets, never in a device (NCCL) collective whose watchdog would end the job after dist.timeout_s.
+A rank that dies meanwhile is still seen at once (its sockets close) or by the heartbeat watchdog
+(dist.heartbeat_timeout_s).
 
 It does not know the model's layout, and it must never: leave a rank waiting in a collective that
 another rank skipped (every rank-local failure is agreed on before the next step), touch a previously
@@ -107,6 +109,7 @@ class CheckpointManager(Agreement):
         every one is unusable."""
         answer = None
         if self.rank == 0:
+            faults.hit("load.scan", self.root)
             try:
                 path, _ = directory.find_latest(self.root, skip)
                 answer = ("ok", str(path) if path else None)
@@ -179,8 +182,9 @@ class CheckpointManager(Agreement):
         self.last_save_s = time.perf_counter() - t0
 
     def save_group(self):
-        """Collective (made by the first save on every rank). The gloo group of the write,
-        agreement and commit phases (module docstring); None without torch.distributed."""
+        """Collective (made by the manager's first collective on every rank: a resume's `latest`,
+        or the first save). The gloo group of every collective of the manager (module docstring);
+        None without torch.distributed."""
         if self._save_group is None and self._dist:
             self._save_group = dist.new_group(backend="gloo", timeout=self._timeout)
         if self.layout == "node" and self._node is None:
@@ -239,7 +243,7 @@ class CheckpointManager(Agreement):
             obj.load_state_dict(overlay(saved.get(name), tree[name]))
 
     def _prepare(self, step: int, state: dict, json_state: dict) -> "_Job":
-        """Phase 1 (main thread, default group): validate on every rank, rank 0 creates a fresh
+        """Phase 1 (main thread, the save group): validate on every rank, rank 0 creates a fresh
         step_N.tmp; agree before anyone writes."""
         import_dcp()
         faults.hit("save.begin")
@@ -279,6 +283,7 @@ class CheckpointManager(Agreement):
         # 2. every rank writes its DCP shards; rank 0 the JSON files. Agree on success.
         digest = hashlib.sha256(job.values_json.encode()).hexdigest()
         err, hashes = self._write(job, group, pacer)
+        job.tensors = {}  # written: staged GPU shards go back to the pinned cache (background.py)
         try:
             results = self._gather((err, digest, hashes), group)
             self._raise_first([e for e, _, _ in results], prefix)
@@ -370,6 +375,11 @@ class CheckpointManager(Agreement):
         return json_state
 
     # -- helpers -----------------------------------------------------------------------------------
+    def _group(self):
+        """Agreement's group for a collective called without one: the save group, made here on the
+        first (main thread; the background thread always passes the group it was given)."""
+        return self.save_group()
+
     def _discard(self, tmp: Path) -> None:
         """Best-effort removal of a failed save's tmp dir (frees space after ENOSPC)."""
         if self.rank == 0:

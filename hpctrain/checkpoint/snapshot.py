@@ -4,7 +4,8 @@ node resumes from the survivors' memory instead of the parallel file system.
 
 Owns the snapshot's protocol. `save` (main thread, every rank at the same step): the Stateful
 objects' state dicts (the PFS checkpoint's own: model, optimizer, sampler, RNG, trainer, sync),
-staged into reused host buffers (background.stage: each replicated tensor by one rank); then a
+staged into host memory (background.stage: each replicated tensor by one rank; GPU shards into
+pinned blocks given back once written, shared with async checkpoints); then a
 background thread, one in flight: (1) every rank writes its DCP shard into `step_N.tmp-<launch id>/` of ITS
 node's snapshot folder (rank 0 also the JSON files), (2) sends its data files to its buddy (the
 same local rank on node (n+1) mod nodes) and receives its sources' files; rank 0's metadata files
@@ -270,6 +271,7 @@ class PeerSnapshots:
             snap.files = self._write(snap, tmp, group, pacer)
         except Exception as e:  # noqa: BLE001 - agreed below
             err = describe(e)
+        snap.tensors = {}  # written: staged GPU shards go back to the pinned cache (background.py)
         entries = self._agree(snap.step, err, group, snap.files)
         err = None
         try:

@@ -270,7 +270,8 @@ def choose_backend(requested: str = "auto") -> str:
 def cuda_device_index(node_rank: int, node_size: int, visible: int) -> int:
     """The GPU of the `node_rank`-th of `node_size` ranks on a node that sees `visible` GPUs:
     its own index where each rank has one, 0 where the launcher gave each task its own single GPU
-    (srun --gpus-per-task=1: CUDA_VISIBLE_DEVICES differs per task; `gpus_shared` checks that)."""
+    (Slurm's --gpus-per-task=1, which we advise against: docs/gpu.md; CUDA_VISIBLE_DEVICES then
+    differs per task, and `gpus_shared` checks that)."""
     if visible < 1:
         raise ConfigError("dist.backend = 'nccl' but no GPU is visible to this rank "
                           "(CUDA_VISIBLE_DEVICES empty?)")
@@ -298,7 +299,7 @@ def _pick_gpu(job_node_comm) -> torch.device:
         raise ConfigError(f"{socket.gethostname()}: {job_node_comm.Get_size()} ranks but "
                           f"{torch.cuda.device_count()} GPU(s) visible: node ranks {ranks} would share "
                           f"GPU {gpu} (NCCL: 'Duplicate GPU detected'); launch one task per GPU "
-                          f"(srun --ntasks-per-node=<GPUs> --gpus-per-task=1)")
+                          f"(--ntasks-per-node=<GPUs> --gpus-per-node=<GPUs>)")
     return torch.device("cuda", index)
 
 

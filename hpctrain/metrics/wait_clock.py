@@ -7,11 +7,13 @@ kinds of waiting are recorded:
   * a blocking collective, `with clock.blocked(): dist.all_reduce(...)` (the loss mean over dp, the
     dp gradient all-reduce after backward, the MPI gradient hook's Allreduce): its whole duration,
     i.e. waiting for the last peer to arrive plus the transfer;
-  * DDP's asynchronous gradient reduction, whatever the comm hook (Gloo / NCCL all-reduce,
-    PowerSGD, the MPI hook): the hook wrapper marks when this rank has handed a bucket over
-    (`handed_over`) and the runner marks the end of backward (`backward_done`), where DDP waits
-    for every bucket's reduction. From the last hand-over to the end of backward this rank has no
-    gradient left to compute: that time is waiting (and the transfer). Work a hook chains onto its
+  * DDP's asynchronous gradient reduction, whatever the comm hook (PowerSGD, the MPI hook) or
+    none (DDP's own Gloo / NCCL all-reduce): the hook wrapper marks when this rank has handed a
+    bucket over (`handed_over`), or without a hook an autograd callback marks the end of
+    backward's compute, and the runner marks the end of backward (`backward_done`), where DDP waits
+    for every bucket's reduction (hpctrain/parallel/mpi_grad_allreduce.py). From the last hand-over
+    to the end of backward this rank has no gradient left to compute: that time is waiting (and
+    the transfer). Work a hook chains onto its
     reduction's future (PowerSGD's orthogonalization and second matmul) also runs then and counts
     as waiting; it is the same on every rank, so it shifts all busy times alike.
 

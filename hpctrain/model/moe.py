@@ -26,6 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hpctrain.model.moe_rows import combine, dispatch, rows_by_token
+
 GATES = ("softmax", "sigmoid")
 
 
@@ -67,18 +69,27 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
 
-    def forward(self, x_sorted: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
+    def forward(self, x_sorted: torch.Tensor, counts: list[int] | torch.Tensor,
+                counts_host: list[int] | None = None) -> torch.Tensor:
         """x_sorted [N, C], rows grouped by expert, counts[e] rows for local expert e (a host list,
-        or a tensor on x's device: MoEFeedForward's, which expert parallelism exchanges as is)."""
+        or a tensor on x's device: MoEFeedForward's, which expert parallelism exchanges as is).
+        `counts_host`: the same counts on the host, when the caller has them (no host copy here)."""
         if _grouped_mm_fits(x_sorted, self.w1, self.w3, self.w2):
             counts = torch.as_tensor(counts, device=x_sorted.device)
             return grouped_swiglu(x_sorted, self.w1, self.w3, self.w2, counts.cumsum(0).to(torch.int32))
         counts_t = counts if isinstance(counts, torch.Tensor) else None
-        if counts_t is not None:
-            counts = counts_t.tolist()  # the CUDA and loop paths size their groups on the host
+        if counts_host is None:  # the CUDA and loop paths size their groups on the host: on a GPU
+            counts_host = host_list(counts_t) if counts_t is not None else list(counts)  # one sync
         if _cuda_grouped_mm_fits(x_sorted, self.w1):
-            return cuda_grouped_swiglu(x_sorted, self.w1, self.w3, self.w2, counts, counts_t)
-        return loop_swiglu(x_sorted, self.w1, self.w3, self.w2, counts)
+            return cuda_grouped_swiglu(x_sorted, self.w1, self.w3, self.w2, counts_host, counts_t)
+        return loop_swiglu(x_sorted, self.w1, self.w3, self.w2, counts_host)
+
+
+def host_list(t: torch.Tensor) -> list:
+    """t's values on the host, copied by one dispatched op (aten._to_copy: on a GPU the layer's
+    one device->host sync), which activation checkpointing keeps from the forward instead of
+    copying again in the recomputation (hpctrain/parallel/activation.py)."""
+    return t.to("cpu", copy=True).tolist()
 
 
 def loop_swiglu(x_sorted: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
@@ -201,9 +212,13 @@ class MoEFeedForward(nn.Module):
         # rows per expert, without bincount (on CUDA it reads the ids' min and max on the host)
         counts = torch.zeros(self.cfg.n_experts, dtype=torch.int64, device=flat.device).index_add_(
             0, flat, torch.ones_like(flat))
-        out_sorted = self.experts(x[order // self.cfg.top_k], counts)  # on x's device
+        # each sorted row's token, and the rows grouped by token: dispatch and combine (and their
+        # backward) gather and add in a fixed order, no atomics (hpctrain/model/moe_rows.py)
+        token_of_row, top_k = order // self.cfg.top_k, self.cfg.top_k
+        by_token = rows_by_token(token_of_row)
+        out_sorted = self.experts(dispatch(x, token_of_row, by_token, top_k), counts)  # on x's device
         weighted = out_sorted * gates.reshape(-1)[order, None]  # fp32 gates, as transformers
-        out = torch.zeros_like(x).index_add_(0, order // self.cfg.top_k, weighted.to(x.dtype))
+        out = combine(weighted.to(x.dtype), token_of_row, by_token, top_k)
         if self.shared is not None:
             shared = self.shared(x, [x.shape[0]])
             if self.shared_gate is not None:

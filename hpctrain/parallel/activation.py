@@ -4,7 +4,8 @@ checkpoint wrapper, so their activations are recomputed in backward instead of s
 (`compile_whole_model`), as train.compile_scope says (`compile_scope`).
 
 Owns: which blocks are wrapped ("full": all; "selective": blocks 0, N, 2N, ... of the model, by
-their original index, so a pipeline stage wraps the same blocks the unsplit model would). It must
+their original index, so a pipeline stage wraps the same blocks the unsplit model would), and in a
+block with a MoE layer the one thing kept from the forward: the routing counts' host copy. It must
 never change parameter names as checkpoints see them: the wrapper's `_checkpoint_wrapped_module.`
 prefix is stripped by torch.distributed.checkpoint.state_dict.
 """
@@ -16,6 +17,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from hpctrain.model.moe import MoEFeedForward
+
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> int:
     """Wrap blocks of `model.blocks` (a ModuleDict keyed by layer index) in place; returns how many."""
@@ -24,9 +27,29 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> i
     wrapped = 0
     for key in list(model.blocks.keys()):
         if mode == "full" or int(key) % every == 0:
-            model.blocks[key] = checkpoint_wrapper(model.blocks[key], preserve_rng_state=True)
+            block = model.blocks[key]
+            moe = any(isinstance(m, MoEFeedForward) for m in block.modules())
+            extra = {"context_fn": _keep_host_copies_context} if moe else {}
+            model.blocks[key] = checkpoint_wrapper(block, preserve_rng_state=True, **extra)
             wrapped += 1
     return wrapped
+
+
+def _keep_host_copy(ctx, func, *args, **kwargs):
+    """Selective checkpointing policy of a block with a MoE layer: the host copy of the layer's
+    routing counts (`.to("cpu", copy=True)`: a device->host sync on a GPU) is kept from the
+    forward, everything else recomputed as in full checkpointing (#49: the recomputation read the
+    counts on the host again, a second sync per layer)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    to_host = func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("cpu")
+    return CheckpointPolicy.MUST_SAVE if to_host else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _keep_host_copies_context():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_keep_host_copy)
 
 
 def compile_scope(requested: str, device: torch.device, layout_allows_model: bool,

@@ -101,16 +101,23 @@ def _pairwise_sum(t: torch.Tensor) -> torch.Tensor:
 
 def _recursive_doubling_sum(flat: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """The sum of every rank's `flat` over `group` (a power-of-two size), partner = rank XOR 1, 2,
-    4, ...: rank r ends with the tree ((x0 + x1) + (x2 + x3)) + ..., the same on every rank."""
+    4, ...: rank r ends with the tree ((x0 + x1) + (x2 + x3)) + ..., the same on every rank.
+    The lower rank of a pair sends first, the higher receives first: NCCL runs a rank's p2p ops in
+    order on one stream and a send waits for its receive, so both sending first deadlocks (#49;
+    tests/mpi/test_expert_parallel.py runs this with such sends on Gloo)."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     step = 1
     while step < n:
         peer = dist.get_global_rank(group, r ^ step)
         other = torch.empty_like(flat)
-        send = dist.isend(flat, peer, group=group)
-        dist.recv(other, peer, group=group)
-        send.wait()
-        flat = flat + other
+        if r < r ^ step:
+            dist.send(flat, peer, group=group)
+            dist.recv(other, peer, group=group)
+            flat = flat + other
+        else:
+            dist.recv(other, peer, group=group)
+            dist.send(flat, peer, group=group)
+            flat = other + flat
         step *= 2
     return flat
 

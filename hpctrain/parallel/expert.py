@@ -3,13 +3,16 @@ tokens dispatched to the rank that holds their expert and combined back with all
 
 Owns: the dispatch (rows already sorted by global expert id, as MoEFeedForward hands them over,
 are cut by owning rank, exchanged with all_to_all_single), the local experts' matmuls (the
-model's own Experts computation on this rank's slice, one source rank's block at a time: every
-group then has the rows it has with ep = 1, so the forward is bit-equal whatever ep is), and the
-way back. The
-exchange is differentiable (functional collectives' all_to_all_single_autograd): a token's gradient returns
-to its rank, and each expert's weight gradient sums the contributions of every rank's tokens.
-Every collective's tensor is on the rows' device, as NCCL requires (the counts too: their host copy,
-the split sizes, is taken once, after their exchange; tests/mpi/test_expert_parallel.py holds it).
+model's own Experts computation on this rank's slice: on a CPU, and with
+parallel.deterministic_experts, one source rank's block at a time: every group then has the rows
+it has with ep = 1, so the forward is bit-equal whatever ep is; on CUDA otherwise every source's
+rows of an expert in one group, one grouped matmul per weight: `all_sources_grouped`), and the
+way back. The exchange is differentiable (functional collectives' all_to_all_single_autograd): a
+token's gradient returns to its rank, and each expert's weight gradient sums the contributions of
+every rank's tokens. Every collective's tensor is on the rows' device, as NCCL requires (the
+counts too: their host copy, the split sizes, is taken once per layer and forward, after their
+exchange, the layer's one host sync; the groups' offsets are cut from the device copy, never
+copied back up: tests/mpi/test_expert_parallel.py holds it).
 It must never change what a layer computes: with ep ranks holding E / ep contiguous experts each,
 every row meets the same expert with the same weights as on one rank (dropless: every row sent is
 computed; tests/mpi/test_expert_parallel.py compares with one rank).
@@ -32,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hpctrain.distributed.collectives import all_gather_single
 from hpctrain.distributed.dtensor import is_dtensor
-from hpctrain.model.moe import Experts, _grouped_mm_fits
+from hpctrain.model.moe import Experts, _grouped_mm_fits, host_list
 
 WEIGHTS = ("w1", "w3", "w2")
 
@@ -66,42 +69,44 @@ class ExpertParallelExperts(nn.Module):
         """Every collective's tensor is on x's device (NCCL takes no other): the counts are
         exchanged there, and their one host copy, the split sizes, is taken after the exchange."""
         ep, n_local, device = self.ep, self.n_local, x_sorted.device
-        if ep == 1:  # parallel.deterministic_experts on one rank: no exchange
-            counts_h = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
-            n = x_sorted.shape[0]
-            out = self._per_source(x_sorted, [counts_h], [n], [(0, n)])
-            self.local_rows_computed += out.shape[0]
-            return out
         # every source's rows per global expert [ep, E]: this rank's receive counts are its
         # columns, the rest place each source's block inside that source's sorted rows (_per_source)
         mine = torch.as_tensor(counts, dtype=torch.int64, device=device).reshape(-1)
-        every = torch.empty(ep * mine.numel(), dtype=torch.int64, device=device)  # (Gloo: 1-D)
-        all_gather_single(every, mine, group=self.group)  # no deprecated name: no warning per rank
-        every_h, lo, hi = every.reshape(ep, -1).tolist(), self.rank * n_local, (self.rank + 1) * n_local
+        if ep == 1:  # parallel.deterministic_experts on one rank: no exchange
+            every = mine
+        else:
+            every = torch.empty(ep * mine.numel(), dtype=torch.int64, device=device)  # (Gloo: 1-D)
+            all_gather_single(every, mine, group=self.group)  # no deprecated name: no warning per rank
+        every = every.reshape(ep, -1)
+        every_h, lo, hi = host_list(every), self.rank * n_local, (self.rank + 1) * n_local  # the one sync
         send_rows = [sum(every_h[self.rank][d * n_local:(d + 1) * n_local]) for d in range(ep)]
-        recv_h = [row[lo:hi] for row in every_h]
+        recv_h, recv_t = [row[lo:hi] for row in every_h], every[:, lo:hi]  # host, device
         recv_rows = [sum(r) for r in recv_h]
         place = [(sum(row[:lo]), sum(row)) for row in every_h]
-        received = _exchange(x_sorted, recv_rows, send_rows, self.group)
-        out = self._per_source(received, recv_h, recv_rows, place)
+        received = _exchange(x_sorted, recv_rows, send_rows, self.group) if ep > 1 else x_sorted
+        if one_group_per_expert(received, self.per_source_grads):
+            out = all_sources_grouped(received, self._local_weights(), recv_t, recv_h)
+        else:
+            out = self._per_source(received, recv_h, recv_t, place)
         self.local_rows_computed += out.shape[0]
-        return _exchange(out, send_rows, recv_rows, self.group)
+        return _exchange(out, send_rows, recv_rows, self.group) if ep > 1 else out
 
-    def _per_source(self, received: torch.Tensor, recv_h: list[list[int]], recv_rows: list[int],
+    def _per_source(self, received: torch.Tensor, recv_h: list[list[int]], recv_t: torch.Tensor,
                     place: list[tuple[int, int]]) -> torch.Tensor:
         """The received rows, laid out [source][local expert], computed source block by source
         block: each block grouped by expert as its source would group its own rows on one rank
         (same rows, order and rows per group), so every grouped-matmul group has the same shape
-        whatever ep is, and a step's forward is bit-equal across ep (#34). place[s]: (source s's
-        rows before this block, its rows in all) in its sorted rows (see _silu_in_place)."""
+        whatever ep is, and a step's forward is bit-equal across ep (#34). recv_h / recv_t: the
+        rows per [source, local expert] on the host / the device; place[s]: (source s's rows
+        before this block, its rows in all) in its sorted rows (see _silu_in_place)."""
         weights, outs = self._local_weights(), []
-        for s, block in enumerate(received.split(recv_rows)):
+        for s, block in enumerate(received.split([sum(r) for r in recv_h])):
             w = self._source_weights(weights, s) if self.per_source_grads else weights
             if _grouped_mm_fits(block, w.w1, w.w3, w.w2):
-                ends = torch.tensor(recv_h[s], device=block.device).cumsum(0).to(torch.int32)
+                ends = recv_t[s].cumsum(0).to(torch.int32)
                 outs.append(_grouped_swiglu_in_place(block, w, ends, *place[s]))
             else:  # the loop (silu per expert: nothing to place) or CUDA's kernel
-                outs.append(Experts.forward(w, block, recv_h[s]))
+                outs.append(Experts.forward(w, block, recv_t[s], recv_h[s]))
         return torch.cat(outs)
 
     def _source_weights(self, weights: SimpleNamespace, s: int) -> SimpleNamespace:
@@ -124,6 +129,30 @@ class ExpertParallelExperts(nn.Module):
                 slots = w.new_zeros(self.ep, *w.shape)
             out.append(slots)
         return out
+
+
+def one_group_per_expert(received: torch.Tensor, per_source_grads: bool) -> bool:
+    """Whether every source's rows of an expert go in one group (all_sources_grouped): on CUDA,
+    unless parallel.deterministic_experts keeps the per-source blocks (and their gradients)."""
+    return received.is_cuda and not per_source_grads
+
+
+def all_sources_grouped(received: torch.Tensor, w: SimpleNamespace, recv_t: torch.Tensor,
+                        recv_h: list[list[int]]) -> torch.Tensor:
+    """The received rows ([source][local expert], recv_t / recv_h rows each, on the device / the
+    host) computed with every source's rows of an expert in one group: regrouped [expert][source]
+    (a stable sort by expert), one grouped matmul per weight (ep x fewer, larger groups than
+    _per_source), put back in the received order. Within rounding of _per_source, not bit-equal
+    to it: used on CUDA, where parallel.deterministic_experts is off (tests/unit/test_moe_grouped.py)."""
+    n_sources, n_local = recv_t.shape
+    device, n = received.device, received.shape[0]
+    group_of_row = torch.repeat_interleave(torch.arange(n_sources * n_local, device=device),
+                                           recv_t.reshape(-1), output_size=n)
+    expert_of_row = group_of_row % n_local
+    by_expert = expert_of_row.argsort(stable=True)  # [expert][source], source order inside
+    per_expert_h = [sum(row[e] for row in recv_h) for e in range(n_local)]
+    out = Experts.forward(w, received.index_select(0, by_expert), recv_t.sum(0), per_expert_h)
+    return out.index_select(0, by_expert.argsort())
 
 
 class GradToSlot(torch.autograd.Function):

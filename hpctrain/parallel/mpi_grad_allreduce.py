@@ -1,9 +1,12 @@
-"""DDP communication hooks: gradient all-reduce through MPI instead of Gloo (CPU training), torch's
-PowerSGD low-rank compression (`dist.grad_allreduce = "powersgd"`, see docs/communication.md) and
-DDP's own all-reduce as a hook (`"backend"`: DDP's arithmetic, as without a hook). Every hook is
-registered wrapped (`register_timed_hook`) so that the step's WaitClock learns when this rank has
-handed each gradient bucket over: what follows until the end of backward is waiting for peers
-(hpctrain/metrics/wait_clock.py, the straggler detector's busy time).
+"""How DDP reduces gradients, per `dist.grad_allreduce`: through MPI instead of Gloo (a comm hook;
+CPU training, "auto" there), torch's PowerSGD low-rank compression (a comm hook, "powersgd", see
+docs/communication.md), or DDP's own C++ all-reduce with no hook at all ("backend", and "auto" on
+GPUs: NCCL without a Python call per bucket, the division by the group size fused into DDP's copy
+into the bucket). Only those two features need a hook. Every hook is registered wrapped
+(`register_timed_hook`) so that the step's WaitClock learns when this rank has handed each gradient
+bucket over; without a hook, `time_ddp_allreduce` marks the end of backward's compute instead (an
+autograd callback, before DDP's own waits for its buckets). What follows until the end of
+backward is waiting for peers (hpctrain/metrics/wait_clock.py, the straggler detector's busy time).
 
 On CPU clusters the MPI library is the fastest path between ranks: it knows the interconnect and uses
 shared memory inside a node, while Gloo goes through TCP sockets. Measured here (PLATFORM.md): an
@@ -91,22 +94,38 @@ def use_mpi_grad_allreduce(ddp_model, group: dist.ProcessGroup, world_comm, pres
     return state
 
 
-def backend_allreduce_hook(group: dist.ProcessGroup,
-                           bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP's built-in reduction as a hook: times the reciprocal of the group size (as DDP's reducer
-    does; torch's reference `allreduce_hook` divides, which rounds differently for 3 ranks), then a
-    sum over the process group's backend (Gloo, NCCL), asynchronous."""
-    buf = bucket.buffer()
-    buf.mul_(1.0 / group.size())
-    # the future's value is `buf` itself (an in-place all-reduce); returned as such, so that a group
-    # whose future carries no value (the dry run's fake group) works alike
-    return dist.all_reduce(buf, group=group, async_op=True).get_future().then(lambda fut: buf)
+def time_ddp_allreduce(ddp_model, clock: WaitClock | None) -> None:
+    """DDP's own all-reduce, no comm hook, timed for the clock: a forward hook on the DDP module
+    puts a gradient hook on its output (the first tensor of it that needs a gradient), which, on a
+    backward that syncs, queues an autograd callback marking the hand-over. Callbacks run in the
+    order queued once backward's compute is done; DDP queues its own (which waits for every
+    bucket's reduction) when its last bucket is ready, always after this output's gradient, so the
+    mark falls between the last gradient computed and DDP's wait: the time from it to the end of
+    backward is waiting (on CUDA a CUDA event on the current stream, as for the hooks)."""
+    if clock is None:
+        return
+    from torch.autograd import Variable
+
+    def queue_mark(grad):
+        Variable._execution_engine.queue_callback(clock.handed_over)
+
+    def on_output(module, args, output):
+        if torch.is_grad_enabled() and module.require_backward_grad_sync:
+            tensor = first_grad_tensor(output)
+            if tensor is not None:
+                tensor.register_hook(queue_mark)
+
+    ddp_model.register_forward_hook(on_output)
 
 
-def use_backend_allreduce(ddp_model, group: dist.ProcessGroup, clock: WaitClock | None) -> None:
-    """DDP's own gradient all-reduce as a hook that the clock can time (the same losses bit for
-    bit as DDP without a hook: Gloo, 2 and 3 ranks, measured)."""
-    register_timed_hook(ddp_model, group, backend_allreduce_hook, clock)
+def first_grad_tensor(output) -> torch.Tensor | None:
+    """The first tensor that needs a gradient in a module's output (a tensor, tuple, list or dict)."""
+    if isinstance(output, torch.Tensor):
+        return output if output.requires_grad else None
+    if isinstance(output, dict):
+        output = list(output.values())
+    items = output if isinstance(output, (tuple, list)) else ()
+    return next((t for t in map(first_grad_tensor, items) if t is not None), None)
 
 
 def use_powersgd(ddp_model, group: dist.ProcessGroup, rank: int, clock: WaitClock | None = None):

@@ -109,7 +109,8 @@ class Trainer:
                                        enabled=self.sync.collective_steps and self.sync.global_each_step)
         self.hooks.add("after_step", self._after_step_snapshot)
         # MoE layers (none in a dense model): loads, balancing bias step and warning after each step
-        moe = monitor_for(self.model, cfg.model, self.mesh, self.sync.collective_steps and self.sync.global_each_step)
+        moe = monitor_for(self.model, cfg.model, self.mesh, self.sync.collective_steps and self.sync.global_each_step,
+                          t.log_interval, self.plan.end_step)  # read on the host at log steps only
         if moe is not None:
             self.hooks.add("after_step", moe.record)
         self.step = 0

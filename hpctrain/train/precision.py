@@ -12,9 +12,13 @@ fp32 (docs/benchmarks.md), and there auto keeps fp32. On CUDA only native bf16 c
 capability >= 8.0): V100/T4 emulate it, far slower than fp32.
 
 Also owns TF32 (`train.tf32`, on by default): fp32 matmuls on CUDA GPUs with TF32 units (compute
-capability >= 8.0) run on tensor cores (torch.set_float32_matmul_precision("high")).
+capability >= 8.0) run on tensor cores (torch.set_float32_matmul_precision("high")); and torch's
+deterministic algorithms on CUDA where parallel.deterministic_experts asks for a run that adds in
+one order (`apply_deterministic`).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -71,3 +75,16 @@ def apply_tf32(device: torch.device, tf32: bool) -> bool:
         torch.set_float32_matmul_precision("high" if on else "highest")
         torch.backends.cudnn.allow_tf32 = on
     return on
+
+
+def apply_deterministic(device: torch.device, deterministic_experts: bool) -> bool:
+    """parallel.deterministic_experts on a CUDA GPU: torch's deterministic algorithms for the whole
+    step (#49; attention's backward and some index kernels otherwise add with atomics, in a
+    run-dependent order; the MoE layers never do: hpctrain/model/moe_rows.py), with cuBLAS's
+    fixed workspace. warn_only: an op without a deterministic kernel warns instead of ending the
+    run. A CPU adds in one order already. True where it is now on."""
+    if not (deterministic_experts and device.type == "cuda"):
+        return False
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read at cuBLAS's first use
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    return True

@@ -28,7 +28,7 @@ from hpctrain.distributed import DistContext
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.step_faults import StepFaults, step_faults
 from hpctrain.sync import modes
-from hpctrain.train.precision import apply_tf32, resolve_precision
+from hpctrain.train.precision import apply_deterministic, apply_tf32, resolve_precision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,13 +63,15 @@ class RunPlan:
 def resolve(cfg: Config, ctx: DistContext, mesh: Mesh) -> RunPlan:
     """The run plan of this job. Collective where train.precision is "auto" (every rank measures
     and agrees) and where the mode counts its workers (async_diloco); sets torch's TF32 matmul
-    mode for this rank's device (before the MFU peak reads it: tf32's datasheet row)."""
+    mode for this rank's device (before the MFU peak reads it: tf32's datasheet row), and on CUDA
+    its deterministic algorithms where parallel.deterministic_experts is on."""
     t = cfg.train
     position = modes.data_position(cfg, ctx, mesh)
     grad_accum = resolve_grad_accum(t, position.dp_size)
     precision = resolve_precision(t.precision, ctx.device, t.micro_batch_size * cfg.model.block_size,
                                   cfg.model.n_embd)
     tf32 = apply_tf32(ctx.device, t.tf32)
+    apply_deterministic(ctx.device, cfg.parallel.deterministic_experts)  # CUDA only
     return RunPlan(world_size=ctx.world_size, dp_size=position.dp_size, position=position,
                    train=dataclasses.replace(t, grad_accum=grad_accum, precision=precision),
                    precision_given=t.precision, tf32=tf32, faults=step_faults())

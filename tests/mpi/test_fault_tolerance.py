@@ -115,8 +115,11 @@ def test_fault_points_are_all_covered():
     named = {p for p, _ in KILL_POINTS + ASYNC_KILL_POINTS}
     saves = {p for p in faults.POINTS if not p.startswith("load.")}
     assert saves <= named
-    loads = set(faults.POINTS) - saves  # the load's points: a peer snapshot's failed load
-    assert all(p in Path(__file__).with_name("test_peer_snapshot.py").read_text() for p in loads)
+    loads = set(faults.POINTS) - saves  # the load's points: a peer snapshot's failed load, a
+    # slow reader on a resume
+    text = "".join(Path(__file__).with_name(name).read_text()
+                   for name in ("test_peer_snapshot.py", "test_resume_slow_reads.py"))
+    assert all(p in text for p in loads)
     assert len(KILL_POINTS) + len(ASYNC_KILL_POINTS) >= 20
 
 

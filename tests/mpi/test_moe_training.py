@@ -39,7 +39,7 @@ warmup_steps = 0
 micro_batch_size = 16
 lr = 1e-4
 eval_interval = 0
-log_interval = 10
+log_interval = 1
 """
 STEPS = 40
 
@@ -154,3 +154,17 @@ def test_loads_are_summed_over_dp_and_every_pipeline_stages_layers_reach_the_rec
     assert [r["step"] for r in steps] == [1, 2, 3]
     for layer in "0123":  # one bias step of 0.01: experts above the mean -0.01, below +0.01
         assert steps[0][f"moe.{layer}.bias_spread"] == pytest.approx(0.02)
+
+
+def test_moe_metrics_are_read_at_log_steps_and_the_last_step_only(tmp_path, one_play):
+    """#49: the monitor reads its numbers on the host at log steps only (train.log_interval 2)
+    and at the run's last step (5): the moe.* keys are in steps 2, 4 and 5's records, the loss in
+    every step's; each logged load counts that step's routed rows (top 1: 16 x 32 tokens)."""
+    config = tmp_path / "moe.toml"
+    config.write_text(CONFIG.format(run=tmp_path / "run", data=one_play))
+    run_cmd([sys.executable, "-m", "hpctrain", "train", "--config", config, "--train.steps=5",
+             "--train.log_interval=2"], timeout=300, check=True, env={"HPCTRAIN_THREADS": "1"})
+    steps = [r for r in records(tmp_path / "run") if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in steps if "moe.0.load" in r] == [2, 4, 5]
+    assert all(sum(r[f"moe.{layer}.load"]) == 16 * 32 for r in steps if "moe.0.load" in r for layer in "01")

@@ -191,7 +191,7 @@ def sample_real_words(run, dataset):
     """(generated text, the printed '# real words' line) of the demo's sample."""
     r = run_cmd([sys.executable, "-m", "hpctrain", "sample", "--checkpoint", run, "--prompt",
                  "ROMEO:", "--tokens", "200", "--seed", "1", "--real-words", dataset],
-                timeout=120, check=True)
+                timeout=300, check=True)
     header, rest = r.stdout.split("\n", 1)
     sample, line = rest.rstrip("\n").rsplit("\n", 1)
     assert header.startswith("# checkpoint") and sample.startswith("ROMEO:"), r.stdout

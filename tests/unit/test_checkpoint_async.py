@@ -7,6 +7,8 @@ OSError(ENOSPC) raised at the file stream, below DCP); nothing mocks torch.distr
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -111,7 +113,8 @@ def test_fault_spec_is_validated(monkeypatch):
     from hpctrain.errors import ConfigError
 
     for spec, named in (("no.such.point", "unknown fault point 'no.such.point'"),
-                        ("save.begin:1::explode", "kill, enospc or stop"),
+                        ("save.begin:1::explode", "kill, enospc, stop or sleep"),
+                        ("save.begin:1::sleep", "SECONDS"), ("save.begin:1::sleep:x", "SECONDS"),
                         ("save.begin:two", "COUNT and RANK")):
         monkeypatch.setenv(step_faults.ENV, f"save_point={spec}")
         with pytest.raises(ConfigError, match=f"HPCTRAIN_TEST_FAULTS: save_point={spec}: .*{named}"):
@@ -121,6 +124,10 @@ def test_fault_spec_is_validated(monkeypatch):
     monkeypatch.setenv(step_faults.ENV, "save_point=save.begin:1::enospc")
     with pytest.raises(OSError, match="No space left"):
         faults.hit("save.begin")
+    monkeypatch.setenv(step_faults.ENV, "save_point=load.begin:1::sleep:0.2")  # a slow reader
+    t0 = time.monotonic()
+    faults.hit("load.begin")
+    assert time.monotonic() - t0 >= 0.2
 
 
 class FakeClock:

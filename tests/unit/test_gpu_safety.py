@@ -354,3 +354,22 @@ def test_catch_up_in_place_equals_the_copy_both_ways(dtype):
     assign(a, with_updates_since(flat(a), start, theta))  # before: device -> host -> device
     add_into(b, theta - start)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# ---- second review, item 6: async_diloco's push copies into one host buffer, one wait ------------
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_flat_is_every_part_as_fp32_in_order(dtype):
+    """flat() copies the parts into one host buffer (pinned, asynchronous on GPUs) instead of one
+    blocking `.cpu()` each: the same fp32 vector as the per-part form, its own memory."""
+    import numpy as np
+    import torch
+
+    from hpctrain.sync.asynchronous import flat
+    torch.manual_seed(0)
+    parts = [torch.randn(33, 7).to(getattr(torch, dtype)), torch.randn(5).to(getattr(torch, dtype)),
+             torch.randn(4, 4).t()]  # a transposed (non-contiguous) one
+    got = flat(parts)
+    want = torch.cat([p.detach().reshape(-1).float().cpu() for p in parts]).numpy()
+    assert got.dtype == np.float32 and np.array_equal(got, want)
+    got[0] += 1.0
+    assert not np.array_equal(got, flat(parts))  # a copy, not a view of the parameters

@@ -53,3 +53,45 @@ def test_padded_grouped_swiglu_equals_the_unpadded_one_forward_and_backward():
     for a, b in zip(padded[2], plain[2]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert plain[2][0][1].abs().sum() == 0  # the 0-row expert gets no gradient
+
+
+def test_every_source_in_one_grouped_matmul_equals_source_by_source():
+    """Expert parallelism on CUDA without deterministic_experts (#49): the received rows of 3
+    source ranks x 4 local experts (empty groups included) regrouped by expert, one grouped matmul
+    per weight (`all_sources_grouped`, 3 calls), against source block by source block (9 calls):
+    outputs and the gradients of the rows and of every weight equal within fp32 rounding."""
+    from types import SimpleNamespace
+
+    from hpctrain.parallel.expert import all_sources_grouped
+
+    recv_h = [[5, 0, 16, 1], [0, 0, 7, 2], [33, 1, 0, 4]]  # [source][local expert]
+    torch.manual_seed(1)
+    experts = Experts(4, 16, 24)
+    for w in experts.parameters():
+        torch.nn.init.normal_(w, std=0.2)
+    x = torch.randn(sum(map(sum, recv_h)), 16)
+    calls = []
+
+    def run(all_sources: bool):
+        experts.zero_grad()
+        xi = x.clone().requires_grad_()
+        w = SimpleNamespace(w1=experts.w1, w3=experts.w3, w2=experts.w2)
+        if all_sources:
+            out = all_sources_grouped(xi, w, torch.tensor(recv_h), recv_h)
+        else:
+            blocks = xi.split([sum(r) for r in recv_h])
+            out = torch.cat([Experts.forward(w, b, torch.tensor(r), r) for b, r in zip(blocks, recv_h)])
+        (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+        return [out.detach(), xi.grad] + [w.grad.clone() for w in experts.parameters()]
+
+    real = torch._grouped_mm
+    torch._grouped_mm = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        grouped, calls_grouped = run(True), len(calls)
+        per_source = run(False)
+    finally:
+        torch._grouped_mm = real
+    assert (calls_grouped, len(calls) - calls_grouped) == (3, 9)
+    assert not torch.equal(grouped[0], torch.zeros_like(grouped[0]))
+    for a, b in zip(grouped, per_source):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

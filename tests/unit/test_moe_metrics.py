@@ -122,3 +122,30 @@ def test_layer_names_are_the_block_numbers_under_activation_checkpointing_and_co
     names = [n for n, m in model.named_modules() if type(m).__name__ == "MoEFeedForward"]
     assert any("_checkpoint_wrapped_module" in n for n in names) and any("_orig_mod" in n for n in names), names
     assert sorted(MoEMonitor(model).layers) == ["0", "1"]
+
+
+def test_between_log_steps_the_bias_steps_and_the_warning_counts_on_the_device(caplog):
+    """log_interval 4 (#49: read on the host at log steps only): no record at steps 1-3, yet
+    the bias moves every step and the hot streak is counted; at step 4 one warning per layer
+    for the 4-step streak, none at step 8 (the same streak), and one again for a new streak."""
+    model = _model(gate="sigmoid", bias_update_rate=0.1)
+    monitor = MoEMonitor(model, warn_ratio=1.5, warn_steps=3, log_interval=4)
+    bias = model.blocks["0"].mlp.router.bias
+    recs, biases = {}, []
+    with caplog.at_level(logging.WARNING, logger="hpctrain.moe"):
+        for step in range(1, 9):
+            with torch.no_grad():
+                model(_tokens())
+            recs[step] = monitor.after_step(step)
+            biases.append(bias.detach().clone())
+        warned_by_step8 = [r.getMessage() for r in caplog.records if "MoE layer" in r.getMessage()]
+        for step in range(9, 13):  # a balanced step breaks the streak, then 3 hot ones
+            if step > 9:
+                with torch.no_grad():
+                    model(_tokens())
+            recs[step] = monitor.after_step(step)
+    assert [s for s in recs if recs[s]] == [4, 8, 12]
+    assert all(not torch.equal(a, b) for a, b in zip(biases, biases[1:]))  # a step each step
+    assert len(warned_by_step8) == 2 and all("step 4" in w and "for 4 steps" in w for w in warned_by_step8)
+    warned = [r.getMessage() for r in caplog.records if "MoE layer" in r.getMessage()]
+    assert len(warned) == 4 and all("step 12" in w and "for 3 steps" in w for w in warned[2:]), warned

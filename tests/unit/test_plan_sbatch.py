@@ -190,3 +190,24 @@ def test_a_configs_sbatch_comment_is_what_the_planner_writes(capsys, tmp_path, n
                                 tmp_path / plan.group(3)])
     assert rc == 0, err
     assert set(said) <= set(directives((tmp_path / plan.group(3)).read_text()))
+
+
+# A command that asks for one GPU per task: srun/sbatch/salloc with --gpus-per-task, or a directive.
+GPUS_PER_TASK = re.compile(r"(\b(srun|sbatch|salloc)\b[^`]*|#SBATCH\s+)--gpus-per-task")
+
+
+def test_gpu_launch_advice_is_gpus_per_node_never_gpus_per_task():
+    """Issue 49 defect 6: --gpus-per-task=1 confines each rank to its own GPU under cgroups, which
+    blocks CUDA IPC (NCCL between a node's GPUs through host memory, not NVLink). The GPU
+    templates ask for --gpus-per-node (commented, as their other site lines), none has a GPU-per-task
+    directive, and no template, doc, README or message of ours gives a command with --gpus-per-task
+    (the planner's written script: test_the_written_script_carries_the_plan)."""
+    for name in ("train", "sweep", "tune"):
+        text = (ROOT / "slurm" / f"{name}.sbatch").read_text()
+        assert re.search(r"^##SBATCH --gpus-per-node=\d+$", text, re.M), name
+        assert not re.search(r"^#{1,2}SBATCH\s+--(gpus-per-task|gres|gpus)(=|\s|$)", text, re.M), name
+    files = [ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("slurm/*"), *ROOT.glob("bench/*.sh"),
+             *ROOT.glob("hpctrain/**/*.py")]
+    found = [f"{path.relative_to(ROOT)}:{n}" for path in files
+             for n, line in enumerate(path.read_text().splitlines(), 1) if GPUS_PER_TASK.search(line)]
+    assert found == []
