@@ -31,8 +31,16 @@ def _train(argv: list[str]) -> int:
         description="Train a GPT on sharded data with MPI-launched data parallelism.",
         epilog=TRAIN_EPILOG.format(keys=config.describe()))
     parser.add_argument("--config", help="TOML config file (see configs/)")
+    from hpctrain.train.dry_run_cli import DRY_RUN_HELP
+
+    parser.add_argument("--dry-run", type=int, metavar="N", help=DRY_RUN_HELP)
+    parser.add_argument("--json", action="store_true", help="with --dry-run: the report as JSON")
     args, overrides = parser.parse_known_args(argv)
     cfg = config.load(args.config, overrides)  # config errors surface before MPI starts
+    if args.dry_run is not None:  # one process, no MPI (hpctrain/train/dry_run.py)
+        from hpctrain.train.dry_run_cli import run_dry
+
+        return run_dry(cfg, args.dry_run, args.json)
     from hpctrain.metrics.wandb_log import check_installed
 
     check_installed(cfg)  # metrics.wandb = true needs the extra: said before MPI starts too
@@ -74,6 +82,10 @@ def _export(argv: list[str]) -> int:
 
 
 def _plan(argv: list[str]) -> int:
+    if "--verify" in argv:  # + the dry run of the recommended layout (hpctrain/train/dry_run_cli.py)
+        from hpctrain.train.dry_run_cli import verify_plan
+
+        return verify_plan(argv)
     from hpctrain.plan.cli import main as plan_main
 
     return plan_main(argv)

@@ -165,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
             section, key = FROM_CONFIG[f.name]
             p.add_argument(f"--{section}.{key}", dest=f.name, type=typ, default=None,
                            help=argparse.SUPPRESS)
+    p.add_argument("--verify", action="store_true",
+                   help="after the report, dry-run the recommended layout of --config (or a "
+                        "--preset's config) at its world size in this one process (`hpctrain "
+                        "train --dry-run`): the parameter, gradient, optimizer and peak bytes of a "
+                        "real step beside this plan's (with --json: a second JSON line)")
     return p
 
 

@@ -44,17 +44,22 @@ class BuiltModel:
     params: str = ""         # the start-up line's counts, as transformers counts them (model/params.py)
 
 
-def build_model(cfg: Config, mesh: Mesh, device: torch.device, precision: str) -> BuiltModel:
+def build_model(cfg: Config, mesh: Mesh, device: torch.device, precision: str,
+                initialize: bool = True) -> BuiltModel:
     """The GPT of cfg.model in cfg.parallel's layout; weights as `torch.manual_seed(seed);
     GPT(...)` makes them, on every rank (the same values before sharding), or init.from's.
-    `precision`: the resolved train.precision (FSDP's mixed precision)."""
+    `precision`: the resolved train.precision (FSDP's mixed precision). `initialize=False` (the
+    dry run, train/dry_run.py): this rank's shards allocated, never written (no init.from read)."""
     section = dataclasses.asdict(cfg.model)  # model.arch picks GPT or Llama (hpctrain/model)
     seed = cfg.train.seed
     # init.from seeds a fresh run only (on resume the checkpoint's weights replace the seed's:
     # the folder is not read, it may be gone); its tensors checked before anything is built
     hf_files = (open_checked(cfg.init.from_dir, section)
-                if cfg.init.from_dir and not hf_import.run_has_checkpoints(cfg.checkpoint_dir) else None)
-    if cfg.parallel.meta_init:
+                if initialize and cfg.init.from_dir and not hf_import.run_has_checkpoints(cfg.checkpoint_dir) else None)
+    if not initialize:
+        model = build_on_meta(lambda: build_model_from_section(section))[1]
+        init = lambda m: allocate(m, device)  # noqa: E731
+    elif cfg.parallel.meta_init:
         recipe, model = build_on_meta(lambda: build_model_from_section(section))
         init = lambda m: materialize(m, recipe, seed, device)  # noqa: E731
     else:

@@ -1,0 +1,161 @@
+"""`hpctrain train --dry-run N`: the real model and layout of N GPU ranks in one process (fake GPU
+tensors, torch's fake process group): its bytes per rank are the layout's exact arithmetic, a CPU
+tensor in a collective or next to a GPU tensor is named by its op, and the command prints its table.
+
+Each dry run is its own process (`python -m hpctrain ...`): the fake GPU device is registered with
+torch once per process, for good (hpctrain/train/fake_device.py).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import ROOT
+
+# A Llama whose every width divides by tp x dp = 8: FSDP2's shards carry no padding
+TINY_LLAMA = """[run]
+dir = "{run}"
+[data]
+path = "unused"
+[model]
+arch = "llama"
+n_layer = 2
+n_head = 4
+n_kv_head = 4
+n_embd = 64
+block_size = 32
+vocab_size = 256
+ffn_hidden = 192
+tie_embeddings = false
+[train]
+steps = 10
+micro_batch_size = 2
+grad_accum = 2
+precision = "fp32"
+"""
+
+
+def run(*args, check=True, timeout=600):
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                         timeout=timeout)
+    if check and out.returncode:
+        raise AssertionError(f"exit {out.returncode}\n{out.stderr[-3000:]}")
+    return out
+
+
+def dry_run_json(cfg, world: int, *overrides) -> dict:
+    out = run("-m", "hpctrain", "train", "--config", cfg, "--dry-run", str(world), "--json", *overrides)
+    return json.loads(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dry")
+    path = tmp / "tiny.toml"
+    path.write_text(TINY_LLAMA.format(run=tmp / "run"))
+    return path
+
+
+def expected_bytes(cfg_path, dp: int, tp: int) -> tuple[int, int]:
+    """(parameter bytes, AdamW state bytes) of one rank, by arithmetic on the unsplit model: a
+    Linear or Embedding weight is split over tp and over dp (FSDP), an RMSNorm weight over dp only;
+    fp32 everywhere; fused AdamW holds m and v (2 x 4 B per element) and a 4-byte step per tensor."""
+    from hpctrain import config
+    from hpctrain.model import build_model_from_section
+    import dataclasses
+    import torch
+
+    c = config.load(cfg_path)
+    with torch.device("meta"):
+        model = build_model_from_section(dataclasses.asdict(c.model))
+    params = 0
+    for name, p in model.named_parameters():
+        norm = p.dim() == 1
+        params += 4 * p.numel() // (dp if norm else dp * tp)
+    return params, 2 * params + 4 * len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("world,tp", [(4, 2), (8, 2), (8, 4)])
+def test_fsdp_tp_bytes_are_the_layouts_arithmetic(cfg, world, tp):
+    report = dry_run_json(cfg, world, f"--parallel.tp={tp}", "--parallel.data_parallel=fsdp")
+    (rank,) = report["ranks"]
+    params, adam = expected_bytes(cfg, world // tp, tp)
+    assert rank["coords"] == {"pp": 0, "dp": 0, "tp": 0}
+    assert rank["parameters"] == params
+    assert rank["gradients"] == params          # fp32 gradient shards, as the parameters
+    assert rank["optimizer"] == adam
+    assert rank["peak"] > params + adam         # + the step's activations
+    assert rank["micro_batches"] == rank["grad_accum"] == 2
+
+
+def test_ddp_and_tp_without_fsdp_hold_whole_replicas(cfg):
+    tp2 = dry_run_json(cfg, 4, "--parallel.tp=2", "--parallel.data_parallel=ddp")["ranks"][0]
+    ddp = dry_run_json(cfg, 4, "--parallel.data_parallel=ddp")["ranks"][0]
+    assert tp2["parameters"] == expected_bytes(cfg, 1, 2)[0]
+    assert ddp["parameters"] == ddp["gradients"] == expected_bytes(cfg, 1, 1)[0]
+    assert ddp["optimizer"] == expected_bytes(cfg, 1, 1)[1]
+
+
+@pytest.mark.parametrize("override,key", [("--parallel.pp=2", "parallel.pp")])
+def test_an_unsupported_layout_is_one_line_naming_its_key(cfg, override, key):
+    out = run("-m", "hpctrain", "train", "--config", cfg, "--dry-run", "4", override, check=False)
+    assert out.returncode != 0
+    assert key in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+# A collective given a CPU tensor, and an op given a CPU and a GPU tensor, inside a real dry run:
+# the dp loss mean all-reduces what `_replica_mean` returns; the loss's `total` adds each loss.
+BREAK = {  # what: (object in hpctrain.parallel.runner, attribute, replacement)
+    "collective": ("StepRunner", "_replica_mean", "lambda self, local_sum, count: torch.zeros(())"),
+    "mixed": ("", "_value", "lambda t: torch.zeros(3)"),
+}
+
+
+@pytest.mark.parametrize("what,op", [("collective", "c10d.allreduce_"), ("mixed", "aten.add")])
+def test_a_cpu_tensor_where_the_gpu_job_needs_a_device_one_is_named_by_its_op(cfg, what, op):
+    cls, attr, replacement = BREAK[what]
+    script = textwrap.dedent(f"""
+        import torch
+        from hpctrain import config
+        from hpctrain.parallel import runner
+        from hpctrain.train.dry_run import dry_run
+        from hpctrain.train.fake_device import DeviceMixError
+        setattr(getattr(runner, {cls!r}) if {cls!r} else runner, {attr!r}, {replacement})
+        try:
+            dry_run(config.load({str(cfg)!r}, ["--parallel.data_parallel=ddp"]), 2)
+        except DeviceMixError as e:
+            print("NAMED", e)
+        """)
+    out = run("-c", script)
+    assert "NAMED" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert op in out.stdout
+
+
+def test_dry_run_prints_its_table_and_help_explains_it(cfg):
+    out = run("-m", "hpctrain", "train", "--config", cfg, "--dry-run", "4", "--parallel.tp=2",
+              "--parallel.data_parallel=fsdp")
+    rows = {line.split("|")[1].strip() for line in out.stdout.splitlines() if line.startswith("| ")}
+    assert {"parameters", "gradients", "optimizer", "peak"} <= rows
+    assert out.stdout.count("rank 0 (pp0 dp0 tp0)") == 1
+    helptext = run("-m", "hpctrain", "train", "--help").stdout
+    assert "--dry-run N" in helptext and "--json" in helptext
+    assert "--verify" in run("-m", "hpctrain", "plan", "--help").stdout
+
+
+@pytest.mark.slow
+def test_plan_verify_dry_runs_the_recommended_layout_of_llama3_8b():
+    """`plan --verify --json`: the plan's JSON line, then the dry run of its recommended layout
+    (32 ranks, fsdp dp16 tp2: 8.03B parameters / 32 in fp32, + FSDP's padding of a few rows)."""
+    out = run("-m", "hpctrain", "plan", "--config", "configs/llama3_8b.toml", "--nodes", "4",
+              "--verify", "--json")
+    plan, dry = (json.loads(line) for line in out.stdout.splitlines())
+    assert (plan["recommended"]["dp"], plan["recommended"]["tp"]) == (16, 2)
+    (rank,) = dry["ranks"]
+    assert dry["world_size"] == 32 and rank["grad_accum"] == 32 and rank["micro_batches"] == 3
+    assert 0 <= rank["parameters"] - 8_030_261_248 * 4 // 32 <= 64 << 10
+    assert rank["optimizer"] == 2 * rank["parameters"] + 4 * 291  # m, v + a step per tensor
