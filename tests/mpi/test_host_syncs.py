@@ -28,11 +28,12 @@ LOG_READ = 1
 # with a bool index: a nonzero each). TODO(#49): an own vocab-parallel embedding (where / masked_fill).
 TP_EMBEDDING = 2
 
-# MoE: 4 layers here (4 blocks). moe_monitor.py per step: loads .cpu() once, then per layer
-# float(mean), float(max), load.tolist(), float(entropy) = 1 + 4 x 4; EP adds expert.py's
-# counts.tolist() per layer (4)
-MOE_ONE = 1 + 4 * 4
-MOE_EP2 = MOE_ONE + 4
+# MoE: 4 layers here (4 blocks). The MoE monitor keeps its numbers on the device and reads every
+# layer's at a log step in one .cpu() (+1 at a log step). Expert parallelism's all-to-all needs its
+# split sizes on the host: one counts.tolist() per MoE layer and forward (inherent; 4 here). One
+# rank's grouped-matmul host copy runs on CUDA only (moe.py), so it is not counted on this CPU.
+MOE_MONITOR_READ = 1
+EP_SPLIT_SIZES = 4
 
 # name: (ranks, overrides, K between log steps, K at a log step)
 LAYOUTS = {
@@ -46,11 +47,9 @@ LAYOUTS = {
     "chunked_loss": (1, ["--train.loss_chunk=16"], 0, LOG_READ),
     "chunked_loss_tp2": (2, TP + ["--train.loss_chunk=16"], TP_EMBEDDING, TP_EMBEDDING + LOG_READ),
     "fp16": (2, ["--train.grad_accum=1", "--train.precision=fp16"], 0, LOG_READ),
-    # MoE: today's counts (MOE_ONE, MOE_EP2 above). The MoE-specific syncs are branch i49-moe's:
-    # TODO(#49, i49-moe): 0 between log steps and LOG_READ at one once the monitor and expert.py
-    # keep their numbers on the device
-    "moe_one": (1, MOE, MOE_ONE, MOE_ONE + LOG_READ),
-    "moe_ep2": (2, MOE + ["--parallel.ep=2", "--train.grad_accum=1"], MOE_EP2, MOE_EP2 + LOG_READ),
+    "moe_one": (1, MOE, 0, LOG_READ + MOE_MONITOR_READ),
+    "moe_ep2": (2, MOE + ["--parallel.ep=2", "--train.grad_accum=1"], EP_SPLIT_SIZES,
+                EP_SPLIT_SIZES + LOG_READ + MOE_MONITOR_READ),
 }
 
 
