@@ -4,7 +4,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
-# pytest-xdist workers for `make test` (tests/slurm share one cluster: they stay on one worker)
+# pytest-xdist workers for `make test`. Each worker that runs tests/slurm starts its own local cluster
+# (private prefix, free ports, its own 10.213.x subnet), as tests/slurm/cluster.py and vcluster.py allow
 TEST_WORKERS ?= 2
 
 .PHONY: install demo llama-demo test test-fast bench clean
@@ -26,10 +27,10 @@ llama-demo: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash scripts/llama_demo.sh
 
 test: $(STAMP)
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --durations=60
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest tests -n $(TEST_WORKERS) --durations=60
 
 test-fast: $(STAMP)
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest tests -n $(TEST_WORKERS) -m "not slow"
 
 bench: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash bench/run_all.sh

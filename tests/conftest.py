@@ -22,18 +22,13 @@ BIN = Path(sys.executable).parent
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests under tests/slurm share one xdist worker (`--dist loadgroup`: one cluster, started once).
-    Tests marked `compiles` run torch.compile on the CPU: skipped, with the one line the trainer
+    """Tests marked `compiles` run torch.compile on the CPU: skipped, with the one line the trainer
     gives, where Inductor cannot link here (hpctrain.parallel.activation.compile_blocked: a torch
     installed under a path with a space, pytorch/pytorch#191010)."""
     import torch
 
     from hpctrain.parallel.activation import compile_blocked
 
-    slurm_dir = ROOT / "tests" / "slurm"
-    for item in items:  # one shared cluster per session: its tests run on one xdist worker
-        if slurm_dir in item.path.resolve().parents:
-            item.add_marker(pytest.mark.xdist_group("slurm"))
     blocked = compile_blocked(torch.device("cpu"))
     if blocked:
         for item in items:
