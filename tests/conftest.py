@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.shared_dirs import shared_dir
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
@@ -69,15 +71,15 @@ def root():
 @pytest.fixture(scope="session")
 def dataset(tmp_path_factory):
     """The first 6 Shakespeare plays, byte tokenizer, 400,000-token shards, 20% held out (seed 3),
-    sharded once per session. The MPI modules' reference curves are measured on exactly this; a
+    sharded once per session (tests/shared_dirs.py: xdist's workers share it; so do the datasets below).
+    The MPI modules' reference curves are measured on exactly this; a
     module that needs other data defines its own `dataset` fixture, which overrides this one."""
     from data_tools.corpora import shakespeare_files
 
-    out = tmp_path_factory.mktemp("shakespeare") / "bytes"
-    run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", *sorted(shakespeare_files())[:6],
-             "--output", out, "--tokenizer", "bytes", "--shard-tokens", "400000", "--val-fraction",
-             "0.2", "--seed", "3", "--no-progress"], timeout=300, check=True)
-    return out
+    return shared_dir(tmp_path_factory, "shakespeare", lambda out: run_cmd(
+        [sys.executable, "-m", "data_tools", "shard", "--input", *sorted(shakespeare_files())[:6],
+         "--output", out / "bytes", "--tokenizer", "bytes", "--shard-tokens", "400000", "--val-fraction",
+         "0.2", "--seed", "3", "--no-progress"], timeout=300, check=True)) / "bytes"
 
 
 @pytest.fixture(scope="session")
@@ -87,11 +89,10 @@ def small_shards(tmp_path_factory):
     files copies it first."""
     from data_tools.corpora import shakespeare_files
 
-    out = tmp_path_factory.mktemp("small_shards") / "bytes"
-    run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", *sorted(shakespeare_files())[:6],
-             "--output", out, "--tokenizer", "bytes", "--shard-tokens", "20000", "--val-fraction",
-             "0.2", "--seed", "3", "--no-progress"], timeout=300, check=True)
-    return out
+    return shared_dir(tmp_path_factory, "small_shards", lambda out: run_cmd(
+        [sys.executable, "-m", "data_tools", "shard", "--input", *sorted(shakespeare_files())[:6],
+         "--output", out / "bytes", "--tokenizer", "bytes", "--shard-tokens", "20000", "--val-fraction",
+         "0.2", "--seed", "3", "--no-progress"], timeout=300, check=True)) / "bytes"
 
 
 @pytest.fixture(scope="session")
@@ -99,11 +100,10 @@ def two_plays(tmp_path_factory):
     """The first two plays, byte tokenizer, one shard, nothing held out: the preemption runs'."""
     from data_tools.corpora import shakespeare_files
 
-    out = tmp_path_factory.mktemp("two_plays") / "d"
-    run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", *sorted(shakespeare_files())[:2],
-             "--output", out, "--tokenizer", "bytes", "--val-fraction", "0", "--no-progress"],
-            timeout=120, check=True)
-    return out
+    return shared_dir(tmp_path_factory, "two_plays", lambda out: run_cmd(
+        [sys.executable, "-m", "data_tools", "shard", "--input", *sorted(shakespeare_files())[:2],
+         "--output", out / "d", "--tokenizer", "bytes", "--val-fraction", "0", "--no-progress"],
+        timeout=120, check=True)) / "d"
 
 
 @pytest.fixture(scope="session")
@@ -112,11 +112,10 @@ def gpt2_two_plays(tmp_path_factory):
     tokenizer, so a transformers pipeline can run on it."""
     from data_tools.corpora import shakespeare_files
 
-    out = tmp_path_factory.mktemp("gpt2data") / "plays"
-    run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", *sorted(shakespeare_files())[:2],
-             "--output", out, "--tokenizer", "gpt2", "--val-fraction", "0.1", "--seed", "3",
-             "--no-progress"], timeout=300, check=True)
-    return out
+    return shared_dir(tmp_path_factory, "gpt2data", lambda out: run_cmd(
+        [sys.executable, "-m", "data_tools", "shard", "--input", *sorted(shakespeare_files())[:2],
+         "--output", out / "plays", "--tokenizer", "gpt2", "--val-fraction", "0.1", "--seed", "3",
+         "--no-progress"], timeout=300, check=True)) / "plays"
 
 
 @pytest.fixture(scope="session")
@@ -125,11 +124,10 @@ def one_play(tmp_path_factory):
     bad-input tables' dataset (several shards, seconds to train on)."""
     from data_tools.corpora import shakespeare_files
 
-    out = tmp_path_factory.mktemp("one_play") / "ds"
-    run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", sorted(shakespeare_files())[0],
-             "--output", out, "--tokenizer", "bytes", "--shard-tokens", "60000", "--val-fraction",
-             "0.1", "--no-progress"], check=True, timeout=120)
-    return out
+    return shared_dir(tmp_path_factory, "one_play", lambda out: run_cmd(
+        [sys.executable, "-m", "data_tools", "shard", "--input", sorted(shakespeare_files())[0],
+         "--output", out / "ds", "--tokenizer", "bytes", "--shard-tokens", "60000", "--val-fraction",
+         "0.1", "--no-progress"], check=True, timeout=120)) / "ds"
 
 
 def checksums(root: Path) -> dict[str, str]:

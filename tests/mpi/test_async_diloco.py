@@ -9,6 +9,7 @@ from hpctrain import step_faults
 from tests.conftest import losses, records
 from tests.helpers import PREEMPT_GPT, fault_config, held_out_losses, train, write_config
 from tests.processes import finish, launch, rank_pid, signal_rank_midrun
+from tests.shared_dirs import shared_dir
 
 pytestmark = pytest.mark.mpi
 
@@ -32,10 +33,11 @@ SGD = ["--train.optimizer=sgd", "--train.lr=0.05", "--train.min_lr=0.005", "--tr
 @pytest.fixture(scope="module")
 def plain_sgd(tmp_path_factory, dataset):
     """The run dir of plain SGD on 1 rank: the reference of every one-replica SGD test (trained
-    once for the module; the tests only read its metrics)."""
-    cfg, run = write_config(tmp_path_factory.mktemp("plain_sgd"), dataset, "plain")
-    train(1, cfg, *SGD)
-    return run
+    once per session, tests/shared_dirs.py; the tests only read its metrics)."""
+    def build(out):
+        cfg, _ = write_config(out, dataset, "plain")
+        train(1, cfg, *SGD)
+    return shared_dir(tmp_path_factory, "async_plain_sgd", build) / "plain"
 
 
 def one_replica(tmp_path, dataset, *overrides):

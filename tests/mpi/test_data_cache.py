@@ -19,6 +19,7 @@ import pytest
 from data_tools.format import read_manifest
 from tests.conftest import ROOT, losses, mpiexec_path, records, mpirun
 from tests.helpers import SMALL_GPT
+from tests.shared_dirs import shared_dir
 
 pytestmark = pytest.mark.mpi
 NODES = {"HPCTRAIN_RANKS_PER_NODE": "2"}
@@ -32,10 +33,12 @@ def dataset(small_shards):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, dataset):
-    """Losses of a 4-rank run without the cache (cache_dir=off)."""
-    tmp = tmp_path_factory.mktemp("ref")
-    cfg, run = config(tmp, dataset, "ref")
-    train4(cfg, "--data.cache_dir=off")
+    """Losses of a 4-rank run without the cache (cache_dir=off), trained once per session
+    (tests/shared_dirs.py)."""
+    def build(out):
+        cfg, _ = config(out, dataset, "ref")
+        train4(cfg, "--data.cache_dir=off")
+    run = shared_dir(tmp_path_factory, "cache_reference", build) / "ref"
     return losses(run), losses(run, "val_loss")
 
 

@@ -30,6 +30,7 @@ from hpctrain.config_schema import DistConfig
 from tests.conftest import losses
 from tests.helpers import fault_config as config
 from tests.processes import descendants, finish, launch, rank_pid
+from tests.shared_dirs import shared_dir
 
 pytestmark = pytest.mark.mpi
 
@@ -42,10 +43,11 @@ def train(n, cfg, *overrides, env=None, check=True, timeout=180):
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory, dataset):
-    tmp = tmp_path_factory.mktemp("baseline")
-    cfg, run = config(tmp, dataset, "base")
-    train(2, cfg)
-    curve = losses(run)
+    """The 2-rank curve every kill is resumed against, trained once per session (tests/shared_dirs.py)."""
+    def build(out):
+        cfg, _ = config(out, dataset, "base")
+        train(2, cfg)
+    curve = losses(shared_dir(tmp_path_factory, "fault_baseline", build) / "base")
     assert sorted(curve) == list(range(1, 7))
     return curve
 

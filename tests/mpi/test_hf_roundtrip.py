@@ -14,6 +14,7 @@ import torch
 from tests.conftest import losses, mpirun, run_cmd
 from tests.helpers import assert_same_curve
 from tests.hf_models import OFFLINE, hf_logits, make_hf_model, pipeline_generates
+from tests.shared_dirs import shared_dir
 
 pytestmark = pytest.mark.mpi
 
@@ -46,9 +47,9 @@ def dataset(gpt2_two_plays):
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("hf_src") / "llama"
-    make_hf_model("llama_gqa_untied", folder, **SIZES)
-    return folder
+    """The Llama folder every test imports, written once per session (tests/shared_dirs.py)."""
+    return shared_dir(tmp_path_factory, "hf_src",
+                      lambda out: make_hf_model("llama_gqa_untied", out / "llama", **SIZES)) / "llama"
 
 
 def train(n, tmp, data, hf, name, *overrides):
@@ -62,7 +63,9 @@ def train(n, tmp, data, hf, name, *overrides):
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory, dataset, hf_dir):
-    return losses(train(1, tmp_path_factory.mktemp("hf_one"), dataset, hf_dir, "one"))
+    """The 1-rank curve, trained once per session."""
+    run = shared_dir(tmp_path_factory, "hf_one", lambda out: train(1, out, dataset, hf_dir, "one"))
+    return losses(run / "one")
 
 
 def test_fsdp_import_matches_one_rank(tmp_path, dataset, hf_dir, one_rank):

@@ -14,6 +14,7 @@ import pytest
 from tests.conftest import losses, records
 from tests.helpers import copy_run_at, held_out_losses, probe
 from tests.helpers import train_layout as train
+from tests.shared_dirs import shared_dir
 
 pytestmark = pytest.mark.mpi
 
@@ -44,11 +45,12 @@ def assert_close(ref, got, tol, steps=range(1, STEPS + 1)):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, dataset):  # noqa: F811
-    """The fp32 eager curve on 1 rank, meta init on (the default); {step: loss}."""
-    tmp = tmp_path_factory.mktemp("llama_modes")
-    r, run = train(1, tmp, dataset, "ref", *LLAMA)
-    assert "training:" in r.stderr
-    ref = losses(run)
+    """The fp32 eager curve on 1 rank, meta init on (the default); {step: loss}. Trained once per
+    session (tests/shared_dirs.py)."""
+    def build(out):
+        r, _ = train(1, out, dataset, "ref", *LLAMA)
+        assert "training:" in r.stderr
+    ref = losses(shared_dir(tmp_path_factory, "llama_modes_ref", build) / "ref")
     assert ref[STEPS] < ref[1] - 0.3, ref  # it learns
     return ref
 

@@ -14,6 +14,7 @@ import torch
 from tests.conftest import losses, run_cmd
 from tests.helpers import assert_same_curve, copy_run_at
 from tests.helpers import train_layout as train
+from tests.shared_dirs import shared_dir
 
 pytestmark = pytest.mark.mpi
 
@@ -37,11 +38,12 @@ SLOW = {"pp2_1f1b", "dp2_ac_full", "pp2_interleaved"}
 
 @pytest.fixture(scope="module")
 def llama_reference_run(tmp_path_factory, dataset):  # noqa: F811
-    """The 1-rank run (checkpoints at steps 2 and 4)."""
-    tmp = tmp_path_factory.mktemp("llama_ref")
-    r, run = train(1, tmp, dataset, "one", *LLAMA)
-    assert "training:" in r.stderr
-    return run
+    """The 1-rank run (checkpoints at steps 2 and 4), trained once per session
+    (tests/shared_dirs.py), read-only: a test resumes a copy."""
+    def build(out):
+        r, _ = train(1, out, dataset, "one", *LLAMA)
+        assert "training:" in r.stderr
+    return shared_dir(tmp_path_factory, "llama_ref", build) / "one"
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +64,11 @@ def test_llama_loss_parity(tmp_path, dataset, llama_reference, layout, request):
 @pytest.fixture(scope="module")
 def tp2_run(tmp_path_factory, dataset):  # noqa: F811
     """The tp2 layout's run (checkpoints at steps 2 and 4) in tmp/rs: a parity case, the
-    resharded resume's source (at step 2) and the export's checkpoint (step 4)."""
-    tmp = tmp_path_factory.mktemp("llama_tp2")
+    resharded resume's source (at step 2) and the export's checkpoint (step 4); trained once per
+    session (tests/shared_dirs.py), read-only."""
     n, overrides = LAYOUTS["tp2"]
-    train(n, tmp, dataset, "rs", *LLAMA, *overrides)
-    return tmp
+    return shared_dir(tmp_path_factory, "llama_tp2",
+                      lambda out: train(n, out, dataset, "rs", *LLAMA, *overrides))
 
 
 def test_llama_resume_resharded_is_exact(tmp_path, dataset, llama_reference, tp2_run):  # noqa: F811

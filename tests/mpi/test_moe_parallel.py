@@ -24,6 +24,7 @@ import pytest
 from hpctrain import config as config_mod
 from hpctrain.errors import ConfigError
 from tests.conftest import ROOT, losses, mpirun, records, run_cmd
+from tests.shared_dirs import shared_dir
 
 STEPS = 10
 CONFIG = """[run]
@@ -63,16 +64,27 @@ LAYOUTS = {  # name: (ranks, overrides)
 }
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory, two_plays):
-    """(tmp dir, config writer): the skewed Mixtral folder is written once."""
-    tmp = tmp_path_factory.mktemp("moe_ep")
-    run_cmd([sys.executable, ROOT / "tests/mpi/scripts/skewed_mixtral.py", tmp / "hf", "8"],
+def skewed_mixtral(out, experts: int) -> None:
+    run_cmd([sys.executable, ROOT / "tests/mpi/scripts/skewed_mixtral.py", out, str(experts)],
             timeout=240, check=True)
 
-    def config(name):
-        path = tmp / f"{name}.toml"
-        path.write_text(CONFIG.format(run=tmp / name, data=two_plays, hf=tmp / "hf"))
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    """The skewed Mixtral folder (8 experts), written once per session (tests/shared_dirs.py:
+    xdist's workers share it)."""
+    return shared_dir(tmp_path_factory, "moe_ep_hf", lambda out: skewed_mixtral(out, 8))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, two_plays, hf):
+    """(this worker's tmp dir, config writer): config(name, where) writes where/NAME.toml for the
+    run where/NAME (`where`: the tmp dir unless given)."""
+    tmp = tmp_path_factory.mktemp("moe_ep")
+
+    def config(name, where=tmp):
+        path = where / f"{name}.toml"
+        path.write_text(CONFIG.format(run=where / name, data=two_plays, hf=hf))
         return path
     return tmp, config
 
@@ -84,13 +96,17 @@ def _train(n, cfg, overrides=(), timeout=400):
 
 
 @pytest.fixture(scope="module")
-def runs(setup):
-    """{layout: run dir} of the one-rank reference and every LAYOUTS entry, 10 steps each."""
-    tmp, config = setup
-    _train(1, config("one"))
-    for name, (n, overrides) in LAYOUTS.items():
-        _train(n, config(name), overrides)
-    return {name: tmp / name for name in ("one", *LAYOUTS)}
+def runs(tmp_path_factory, setup):
+    """{layout: run dir} of the one-rank reference and every LAYOUTS entry, 10 steps each, trained
+    once per session (xdist splits the tests that read them between its workers)."""
+    _, config = setup
+
+    def train_all(out):
+        _train(1, config("one", out))
+        for name, (n, overrides) in LAYOUTS.items():
+            _train(n, config(name, out), overrides)
+    out = shared_dir(tmp_path_factory, "moe_ep_runs", train_all)
+    return {name: out / name for name in ("one", *LAYOUTS)}
 
 
 def _rel(a: float, b: float) -> float:
@@ -129,7 +145,7 @@ def _resume(setup, source_dir, source, ep, overrides=()):
     shutil.rmtree(run / "checkpoints" / "step_00000010")
     (run / "metrics.jsonl").unlink()
     cfg = tmp / f"resume_{source}_ep{ep}.toml"
-    cfg.write_text((tmp / f"{source}.toml").read_text().replace(str(source_dir), str(run)))
+    cfg.write_text((source_dir.parent / f"{source}.toml").read_text().replace(str(source_dir), str(run)))
     _train(4, cfg, [f"--parallel.ep={ep}", *overrides])
     ref, got = losses(source_dir), losses(run)
     assert sorted(got) == list(range(6, STEPS + 1))
@@ -154,12 +170,13 @@ def test_a_checkpoint_resumes_with_another_ep(setup, runs, source, ep):
 
 
 @pytest.fixture(scope="module")
-def deterministic_run(setup):
-    """The ep4 layout with parallel.deterministic_experts on, 10 steps."""
+def deterministic_run(tmp_path_factory, setup):
+    """The ep4 layout with parallel.deterministic_experts on, 10 steps, trained once per session."""
     _, config = setup
-    path = config("ep4_det")
-    _train(4, path, ["--parallel.ep=4", "--parallel.deterministic_experts=true"])
-    return path.parent / "ep4_det"
+
+    def train_det(out):
+        _train(4, config("ep4_det", out), ["--parallel.ep=4", "--parallel.deterministic_experts=true"])
+    return shared_dir(tmp_path_factory, "moe_ep_det", train_det) / "ep4_det"
 
 
 @pytest.mark.mpi
@@ -170,13 +187,13 @@ def test_deterministic_experts_resume_with_another_ep_bit_exact(setup, runs, det
     ref, got = _resume(setup, deterministic_run, "ep4_det", ep, ["--parallel.deterministic_experts=true"])
     assert got == {s: ref[s] for s in got}, (got, ref)
     ref_norm = losses(deterministic_run, "grad_norm")
-    got_norm = losses(deterministic_run.parent / f"resume_ep4_det_ep{ep}", "grad_norm")
+    got_norm = losses(setup[0] / f"resume_ep4_det_ep{ep}", "grad_norm")
     assert got_norm == {s: ref_norm[s] for s in got_norm}, (got_norm, ref_norm)
     one = losses(runs["one"])  # and the same training as one rank's
     assert max(_rel(got[s], one[s]) for s in got) <= 1e-5, (got, one)
 
 
-def test_init_from_leaves_no_weight_uninitialized(setup):
+def test_init_from_leaves_no_weight_uninitialized(setup, hf):
     """The ep2 x FSDP flake ('step 5: non-finite weights; not saving a checkpoint' under load): with
     init.from a meta-built model's parameters are allocated uninitialized and the balancing bias,
     which no HF tensor holds, kept that memory (unused by softmax routing: the losses were right).
@@ -189,7 +206,7 @@ def test_init_from_leaves_no_weight_uninitialized(setup):
     from hpctrain.parallel.meta_init import build_on_meta
     from hpctrain.train.model_setup import load_hf_weights
 
-    tmp, config = setup
+    _, config = setup
     section = dataclasses.asdict(config_mod.load(config("uninit"), []).model)
     _, model = build_on_meta(lambda: build_model_from_section(section))
     fill = torch.utils.deterministic.fill_uninitialized_memory
@@ -197,7 +214,7 @@ def test_init_from_leaves_no_weight_uninitialized(setup):
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = True
     try:
-        load_hf_weights(str(tmp / "hf"), section, torch.device("cpu"))(model)
+        load_hf_weights(str(hf), section, torch.device("cpu"))(model)
     finally:
         torch.use_deterministic_algorithms(debug[0], warn_only=debug[1])
         torch.utils.deterministic.fill_uninitialized_memory = fill

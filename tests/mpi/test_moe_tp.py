@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import shutil
-import sys
 
 import pytest
 import torch
@@ -27,8 +26,9 @@ from hpctrain import config as config_mod
 from hpctrain.model import build_model_from_section
 from hpctrain.model.moe import MoEFeedForward
 from hpctrain.plan.report import make_plan
-from tests.conftest import ROOT, losses, records, run_cmd
-from tests.mpi.test_moe_parallel import CONFIG, MODEL, STEPS, _no_init, _rel, _train
+from tests.conftest import losses, records
+from tests.mpi.test_moe_parallel import CONFIG, MODEL, STEPS, _no_init, _rel, _train, skewed_mixtral
+from tests.shared_dirs import shared_dir
 from tests.unit.test_plan_moe import JOB, SHAPE
 
 EXPERTS = 4
@@ -41,21 +41,23 @@ LAYOUTS = {  # name: (ranks, overrides)
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, two_plays):
-    """(tmp dir, {layout: run dir}) of the one-rank reference and every LAYOUTS entry."""
-    tmp = tmp_path_factory.mktemp("moe_tp")
-    run_cmd([sys.executable, ROOT / "tests/mpi/scripts/skewed_mixtral.py", tmp / "hf", str(EXPERTS)],
-            timeout=240, check=True)
-    for name, (n, overrides) in {"one": (1, []), **LAYOUTS}.items():
-        cfg = tmp / f"{name}.toml"
-        cfg.write_text(CONFIG.format(run=tmp / name, data=two_plays, hf=tmp / "hf"))
-        _train(n, cfg, overrides)
-    return tmp, {name: tmp / name for name in ("one", *LAYOUTS)}
+    """{layout: run dir} of the one-rank reference and every LAYOUTS entry (each beside its
+    NAME.toml), trained once per session: xdist splits the tests that read them between its
+    workers, and tests/shared_dirs.py lets the second read the first's."""
+    def train_all(tmp):
+        skewed_mixtral(tmp / "hf", EXPERTS)
+        for name, (n, overrides) in {"one": (1, []), **LAYOUTS}.items():
+            cfg = tmp / f"{name}.toml"
+            cfg.write_text(CONFIG.format(run=tmp / name, data=two_plays, hf=tmp / "hf"))
+            _train(n, cfg, overrides)
+    tmp = shared_dir(tmp_path_factory, "moe_tp_runs", train_all)
+    return {name: tmp / name for name in ("one", *LAYOUTS)}
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_tp_moe_training_equals_one_rank(runs, layout):
-    _, dirs = runs
+    dirs = runs
     ref, got = losses(dirs["one"]), losses(dirs[layout])
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
     worst = max(_rel(got[s], ref[s]) for s in ref)
@@ -72,14 +74,15 @@ def test_tp_moe_training_equals_one_rank(runs, layout):
 
 
 @pytest.mark.mpi
-def test_a_tp2_ep2_checkpoint_resumes_on_one_rank(runs):
-    tmp, dirs = runs
-    run = tmp / "resume_one"
+def test_a_tp2_ep2_checkpoint_resumes_on_one_rank(runs, tmp_path):
+    dirs = runs
+    run = tmp_path / "resume_one"
     shutil.copytree(dirs["tp2_ep2"], run)
     shutil.rmtree(run / "checkpoints" / "step_00000010")
     (run / "metrics.jsonl").unlink()
-    cfg = tmp / "resume_one.toml"
-    cfg.write_text((tmp / "tp2_ep2.toml").read_text().replace(str(dirs["tp2_ep2"]), str(run)))
+    cfg = tmp_path / "resume_one.toml"
+    source = dirs["tp2_ep2"]
+    cfg.write_text((source.parent / "tp2_ep2.toml").read_text().replace(str(source), str(run)))
     _train(1, cfg)
     straight, got, one = losses(dirs["tp2_ep2"]), losses(run), losses(dirs["one"])
     assert sorted(got) == list(range(6, STEPS + 1))

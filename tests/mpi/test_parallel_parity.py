@@ -4,11 +4,14 @@ reshard across layouts and world sizes, bf16 learns in every layout, bad layouts
 A tiny GPT (4 blocks, 64 wide, 32 tokens, 257 byte vocab) on Shakespeare, fp32, fixed seed, and
 the same global batch (8 sequences) in every layout: micro_batch x grad_accum x dp = 8.
 """
+from types import SimpleNamespace
+
 import pytest
 
 from tests.conftest import losses
 from tests.helpers import LAYOUTS, assert_same_curve, copy_run_at
 from tests.helpers import train_layout as train
+from tests.shared_dirs import shared_dir
 
 pytestmark = pytest.mark.mpi
 
@@ -18,18 +21,23 @@ SLOW = {"pp2_gpipe", "pp2_interleaved", "dp2_tp2", "fsdp2_tp2", "pp2_tp2", "fsdp
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, dataset):
-    """The uninterrupted 1-rank curve (micro_batch 4 x grad_accum 2)."""
-    tmp = tmp_path_factory.mktemp("ref")
-    _, run = train(1, tmp, dataset, "one")
-    return losses(run)
+    """The uninterrupted 1-rank curve (micro_batch 4 x grad_accum 2), trained once per session
+    (tests/shared_dirs.py: xdist's workers share it)."""
+    tmp = shared_dir(tmp_path_factory, "parity_one", lambda out: train(1, out, dataset, "one"))
+    return losses(tmp / "one")
 
 
 @pytest.fixture(scope="module")
 def dp2_tp2(tmp_path_factory, dataset):
-    """(process, run dir) of the dp2_tp2 layout's 20 steps (checkpoints at 10 and 20): a parity
-    curve, and test_reshard_resume's source (its step-10 checkpoint), trained once."""
+    """(its stderr, run dir) of the dp2_tp2 layout's 20 steps (checkpoints at 10 and 20): a parity
+    curve, and test_reshard_resume's source (its step-10 checkpoint), trained once per session."""
     n, overrides = LAYOUTS["dp2_tp2"]
-    return train(n, tmp_path_factory.mktemp("dp2_tp2"), dataset, "dp2_tp2", *overrides)
+
+    def build(out):
+        r, _ = train(n, out, dataset, "dp2_tp2", *overrides)
+        (out / "stderr.txt").write_text(r.stderr)
+    tmp = shared_dir(tmp_path_factory, "parity_dp2_tp2", build)
+    return SimpleNamespace(stderr=(tmp / "stderr.txt").read_text()), tmp / "dp2_tp2"
 
 
 @pytest.mark.parametrize("layout", [pytest.param(k, marks=[pytest.mark.slow] * (k in SLOW)

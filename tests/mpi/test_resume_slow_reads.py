@@ -16,6 +16,7 @@ import pytest
 from hpctrain import step_faults
 from tests.conftest import losses
 from tests.helpers import copy_run_at, fault_config, train
+from tests.shared_dirs import shared_dir
 
 pytestmark = pytest.mark.mpi
 TIMEOUT_S, SLOW_S = 4, 10
@@ -23,9 +24,12 @@ TIMEOUT_S, SLOW_S = 4, 10
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, dataset):
-    """FAULT_GPT's 6 steps on 2 ranks, its checkpoints of steps 4 and 6 kept."""
-    cfg, run = fault_config(tmp_path_factory.mktemp("straight"), dataset)
-    train(2, cfg, "--checkpoint.keep=2", timeout=300)
+    """FAULT_GPT's 6 steps on 2 ranks, its checkpoints of steps 4 and 6 kept; trained once per
+    session (tests/shared_dirs.py), read-only: a test resumes a copy."""
+    def build(out):
+        cfg, _ = fault_config(out, dataset)
+        train(2, cfg, "--checkpoint.keep=2", timeout=300)
+    run = shared_dir(tmp_path_factory, "slow_reads_straight", build) / "run"
     assert sorted(losses(run)) == list(range(1, 7))
     return run
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import BIN, ROOT
+from tests.shared_dirs import shared_dir
 from tests.slurm.cluster import ClusterUnavailable, LocalSlurm
 from tests.slurm.vcluster import VirtualCluster
 
@@ -170,19 +171,21 @@ def multinode_dataset(tmp_path_factory):
     by test_recovery_mpiexec.py)."""
     from tests.slurm.test_multinode import shard_once
 
-    return shard_once(tmp_path_factory.mktemp("mn-data") / "tiny")
+    return shared_dir(tmp_path_factory, "mn-data", lambda out: shard_once(out / "tiny")) / "tiny"
 
 
 @pytest.fixture(scope="session")
 def elastic_ref(multinode_dataset, tmp_path_factory):
     """The uninterrupted 3-rank run of test_multinode.py's ELASTIC on one node: the losses every
-    node-loss test compares (test_multinode.py and test_recovery_mpiexec.py), trained once."""
+    node-loss test compares (test_multinode.py and test_recovery_mpiexec.py), trained once per
+    session (tests/shared_dirs.py: xdist's workers share it)."""
     from tests.conftest import mpirun
     from tests.slurm.test_multinode import elastic_config
 
-    cfg, run = elastic_config(tmp_path_factory.mktemp("elastic-ref"), multinode_dataset, "ref3")
-    mpirun(3, ["-m", "hpctrain", "train", "--config", cfg], timeout=300, check=True)
-    return losses(run)
+    def build(out):
+        cfg, _ = elastic_config(out, multinode_dataset, "ref3")
+        mpirun(3, ["-m", "hpctrain", "train", "--config", cfg], timeout=300, check=True)
+    return losses(shared_dir(tmp_path_factory, "elastic-ref", build) / "ref3")
 
 
 def losses(run) -> dict:
