@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import mpirun, run_cmd
+from tests.shared_dirs import shared_dir
 
 pytestmark = pytest.mark.mpi
 
@@ -62,6 +63,11 @@ def train(n, tmp, data, overrides, keep=None):
         run_cmd([sys.executable, *args], timeout=300, check=True)
     else:
         mpirun(n, args, timeout=300, check=True)
+    return curves(run)
+
+
+def curves(run: Path) -> tuple[dict, dict]:
+    """({step: loss}, {step: val_loss}) of a run."""
     recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     return ({r["step"]: r["loss"] for r in recs if "loss" in r},
             {r["step"]: r["val_loss"] for r in recs if "val_loss" in r})
@@ -69,7 +75,9 @@ def train(n, tmp, data, overrides, keep=None):
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory, dataset):
-    return train(1, tmp_path_factory.mktemp("plain"), dataset, [])
+    """The 1-rank curves, trained once per session (tests/shared_dirs.py)."""
+    out = shared_dir(tmp_path_factory, "chunked_plain", lambda tmp: train(1, tmp, dataset, []))
+    return curves(out / "run")
 
 
 def assert_same_curves(plain, got, layout):
