@@ -177,6 +177,22 @@ def mounts():
     m.remove()
 
 
+@pytest.fixture(scope="module")
+def world():
+    """(rank, world size) of the process group, for the in-process tests of one module: a real
+    1-rank gloo group from init_distributed, made and destroyed here unless one already exists."""
+    import torch.distributed as dist
+
+    from hpctrain.distributed.bootstrap import init_distributed
+
+    created = not dist.is_initialized()
+    if created:
+        init_distributed(backend="gloo", timeout_s=60)
+    yield dist.get_rank(), dist.get_world_size()
+    if created:
+        dist.destroy_process_group()
+
+
 def records(run, rank: int = 0) -> list[dict]:
     """The records of a run's metrics.jsonl (rank 0's), or of metrics.rank{rank}.jsonl."""
     name = "metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl"
@@ -196,15 +212,30 @@ dir = "{run}"
 path = "{data}"
 """
 
+# The GPT most training tests start from: 2 blocks, 64 wide, 64 tokens, the byte vocabulary.
+MODEL_KEYS = {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 64, "vocab_size": 257}
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+def model_section(moe: dict | None = None, **keys) -> str:
+    """A [model] TOML section: MODEL_KEYS with `keys` changed or added (`arch` first, then
+    MODEL_KEYS' keys in their order, then the others in the order given), and a [model.moe] table
+    of `moe`. model_section() is SMALL_GPT's; model_section(arch="llama", moe={"experts": 8})."""
+    values = {**({"arch": keys.pop("arch")} if "arch" in keys else {}), **MODEL_KEYS, **keys}
+    text = "[model]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in values.items())
+    if moe is not None:
+        text += "[model.moe]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in moe.items())
+    return text
+
+
 # The [run], [data] and [model] sections of the MPI / tune tests' TOMLs: a 1-layer, 32-wide GPT on
 # a byte-level dataset, size-checked, no node cache. TINY_SECTIONS + "[train] ..." .format(run, data)
-TINY_MODEL = """[model]
-n_layer = 1
-n_head = 2
-n_embd = 32
-block_size = 32
-vocab_size = 257
-"""
+TINY_MODEL = model_section(n_layer=1, n_embd=32, block_size=32)
 TINY_SECTIONS = RUN_DATA + """verify = "size"
 cache_dir = "off"
 """ + TINY_MODEL

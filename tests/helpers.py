@@ -9,17 +9,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tests.conftest import ROOT, RUN_DATA, TINY_SECTIONS, losses, mpirun, run_cmd
+from tests.conftest import ROOT, RUN_DATA, TINY_SECTIONS, losses, model_section, mpirun, run_cmd
 
 # A 2-layer, 64-wide GPT for 40 steps with validation and checkpoints every 10 (tests/mpi/test_train.py
 # and the sync-mode modules): SMALL_GPT.format(run=..., data=...).
-SMALL_GPT = RUN_DATA + """[model]
-n_layer = 2
-n_head = 2
-n_embd = 64
-block_size = 64
-vocab_size = 257
-[train]
+SMALL_GPT = RUN_DATA + model_section() + """[train]
 steps = 40
 micro_batch_size = 4
 grad_accum = 1
@@ -36,14 +30,7 @@ keep = 2
 
 # The layout-parity GPT (4 blocks, 64 wide, 32 tokens), 8 sequences per step in every layout:
 # micro_batch x grad_accum x dp = 8 (tests/mpi/test_parallel_parity.py).
-PARITY_GPT = RUN_DATA + """verify = "size"
-[model]
-n_layer = 4
-n_head = 4
-n_embd = 64
-block_size = 32
-vocab_size = 257
-[train]
+PARITY_GPT = RUN_DATA + 'verify = "size"\n' + model_section(n_layer=4, n_head=4, block_size=32) + """[train]
 steps = 20
 micro_batch_size = 4
 grad_accum = 2
@@ -82,14 +69,7 @@ LAYOUTS = {
 
 
 # The fault-tolerance GPT: 6 steps, a fully checksummed checkpoint every 2, a 10 s heartbeat.
-FAULT_GPT = RUN_DATA + """verify = "size"
-[model]
-n_layer = 2
-n_head = 2
-n_embd = 64
-block_size = 64
-vocab_size = 257
-[train]
+FAULT_GPT = RUN_DATA + 'verify = "size"\n' + model_section() + """[train]
 steps = 6
 micro_batch_size = 4
 lr = 3e-3

@@ -44,11 +44,6 @@ RENDEZVOUS_PROBE_S = 15.0  # a rank that cannot reach rank 0's store says so aft
 _timeout = datetime.timedelta(seconds=300.0)  # dist.timeout_s, set by init_distributed
 
 
-def collective_timeout() -> datetime.timedelta:
-    """dist.timeout_s as init_distributed got it: the timeout of every process group we make."""
-    return _timeout
-
-
 def new_group(ranks=None, **kwargs) -> dist.ProcessGroup:
     """dist.new_group with dist.timeout_s (torch's own default is 10 min for NCCL, 30 for Gloo,
     whatever the world group has). Collective: every rank calls it for every group."""

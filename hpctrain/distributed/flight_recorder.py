@@ -134,10 +134,6 @@ class FlightRecorder:
 RECORDER = FlightRecorder()
 
 
-def group_name(name: str, size: int) -> str:
-    return f"{name}({size})"
-
-
 def describe(entry: list | None) -> str:
     if entry is None:
         return "no collective"

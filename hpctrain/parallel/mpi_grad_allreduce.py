@@ -44,7 +44,6 @@ class MPIHookState:
         self.comm = comm
         self.size = comm.Get_size()
         self.prescaled = prescaled  # the loss was divided by `size`: gradients arrive averaged-ready
-        self.bytes_reduced = 0  # for metrics / bandwidth accounting
         self.clock = clock      # the blocking Allreduce is waiting (peers + transfer)
 
     def blocked(self):
@@ -80,7 +79,6 @@ def mpi_allreduce_hook(state: MPIHookState, bucket: dist.GradBucket) -> torch.fu
         buf.div_(state.size)
     with state.blocked():
         state.comm.Allreduce(MPI.IN_PLACE, buf.numpy(), op=MPI.SUM)
-    state.bytes_reduced += buf.numel() * buf.element_size()
     fut.set_result(buf)
     return fut
 

@@ -117,7 +117,7 @@ class AsyncDiLoCo(AsyncCheckpoint, AsynchronousStrategy):
         part = "" if self.parts == 1 else f"_{g.part}"
         self.state_key, self.outer_key = f"{self.replica}{part}", f"outer{part}"
         self.steps_this_round, self.round_steps = self.inner_steps, 0
-        self.claimed, self.last_arrival, self.arrivals_seen = -1, 0, 0
+        self.claimed, self.last_arrival = -1, 0
         self.round_compute_s, self._t0 = 0.0, 0.0
         self.round_lr_sum, self.train_cfg = 0.0, cfg.train  # the inner lr over the round (outer.py)
         self.round_caught_up = 0  # others' arrivals added to my weights during this round

@@ -81,9 +81,6 @@ class ParameterServer:
         self.clock_win.Unlock(self.servers[0])
         return out
 
-    def clocks(self) -> np.ndarray:
-        return self._read_clocks()[:-1]
-
     def stop_flag(self) -> int:
         return int(self._read_clocks()[-1])
 

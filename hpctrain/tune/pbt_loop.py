@@ -14,11 +14,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hpctrain import logs
 from hpctrain.distributed.preempt import Preemption
 from hpctrain.errors import ConfigError
 from hpctrain.train.loop import Trainer
 from hpctrain.tune import pbt_members
 from hpctrain.tune.pbt import LINEAGE, LineageLog, Population, check_same_step
+
+log = logs.get_logger(__name__)
 
 
 class MemberTrainer(Trainer):
@@ -43,6 +46,15 @@ class MemberTrainer(Trainer):
 
 def _next_multiple(step: int, every: int) -> int:
     return (step // every + 1) * every
+
+
+def log_round(step: int, round_no: int, losses: list[float], plan: list[tuple[int, int]]) -> None:
+    """The round's line (every rank calls it; the log shows rank 0's, HPCTRAIN_LOG_RANKS more):
+    each member's validation loss, the best member, who copied whom (loser<-donor)."""
+    moves = ", ".join(f"{loser}<-{donor}" for loser, donor in plan) or "none"
+    best = min(range(len(losses)), key=lambda m: losses[m])
+    log.info(f"[pbt] step {step} round {round_no}: val losses "
+             f"{' '.join(f'{v:.4f}' for v in losses)}; best member {best}; copies {moves}")
 
 
 class PopulationRun:
@@ -109,9 +121,4 @@ class PopulationRun:
         pbt_members.apply_values(tr, self.population.values[self.member])
         for record in records:
             lineage.write(record)
-        if self.world.Get_rank() == 0:
-            moves = ", ".join(f"{loser}<-{donor}" for loser, donor in plan) or "none"
-            best = min(range(len(losses)), key=lambda m: losses[m])
-            print(f"[pbt] step {tr.step} round {self.population.round}: val losses "
-                  f"{' '.join(f'{v:.4f}' for v in losses)}; best member {best}; copies {moves}",
-                  flush=True)
+        log_round(tr.step, self.population.round, losses, plan)

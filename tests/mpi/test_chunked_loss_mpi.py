@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import mpirun, run_cmd
+from tests.conftest import model_section, mpirun, run_cmd
 from tests.shared_dirs import shared_dir
 
 pytestmark = pytest.mark.mpi
@@ -20,13 +20,7 @@ dir = "{run}"
 [data]
 path = "{data}"
 verify = "size"
-[model]
-n_layer = 2
-n_head = 4
-n_embd = 64
-block_size = 32
-vocab_size = 257
-[train]
+""" + model_section(n_head=4, block_size=32) + """[train]
 steps = 6
 micro_batch_size = 4
 grad_accum = 2

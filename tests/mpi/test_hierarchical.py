@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, RUN_DATA, losses, mpirun
+from tests.conftest import ROOT, RUN_DATA, losses, model_section, mpirun
 from tests.helpers import assert_equal_runs, copy_run_at, train, write_config
 from tests.mpi.test_diloco import model_parameters
 
@@ -16,13 +16,7 @@ pytestmark = pytest.mark.mpi
 
 HIER_GPT = RUN_DATA + """verify = "size"
 cache_dir = "off"
-[model]
-n_layer = 2
-n_head = 2
-n_embd = 32
-block_size = 32
-vocab_size = 257
-[train]
+""" + model_section(n_embd=32, block_size=32) + """[train]
 steps = 8
 warmup_steps = 0
 micro_batch_size = 2

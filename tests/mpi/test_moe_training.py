@@ -14,26 +14,14 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import RUN_DATA, ROOT, mpiexec_path, mpirun, records, run_cmd
+from tests.conftest import RUN_DATA, ROOT, model_section, mpiexec_path, mpirun, records, run_cmd
 
 PROBE = ROOT / "tests/mpi/scripts/moe_train_probe.py"
 CONFIG = RUN_DATA + """verify = "size"
 cache_dir = "off"
-[model]
-arch = "llama"
-n_layer = 2
-n_head = 2
-n_embd = 32
-block_size = 32
-vocab_size = 257
-multiple_of = 16
-[model.moe]
-experts = 8
-top_k = 1
-gate = "sigmoid"
-warn_ratio = 2.5
-warn_steps = 5
-[train]
+""" + model_section(arch="llama", n_embd=32, block_size=32, multiple_of=16,
+                    moe={"experts": 8, "top_k": 1, "gate": "sigmoid", "warn_ratio": 2.5,
+                         "warn_steps": 5}) + """[train]
 steps = 40
 warmup_steps = 0
 micro_batch_size = 16

@@ -19,19 +19,6 @@ from hpctrain import step_faults
 from hpctrain.checkpoint import CheckpointError, CheckpointManager, verify_checkpoint
 
 
-@pytest.fixture(scope="module")
-def world():
-    created = False
-    if not dist.is_initialized():
-        from hpctrain.distributed.bootstrap import init_distributed
-
-        init_distributed(backend="gloo", timeout_s=60)
-        created = True
-    yield
-    if created:
-        dist.destroy_process_group()
-
-
 def make(seed: int):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Embedding(64, 32), nn.LayerNorm(32), nn.Linear(32, 64))

@@ -24,19 +24,6 @@ from hpctrain.checkpoint import (CheckpointError, CheckpointManager, directory, 
 from hpctrain.errors import NoIntactCheckpoint
 
 
-@pytest.fixture(scope="module")
-def world():
-    created = False
-    if not dist.is_initialized():
-        from hpctrain.distributed.bootstrap import init_distributed
-
-        init_distributed(backend="gloo", timeout_s=60)
-        created = True
-    yield dist.get_rank(), dist.get_world_size()
-    if created:
-        dist.destroy_process_group()
-
-
 def make(seed: int, steps: int = 3):
     """A small GPT-ish model + AdamW after `steps` optimizer steps (0: fresh)."""
     torch.manual_seed(seed)

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -25,19 +24,6 @@ from hpctrain.checkpoint import CheckpointError, CheckpointManager, UnsafeCheckp
 from hpctrain.checkpoint import disk_format
 from hpctrain.checkpoint.safe_load import (SafeFileSystemReader, TensorOnlyLoadPlanner,
                                            read_metadata)
-
-
-@pytest.fixture(scope="module")
-def world():
-    created = False
-    if not dist.is_initialized():
-        from hpctrain.distributed.bootstrap import init_distributed
-
-        init_distributed(backend="gloo", timeout_s=60)
-        created = True
-    yield dist.get_rank(), dist.get_world_size()
-    if created:
-        dist.destroy_process_group()
 
 
 class Payload:

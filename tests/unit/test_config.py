@@ -7,19 +7,14 @@ import pytest
 
 from hpctrain import config
 from hpctrain.errors import ConfigError
+from tests.conftest import model_section
 
 MINIMAL = """
 [run]
 dir = "runs/x"
 [data]
 path = "data/x"
-[model]
-n_layer = 2
-n_head = 2
-n_embd = 32
-block_size = 16
-vocab_size = 257
-[train]
+""" + model_section(n_embd=32, block_size=16) + """[train]
 steps = 10
 micro_batch_size = 4
 """
@@ -384,16 +379,8 @@ def test_compile_is_refused_in_one_line_where_inductor_cannot_link(monkeypatch, 
         apply_compile(torch.nn.Module(), cfg, torch.device("cpu"), plain_or_ddp=True)
 
 
-LLAMA_TIED = """[model]
-arch = "llama"
-n_layer = 1
-n_head = 4
-n_embd = 256
-ffn_hidden = 512
-block_size = 32
-vocab_size = 257
-tie_embeddings = true
-"""
+LLAMA_TIED = model_section(arch="llama", n_layer=1, n_head=4, n_embd=256, block_size=32, ffn_hidden=512,
+                           tie_embeddings=True)
 
 
 def test_steps_alone_trains_and_the_start_line_counts_params_as_transformers(tmp_path, one_play):

@@ -14,24 +14,15 @@ import textwrap
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, model_section
 
 # A Llama whose every width divides by tp x dp = 8: FSDP2's shards carry no padding
 TINY_LLAMA = """[run]
 dir = "{run}"
 [data]
 path = "unused"
-[model]
-arch = "llama"
-n_layer = 2
-n_head = 4
-n_kv_head = 4
-n_embd = 64
-block_size = 32
-vocab_size = 256
-ffn_hidden = 192
-tie_embeddings = false
-[train]
+""" + model_section(arch="llama", n_head=4, block_size=32, vocab_size=256, n_kv_head=4, ffn_hidden=192,
+                    tie_embeddings=False) + """[train]
 steps = 10
 micro_batch_size = 2
 grad_accum = 2

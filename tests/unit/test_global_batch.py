@@ -7,19 +7,14 @@ import pytest
 from hpctrain import config
 from hpctrain.config_rules import check_resume_batch, global_batch_line, resolve_grad_accum
 from hpctrain.errors import ConfigError
+from tests.conftest import model_section
 
 BASE = """
 [run]
 dir = "runs/x"
 [data]
 path = "data/x"
-[model]
-n_layer = 2
-n_head = 2
-n_embd = 32
-block_size = 16
-vocab_size = 257
-[train]
+""" + model_section(n_embd=32, block_size=16) + """[train]
 steps = 10
 micro_batch_size = 4
 """

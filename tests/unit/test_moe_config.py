@@ -9,19 +9,14 @@ from hpctrain import config
 from hpctrain.errors import ConfigError
 from hpctrain.model import build_model_from_section
 from hpctrain.model.moe import MoEFeedForward
+from tests.conftest import model_section
 
 BASE = """[run]
 dir = "/tmp/x"
 [data]
 path = "/tmp/d"
-[model]
-arch = "{arch}"
-n_layer = 4
-n_head = 4
-n_embd = 64
-block_size = 32
-vocab_size = 300
-{model}
+""" + model_section(arch="{arch}", n_layer=4, n_head=4, block_size=32,
+                    vocab_size=300) + """{model}
 [train]
 steps = 4
 warmup_steps = 0

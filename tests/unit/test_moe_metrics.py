@@ -12,6 +12,7 @@ from hpctrain.errors import ConfigError
 from hpctrain.train.moe_monitor import MoEMonitor, monitor_for
 from hpctrain.model.llama import Llama, LlamaConfig
 from hpctrain.model.moe import MoEConfig
+from tests.conftest import model_section
 
 
 def _model(**moe) -> Llama:
@@ -67,17 +68,8 @@ WARN_CONFIG = """[run]
 dir = "{run}"
 [data]
 path = "{run}"
-[model]
-arch = "llama"
-n_layer = 2
-n_head = 4
-n_embd = 32
-block_size = 16
-vocab_size = 64
-multiple_of = 16
-[model.moe]
-experts = 4
-{warn}
+""" + model_section(arch="llama", n_head=4, n_embd=32, block_size=16, vocab_size=64, multiple_of=16,
+                    moe={"experts": 4}) + """{warn}
 [train]
 steps = 4
 warmup_steps = 0

@@ -9,6 +9,7 @@ import pytest
 from hpctrain import config, signals
 from hpctrain.distributed import slurm
 from hpctrain.errors import ConfigError, UserError
+from tests.conftest import model_section
 
 BASE = {"run": {"dir": "r"}, "data": {"path": "d"},
         "model": {"n_layer": 1, "n_head": 1, "n_embd": 8, "block_size": 8, "vocab_size": 8},
@@ -154,9 +155,9 @@ def test_the_wheel_gets_its_own_mpiexec_and_an_override_wins():
 
 def test_the_batch_script_check_refuses_a_bad_config_in_one_line(tmp_path):
     cfg = tmp_path / "c.toml"
-    cfg.write_text('[run]\ndir = "r"\n[data]\npath = "d"\n[model]\nn_layer = 1\nn_head = 1\n'
-                   'n_embd = 8\nblock_size = 8\nvocab_size = 8\n[train]\nsteps = 2\n'
-                   'micro_batch_size = 1\nwarmup_steps = 0\n')
+    cfg.write_text('[run]\ndir = "r"\n[data]\npath = "d"\n'
+                   + model_section(n_layer=1, n_head=1, n_embd=8, block_size=8, vocab_size=8)
+                   + '[train]\nsteps = 2\nmicro_batch_size = 1\nwarmup_steps = 0\n')
     assert helper("check", cfg).returncode == 0
     r = helper("check", cfg, "--train.warmup_steps=5")
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr

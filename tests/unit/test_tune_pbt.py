@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import sys
 
 import pytest
 
@@ -12,6 +13,7 @@ from hpctrain.errors import ConfigError
 from hpctrain.tune import pbt_space, space
 from hpctrain.tune.pbt import LineageLog, Population
 from hpctrain.tune.space import Param, parse
+from tests.conftest import run_cmd
 
 PARAMS = (Param("train.lr", "log_uniform", 1e-4, 1e-2), Param("train.weight_decay", "uniform", 0.0, 0.2),
           Param("train.warmup_steps", "int", 0, 40, step=10), Param("train.beta2", "choice",
@@ -160,3 +162,24 @@ def test_a_round_at_an_eval_step_reuses_the_step_records_validation(monkeypatch)
     assert tr.evaluate() == 4.5 and calls == [50, 50]
     tr.step = 51
     assert tr.evaluate() == 5.5 and calls == [50, 50, 51]
+
+
+# a round's line from each of: rank 0 by default, rank 1 by default, rank 1 with HPCTRAIN_LOG_RANKS=all
+ROUND_LINES = """
+import os
+from hpctrain import logs
+from hpctrain.tune.pbt_loop import log_round
+for rank, ranks in ((0, "0"), (1, "0"), (1, "all")):
+    os.environ["HPCTRAIN_LOG_RANKS"] = ranks
+    logs.setup(rank, 2)
+    log_round(4, 1, [5.541, 5.239], [(0, 1)])
+"""
+
+
+def test_a_rounds_line_is_logged_as_every_log_line():
+    """The round's line goes through hpctrain's logging (stderr; stdout is a command's output):
+    rank 0's bare, as the line it printed before; another rank's only when asked for, prefixed."""
+    line = "[pbt] step 4 round 1: val losses 5.5410 5.2390; best member 1; copies 0<-1"
+    r = run_cmd([sys.executable, "-c", ROUND_LINES], timeout=120)
+    assert (r.returncode, r.stdout) == (0, ""), r.stdout + r.stderr
+    assert r.stderr.splitlines() == [line, f"[rank 1] {line}"]
