@@ -1,0 +1,55 @@
+"""The model-family registry (hpctrain/model/spec.py): model.arch picks a registered ModelSpec, the
+[model] keys are the union of the families' args, a family's key conflict is refused."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import pytest
+
+from hpctrain.errors import ConfigError
+from hpctrain.model import spec
+
+
+def test_registered_families_and_unknown_arch_lists_them():
+    assert spec.names() == ("gpt2", "llama")
+    assert spec.get(None) is spec.get("gpt2") and spec.of_section({}) is spec.get("gpt2")
+    with pytest.raises(ConfigError) as e:
+        spec.get("qwen9")
+    assert "'model.arch'" in str(e.value) and all(n in str(e.value) for n in spec.names())
+
+
+def test_every_spec_builds_its_model_and_says_its_keys():
+    section = {"n_layer": 1, "n_head": 2, "n_embd": 8, "block_size": 4, "vocab_size": 16}
+    for name in spec.names():
+        s = spec.get(name)
+        model = s.model_module().build({**section, "arch": name})
+        assert sum(p.numel() for p in model.parameters()) > 0
+        assert {"tok_emb", "blocks", "norm_f", "lm_head"} <= set(dir(model))
+        plan = s.block_tp_plan(spec.as_args({**section, "arch": name}), 0)
+        block = model.blocks["0"]
+        assert all(block.get_submodule(path) is not None for path in plan), (name, plan)
+        assert set(plan.values()) <= {"gather", "colwise", "rowwise", "norm", "experts"}
+
+
+def test_model_fields_union_and_conflicts(monkeypatch):
+    @dataclass
+    class Extra:
+        head_dim: int = field(default=0, metadata={"help": "probe"})
+        n_kv_head: int = field(default=0, metadata={"help": "shared with llama: same type/default"})
+
+    probe = spec.ModelSpec(name="probe", summary="a test family", args=Extra, module="none",
+                           check_config=lambda m, c: None, check_tp=lambda m, t, c: None,
+                           block_tp_plan=lambda m, i: {}, shape=None)
+    monkeypatch.setattr(spec, "_REGISTRY", {**spec._load(), "probe": probe})
+    names = [n for n, _, _ in spec.model_fields()]
+    assert names.count("n_kv_head") == 1 and names[-1] == "head_dim"
+    assert spec.owned_keys(probe) >= {"head_dim", "n_kv_head", "n_layer", "arch"}
+
+    @dataclass
+    class Clash:
+        n_kv_head: float = field(default=1.0, metadata={"help": "another type"})
+
+    monkeypatch.setattr(spec, "_REGISTRY", {**spec._load(), "probe": dataclasses.replace(probe, args=Clash)})
+    with pytest.raises(ValueError, match="n_kv_head"):
+        spec.model_fields()
