@@ -53,3 +53,26 @@ def test_model_fields_union_and_conflicts(monkeypatch):
     monkeypatch.setattr(spec, "_REGISTRY", {**spec._load(), "probe": dataclasses.replace(probe, args=Clash)})
     with pytest.raises(ValueError, match="n_kv_head"):
         spec.model_fields()
+
+
+def test_tp_styles_become_dtensor_plans_and_an_unknown_style_is_refused():
+    """parallel/tensor_parallel.py reads the family's styles: a MoE layer is "experts" (its
+    module replicated, not split), SwiGLU's gate/up column-parallel; a style it does not know
+    is one error naming it."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInputOutput
+
+    from hpctrain.parallel.tensor_parallel import _block_plan
+
+    section = {"arch": "llama", "n_layer": 2, "n_head": 2, "n_embd": 8, "block_size": 4,
+               "vocab_size": 16, "moe_experts": 4, "moe_every": 2}
+    model = spec.get("llama").model_module().build(section)
+    styles = [spec.get("llama").block_tp_plan(spec.as_args(section), i) for i in (0, 1)]
+    dense, _, no_experts = _block_plan(model.blocks["0"], styles[0], Shard(1), True)
+    sparse, _, experts = _block_plan(model.blocks["1"], styles[1], Shard(1), True)
+    assert isinstance(dense["mlp.gate"], ColwiseParallel) and not no_experts
+    assert isinstance(sparse["mlp"], PrepareModuleInputOutput) and experts == [model.blocks["1"].mlp]
+    _, local_norms, _ = _block_plan(model.blocks["0"], styles[0], Replicate(), False)
+    assert local_norms == [model.blocks["0"].norm1, model.blocks["0"].norm2]
+    with pytest.raises(ValueError, match="sideways"):
+        _block_plan(model.blocks["0"], {"attn.wq": "sideways"}, Shard(1), True)

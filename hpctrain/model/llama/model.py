@@ -2,10 +2,10 @@
 SwiGLU MLP, grouped-query attention, optional q/k/v bias, tied or untied embeddings.
 
 Owns: the modules, their parameter names, initialization, the forward pass and the FLOP estimate.
-Like gpt.py it must never import distributed, checkpoint, data or loss code: layouts are applied
+Like gpt2/model.py it must never import distributed, checkpoint, data or loss code: layouts are applied
 from outside (hpctrain.parallel), Hugging Face names are mapped in hf.py.
 
-Kept the same as gpt.py so every layout works unchanged: the attributes tok_emb, pos_emb (None
+Kept the same as gpt2/model.py so every layout works unchanged: the attributes tok_emb, pos_emb (None
 here: positions are rotary), drop, blocks (a ModuleDict "0".."L-1"), norm_f and lm_head; blocks
 with norm1 / attn.{wq,wk,wv,wo} / norm2 / mlp; a pipeline stage is this module with pieces set to
 None. The MLP is mlp.gate, mlp.up (column-parallel) and mlp.proj (row-parallel, the residual one).
