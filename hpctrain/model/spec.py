@@ -103,7 +103,9 @@ class ModelSpec:
     #                                 (its input all-gathered to whole, e.g. attn, mlp), "colwise",
     #                                 "rowwise" (output back to the residual stream's layout),
     #                                 "norm" (sequence-parallel norm), "experts" (a MoE layer:
-    #                                 local tokens in, weights replicated over tp)
+    #                                 local tokens in, weights replicated over tp), "partial" (its
+    #                                 input a local part, e.g. a per-head q/k norm after a colwise
+    #                                 projection: weights replicated, gradients summed over tp)
     shape: Any                      # the planner's arithmetic (plan/shape.py): an object whose
     #                                 methods take the plan's ModelShape `s`: kv_dim, ffn, tied,
     #                                 block_matmul_params, block_params, head_params,

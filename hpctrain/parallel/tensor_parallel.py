@@ -51,7 +51,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.utils.stateless import _reparametrize_module
 
 from hpctrain.distributed.dtensor import is_dtensor
-from hpctrain.model.moe import MoEFeedForward
 
 if TYPE_CHECKING:  # DTensor is imported where tp > 1 only (distributed/dtensor.py)
     from torch.distributed.tensor import Replicate, Shard
@@ -68,6 +67,8 @@ def _block_plan(block: nn.Module, styles: dict[str, str], seq: Shard | Replicate
 
     plan, local_norms, experts = {}, [], []
     for path, style in styles.items():
+        if style == "partial":  # replicated weights on a local part (heads): handled by the caller
+            continue
         if style == "gather":  # the input all-gathered (SP) to whole
             plan[path] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
         elif style == "colwise":
@@ -85,7 +86,7 @@ def _block_plan(block: nn.Module, styles: dict[str, str], seq: Shard | Replicate
             experts.append(block.get_submodule(path))
         else:
             raise ValueError(f"tensor-parallel style {style!r} of {path!r}: expected gather, "
-                             f"colwise, rowwise, norm or experts (hpctrain/model/spec.py)")
+                             f"colwise, rowwise, norm, experts or partial (hpctrain/model/spec.py)")
     return plan, local_norms, experts
 
 
@@ -136,6 +137,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, block_styles: C
         norms += local_norms
         for moe in experts:
             _replicate(moe, tp_mesh, splits_tokens=sequence_parallel)
+        for path in [p for p, style in block_styles(int(layer)).items() if style == "partial"]:
+            _replicate_partial(block.get_submodule(path), tp_mesh)
     for norm in norms:
         _replicate(norm, tp_mesh, splits_tokens=False)
     if tied:
@@ -153,6 +156,18 @@ def _replicate(module: nn.Module, tp_mesh: DeviceMesh, splits_tokens: bool) -> N
     if splits_tokens:
         module.tp_token_group = tp_mesh.get_group()
     _run_on_local_weights(module, tp_mesh, dist.get_world_size(tp_mesh.get_group()) if splits_tokens else 1)
+
+
+def _replicate_partial(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Style "partial": `module` (e.g. a per-head norm after a column-parallel projection) sees
+    a different part on each tp rank (its heads), as a local tensor; its weights are Replicate
+    DTensors run on their local tensors, and its gradients, each rank's partial sums, are summed
+    over tp after backward (as a token-split MoE layer's: `tp_token_group`)."""
+    from torch.distributed.tensor import distribute_module
+
+    distribute_module(module, tp_mesh)
+    module.tp_token_group = tp_mesh.get_group()
+    _run_on_local_weights(module, tp_mesh, 1)
 
 
 def _run_on_local_weights(module: nn.Module, tp_mesh: DeviceMesh, token_shares: int) -> None:
@@ -179,14 +194,14 @@ def _run_on_local_weights(module: nn.Module, tp_mesh: DeviceMesh, token_shares: 
     module.forward = forward
 
 
-def tp_token_split_moe(model: nn.Module) -> tuple[list[MoEFeedForward], dist.ProcessGroup | None]:
-    """The MoE layers whose tp ranks route different tokens, and that tp group (None: no such layer)."""
-    layers = [m for m in model.modules()
-              if isinstance(m, MoEFeedForward) and getattr(m, "tp_token_group", None) is not None]
+def tp_token_split_moe(model: nn.Module) -> tuple[list[nn.Module], dist.ProcessGroup | None]:
+    """The modules whose tp ranks see different parts (MoE layers routing different tokens under
+    SP, "partial" modules), whose gradients are summed over tp, and that tp group (None: none)."""
+    layers = [m for m in model.modules() if getattr(m, "tp_token_group", None) is not None]
     return layers, layers[0].tp_token_group if layers else None
 
 
-def sum_moe_grads_over_tp(layers: list[MoEFeedForward], group: dist.ProcessGroup) -> None:
+def sum_moe_grads_over_tp(layers: list[nn.Module], group: dist.ProcessGroup) -> None:
     """After backward: each tp rank's MoE gradients are its tokens' partial sums; make every rank's
     the sum over the tp group (one flat all-reduce for all layers; expert shards included)."""
     grads = [p.grad.to_local() if is_dtensor(p.grad) else p.grad

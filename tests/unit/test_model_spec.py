@@ -29,7 +29,7 @@ def test_every_spec_builds_its_model_and_says_its_keys():
         plan = s.block_tp_plan(spec.as_args({**section, "arch": name}), 0)
         block = model.blocks["0"]
         assert all(block.get_submodule(path) is not None for path in plan), (name, plan)
-        assert set(plan.values()) <= {"gather", "colwise", "rowwise", "norm", "experts"}
+        assert set(plan.values()) <= {"gather", "colwise", "rowwise", "norm", "experts", "partial"}
 
 
 def test_model_fields_union_and_conflicts(monkeypatch):
@@ -76,3 +76,39 @@ def test_tp_styles_become_dtensor_plans_and_an_unknown_style_is_refused():
     assert local_norms == [model.blocks["0"].norm1, model.blocks["0"].norm2]
     with pytest.raises(ValueError, match="sideways"):
         _block_plan(model.blocks["0"], {"attn.wq": "sideways"}, Shard(1), True)
+
+
+PARTIAL_PROBE = """
+import os, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from hpctrain.model import spec
+from hpctrain.parallel.tensor_parallel import apply_tensor_parallel, tp_token_split_moe
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PROBE_PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)
+section = {"arch": "llama", "n_layer": 2, "n_head": 2, "n_embd": 8, "block_size": 4, "vocab_size": 16}
+model = spec.get("llama").model_module().build(section)
+llama_plan = spec.get("llama").block_tp_plan
+styles = lambda i: {**llama_plan(spec.as_args(section), i), "norm2": "partial"}
+apply_tensor_parallel(model, init_device_mesh("cpu", (1,)), styles, sequence_parallel=False)
+layers, group = tp_token_split_moe(model)
+print(len(layers), group is not None, type(model.blocks["0"].norm2.weight).__name__)
+model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
+print(model.blocks["1"].norm2.weight.grad is not None)
+"""
+
+
+def test_a_partial_style_module_is_replicated_and_its_grads_summed_over_tp():
+    """Style "partial" (e.g. Qwen3's per-head q/k norms): the module's weights become Replicate
+    DTensors, it runs on local tensors, and the runner finds it to sum its gradients over tp."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run([sys.executable, "-c", PARTIAL_PROBE], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PROBE_PORT": str(port)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["2", "True", "DTensor", "True"]
