@@ -196,7 +196,7 @@ def model_fields() -> list[tuple[str, Any, dataclasses.Field]]:
     """(name, type, field) of every [model] key: CommonArgs', "arch" (a Literal of the registered
     names), then each family's args in FAMILIES order, a key two families declare once."""
     arch = field(default=DEFAULT_ARCH, metadata={"help": "the model family: " + "; ".join(
-        f"'{s.name}' ({s.summary})" for s in _load().values())})
+        f"'{s.name}' ({s.summary})" for s in _load().values()) + ". Another family's key set is refused"})
     out = [*_own_fields(CommonArgs), ("arch", Literal[names()], arch)]
     seen = {name: (typ, f) for name, typ, f in out}
     for spec in _load().values():
