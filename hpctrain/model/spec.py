@@ -106,11 +106,15 @@ class ModelSpec:
     #                                 local tokens in, weights replicated over tp), "partial" (its
     #                                 input a local part, e.g. a per-head q/k norm after a colwise
     #                                 projection: weights replicated, gradients summed over tp)
-    shape: Any                      # the planner's arithmetic (plan/shape.py): an object whose
-    #                                 methods take the plan's ModelShape `s`: kv_dim, ffn, tied,
-    #                                 block_matmul_params, block_params, head_params,
-    #                                 position_params, norm_f_params, num_params, block_params_tp,
-    #                                 position_params_tp, tp_problem(s, tp) -> str | None
+    shape: Any                      # the planner's arithmetic (plan/shape.py asks it): an object
+    #                                 with `llama_style` (bool: plan/memory.py's RMSNorm / SwiGLU /
+    #                                 rotary activation formula, else LayerNorm / GELU) and methods
+    #                                 taking the plan's ModelShape `s` (every [model] key an
+    #                                 attribute): kv_heads, kv_dim, ffn, tied, block_matmul_params,
+    #                                 block_params, position_params, norm_f_params, num_params,
+    #                                 named_params (what the model is called by), block_params_tp(s,
+    #                                 tp), position_params_tp(s, tp), tp_problem(s, tp) -> str | None,
+    #                                 describe(s, fmt_params, sparse_layers) -> the plan's one line
     hf: HFSpec | None = None        # its Hugging Face adapter; None: no import or export
     n_experts: Callable[[Any], int] = _no_experts  # expert-parallel hook: routed experts per
     #                                 sparse layer (0 = dense: parallel.ep must stay 1); a family

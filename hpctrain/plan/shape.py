@@ -86,7 +86,7 @@ class _Arithmetic:
     @property
     def kv_dim(self) -> int:
         """Width of the k and v projections: n_kv_head x head_dim (n_embd without GQA)."""
-        return self.kv_heads * (self.n_embd // self.n_head)
+        return self.family.kv_dim(self)
 
     @property
     def ffn(self) -> int:

@@ -46,6 +46,10 @@ class Shape:
     def kv_heads(self, s) -> int:
         return s.n_head
 
+    def kv_dim(self, s) -> int:
+        """Width of the k and v projections: kv heads x head_dim."""
+        return self.kv_heads(s) * (s.n_embd // s.n_head)
+
     def ffn(self, s) -> int:
         return 4 * s.n_embd
 

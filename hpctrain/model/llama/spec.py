@@ -31,6 +31,10 @@ class Shape:
     def kv_heads(self, s) -> int:
         return s.n_kv_head or s.n_head
 
+    def kv_dim(self, s) -> int:
+        """Width of the k and v projections: kv heads x head_dim."""
+        return self.kv_heads(s) * (s.n_embd // s.n_head)
+
     def ffn(self, s) -> int:
         return args.ffn_width(s)
 
