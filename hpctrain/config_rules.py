@@ -14,6 +14,8 @@ import typing
 from hpctrain.config_schema import (CheckpointConfig, Config, ModelConfig, ParallelConfig,
                                     SlurmConfig, SyncConfig, TrainConfig, sections)
 from hpctrain.errors import ConfigError
+from hpctrain.model import spec as model_spec
+from hpctrain.model.llama.args import llama_ffn_hidden  # noqa: F401 (the name plan/shape.py imported)
 
 
 def validate(cfg: Config) -> Config:
@@ -148,63 +150,20 @@ def _validate_model(m: ModelConfig) -> None:
            f"(the positions a training sequence uses)")
     _check(m.vocab_size >= 1, "model.vocab_size", "must be >= 1")
     _check(0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)")
-    _validate_llama(m)
+    _validate_family(m)
 
 
-def llama_ffn_hidden(n_embd: int, ffn_hidden: int, multiple_of: int, ffn_dim_multiplier: float) -> int:
-    """llama's SwiGLU width: ffn_hidden, or Llama's rule (Meta's reference model.py): 2/3 of
-    4 n_embd, times ffn_dim_multiplier, rounded up to a multiple of multiple_of."""
-    if ffn_hidden:
-        return ffn_hidden
-    hidden = int(2 * 4 * n_embd / 3)
-    if ffn_dim_multiplier != 1.0:
-        hidden = int(ffn_dim_multiplier * hidden)
-    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
-
-
-def _validate_moe(m: ModelConfig) -> None:
-    _check(m.moe_experts >= 0, "model.moe_experts", "must be >= 0 (0 = dense)")
-    if m.moe_experts == 0:
-        return
-    _check(1 <= m.moe_top_k <= m.moe_experts, "model.moe_top_k", f"{m.moe_top_k}: must be in [1, "
-           f"model.moe_experts={m.moe_experts}]")
-    for key in ("moe_expert_hidden", "moe_shared_experts", "moe_shared_hidden", "moe_first_dense"):
-        _check(getattr(m, key) >= 0, f"model.{key}", "must be >= 0")
-    _check(m.moe_aux_loss_coef >= 0, "model.moe_aux_loss_coef", "must be >= 0 (0 = off)")
-    _check(m.moe_bias_update_rate >= 0, "model.moe_bias_update_rate", "must be >= 0 (0 = off)")
-    _check(m.moe_every >= 1, "model.moe_every", "must be >= 1")
-    _check(m.moe_warn_ratio > 1, "model.moe_warn_ratio", f"{m.moe_warn_ratio}: must be > 1 (a multiple "
-           f"of the mean load)")
-    _check(m.moe_warn_steps >= 1, "model.moe_warn_steps", "must be >= 1")
-    _check(m.moe_first_dense < m.n_layer, "model.moe_first_dense",
-           f"{m.moe_first_dense}: leaves no sparse layer of model.n_layer={m.n_layer}")
-
-
-def _validate_llama(m: ModelConfig) -> None:
-    """llama's keys: refused on gpt2 when set (they would be silently ignored), ranges, GQA."""
-    llama_keys = [f for f in dataclasses.fields(ModelConfig)
-                  if f.metadata.get("help", "").startswith("llama:")]
-    if m.arch == "gpt2":
-        for f in llama_keys:
-            _check(getattr(m, f.name) == f.default, f"model.{f.name}",
-                   f"{getattr(m, f.name)!r} is a llama key; set model.arch = 'llama' or remove it")
-        return
-    kv = m.n_kv_head or m.n_head
-    _check(m.n_kv_head >= 0 and m.n_head % kv == 0, "model.n_kv_head",
-           f"{m.n_kv_head} must divide model.n_head={m.n_head} (grouped-query attention; 0 = n_head)")
-    _check((m.n_embd // m.n_head) % 2 == 0, "model.n_head",
-           f"head size n_embd / n_head = {m.n_embd // m.n_head} must be even (rotary embeddings)")
-    _check(m.rope_theta > 0, "model.rope_theta", f"{m.rope_theta}: must be > 0")
-    _check(m.rope_scaling_factor >= 0, "model.rope_scaling_factor", "must be >= 0 (0 = off)")
-    _check(m.rope_scaling_factor == 0 or m.rope_high_freq_factor > m.rope_low_freq_factor > 0,
-           "model.rope_high_freq_factor", f"{m.rope_high_freq_factor} must be > "
-           f"model.rope_low_freq_factor={m.rope_low_freq_factor} > 0")
-    _check(m.rope_original_max_positions >= 1, "model.rope_original_max_positions", "must be >= 1")
-    _validate_moe(m)
-    _check(m.ffn_hidden >= 0, "model.ffn_hidden", "must be >= 0 (0 = Llama's rule)")
-    _check(m.multiple_of >= 1, "model.multiple_of", "must be >= 1")
-    _check(m.ffn_dim_multiplier > 0, "model.ffn_dim_multiplier", "must be > 0")
-    _check(m.rms_norm_eps > 0, "model.rms_norm_eps", "must be > 0")
+def _validate_family(m: ModelConfig) -> None:
+    """The keys of model.arch's family (its ModelSpec's rules); another family's keys set away
+    from their defaults are refused (they would be silently ignored)."""
+    spec = model_spec.get(m.arch)
+    owned = model_spec.owned_keys(spec)
+    for f in dataclasses.fields(ModelConfig):
+        if f.name not in owned and getattr(m, f.name) != f.default:
+            families = [s.name for s in map(model_spec.get, model_spec.names()) if f.name in model_spec.owned_keys(s)]
+            _check(False, f"model.{f.name}", f"{getattr(m, f.name)!r} is a key of model.arch "
+                   f"{' / '.join(repr(x) for x in families)}, not of {m.arch!r}; set model.arch or remove it")
+    spec.check_config(m, _check)
 
 
 def _validate_optimizer(t: TrainConfig) -> None:
@@ -310,13 +269,14 @@ def _validate_parallel(p: ParallelConfig, m: ModelConfig, compile: bool = False)
     _check(p.pp_virtual_stages >= 1, "parallel.pp_virtual_stages", "must be >= 1")
     _check(p.ac_every >= 1, "parallel.ac_every", "must be >= 1")
     _check(p.ep >= 1, "parallel.ep", f"{p.ep}: must be >= 1")
-    _check(p.ep == 1 or m.moe_experts > 0, "parallel.ep",
+    experts = model_spec.get(m.arch).n_experts(m)
+    _check(p.ep == 1 or experts > 0, "parallel.ep",
            f"{p.ep} needs a mixture-of-experts model (model.moe_experts > 0); use parallel.ep = 1")
-    _check(p.ep == 1 or m.moe_experts % p.ep == 0, "parallel.ep",
-           f"{p.ep} must divide model.moe_experts={m.moe_experts} (each rank holds experts / ep)")
+    _check(p.ep == 1 or experts % p.ep == 0, "parallel.ep",
+           f"{p.ep} must divide model.moe_experts={experts} (each rank holds experts / ep)")
     _check(p.ep == 1 or p.dp == 0 or p.dp % p.ep == 0, "parallel.ep",
            f"{p.ep} must divide parallel.dp={p.dp} (the ep ranks are borrowed from dp)")
-    _check(not p.deterministic_experts or (m.moe_experts > 0 and p.tp == 1), "parallel.deterministic_experts",
+    _check(not p.deterministic_experts or (experts > 0 and p.tp == 1), "parallel.deterministic_experts",
            "needs a mixture-of-experts model (model.moe_experts > 0) and parallel.tp = 1; set it to false")
     _check(not p.deterministic_experts or all(n & (n - 1) == 0 for n in (p.ep, p.dp)),
            "parallel.deterministic_experts", f"needs a power-of-two parallel.ep and parallel.dp (got "
@@ -326,13 +286,7 @@ def _validate_parallel(p: ParallelConfig, m: ModelConfig, compile: bool = False)
            "stage modules directly; set train.compile = false")
     _check(m.n_head % p.tp == 0, "parallel.tp",
            f"tp={p.tp} must divide model.n_head={m.n_head} (each rank holds n_head / tp heads)")
-    _check(m.arch == "gpt2" or (m.n_kv_head or m.n_head) % p.tp == 0, "parallel.tp",
-           f"tp={p.tp} must divide model.n_kv_head={m.n_kv_head or m.n_head} (each rank holds "
-           f"n_kv_head / tp key/value heads)")
-    hidden = m.arch == "llama" and llama_ffn_hidden(m.n_embd, m.ffn_hidden, m.multiple_of, m.ffn_dim_multiplier)
-    _check(not hidden or hidden % p.tp == 0, "parallel.tp",
-           f"tp={p.tp} must divide the SwiGLU width {hidden} (model.ffn_hidden, or Llama's rule from "
-           f"model.multiple_of)")
+    model_spec.get(m.arch).check_tp(m, p.tp, _check)
     _check(not p.sp or m.block_size % p.tp == 0, "parallel.tp",
            f"tp={p.tp} must divide model.block_size={m.block_size} (sequence parallelism)")
     stages = p.pp * (p.pp_virtual_stages if p.pp_schedule == "interleaved" and p.pp > 1 else 1)
@@ -400,7 +354,7 @@ _MAY_CHANGE_ON_RESUME = ("dropout", "moe_warn_ratio", "moe_warn_steps")  # not t
 
 def check_same_model(saved: dict, current: dict, path) -> None:
     """A resume trains the model the checkpoint holds: `saved` / `current` are model sections."""
-    # a key the checkpoint predates (model.arch and llama's) had its default then
+    # a key the checkpoint predates (model.arch and the families' own) had its default then
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
     saved = {**defaults, **saved}
     diff = [k for k in current if saved.get(k) != current[k] and k not in _MAY_CHANGE_ON_RESUME]

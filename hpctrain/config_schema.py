@@ -4,7 +4,8 @@ and meaning (the `help` that `hpctrain train --help` prints).
 Owns: the keys. Reading TOML and `--section.key=value` overrides into these lives in config.py, the
 rules on values in config_rules.py. The sections of how a run lives on a cluster are in
 config_cluster.py, a value's coercion into its key's type (`coerce`) and a Literal key's choices in
-config_values.py; both re-exported here. It must never import torch or read files. Test-only
+config_values.py; both re-exported here; the [model] keys are the model families'
+(hpctrain/model/spec.py and each family's args). It must never import torch or read files. Test-only
 faults are no keys of it: hpctrain/step_faults.py (HPCTRAIN_TEST_FAULTS).
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Literal
 from hpctrain.config_cluster import (CheckpointConfig, DistConfig, MetricsConfig, SlurmConfig,  # noqa: F401
                                      SyncConfig)
 from hpctrain.config_values import INT_MAX, INT_MIN, choices, coerce, key_choices, type_name  # noqa: F401
+from hpctrain.model import spec as model_spec
 
 REQUIRED = dataclasses.MISSING
 
@@ -64,71 +66,18 @@ class DataConfig:
                 "data.cache_bytes; see docs/scale.md)"})
 
 
-@dataclass
-class ModelConfig:
-    n_layer: int = field(metadata={"help": "transformer blocks"})
-    n_head: int = field(metadata={"help": "attention heads per block (n_embd must divide by it)"})
-    n_embd: int = field(metadata={"help": "embedding width"})
-    block_size: int = field(metadata={"help": "context length in tokens (training window)"})
-    vocab_size: int = field(metadata={"help": "must be >= the dataset's vocab size (padding is allowed)"})
-    dropout: float = field(default=0.0, metadata={"help": "dropout probability (0 keeps runs bit-reproducible cheaply)"})
-    max_positions: int = field(default=0, metadata={
-        "help": "positions the model holds (gpt2: rows of its position table; both: what export "
-                "writes as n_positions / max_position_embeddings); 0 = block_size. init.from sets "
-                "it to the folder's, so a shorter block_size trains at that length and the export "
-                "keeps the folder's table and limit"})
-    arch: Literal["gpt2", "llama"] = field(default="gpt2", metadata={
-        "help": "'gpt2' (LayerNorm, learned positions, GELU, tied embeddings) or 'llama' (RMSNorm, "
-                "rotary positions, SwiGLU, grouped-query attention: Llama 2/3, Mistral, Qwen2). "
-                "The keys below are llama's; gpt2 refuses them set"})
-    n_kv_head: int = field(default=0, metadata={
-        "help": "llama: key/value heads (grouped-query attention; must divide n_head; 0 = n_head)"})
-    rope_theta: float = field(default=10000.0, metadata={"help": "llama: rotary base (Llama 3: 500000)"})
-    rope_scaling_factor: float = field(default=0.0, metadata={
-        "help": "llama: Llama-3.1 rotary frequency scaling ('llama3' rope_type) factor, e.g. 8 (0 = off)"})
-    rope_low_freq_factor: float = field(default=1.0, metadata={"help": "llama: rope scaling low_freq_factor"})
-    rope_high_freq_factor: float = field(default=4.0, metadata={"help": "llama: rope scaling high_freq_factor"})
-    rope_original_max_positions: int = field(default=8192, metadata={
-        "help": "llama: rope scaling original_max_position_embeddings"})
-    ffn_hidden: int = field(default=0, metadata={
-        "help": "llama: SwiGLU hidden width (0 = Llama's rule: int(8 n_embd / 3) x ffn_dim_multiplier "
-                "rounded up to a multiple of multiple_of)"})
-    multiple_of: int = field(default=256, metadata={"help": "llama: see ffn_hidden (Llama 3: 1024)"})
-    ffn_dim_multiplier: float = field(default=1.0, metadata={"help": "llama: see ffn_hidden (Llama 3: 1.3)"})
-    rms_norm_eps: float = field(default=1e-5, metadata={"help": "llama: RMSNorm epsilon"})
-    qkv_bias: bool = field(default=False, metadata={"help": "llama: bias on q/k/v (Qwen2: true)"})
-    tie_embeddings: bool = field(default=False, metadata={
-        "help": "llama: the head shares the embedding's weight (gpt2 always ties)"})
-    # mixture of experts (hpctrain/model/moe.py); a [model.moe] table's keys are these without moe_
-    moe_experts: int = field(default=0, metadata={
-        "help": "llama: MoE: routed experts per sparse layer (0 = dense model)"})
-    moe_top_k: int = field(default=2, metadata={"help": "llama: MoE: experts each token is routed to"})
-    moe_expert_hidden: int = field(default=0, metadata={
-        "help": "llama: MoE: each expert's SwiGLU width (0 = the dense ffn width)"})
-    moe_shared_experts: int = field(default=0, metadata={
-        "help": "llama: MoE: always-on shared experts (Qwen2-MoE, DeepSeek), run as one SwiGLU"})
-    moe_shared_hidden: int = field(default=0, metadata={
-        "help": "llama: MoE: the shared experts' width (0 = moe_shared_experts x moe_expert_hidden)"})
-    moe_shared_gate: bool = field(default=False, metadata={
-        "help": "llama: MoE: scale the shared output by a learned sigmoid gate (Qwen2-MoE)"})
-    moe_gate: Literal["softmax", "sigmoid"] = field(default="softmax", metadata={
-        "help": "llama: MoE: router gates, 'softmax' (Mixtral, Qwen2-MoE) or 'sigmoid' (DeepSeek-V3)"})
-    moe_norm_topk_prob: bool = field(default=True, metadata={
-        "help": "llama: MoE: renormalize the top-k gates to sum to 1 (Mixtral: true; Qwen2-MoE: false)"})
-    moe_aux_loss_coef: float = field(default=0.0, metadata={
-        "help": "llama: MoE: weight of the Switch/Mixtral load-balancing loss (0 = off; Mixtral 0.02)"})
-    moe_bias_update_rate: float = field(default=0.0, metadata={
-        "help": "llama: MoE: DeepSeek-V3's auxiliary-loss-free balancing: the routing bias step per "
-                "optimizer step (0 = off; DeepSeek-V3 0.001)"})
-    moe_every: int = field(default=1, metadata={
-        "help": "llama: MoE: layer i is sparse when (i + 1) % moe_every == 0 (Qwen2-MoE's decoder_sparse_step)"})
-    moe_first_dense: int = field(default=0, metadata={
-        "help": "llama: MoE: the first layers stay dense (DeepSeek's first_k_dense_replace)"})
-    moe_warn_ratio: float = field(default=3.0, metadata={
-        "help": "llama: MoE: warn when an expert receives more than this multiple of the layer's mean "
-                "load for moe_warn_steps steps in a row (metrics: moe.<layer>.max_mean)"})
-    moe_warn_steps: int = field(default=50, metadata={
-        "help": "llama: MoE: see moe_warn_ratio"})
+def _model_config_class() -> type:
+    """ModelConfig: the flat [model] keys, from the model families' registry (model/spec.py):
+    the common keys, `arch` (a Literal of the registered families), then each family's own keys
+    (a [model.moe] table's keys are the moe_* ones without the prefix: config.py)."""
+    fields = [(name, typ, field(default=f.default, default_factory=f.default_factory, metadata=f.metadata))
+              for name, typ, f in model_spec.model_fields()]
+    cls = dataclasses.make_dataclass("ModelConfig", fields)
+    cls.__module__ = __name__
+    return cls
+
+
+ModelConfig = _model_config_class()
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """`python -m hpctrain export --checkpoint DIR --format hf --output OUT`: a checkpoint as a Hugging
 Face model folder (config.json + model.safetensors) that `AutoModelForCausalLM.from_pretrained`
-loads: GPT2LMHeadModel for model.arch = "gpt2"; for "llama" LlamaForCausalLM, Qwen2ForCausalLM
+loads, written by the family's Hugging Face adapter (its ModelSpec's HFSpec, hpctrain/model/<arch>/hf.py):
+e.g. GPT2LMHeadModel for model.arch = "gpt2"; for "llama" LlamaForCausalLM, Qwen2ForCausalLM
 (q/k/v bias), MixtralForCausalLM (experts) or Qwen2MoeForCausalLM (experts + a gated shared one).
 Weights above --max-shard-size are sharded as transformers does (hpctrain/interop/hf_files.py), and
 the run's dataset tokenizer goes with them (data_tools/tokenizer_files.py), so that
@@ -8,7 +9,7 @@ the run's dataset tokenizer goes with them (data_tools/tokenizer_files.py), so t
 `pipeline("text-generation", OUT)` works offline. n_positions / max_position_embeddings is
 model.max_positions (an init.from folder's, whatever block_size the run trained at).
 
-The name and layout mappings are hpctrain/interop/hf_gpt2.py's and hf_llama.py's. It reads any
+The name and layout mappings are the families' (hpctrain/model/gpt2/hf.py, llama/hf.py, ...). It reads any
 layout's checkpoint (DCP keys are layout-free: DDP, FSDP, TP, PP save the same FQNs) in one process
 through the checkpoint manager (safe loading, no pickle), writes the folder's files into a staging
 folder beside OUT (`.OUT.hpctrain-partial`) and moves them in only when all are written (a full
@@ -32,7 +33,7 @@ from hpctrain.checkpoint.cli import resolve_checkpoint
 from hpctrain.checkpoint.safe_load import read_metadata
 from hpctrain.errors import UserError
 from hpctrain.interop import hf_files
-from hpctrain.interop.hf_gpt2 import to_hf_gpt2
+from hpctrain.model import spec as model_spec
 
 
 find_checkpoint = resolve_checkpoint  # the name bench/recipe.py and the tests import
@@ -57,21 +58,6 @@ def load_model_state(ckpt: Path) -> tuple[dict, dict]:
         raise UserError(f"{ckpt}: checkpoint holds no model.* tensors")
     CheckpointManager(ckpt.parent, keep=1, rank=0, world_size=1).load(ckpt, state)
     return state["model"], model_cfg
-
-
-def to_hf_llama(sd: dict, m: dict) -> tuple[dict, dict]:
-    """(HF state dict, config.json dict) of a model.arch = "llama" checkpoint: Qwen2ForCausalLM
-    with model.qkv_bias, else LlamaForCausalLM; with experts MixtralForCausalLM or, with a gated
-    shared expert, Qwen2MoeForCausalLM (names: hpctrain/interop/hf_llama.py, hf_moe.py)."""
-    from hpctrain.interop import hf_llama
-
-    from hpctrain.interop import hf_moe
-
-    moe_kind = hf_moe.moe_type(m) if m.get("moe_experts") else None
-    config = hf_llama.hf_config(m, moe_kind or ("qwen2" if m.get("qkv_bias") else "llama"))
-    tied = bool(m.get("tie_embeddings"))
-    tensors = hf_llama.to_hf_state_dict({k: v.float().contiguous() for k, v in sd.items()}, tied, moe_kind)
-    return tensors, config
 
 
 # The files an export writes; with --force they are replaced, nothing else in the folder is touched
@@ -157,10 +143,10 @@ def export_hf(checkpoint: str | Path, output: str | Path, force: bool = False,
     check_output(out, force)
     ckpt = resolve_checkpoint(checkpoint, use="export")
     sd, model_cfg = load_model_state(ckpt)
-    if model_cfg.get("arch", "gpt2") == "llama":
-        tensors, config = to_hf_llama(sd, model_cfg)
-    else:
-        tensors, config = to_hf_gpt2(sd, model_cfg)
+    spec = model_spec.of_section(model_cfg)
+    if spec.hf is None:
+        raise UserError(f"{ckpt}: model.arch {spec.name!r} has no Hugging Face export")
+    tensors, config = spec.hf_module().export({k: v.float().contiguous() for k, v in sd.items()}, model_cfg)
     trainer = disk_format.read_trainer_state(ckpt, use="export").get("trainer", {})
     tok = trainer.get("tokenizer") or {}
     if isinstance(tok.get("eot_id"), int):
@@ -178,9 +164,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--checkpoint", required=True,
                         help="step_N directory, checkpoint root or run directory (newest intact)")
     parser.add_argument("--format", default="hf", choices=["hf"],
-                        help="hf: a Hugging Face folder: GPT-2 (model.arch = 'gpt2'), or for 'llama' Llama, "
-                             "Qwen2 (qkv_bias), Mixtral (moe_experts) or Qwen2-MoE (a gated "
-                             "shared expert)")
+                        help="hf: a Hugging Face folder: " + "; ".join(
+                            model_spec.get(n).hf.export_words for n in model_spec.names()
+                            if model_spec.get(n).hf))
     parser.add_argument("--output", required=True, help="output folder (new or empty)")
     parser.add_argument("--force", action="store_true",
                         help="export into a folder that is not empty: replace its config.json and "

@@ -4,7 +4,7 @@ strings, objects), so a hand-edited or damaged file is one line naming the field
 ZeroDivisionError or TypeError later on.
 
 Owns: reading the file (a JSON object) and the table of field rules. Which fields a family needs
-and what they mean belong to hf_gpt2.py, hf_llama.py and hf_moe.py (a missing one: their
+and what they mean belong to the families' adapters (hpctrain/model/<arch>/hf.py) (a missing one: their
 KeyError, named by hf_import.model_section). No transformers, no weights.
 """
 from __future__ import annotations

@@ -17,24 +17,31 @@ import json
 from pathlib import Path
 
 from hpctrain.errors import ConfigError, UserError
-from hpctrain.interop import hf_gpt2
 from hpctrain.interop.hf_config import read_hf_config
+from hpctrain.model import spec as model_spec
 from hpctrain.interop.hf_weights import WeightFiles, open_checked
 
 
 def model_section(folder: str | Path) -> dict:
-    """The [model] keys that the folder's config.json sets."""
-    from hpctrain.interop import hf_llama
-
+    """The [model] keys that the folder's config.json sets (the family whose HFSpec lists its
+    model_type; none: the last family with an adapter says what it cannot read)."""
     cfg = read_hf_config(folder)
     try:
-        if cfg.get("model_type") == "gpt2":
-            return hf_gpt2.gpt2_section(cfg)
-        return hf_llama.model_section_from_hf(cfg)
+        return hf_spec_of(cfg).hf_module().section_from_config(cfg)
     except KeyError as e:
         raise ConfigError(f"config key 'init.from': {Path(folder) / 'config.json'} lacks {e}") from None
     except UserError as e:
         raise ConfigError(f"config key 'init.from': {Path(folder)}/{e}") from None
+
+
+def hf_spec_of(cfg: dict) -> model_spec.ModelSpec:
+    """The family that reads a config.json of this model_type (HFSpec.model_types); an unknown
+    type goes to the last registered family with an adapter, whose reader names the types it has."""
+    specs = [model_spec.get(name) for name in model_spec.names() if model_spec.get(name).hf]
+    for spec in specs:
+        if cfg.get("model_type") in spec.hf.model_types:
+            return spec
+    return specs[-1]
 
 
 def checkpoint_root(raw: dict) -> Path:
@@ -96,7 +103,7 @@ def training_length(length: int, section: dict, folder: str | Path) -> int:
     computed for the training length, gpt2's position table keeps all its rows)."""
     limit = section["max_positions"]
     if length > limit:
-        field = CONFIG_JSON_KEYS[section.get("arch", "gpt2")]["max_positions"]
+        field = model_spec.of_section(section).hf.config_json_keys["max_positions"]
         raise ConfigError(f"config key 'model.block_size': {length} exceeds init.from "
                           f"{Path(folder) / 'config.json'}'s {field} ({limit}); train at most "
                           f"{limit} tokens per sequence (longer, by rope scaling, is not supported)")
@@ -106,15 +113,7 @@ def training_length(length: int, section: dict, folder: str | Path) -> int:
 def source_of(fqn: str, section: dict) -> tuple[str, bool, int] | None:
     """(HF tensor name, transposed, row offset) our parameter is read from; '{e}' in the name: one
     tensor per expert, stacked; None: a parameter HF does not have (the MoE balancing bias)."""
-    from hpctrain.interop import hf_llama, hf_moe
-
-    if section.get("arch", "gpt2") == "gpt2":
-        return hf_gpt2.gpt2_source(fqn, section["n_embd"])
-    if fqn == "lm_head.weight" and section.get("tie_embeddings"):
-        return "model.embed_tokens.weight", False, 0
-    kind = hf_moe.moe_type(section) if section.get("moe_experts") else None
-    name = hf_llama.to_hf_name(fqn, kind)
-    return None if name is None else (name, False, 0)
+    return model_spec.of_section(section).hf_module().source_of(fqn, section)
 
 
 def local_region(param) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -199,20 +198,7 @@ def source_words(files: WeightFiles, fqn: str, param, section: dict) -> str:
     return files.where(name)
 
 
-# [model] key -> the config.json field it comes from (hf_gpt2.gpt2_section, hf_llama, hf_moe)
-CONFIG_JSON_KEYS = {
-    "gpt2": {"n_layer": "n_layer", "n_embd": "n_embd", "vocab_size": "vocab_size",
-             "block_size": "n_positions", "max_positions": "n_positions"},
-    "llama": {"n_layer": "num_hidden_layers", "n_embd": "hidden_size", "vocab_size": "vocab_size",
-              "ffn_hidden": "intermediate_size", "block_size": "max_position_embeddings",
-              "max_positions": "max_position_embeddings",
-              "moe_experts": "num_local_experts / num_experts",
-              "moe_expert_hidden": "intermediate_size / moe_intermediate_size",
-              "moe_shared_hidden": "shared_expert_intermediate_size"},
-}
-
-
 def config_json_key(key: str, arch: str, folder: str | Path) -> str:
     """" (FIELD of FOLDER/config.json)": where init.from's [model] `key` was set, for messages."""
-    field = CONFIG_JSON_KEYS.get(arch, {}).get(key, key)
+    field = model_spec.get(arch).hf.config_json_keys.get(key, key)
     return f" ({field} of {Path(folder) / 'config.json'})"

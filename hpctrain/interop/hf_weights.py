@@ -20,6 +20,7 @@ from pathlib import Path, PurePosixPath
 
 from hpctrain.errors import UserError
 from hpctrain.interop import hf_files
+from hpctrain.model import spec as model_spec
 
 SINGLE, INDEX = hf_files.SINGLE, hf_files.INDEX
 FLOAT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -144,38 +145,34 @@ def read_index(index: Path) -> dict[str, str]:
 
 def expected_tensors(section: dict) -> dict[str, tuple[int, ...]]:
     """HF name -> shape of every tensor a folder of this [model] section holds, as `hpctrain
-    export` writes them: the model built on the meta device (no memory), mapped by hf_gpt2.py /
-    hf_llama.py (gpt2's c_attn joins q, k, v; MoE experts one tensor each)."""
+    export` writes them: the model built on the meta device (no memory), mapped by its family's
+    HF adapter (HFSpec.export: gpt2's c_attn joins q, k, v; MoE experts one tensor each)."""
     import torch
 
-    from hpctrain.interop import hf_gpt2, hf_llama, hf_moe
     from hpctrain.model import build_model_from_section
 
     with torch.device("meta"):
         model = build_model_from_section({**section, "dropout": 0.0})
-    state = model.state_dict()
-    if section.get("arch", "gpt2") == "gpt2":
-        tensors, _ = hf_gpt2.to_hf_gpt2(state, section)
-    else:
-        kind = hf_moe.moe_type(section) if section.get("moe_experts") else None
-        tensors = hf_llama.to_hf_state_dict(state, bool(section.get("tie_embeddings")), kind)
+    tensors, _ = model_spec.of_section(section).hf_module().export(model.state_dict(), section)
     return {name: tuple(t.shape) for name, t in tensors.items()}
 
 
 def _model_words(section: dict) -> str:
-    return (f"the {section.get('arch', 'gpt2')} model config.json describes ({section['n_layer']} "
+    return (f"the {model_spec.of_section(section).name} model config.json describes ({section['n_layer']} "
             f"layers, width {section['n_embd']}, vocabulary {section['vocab_size']})")
 
 
 def _wanted_shape(name: str, expected: dict, section: dict) -> tuple[int, ...] | None:
     """The shape the folder's tensor `name` must have; None: not a tensor of this model."""
-    gpt2 = section.get("arch", "gpt2") == "gpt2"
-    for candidate in (name, "transformer." + name) if gpt2 else (name,):
-        if candidate in expected:
-            return expected[candidate]
-    if name == "lm_head.weight" and (gpt2 or section.get("tie_embeddings")):  # a tied copy
-        return expected["transformer.wte.weight" if gpt2 else "model.embed_tokens.weight"]
-    return None
+    if name in expected:
+        return expected[name]
+    alias = _alias(name, section)
+    return expected.get(alias[0]) if alias else None
+
+
+def _alias(name: str, section: dict) -> tuple[str, bool] | None:
+    """(exported name, the same tensor) a folder's `name` stands for (HFSpec's alias)."""
+    return model_spec.of_section(section).hf_module().alias(name, section)
 
 
 def check_tensors(files: WeightFiles, section: dict) -> None:
@@ -198,7 +195,8 @@ def check_tensors(files: WeightFiles, section: dict) -> None:
         if info.shape != want:
             raise UserError(f"{files.where(name)} has shape {info.shape}, {_model_words(section)} "
                             f"needs {want}; {WHAT_TO_DO}")
-        found.update({name, "transformer." + name} & expected.keys())
+        alias = None if name in expected else _alias(name, section)
+        found.update({name} | ({alias[0]} if alias and alias[1] else set()))
     missing = [name for name in expected if name not in found]
     if missing:
         more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""

@@ -10,7 +10,7 @@ experts, never over tokens; no capacity, no token dropped whatever
 the imbalance), the
 Switch/Mixtral auxiliary load-balancing loss (added to the gradient inside the layer, so no loss
 code, pipeline stage or activation checkpoint has to carry it), and the per-layer load statistics
-a metrics hook reads. Like llama.py it must never import distributed, checkpoint, data or loss
+a metrics hook reads. Like the families' model.py it must never import distributed, checkpoint, data or loss
 code: expert parallelism is applied from outside, and the balancing bias is updated from outside
 (`update_balance_bias`, after an optimizer step, with the load summed over the data-parallel ranks).
 

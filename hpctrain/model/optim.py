@@ -13,15 +13,16 @@ import torch.nn as nn
 
 from hpctrain.config import TrainConfig
 from hpctrain.distributed.dtensor import is_dtensor
+from hpctrain.model import spec as model_spec
 
 
 def undecayed_matrices(model_section) -> tuple[str, ...]:
-    """Matrices kept out of weight decay: gpt2's position table when it holds rows past
-    block_size (model.max_positions, init.from's n_positions). Those rows get no gradient; decay
-    alone would shrink them toward 0 (by ~26% over 10k steps at lr 3e-4, decay 0.1), so the
-    exported model would lose the positions its folder had beyond the training length."""
-    longer = model_section.max_positions > model_section.block_size
-    return ("pos_emb.weight",) if longer and model_section.arch == "gpt2" else ()
+    """Matrices kept out of weight decay, as the model's family says (ModelSpec.undecayed): gpt2's
+    position table when it holds rows past block_size (model.max_positions, init.from's
+    n_positions). Those rows get no gradient; decay alone would shrink them toward 0 (by ~26% over
+    10k steps at lr 3e-4, decay 0.1), so the exported model would lose the positions its folder
+    had beyond the training length."""
+    return model_spec.get(model_section.arch).undecayed(model_section)
 
 
 def build_optimizer(model: nn.Module, t: TrainConfig,

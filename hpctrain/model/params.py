@@ -6,7 +6,7 @@ A tied weight counts once; "without embeddings" leaves out every nn.Embedding ta
 embedding, gpt2's position embedding) and so, when tied, the head that is the same tensor, as
 transformers does. The MoE balancing bias (router.bias: DeepSeek-V3's routing offset, which no
 Hugging Face class has and `export` does not write) is not counted. The MFU's N is not this:
-that is each model's num_params() / active_params() (gpt.py, llama.py), unchanged.
+that is each model's num_params() / active_params() (gpt2/model.py, llama/model.py), unchanged.
 """
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ from hpctrain.distributed.bootstrap import new_group
 from hpctrain.distributed.mesh import Mesh
 from hpctrain.errors import ConfigError
 from hpctrain.metrics.wait_clock import WaitClock
+from hpctrain.model import spec as model_spec
 from hpctrain.parallel.activation import (apply_activation_checkpointing, compile_blocked, compile_regions,
                                           compile_scope, compile_whole_model)
 from hpctrain.parallel.apply_expert import ExpertParallel, apply_expert_parallel
@@ -164,7 +165,8 @@ def apply_compile(model: nn.Module, cfg: Config, device: torch.device, plain_or_
         raise ConfigError(f"train.compile: {blocked}")
     p = cfg.parallel
     layout_allows_model = plain_or_ddp and p.tp == 1 and p.pp == 1 and p.ep == 1
-    scope = compile_scope(cfg.train.compile_scope, device, layout_allows_model, cfg.model.moe_experts > 0)
+    has_experts = model_spec.get(cfg.model.arch).n_experts(cfg.model) > 0
+    scope = compile_scope(cfg.train.compile_scope, device, layout_allows_model, has_experts)
     if scope == "model":
         compile_whole_model(model)
     else:
@@ -194,7 +196,9 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, precision: str,
     p = cfg.parallel
     split = apply_pipeline(model, mesh, p.pp_schedule, p.pp_virtual_stages) if mesh.pp_size > 1 else None
     if mesh.tp_size > 1:
-        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=p.sp)
+        family = model_spec.get(cfg.model.arch)
+        apply_tensor_parallel(model, mesh["tp"], lambda layer: family.block_tp_plan(cfg.model, layer),
+                              sequence_parallel=p.sp)
     experts = (apply_expert_parallel(model, mesh, p.ep, p.deterministic_experts)
                if p.ep > 1 or p.deterministic_experts else None)
     apply_activation_checkpointing(model, p.activation_checkpoint, p.ac_every)

@@ -1,7 +1,9 @@
-"""Tensor (+ sequence) parallelism for the GPT and Llama with DTensor: `apply_tensor_parallel(model, tp_mesh)`.
+"""Tensor (+ sequence) parallelism with DTensor: `apply_tensor_parallel(model, tp_mesh, block_styles)`.
 
-Owns: the plan (which module is column-/row-parallel, where activations are sequence-sharded) and
-re-tying the shared embedding / head weight after sharding. It must never edit the model's code or
+Owns: turning a family's per-block styles (its ModelSpec.block_tp_plan, hpctrain/model/<arch>/spec.py:
+which submodule is column-/row-parallel, whose input is gathered, which norm is sequence-parallel,
+which is a MoE layer) into DTensor plans, the ends' plan (the module contract of model/spec.py:
+tok_emb, pos_emb, norm_f, lm_head) and re-tying the shared embedding / head weight after sharding. It must never edit the model's code or
 parameter names, and works on a whole model or a pipeline stage (pieces set to None are skipped).
 
 Layouts, per block (Megatron-style with sequence parallelism, as in torchtitan):
@@ -11,6 +13,7 @@ Layouts, per block (Megatron-style with sequence parallelism, as in torchtitan):
   wq, wk, wv, mlp.fc    ColwiseParallel      (each rank computes n_head / tp heads, 4C / tp hidden;
   (llama: mlp.gate/up)                        llama: n_kv_head / tp key/value heads, rotary inside)
   wo, mlp.proj          RowwiseParallel      (reduce-scatter back to Shard(1))
+  (styles "gather", "norm", "colwise", "rowwise"; "experts" for a MoE layer, below)
 Ends:
   tok_emb               vocab-parallel (RowwiseParallel on the [V, C] table: rows sharded), output
                         reduce-scattered to Shard(1); pos_emb the same on the [T, C] table
@@ -39,7 +42,7 @@ parallelism (apply_expert.py) then shards the experts over ep ranks at the same 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -48,28 +51,43 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.utils.stateless import _reparametrize_module
 
 from hpctrain.distributed.dtensor import is_dtensor
-from hpctrain.model.moe import MoEFeedForward
 
 if TYPE_CHECKING:  # DTensor is imported where tp > 1 only (distributed/dtensor.py)
     from torch.distributed.tensor import Replicate, Shard
 
 
-def _mlp_plan(mlp: nn.Module, seq: Shard | Replicate) -> dict:
-    """GPT's fc, or llama's SwiGLU gate and up: column-parallel; proj: row-parallel, its output
-    back to the residual stream's layout `seq`. A MoE layer: the tokens this rank holds (its
-    sequence shard under SP, else all) in as a local tensor, its output back as `seq`."""
+def _block_plan(block: nn.Module, styles: dict[str, str], seq: Shard | Replicate,
+                sequence_parallel: bool) -> tuple[dict, list[nn.Module], list[nn.Module]]:
+    """The DTensor plan of one block from its family's styles (ModelSpec.block_tp_plan), the
+    norms whose weights are replicated and run locally (no SP), and the MoE layers ("experts")."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                                   PrepareModuleInputOutput, RowwiseParallel)
+                                                   PrepareModuleInputOutput, RowwiseParallel,
+                                                   SequenceParallel)
 
-    if isinstance(mlp, MoEFeedForward):
-        return {"mlp": PrepareModuleInputOutput(
-            input_layouts=(seq,), desired_input_layouts=(seq,), use_local_input=True,
-            output_layouts=(seq,), desired_output_layouts=(seq,))}
-    cols = ("gate", "up") if hasattr(mlp, "gate") else ("fc",)
-    return {"mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-            **{f"mlp.{c}": ColwiseParallel() for c in cols},
-            "mlp.proj": RowwiseParallel(output_layouts=seq)}
+    plan, local_norms, experts = {}, [], []
+    for path, style in styles.items():
+        if style == "partial":  # replicated weights on a local part (heads): handled by the caller
+            continue
+        if style == "gather":  # the input all-gathered (SP) to whole
+            plan[path] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+        elif style == "colwise":
+            plan[path] = ColwiseParallel()
+        elif style == "rowwise":  # its output back to the residual stream's layout
+            plan[path] = RowwiseParallel(output_layouts=seq)
+        elif style == "norm" and sequence_parallel:
+            plan[path] = SequenceParallel()
+        elif style == "norm":
+            local_norms.append(block.get_submodule(path))
+        elif style == "experts":  # the tokens this rank holds in as a local tensor, out as `seq`
+            plan[path] = PrepareModuleInputOutput(
+                input_layouts=(seq,), desired_input_layouts=(seq,), use_local_input=True,
+                output_layouts=(seq,), desired_output_layouts=(seq,))
+            experts.append(block.get_submodule(path))
+        else:
+            raise ValueError(f"tensor-parallel style {style!r} of {path!r}: expected gather, "
+                             f"colwise, rowwise, norm, experts or partial (hpctrain/model/spec.py)")
+    return plan, local_norms, experts
 
 
 def _ends_plan(model: nn.Module, seq: Shard | Replicate) -> dict:
@@ -95,14 +113,15 @@ def _ends_plan(model: nn.Module, seq: Shard | Replicate) -> dict:
     return plan
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> None:
-    """Shard `model` (a GPT or a pipeline stage of one) in place over `tp_mesh`. Without
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, block_styles: Callable[[int], dict[str, str]],
+                          sequence_parallel: bool = True) -> None:
+    """Shard `model` (a whole model or a pipeline stage of one) in place over `tp_mesh`; each
+    block by `block_styles(layer)`, its family's ModelSpec.block_tp_plan. Without
     `sequence_parallel` (parallel.sp = false) the residual stream stays whole on every tp rank
     (Megatron's plain TP: wo / proj all-reduce instead of reduce-scatter) and the norms run on
     their replicated weights' local tensors."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import parallelize_module
 
     seq = Shard(1) if sequence_parallel else Replicate()
     tied = (model.tok_emb is not None and model.lm_head is not None
@@ -111,19 +130,15 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     if plan:
         parallelize_module(model, tp_mesh, plan)
     norms = [model.norm_f] if model.norm_f is not None and not sequence_parallel else []
-    for block in model.blocks.values():
-        parallelize_module(block, tp_mesh, {
-            "attn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-            "attn.wq": ColwiseParallel(),
-            "attn.wk": ColwiseParallel(),
-            "attn.wv": ColwiseParallel(),
-            "attn.wo": RowwiseParallel(output_layouts=seq),
-            **({"norm1": SequenceParallel(), "norm2": SequenceParallel()} if sequence_parallel else {}),
-            **_mlp_plan(block.mlp, seq),
-        })
-        norms += [] if sequence_parallel else [block.norm1, block.norm2]
-        if isinstance(block.mlp, MoEFeedForward):
-            _replicate(block.mlp, tp_mesh, splits_tokens=sequence_parallel)
+    for layer, block in model.blocks.items():
+        block_plan, local_norms, experts = _block_plan(block, block_styles(int(layer)), seq,
+                                                       sequence_parallel)
+        parallelize_module(block, tp_mesh, block_plan)
+        norms += local_norms
+        for moe in experts:
+            _replicate(moe, tp_mesh, splits_tokens=sequence_parallel)
+        for path in [p for p, style in block_styles(int(layer)).items() if style == "partial"]:
+            _replicate_partial(block.get_submodule(path), tp_mesh)
     for norm in norms:
         _replicate(norm, tp_mesh, splits_tokens=False)
     if tied:
@@ -141,6 +156,18 @@ def _replicate(module: nn.Module, tp_mesh: DeviceMesh, splits_tokens: bool) -> N
     if splits_tokens:
         module.tp_token_group = tp_mesh.get_group()
     _run_on_local_weights(module, tp_mesh, dist.get_world_size(tp_mesh.get_group()) if splits_tokens else 1)
+
+
+def _replicate_partial(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Style "partial": `module` (e.g. a per-head norm after a column-parallel projection) sees
+    a different part on each tp rank (its heads), as a local tensor; its weights are Replicate
+    DTensors run on their local tensors, and its gradients, each rank's partial sums, are summed
+    over tp after backward (as a token-split MoE layer's: `tp_token_group`)."""
+    from torch.distributed.tensor import distribute_module
+
+    distribute_module(module, tp_mesh)
+    module.tp_token_group = tp_mesh.get_group()
+    _run_on_local_weights(module, tp_mesh, 1)
 
 
 def _run_on_local_weights(module: nn.Module, tp_mesh: DeviceMesh, token_shares: int) -> None:
@@ -167,14 +194,14 @@ def _run_on_local_weights(module: nn.Module, tp_mesh: DeviceMesh, token_shares: 
     module.forward = forward
 
 
-def tp_token_split_moe(model: nn.Module) -> tuple[list[MoEFeedForward], dist.ProcessGroup | None]:
-    """The MoE layers whose tp ranks route different tokens, and that tp group (None: no such layer)."""
-    layers = [m for m in model.modules()
-              if isinstance(m, MoEFeedForward) and getattr(m, "tp_token_group", None) is not None]
+def tp_token_split_moe(model: nn.Module) -> tuple[list[nn.Module], dist.ProcessGroup | None]:
+    """The modules whose tp ranks see different parts (MoE layers routing different tokens under
+    SP, "partial" modules), whose gradients are summed over tp, and that tp group (None: none)."""
+    layers = [m for m in model.modules() if getattr(m, "tp_token_group", None) is not None]
     return layers, layers[0].tp_token_group if layers else None
 
 
-def sum_moe_grads_over_tp(layers: list[MoEFeedForward], group: dist.ProcessGroup) -> None:
+def sum_moe_grads_over_tp(layers: list[nn.Module], group: dist.ProcessGroup) -> None:
     """After backward: each tp rank's MoE gradients are its tokens' partial sums; make every rank's
     the sum over the tp group (one flat all-reduce for all layers; expert shards included)."""
     grads = [p.grad.to_local() if is_dtensor(p.grad) else p.grad

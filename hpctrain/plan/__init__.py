@@ -1,7 +1,7 @@
 """The scale planner behind `python -m hpctrain plan`: per-rank memory, communication, checkpoint
 and data-pipeline figures of a model shape and layout on a cluster we cannot run here.
 
-Pure arithmetic over the shapes of OUR code (hpctrain/model/gpt.py, hpctrain/parallel/,
+Pure arithmetic over the shapes of OUR code (hpctrain/model/<arch>/, hpctrain/parallel/,
 hpctrain/train/, hpctrain/data/sampler.py, hpctrain/checkpoint/): each module says which code its
 formulas follow. Modules: shape.py (model shapes, parameter counts, presets), layout.py (the job:
 cluster, parallel layout, budgets), memory.py (bytes per rank), comm.py (bytes per step per link),

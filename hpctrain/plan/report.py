@@ -139,22 +139,9 @@ def _memory_lines(p: Plan) -> list[str]:
             + _table(("activation_checkpoint", "activations"), acts))
 
 
-def _named_params(s: ModelShape) -> int:
-    """What a model is called by: gpt2's num_params (as before), llama's every parameter (Meta's
-    8.03B / 70.55B count the input embedding)."""
-    return s.total_params() if s.llama else s.num_params()
-
-
 def _shape_name(s: ModelShape) -> str:
-    if not s.llama:
-        return (f"{s.n_layer} x {s.n_embd} ({s.n_head} heads, vocab {s.vocab_size}, block "
-                f"{s.block_size}), {fmt_params(s.num_params())} parameters")
-    experts = (f", {s.moe_experts} experts top {s.moe_top_k} in {len(moe.sparse_layers(s))} layers"
-               if s.moe_experts else "")
-    active = f" ({fmt_params(s.active_params())} active: MFU's N)" if s.moe_experts else ""
-    return (f"llama {s.n_layer} x {s.n_embd} ({s.n_head} heads, {s.kv_heads} kv heads, ffn {s.ffn}"
-            f"{experts}, vocab {s.vocab_size}, {'tied' if s.tied else 'untied'}, block {s.block_size}), "
-            f"{fmt_params(_named_params(s))} parameters{active}")
+    """The model's one line (its family's words, model/<arch>/spec.py)."""
+    return s.family.describe(s, fmt_params, len(moe.sparse_layers(s)))
 
 
 def title(s: ModelShape, j: Job) -> str:
@@ -209,7 +196,7 @@ def summary_row(p: Plan) -> tuple:
     j, m = p.job, p.mem
     layout = j.layout_name
     dp = next(b for a, _, b, _ in p.comm if a == "dp")
-    return (fmt_params(_named_params(p.shape)), f"{j.nodes} x {j.gpus_per_node}", layout,
+    return (fmt_params(p.shape.family.named_params(p.shape)), f"{j.nodes} x {j.gpus_per_node}", layout,
             fmt_bytes(m.peak), fmt_bytes(p.setup["per rank (host, then GPU)"]),
             fmt_bytes(p.sampler["per rank (kept)"]), f"{p.checkpoint['files']:,}", fmt_bytes(dp),
             p.warnings[0] if p.warnings else "-")

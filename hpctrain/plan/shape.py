@@ -1,26 +1,23 @@
-"""Model shapes and parameter counts of hpctrain/model/gpt.py and llama.py, as arithmetic (no torch).
+"""Model shapes and parameter counts of the model families (hpctrain/model/<arch>/), as arithmetic
+(no torch).
 
-Owns: the parameter count per piece (blocks, embedding, head, positions, final norm) of each
-`model.arch`, what one rank holds of it under tensor parallelism (the DTensor plan of
-parallel/tensor_parallel.py), which tp the model allows (as config_rules refuses it), the
-presets of `hpctrain plan --preset` and the shipped configs' batch keys of those that have one.
-- gpt2: LayerNorms with bias, learned positions, a 4C GELU MLP, tied embedding / head. Its "70b"
-  is a 70B-*shaped* model (80 x 8192): ~65B parameters, not Llama's 70B.
-- llama: RMSNorms (weight only), rotary positions (no table), grouped-query attention (wk, wv are
-  C x n_kv_head * head_dim), a SwiGLU MLP (gate, up, proj: 3 C F, F by Llama's hidden-size rule,
-  config_rules.llama_ffn_hidden), optional q/k/v bias, tied or untied head. The presets
-  llama3-8b / llama3-70b are Meta's shapes (8.03B and 70.55B parameters).
-- llama with mixture-of-experts layers (model.moe_*): the sparse layers' feed-forward and the
-  active count are plan/moe.py's; mixtral-8x7b is Mixtral's shape (46.70B total, 12.75B active
-  without the input embedding).
+Owns: the parameter count per piece (blocks, embedding, head, positions, final norm) of a model,
+what one rank holds of it under tensor parallelism (the DTensor plan of
+parallel/tensor_parallel.py), which tp the model allows (as config_rules refuses it), the presets
+of `hpctrain plan --preset` and the shipped configs' batch keys of those that have one. What
+differs by family comes from its ModelSpec's `shape` (model/<arch>/spec.py: gpt2's LayerNorms,
+learned positions and 4C GELU MLP; llama's RMSNorms, rotary positions, grouped-query attention and
+SwiGLU); the sparse layers' feed-forward and the active count of a mixture-of-experts model are
+plan/moe.py's. The gpt2 "70b" preset is a 70B-*shaped* model (80 x 8192): ~65B parameters, not
+Llama's 70B; llama3-8b / llama3-70b are Meta's shapes (8.03B and 70.55B parameters); mixtral-8x7b
+is Mixtral's (46.70B total, 12.75B active without the input embedding).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 
-from hpctrain.config_rules import llama_ffn_hidden
+from hpctrain.model import spec as model_spec
 from hpctrain.plan import moe
 
 # Bytes of training state per parameter: fp32 weights, fp32 gradients and AdamW's fp32 m and v
@@ -29,114 +26,87 @@ STATE_BYTES_PER_PARAM = 16
 # The [model] keys a parameter count grows with (`ModelShape.size_key` names one)
 SIZE_KEYS = ("n_layer", "n_embd", "vocab_size", "ffn_hidden", "block_size", "max_positions",
              "moe_experts", "moe_expert_hidden", "moe_shared_hidden")
+_FIRST = ("n_layer", "n_embd", "n_head", "vocab_size", "block_size")  # ModelShape's positional order
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    n_layer: int
-    n_embd: int
-    n_head: int
-    vocab_size: int
-    block_size: int
-    dropout: float = 0.0
-    max_positions: int = 0          # gpt2's position table rows (0 = block_size)
-    arch: str = "gpt2"              # model.arch: gpt2 | llama; the keys below are llama's
-    n_kv_head: int = 0              # 0 = n_head
-    ffn_hidden: int = 0             # 0 = Llama's rule from multiple_of / ffn_dim_multiplier
-    multiple_of: int = 256
-    ffn_dim_multiplier: float = 1.0
-    qkv_bias: bool = False
-    tie_embeddings: bool = False    # gpt2 always ties
-    moe_experts: int = 0            # mixture of experts (llama; plan/moe.py): 0 = dense
-    moe_top_k: int = 2
-    moe_expert_hidden: int = 0      # 0 = ffn
-    moe_shared_experts: int = 0
-    moe_shared_hidden: int = 0
-    moe_shared_gate: bool = False
-    moe_every: int = 1
-    moe_first_dense: int = 0
+class _Arithmetic:
+    """ModelShape's methods: the [model] keys are its fields (every family's, at their defaults)."""
 
     @classmethod
     def of_model_config(cls, model) -> "ModelShape":
         """The shape of a training config's [model] (config_schema.ModelConfig)."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        return cls(**{k: getattr(model, k) for k in names})
+        return cls(**{f.name: getattr(model, f.name) for f in dataclasses.fields(cls)})
 
     def check(self) -> "ModelShape":
-        for key in ("n_layer", "n_embd", "n_head", "vocab_size", "block_size"):
+        for key in _FIRST:
             if getattr(self, key) < 1:
                 raise ValueError(f"model.{key} must be >= 1, got {getattr(self, key)}")
-        if self.arch not in ("gpt2", "llama"):
-            raise ValueError(f"model.arch {self.arch!r}: expected gpt2 or llama")
+        if self.arch not in model_spec.names():
+            raise ValueError(f"model.arch {self.arch!r}: expected {' or '.join(model_spec.names())}")
         if self.n_embd % self.n_head:
             raise ValueError(f"model.n_embd {self.n_embd} is not divisible by model.n_head {self.n_head}")
-        if self.llama and (self.n_kv_head < 0 or self.n_head % self.kv_heads):
+        if self.kv_heads < 1 or self.n_head % self.kv_heads:
             raise ValueError(f"model.n_kv_head {self.n_kv_head} must divide model.n_head {self.n_head}")
-        if self.moe_experts and not (self.llama and 1 <= self.moe_top_k <= self.moe_experts):
+        experts = model_spec.get(self.arch).n_experts(self)
+        if self.moe_experts and not (experts and 1 <= self.moe_top_k <= self.moe_experts):
             raise ValueError(f"model.moe_top_k {self.moe_top_k} must be in [1, model.moe_experts="
-                             f"{self.moe_experts}] (and model.arch llama)")
+                             f"{self.moe_experts}] (and a model.arch with experts)")
         return self
 
     def tp_problem(self, tp: int) -> str | None:
         """Why `train` refuses this tp for the model (config_rules), or None."""
         if self.n_head % tp:
             return f"must divide n_head {self.n_head}"
-        if self.kv_heads % tp:
-            return f"must divide n_kv_head {self.kv_heads} (each rank holds n_kv_head / tp key/value heads)"
-        if self.llama and self.ffn % tp:
-            return f"must divide the SwiGLU width {self.ffn} (model.ffn_hidden)"
+        problem = self.family.tp_problem(self, tp)
+        if problem:
+            return problem
         if self.block_size % tp:
             return f"must divide block_size {self.block_size} (sequence parallelism)"
         return None
 
-    # ---- the architecture's pieces ----------------------------------------------------------
+    # ---- the architecture's pieces: the family's ModelSpec.shape ------------------------------
+    @property
+    def family(self):
+        """The family's planner arithmetic (its ModelSpec's `shape`)."""
+        return model_spec.get(self.arch).shape
+
     @property
     def llama(self) -> bool:
-        return self.arch == "llama"
+        """A llama-style block (RMSNorm, SwiGLU, rotary): plan/memory.py's activation formula."""
+        return self.family.llama_style
 
     @property
     def tied(self) -> bool:
-        return not self.llama or self.tie_embeddings
+        return self.family.tied(self)
 
     @property
     def kv_heads(self) -> int:
-        return (self.n_kv_head or self.n_head) if self.llama else self.n_head
+        return self.family.kv_heads(self)
 
     @property
     def kv_dim(self) -> int:
         """Width of the k and v projections: n_kv_head x head_dim (n_embd without GQA)."""
-        return self.kv_heads * (self.n_embd // self.n_head)
+        return self.family.kv_dim(self)
 
     @property
     def ffn(self) -> int:
-        """MLP hidden width: 4C (gpt2) or SwiGLU's (llama)."""
-        if not self.llama:
-            return 4 * self.n_embd
-        return llama_ffn_hidden(self.n_embd, self.ffn_hidden, self.multiple_of, self.ffn_dim_multiplier)
+        """MLP hidden width (gpt2: 4C; llama: SwiGLU's)."""
+        return self.family.ffn(self)
 
-    # ---- parameter counts of the unsplit model (GPT.num_params / Llama.num_params) ---------
+    # ---- parameter counts of the unsplit model (the model's num_params) ----------------------
     @property
     def block_matmul_params(self) -> int:
-        """wq, wo (C x C), wk, wv (C x kv_dim), the MLP: fc, proj (2 C F) or gate, up, proj (3 C F)."""
-        c = self.n_embd
-        return 2 * c * c + 2 * c * self.kv_dim + (3 if self.llama else 2) * c * self.ffn
+        """The block's Linear weights (attention and MLP)."""
+        return self.family.block_matmul_params(self)
 
     @property
     def block_params(self) -> int:
-        """gpt2: the matmuls + their biases + 2 LayerNorms (12 C^2 + 13 C); llama: the matmuls +
-        q/k/v biases if any + 2 RMSNorm weights."""
-        c = self.n_embd
-        if not self.llama:
-            return 12 * c * c + 13 * c
-        return self.block_matmul_params + self._qkv_bias + 2 * c
-
-    @property
-    def _qkv_bias(self) -> int:
-        return self.n_embd + 2 * self.kv_dim if self.qkv_bias else 0
+        """Every parameter of a dense block (its family's count)."""
+        return self.family.block_params(self)
 
     @property
     def embedding_params(self) -> int:
-        """tok_emb [V, C] (gpt2: tied to lm_head, one tensor)."""
+        """tok_emb [V, C] (tied to lm_head: one tensor)."""
         return self.vocab_size * self.n_embd
 
     @property
@@ -146,17 +116,17 @@ class ModelShape:
 
     @property
     def positions(self) -> int:
-        """gpt2's position table rows: model.max_positions (init.from's n_positions), else
+        """A position table's rows: model.max_positions (init.from's n_positions), else
         block_size (the training length, which may be shorter than the table)."""
         return self.max_positions or self.block_size
 
     @property
     def position_params(self) -> int:
-        return 0 if self.llama else self.positions * self.n_embd
+        return self.family.position_params(self)
 
     @property
     def norm_f_params(self) -> int:
-        return self.n_embd if self.llama else 2 * self.n_embd
+        return self.family.norm_f_params(self)
 
     def total_params(self) -> int:
         """Every parameter, a tied weight once (num_params(non_embedding=False))."""
@@ -176,15 +146,13 @@ class ModelShape:
         return min(keys, key=lambda k: dataclasses.replace(self, **{k: 1}).total_params())
 
     def num_params(self) -> int:
-        """The model's num_params() (what MFU and `train` report): gpt2 without the position
-        table, llama without the input embedding when the head is untied (a lookup)."""
-        if self.llama:
-            return self.total_params() - (0 if self.tied else self.embedding_params)
-        return self.total_params() - self.position_params
+        """The model's num_params() (what MFU and `train` report: gpt2 without the position
+        table, llama without the input embedding when the head is untied)."""
+        return self.family.num_params(self)
 
     def active_params(self) -> int:
-        """num_params() with the routed experts counted top_k / n_experts (Llama.active_params: the
-        MFU's N; num_params() for a dense model)."""
+        """num_params() with the routed experts counted top_k / n_experts (the MFU's N;
+        num_params() for a dense model)."""
         return self.num_params() - moe.inactive_params(self)
 
     def flops_per_token(self) -> float:
@@ -194,12 +162,8 @@ class ModelShape:
 
     # ---- one tensor-parallel rank's share ---------------------------------------------------
     def block_params_tp(self, tp: int) -> int:
-        """Column-parallel wq/wk/wv/fc (gate, up) (weights and biases / tp), row-parallel wo/proj
-        (weights / tp, gpt2's biases replicated), norms replicated (SequenceParallel)."""
-        c = self.n_embd
-        if not self.llama:
-            return (12 * c * c + 7 * c) // tp + 2 * c + 4 * c
-        return (self.block_matmul_params + self._qkv_bias) // tp + 2 * c
+        """A block's parameters on one tp rank (its family's plan)."""
+        return self.family.block_params_tp(self, tp)
 
     def block_matmul_params_tp(self, tp: int) -> int:
         """The weights autocast copies to 16 bits (the block's Linear weights), per tp rank."""
@@ -211,15 +175,29 @@ class ModelShape:
         return math.ceil(self.vocab_size / tp) * self.n_embd
 
     def position_params_tp(self, tp: int) -> int:
-        return math.ceil(self.positions / tp) * self.n_embd if not self.llama else 0
+        return self.family.position_params_tp(self, tp)
+
+
+def _shape_class() -> type:
+    """ModelShape: a frozen dataclass of every [model] key (model/spec.py's, the first five
+    positional in _FIRST's order) with _Arithmetic's methods."""
+    fields = {name: (name, typ, dataclasses.field(default=f.default, default_factory=f.default_factory))
+              for name, typ, f in model_spec.model_fields()}
+    order = [fields.pop(name) for name in _FIRST] + list(fields.values())
+    cls = dataclasses.make_dataclass("ModelShape", order, bases=(_Arithmetic,), frozen=True)
+    cls.__module__ = __name__
+    return cls
+
+
+ModelShape = _shape_class()
 
 
 def _llama3(n_layer: int, n_embd: int, n_head: int) -> ModelShape:
     """Meta's Llama 3 shapes: 8 kv heads, SwiGLU rule with multiple_of 1024 x 1.3, 128,256-token
-    vocabulary, untied head, 8,192-token training window."""
+    vocabulary, untied head, 8,192-token training window, rotary base 500000."""
     return ModelShape(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=128256,
                       block_size=8192, arch="llama", n_kv_head=8, multiple_of=1024,
-                      ffn_dim_multiplier=1.3)
+                      ffn_dim_multiplier=1.3, rope_theta=500000.0)
 
 
 # n_head: head_dim 128 as GPT-3 / Llama at these widths; block_size 2048 as the issue's windows

@@ -30,6 +30,7 @@ from hpctrain.distributed.bootstrap import DistContext
 from hpctrain.distributed.dtensor import is_dtensor
 from hpctrain.distributed.mesh import Mesh, ParallelDims
 from hpctrain.errors import UserError
+from hpctrain.model import spec as model_spec
 from hpctrain.model.optim import build_optimizer, undecayed_matrices
 from hpctrain.parallel import build_runner
 from hpctrain.step_faults import step_faults
@@ -178,7 +179,7 @@ def unsupported(cfg: Config) -> str | None:
         return ("config key 'parallel.pp': a dry run of a pipeline is not supported yet (torch's "
                 "pipeline stages send their shapes to their peers at the first step, which a "
                 "fake process group cannot answer); dry-run a layout with pp = 1")
-    if cfg.model.moe_experts > 0:
+    if model_spec.get(cfg.model.arch).n_experts(cfg.model) > 0:
         return ("config key 'model.moe.experts': a dry run of mixture-of-experts layers is not "
                 "supported yet (their routing reads token counts on the host, which fake tensors "
                 "do not hold)")

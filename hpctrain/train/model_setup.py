@@ -50,7 +50,7 @@ def build_model(cfg: Config, mesh: Mesh, device: torch.device, precision: str,
     GPT(...)` makes them, on every rank (the same values before sharding), or init.from's.
     `precision`: the resolved train.precision (FSDP's mixed precision). `initialize=False` (the
     dry run, train/dry_run.py): this rank's shards allocated, never written (no init.from read)."""
-    section = dataclasses.asdict(cfg.model)  # model.arch picks GPT or Llama (hpctrain/model)
+    section = dataclasses.asdict(cfg.model)  # model.arch picks the family (hpctrain/model/spec.py)
     seed = cfg.train.seed
     # init.from seeds a fresh run only (on resume the checkpoint's weights replace the seed's:
     # the folder is not read, it may be gone); its tensors checked before anything is built

@@ -323,7 +323,7 @@ def test_help_and_docs_name_keys_and_families_as_the_code_does(root):
     writes (export writes no Mistral: a Mistral-shaped model exports as Llama)."""
     import re
 
-    from hpctrain.interop.hf_llama import ARCHITECTURES
+    from hpctrain.model.llama.hf import ARCHITECTURES
     keys = config.describe()
     assert "--init.from=str" in keys and "(also spelled --init.from_dir)" in keys
     assert "--checkpoint.async_save=bool" in keys and "(also spelled --checkpoint.async)" in keys

@@ -1,13 +1,13 @@
 """Llama-family architecture: logits parity with transformers' LlamaForCausalLM, Qwen2ForCausalLM
 and MistralForCausalLM built here from small configs with random weights (never downloaded), both
-directions through hpctrain/interop/hf_llama.py; GQA, llama3 rope scaling, tied / untied; the
+directions through hpctrain/model/llama/hf.py; GQA, llama3 rope scaling, tied / untied; the
 hidden-size rule, FLOPs, and one-line config errors."""
 import sys
 
 import pytest
 import torch
 
-from hpctrain.interop import hf_llama
+from hpctrain.model.llama import hf as hf_llama
 from hpctrain.model import Llama, build_model_from_section
 from tests.conftest import run_cmd
 

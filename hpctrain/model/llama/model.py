@@ -2,10 +2,10 @@
 SwiGLU MLP, grouped-query attention, optional q/k/v bias, tied or untied embeddings.
 
 Owns: the modules, their parameter names, initialization, the forward pass and the FLOP estimate.
-Like gpt.py it must never import distributed, checkpoint, data or loss code: layouts are applied
-from outside (hpctrain.parallel), Hugging Face names are mapped in hpctrain/interop/hf_llama.py.
+Like gpt2/model.py it must never import distributed, checkpoint, data or loss code: layouts are applied
+from outside (hpctrain.parallel), Hugging Face names are mapped in hf.py.
 
-Kept the same as gpt.py so every layout works unchanged: the attributes tok_emb, pos_emb (None
+Kept the same as gpt2/model.py so every layout works unchanged: the attributes tok_emb, pos_emb (None
 here: positions are rotary), drop, blocks (a ModuleDict "0".."L-1"), norm_f and lm_head; blocks
 with norm1 / attn.{wq,wk,wv,wo} / norm2 / mlp; a pipeline stage is this module with pieces set to
 None. The MLP is mlp.gate, mlp.up (column-parallel) and mlp.proj (row-parallel, the residual one).
@@ -19,14 +19,16 @@ sequence length (no buffers: meta-device init replays only parameter initializat
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hpctrain.config_rules import llama_ffn_hidden
-from hpctrain.model.gpt import GPT, Block
+from hpctrain.model.gpt2.model import GPT, Block
+from hpctrain.model.llama.args import llama_ffn_hidden
+from hpctrain.model.moe_args import moe_config_kwargs
 from hpctrain.model.moe import MoEConfig, MoEFeedForward
 
 
@@ -69,7 +71,7 @@ class LlamaConfig:
 
     @property
     def ffn_hidden_size(self) -> int:
-        """ffn_hidden, or Llama's rule (config_rules.llama_ffn_hidden, also checked against tp)."""
+        """ffn_hidden, or Llama's rule (args.llama_ffn_hidden, also checked against tp)."""
         return llama_ffn_hidden(self.n_embd, self.ffn_hidden, self.multiple_of, self.ffn_dim_multiplier)
 
 
@@ -218,3 +220,19 @@ class Llama(nn.Module):
         appendix B; GQA shares k/v, not scores)."""
         c = self.cfg
         return 6.0 * self.active_params() + 12.0 * c.n_layer * c.n_head * c.head_dim * c.block_size
+
+
+def model_config(section: dict) -> LlamaConfig:
+    """LlamaConfig from a [model] section: keys it does not have (other families', at their
+    defaults) dropped; the moe_* keys become its MoEConfig (moe_experts 0 or absent: dense)."""
+    names = {f.name for f in dataclasses.fields(LlamaConfig)}
+    kwargs = {k: v for k, v in section.items() if k in names}
+    moe = moe_config_kwargs(section)
+    if moe is not None:
+        kwargs["moe"] = MoEConfig(**moe)
+    return LlamaConfig(**kwargs)
+
+
+def build(section: dict) -> Llama:
+    """A fresh Llama (initialized from torch's global RNG) of a [model] section (ModelSpec.module)."""
+    return Llama(model_config(section))

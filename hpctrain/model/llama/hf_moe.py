@@ -1,5 +1,5 @@
 """Hugging Face <-> hpctrain mapping for mixture-of-experts models: MixtralForCausalLM and
-Qwen2MoeForCausalLM (routed experts + a gated shared expert), on top of hf_llama.py's dense names.
+Qwen2MoeForCausalLM (routed experts + a gated shared expert), on top of hf.py's dense names.
 
 Owns: the MoE layers' names both ways (HF stores each expert's matrices apart,
 `...experts.{e}.w1.weight`; ours are stacked [E, H, C] tensors, so one of ours maps to E of

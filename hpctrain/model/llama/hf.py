@@ -1,7 +1,7 @@
 """Hugging Face <-> hpctrain mapping for the Llama family (LlamaForCausalLM, MistralForCausalLM,
 Qwen2ForCausalLM): parameter names both ways and config.json <-> [model] section.
 
-Owns: the names and the config keys only; reading / writing safetensors, sharding and tokenizer
+Owns: the names and the config keys only (the family's HFSpec functions at the end); reading / writing safetensors, sharding and tokenizer
 files belong to the import / export commands that use it. No tensor is changed: our rotary
 embedding uses HF's rotate_half layout, so q/k weights need no permutation, and nn.Linear weights
 are [out, in] on both sides. Names are per-parameter, so a rank can map only the slices it holds.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from hpctrain.errors import UserError
-from hpctrain.interop import hf_moe
+from hpctrain.model.llama import hf_moe
 
 # ours (inside blocks.{i}.) -> HF (inside model.layers.{i}.)
 _BLOCK = {"norm1.weight": "input_layernorm.weight", "norm2.weight": "post_attention_layernorm.weight",
@@ -88,9 +88,9 @@ def from_hf_state_dict(state: dict, tied: bool, moe_kind: str | None = None) -> 
 
 def hf_config(model: dict, model_type: str = "llama") -> dict:
     """config.json of HF's `model_type` ("llama" | "mistral" | "qwen2") for a [model] section."""
-    from hpctrain.model import LlamaConfig, model_config_from_section
+    from hpctrain.model.llama.model import LlamaConfig, model_config
 
-    c: LlamaConfig = model_config_from_section({**model, "arch": "llama"})
+    c: LlamaConfig = model_config({**model, "arch": "llama"})
     if model_type not in ARCHITECTURES:
         raise UserError(f"model type {model_type!r}: expected one of {sorted(ARCHITECTURES)}")
     cfg = {"architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
@@ -154,3 +154,38 @@ def model_section_from_hf(cfg: dict) -> dict:
                        rope_high_freq_factor=float(rope["high_freq_factor"]),
                        rope_original_max_positions=int(rope["original_max_position_embeddings"]))
     return section
+
+
+# ---- the HFSpec functions (hpctrain/model/spec.py) ------------------------------------------
+def _moe_kind(section: dict) -> str | None:
+    return hf_moe.moe_type(section) if section.get("moe_experts") else None
+
+
+def section_from_config(cfg: dict) -> dict:
+    """config.json -> the [model] keys (HFSpec)."""
+    return model_section_from_hf(cfg)
+
+
+def export(state: dict, section: dict) -> tuple[dict, dict]:
+    """(HF state dict, config.json) of a checkpoint's fp32 tensors: Qwen2ForCausalLM with
+    model.qkv_bias, else LlamaForCausalLM; with experts MixtralForCausalLM or, with a gated
+    shared expert, Qwen2MoeForCausalLM."""
+    kind = _moe_kind(section)
+    config = hf_config(section, kind or ("qwen2" if section.get("qkv_bias") else "llama"))
+    tied = bool(section.get("tie_embeddings"))
+    return to_hf_state_dict(state, tied, kind), config
+
+
+def source_of(fqn: str, section: dict) -> tuple[str, bool, int] | None:
+    """The HF tensor init.from reads our parameter from (HFSpec)."""
+    if fqn == "lm_head.weight" and section.get("tie_embeddings"):
+        return "model.embed_tokens.weight", False, 0
+    name = to_hf_name(fqn, _moe_kind(section))
+    return None if name is None else (name, False, 0)
+
+
+def alias(name: str, section: dict) -> tuple[str, bool] | None:
+    """A tied model's lm_head.weight in a folder: a copy of the embedding (HFSpec)."""
+    if name == "lm_head.weight" and section.get("tie_embeddings"):
+        return "model.embed_tokens.weight", False
+    return None

@@ -84,3 +84,27 @@ def to_hf_gpt2(sd: dict, m: dict) -> tuple[dict, dict]:
         "torch_dtype": "float32",
     }
     return out, config
+
+
+# ---- the HFSpec functions (hpctrain/model/spec.py) ------------------------------------------
+def section_from_config(cfg: dict) -> dict:
+    """config.json -> the [model] keys (HFSpec)."""
+    return gpt2_section(cfg)
+
+
+def export(state: dict, section: dict) -> tuple[dict, dict]:
+    """(HF GPT2LMHeadModel state dict, config.json) of a checkpoint's tensors (HFSpec)."""
+    return to_hf_gpt2(state, section)
+
+
+def source_of(fqn: str, section: dict) -> tuple[str, bool, int]:
+    """The HF tensor init.from reads our parameter from (HFSpec)."""
+    return gpt2_source(fqn, section["n_embd"])
+
+
+def alias(name: str, section: dict) -> tuple[str, bool] | None:
+    """A folder's names without the "transformer." prefix (GPT2Model's own save) are the same
+    tensors; lm_head.weight is a tied copy of wte (HFSpec)."""
+    if name == "lm_head.weight":
+        return "transformer.wte.weight", False
+    return "transformer." + name, True
