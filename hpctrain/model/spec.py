@@ -30,7 +30,7 @@ from hpctrain.errors import ConfigError
 # The family packages under hpctrain/model/, in registration order (their keys' order in [model]
 # and `train --help`): one line per family. "gpt2" first: the default arch, and the arch of every
 # [model] section saved before `arch` existed.
-FAMILIES = ("gpt2", "llama")
+FAMILIES = ("gpt2", "llama", "deepseek_v3")
 DEFAULT_ARCH = "gpt2"
 
 # check(ok, key, why): raises ConfigError "config key 'KEY': WHY" when not ok (config_rules._check)
@@ -105,7 +105,12 @@ class ModelSpec:
     #                                 "norm" (sequence-parallel norm), "experts" (a MoE layer:
     #                                 local tokens in, weights replicated over tp), "partial" (its
     #                                 input a local part, e.g. a per-head q/k norm after a colwise
-    #                                 projection: weights replicated, gradients summed over tp)
+    #                                 projection: weights replicated, gradients summed over tp),
+    #                                 "gather_local" ("gather" handing over a local tensor),
+    #                                 "replicate" (whole input, weights replicated, run locally:
+    #                                 e.g. MLA's low-rank projections and their norms),
+    #                                 "replicate_sum_grad" (the same, its output's gradient summed
+    #                                 over tp in backward: MLA's one rope key, used by every head)
     shape: Any                      # the planner's arithmetic (plan/shape.py asks it): an object
     #                                 with `llama_style` (bool: plan/memory.py's RMSNorm / SwiGLU /
     #                                 rotary activation formula, else LayerNorm / GELU) and methods

@@ -71,6 +71,11 @@ def _block_plan(block: nn.Module, styles: dict[str, str], seq: Shard | Replicate
             continue
         if style == "gather":  # the input all-gathered (SP) to whole
             plan[path] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+        elif style == "gather_local":  # the same, handed over as a local tensor
+            plan[path] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                                            use_local_output=True)
+        elif style in ("replicate", "replicate_sum_grad"):  # whole input, replicated weights run locally
+            local_norms.append(block.get_submodule(path))
         elif style == "colwise":
             plan[path] = ColwiseParallel()
         elif style == "rowwise":  # its output back to the residual stream's layout
@@ -86,7 +91,8 @@ def _block_plan(block: nn.Module, styles: dict[str, str], seq: Shard | Replicate
             experts.append(block.get_submodule(path))
         else:
             raise ValueError(f"tensor-parallel style {style!r} of {path!r}: expected gather, "
-                             f"colwise, rowwise, norm, experts or partial (hpctrain/model/spec.py)")
+                             f"gather_local, colwise, rowwise, norm, experts, partial, replicate or "
+                             f"replicate_sum_grad (hpctrain/model/spec.py)")
     return plan, local_norms, experts
 
 
@@ -139,6 +145,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, block_styles: C
             _replicate(moe, tp_mesh, splits_tokens=sequence_parallel)
         for path in [p for p, style in block_styles(int(layer)).items() if style == "partial"]:
             _replicate_partial(block.get_submodule(path), tp_mesh)
+        for path in [p for p, style in block_styles(int(layer)).items() if style == "replicate_sum_grad"]:
+            _sum_output_grad_over_tp(block.get_submodule(path), tp_mesh)
     for norm in norms:
         _replicate(norm, tp_mesh, splits_tokens=False)
     if tied:
@@ -168,6 +176,20 @@ def _replicate_partial(module: nn.Module, tp_mesh: DeviceMesh) -> None:
     distribute_module(module, tp_mesh)
     module.tp_token_group = tp_mesh.get_group()
     _run_on_local_weights(module, tp_mesh, 1)
+
+
+def _sum_output_grad_over_tp(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Style "replicate_sum_grad": `module` computes the same (local) output on every tp rank,
+    which each rank uses with its own part (e.g. MLA's one rope key, used by every rank's heads),
+    so each rank's gradient of it is a partial sum: identity forward, the gradient summed over tp
+    in backward (the output marked Replicate and read back with a Partial gradient), so its
+    weights' and its input's gradients are whole on every rank."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    def hook(_module, _args, output):
+        whole = DTensor.from_local(output, tp_mesh, (Replicate(),), run_check=False)
+        return whole.to_local(grad_placements=(Partial(),))
+    module.register_forward_hook(hook)
 
 
 def _run_on_local_weights(module: nn.Module, tp_mesh: DeviceMesh, token_shares: int) -> None:

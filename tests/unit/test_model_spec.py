@@ -12,7 +12,7 @@ from hpctrain.model import spec
 
 
 def test_registered_families_and_unknown_arch_lists_them():
-    assert spec.names() == ("gpt2", "llama")
+    assert spec.names() == ("gpt2", "llama", "deepseek_v3")
     assert spec.get(None) is spec.get("gpt2") and spec.of_section({}) is spec.get("gpt2")
     with pytest.raises(ConfigError) as e:
         spec.get("qwen9")
@@ -29,7 +29,8 @@ def test_every_spec_builds_its_model_and_says_its_keys():
         plan = s.block_tp_plan(spec.as_args({**section, "arch": name}), 0)
         block = model.blocks["0"]
         assert all(block.get_submodule(path) is not None for path in plan), (name, plan)
-        assert set(plan.values()) <= {"gather", "colwise", "rowwise", "norm", "experts", "partial"}
+        assert set(plan.values()) <= {"gather", "colwise", "rowwise", "norm", "experts", "partial",
+                                      "gather_local", "replicate", "replicate_sum_grad"}
 
 
 def test_model_fields_union_and_conflicts(monkeypatch):
@@ -76,6 +77,24 @@ def test_tp_styles_become_dtensor_plans_and_an_unknown_style_is_refused():
     assert local_norms == [model.blocks["0"].norm1, model.blocks["0"].norm2]
     with pytest.raises(ValueError, match="sideways"):
         _block_plan(model.blocks["0"], {"attn.wq": "sideways"}, Shard(1), True)
+
+
+def test_mla_styles_gather_locally_and_replicate_under_sequence_parallelism():
+    """The styles multi-head latent attention needs (deepseek_v3): "gather_local" hands the
+    all-gathered input over as a local tensor; "replicate" / "replicate_sum_grad" run whole on
+    replicated weights even under SP (not SequenceParallel). The k_rope gradient sum itself:
+    tests/mpi/test_deepseek_v3_tp.py. Before: each was a ValueError naming the style."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    from hpctrain.parallel.tensor_parallel import _block_plan
+
+    section = {"arch": "llama", "n_layer": 1, "n_head": 2, "n_embd": 8, "block_size": 4, "vocab_size": 16}
+    block = spec.get("llama").model_module().build(section).blocks["0"]
+    styles = {"attn": "gather_local", "norm1": "replicate", "norm2": "replicate_sum_grad"}
+    plan, local, experts = _block_plan(block, styles, Shard(1), True)
+    assert isinstance(plan["attn"], PrepareModuleInput) and plan["attn"].use_local_output
+    assert set(plan) == {"attn"} and local == [block.norm1, block.norm2] and not experts
 
 
 PARTIAL_PROBE = """
