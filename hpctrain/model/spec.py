@@ -30,7 +30,7 @@ from hpctrain.errors import ConfigError
 # The family packages under hpctrain/model/, in registration order (their keys' order in [model]
 # and `train --help`): one line per family. "gpt2" first: the default arch, and the arch of every
 # [model] section saved before `arch` existed.
-FAMILIES = ("gpt2", "llama", "deepseek_v3")
+FAMILIES = ("gpt2", "llama", "qwen3", "deepseek_v3")
 DEFAULT_ARCH = "gpt2"
 
 # check(ok, key, why): raises ConfigError "config key 'KEY': WHY" when not ok (config_rules._check)

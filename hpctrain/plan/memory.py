@@ -112,7 +112,11 @@ def activation_formula(half: bool, llama: bool = False) -> str:
 
 
 def layer_activation_bytes(shape: ModelShape, micro_batch: int, tp: int, half: bool) -> int:
-    """One block's stored activations for one micro-batch (see the module docstring)."""
+    """One block's stored activations for one micro-batch (see the module docstring; a family
+    that counts its own blocks: its shape's layer_activation_bytes, the largest of its layers)."""
+    own = getattr(shape.family, "layer_activation_bytes", None)
+    if own is not None:
+        return own(shape, micro_batch, tp, half)
     if shape.llama:
         return llama_layer_bytes(shape, micro_batch, tp, half)
     s, b, h, a = shape.block_size, micro_batch, shape.n_embd, shape.n_head

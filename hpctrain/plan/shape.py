@@ -158,7 +158,8 @@ class _Arithmetic:
     def flops_per_token(self) -> float:
         """The model's flops_per_token: 6N + 12 L (n_head x head_dim) T (PaLM appendix B), N the
         active parameters."""
-        return 6.0 * self.active_params() + 12.0 * self.n_layer * self.n_embd * self.block_size
+        width = getattr(self.family, "attention_width", lambda s: s.n_embd)(self)  # n_head x head_dim
+        return 6.0 * self.active_params() + 12.0 * self.n_layer * width * self.block_size
 
     # ---- one tensor-parallel rank's share ---------------------------------------------------
     def block_params_tp(self, tp: int) -> int:

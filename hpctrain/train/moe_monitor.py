@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.distributed.dtensor import is_dtensor
+from hpctrain.model import spec as model_spec
 from hpctrain.model.moe import MoEFeedForward
 
 if TYPE_CHECKING:  # imported where a DTensor exists (distributed/dtensor.py)
@@ -44,7 +45,11 @@ def monitor_for(model: torch.nn.Module, model_cfg, mesh, shared_router: bool,
     replicas step together (every rank then sums the loads over dp and makes the same bias step);
     else each replica balances its own router (DiLoCo's inner steps, ps workers). Its metrics
     are read at steps that are multiples of `log_interval`, and at `last_step`."""
-    if not any(isinstance(m, MoEFeedForward) for m in model.modules()):
+    # a pipeline stage without sparse layers of a MoE model gets a monitor with none: it joins
+    # the stages' gather of the records (else the stages with some wait for it at a log step)
+    other_stages = (mesh is not None and mesh.pp_size > 1
+                    and model_spec.get(model_cfg.arch).n_experts(model_cfg) > 0)
+    if not other_stages and not any(isinstance(m, MoEFeedForward) for m in model.modules()):
         return None
     group = mesh.group("dp") if shared_router and mesh.dp_size > 1 else None
     pp_group = mesh.group("pp") if mesh.pp_size > 1 else None

@@ -12,7 +12,7 @@ from hpctrain.model import spec
 
 
 def test_registered_families_and_unknown_arch_lists_them():
-    assert spec.names() == ("gpt2", "llama", "deepseek_v3")
+    assert spec.names() == ("gpt2", "llama", "qwen3", "deepseek_v3")
     assert spec.get(None) is spec.get("gpt2") and spec.of_section({}) is spec.get("gpt2")
     with pytest.raises(ConfigError) as e:
         spec.get("qwen9")
