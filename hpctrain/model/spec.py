@@ -119,7 +119,11 @@ class ModelSpec:
     #                                 block_params, position_params, norm_f_params, num_params,
     #                                 named_params (what the model is called by), block_params_tp(s,
     #                                 tp), position_params_tp(s, tp), tp_problem(s, tp) -> str | None,
-    #                                 describe(s, fmt_params, sparse_layers) -> the plan's one line
+    #                                 describe(s, fmt_params, sparse_layers) -> the plan's one line;
+    #                                 optional: flops_per_token(s) (default 6N + 12 L w T, w =
+    #                                 attention_width(s), default n_embd) and
+    #                                 layer_activation_bytes(s, micro_batch, tp, half) (default
+    #                                 plan/memory.py's formula of llama_style)
     hf: HFSpec | None = None        # its Hugging Face adapter; None: no import or export
     n_experts: Callable[[Any], int] = _no_experts  # expert-parallel hook: routed experts per
     #                                 sparse layer (0 = dense: parallel.ep must stay 1); a family

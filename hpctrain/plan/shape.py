@@ -156,8 +156,11 @@ class _Arithmetic:
         return self.num_params() - moe.inactive_params(self)
 
     def flops_per_token(self) -> float:
-        """The model's flops_per_token: 6N + 12 L (n_head x head_dim) T (PaLM appendix B), N the
-        active parameters."""
+        """The model's flops_per_token: the family's own count where it has one (e.g. MLA's
+        widths), else 6N + 12 L (n_head x head_dim) T (PaLM appendix B), N the active parameters."""
+        own = getattr(self.family, "flops_per_token", None)
+        if own is not None:
+            return own(self)
         width = getattr(self.family, "attention_width", lambda s: s.n_embd)(self)  # n_head x head_dim
         return 6.0 * self.active_params() + 12.0 * self.n_layer * width * self.block_size
 

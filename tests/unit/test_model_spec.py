@@ -36,7 +36,7 @@ def test_every_spec_builds_its_model_and_says_its_keys():
 def test_model_fields_union_and_conflicts(monkeypatch):
     @dataclass
     class Extra:
-        head_dim: int = field(default=0, metadata={"help": "probe"})
+        probe_width: int = field(default=0, metadata={"help": "probe"})
         n_kv_head: int = field(default=0, metadata={"help": "shared with llama: same type/default"})
 
     probe = spec.ModelSpec(name="probe", summary="a test family", args=Extra, module="none",
@@ -44,8 +44,8 @@ def test_model_fields_union_and_conflicts(monkeypatch):
                            block_tp_plan=lambda m, i: {}, shape=None)
     monkeypatch.setattr(spec, "_REGISTRY", {**spec._load(), "probe": probe})
     names = [n for n, _, _ in spec.model_fields()]
-    assert names.count("n_kv_head") == 1 and names[-1] == "head_dim"
-    assert spec.owned_keys(probe) >= {"head_dim", "n_kv_head", "n_layer", "arch"}
+    assert names.count("n_kv_head") == 1 and names[-1] == "probe_width"
+    assert spec.owned_keys(probe) >= {"probe_width", "n_kv_head", "n_layer", "arch"}
 
     @dataclass
     class Clash:
