@@ -88,7 +88,7 @@ def cfg(tmp_path_factory):
     return path
 
 
-def expected_bytes(cfg_path, dp: int, tp: int) -> tuple[int, int]:
+def expected_bytes(cfg_path, dp: int, tp: int, *overrides) -> tuple[int, int]:
     """(parameter bytes, AdamW state bytes) of one rank, by arithmetic on the unsplit model: a
     Linear or Embedding weight is split over tp and over dp (FSDP), an RMSNorm weight over dp only;
     fp32 everywhere; fused AdamW holds m and v (2 x 4 B per element) and a 4-byte step per tensor."""
@@ -97,7 +97,7 @@ def expected_bytes(cfg_path, dp: int, tp: int) -> tuple[int, int]:
     import dataclasses
     import torch
 
-    c = config.load(cfg_path)
+    c = config.load(cfg_path, list(overrides))
     with torch.device("meta"):
         model = build_model_from_section(dataclasses.asdict(c.model))
     params = 0
@@ -165,7 +165,24 @@ def test_grouped_query_attention_keeps_kv_heads_where_cuda_does(dtype, repeated)
     assert k_grad.strip() == "(1, 2, 64, 32)"
 
 
-@pytest.mark.parametrize("override,key", [("--parallel.pp=2", "parallel.pp")])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_a_pipeline_dry_runs_its_first_and_last_stage(cfg, schedule):
+    """pp 2 (before: refused, torch's stages ask their peers for shapes at the first step): rank 0
+    and the last stage's first rank, each its stage's parameters as the planner splits them;
+    together the whole model once (untied: embedding on the first stage, head on the last)."""
+    report = dry_run_json(cfg, 4, "--parallel.pp=2", "--parallel.data_parallel=ddp",
+                          f"--parallel.pp_schedule={schedule}", "--model.n_layer=4")
+    first, last = report["ranks"]
+    assert (first["rank"], first["coords"]["pp"], last["rank"], last["coords"]["pp"]) == (0, 0, 2, 1)
+    for rank in (first, last):
+        assert rank["parameters"] == rank["planner"]["parameters"] == rank["gradients"]
+        assert rank["micro_batches"] == rank["grad_accum"] == 2
+        assert rank["peak"] > 3 * rank["parameters"]
+    whole, _ = expected_bytes(cfg, 1, 1, "--model.n_layer=4")
+    assert first["parameters"] + last["parameters"] == whole
+
+
+@pytest.mark.parametrize("override,key", [("--model.moe_experts=4", "model.moe.experts")])
 def test_an_unsupported_layout_is_one_line_naming_its_key(cfg, override, key):
     out = run("-m", "hpctrain", "train", "--config", cfg, "--dry-run", "4", override, check=False)
     assert out.returncode != 0
