@@ -27,22 +27,9 @@ Owns the memory model of OUR code, per pipeline rank (the largest is what must f
   (torch's stage keeps blocks unsharded between micro-batches) every part is still summed.
 - DiLoCo (sync/diloco.py): fp32 anchor + outer momentum (+ start point and pending average with
   sync.overlap), and a round's flat fp32 delta + its average.
-- activations per layer, bytes, for s tokens, b sequences, h = n_embd, a heads, t = tp (state the
-  formula: `activation_formula`): our blocks with flash / memory-efficient SDPA (no a s^2 scores)
-  and dropout 0 store s b h (A / t + 8) + (4 a + 16) s b / t (SDPA's fp32 logsumexp, LayerNorm
-  mean and rstd), A = 32 under 16-bit autocast (fp32
-  residual and LayerNorm inputs, three separate 16-bit casts of the q/k/v input), 56 in fp32;
-  the "+ 8" is the all-gathered (sequence-parallel) input of q/k/v and fc, which torch's DTensor
-  keeps whole. Korthikanti et al. 2022 count s b h (34 + 5 a s / h) for Megatron's blocks.
-  Llama's blocks (`llama_layer_bytes`: RMSNorm, GQA's kv-wide k and v, SwiGLU's f-wide gate, up,
-  silu and product) store s b (W h + (R h + K kv + M f + 4 a + 8) / t) + the rotary tables, W, R,
-  K, M = 8, 24, 8, 16 in fp32 and 10, 20, 4, 8 under 16-bit autocast: what autograd saves, exactly.
-  A checkpointed block keeps its fp32 input (4 s b h / t) and recomputes one block in backward.
-  The head keeps its logits (2|4 b s V / t) and log-softmax (4 b s V / t), +8 b s V / t in
-  backward (llama: + RMSNorm's normalized copy, 4 b s h / t, with or without chunking).
-  With train.loss_chunk = n (parallel/loss.py) it keeps the gradients its forward computed, dh
-  (4 b s h, gathered under tp) and dW (4 V h / t, fp32), and briefly one chunk's logits
-  (4 n V / t, + a 16-bit copy 2 n V / t and of h 2 b s h under 16-bit autocast).
+- activations: one block's, a checkpointed block's and the head's bytes (plan/activations.py),
+  in the precision the layout gives the blocks (`params16`: FSDP's 16-bit parameters make the
+  residual stream 16-bit).
 - peak = parameters + optimizer state + working copies + the highest activations + gradients of
   a step (FSDP with one micro-batch: the sweep above): with grad_accum > 1, micro-batches in
   flight (pipeline) or DDP (gradients are views of its buckets, allocated once) all gradients
@@ -61,6 +48,8 @@ import functools
 from dataclasses import dataclass, field
 
 from hpctrain.plan import moe
+from hpctrain.plan.activations import (activation_formula, checkpointed_layer_bytes,  # noqa: F401
+                                       head_bytes, layer_activation_bytes, llama_layer_bytes)
 from hpctrain.plan.layout import Job
 from hpctrain.plan.shape import ModelShape
 from hpctrain.plan.stages import layer_costs, split_stages, stages_of_rank
@@ -102,63 +91,24 @@ def pipeline_stages(shape: ModelShape, job: Job) -> list[Stage]:
     return out
 
 
-def activation_formula(half: bool, llama: bool = False) -> str:
-    if llama:
-        w, r, k, m = (10, 20, 4, 8) if half else (8, 24, 8, 16)
-        return (f"s*b*({w}*h + ({r}*h + {k}*kv + {m}*f + 4*a + 8)/t) + 2*s*head_dim*{4 - 2 * half} "
-                f"bytes per layer")
-    a = 32 if half else 56
-    return f"s*b*h*({a}/t + 8) + (4*a + 16)*s*b/t bytes per layer"
+def params16(job: Job) -> bool:
+    """Whether the blocks run on 16-bit parameters (FSDP2's MixedPrecisionPolicy under bf16 /
+    fp16, dp > 1: parallel/parallelize.py), which makes the residual stream 16-bit (activations.py)."""
+    return job.half and job.data_parallel == "fsdp" and job.dp_size > 1
 
 
-def layer_activation_bytes(shape: ModelShape, micro_batch: int, tp: int, half: bool) -> int:
-    """One block's stored activations for one micro-batch (see the module docstring; a family
-    that counts its own blocks: its shape's layer_activation_bytes, the largest of its layers)."""
-    own = getattr(shape.family, "layer_activation_bytes", None)
-    if own is not None:
-        return own(shape, micro_batch, tp, half)
-    if shape.llama:
-        return llama_layer_bytes(shape, micro_batch, tp, half)
-    s, b, h, a = shape.block_size, micro_batch, shape.n_embd, shape.n_head
-    sharded = 32 if half else 56
-    return s * b * h * sharded // tp + 8 * s * b * h + (4 * a + 16) * s * b // tp
+def job_layer_bytes(shape: ModelShape, job: Job) -> int:
+    """One block's stored activations for one micro-batch of `job`."""
+    return layer_activation_bytes(shape, job.micro_batch, job.tp, job.half, params16(job))
 
 
-def llama_layer_bytes(shape: ModelShape, micro_batch: int, tp: int, half: bool) -> int:
-    """A LlamaBlock's saved tensors per token (exactly what autograd saves at tp = 1): the fp32
-    residual input and RMSNorm's normalized fp32 copy of each half (4 h each, + its 4-byte rsqrt),
-    the q/k/v/fc input (fp32: one tensor, 4 h; 16-bit: one cast per Linear, 3 x 2 h and 2 x 2 h),
-    SDPA's rotated q (h) and k (kv) and v (kv) and its output (= wo's input, h), fp32 logsumexp
-    (4 a), SwiGLU's gate, silu(gate), up and product (4 f); the rotary cos/sin tables (2 s
-    head_dim). Under tp the q/k/v and MLP inputs are whole (sequence-parallel all-gather), the
-    norms' on a sequence shard, the heads and f on a head / column shard: all those / t."""
-    s, b, h, a = shape.block_size, micro_batch, shape.n_embd, shape.n_head
-    whole, rest, kv, mlp = (10, 20, 4, 8) if half else (8, 24, 8, 16)
-    sharded = rest * h + kv * shape.kv_dim + mlp * shape.ffn + 4 * a + 8
-    return s * b * whole * h + s * b * sharded // tp + 2 * s * (h // a) * (2 if half else 4)
+def job_checkpointed_bytes(shape: ModelShape, job: Job) -> int:
+    return checkpointed_layer_bytes(shape, job.micro_batch, job.tp, params16(job))
 
 
-def checkpointed_layer_bytes(shape: ModelShape, micro_batch: int, tp: int) -> int:
-    """A checkpoint-wrapped block keeps only its fp32 input (sequence-sharded under tp)."""
-    return 4 * shape.block_size * micro_batch * shape.n_embd // tp
-
-
-def head_bytes(shape: ModelShape, micro_batch: int, tp: int, half: bool,
-               chunk: int = 0) -> tuple[int, int]:
-    """(stored, transient in backward) of norm_f + lm_head + loss for one micro-batch;
-    `chunk` > 0: train.loss_chunk's chunked loss (transient: in its forward)."""
-    s, b, h, v = shape.block_size, micro_batch, shape.n_embd, shape.vocab_size
-    rms = 4 * s * b * (h + 1) // tp if shape.llama else 0  # RMSNorm's normalized copy + rsqrt
-    if chunk:
-        n = min(chunk, s * b)
-        stored = rms + 4 * s * b * h // tp + 4 * s * b * h + 4 * v * h // tp
-        return stored, (6 if half else 4) * n * v // tp + (2 * s * b * h if half else 0)
-    logits = (2 if half else 4) * s * b * v // tp
-    stored = (rms + 4 * s * b * h // tp + (2 if half else 4) * s * b * h + logits
-              + 4 * s * b * v // tp)
-    # under TP the vocabulary-parallel loss's backward holds one more fp32 logits shard (exp, its
-    # sum, the gradient: measured, bench/plan_memory.py, llama 50k tp 2)
-    return stored, (12 if tp > 1 else 8) * s * b * v // tp
+def job_head_bytes(shape: ModelShape, job: Job) -> int:
+    """The head's stored + transient bytes for one micro-batch of `job`."""
+    return sum(head_bytes(shape, job.micro_batch, job.tp, job.half, job.loss_chunk, params16(job)))
 
 
 def checkpointed_blocks(job: Job, stage: Stage) -> int:
@@ -170,16 +120,13 @@ def checkpointed_blocks(job: Job, stage: Stage) -> int:
 
 def stage_activations(shape: ModelShape, job: Job, stage: Stage, mode: str) -> int:
     """Peak activation bytes of `stage` with activation checkpointing `mode`."""
-    b, t, half = job.micro_batch, job.tp, job.half
-    full = layer_activation_bytes(shape, b, t, half)
-    ckpt = checkpointed_layer_bytes(shape, b, t)
+    full, ckpt = job_layer_bytes(shape, job), job_checkpointed_bytes(shape, job)
     wrapped = [i for i in stage.block_ids if mode == "full" or (mode == "selective" and i % job.ac_every == 0)]
     kept = (len(stage.block_ids) - len(wrapped)) * full + len(wrapped) * ckpt
     per_chunk = kept // job.virtual if job.pp > 1 else kept
     stored = stage.in_flight * per_chunk
     if stage.has_last:
-        head_stored, head_transient = head_bytes(shape, b, t, half, job.loss_chunk)
-        stored += head_stored + head_transient
+        stored += job_head_bytes(shape, job)
     return stored + (full if wrapped else 0)  # one block recomputed in backward
 
 
@@ -245,14 +192,14 @@ def fsdp_backward_sweep(shape: ModelShape, job: Job, stage: Stage) -> int:
     of blocks < i, its fp32 input (+ Gloo's clone of it: Gloo reduces in place, so it all-reduces a
     copy and keeps its chunk) and the shards of blocks >= i."""
     blocks = _kept_per_block(shape, job, stage)
-    full = layer_activation_bytes(shape, job.micro_batch, job.tp, job.half)
+    full = job_layer_bytes(shape, job)
     pbytes, block = (2 if job.half else 4), shape.block_params_tp(job.tp)
     gathered, _ = _fsdp_buffers(shape, job, stage)
     shard = 4 * block // job.dp_size
     rs_input = 4 * block * (2 if job.backend == "gloo" else 1)
     high = sum(b for b, _ in blocks)
     if stage.has_last:
-        high += sum(head_bytes(shape, job.micro_batch, job.tp, job.half, job.loss_chunk))
+        high += job_head_bytes(shape, job)
     n = len(blocks)
     for i in range(n - 1, -1, -1):
         later = shard * (n - 1 - i)
@@ -281,7 +228,7 @@ def fsdp_accum_sweep(shape: ModelShape, job: Job, stage: Stage) -> int:
     The micro-batches before the last never exceed the last one's block n-1 point (at most the same
     gradients beside fewer activations); they are walked all the same."""
     blocks = _kept_per_block(shape, job, stage)
-    n, full = len(blocks), layer_activation_bytes(shape, job.micro_batch, job.tp, job.half)
+    n, full = len(blocks), job_layer_bytes(shape, job)
     pbytes, block = (2 if job.half else 4), shape.block_params_tp(job.tp)
     acc, shard = 4 * block, 4 * block // job.dp_size
     rs_input = 4 * block * (2 if job.backend == "gloo" else 1)
@@ -290,7 +237,7 @@ def fsdp_accum_sweep(shape: ModelShape, job: Job, stage: Stage) -> int:
     def kept(i: int) -> int:  # activations of blocks < i
         return sum(b for b, _ in blocks[:i])
 
-    head = (sum(head_bytes(shape, job.micro_batch, job.tp, job.half, job.loss_chunk))
+    head = (job_head_bytes(shape, job)
             if stage.has_last else 0)
     high = kept(n) + head + acc * n  # the loss of every micro-batch after the first
     for i in range(n - 1, -1, -1):
@@ -331,8 +278,8 @@ def rank_memory(shape: ModelShape, job: Job, stage: Stage) -> RankMemory:
 
 def _kept_per_block(shape: ModelShape, job: Job, stage: Stage) -> list[tuple[int, bool]]:
     """(stored bytes, checkpointed?) of each of the stage's blocks for one micro-batch."""
-    full = layer_activation_bytes(shape, job.micro_batch, job.tp, job.half)
-    ckpt = checkpointed_layer_bytes(shape, job.micro_batch, job.tp)
+    full = job_layer_bytes(shape, job)
+    ckpt = job_checkpointed_bytes(shape, job)
     mode = job.activation_checkpoint
     out = []
     for i in stage.block_ids:
@@ -348,12 +295,12 @@ def backward_sweep(shape: ModelShape, job: Job, stage: Stage) -> int:
     last (the activations of the blocks before it, its recomputation if checkpointed, and the
     gradients of it and the blocks after it)."""
     blocks = _kept_per_block(shape, job, stage)
-    full = layer_activation_bytes(shape, job.micro_batch, job.tp, job.half)
+    full = job_layer_bytes(shape, job)
     block_grad = 4 * shape.block_params_tp(job.tp)
     head_grad, head, dw = 0, 0, 0
     if stage.has_last:
         head_grad = 4 * shape.embedding_params_tp(job.tp)
-        head = sum(head_bytes(shape, job.micro_batch, job.tp, job.half, job.loss_chunk))
+        head = job_head_bytes(shape, job)
         dw = head_grad if job.loss_chunk else 0  # the chunked loss's dW becomes the head's grad
     high = sum(b for b, _ in blocks) + head + head_grad - dw
     for i in range(len(blocks) - 1, -1, -1):

@@ -7,8 +7,9 @@
     AdamW) -> bytes this rank holds: parameters, gradients, optimizer state, the peak of a step
     and what made it (activations and temporaries).
 
-Owns: that sequence for one rank at a time (rank 0, and the last pipeline stage's first rank) and
-the byte counts. Nothing is read or written: no data, no checkpoint, no MPI, no real process
+Owns: that sequence for one rank at a time (rank 0, and the last pipeline stage's first rank, in a
+fresh process of its own: DTensor's caches outlive a process group) and the byte counts. Under a
+pipeline the stage's peers' answers come from train/dry_run_pipeline.py. Nothing is read or written: no data, no checkpoint, no MPI, no real process
 group. What a GPU job would fail at on the way (a CPU tensor in a collective or meeting a CUDA
 tensor) is one `error:` line naming the op; an op the fake device cannot run, one line naming it.
 It must never decide a layout (the config does), format the report (train/dry_run_report.py),
@@ -16,7 +17,10 @@ or run on a real device.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
+import multiprocessing
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -34,6 +38,7 @@ from hpctrain.model import spec as model_spec
 from hpctrain.model.optim import build_optimizer, undecayed_matrices
 from hpctrain.parallel import build_runner
 from hpctrain.step_faults import step_faults
+from hpctrain.train.dry_run_pipeline import boundary_tensor, stage_peers
 from hpctrain.train.engine import StepEngine
 from hpctrain.train.fake_device import DEVICE, DeviceMixError, FakeGpu, init_fake_world
 from hpctrain.train.model_setup import build_model
@@ -139,12 +144,28 @@ def _run_steps(cfg: Config, rank: int, world: int, out: RankBytes) -> None:
         engine = StepEngine(runner, optimizer, train, step_faults(), ctx.device, rank, world, agreed=True)
         grads: set[int] = set()
         optimizer.register_step_pre_hook(lambda *_: _note_grads(model, out, grads))
-        for step in range(1, STEPS + 1):
-            engine.step(_step_inputs(cfg, out.micro_batches), step, cfg.train.grad_clip, time.perf_counter())
+        with _pipeline_peers(cfg, mesh, precision):
+            for step in range(1, STEPS + 1):
+                engine.step(_step_inputs(cfg, out.micro_batches), step, cfg.train.grad_clip,
+                            time.perf_counter())
         out.parameters = sum(_local_bytes(p) for p in model.parameters())
         out.optimizer = sum(_local_bytes(t) for t in _optimizer_tensors(optimizer))
         out.peak, out.host_reads = watch.peak_bytes, watch.host_reads
         out.peak_parts = peak.split(model, grads, optimizer)
+
+
+def _pipeline_peers(cfg: Config, mesh: Mesh, precision: str):
+    """Under a pipeline, what the stage's peers would send (train/dry_run_pipeline.py): the
+    residual stream of a micro-batch, sequence-sharded under tp with sp, in the blocks' dtype
+    (16-bit where FSDP all-gathers 16-bit parameters, else fp32: autocast keeps the residual)."""
+    if mesh.pp_size == 1:
+        return contextlib.nullcontext()
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    fsdp16 = half is not None and cfg.parallel.data_parallel == "fsdp" and mesh.dp_size > 1
+    tokens = cfg.model.block_size // (mesh.tp_size if cfg.parallel.sp else 1)
+    boundary = boundary_tensor(cfg.train.micro_batch_size, tokens, cfg.model.n_embd,
+                               half if fsdp16 else torch.float32, DEVICE)
+    return stage_peers(boundary)
 
 
 def _bucket_as_reduced(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -175,10 +196,6 @@ def ranks_to_run(cfg: Config, world: int) -> list[int]:
 
 def unsupported(cfg: Config) -> str | None:
     """Why this config cannot be dry-run (None: it can), in one line naming the key."""
-    if cfg.parallel.pp > 1:
-        return ("config key 'parallel.pp': a dry run of a pipeline is not supported yet (torch's "
-                "pipeline stages send their shapes to their peers at the first step, which a "
-                "fake process group cannot answer); dry-run a layout with pp = 1")
     if model_spec.get(cfg.model.arch).n_experts(cfg.model) > 0:
         return ("config key 'model.moe.experts': a dry run of mixture-of-experts layers is not "
                 "supported yet (their routing reads token counts on the host, which fake tensors "
@@ -187,25 +204,35 @@ def unsupported(cfg: Config) -> str | None:
 
 
 def dry_run(cfg: Config, world: int, ranks: list[int] | None = None) -> list[RankBytes]:
-    """The dry run of `cfg` on `world` ranks: one RankBytes per rank run (`ranks_to_run`)."""
+    """The dry run of `cfg` on `world` ranks: one RankBytes per rank run (`ranks_to_run`). The
+    first rank runs in this process, each other one in a fresh process of its own: DTensor's
+    caches would hand a later rank the meshes of the one before, whose groups are destroyed."""
     why = unsupported(cfg)
     if why:
         raise UserError(f"dry run: {why}")
-    results = []
-    for rank in ranks if ranks is not None else ranks_to_run(cfg, world):
-        t0, out = time.perf_counter(), RankBytes(rank=rank, coords={})
-        init_fake_world(rank, world)
-        try:
-            with warnings.catch_warnings():  # the fake groups take no timeout: torch says so per group
-                warnings.filterwarnings("ignore", message="Set timeout is now only supported")
-                _run_steps(cfg, rank, world, out)
-        except DeviceMixError:
-            raise
-        except (NotImplementedError, RuntimeError) as e:  # an op the fake device cannot run
-            raise UserError(f"dry run: rank {rank} stopped in an op the fake GPU does not "
-                            f"support: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
-        finally:
-            dist.destroy_process_group()
-        out.seconds = time.perf_counter() - t0
-        results.append(out)
+    first, *others = ranks if ranks is not None else ranks_to_run(cfg, world)
+    results = [dry_run_rank(cfg, world, first)]
+    if others:
+        spawn = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn, max_tasks_per_child=1) as pool:
+            results += [pool.submit(dry_run_rank, cfg, world, r).result() for r in others]
     return results
+
+
+def dry_run_rank(cfg: Config, world: int, rank: int) -> RankBytes:
+    """One rank's dry run, in this process (its fake world made and destroyed here)."""
+    t0, out = time.perf_counter(), RankBytes(rank=rank, coords={})
+    init_fake_world(rank, world)
+    try:
+        with warnings.catch_warnings():  # the fake groups take no timeout: torch says so per group
+            warnings.filterwarnings("ignore", message="Set timeout is now only supported")
+            _run_steps(cfg, rank, world, out)
+    except DeviceMixError:
+        raise
+    except (NotImplementedError, RuntimeError) as e:  # an op the fake device cannot run
+        raise UserError(f"dry run: rank {rank} stopped in an op the fake GPU does not "
+                        f"support: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+    finally:
+        dist.destroy_process_group()
+    out.seconds = time.perf_counter() - t0
+    return out

@@ -15,9 +15,9 @@ from hpctrain import logs
 from hpctrain.config import Config
 
 DRY_RUN_HELP = (
-    "build the model on this config's layout for N GPU ranks inside this one process and run 2 "
-    "training steps (forward, backward, clip, optimizer) as rank 0 (and the last pipeline stage's "
-    "first rank): fake GPU tensors (shapes only) and a fake process group; no data, checkpoint, "
+    "build the model on this config's layout for N GPU ranks on this machine and run 2 training "
+    "steps (forward, backward, clip, optimizer) as rank 0 (and, in a process of its own, the last "
+    "pipeline stage's first rank): fake GPU tensors (shapes only) and a fake process group; no data, checkpoint, "
     "MPI or GPU. Prints per rank the parameter, gradient, optimizer-state and peak bytes beside "
     "`hpctrain plan`'s figures (--json: as one JSON line). A CPU tensor reaching a collective or meeting a "
     "GPU tensor is one error line naming the op")

@@ -61,7 +61,7 @@ def _layout(cfg: Config) -> str:
 def render(report: dict) -> str:
     """A markdown table per rank: dry run | planner | dry / planner."""
     lines = [f"dry run: {report['world_size']} ranks, {report['layout']} (fake GPU tensors, "
-             f"fake process group, one process)"]
+             f"fake process group, a process per rank run)"]
     for r in report["ranks"]:
         plan = r["planner"]
         coords = " ".join(f"{k}{v}" for k, v in r["coords"].items())

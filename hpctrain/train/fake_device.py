@@ -240,8 +240,7 @@ class Watch(TorchDispatchMode):
         return out
 
 
-def _fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                     enable_gqa=False):
+def _fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
     """SDPA as CUDA runs it on an H100 (flash for 16-bit, memory-efficient for fp32: both save
     q, k, v, the output and an fp32 logsumexp, never the s x s scores); the fake device would
     otherwise take the math path, which saves them."""
@@ -255,14 +254,20 @@ def _fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sc
 
 def _attention(sdpa):
     """F.scaled_dot_product_attention, on fake device tensors `_fused_attention` (a patch of the
-    function, not a mode: activation checkpointing recomputes in autograd's device thread)."""
+    function, not a mode: activation checkpointing recomputes in autograd's device thread).
+    Grouped-query attention: CUDA's flash kernel takes k and v with their own (kv) heads
+    (sdp_utils.cpp: `check_batch_size_and_num_heads_dense<true /*supports GQA*/>`), so 16-bit
+    saves them kv-wide; the memory-efficient kernel does not, so fp32's are repeated first."""
     def attention(q, k, v, *args, **kwargs):
         if not (isinstance(q, FakeTensor) and q.device.type == DEVICE):
             return sdpa(q, k, v, *args, **kwargs)
-        if kwargs.pop("enable_gqa", False) and k.shape[-3] != q.shape[-3]:  # kv heads per group
+        grouped = kwargs.pop("enable_gqa", False) and k.shape[-3] != q.shape[-3]
+        if grouped and q.dtype not in (torch.bfloat16, torch.float16):  # kv heads per group
             k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) for t in (k, v))
         out = _fused_attention(q, k, v, *args, **kwargs)
-        return out if out is not None else sdpa(q, k, v, *args, **kwargs)
+        if out is not None:
+            return out
+        return sdpa(q, k, v, *args, enable_gqa=k.shape[-3] != q.shape[-3], **kwargs)
     return attention
 
 

@@ -126,6 +126,24 @@ def test_llama_block_activation_formula_is_exactly_what_autograd_saves(shape, ha
     assert _saved_bytes(run, list(block.parameters())) == memory.layer_activation_bytes(shape, 5, 1, half)
 
 
+@pytest.mark.parametrize("shape", SMALL[:2])
+def test_llama_block_on_16bit_parameters_saves_what_the_formula_says(shape):
+    """FSDP2's MixedPrecisionPolicy all-gathers bf16 parameters: the block's input (the residual
+    stream) and RMSNorm's output are bf16, so no fp32 residual and one bf16 q/k/v input, not
+    three casts. Before, the planner counted the fp32-parameter bytes here (+6 h per token)."""
+    block = _llama(shape).blocks["0"].to(torch.bfloat16)
+    x = torch.randn(5, shape.block_size, shape.n_embd, dtype=torch.bfloat16, requires_grad=True)
+
+    def run():
+        with _autocast(True):
+            block(x)
+
+    got = _saved_bytes(run, list(block.parameters()))
+    assert got == memory.layer_activation_bytes(shape, 5, 1, True, params16=True)
+    assert got < memory.layer_activation_bytes(shape, 5, 1, True)
+    assert memory.checkpointed_layer_bytes(shape, 5, 1, params16=True) == x.numel() * 2
+
+
 @pytest.mark.parametrize("half", [False, True])
 @pytest.mark.parametrize("chunk", [0, 40])
 def test_llama_model_activations_and_head_within_three_percent(half, chunk):

@@ -48,7 +48,7 @@ def test_preset_and_config_recommend_the_same_line(capsys, preset, nodes):
     assert line == _recommended(by_config).replace(shlex.quote(str(ROOT / config)), config)
     assert "--train.global_batch=512" in line and "--train.micro_batch_size=1" in line
     if preset == "llama3-8b":
-        assert line.startswith("recommended: fsdp dp16 tp2 pp1 mb1x32 ac=none: ")
+        assert line.startswith("recommended: fsdp dp4 tp1 pp8 mb1x128 ac=none: ")
     if nodes == 4 and preset == "llama3-70b":  # the config's layout is reported, not an error
         assert ("your layout: ddp dp0 tp4 pp32 mb1x1 ac=selective does not fit: --dp/--tp/--pp: "
                 "dp=0 x tp=4 x pp=32 does not match the world size 32") in by_config
@@ -75,7 +75,7 @@ def test_dp_zero_is_explained_where_it_is_printed(capsys):
     i = lines.index(_recommended(out))
     assert "--parallel.dp=0" in lines[i]
     assert lines[i + 1].strip().startswith("(--parallel.dp=0: dp = world / (tp x pp)")
-    assert "32 / (2 x 1) = 16 here" in lines[i + 1]
+    assert "32 / (1 x 8) = 4 here" in lines[i + 1]
     dp_help = next(f for f in dataclasses.fields(ParallelConfig) if f.name == "dp").metadata["help"]
     assert "0 = world / (tp * pp)" in dp_help  # what `hpctrain train --help` says of it
 
