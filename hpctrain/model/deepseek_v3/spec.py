@@ -17,6 +17,7 @@ from __future__ import annotations
 from hpctrain.model import moe_args
 from hpctrain.model.deepseek_v3 import args
 from hpctrain.model.deepseek_v3.args import ffn_width, tp_problem
+from hpctrain.model.llama.spec import Shape as LlamaShape
 from hpctrain.model.spec import HFSpec, ModelSpec, register
 
 
@@ -47,7 +48,7 @@ def attention_whole(s) -> int:
     return s.n_embd * (s.q_lora_rank + s.kv_lora_rank + s.qk_rope_head_dim)
 
 
-class Shape:
+class Shape(LlamaShape):
     llama_style = True      # RMSNorm / SwiGLU / rotary activations (plan/memory.py's formula)
 
     def kv_heads(self, s) -> int:
@@ -60,9 +61,6 @@ class Shape:
     def ffn(self, s) -> int:
         return ffn_width(s)
 
-    def tied(self, s) -> bool:
-        return s.tie_embeddings
-
     def block_matmul_params(self, s) -> int:
         return attention_split(s) + attention_whole(s) + 3 * s.n_embd * ffn_width(s)
 
@@ -70,29 +68,12 @@ class Shape:
         """The matmuls + the latents' two norms + 2 RMSNorm weights."""
         return self.block_matmul_params(s) + s.q_lora_rank + s.kv_lora_rank + 2 * s.n_embd
 
-    def position_params(self, s) -> int:
-        return 0
-
-    def norm_f_params(self, s) -> int:
-        return s.n_embd
-
-    def num_params(self, s) -> int:
-        """DeepseekV3.num_params: without the input embedding when the head is untied."""
-        return s.total_params() - (0 if s.tied else s.embedding_params)
-
-    def named_params(self, s) -> int:
-        """What the model is called by: every parameter (DeepSeek-V3's 671B)."""
-        return s.total_params()
-
     def block_matmul_params_tp(self, s, tp: int) -> int:
         return (attention_split(s) + 3 * s.n_embd * ffn_width(s)) // tp + attention_whole(s)
 
     def block_params_tp(self, s, tp: int) -> int:
         """The heads' matrices and the SwiGLU / tp, the latents and every norm whole."""
         return self.block_matmul_params_tp(s, tp) + s.q_lora_rank + s.kv_lora_rank + 2 * s.n_embd
-
-    def position_params_tp(self, s, tp: int) -> int:
-        return 0
 
     def tp_problem(self, s, tp: int) -> str | None:
         return tp_problem(s, tp)

@@ -5,9 +5,10 @@ and Qwen3-MoE's sparse layers (hpctrain/model/moe.py's layer: softmax top-k, no 
 Owns: the attention (the part that differs: wq [n_head x head_dim, C], wk / wv [n_kv_head x
 head_dim, C], wo [C, n_head x head_dim], q_norm / k_norm [head_dim]), the block and the model, their
 parameter names, the FLOP estimate, `build(section)` (ModelSpec.module). Reused by import: llama's
-RMSNorm, rotate_half and SwiGLU, moe.py's MoEFeedForward, gpt2's forward / init / generate. Like them it must never import
-distributed, checkpoint, data or loss code: layouts are applied from outside (parallelize.py in this
-folder's spec.py), Hugging Face names are hf.py's.
+RMSNorm, rotate_half, SwiGLU, embed and parameter counts, moe.py's MoEFeedForward, gpt2's
+forward / init / generate. Like them it must never import distributed, checkpoint, data or loss
+code: layouts are applied from outside (parallelize.py in this folder's spec.py), Hugging Face
+names are hf.py's.
 
 Kept the same as gpt.py / llama.py so every layout works unchanged: tok_emb, pos_emb (None: rotary),
 drop, blocks ("0".."L-1"), norm_f, lm_head; blocks with norm1 / attn.{wq,wk,wv,wo} / norm2 / mlp.
@@ -24,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hpctrain.model.gpt2.model import GPT, Block
-from hpctrain.model.llama.model import RMSNorm, SwiGLU, rotate_half
+from hpctrain.model.llama.model import Llama, RMSNorm, SwiGLU, rotate_half
 from hpctrain.model.moe import MoEConfig, MoEFeedForward
 from hpctrain.model.qwen3.args import Qwen3Args
 
@@ -101,26 +102,9 @@ class Qwen3(nn.Module):
     generate = GPT.generate
     forward = GPT.forward  # embed -> blocks -> norm_f -> lm_head; a pipeline stage: pieces None
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids [B, T] -> the first block's input (positions are rotary, inside attention)."""
-        if idx.shape[1] > self.cfg.block_size:
-            raise ValueError(f"sequence length {idx.shape[1]} exceeds block_size {self.cfg.block_size}")
-        return self.drop(self.tok_emb(idx))
-
-    def num_params(self, non_embedding: bool = True) -> int:
-        """Every parameter (a tied weight once); non_embedding: without the input embedding table
-        when it is not the head's weight (a lookup, no matmul FLOPs)."""
-        n = sum(p.numel() for p in self.parameters())
-        return n - (self.tok_emb.weight.numel() if non_embedding and not self.cfg.tie_embeddings else 0)
-
-    def active_params(self) -> int:
-        """num_params() with each sparse layer's routed experts counted top_k / n_experts."""
-        n = self.num_params()
-        for block in self.blocks.values():
-            if isinstance(block.mlp, MoEFeedForward):
-                m = block.mlp.cfg
-                n -= sum(p.numel() for p in block.mlp.experts.parameters()) * (m.n_experts - m.top_k) // m.n_experts
-        return n
+    embed = Llama.embed
+    num_params = Llama.num_params
+    active_params = Llama.active_params
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6N (N active) + 12 L (n_head x head_dim) T (scores and values)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from hpctrain.model import moe_args
 from hpctrain.model.qwen3 import args
+from hpctrain.model.llama.spec import Shape as LlamaShape
 from hpctrain.model.spec import HFSpec, ModelSpec, register
 
 
@@ -33,12 +34,8 @@ def block_tp_plan(m, layer: int) -> dict[str, str]:
     return {**attn, "mlp": "gather", "mlp.gate": "colwise", "mlp.up": "colwise", "mlp.proj": "rowwise"}
 
 
-class Shape:
+class Shape(LlamaShape):
     """Qwen3's parameter counts, FLOPs and activations for the planner (module docstring)."""
-    llama_style = True      # RMSNorm / SwiGLU / rotary blocks
-
-    def kv_heads(self, s) -> int:
-        return s.n_kv_head or s.n_head
 
     def kv_dim(self, s) -> int:
         """k / v width: n_kv_head x head_dim (not n_embd / n_head: the head width is its own)."""
@@ -51,9 +48,6 @@ class Shape:
     def ffn(self, s) -> int:
         return args.ffn_width(s)
 
-    def tied(self, s) -> bool:
-        return s.tie_embeddings
-
     def block_matmul_params(self, s) -> int:
         c = s.n_embd
         return 2 * c * args.q_dim(s) + 2 * c * args.kv_dim(s) + 3 * c * args.ffn_width(s)
@@ -62,27 +56,10 @@ class Shape:
         """The matmuls + 2 RMSNorm weights [C] + the q/k norms' [head_dim] each."""
         return self.block_matmul_params(s) + 2 * s.n_embd + 2 * args.head_width(s)
 
-    def position_params(self, s) -> int:
-        return 0
-
-    def norm_f_params(self, s) -> int:
-        return s.n_embd
-
-    def num_params(self, s) -> int:
-        """Qwen3.num_params: without the input embedding when the head is untied (a lookup)."""
-        return s.total_params() - (0 if s.tied else s.embedding_params)
-
-    def named_params(self, s) -> int:
-        """What the model is called by: every parameter (Qwen3-30B-A3B: 30.5B)."""
-        return s.total_params()
-
     def block_params_tp(self, s, tp: int) -> int:
         """Column-parallel q/k/v, gate, up / tp, row-parallel wo, proj / tp, norms (the q/k ones
         too) replicated."""
         return self.block_matmul_params(s) // tp + 2 * s.n_embd + 2 * args.head_width(s)
-
-    def position_params_tp(self, s, tp: int) -> int:
-        return 0
 
     def tp_problem(self, s, tp: int) -> str | None:
         if (s.n_kv_head or s.n_head) % tp:
