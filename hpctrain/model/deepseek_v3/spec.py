@@ -1,6 +1,7 @@
 """model.arch = "deepseek_v3": its registration (ModelSpec), tensor-parallel plan and planner
 arithmetic. Torch-free (config, plan and --help import it); the keys and rules are args.py, the
-modules model.py, the Hugging Face adapter hf.py, the extra tensor-parallel styles tensor_parallel.py.
+modules model.py, the Hugging Face adapter hf.py; MLA's tensor-parallel styles (gather_local,
+replicate, replicate_sum_grad) are parallel/tensor_parallel.py's.
 
 The planner's arithmetic (`Shape`: methods taking plan/shape.py's ModelShape `s`): the feed-forward
 is Llama's, a dense SwiGLU of ffn_hidden (0: 4 n_embd) counted in every block, the sparse layers'
