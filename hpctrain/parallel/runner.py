@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hpctrain.config import Config
+from hpctrain.data.documents import DocumentBatch
 from hpctrain.distributed.dtensor import is_dtensor
 from hpctrain.distributed.flight_recorder import RECORDER
 from hpctrain.errors import ConfigError
@@ -45,6 +46,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if is_dtensor(t) else t
+
+
+def model_inputs(batch: torch.Tensor | DocumentBatch) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """(inputs [mb, T], the model's keywords, targets [mb, T]) of a micro-batch: tokens [mb, T+1],
+    or a DocumentBatch (data.document_mask: + doc_ids, and positions with data.document_positions)."""
+    if not isinstance(batch, DocumentBatch):
+        return batch[:, :-1], {}, batch[:, 1:]
+    keywords = {"doc_ids": batch.doc_ids[:, :-1]}
+    if batch.positions is not None:
+        keywords["positions"] = batch.positions[:, :-1]
+    return batch.tokens[:, :-1], keywords, batch.tokens[:, 1:]
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -231,14 +243,15 @@ class PlainRunner(StepRunner):
         n = len(micro_batches)
         total = torch.zeros((), device=self.device)
         with self._loss_context():
-            for i, tokens in enumerate(micro_batches):
+            for i, batch in enumerate(micro_batches):
+                inputs, keywords, targets = model_inputs(batch)
                 with self._sync_context(i == n - 1):
                     with autocast:
-                        logits = self.forward_module(tokens[:, :-1])
+                        logits = self.forward_module(inputs, **keywords)
                         # the chunked loss's matmuls in autocast's dtype, as the head's would be
-                        loss = self._scaled_loss(logits, tokens[:, 1:]) if self.loss_chunk else None
+                        loss = self._scaled_loss(logits, targets) if self.loss_chunk else None
                     if loss is None:  # the plain path: the loss outside autocast, as always
-                        loss = self._scaled_loss(logits, tokens[:, 1:])
+                        loss = self._scaled_loss(logits, targets)
                     (loss / n / self._loss_divisor).backward()
                 self.layout.wait_clock.backward_done()  # DDP has waited for its buckets
                 total += _value(loss.detach()) / loss_scale  # a power of two: exact
@@ -246,11 +259,12 @@ class PlainRunner(StepRunner):
 
     def _eval_sum(self, batches, autocast):
         total = torch.zeros((), device=self.device)
-        for tokens in batches:
+        for batch in batches:
+            inputs, keywords, targets = model_inputs(batch)
             with autocast:
-                logits = self.forward_module(tokens[:, :-1])
-                loss = self._loss(logits, tokens[:, 1:]) if self.loss_chunk else None
-            total += _value(loss if loss is not None else lm_loss(logits, tokens[:, 1:]))
+                logits = self.forward_module(inputs, **keywords)
+                loss = self._loss(logits, targets) if self.loss_chunk else None
+            total += _value(loss if loss is not None else lm_loss(logits, targets))
         return total
 
 
