@@ -181,8 +181,8 @@ class StepRunner(ABC):
     # ---- the step and evaluation ----------------------------------------------------------
     def forward_backward(self, micro_batches: list[torch.Tensor], autocast, loss_hook=None,
                          loss_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
-        """Forward + backward of one optimizer step's micro-batches ([mb, T+1] token tensors) in
-        training mode; leaves averaged gradients in `.grad`, times `loss_scale` (fp16 loss
+        """Forward + backward of one optimizer step's micro-batches ([mb, T+1] token tensors, or
+        DocumentBatches: `model_inputs`) in training mode; leaves averaged gradients in `.grad`, times `loss_scale` (fp16 loss
         scaling: a 0-dim device tensor, never read on the host but for MoE's aux loss). Returns the
         global mean loss (same value on every rank, unscaled, on the device).
         `loss_hook(loss) -> loss`, if given, sees each micro-batch loss before backward."""
@@ -345,6 +345,11 @@ def build_runner(layout: Layout, cfg: Config, grad_accum: int, mean_over_dp: boo
     """The runner for `layout`: a pipeline schedule where it is split into stages, else a loop;
     `grad_accum`: the resolved micro-batches per step (the pipeline's micro-batches).
     `mean_over_dp=False`: reported losses stay this replica's (replicas that never step together)."""
+    if cfg.data.document_positions and layout.mesh.tp_size > 1 and layout.module.pos_emb is not None:
+        raise ConfigError(f"config key 'data.document_positions': the learned position table is "
+                          f"split over parallel.tp={layout.mesh.tp_size} by sequence, which "
+                          f"per-document positions do not follow: use parallel.tp = 1 or "
+                          f"data.document_positions = false (rotary families have no table)")
     if layout.split is None:
         return PlainRunner(layout, mean_over_dp, cfg.train.loss_chunk)
     p, t = cfg.parallel, cfg.train
