@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from hpctrain.config import ConfigError, load
-from hpctrain.data import TokenShards
+from data_tools.blend import blend_datasets
+from data_tools.shard import shard_dataset
+from hpctrain.data import TokenShards, open_split
 from hpctrain.data.documents import DocumentBatch, document_batch, positions_in_documents, window_doc_ids
 from hpctrain.model import spec
 from hpctrain.model.attention import causal_attention
@@ -65,6 +67,28 @@ def test_reader_gives_each_token_its_document_and_position(packed):
     assert packed.tokens[0].tolist() == torch.cat(documents())[:SECTION["block_size"] + 1].tolist()
     assert packed.doc_ids[0].tolist() == want.tolist()
     assert packed.positions[0].tolist() == [i for n in (a, b, c) for i in range(n)] + list(range(12))
+
+
+def test_blend_windows_carry_their_component_document_ids(tmp_path):
+    """A blend's row is its component's window: tokens and document ids alike."""
+    g = np.random.default_rng(0)
+    for name in "ab":
+        lines = ["".join(chr(c) for c in g.integers(97, 123, g.integers(3, 30))) for _ in range(200)]
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+        shard_dataset([str(tmp_path / f"{name}.jsonl")], str(tmp_path / name), tokenizer="bytes",
+                      shard_tokens=1000, val_fraction=0.0, progress=False, log=lambda m: None)
+    blend_datasets([(str(tmp_path / "a"), "0.5"), (str(tmp_path / "b"), "0.5")], str(tmp_path / "mix"),
+                   seed=1)
+    mix = open_split(str(tmp_path / "mix"), "train", 16)
+    comps = [TokenShards(str(tmp_path / n), "train", 16) for n in "ab"]
+    indices = np.arange(0, len(mix), 7)
+    got = mix.document_ids(indices)
+    for row, i in enumerate(indices.tolist()):
+        c, j = mix.locate(i)
+        assert got[row].tolist() == comps[c].document_ids([j])[0].tolist()
+        eot = np.flatnonzero(comps[c].window(j)[:-1] == comps[c].eot_id)  # a new document follows
+        assert got[row].tolist() == np.cumsum(np.isin(np.arange(17), eot + 1)).tolist()
+    assert got.max() >= 1
 
 
 def test_window_inside_a_document_and_positions_from_ids():
