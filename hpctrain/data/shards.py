@@ -119,7 +119,7 @@ class TokenShards:
         # Shards whose token ids are known to be < vocab_size (verify's scan or the cache's).
         self._checked = set(range(len(entries))) if range_checked or cache is not None else set()
         self.max_open = max(1, int(max_open))
-        self._doc_starts: dict[int, np.ndarray] = {}  # shard -> doc_offsets, read from a cache copy
+        self._offsets_read: dict[int, np.ndarray] = {}  # shard -> doc_offsets, read from a cache copy
 
     def __len__(self) -> int:
         return self.n_samples
@@ -208,12 +208,12 @@ class TokenShards:
         """Shard ``s``'s doc_offsets: from its layout, or once from the node cache's checked copy."""
         if self.layouts is not None:
             return self.layouts[s].doc_offsets
-        got = self._doc_starts.get(s)
+        got = self._offsets_read.get(s)
         if got is None:
             import h5py
 
             with h5py.File(self.cache.acquire(self.shard_ids[s])[0], "r") as f:
-                got = self._doc_starts[s] = f[DOC_OFFSETS_DSET][()]
+                got = self._offsets_read[s] = f[DOC_OFFSETS_DSET][()]
         return got
 
     def _range_error(self, raw: np.ndarray, shard: np.ndarray, indices: np.ndarray) -> None:
