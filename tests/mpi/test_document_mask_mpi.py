@@ -18,7 +18,8 @@ from tests.shared_dirs import shared_dir
 
 pytestmark = pytest.mark.mpi
 
-MASK = ["--model.arch=llama", "--data.document_mask=true", "--data.document_positions=true"]
+LLAMA = ["--model.arch=llama"]
+MASK = [*LLAMA, "--data.document_mask=true", "--data.document_positions=true"]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def test_masked_layouts_match_one_rank(tmp_path, dataset, reference, layout, n, 
 
 
 def test_mask_changes_the_numbers(tmp_path, dataset, reference):
-    _, run = train(1, tmp_path, dataset, "unmasked")
+    _, run = train(1, tmp_path, dataset, "unmasked", *LLAMA)
     plain = losses(run)
     assert max(abs(plain[s] - reference[s]) for s in range(2, 21)) > 1e-3
 
