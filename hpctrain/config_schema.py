@@ -64,6 +64,14 @@ class DataConfig:
     shuffle_block_shards: int = field(default=64, metadata={
         "help": "shards per block of data.shuffle = 'block' (two blocks' shards should fit "
                 "data.cache_bytes; see docs/scale.md)"})
+    document_mask: bool = field(default=False, metadata={
+        "help": "attention never crosses a document boundary inside a window (a block-diagonal "
+                "causal mask from the shards' doc_offsets, which `data_tools shard` writes); the "
+                "loss stays on every token; false = today's windows of concatenated documents "
+                "(bit-identical numbers); not with parallel.pp > 1 (docs/data.md)"})
+    document_positions: bool = field(default=False, metadata={
+        "help": "with data.document_mask: positions (rotary or learned) restart at 0 at each "
+                "document's first token in a window, as if each document were run alone"})
 
 
 def _model_config_class() -> type:

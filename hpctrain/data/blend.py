@@ -103,6 +103,15 @@ class BlendShards:
             out[torch.from_numpy(rows)] = self.components[c].batch(local[rows])
         return out
 
+    def document_ids(self, indices) -> np.ndarray:
+        """int64 [B, block_size+1]: each token's document number in the window indices[r] names."""
+        comp, local = self._split(indices)
+        out = np.empty((comp.size, self.block_size + 1), dtype=np.int64)
+        for c in np.unique(comp).tolist():
+            rows = np.flatnonzero(comp == c)
+            out[rows] = self.components[c].document_ids(local[rows])
+        return out
+
     def shard_ids_of(self, indices) -> np.ndarray:
         """Flattened shard index (data_tools.blend.data_manifest order) of each sample index."""
         comp, local = self._split(indices)

@@ -19,7 +19,10 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from data_tools.format import SPLITS, DataError, open_shard_layout, read_manifest, shards_of
+from data_tools.format import (DOC_OFFSETS_DSET, SPLITS, DataError, open_shard_layout, read_manifest,
+                               shards_of)
+
+from .documents import window_doc_ids
 
 
 SCAN = 1 << 24
@@ -116,6 +119,7 @@ class TokenShards:
         # Shards whose token ids are known to be < vocab_size (verify's scan or the cache's).
         self._checked = set(range(len(entries))) if range_checked or cache is not None else set()
         self.max_open = max(1, int(max_open))
+        self._offsets_read: dict[int, np.ndarray] = {}  # shard -> doc_offsets, read from a cache copy
 
     def __len__(self) -> int:
         return self.n_samples
@@ -188,6 +192,29 @@ class TokenShards:
         if raw.size and not self._checked.issuperset(shards) and int(raw.max()) >= self.vocab_size:
             self._range_error(raw, shard, indices)
         return torch.from_numpy(raw.astype(np.int64))
+
+    def document_ids(self, indices) -> np.ndarray:
+        """int64 [B, block_size+1]: each token's document number in its window (0 = the document
+        the window starts in), from the shard's doc_offsets (two searchsorted per window)."""
+        indices = np.asarray(indices, dtype=np.int64).ravel()
+        shard = np.searchsorted(self.cum, indices, side="right") - 1
+        starts = (indices - self.cum[shard]) * self.block_size
+        out = np.empty((indices.size, self.block_size + 1), dtype=np.int64)
+        for row, s, a in zip(range(indices.size), shard.tolist(), starts.tolist()):
+            window_doc_ids(self._doc_offsets(s), a, self.block_size + 1, out[row])
+        return out
+
+    def _doc_offsets(self, s: int) -> np.ndarray:
+        """Shard ``s``'s doc_offsets: from its layout, or once from the node cache's checked copy."""
+        if self.layouts is not None:
+            return self.layouts[s].doc_offsets
+        got = self._offsets_read.get(s)
+        if got is None:
+            import h5py
+
+            with h5py.File(self.cache.acquire(self.shard_ids[s])[0], "r") as f:
+                got = self._offsets_read[s] = f[DOC_OFFSETS_DSET][()]
+        return got
 
     def _range_error(self, raw: np.ndarray, shard: np.ndarray, indices: np.ndarray) -> None:
         """The DataError of the first row of an unchecked shard with an id >= vocab_size."""

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hpctrain.config import Config
+from hpctrain.data.documents import DocumentBatch
 from hpctrain.distributed.dtensor import is_dtensor
 from hpctrain.distributed.flight_recorder import RECORDER
 from hpctrain.errors import ConfigError
@@ -45,6 +46,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if is_dtensor(t) else t
+
+
+def model_inputs(batch: torch.Tensor | DocumentBatch) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """(inputs [mb, T], the model's keywords, targets [mb, T]) of a micro-batch: tokens [mb, T+1],
+    or a DocumentBatch (data.document_mask: + doc_ids, and positions with data.document_positions)."""
+    if not isinstance(batch, DocumentBatch):
+        return batch[:, :-1], {}, batch[:, 1:]
+    keywords = {"doc_ids": batch.doc_ids[:, :-1]}
+    if batch.positions is not None:
+        keywords["positions"] = batch.positions[:, :-1]
+    return batch.tokens[:, :-1], keywords, batch.tokens[:, 1:]
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -169,8 +181,8 @@ class StepRunner(ABC):
     # ---- the step and evaluation ----------------------------------------------------------
     def forward_backward(self, micro_batches: list[torch.Tensor], autocast, loss_hook=None,
                          loss_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
-        """Forward + backward of one optimizer step's micro-batches ([mb, T+1] token tensors) in
-        training mode; leaves averaged gradients in `.grad`, times `loss_scale` (fp16 loss
+        """Forward + backward of one optimizer step's micro-batches ([mb, T+1] token tensors, or
+        DocumentBatches: `model_inputs`) in training mode; leaves averaged gradients in `.grad`, times `loss_scale` (fp16 loss
         scaling: a 0-dim device tensor, never read on the host but for MoE's aux loss). Returns the
         global mean loss (same value on every rank, unscaled, on the device).
         `loss_hook(loss) -> loss`, if given, sees each micro-batch loss before backward."""
@@ -231,14 +243,15 @@ class PlainRunner(StepRunner):
         n = len(micro_batches)
         total = torch.zeros((), device=self.device)
         with self._loss_context():
-            for i, tokens in enumerate(micro_batches):
+            for i, batch in enumerate(micro_batches):
+                inputs, keywords, targets = model_inputs(batch)
                 with self._sync_context(i == n - 1):
                     with autocast:
-                        logits = self.forward_module(tokens[:, :-1])
+                        logits = self.forward_module(inputs, **keywords)
                         # the chunked loss's matmuls in autocast's dtype, as the head's would be
-                        loss = self._scaled_loss(logits, tokens[:, 1:]) if self.loss_chunk else None
+                        loss = self._scaled_loss(logits, targets) if self.loss_chunk else None
                     if loss is None:  # the plain path: the loss outside autocast, as always
-                        loss = self._scaled_loss(logits, tokens[:, 1:])
+                        loss = self._scaled_loss(logits, targets)
                     (loss / n / self._loss_divisor).backward()
                 self.layout.wait_clock.backward_done()  # DDP has waited for its buckets
                 total += _value(loss.detach()) / loss_scale  # a power of two: exact
@@ -246,11 +259,12 @@ class PlainRunner(StepRunner):
 
     def _eval_sum(self, batches, autocast):
         total = torch.zeros((), device=self.device)
-        for tokens in batches:
+        for batch in batches:
+            inputs, keywords, targets = model_inputs(batch)
             with autocast:
-                logits = self.forward_module(tokens[:, :-1])
-                loss = self._loss(logits, tokens[:, 1:]) if self.loss_chunk else None
-            total += _value(loss if loss is not None else lm_loss(logits, tokens[:, 1:]))
+                logits = self.forward_module(inputs, **keywords)
+                loss = self._loss(logits, targets) if self.loss_chunk else None
+            total += _value(loss if loss is not None else lm_loss(logits, targets))
         return total
 
 
@@ -331,6 +345,11 @@ def build_runner(layout: Layout, cfg: Config, grad_accum: int, mean_over_dp: boo
     """The runner for `layout`: a pipeline schedule where it is split into stages, else a loop;
     `grad_accum`: the resolved micro-batches per step (the pipeline's micro-batches).
     `mean_over_dp=False`: reported losses stay this replica's (replicas that never step together)."""
+    if cfg.data.document_positions and layout.mesh.tp_size > 1 and layout.module.pos_emb is not None:
+        raise ConfigError(f"config key 'data.document_positions': the learned position table is "
+                          f"split over parallel.tp={layout.mesh.tp_size} by sequence, which "
+                          f"per-document positions do not follow: use parallel.tp = 1 or "
+                          f"data.document_positions = false (rotary families have no table)")
     if layout.split is None:
         return PlainRunner(layout, mean_over_dp, cfg.train.loss_chunk)
     p, t = cfg.parallel, cfg.train

@@ -18,6 +18,7 @@ from hpctrain.distributed.mesh import Mesh
 from hpctrain.errors import ConfigError
 from hpctrain.data import make_sampler, split_for_rank
 from hpctrain.data.dataset import Dataset
+from hpctrain.data.documents import DocumentBatch, document_batch
 from hpctrain.data.prefetch import DataFeed
 
 
@@ -78,12 +79,17 @@ class TrainData:
             logs.warning(f"warning: {note}")
         return val
 
-    def _to_device(self, batch: torch.Tensor) -> torch.Tensor:
-        if self.ctx.device.type == "cuda":
-            return batch.pin_memory().to(self.ctx.device, non_blocking=True)
-        return batch
+    def _batch(self, reader, indices) -> torch.Tensor | DocumentBatch:
+        """The windows ``indices`` of ``reader`` on the training device: a [mb, T+1] token tensor,
+        or with data.document_mask a DocumentBatch (+ each token's document, and position)."""
+        tokens, d = reader.batch(indices), self.cfg.data
+        pin = self.ctx.device.type == "cuda"
+        if d.document_mask:
+            return document_batch(tokens, reader.document_ids(indices), d.document_positions).to(
+                self.ctx.device, pin)
+        return tokens.pin_memory().to(self.ctx.device, non_blocking=True) if pin else tokens
 
-    def next_train_micro_batches(self, at: int | None = None) -> list[torch.Tensor]:
+    def next_train_micro_batches(self, at: int | None = None) -> list[torch.Tensor | DocumentBatch]:
         """This rank's micro-batches of the next step, or of step `at` (a batch claimed out of
         order; the sampler is left after it)."""
         t0 = self.feed.begin_step()
@@ -93,7 +99,7 @@ class TrainData:
             indices = self.sampler.indices_at(at)
             self.sampler.seek(at + 1)
         parts = split_for_rank(indices, self.dp_rank, self.dp_size, self.micro_batch, self.grad_accum)
-        out = [self._to_device(self.train.batch(p)) for p in parts]
+        out = [self._batch(self.train, p) for p in parts]
         self.feed.end_step(t0)
         return out
 
@@ -124,4 +130,4 @@ class TrainData:
             return None
         parts = split_for_rank(indices, self.dp_rank, self.dp_size, self._eval_micro(),
                                self.cfg.train.eval_batches)
-        return [self._to_device(self.val.batch(p)) for p in parts]
+        return [self._batch(self.val, p) for p in parts]

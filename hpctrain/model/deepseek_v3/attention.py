@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from hpctrain.model.attention import causal_attention
 from hpctrain.model.deepseek_v3.args import DeepseekV3Config
 from hpctrain.model.deepseek_v3.rope import apply_rope, rope_cos_sin, softmax_scale
 from hpctrain.model.llama import RMSNorm
@@ -49,7 +49,9 @@ class LatentAttention(nn.Module):
         """x [B, T, C] -> q [B, T, heads x (nope + rope)] (this rank's heads under TP)."""
         return self.q_b(self.q_norm(self.q_a(x))) if self.args.q_lora_rank else self.wq(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, C]; doc_ids / positions [B, T]: see GPT.forward."""
         a, (b, t, _) = self.args, x.shape
         nope, rope, vdim = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
         # -1 heads: under tensor parallelism each rank holds n_head / tp heads
@@ -58,10 +60,10 @@ class LatentAttention(nn.Module):
         kv = self.kv_b(self.kv_norm(self.kv_a(x))).view(b, t, -1, nope + vdim).transpose(1, 2)
         k_nope, v = kv.split([nope, vdim], dim=-1)
         k_rot = self.k_rope(x).view(b, 1, t, rope)
-        cos, sin = rope_cos_sin(a, t, x.device, q.dtype)
+        cos, sin = rope_cos_sin(a, t, x.device, q.dtype, positions)
         q = torch.cat([q_nope, apply_rope(q_rot, cos, sin, a.rope_interleave)], dim=-1)
         k_rot = apply_rope(k_rot, cos, sin, a.rope_interleave).expand(-1, k_nope.shape[1], -1, -1)
         k = torch.cat([k_nope, k_rot], dim=-1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                           dropout_p=a.dropout if self.training else 0.0)
+        y = causal_attention(q, k, v, doc_ids, scale=self.scale,
+                             dropout_p=a.dropout if self.training else 0.0)
         return self.resid_drop(self.wo(y.transpose(1, 2).reshape(b, t, -1)))

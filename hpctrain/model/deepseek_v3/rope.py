@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from hpctrain.model.attention import rope_angles
 from hpctrain.model.deepseek_v3.args import DeepseekV3Config
 from hpctrain.model.llama import rotate_half
 
@@ -57,10 +58,11 @@ def inv_freq(args: DeepseekV3Config, device=None) -> torch.Tensor:
     return (1.0 / (args.rope_scaling_factor * pos_freqs)) * (1 - extrapolated) + (1.0 / pos_freqs) * extrapolated
 
 
-def rope_cos_sin(args: DeepseekV3Config, t: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [t, qk_rope_head_dim] for positions 0..t-1 (fp32, scaled), returned in `dtype`."""
-    freqs = torch.outer(torch.arange(t, device=device, dtype=torch.float32), inv_freq(args, device))
-    emb = torch.cat((freqs, freqs), dim=-1)
+def rope_cos_sin(args: DeepseekV3Config, t: int, device, dtype,
+                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [t, qk_rope_head_dim] for positions 0..t-1 ([B, 1, T, qk_rope_head_dim] for
+    ``positions`` [B, T]) (fp32, scaled), returned in `dtype`."""
+    emb = rope_angles(inv_freq(args, device), t, positions)
     factor = attention_factor(args)
     return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
 

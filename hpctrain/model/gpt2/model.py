@@ -22,6 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hpctrain.model.attention import causal_attention
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -50,14 +52,16 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, C]; doc_ids [B, T]: attention inside each document (model/attention.py);
+        positions: unused here (GPT-2's positions are learned, added in GPT.embed)."""
         b, t, _ = x.shape
         # -1 instead of n_head: under tensor parallelism each rank holds n_head / tp heads.
         q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = causal_attention(q, k, v, doc_ids, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(b, t, -1)
         return self.resid_drop(self.wo(y))
 
@@ -81,8 +85,10 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        # keywords: a tensor-parallel plan prepares attn's positional input only
+        x = x + self.attn(self.norm1(x), doc_ids=doc_ids, positions=positions)
         return x + self.mlp(self.norm2(x))
 
 
@@ -112,24 +118,28 @@ class GPT(nn.Module):
             else:
                 nn.init.normal_(p, 0.0, 0.02)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids [B, T] -> logits [B, T, vocab].
+    def forward(self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids [B, T] -> logits [B, T, vocab]. ``doc_ids`` [B, T]: each token's document
+        (data.document_mask: attention never crosses a document); ``positions`` [B, T]: each
+        token's position in its document (data.document_positions), else 0..T-1.
 
         A pipeline stage is this module with some pieces set to None (no embeddings: the input is
         the previous stage's hidden states; no head: the output is hidden states)."""
-        x = self.embed(idx) if self.tok_emb is not None else idx
+        x = self.embed(idx, positions) if self.tok_emb is not None else idx
         for block in self.blocks.values():
-            x = block(x)
+            x = block(x, doc_ids=doc_ids, positions=positions)
         if self.norm_f is not None:
             x = self.norm_f(x)
         return self.lm_head(x) if self.lm_head is not None else x
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids [B, T] -> the first block's input: token + learned position embeddings."""
+    def embed(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids [B, T] -> the first block's input: token + learned position embeddings (of
+        0..T-1, or of ``positions`` [B, T])."""
         t = idx.shape[1]
         if t > self.cfg.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size {self.cfg.block_size}")
-        pos = torch.arange(t, device=idx.device)
+        pos = torch.arange(t, device=idx.device) if positions is None else positions
         return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
 
     def num_params(self, non_embedding: bool = True) -> int:

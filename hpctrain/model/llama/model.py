@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hpctrain.model.attention import causal_attention, rope_angles
 from hpctrain.model.gpt2.model import GPT, Block
 from hpctrain.model.llama.args import llama_ffn_hidden
 from hpctrain.model.moe_args import moe_config_kwargs
@@ -93,12 +94,11 @@ def rope_inv_freq(cfg: LlamaConfig, device=None) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rope_cos_sin(cfg: LlamaConfig, t: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [t, head_dim] for positions 0..t-1, computed in fp32, returned in `dtype`."""
-    inv_freq = rope_inv_freq(cfg, device)
-    pos = torch.arange(t, device=device, dtype=torch.float32)
-    freqs = torch.outer(pos, inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
+def rope_cos_sin(cfg: LlamaConfig, t: int, device, dtype,
+                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [t, head_dim] for positions 0..t-1 (or [B, 1, T, head_dim] for ``positions``
+    [B, T]), computed in fp32, returned in `dtype`."""
+    emb = rope_angles(rope_inv_freq(cfg, device), t, positions)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -131,17 +131,18 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, C]; doc_ids / positions [B, T]: see GPT.forward."""
         b, t, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds n_head / tp and n_kv_head / tp heads
         q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(self.cfg, t, q.device, q.dtype)
+        cos, sin = rope_cos_sin(self.cfg, t, q.device, q.dtype, positions)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1],
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = causal_attention(q, k, v, doc_ids, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(b, t, -1)
         return self.resid_drop(self.wo(y))
 
@@ -190,7 +191,7 @@ class Llama(nn.Module):
 
     forward = GPT.forward  # embed -> blocks -> norm_f -> lm_head; a pipeline stage: pieces None
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+    def embed(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [B, T] -> the first block's input (positions are rotary, inside attention)."""
         if idx.shape[1] > self.cfg.block_size:
             raise ValueError(f"sequence length {idx.shape[1]} exceeds block_size {self.cfg.block_size}")

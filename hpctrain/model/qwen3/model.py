@@ -22,20 +22,21 @@ import dataclasses
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from hpctrain.model.attention import causal_attention, rope_angles
 from hpctrain.model.gpt2.model import GPT, Block
 from hpctrain.model.llama.model import Llama, RMSNorm, SwiGLU, rotate_half
 from hpctrain.model.moe import MoEConfig, MoEFeedForward
 from hpctrain.model.qwen3.args import Qwen3Args
 
 
-def rope_cos_sin(args: Qwen3Args, t: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [t, head width] for positions 0..t-1 (HF's default rope), fp32, then `dtype`."""
+def rope_cos_sin(args: Qwen3Args, t: int, device, dtype,
+                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [t, head width] for positions 0..t-1 (HF's default rope; [B, 1, T, head width]
+    for ``positions`` [B, T]), fp32, then `dtype`."""
     d = args.head_width
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
-    freqs = torch.outer(torch.arange(t, device=device, dtype=torch.float32), inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
+    emb = rope_angles(inv_freq, t, positions)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -58,17 +59,18 @@ class Qwen3Attention(nn.Module):
         self.dropout = args.dropout
         self.resid_drop = nn.Dropout(args.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, C]; doc_ids / positions [B, T]: see GPT.forward."""
         b, t, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds n_head / tp and n_kv_head / tp heads
         q = self.q_norm(self.wq(x).view(b, t, -1, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.wk(x).view(b, t, -1, self.head_dim)).transpose(1, 2)
         v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(self.args, t, q.device, q.dtype)
+        cos, sin = rope_cos_sin(self.args, t, q.device, q.dtype, positions)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1],
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = causal_attention(q, k, v, doc_ids, dropout_p=self.dropout if self.training else 0.0)
         return self.resid_drop(self.wo(y.transpose(1, 2).reshape(b, t, -1)))
 
 
