@@ -85,10 +85,10 @@ def _share_a_document(q_docs: torch.Tensor, k_docs: torch.Tensor) -> torch.Tenso
 def _ring_exchange(send: torch.Tensor, plan: CPPlan, tag: int) -> tuple[torch.Tensor, list]:
     """Start sending `send` to the next rank and receiving the previous rank's into a new tensor."""
     recv = torch.empty_like(send)
-    to_next = lambda: dist.isend(send, plan.peer(1), group=plan.group, tag=tag)  # noqa: E731
-    from_prev = lambda: dist.irecv(recv, plan.peer(-1), group=plan.group, tag=tag)  # noqa: E731
-    works = [to_next(), from_prev()] if plan.rank % 2 == 0 else [from_prev(), to_next()]
-    return recv, works
+    ops = [(dist.isend, send, plan.peer(1)), (dist.irecv, recv, plan.peer(-1))]
+    if plan.rank % 2:  # odd ranks receive first
+        ops.reverse()
+    return recv, [op(t, peer, group=plan.group, tag=tag) for op, t, peer in ops]
 
 
 def _wait(works: list) -> None:
@@ -101,12 +101,18 @@ def _pack(*ts: torch.Tensor) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in ts])
 
 
-def _unpack(flat: torch.Tensor, like: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-    return [p.view_as(t) for p, t in zip(flat.split([t.numel() for t in like]), like)]
+def _unpack(flat: torch.Tensor, shapes: tuple[torch.Size, ...]) -> list[torch.Tensor]:
+    return [p.view(shape) for p, shape in zip(flat.split([shape.numel() for shape in shapes]), shapes)]
+
+
+def _halves(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A rank's two chunks (views) of a [B, heads, S / cp, ...] tensor."""
+    return t.chunk(2, dim=2)
 
 
 def _live_pairs(plan: CPPlan, src: int):
-    """(local q half, local k half, mask) of every live pair of my queries and rank src's keys."""
+    """(my q half, src's k half, their global chunks) of every live pair of my queries and rank
+    src's keys."""
     for qi, a in enumerate(rank_chunks(plan.cp, plan.rank)):
         for ki, b in enumerate(rank_chunks(plan.cp, src)):
             if (a, b) in plan.live:
@@ -116,9 +122,7 @@ def _live_pairs(plan: CPPlan, src: int):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: CPPlan, scale: float):
-        halves = lambda t: t.chunk(2, dim=2)  # noqa: E731 (my two chunks)
-        c = q.shape[2] // 2
-        q_h = halves(q)
+        c, q_h, shapes = q.shape[2] // 2, _halves(q), (k.shape, v.shape)
         outs = [torch.zeros(*q_h[0].shape[:3], v.shape[3], dtype=torch.float32, device=q.device)
                 for _ in range(2)]
         lses = [torch.full(q_h[0].shape[:3], blocks.NEG_INF, device=q.device) for _ in range(2)]
@@ -127,10 +131,10 @@ class _RingAttention(torch.autograd.Function):
             src = (plan.rank - step) % plan.cp
             if step < plan.cp - 1:
                 nxt, works = _ring_exchange(kv, plan, KV_TAG)
-            k_s, v_s = _unpack(kv, (k, v))
+            k_h, v_h = (_halves(t) for t in _unpack(kv, shapes))
             for qi, ki, a, b in _live_pairs(plan, src):
                 mask = blocks.pair_mask(a, b, c, plan.chunk_docs(a), plan.chunk_docs(b), q.device)
-                o, l = blocks.block_forward(q_h[qi], halves(k_s)[ki], halves(v_s)[ki], mask, scale)
+                o, l = blocks.block_forward(q_h[qi], k_h[ki], v_h[ki], mask, scale)
                 outs[qi], lses[qi] = blocks.merge(outs[qi], lses[qi], o, l)
             if step < plan.cp - 1:
                 _wait(works)
@@ -144,34 +148,31 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         plan, scale, c = ctx.plan, ctx.scale, q.shape[2] // 2
-        halves = lambda t: t.chunk(2, dim=2)  # noqa: E731
         delta = (dout.float() * out).sum(-1)
         dq = torch.zeros_like(q, dtype=torch.float32)
-        dq_h, q_h, dout_h, lse_h, delta_h = (halves(t) for t in (dq, q, dout, lse, delta))
-        kv = _pack(k, v)
+        dq_h, q_h, dout_h, lse_h, delta_h = (_halves(t) for t in (dq, q, dout, lse, delta))
+        kv, shapes = _pack(k, v), (k.shape, v.shape)
         dkv = torch.zeros(kv.numel(), dtype=torch.float32, device=q.device)
-        like32 = (k.float(), v.float())
         for step in range(plan.cp):
             src = (plan.rank - step) % plan.cp
             if step < plan.cp - 1:
                 nxt, works = _ring_exchange(kv, plan, KV_TAG)
-            k_s, v_s = _unpack(kv, (k, v))
-            dk_s, dv_s = _unpack(dkv, like32)
+            k_h, v_h = (_halves(t) for t in _unpack(kv, shapes))
+            dk_h, dv_h = (_halves(t) for t in _unpack(dkv, shapes))  # views: they add into dkv
             for qi, ki, a, b in _live_pairs(plan, src):
                 mask = blocks.pair_mask(a, b, c, plan.chunk_docs(a), plan.chunk_docs(b), q.device)
-                dq_p, dk_p, dv_p = blocks.block_backward(dout_h[qi], q_h[qi], halves(k_s)[ki],
-                                                         halves(v_s)[ki], lse_h[qi], delta_h[qi],
-                                                         mask, scale)
+                dq_p, dk_p, dv_p = blocks.block_backward(dout_h[qi], q_h[qi], k_h[ki], v_h[ki],
+                                                         lse_h[qi], delta_h[qi], mask, scale)
                 dq_h[qi].add_(dq_p)
-                halves(dk_s)[ki].add_(dk_p)
-                halves(dv_s)[ki].add_(dv_p)
+                dk_h[ki].add_(dk_p)
+                dv_h[ki].add_(dv_p)
             if plan.cp > 1:  # the dK/dV accumulators follow their block; the last exchange: home
                 dkv, grad_works = _ring_exchange(dkv, plan, GRAD_TAG)
                 _wait(grad_works)
             if step < plan.cp - 1:
                 _wait(works)
                 kv = nxt
-        dk, dv = _unpack(dkv, like32)
+        dk, dv = _unpack(dkv, shapes)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
@@ -238,8 +239,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: C
     if q.shape[1] % plan.cp or k.shape[1] % plan.cp:
         raise ValueError(f"Ulysses attention: cp={plan.cp} must divide the query heads ({q.shape[1]}) "
                          f"and the key/value heads ({k.shape[1]}); use ring attention")
-    natural = lambda t: from_zigzag(_SeqToHeads.apply(t, plan.group), plan.cp, dim=2)  # noqa: E731
-    qn, kn, vn = natural(q), natural(k), natural(v)
+    qn, kn, vn = (from_zigzag(_SeqToHeads.apply(t, plan.group), plan.cp, dim=2) for t in (q, k, v))
     mask = None
     if plan.doc_ids is not None:
         seq = plan.doc_ids.shape[1]
