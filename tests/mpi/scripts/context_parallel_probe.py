@@ -2,7 +2,7 @@
 over every rank against full-sequence SDPA on one rank, fp32. The same q, k, v, output weights and
 document ids on every rank (seeded); each rank attends its zig-zag part with the kernel, backward
 of sum(out * w), and compares its part of the output and of the q, k, v gradients with its part
-of the reference's. Cases: ring / ulysses x causal / document ids x heads 4/4 and 8/4 (GQA), and
+of the reference's. Cases: ring / ulysses x causal / document ids x heads 4/4 and 8/4 (GQA), a v width of 12 against a q/k width of 8 (multi-head latent attention), and
 ring with Gloo sends replaced by sends that wait for their receive (NCCL's order, #49), the
 hang bounded by the group's timeout (argv[1] seconds). Prints per rank and case:
 `rank R case NAME out X dq X dk X dv X live N of M expected E` (max |difference|; the chunk pairs
@@ -56,10 +56,11 @@ def reference(q, k, v, w, docs):
     return [out.detach()] + [t.grad for t in leaves]
 
 
-def run_case(kernel: str, with_docs: bool, heads: int, kv_heads: int) -> str:
+def run_case(kernel: str, with_docs: bool, heads: int, kv_heads: int, v_dim: int = D) -> str:
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
-    q, k, v = (torch.randn(B, h, S, D, generator=g) for h in (heads, kv_heads, kv_heads))
-    w = torch.randn(B, heads, S, D, generator=g)
+    q, k = (torch.randn(B, h, S, D, generator=g) for h in (heads, kv_heads))
+    v = torch.randn(B, kv_heads, S, v_dim, generator=g)
+    w = torch.randn(B, heads, S, v_dim, generator=g)
     docs = documents(7) if with_docs else None
     ref = reference(q, k, v, w, docs)
     part = lambda t: split_for_rank(t, cp, r, dim=2)  # noqa: E731
@@ -92,6 +93,7 @@ for kernel in KERNELS:
         for heads, kv_heads in ((4, 4), (8, 4)):
             name = f"{kernel}-{'docs' if with_docs else 'causal'}-{heads}/{kv_heads}"
             lines.append(f"rank {r} case {name} {run_case(kernel, with_docs, heads, kv_heads)}")
+    lines.append(f"rank {r} case {kernel}-docs-v12 {run_case(kernel, True, 4, 4, v_dim=12)}")
 dist.isend = send_in_stream_order
 lines.append(f"rank {r} case ring-waiting-sends {run_case('ring', True, 8, 4)}")
 sys.stdout.write("".join(ln + "\n" for ln in lines))
