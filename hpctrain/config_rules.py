@@ -1,5 +1,5 @@
 """The rules a run's settings must follow: value ranges per key, and the cross-key rules that need
-no world size (the mesh checks dp x tp x pp against the world size at start-up); once dp is known,
+no world size (the mesh checks dp x cp x tp x pp against the world size at start-up); once dp is known,
 `resolve_grad_accum` turns train.global_batch into the accumulation.
 
 Owns: every check `validate` runs (config.from_dict calls it); each failure is one `ConfigError` naming the key.
@@ -13,6 +13,7 @@ import typing
 
 from hpctrain.config_schema import (CheckpointConfig, Config, DataConfig, ModelConfig, ParallelConfig,
                                     SlurmConfig, SyncConfig, TrainConfig, sections)
+from hpctrain.config_rules_cp import validate_context_parallel
 from hpctrain.errors import ConfigError
 from hpctrain.model import spec as model_spec
 from hpctrain.model.llama.args import llama_ffn_hidden  # noqa: F401 (the name plan/shape.py imported)
@@ -63,6 +64,7 @@ def validate(cfg: Config) -> Config:
     _validate_intervals(t)
     _validate_sync(cfg.sync, cfg.parallel)
     _validate_parallel(cfg.parallel, m, t.compile)
+    validate_context_parallel(cfg, _check)
     _validate_compile_scope(t, cfg.parallel)
     _validate_slurm(cfg.slurm)
     _validate_seconds(cfg)

@@ -162,7 +162,7 @@ class TrainConfig:
 @dataclass
 class ParallelConfig:
     dp: int = field(default=0, metadata={
-        "help": "data-parallel size (0 = world / (tp * pp)); dp * tp * pp must equal the world size"})
+        "help": "data-parallel size (0 = world / (tp * pp * cp)); dp * tp * pp * cp must equal the world size"})
     tp: int = field(default=1, metadata={
         "help": "tensor-parallel size (innermost mesh axis: keep it <= GPUs per node); divides n_head"})
     sp: bool = field(default=True, metadata={
@@ -170,6 +170,15 @@ class ParallelConfig:
                 "sequence-sharded over tp; false: whole on every tp rank, all-reduces instead of "
                 "reduce-scatters)"})
     pp: int = field(default=1, metadata={"help": "pipeline-parallel stages (outermost mesh axis)"})
+    cp: int = field(default=1, metadata={
+        "help": "context-parallel size: each sequence split over cp ranks (zig-zag chunks; the ranks "
+                "of a cp group share one dp rank's batches and the weights; gradients averaged over "
+                "dp x cp); world = pp x dp x cp x tp; model.block_size a multiple of 2 x cp; not with "
+                "pp, ep, dropout, compile or sync.mode other than 'sync' (docs/parallelism.md)"})
+    cp_attention: Literal["ring", "ulysses"] = field(default="ring", metadata={
+        "help": "with cp > 1: ring (K/V blocks passed round the cp ranks, any head count) | ulysses "
+                "(all-to-all to whole sequences of heads / cp; cp must divide the query and key/value "
+                "heads per tp rank)"})
     ep: int = field(default=1, metadata={
         "help": "expert-parallel size: each MoE layer's experts sharded over ep consecutive "
                 "data-parallel ranks (tokens exchanged with all-to-all); divides dp and "

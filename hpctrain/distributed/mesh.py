@@ -1,4 +1,4 @@
-"""The one object that answers "who am I in pp / dp / tp, and which ranks share each axis with me".
+"""The one object that answers "who am I in pp / dp / cp / tp, and which ranks share each axis with me".
 
 Owns: the parallel layout (sizes per named axis), its validation against the world size, the rank
 order, and the torch DeviceMesh with named axes. Code elsewhere asks for an axis by name
@@ -13,6 +13,16 @@ so the ranks of one TP group are consecutive. Launchers place consecutive ranks 
 (block distribution: mpiexec and srun default), so a TP group stays inside one node whenever the
 ranks per node are a multiple of tp; DP groups cross nodes next, and pipeline stages, which send
 only activations between neighbours, are the outermost axis. See docs/parallelism.md.
+
+With context parallelism (parallel.cp > 1) a fourth
+axis "cp" sits between dp and tp, ("pp", "dp", "cp", "tp"):
+
+    rank = ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index
+
+The ranks of one cp group hold the same weights and read the same batches (the dp rank's), each
+its zig-zag part of the sequence; gradients and losses are averaged over dp x cp (`reduce_group`,
+`reduce_mesh`: the flattened "dp_cp" axis, as torchtitan's dp_shard_cp; plain "dp" when cp = 1).
+At cp = 1 there is no "cp" axis (the 3-D mesh, its groups and rank order are unchanged).
 
 Hierarchical layouts (sync.replica_nodes, DiLoCo across groups of nodes): a fourth, outermost
 axis "replica" (4-D mesh ("replica", "pp", "dp", "tp")), so a replica is a block of consecutive
@@ -35,6 +45,7 @@ from hpctrain.distributed.bootstrap import DistContext, apply_timeout
 from hpctrain.errors import ConfigError
 
 AXES = ("pp", "dp", "tp")
+CP_AXES = ("pp", "dp", "cp", "tp")  # parallel.cp > 1
 
 
 @dataclass(frozen=True)
@@ -47,12 +58,15 @@ class ParallelDims:
     pp: int = 1
     fsdp: bool = False
     replicas: int = 0  # hierarchical (sync.replica_nodes): replicas of dp x tp x pp ranks; 0 = off
+    cp: int = 1        # context parallelism: ranks splitting each sequence (axis "cp" when > 1)
 
     @classmethod
     def from_world(cls, world_size: int, dp: int = 0, tp: int = 1, pp: int = 1,
-                   fsdp: bool = False, replica_ranks: int = 0) -> "ParallelDims":
-        if tp < 1 or pp < 1 or dp < 0:
-            raise ConfigError(f"parallel layout dp={dp} tp={tp} pp={pp}: sizes must be >= 1 (dp >= 0)")
+                   fsdp: bool = False, replica_ranks: int = 0, cp: int = 1) -> "ParallelDims":
+        if tp < 1 or pp < 1 or dp < 0 or cp < 1:
+            raise ConfigError(f"parallel layout dp={dp} tp={tp} pp={pp} cp={cp}: sizes must be >= 1 (dp >= 0)")
+        if cp > 1:
+            return cls._with_cp(world_size, dp, tp, pp, fsdp, cp)
         if dp == 0:
             if world_size % (tp * pp):
                 raise ConfigError(f"parallel layout tp={tp} x pp={pp} = {tp * pp} does not divide the "
@@ -71,10 +85,24 @@ class ParallelDims:
                    replicas=world_size // replica_ranks)
 
     @classmethod
+    def _with_cp(cls, world_size: int, dp: int, tp: int, pp: int, fsdp: bool, cp: int) -> "ParallelDims":
+        """pp x dp x cp x tp = the world (config_rules refuses cp with replicas, pp > 1)."""
+        if dp == 0:
+            if world_size % (tp * pp * cp):
+                raise ConfigError(f"parallel layout tp={tp} x pp={pp} x cp={cp} = {tp * pp * cp} does "
+                                  f"not divide the world size {world_size} (set parallel.tp / pp / cp)")
+            dp = world_size // (tp * pp * cp)
+        if dp * tp * pp * cp != world_size:
+            raise ConfigError(f"parallel layout dp={dp} x cp={cp} x tp={tp} x pp={pp} = "
+                              f"{dp * cp * tp * pp} does not match the world size {world_size} "
+                              f"(set parallel.dp / cp / tp / pp)")
+        return cls(world_size=world_size, dp=dp, tp=tp, pp=pp, fsdp=fsdp, cp=cp)
+
+    @classmethod
     def from_config(cls, world_size: int, p, replica_ranks: int = 0) -> "ParallelDims":
         """From a `config.ParallelConfig` section (+ the ranks of a replica: `replica_ranks`)."""
         return cls.from_world(world_size, dp=p.dp, tp=p.tp, pp=p.pp, fsdp=p.data_parallel == "fsdp",
-                              replica_ranks=replica_ranks)
+                              replica_ranks=replica_ranks, cp=p.cp)
 
     @property
     def hierarchical(self) -> bool:
@@ -82,10 +110,14 @@ class ParallelDims:
 
     @property
     def axis_names(self) -> tuple[str, ...]:
+        if self.cp > 1:
+            return CP_AXES
         return ("replica", *AXES) if self.hierarchical else AXES
 
     @property
     def axis_sizes(self) -> tuple[int, ...]:
+        if self.cp > 1:
+            return (self.pp, self.dp, self.cp, self.tp)
         return ((self.replicas,) if self.hierarchical else ()) + (self.pp, self.dp, self.tp)
 
     @property
@@ -95,14 +127,18 @@ class ParallelDims:
 
     def coords_of(self, rank: int) -> dict[str, int]:
         """{"pp": i, "dp": j, "tp": k} (+ "replica") of a global rank (the rank order above)."""
+        if self.cp > 1:
+            tp_i, cp_i = rank % self.tp, (rank // self.tp) % self.cp
+            dp_i = (rank // (self.tp * self.cp)) % self.dp
+            return {"pp": rank // (self.tp * self.cp * self.dp), "dp": dp_i, "cp": cp_i, "tp": tp_i}
         tp_i = rank % self.tp
         dp_i = (rank // self.tp) % self.dp
         pp_i = (rank // (self.tp * self.dp)) % self.pp
         coords = {"pp": pp_i, "dp": dp_i, "tp": tp_i}
         return {"replica": rank // (self.tp * self.dp * self.pp), **coords} if self.hierarchical else coords
 
-    def rank_of(self, pp: int, dp: int, tp: int, replica: int = 0) -> int:
-        return ((replica * self.pp + pp) * self.dp + dp) * self.tp + tp
+    def rank_of(self, pp: int, dp: int, tp: int, replica: int = 0, cp: int = 0) -> int:
+        return (((replica * self.pp + pp) * self.dp + dp) * self.cp + cp) * self.tp + tp
 
     def outer_groups(self) -> list[list[int]]:
         """The ranks DiLoCo averages over, one list per group: my position in every replica."""
@@ -114,7 +150,8 @@ class ParallelDims:
 
     def describe(self) -> str:
         kind = "fsdp" if self.fsdp else "ddp"
-        inner = f"pp={self.pp} x dp={self.dp} ({kind}) x tp={self.tp}"
+        cp = f" x cp={self.cp}" if self.cp > 1 else ""
+        inner = f"pp={self.pp} x dp={self.dp} ({kind}){cp} x tp={self.tp}"
         return f"replicas={self.replicas} x ({inner})" if self.hierarchical else inner
 
 
@@ -150,6 +187,7 @@ class Mesh:
         self.dims = dims
         self.rank = ctx.rank
         self.world_comm = ctx.comm  # mpi4py COMM_WORLD, for MPI-backed collectives (grad sync)
+        self._dp_cp: DeviceMesh | None = None  # reduce_mesh() with cp > 1
         self.device_mesh: DeviceMesh = init_device_mesh(
             ctx.device.type, dims.axis_sizes, mesh_dim_names=dims.axis_names)
         for axis in dims.axis_names:  # torch gives its groups its own default timeout, not dist.timeout_s
@@ -193,6 +231,32 @@ class Mesh:
     @property
     def dp_rank(self) -> int:
         return self.coord("dp")
+
+    @property
+    def cp_size(self) -> int:
+        return self.dims.cp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coord("cp") if self.dims.cp > 1 else 0
+
+    @property
+    def reduce_size(self) -> int:
+        """Ranks that average gradients and losses: dp x cp."""
+        return self.dp_size * self.dims.cp
+
+    def reduce_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of the ranks that average gradients (FSDP2 shards over it): "dp", or with
+        cp > 1 the flattened ("dp", "cp") axis "dp_cp" (made once, on the first call)."""
+        if self.dims.cp == 1:
+            return self.device_mesh["dp"]
+        if self._dp_cp is None:
+            self._dp_cp = self.device_mesh["dp", "cp"]._flatten("dp_cp")
+            apply_timeout(self._dp_cp.get_group())
+        return self._dp_cp
+
+    def reduce_group(self) -> dist.ProcessGroup:
+        return self.reduce_mesh().get_group()
 
     @property
     def dp_size(self) -> int:

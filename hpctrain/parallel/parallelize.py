@@ -1,7 +1,7 @@
 """parallelize(model, mesh, cfg) -> Layout: apply the job's parallel layout to an unmodified GPT.
 
 Owns: the order in which layouts are applied, as a short sequence of functions that each take and
-return modules (pipeline split -> tensor parallel -> expert parallel -> activation checkpointing ->
+return modules (pipeline split -> tensor parallel -> expert parallel -> context parallel's attention -> activation checkpointing ->
 FSDP2 | DDP -> torch.compile per block or of the whole model; a model built on the meta device is materialized after FSDP2 and before DDP),
 which of them a job needs, and the `Layout` they produce: the module the optimizer
 and checkpoints see, the module(s) that run forward, the pipeline split, the process groups and
@@ -26,6 +26,7 @@ from hpctrain.metrics.wait_clock import WaitClock
 from hpctrain.model import spec as model_spec
 from hpctrain.parallel.activation import (apply_activation_checkpointing, compile_blocked, compile_regions,
                                           compile_scope, compile_whole_model)
+from hpctrain.parallel.apply_context_parallel import ContextParallel, apply_context_parallel
 from hpctrain.parallel.apply_expert import ExpertParallel, apply_expert_parallel
 from hpctrain.parallel.mpi_grad_allreduce import (MPIHookState, time_ddp_allreduce,
                                                   use_mpi_grad_allreduce, use_powersgd)
@@ -59,6 +60,7 @@ class Layout:
     mpi_grad_allreduce: MPIHookState | None = None   # DDP's MPI hook: its communicator
     wait_clock: WaitClock = field(default_factory=lambda: WaitClock(torch.device("cpu")))
     experts: ExpertParallel | None = None  # parallel.ep > 1: the sharded experts (DDP/FSDP skip them)
+    context_parallel: ContextParallel | None = None  # parallel.cp > 1: entered per micro-batch
     compiled: str = ""  # train.compile's scope: "blocks" | "model" ("" = eager)
 
     @property
@@ -113,10 +115,11 @@ def apply_fsdp(model: nn.Module, roots: tuple[nn.Module, ...], mesh: Mesh, preci
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     mp = (MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
           if half is not None else MixedPrecisionPolicy())
+    dp_mesh = mesh.reduce_mesh()  # "dp", or with cp > 1 the flattened dp x cp ranks
     for block in model.blocks.values():
-        fully_shard(block, mesh=mesh["dp"], mp_policy=mp, ignored_params=ignored)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored)
     for root in roots:
-        fully_shard(root, mesh=mesh["dp"], mp_policy=mp, ignored_params=ignored,
+        fully_shard(root, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored,
                     reshard_after_forward=False)
 
 
@@ -142,7 +145,7 @@ def apply_ddp(model: nn.Module, mesh: Mesh, dist_cfg: DistConfig, clock: WaitClo
     state. The MPI hook expects the loss divided by dp before backward (`prescaled`: it sums,
     saving a pass over the gradients). Without a hook DDP reduces on its own, timed by a callback
     at the end of backward's compute (time_ddp_allreduce)."""
-    group = mesh.group("dp")
+    group = mesh.reduce_group()  # dp (x cp: context-parallel ranks hold the same weights)
     if experts is not None:  # sharded over ep: the runner averages their gradients
         held = {id(q) for q in experts.params}
         DDP._set_params_and_buffers_to_ignore_for_model(
@@ -175,8 +178,8 @@ def apply_compile(model: nn.Module, cfg: Config, device: torch.device, plain_or_
 
 
 def dp_reduction(mesh: Mesh, cfg: Config) -> DpReduce:
-    """How this job averages gradients over dp (see DpReduce)."""
-    if mesh.dp_size == 1:
+    """How this job averages gradients over dp (x cp; see DpReduce)."""
+    if mesh.reduce_size == 1:
         return "none"
     if cfg.parallel.data_parallel == "fsdp":
         return "fsdp"
@@ -201,6 +204,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, precision: str,
                               sequence_parallel=p.sp)
     experts = (apply_expert_parallel(model, mesh, p.ep, p.deterministic_experts)
                if p.ep > 1 or p.deterministic_experts else None)
+    context_parallel = apply_context_parallel(model, mesh, p.cp_attention) if mesh.cp_size > 1 else None
     apply_activation_checkpointing(model, p.activation_checkpoint, p.ac_every)
     roots = tuple(split.make_views()) if split else (model,)
     dp_reduce, mpi_grad_allreduce = dp_reduction(mesh, cfg), None
@@ -219,4 +223,4 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, precision: str,
     return Layout(module=model, forward_modules=roots, mesh=mesh, dp_reduce=dp_reduce, split=split,
                   tie_group=tied_weight_group(mesh) if split else None,
                   mpi_grad_allreduce=mpi_grad_allreduce, wait_clock=clock, experts=experts,
-                  compiled=compiled)
+                  compiled=compiled, context_parallel=context_parallel)

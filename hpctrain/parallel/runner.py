@@ -37,6 +37,7 @@ from hpctrain.model.moe import MoEFeedForward
 from hpctrain.parallel.parallelize import Layout
 from hpctrain.parallel.loss import chunked_lm_loss
 from hpctrain.parallel.tensor_parallel import sum_moe_grads_over_tp, tp_token_split_moe
+from hpctrain.parallel.zigzag import LocalBatch
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -48,9 +49,15 @@ def _value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if is_dtensor(t) else t
 
 
-def model_inputs(batch: torch.Tensor | DocumentBatch) -> tuple[torch.Tensor, dict, torch.Tensor]:
+def model_inputs(batch: torch.Tensor | DocumentBatch | LocalBatch) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """(inputs [mb, T], the model's keywords, targets [mb, T]) of a micro-batch: tokens [mb, T+1],
-    or a DocumentBatch (data.document_mask: + doc_ids, and positions with data.document_positions)."""
+    or a DocumentBatch (data.document_mask: + doc_ids, and positions with data.document_positions),
+    or a cp rank's LocalBatch (parallel.cp > 1: its part, with the tokens' global positions)."""
+    if isinstance(batch, LocalBatch):
+        keywords = {"positions": batch.positions}
+        if batch.doc_ids is not None:
+            keywords["doc_ids"] = batch.doc_ids
+        return batch.tokens, keywords, batch.targets
     if not isinstance(batch, DocumentBatch):
         return batch[:, :-1], {}, batch[:, 1:]
     keywords = {"doc_ids": batch.doc_ids[:, :-1]}
@@ -80,7 +87,10 @@ class StepRunner(ABC):
         self._moe_layers = [m for m in layout.module.modules() if isinstance(m, MoEFeedForward)]
         # MoE layers run on each tp rank's own sequence shard: their gradients are summed over tp
         self._moe_tp_layers, self._moe_tp_group = tp_token_split_moe(layout.module)
-        self._dp_name = f"dp({layout.mesh.dp_size})"  # the flight recorder's group name
+        # gradients and losses are averaged over dp x cp (cp = 1: the dp group itself)
+        self._reduce_size, self._reduce_group = layout.mesh.reduce_size, layout.mesh.reduce_group()
+        self._dp_name = (f"dp({layout.mesh.dp_size})" if layout.mesh.cp_size == 1  # the flight
+                         else f"dp_cp({self._reduce_size})")                    # recorder's name
 
     # ---- the loss -------------------------------------------------------------------------
     def _loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -97,6 +107,11 @@ class StepRunner(ABC):
         loss = self._loss_hook(loss) if self._loss_hook is not None else loss
         scaled = isinstance(self._loss_scale, torch.Tensor) or self._loss_scale != 1.0
         return loss * self._loss_scale if scaled else loss
+
+    def _cp_context(self, batch):
+        """parallel.cp > 1: the batch's context-parallel plan, around its forward and backward."""
+        cp = self.layout.context_parallel
+        return cp.batch(batch) if cp is not None else contextlib.nullcontext()
 
     def _loss_context(self):
         if self.layout.mesh.tp_size == 1:
@@ -115,7 +130,7 @@ class StepRunner(ABC):
         loss = self._replica_mean(local_sum, count)
         if not self.mean_over_dp:
             return loss
-        dp, sync = self.layout.mesh.dp_size, self.layout.mpi_grad_allreduce
+        dp, sync = self._reduce_size, self.layout.mpi_grad_allreduce
         if dp > 1 and sync is not None:
             # CPU with the MPI gradient hook: its communicator over the same dp ranks (3 us over
             # shared memory; Gloo's TCP takes 360 us, every step). Sum, then divide: as Gloo's AVG
@@ -126,7 +141,7 @@ class StepRunner(ABC):
             loss /= dp
         elif dp > 1:  # (DiLoCo's inner steps: where a faster replica waits for a slower one)
             with self.layout.wait_clock.blocked(), RECORDER.collective("loss_allreduce", self._dp_name):
-                dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.layout.mesh.group("dp"))
+                dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self._reduce_group)
         return loss
 
     # ---- gradients ------------------------------------------------------------------------
@@ -146,7 +161,7 @@ class StepRunner(ABC):
                  if q.grad is not None and not (experts is not None and experts.holds(q))]
         flat = torch.cat([g.flatten() for g in grads])
         with self.layout.wait_clock.blocked(), RECORDER.collective("grad_allreduce", self._dp_name):
-            dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.layout.mesh.group("dp"))
+            dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self._reduce_group)
         for g, v in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(v.view_as(g))
 
@@ -227,7 +242,7 @@ class PlainRunner(StepRunner):
         super().__init__(layout, mean_over_dp, loss_chunk)
         (self.forward_module,) = layout.forward_modules
         # the MPI hook sums: the loss is divided by dp before backward instead (no pass over grads)
-        self._loss_divisor = layout.mesh.dp_size if layout.mpi_grad_allreduce is not None else 1
+        self._loss_divisor = self._reduce_size if layout.mpi_grad_allreduce is not None else 1
 
     def _micro_batch_weight(self, n: int) -> float:
         return 1.0 / n / self._loss_divisor  # as (loss / n / self._loss_divisor).backward()
@@ -245,7 +260,7 @@ class PlainRunner(StepRunner):
         with self._loss_context():
             for i, batch in enumerate(micro_batches):
                 inputs, keywords, targets = model_inputs(batch)
-                with self._sync_context(i == n - 1):
+                with self._sync_context(i == n - 1), self._cp_context(batch):
                     with autocast:
                         logits = self.forward_module(inputs, **keywords)
                         # the chunked loss's matmuls in autocast's dtype, as the head's would be
@@ -261,7 +276,7 @@ class PlainRunner(StepRunner):
         total = torch.zeros((), device=self.device)
         for batch in batches:
             inputs, keywords, targets = model_inputs(batch)
-            with autocast:
+            with autocast, self._cp_context(batch):
                 logits = self.forward_module(inputs, **keywords)
                 loss = self._loss(logits, targets) if self.loss_chunk else None
             total += _value(loss if loss is not None else lm_loss(logits, targets))

@@ -20,6 +20,7 @@ from hpctrain.data import make_sampler, split_for_rank
 from hpctrain.data.dataset import Dataset
 from hpctrain.data.documents import DocumentBatch, document_batch
 from hpctrain.data.prefetch import DataFeed
+from hpctrain.parallel.apply_context_parallel import local_batch
 
 
 def verify_everywhere(dataset: Dataset, ctx: DistContext, checksums: bool) -> None:
@@ -37,9 +38,12 @@ def verify_everywhere(dataset: Dataset, ctx: DistContext, checksums: bool) -> No
 
 class TrainData:
     def __init__(self, cfg: Config, ctx: DistContext, mesh: Mesh, grad_accum: int,
-                 dataset: Dataset | None = None):
+                 dataset: Dataset | None = None, cp: tuple[int, int] = (1, 0)):
+        """`mesh`: where this rank reads (dp_rank / dp_size); `cp`: (parallel.cp, this rank's cp
+        index): the ranks of a cp group read the same batches, each keeps its zig-zag part."""
         self.cfg, self.ctx = cfg, ctx
         self.dp_rank, self.dp_size = mesh.dp_rank, mesh.dp_size
+        self.cp_size, self.cp_rank = cp
         t, m = cfg.train, cfg.model
         # data.path's manifest.json is read here, once (a blend: its components' shards flattened)
         self.dataset = dataset if dataset is not None else Dataset.open(cfg.data.path)
@@ -85,9 +89,13 @@ class TrainData:
         tokens, d = reader.batch(indices), self.cfg.data
         pin = self.ctx.device.type == "cuda"
         if d.document_mask:
-            return document_batch(tokens, reader.document_ids(indices), d.document_positions).to(
+            batch = document_batch(tokens, reader.document_ids(indices), d.document_positions).to(
                 self.ctx.device, pin)
-        return tokens.pin_memory().to(self.ctx.device, non_blocking=True) if pin else tokens
+        else:
+            batch = tokens.pin_memory().to(self.ctx.device, non_blocking=True) if pin else tokens
+        if self.cp_size > 1:  # parallel.cp: this rank's zig-zag part, with global positions
+            return local_batch(batch, self.cp_size, self.cp_rank)
+        return batch
 
     def next_train_micro_batches(self, at: int | None = None) -> list[torch.Tensor | DocumentBatch]:
         """This rank's micro-batches of the next step, or of step `at` (a batch claimed out of

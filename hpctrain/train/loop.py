@@ -72,7 +72,8 @@ class Trainer:
         self.plan = run_plan.resolve(cfg, ctx, self.mesh)
         t = self.plan.train
         self.hparams = t  # the values each step reads (lr schedule, clip): a PBT member's its own
-        self.data = TrainData(modes.data_config(cfg), ctx, self.plan.position, t.grad_accum)
+        self.data = TrainData(modes.data_config(cfg), ctx, self.plan.position, t.grad_accum,
+                              cp=(self.mesh.cp_size, self.mesh.cp_rank))
         # the model in this job's layout, initialized from t.seed (on the meta device first, then
         # only this rank's shards: parallel.meta_init)
         built = build_model(cfg, self.mesh, ctx.device, t.precision)

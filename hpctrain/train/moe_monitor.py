@@ -51,7 +51,8 @@ def monitor_for(model: torch.nn.Module, model_cfg, mesh, shared_router: bool,
                     and model_spec.get(model_cfg.arch).n_experts(model_cfg) > 0)
     if not other_stages and not any(isinstance(m, MoEFeedForward) for m in model.modules()):
         return None
-    group = mesh.group("dp") if shared_router and mesh.dp_size > 1 else None
+    # dp x cp: context-parallel ranks see different tokens of the same sequences
+    group = mesh.reduce_group() if shared_router and mesh.reduce_size > 1 else None
     pp_group = mesh.group("pp") if mesh.pp_size > 1 else None
     return MoEMonitor(model, group, model_cfg.moe_warn_ratio, model_cfg.moe_warn_steps, pp_group,
                       log_interval, last_step)

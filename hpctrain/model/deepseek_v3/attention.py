@@ -43,6 +43,7 @@ class LatentAttention(nn.Module):
         self.kv_b = nn.Linear(args.kv_lora_rank, h * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
         self.wo = nn.Linear(h * args.v_head_dim, c, bias=False)
         self.scale = softmax_scale(args)
+        self.attend = causal_attention  # the attention kernel; parallel/ may swap it (context parallelism)
         self.resid_drop = nn.Dropout(args.dropout)
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,6 +65,6 @@ class LatentAttention(nn.Module):
         q = torch.cat([q_nope, apply_rope(q_rot, cos, sin, a.rope_interleave)], dim=-1)
         k_rot = apply_rope(k_rot, cos, sin, a.rope_interleave).expand(-1, k_nope.shape[1], -1, -1)
         k = torch.cat([k_nope, k_rot], dim=-1)
-        y = causal_attention(q, k, v, doc_ids, scale=self.scale,
-                             dropout_p=a.dropout if self.training else 0.0)
+        y = self.attend(q, k, v, doc_ids, scale=self.scale,
+                        dropout_p=a.dropout if self.training else 0.0)
         return self.resid_drop(self.wo(y.transpose(1, 2).reshape(b, t, -1)))

@@ -50,6 +50,7 @@ class CausalSelfAttention(nn.Module):
         self.wv = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.wo = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.dropout = cfg.dropout
+        self.attend = causal_attention  # the attention kernel; parallel/ may swap it (context parallelism)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None,
@@ -61,7 +62,7 @@ class CausalSelfAttention(nn.Module):
         q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        y = causal_attention(q, k, v, doc_ids, dropout_p=self.dropout if self.training else 0.0)
+        y = self.attend(q, k, v, doc_ids, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(b, t, -1)
         return self.resid_drop(self.wo(y))
 

@@ -129,6 +129,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.n_embd, kv, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.dropout = cfg.dropout
+        self.attend = causal_attention  # the attention kernel; parallel/ may swap it (context parallelism)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None,
@@ -142,7 +143,7 @@ class Attention(nn.Module):
         cos, sin = rope_cos_sin(self.cfg, t, q.device, q.dtype, positions)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        y = causal_attention(q, k, v, doc_ids, dropout_p=self.dropout if self.training else 0.0)
+        y = self.attend(q, k, v, doc_ids, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(b, t, -1)
         return self.resid_drop(self.wo(y))
 

@@ -57,6 +57,7 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)  # over each head, shared by all
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
         self.dropout = args.dropout
+        self.attend = causal_attention  # the attention kernel; parallel/ may swap it (context parallelism)
         self.resid_drop = nn.Dropout(args.dropout)
 
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None,
@@ -70,7 +71,7 @@ class Qwen3Attention(nn.Module):
         cos, sin = rope_cos_sin(self.args, t, q.device, q.dtype, positions)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        y = causal_attention(q, k, v, doc_ids, dropout_p=self.dropout if self.training else 0.0)
+        y = self.attend(q, k, v, doc_ids, dropout_p=self.dropout if self.training else 0.0)
         return self.resid_drop(self.wo(y.transpose(1, 2).reshape(b, t, -1)))
 
 
