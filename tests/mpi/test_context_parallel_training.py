@@ -27,6 +27,8 @@ SHORT = [f"--train.steps={STEPS}", "--model.n_layer=2", "--checkpoint.interval=3
          f"--train.eval_interval={STEPS}", "--train.eval_batches=2", "--model.arch=llama"]
 MODELS = {"dense": [], "moe": ["--model.moe_experts=4", "--model.moe_top_k=2"]}
 MASK = {"off": [], "on": ["--data.document_mask=true", "--data.document_positions=true"]}
+# dp = 2: the same 8 sequences per step and the same 8 validation windows (eval_batches x micro x dp)
+DP2 = ["--train.grad_accum=1", "--train.eval_batches=1"]
 # name: (ranks, model, mask, overrides); together: cp 2 and 4, dense and MoE, masked and not,
 # ring and Ulysses, cp with dp (DDP and FSDP2) and with tp
 LAYOUTS = {
@@ -35,9 +37,8 @@ LAYOUTS = {
     "cp2_moe_masked": (2, "moe", "on", ["--parallel.cp=2"]),
     "cp4_moe": (4, "moe", "off", ["--parallel.cp=4"]),
     "dp2_cp2_ulysses_masked": (4, "dense", "on", ["--parallel.cp=2", "--parallel.cp_attention=ulysses",
-                                                 "--train.grad_accum=1"]),
-    "fsdp2_cp2": (4, "dense", "off", ["--parallel.cp=2", "--parallel.data_parallel=fsdp",
-                                      "--train.grad_accum=1"]),
+                                                 *DP2]),
+    "fsdp2_cp2": (4, "dense", "off", ["--parallel.cp=2", "--parallel.data_parallel=fsdp", *DP2]),
     "tp2_cp2_masked": (4, "dense", "on", ["--parallel.cp=2", "--parallel.tp=2"]),
 }
 
