@@ -66,4 +66,4 @@ def build_strategy(cfg: Config, ctx: DistContext, mesh: Mesh, model: nn.Module) 
     from hpctrain.sync.synchronous import Synchronous
 
     local_numel = sum(p.numel() for p in model.parameters())
-    return Synchronous(local_numel, mesh.dp_size, cfg.dist.grad_allreduce)
+    return Synchronous(local_numel, mesh.reduce_size, cfg.dist.grad_allreduce)  # dp x cp
