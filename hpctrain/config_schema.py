@@ -162,7 +162,8 @@ class TrainConfig:
 @dataclass
 class ParallelConfig:
     dp: int = field(default=0, metadata={
-        "help": "data-parallel size (0 = world / (tp * pp * cp)); dp * tp * pp * cp must equal the world size"})
+        "help": "data-parallel size (0 = world / (tp * pp), / cp too with parallel.cp > 1); dp * cp * tp * pp "
+                "must equal the world size"})
     tp: int = field(default=1, metadata={
         "help": "tensor-parallel size (innermost mesh axis: keep it <= GPUs per node); divides n_head"})
     sp: bool = field(default=True, metadata={
