@@ -200,6 +200,9 @@ def unsupported(cfg: Config) -> str | None:
         return ("config key 'model.moe.experts': a dry run of mixture-of-experts layers is not "
                 "supported yet (their routing reads token counts on the host, which fake tensors "
                 "do not hold)")
+    if cfg.parallel.cp > 1:
+        return ("config key 'parallel.cp': a dry run of context parallelism is not supported yet "
+                "(its ring exchanges need real process groups); dry-run with parallel.cp = 1")
     return None
 
 

@@ -173,7 +173,8 @@ def test_a_pipeline_dry_runs_its_first_and_last_stage(cfg, schedule):
     assert first["parameters"] + last["parameters"] == whole
 
 
-@pytest.mark.parametrize("override,key", [("--model.moe_experts=4", "model.moe.experts")])
+@pytest.mark.parametrize("override,key", [("--model.moe_experts=4", "model.moe.experts"),
+                                          ("--parallel.cp=2", "parallel.cp")])
 def test_an_unsupported_layout_is_one_line_naming_its_key(cfg, override, key):
     out = run("-m", "hpctrain", "train", "--config", cfg, "--dry-run", "4", override, check=False)
     assert out.returncode != 0
