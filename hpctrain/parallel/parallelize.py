@@ -1,8 +1,8 @@
 """parallelize(model, mesh, cfg) -> Layout: apply the job's parallel layout to an unmodified GPT.
 
 Owns: the order in which layouts are applied, as a short sequence of functions that each take and
-return modules (pipeline split -> tensor parallel -> expert parallel -> context parallel's attention -> activation checkpointing ->
-FSDP2 | DDP -> torch.compile per block or of the whole model; a model built on the meta device is materialized after FSDP2 and before DDP),
+return modules (pipeline split -> tensor parallel -> expert parallel -> context parallel's attention ->
+activation checkpointing -> FSDP2 | DDP -> torch.compile per block or of the whole model; a model built on the meta device is materialized after FSDP2 and before DDP),
 which of them a job needs, and the `Layout` they produce: the module the optimizer
 and checkpoints see, the module(s) that run forward, the pipeline split, the process groups and
 how gradients are averaged over dp. It must never run a training step (runner.py does), read or

@@ -31,11 +31,11 @@ MASK = {"off": [], "on": ["--data.document_mask=true", "--data.document_position
 DP2 = ["--train.grad_accum=1", "--train.eval_batches=1"]
 # name: (ranks, model, mask, overrides); together with the resume test's straight run (cp = 2,
 # dense, unmasked): cp 2 and 4, dense and MoE, masked and not, ring and Ulysses, cp with dp (DDP
-# and FSDP2) and with tp
+# and FSDP2) and with tp, and activation checkpointing (the ring recomputed inside backward)
 LAYOUTS = {
     "cp4_dense_masked": (4, "dense", "on", ["--parallel.cp=4"]),
     "cp2_moe_masked": (2, "moe", "on", ["--parallel.cp=2"]),
-    "cp4_moe": (4, "moe", "off", ["--parallel.cp=4"]),
+    "cp4_moe_ac": (4, "moe", "off", ["--parallel.cp=4", "--parallel.activation_checkpoint=full"]),
     "dp2_cp2_ulysses_masked": (4, "dense", "on", ["--parallel.cp=2", "--parallel.cp_attention=ulysses",
                                                  *DP2]),
     "fsdp2_cp2": (4, "dense", "off", ["--parallel.cp=2", "--parallel.data_parallel=fsdp", *DP2]),
