@@ -68,8 +68,10 @@ class Layout:
         """Whether `wait_clock` sees every wait of a step: no collective runs inside forward or
         backward except DDP's (timed through its hook). FSDP's all-gathers / reduce-scatters, TP's
         all-reduces and the pipeline's sends and receives run inside autograd, where waiting for a
-        peer cannot be told from compute on the host; there busy time is the step's wall time."""
-        return self.dp_reduce != "fsdp" and self.mesh.tp_size == 1 and self.mesh.pp_size == 1
+        peer cannot be told from compute on the host; there busy time is the step's wall time. So
+        do context parallelism's ring exchanges and all-to-alls (inside every attention)."""
+        return (self.dp_reduce != "fsdp" and self.mesh.tp_size == 1 and self.mesh.pp_size == 1
+                and self.mesh.cp_size == 1)
 
     @property
     def tied_weight_is_head_copy(self) -> bool:

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.conftest import losses, run_cmd
+from tests.conftest import losses, records, run_cmd
 from tests.helpers import assert_same_curve, copy_run_at
 from tests.helpers import train_layout as train
 from tests.shared_dirs import shared_dir
@@ -93,6 +93,9 @@ def test_cp2_matches_one_rank_resumes_exactly_and_continues_at_cp1(tmp_path, dat
     4..6 bit-equal to the straight run's, at cp = 1 (one rank) within 1e-5 of it."""
     _, straight = train(2, tmp_path, dataset, "straight", *SHORT, "--parallel.cp=2")
     assert_matches(one_rank("dense", "off"), straight)
+    # the ring's exchanges wait inside forward/backward: busy time is wall time, nobody flagged
+    steps = [r for r in records(straight) if "rank_busy_s" in r]
+    assert len(steps) == STEPS and all(r.get("rank_busy_measure") == "wall" for r in steps)
     whole = losses(straight)
     copy_run_at(straight, tmp_path / "again_cp2", 3)
     copy_run_at(straight, tmp_path / "at_cp1", 3)
