@@ -122,7 +122,7 @@ def _live_pairs(plan: CPPlan, src: int):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: CPPlan, scale: float):
-        c, q_h, shapes = q.shape[2] // 2, _halves(q), (k.shape, v.shape)
+        q_h, shapes = _halves(q), (k.shape, v.shape)
         outs = [torch.zeros(*q_h[0].shape[:3], v.shape[3], dtype=torch.float32, device=q.device)
                 for _ in range(2)]
         lses = [torch.full(q_h[0].shape[:3], blocks.NEG_INF, device=q.device) for _ in range(2)]
@@ -133,7 +133,7 @@ class _RingAttention(torch.autograd.Function):
                 nxt, works = _ring_exchange(kv, plan, KV_TAG)
             k_h, v_h = (_halves(t) for t in _unpack(kv, shapes))
             for qi, ki, a, b in _live_pairs(plan, src):
-                mask = blocks.pair_mask(a, b, c, plan.chunk_docs(a), plan.chunk_docs(b), q.device)
+                mask = blocks.pair_mask(a, b, plan.chunk_docs(a), plan.chunk_docs(b))
                 o, l = blocks.block_forward(q_h[qi], k_h[ki], v_h[ki], mask, scale)
                 outs[qi], lses[qi] = blocks.merge(outs[qi], lses[qi], o, l)
             if step < plan.cp - 1:
@@ -147,10 +147,9 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        plan, scale, c = ctx.plan, ctx.scale, q.shape[2] // 2
-        delta = (dout.float() * out).sum(-1)
+        plan, scale = ctx.plan, ctx.scale
         dq = torch.zeros_like(q, dtype=torch.float32)
-        dq_h, q_h, dout_h, lse_h, delta_h = (_halves(t) for t in (dq, q, dout, lse, delta))
+        dq_h, q_h, dout_h, out_h, lse_h = (_halves(t) for t in (dq, q, dout, out, lse))
         kv, shapes = _pack(k, v), (k.shape, v.shape)
         dkv = torch.zeros(kv.numel(), dtype=torch.float32, device=q.device)
         for step in range(plan.cp):
@@ -160,9 +159,9 @@ class _RingAttention(torch.autograd.Function):
             k_h, v_h = (_halves(t) for t in _unpack(kv, shapes))
             dk_h, dv_h = (_halves(t) for t in _unpack(dkv, shapes))  # views: they add into dkv
             for qi, ki, a, b in _live_pairs(plan, src):
-                mask = blocks.pair_mask(a, b, c, plan.chunk_docs(a), plan.chunk_docs(b), q.device)
+                mask = blocks.pair_mask(a, b, plan.chunk_docs(a), plan.chunk_docs(b))
                 dq_p, dk_p, dv_p = blocks.block_backward(dout_h[qi], q_h[qi], k_h[ki], v_h[ki],
-                                                         lse_h[qi], delta_h[qi], mask, scale)
+                                                         out_h[qi], lse_h[qi], mask, scale)
                 dq_h[qi].add_(dq_p)
                 dk_h[ki].add_(dk_p)
                 dv_h[ki].add_(dv_p)
