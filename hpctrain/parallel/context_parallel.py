@@ -4,7 +4,9 @@
 
 - `ring_attention`: each rank keeps its queries; the key/value blocks travel around the ring (cp - 1
   exchanges, the next block's transfer overlapping this block's compute), each (query chunk, key
-  chunk) pair is attended in fp32 and merged by online softmax (log-sum-exp); fully masked pairs
+  chunk) pair is attended by hpctrain/parallel/attention_blocks.py (on the CPU torch's fused flash
+  kernel: no [c, c] score matrix, causal pairs skip their upper half) and merged by online softmax
+  (log-sum-exp, fp32); fully masked pairs
   (a later key chunk; with document ids, no document in both chunks) are skipped. The backward is
   recompute-based (flash attention's): from the saved q, k, v, output and log-sum-exp each rank
   recomputes every live pair's probabilities while the key/value blocks travel around the ring

@@ -126,7 +126,8 @@ def _chunk_pairs(q, k, v, docs, chunks: int, kernel: str, dout):
         out = torch.zeros(*q_c[a].shape[:3], v.shape[-1])
         lse = torch.full(q_c[a].shape[:3], float("-inf"))
         for b in range(a + 1):
-            o, l = forward(q_c[a], k_c[b], v_c[b], blocks.pair_mask(a, b, doc(a), doc(b)), q.shape[-1] ** -0.5)
+            mask = blocks.pair_mask(a, b, doc(a), doc(b))
+            o, l = forward(q_c[a], k_c[b], v_c[b], mask, q.shape[-1] ** -0.5)
             out, lse = blocks.merge(out, lse, o, l)
         outs.append(out)
         lses.append(lse)
