@@ -241,11 +241,39 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: C
         raise ValueError(f"Ulysses attention: cp={plan.cp} must divide the query heads ({q.shape[1]}) "
                          f"and the key/value heads ({k.shape[1]}); use ring attention")
     qn, kn, vn = (from_zigzag(_SeqToHeads.apply(t, plan.group), plan.cp, dim=2) for t in (q, k, v))
-    mask = None
-    if plan.doc_ids is not None:
-        seq = plan.doc_ids.shape[1]
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
-        mask = causal & (plan.doc_ids[:, :, None] == plan.doc_ids[:, None, :])[:, None]
-    y = F.scaled_dot_product_attention(qn, kn, vn, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                       enable_gqa=kn.shape[1] != qn.shape[1])
+    if plan.doc_ids is None:
+        y = F.scaled_dot_product_attention(qn, kn, vn, is_causal=True, scale=scale,
+                                           enable_gqa=kn.shape[1] != qn.shape[1])
+    else:
+        y = _documents_attention(qn, kn, vn, plan.doc_ids, scale)
     return _HeadsToSeq.apply(to_zigzag(y, plan.cp, dim=2), plan.group)
+
+
+class _BlockAttention(torch.autograd.Function):
+    """One whole block by attention_blocks (forward; backward recomputed from out and lse)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask: blocks.BlockMask, scale: float):
+        out, lse = blocks.block_forward(q, k, v, mask, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mask, ctx.scale = mask, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = blocks.block_backward(dout, q, k, v, out, lse, ctx.mask, ctx.scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def _documents_attention(q, k, v, doc_ids: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Causal attention within documents of whole sequences ([B, S] ids). On the CPU the fused
+    block kernel (causal: it skips the upper half, which SDPA with an explicit mask computes);
+    elsewhere SDPA with the boolean mask."""
+    allowed = doc_ids[:, :, None] == doc_ids[:, None, :]
+    if q.device.type == "cpu":
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return _BlockAttention.apply(q, k, v, blocks.BlockMask(causal=True, allowed=allowed), scale)
+    causal = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal & allowed[:, None], scale=scale,
+                                          enable_gqa=k.shape[1] != q.shape[1])

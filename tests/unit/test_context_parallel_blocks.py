@@ -12,10 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from hpctrain.parallel import attention_blocks as blocks
+from hpctrain.parallel.context_parallel import _documents_attention
 from hpctrain.parallel.zigzag import from_zigzag, split_batch, split_for_rank, to_zigzag
 
 B, H, HKV, S, D = 2, 4, 2, 24, 8
+FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
@@ -180,8 +185,6 @@ def test_fused_bf16_blocks_are_as_close_to_sdpa_as_bf16_sdpa_is():
 
 def _largest_output(fn) -> int:
     """The largest number of elements of any tensor an aten op returned while `fn` ran."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     class Largest(TorchDispatchMode):
         numel = 0
 
@@ -219,3 +222,36 @@ def test_pair_mask_is_causal_on_the_diagonal_and_by_document():
     assert diag[0, 0].int().tolist() == [[1, 0, 0], [0, 1, 0], [0, 1, 1]]
     below = blocks.pair_mask(2, 1, docs_q, docs_k).visible(3, 3, torch.device("cpu"))
     assert below[0, 0].int().tolist() == [[1, 1, 0], [0, 0, 1], [0, 0, 1]]
+
+
+class _FlashCalls(TorchDispatchMode):
+    """Records is_causal of every call of torch's fused CPU flash kernel (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.causal: list[bool] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (FLASH.default, FLASH_BACKWARD.default):
+            at = [a.name for a in func._schema.arguments].index("is_causal")
+            self.causal.append(bool(args[at] if at < len(args) else kwargs.get("is_causal", False)))
+        return func(*args, **kwargs)
+
+
+def test_ulysses_documents_attention_equals_sdpa_and_runs_the_causal_fused_kernel():
+    """Ulysses' whole-sequence attention with documents (context_parallel._documents_attention):
+    on the CPU the fused kernel causal, with the documents as its mask (SDPA with an explicit mask
+    runs it non-causal, attending the upper half too), equal to SDPA forward and backward."""
+    q, k, v, docs = _inputs(11)
+    visible = _visible(docs)
+    dout = torch.randn(B, H, S, D, generator=torch.Generator().manual_seed(12))
+    want = _sdpa(q, k, v, visible, dout)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    calls = _FlashCalls()
+    with calls:
+        out = _documents_attention(*leaves, docs, None)
+        out.backward(dout)
+    assert calls.causal == [True, True]  # one forward, one backward
+    for got, w in zip([out.detach()] + [t.grad for t in leaves], want):
+        assert (got - w).abs().max().item() <= 1e-5
