@@ -7,9 +7,11 @@ Run:  mpiexec -n 2 python bench/cp_attention.py [--seq 2048 8192] [--dtype fp32 
 Every rank runs every kernel, alternating within each round (the machine is shared and noisy), a
 barrier around each timing: the reference attends the whole sequence S on every rank at once (so
 the ranks compete for the cores as the cp kernels' ranks do); the cp kernels attend S / cp per
-rank. Figures are medians over rounds. Per-rank tokens/s: S / t at cp = 1, (S / cp) / t at cp; the
-ratio (cp's over cp = 1's, = t_ref / (cp * t)) is the issue's bench figure (target: ring >= 0.8x
-at 8k with cp = 2). `--matmul` adds the ring with its pre-fused block arithmetic (fp32 matmuls
+rank. Per-rank tokens/s: S / t at cp = 1, (S / cp) / t at cp; the ratio (cp's over cp = 1's,
+= t_ref / (cp * t)) is the issue's bench figure (target: ring >= 0.8x at 8k with cp = 2), taken
+per round (the reference and the kernel timed back to back) and its median printed, by wall time
+and by CPU time (process time, all threads, averaged over the ranks: what other jobs' load on a
+shared machine does not move; wall time also counts waiting for the other rank). `--matmul` adds the ring with its pre-fused block arithmetic (fp32 matmuls
 with [c, c] score matrices), the "before" of the fused CPU kernel; `--docs LEN` packs documents
 of LEN tokens (the reference then SDPA with the document mask, as the model at cp = 1).
 """
@@ -32,14 +34,18 @@ from hpctrain.parallel.zigzag import split_for_rank
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def fwd_bwd_seconds(attend, q, k, v) -> float:
-    """Wall time of attend(q, k, v) forward + backward of sum(out), between two barriers."""
+def fwd_bwd_seconds(attend, q, k, v) -> tuple[float, float]:
+    """attend(q, k, v) forward + backward of sum(out): wall seconds between two barriers, and CPU
+    seconds of this process (all its threads) averaged over the ranks."""
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     attend(*leaves).sum().backward()
+    cpu = torch.tensor(time.process_time() - c0, dtype=torch.float64)
     dist.barrier()
-    return time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    dist.all_reduce(cpu)
+    return wall, cpu.item() / dist.get_world_size()
 
 
 def with_matmul_blocks(attend):
@@ -81,6 +87,20 @@ def measure(seq: int, dtype: torch.dtype, args, rank: int, cp: int) -> dict[str,
     return times
 
 
+def cells(times: dict[str, list[tuple[float, float]]], cp: int) -> list[str]:
+    """Per kernel: median wall ms and, against cp = 1, the median over rounds of the per-rank
+    tokens/s ratio by wall time and by CPU time (the latter blind to other jobs' load)."""
+    ref = times["sdpa cp=1"]
+    found = [f"sdpa cp=1 {statistics.median(w for w, _ in ref) * 1e3:.0f} ms"]
+    for kernel, t in times.items():
+        if kernel != "sdpa cp=1":
+            wall = statistics.median(r[0] / (cp * w[0]) for r, w in zip(ref, t))
+            cpu = statistics.median(r[1] / (cp * w[1]) for r, w in zip(ref, t))
+            found.append(f"{kernel} {statistics.median(w for w, _ in t) * 1e3:.0f} ms "
+                         f"{wall:.2f}x (cpu {cpu:.2f}x)")
+    return found
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq", type=int, nargs="+", default=[2048, 8192], help="whole sequence lengths")
@@ -99,16 +119,12 @@ def main() -> None:
     if rank == 0:
         docs = "causal" if args.docs is None else f"causal within documents of {args.docs}"
         print(f"B 1, {args.heads} heads x {args.head_dim}, {docs}, fwd+bwd, {cp} ranks x "
-              f"{args.threads} thread(s), median of {args.rounds}; ratio = per-rank tokens/s vs cp=1")
+              f"{args.threads} thread(s), medians of {args.rounds} rounds; ratio = per-rank tokens/s vs cp=1")
     for seq in args.seq:
         for name in args.dtype:
             times = measure(seq, DTYPES[name], args, rank, cp)
-            ref = statistics.median(times["sdpa cp=1"])
-            cells = [f"{kernel} {statistics.median(t) * 1e3:7.0f} ms"
-                     + ("" if kernel == "sdpa cp=1" else f" {ref / (cp * statistics.median(t)):.2f}x")
-                     for kernel, t in times.items()]
             if rank == 0:
-                print(f"S {seq:6d} {name}: " + " | ".join(cells), flush=True)
+                print(f"S {seq:6d} {name}: " + " | ".join(cells(times, cp)), flush=True)
     teardown()
 
 
