@@ -125,9 +125,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: CPPlan, scale: float):
         q_h, shapes = _halves(q), (k.shape, v.shape)
-        outs = [torch.zeros(*q_h[0].shape[:3], v.shape[3], dtype=torch.float32, device=q.device)
-                for _ in range(2)]
-        lses = [torch.full(q_h[0].shape[:3], blocks.NEG_INF, device=q.device) for _ in range(2)]
+        outs, lses = [None, None], [None, None]  # a half's first block (its own chunk's, step 0)
         kv = _pack(k, v)
         for step in range(plan.cp):
             src = (plan.rank - step) % plan.cp
@@ -137,7 +135,8 @@ class _RingAttention(torch.autograd.Function):
             for qi, ki, a, b in _live_pairs(plan, src):
                 mask = blocks.pair_mask(a, b, plan.chunk_docs(a), plan.chunk_docs(b))
                 o, l = blocks.block_forward(q_h[qi], k_h[ki], v_h[ki], mask, scale)
-                outs[qi], lses[qi] = blocks.merge(outs[qi], lses[qi], o, l)
+                first = outs[qi] is None
+                outs[qi], lses[qi] = (o, l) if first else blocks.merge(outs[qi], lses[qi], o, l)
             if step < plan.cp - 1:
                 _wait(works)
                 kv = nxt
