@@ -5,13 +5,13 @@ blocks attended separately and merged by online softmax equal full-sequence SDPA
 ids, grouped-query heads, a v width other than q/k's, blocks larger than the fused kernel's tiles
 with rows that see nothing in a block), and the blocks' recomputed backward from the merged
 log-sum-exp equals SDPA's gradients; the fused kernel never materialises a [query, key] score
-matrix. The multi-rank ring and Ulysses kernels: tests/mpi/test_context_parallel.py."""
+matrix; Ulysses' whole-sequence attention with documents runs it causal. The multi-rank ring and
+Ulysses kernels: tests/mpi/test_context_parallel.py."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hpctrain.parallel import attention_blocks as blocks
