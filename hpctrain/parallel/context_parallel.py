@@ -6,11 +6,11 @@
   exchanges, the next block's transfer overlapping this block's compute), each (query chunk, key
   chunk) pair is attended by hpctrain/parallel/attention_blocks.py (on the CPU torch's fused flash
   kernel: no [c, c] score matrix, causal pairs skip their upper half) and merged by online softmax
-  (log-sum-exp, fp32); fully masked pairs
-  (a later key chunk; with document ids, no document in both chunks) are skipped. The backward is
-  recompute-based (flash attention's): from the saved q, k, v, output and log-sum-exp each rank
-  recomputes every live pair's probabilities while the key/value blocks travel around the ring
-  again, their dK/dV accumulators travelling with them, one more exchange bringing each home.
+  (log-sum-exp, fp32); fully masked pairs (a later key chunk; with document ids, no document in
+  both chunks) are skipped. The backward is recompute-based (flash attention's): from the saved
+  q, k, v, output and log-sum-exp each rank recomputes every live pair's probabilities while the
+  key/value blocks travel around the ring again, their dK/dV accumulators travelling with them,
+  one more exchange bringing each home.
 - `ulysses_attention`: all-to-all from sequence-sharded to head-sharded (every rank the whole
   sequence for H / cp heads), SDPA locally, all-to-all back; needs cp to divide the q and k/v heads.
 
