@@ -200,6 +200,9 @@ class Job:
         if self.pp > 1:
             raise ValueError(f"--cp {self.cp} with --pp {self.pp}: context parallelism runs without "
                              f"pipeline stages (parallel.pp = 1)")
+        if self.ep > 1:
+            raise ValueError(f"--cp {self.cp} with --ep {self.ep}: context parallelism runs without "
+                             f"expert parallelism (parallel.ep = 1)")
         heads, kv = shape.n_head // self.tp, shape.kv_heads // self.tp
         if self.cp_attention == "ulysses" and (heads % self.cp or kv % self.cp):
             raise ValueError(f"--cp-attention ulysses: cp {self.cp} must divide each tp rank's "

@@ -4,8 +4,9 @@ Owns: enumerating the layouts of a job at its global batch (tp over the divisors
 node, pp over the divisors of what is left, DDP or FSDP, micro-batch 1/2/4/8, activation
 checkpointing none/selective/full; grad_accum follows from the batch; context parallelism cp > 1
 inside a node, ring or Ulysses, whichever is faster, searched only when the sequence binds: the
-user's layout has cp, or at cp = 1 nothing fits but a cp layout would, or every fitting layout
-recomputes all its blocks), judging each one (`train`'s
+user's layout has cp, the sequence is long (attention FLOPs >= half the dense ones), or at cp = 1
+nothing fits but a cp layout would, or every fitting layout recomputes all its blocks), judging
+each one (`train`'s
 rules via Job.check, the pipeline schedule's micro-batch rule, the peak per GPU of memory.py
 against Job.usable_memory) with the reason when it is rejected, ranking those that fit by
 step_time.py, the nearest fitting change to a layout that does not fit, the smallest node count
@@ -125,11 +126,17 @@ def search(shape: ModelShape, base: Job) -> list[Candidate]:
     return ranked(cands, checked)
 
 
+LONG_ATTENTION_SHARE = 0.5  # a sequence is long when its attention FLOPs reach half the dense ones
+
+
 def sequence_binds(shape: ModelShape, job: Job, cands: list[Candidate]) -> bool:
-    """Whether cp > 1 layouts are worth searching: the user's layout has cp; or at cp = 1 every
-    fitting layout checkpoints all its blocks (activation memory binds: cp may save the
-    recompute); or none fits and a cp one of the least memory does."""
-    if job.cp > 1:
+    """Whether cp > 1 layouts are worth searching: the user's layout has cp; or the sequence is
+    long (attention's 12 L (heads x head_dim) s FLOPs per token >= LONG_ATTENTION_SHARE of the 6 N
+    dense ones: s >= 3 n_embd for a dense llama or gpt2); or at cp = 1 every fitting layout
+    checkpoints all its blocks (activation memory binds: cp may save the recompute); or none fits
+    and a cp one of the least memory does."""
+    dense = 6.0 * shape.active_params()
+    if job.cp > 1 or shape.flops_per_token() - dense >= LONG_ATTENTION_SHARE * dense:
         return True
     fitting = [c for c in cands if c.fits]
     if fitting:
