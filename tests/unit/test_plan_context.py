@@ -93,6 +93,18 @@ def test_a_128k_llama3_8b_on_an_8_gpu_node_is_recommended_cp_and_4k_is_not(capsy
     assert "cp" not in short["recommended"] and not any("cp" in c for c in short["candidates"])
 
 
+def test_a_long_sequence_that_fits_at_cp1_takes_cp_when_it_is_faster(capsys):
+    """32k tokens (attention FLOPs 1.3x the dense ones): at cp 1 layouts fit with selective
+    checkpointing, cp 4 x tp 2 without any, and is faster."""
+    out = _plan_json(capsys, "--preset", "llama3-8b", "--block-size", 32768, "--nodes", 1,
+                     "--global-batch", 64)
+    plain = [c for c in out["candidates"] if c["fits"] and "cp" not in c]
+    assert plain and {c["activation_checkpoint"] for c in plain} >= {"selective", "full"}
+    best = out["recommended"]
+    assert (best["cp"], best["tp"], best["activation_checkpoint"]) == (4, 2, "none")
+    assert best["tokens_per_s"] > max(c["tokens_per_s"] for c in plain)
+
+
 def test_nothing_fits_at_cp1_but_a_cp_layout_does(capsys):
     """A 512k-token sequence of the 8B: no cp = 1 layout of 8 GPUs holds it, cp 4 x tp 2 does."""
     out = _plan_json(capsys, "--preset", "llama3-8b", "--block-size", 1 << 19, "--nodes", 1,
