@@ -160,8 +160,12 @@ def test_the_sbatch_script_carries_the_cp_flags(capsys, tmp_path):
     script = tmp_path / "long.sbatch"
     assert plan_main(["--config", str(ROOT / "configs" / "llama3_8b.toml"), "--block-size", "131072",
                       "--nodes", "1", "--global-batch", "8", "--sbatch", str(script)]) == 0
-    recommended = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("recommended: "))
+    lines = capsys.readouterr().out.splitlines()
+    i = next(i for i, x in enumerate(lines) if x.startswith("recommended: "))
+    recommended = lines[i]
     cp = recommended.split(" cp", 1)[1].split(" ", 1)[0]
+    assert lines[i + 1].strip().startswith("(--parallel.dp=0: dp = world / (cp x tp x pp)")
+    assert f"8 / ({cp} x " in lines[i + 1]
     text = script.read_text()
     assert f"--parallel.cp={cp} " in text and "--parallel.cp_attention=" in text
     assert recommended.split("--parallel.dp=0", 1)[1].strip() in text
