@@ -69,11 +69,9 @@ def evaluate(shape: ModelShape, job: Job) -> Candidate:
 
 
 def evaluate_cp(shape: ModelShape, job: Job) -> Candidate:
-    """A cp > 1 layout with the ring, or with Ulysses where cp divides each tp rank's heads and it
-    fits and is faster."""
+    """A cp > 1 layout with the ring, or with Ulysses where it fits (Job.check: cp divides each tp
+    rank's heads) and is faster."""
     ring = evaluate(shape, replace(job, cp_attention="ring"))
-    if (shape.n_head // job.tp) % job.cp or (shape.kv_heads // job.tp) % job.cp:
-        return ring
     ulysses = evaluate(shape, replace(job, cp_attention="ulysses"))
     if ulysses.fits and (not ring.fits or ulysses.time.total < ring.time.total):
         return ulysses
@@ -90,22 +88,25 @@ def cp_sizes(shape: ModelShape, base: Job, tp: int) -> list[int]:
             if shape.block_size % (2 * cp) == 0 and base.sync_mode == "sync"]
 
 
-def layouts(base: Job, batch: int, shape: ModelShape | None = None) -> list[Job]:
-    """Every layout of `base`'s cluster at `batch` sequences per step; with `shape`, the cp > 1
-    ones (no pipeline: cp runs at pp = 1) instead."""
-    out = []
-    for tp in divisors(base.gpus_per_node):
-        for pp, cp in ([(1, c) for c in cp_sizes(shape, base, tp)] if shape else
-                       [(p, 1) for p in divisors(base.world // tp)]):
-            dp = base.world // (tp * pp * cp)
-            sharding = ("ddp", "fsdp") if dp * cp > 1 and base.sync_mode == "sync" else ("ddp",)
-            for mode in sharding:
-                for mb in MICRO_BATCHES:
-                    for ac in AC_MODES:
-                        out.append(replace(base, dp=0, tp=tp, pp=pp, cp=cp, data_parallel=mode,
-                                           pp_schedule="1f1b", micro_batch=mb, grad_accum=1,
-                                           global_batch=batch, activation_checkpoint=ac))
-    return out
+def layouts(base: Job, batch: int) -> list[Job]:
+    """Every cp = 1 layout of `base`'s cluster at `batch` sequences per step."""
+    return [job for tp in divisors(base.gpus_per_node) for pp in divisors(base.world // tp)
+            for job in _variants(base, batch, tp, pp, 1)]
+
+
+def cp_layouts(shape: ModelShape, base: Job, batch: int) -> list[Job]:
+    """Every cp > 1 layout (cp x tp inside a node, no pipeline: cp runs at pp = 1)."""
+    return [job for tp in divisors(base.gpus_per_node) for cp in cp_sizes(shape, base, tp)
+            for job in _variants(base, batch, tp, 1, cp)]
+
+
+def _variants(base: Job, batch: int, tp: int, pp: int, cp: int) -> list[Job]:
+    """DDP / FSDP x micro-batches x checkpointing modes of one tp x pp x cp."""
+    dp = base.world // (tp * pp * cp)
+    sharding = ("ddp", "fsdp") if dp * cp > 1 and base.sync_mode == "sync" else ("ddp",)
+    return [replace(base, dp=0, tp=tp, pp=pp, cp=cp, data_parallel=mode, pp_schedule="1f1b",
+                    micro_batch=mb, grad_accum=1, global_batch=batch, activation_checkpoint=ac)
+            for mode in sharding for mb in MICRO_BATCHES for ac in AC_MODES]
 
 
 def ranked(cands: list[Candidate], user: Job) -> list[Candidate]:
@@ -122,7 +123,7 @@ def search(shape: ModelShape, base: Job) -> list[Candidate]:
     checked = base.check(shape)
     cands = [evaluate(shape, j) for j in layouts(checked, checked.batch)]
     if sequence_binds(shape, checked, cands):
-        cands += [evaluate_cp(shape, j) for j in layouts(checked, checked.batch, shape)]
+        cands += [evaluate_cp(shape, j) for j in cp_layouts(shape, checked, checked.batch)]
     return ranked(cands, checked)
 
 

@@ -183,3 +183,16 @@ def test_cp_plan_within_ten_percent_of_the_measured_peak(ranks, kw, measured_mib
                  **kw}).check(shape)
     planned = memory.largest_rank(shape, job).peak
     assert 0.9 <= measured_mib * 2**20 / planned <= 1.1, planned / 2**20
+
+
+def test_cp_layouts_are_cp_times_tp_inside_a_node_without_pipeline():
+    """2 nodes of 4: tp 1 x cp 2 / 4, tp 2 x cp 2; block 2048 takes any; block 12 (2 cp must
+    divide it) only cp 2; DDP or FSDP (over dp x cp) even at dp 1."""
+    shape = dataclasses.replace(PRESETS["1b"], block_size=2048)
+    job = Job(nodes=2, gpus_per_node=4).check(shape)
+    seen = {(j.tp, j.cp, j.pp, j.dp_size) for j in search.cp_layouts(shape, job, 64)}
+    assert seen == {(1, 2, 1, 4), (1, 4, 1, 2), (2, 2, 1, 2)}
+    assert {j.data_parallel for j in search.cp_layouts(shape, job, 64) if j.cp == 4} == {"ddp", "fsdp"}
+    short = dataclasses.replace(shape, block_size=12)
+    assert {j.cp for j in search.cp_layouts(short, job.check(short), 64)} == {2}
+    assert all(j.grad_ranks * j.tp * j.pp == 8 for j in search.cp_layouts(shape, job, 64))
