@@ -52,6 +52,7 @@ def predicted(cfg, world: int, backend: str):
     p, t = cfg.parallel, cfg.train
     shape = ModelShape.of_model_config(cfg.model)
     job = Job(nodes=1, gpus_per_node=world, tokens=1e9, dp=p.dp, tp=p.tp, pp=p.pp,
+              cp=getattr(p, "cp", 1), cp_attention=getattr(p, "cp_attention", "ring"),
               data_parallel=p.data_parallel, pp_schedule=p.pp_schedule,
               pp_virtual_stages=p.pp_virtual_stages, micro_batch=t.micro_batch_size,
               grad_accum=t.grad_accum, loss_chunk=t.loss_chunk,

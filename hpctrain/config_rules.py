@@ -54,7 +54,7 @@ def validate(cfg: Config) -> Config:
     _check(hb == 0 or MIN_HEARTBEAT_S <= hb <= MAX_HEARTBEAT_S, "dist.heartbeat_timeout_s",
            f"{hb:g}: must be 0 (off) or in [{MIN_HEARTBEAT_S:g}, {MAX_HEARTBEAT_S:g}] seconds")
     _check(cfg.dist.stall_timeout_s > 0, "dist.stall_timeout_s", "must be > 0")
-    _validate_data(cfg.data, cfg.parallel)
+    _validate_data(cfg.data)
     _check(cfg.dist.powersgd_rank >= 1, "dist.powersgd_rank", "must be >= 1")
     _check(0.0 <= t.momentum < 1.0, "train.momentum", "must be in [0, 1)")
     _check(not t.nesterov or (t.optimizer == "sgd" and t.momentum > 0), "train.nesterov",
@@ -250,14 +250,11 @@ def _validate_sync(s: SyncConfig, p: ParallelConfig) -> None:
                "parallel.data_parallel at their defaults")
 
 
-def _validate_data(d: DataConfig, p: ParallelConfig) -> None:
+def _validate_data(d: DataConfig) -> None:
     _check(d.cache_bytes >= 0, "data.cache_bytes", "must be >= 0 (0 = auto)")
     _check(d.prefetch >= 0, "data.prefetch", "must be >= 0")
     _check(d.prefetch_blocks >= 0, "data.prefetch_blocks", "must be >= 0 (0 = off)")
     _check(d.shuffle_block_shards >= 1, "data.shuffle_block_shards", "must be >= 1")
-    _check(not d.document_mask or p.pp == 1, "data.document_mask",
-           f"not supported with pipeline parallelism (parallel.pp={p.pp}): the stages do not pass "
-           f"the document ids on; set data.document_mask = false or parallel.pp = 1")
     _check(d.document_mask or not d.document_positions, "data.document_positions",
            "needs data.document_mask = true (positions restart where attention does)")
 

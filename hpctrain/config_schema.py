@@ -68,7 +68,7 @@ class DataConfig:
         "help": "attention never crosses a document boundary inside a window (a block-diagonal "
                 "causal mask from the shards' doc_offsets, which `data_tools shard` writes); the "
                 "loss stays on every token; false = today's windows of concatenated documents "
-                "(bit-identical numbers); not with parallel.pp > 1 (docs/data.md)"})
+                "(bit-identical numbers); every layout, pipelines included (docs/data.md)"})
     document_positions: bool = field(default=False, metadata={
         "help": "with data.document_mask: positions (rotary or learned) restart at 0 at each "
                 "document's first token in a window, as if each document were run alone"})

@@ -4,11 +4,13 @@
 
 - `ring_attention`: each rank keeps its queries; the key/value blocks travel around the ring (cp - 1
   exchanges, the next block's transfer overlapping this block's compute), each (query chunk, key
-  chunk) pair is attended in fp32 and merged by online softmax (log-sum-exp); fully masked pairs
-  (a later key chunk; with document ids, no document in both chunks) are skipped. The backward is
-  recompute-based (flash attention's): from the saved q, k, v, output and log-sum-exp each rank
-  recomputes every live pair's probabilities while the key/value blocks travel around the ring
-  again, their dK/dV accumulators travelling with them, one more exchange bringing each home.
+  chunk) pair is attended by hpctrain/parallel/attention_blocks.py (on the CPU torch's fused flash
+  kernel: no [c, c] score matrix, causal pairs skip their upper half) and merged by online softmax
+  (log-sum-exp, fp32); fully masked pairs (a later key chunk; with document ids, no document in
+  both chunks) are skipped. The backward is recompute-based (flash attention's): from the saved
+  q, k, v, output and log-sum-exp each rank recomputes every live pair's probabilities while the
+  key/value blocks travel around the ring again, their dK/dV accumulators travelling with them,
+  one more exchange bringing each home.
 - `ulysses_attention`: all-to-all from sequence-sharded to head-sharded (every rank the whole
   sequence for H / cp heads), SDPA locally, all-to-all back; needs cp to divide the q and k/v heads.
 
@@ -122,10 +124,8 @@ def _live_pairs(plan: CPPlan, src: int):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: CPPlan, scale: float):
-        c, q_h, shapes = q.shape[2] // 2, _halves(q), (k.shape, v.shape)
-        outs = [torch.zeros(*q_h[0].shape[:3], v.shape[3], dtype=torch.float32, device=q.device)
-                for _ in range(2)]
-        lses = [torch.full(q_h[0].shape[:3], blocks.NEG_INF, device=q.device) for _ in range(2)]
+        q_h, shapes = _halves(q), (k.shape, v.shape)
+        outs, lses = [None, None], [None, None]  # a half's first block (its own chunk's, step 0)
         kv = _pack(k, v)
         for step in range(plan.cp):
             src = (plan.rank - step) % plan.cp
@@ -133,9 +133,10 @@ class _RingAttention(torch.autograd.Function):
                 nxt, works = _ring_exchange(kv, plan, KV_TAG)
             k_h, v_h = (_halves(t) for t in _unpack(kv, shapes))
             for qi, ki, a, b in _live_pairs(plan, src):
-                mask = blocks.pair_mask(a, b, c, plan.chunk_docs(a), plan.chunk_docs(b), q.device)
+                mask = blocks.pair_mask(a, b, plan.chunk_docs(a), plan.chunk_docs(b))
                 o, l = blocks.block_forward(q_h[qi], k_h[ki], v_h[ki], mask, scale)
-                outs[qi], lses[qi] = blocks.merge(outs[qi], lses[qi], o, l)
+                first = outs[qi] is None
+                outs[qi], lses[qi] = (o, l) if first else blocks.merge(outs[qi], lses[qi], o, l)
             if step < plan.cp - 1:
                 _wait(works)
                 kv = nxt
@@ -147,10 +148,9 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        plan, scale, c = ctx.plan, ctx.scale, q.shape[2] // 2
-        delta = (dout.float() * out).sum(-1)
+        plan, scale = ctx.plan, ctx.scale
         dq = torch.zeros_like(q, dtype=torch.float32)
-        dq_h, q_h, dout_h, lse_h, delta_h = (_halves(t) for t in (dq, q, dout, lse, delta))
+        dq_h, q_h, dout_h, out_h, lse_h = (_halves(t) for t in (dq, q, dout, out, lse))
         kv, shapes = _pack(k, v), (k.shape, v.shape)
         dkv = torch.zeros(kv.numel(), dtype=torch.float32, device=q.device)
         for step in range(plan.cp):
@@ -160,9 +160,9 @@ class _RingAttention(torch.autograd.Function):
             k_h, v_h = (_halves(t) for t in _unpack(kv, shapes))
             dk_h, dv_h = (_halves(t) for t in _unpack(dkv, shapes))  # views: they add into dkv
             for qi, ki, a, b in _live_pairs(plan, src):
-                mask = blocks.pair_mask(a, b, c, plan.chunk_docs(a), plan.chunk_docs(b), q.device)
+                mask = blocks.pair_mask(a, b, plan.chunk_docs(a), plan.chunk_docs(b))
                 dq_p, dk_p, dv_p = blocks.block_backward(dout_h[qi], q_h[qi], k_h[ki], v_h[ki],
-                                                         lse_h[qi], delta_h[qi], mask, scale)
+                                                         out_h[qi], lse_h[qi], mask, scale)
                 dq_h[qi].add_(dq_p)
                 dk_h[ki].add_(dk_p)
                 dv_h[ki].add_(dv_p)
@@ -240,11 +240,39 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: C
         raise ValueError(f"Ulysses attention: cp={plan.cp} must divide the query heads ({q.shape[1]}) "
                          f"and the key/value heads ({k.shape[1]}); use ring attention")
     qn, kn, vn = (from_zigzag(_SeqToHeads.apply(t, plan.group), plan.cp, dim=2) for t in (q, k, v))
-    mask = None
-    if plan.doc_ids is not None:
-        seq = plan.doc_ids.shape[1]
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
-        mask = causal & (plan.doc_ids[:, :, None] == plan.doc_ids[:, None, :])[:, None]
-    y = F.scaled_dot_product_attention(qn, kn, vn, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                       enable_gqa=kn.shape[1] != qn.shape[1])
+    if plan.doc_ids is None:
+        y = F.scaled_dot_product_attention(qn, kn, vn, is_causal=True, scale=scale,
+                                           enable_gqa=kn.shape[1] != qn.shape[1])
+    else:
+        y = _documents_attention(qn, kn, vn, plan.doc_ids, scale)
     return _HeadsToSeq.apply(to_zigzag(y, plan.cp, dim=2), plan.group)
+
+
+class _BlockAttention(torch.autograd.Function):
+    """One whole block by attention_blocks (forward; backward recomputed from out and lse)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask: blocks.BlockMask, scale: float):
+        out, lse = blocks.block_forward(q, k, v, mask, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mask, ctx.scale = mask, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = blocks.block_backward(dout, q, k, v, out, lse, ctx.mask, ctx.scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def _documents_attention(q, k, v, doc_ids: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Causal attention within documents of whole sequences ([B, S] ids). On the CPU the fused
+    block kernel (causal: it skips the upper half, which SDPA with an explicit mask computes);
+    elsewhere SDPA with the boolean mask."""
+    allowed = doc_ids[:, :, None] == doc_ids[:, None, :]
+    if q.device.type == "cpu":
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return _BlockAttention.apply(q, k, v, blocks.BlockMask(causal=True, allowed=allowed), scale)
+    causal = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal & allowed[:, None], scale=scale,
+                                          enable_gqa=k.shape[1] != q.shape[1])

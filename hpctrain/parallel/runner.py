@@ -298,14 +298,18 @@ class PipelineRunner(StepRunner):
     def _micro_batch_weight(self, n: int) -> float:
         return 1.0  # the schedule divides the gradients by n_micro after backward (scale_grads)
 
-    def _schedule_inputs(self, micro_batches: list[torch.Tensor]) -> tuple[tuple, dict, list]:
+    def _schedule_inputs(self, micro_batches: list) -> tuple[tuple, dict, list]:
         """(args, kwargs, losses) for schedule.step / eval: the first stage gets the inputs, the
-        last the targets and a list that the schedule fills with one loss per micro-batch."""
+        last the targets and a list that the schedule fills with one loss per micro-batch. The
+        model's keywords (data.document_mask's doc_ids, positions) go to every stage: the schedule
+        splits them into micro-batches as the inputs, and every pp rank of a dp replica read the
+        same micro-batches, so nothing travels with the activations."""
         split, losses = self.layout.split, []
-        x = torch.cat([b[:, :-1] for b in micro_batches])
-        y = torch.cat([b[:, 1:] for b in micro_batches])
-        return ((x,) if split.has_first else (),
-                dict(target=y, losses=losses) if split.has_last else {}, losses)
+        inputs, keywords, targets = zip(*(model_inputs(b) for b in micro_batches))
+        kwargs = {key: torch.cat([k[key] for k in keywords]) for key in keywords[0]}
+        if split.has_last:
+            kwargs.update(target=torch.cat(targets), losses=losses)
+        return (torch.cat(inputs),) if split.has_first else (), kwargs, losses
 
     def _forward_backward_sum(self, micro_batches, autocast, loss_scale):
         total = torch.zeros((), device=self.device)

@@ -47,6 +47,7 @@ ARCH_OPTIONS = {"n_kv_head": "model.n_kv_head (llama: key/value heads; 0 = n_hea
                              "every", "first_dense")}}
 # option -> (config section, key) read from --config
 FROM_CONFIG = {"dp": ("parallel", "dp"), "tp": ("parallel", "tp"), "pp": ("parallel", "pp"),
+               "cp": ("parallel", "cp"), "cp_attention": ("parallel", "cp_attention"),
                "ep": ("parallel", "ep"),
                "data_parallel": ("parallel", "data_parallel"), "pp_schedule": ("parallel", "pp_schedule"),
                "pp_virtual_stages": ("parallel", "pp_virtual_stages"),
@@ -78,6 +79,12 @@ HELP = {
     "shuffle_block_shards": "data.shuffle_block_shards: shards per block of the block order",
     "dp": "parallel.dp (0 = world / (tp x pp))", "tp": "parallel.tp (tensor parallel, in node)",
     "pp": "parallel.pp (pipeline stages)",
+    "cp": "parallel.cp (context parallelism: each sequence split over cp ranks inside a node, "
+          "2 cp zig-zag chunks; the weights replicated like dp's, FSDP shards over dp x cp). The "
+          "search tries cp > 1 when a sequence's activations bind: nothing fits at cp 1, or only "
+          "with every block checkpointed",
+    "cp_attention": "parallel.cp_attention: ring | ulysses (all-to-all; cp divides each tp rank's "
+                    "heads); the search takes the faster",
     "ep": "parallel.ep (MoE: experts split over ep of the dp ranks; divides dp and the experts)",
     "data_parallel": "parallel.data_parallel: ddp | fsdp",
     "pp_schedule": "parallel.pp_schedule: gpipe | 1f1b | interleaved",
@@ -217,7 +224,8 @@ def shape_and_job(args: argparse.Namespace) -> tuple[ModelShape, Job]:
         cfg = config.load(args.config)  # a training config: its errors name the key
         model = dataclasses.asdict(ModelShape.of_model_config(cfg.model))
         for opt, (section, key) in FROM_CONFIG.items():
-            job[opt] = getattr(getattr(cfg, section), key)
+            # a config (or a schema) without parallel.cp / cp_attention: the Job's 1 / "ring"
+            job[opt] = getattr(getattr(cfg, section), key, getattr(Job, opt))
     for key in (*MODEL_KEYS, "arch", *ARCH_OPTIONS):
         if getattr(args, key) is not None:
             model[key] = getattr(args, key)

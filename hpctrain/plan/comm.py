@@ -18,15 +18,18 @@ Owns the communication model (ring collectives: an all-reduce of M bytes over p 
   pp x dp x tp ranks (each stage's parameters averaged over the replicas at its position).
   async_diloco (plan/async_model.py): no dp row in the flat layout (DDP inside a replica of nodes
   otherwise); the "replica" row is one arrival's bytes out and back, amortized over its round.
+- CP (parallel.cp > 1: parallel/context_parallel.py): the ring's K/V and dK/dV blocks or
+  Ulysses' all-to-alls, per block and micro-batch (plan/context.py), a row only when cp > 1; the
+  gradients are then reduced over dp x cp (the weights are replicated over cp).
 - PP (parallel/pipeline.py): each micro-batch's fp32 residual stream (b, s / tp, h) to the next
   stage and its gradient back, per model chunk; the tied embedding / head gradient all-reduced
   between the first and last stage once per step.
-A link is "intra-node" when the group fits in one node (ranks are numbered TP innermost, then dp,
-then pp: distributed/mesh.py), else "inter-node". It must never compute memory.
+A link is "intra-node" when the group fits in one node (ranks are numbered TP innermost, then cp,
+dp, then pp: distributed/mesh.py), else "inter-node". It must never compute memory.
 """
 from __future__ import annotations
 
-from hpctrain.plan import async_model, moe
+from hpctrain.plan import async_model, context, moe
 from hpctrain.plan.layout import Job
 from hpctrain.plan.memory import RankMemory, checkpointed_blocks
 from hpctrain.plan.shape import ModelShape
@@ -59,7 +62,7 @@ def diloco_bytes(job: Job, n_local: int, p: int) -> tuple[int, str]:
 def dp_bytes(shape: ModelShape, job: Job, n_local: int) -> tuple[int, str]:
     """(bytes per step, what moves) over the dp group for `n_local` parameters (after TP / PP);
     hierarchical: DDP inside one replica."""
-    p = job.dp_size // job.replicas if job.replicas else job.dp_size
+    p = job.grad_ranks // job.replicas if job.replicas else job.grad_ranks
     if p == 1:
         return 0, "none (dp = 1)"
     if job.replicas:
@@ -95,7 +98,7 @@ def comm_per_step(shape: ModelShape, job: Job, blocks: int, ckpt_blocks: int, ha
     """Rows (axis, link kind, bytes sent per step by this rank, what moves); an MoE model's
     all-to-all first (ep: plan/moe.py, over the sparse layers among `block_ids`)."""
     ends = int(has_first) + int(has_last)
-    inner_dp = job.dp_size // job.replicas if job.replicas else job.dp_size  # a replica's pp x dp x tp
+    inner_dp = job.grad_ranks // job.replicas if job.replicas else job.grad_ranks  # a replica's pp x dp x cp x tp
     dp, what = dp_bytes(shape, job, n_local - moe.held_experts(shape, job, block_ids))
     if moe.held_experts(shape, job, block_ids):  # ep > 1: left out of DDP / FSDP (plan/moe.py)
         dp += moe.replica_grad_bytes(shape, job, block_ids)
@@ -107,11 +110,20 @@ def comm_per_step(shape: ModelShape, job: Job, blocks: int, ckpt_blocks: int, ha
          tp_bytes(shape, job, blocks, ckpt_blocks, ends) + moe.tp_grad_bytes(shape, job, block_ids),
          "sequence-parallel all-gathers + reduce-scatters per block"
          + ", MoE gradients all-reduced" * bool(shape.moe_experts and job.tp > 1)),
+        *cp_row(shape, job, blocks, ckpt_blocks),
         ("dp", link(job.tp * inner_dp, job), dp, what),
         *across_replicas(job, n_local),
         ("pp", link(job.tp * inner_dp * 2, job) if job.pp > 1 else "-",
          pp_bytes(shape, job, has_first, has_last), "activations forward, gradients back"),
     ]
+
+
+def cp_row(shape: ModelShape, job: Job, blocks: int, ckpt_blocks: int) -> list[tuple[str, str, int, str]]:
+    """The context-parallel row (none at cp = 1): its group is cp x tp consecutive ranks."""
+    if job.cp == 1:
+        return []
+    return [("cp", link(job.tp * job.cp, job), context.traffic_bytes(shape, job, blocks, ckpt_blocks),
+             context.what_moves(job))]
 
 
 def across_replicas(job: Job, n_local: int) -> list[tuple[str, str, int, str]]:

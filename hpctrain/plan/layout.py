@@ -1,9 +1,12 @@
 """The job the planner describes: cluster, parallel layout, batch, precision, sync mode, budgets.
 
 Owns: `Job` (everything `hpctrain plan` is asked about besides the model shape) and its checks,
-which mirror what `train` refuses (dp x tp x pp = world, tp divides n_head, n_kv_head, the SwiGLU
-width and block_size, no more pipeline stages than blocks; async_diloco's server layout:
-plan/async_model.py), each one line naming the option. It must never compute bytes.
+which mirror what `train` refuses (dp x cp x tp x pp = world, tp divides n_head, n_kv_head, the
+SwiGLU width and block_size, no more pipeline stages than blocks, block_size a multiple of 2 cp,
+Ulysses' cp dividing each tp rank's heads; async_diloco's server layout: plan/async_model.py),
+each one line naming the option. Context parallelism (parallel.cp): cp ranks hold the same weights
+and one sequence's parts, so a step's batch is dp's (`data_ranks`) and gradients are reduced over
+dp x cp (`grad_ranks`). It must never compute bytes.
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ CHOICES = {"data_parallel": key_choices(ParallelConfig, "data_parallel"),
            "pull_compression": key_choices(SyncConfig, "pull_compression"),
            "shuffle": key_choices(DataConfig, "shuffle"),
            "backend": tuple(c for c in key_choices(DistConfig, "backend") if c != "auto"),
-           "checkpoint_layout": key_choices(CheckpointConfig, "layout")}
+           "checkpoint_layout": key_choices(CheckpointConfig, "layout"),
+           "cp_attention": ("ring", "ulysses")}  # parallel.cp_attention
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,8 @@ class Job:
     dp: int = 0                         # 0 = world / (tp * pp)
     tp: int = 1
     pp: int = 1
+    cp: int = 1                         # parallel.cp: one sequence split over cp ranks (zig-zag chunks)
+    cp_attention: str = "ring"          # parallel.cp_attention: ring | ulysses (cp divides the heads)
     ep: int = 1                         # parallel.ep: MoE experts split over ep of the dp ranks
     data_parallel: str = "ddp"          # ddp | fsdp
     pp_schedule: str = "1f1b"           # gpipe | 1f1b | interleaved
@@ -84,7 +90,13 @@ class Job:
 
     @property
     def dp_size(self) -> int:
-        return self.dp or self.world // (self.tp * self.pp)
+        return self.dp or self.world // (self.tp * self.pp * self.cp)
+
+    @property
+    def grad_ranks(self) -> int:
+        """Ranks holding the same weights whose gradients are reduced together: dp x cp (FSDP
+        shards over them)."""
+        return self.dp_size * self.cp
 
     @property
     def replicas(self) -> int:
@@ -110,7 +122,8 @@ class Job:
 
     @property
     def layout_name(self) -> str:
-        return (f"{self.data_parallel} dp{self.dp_size} tp{self.tp} pp{self.pp} "
+        cp = f" cp{self.cp}" + (" ulysses" if self.cp_attention == "ulysses" else "") if self.cp > 1 else ""
+        return (f"{self.data_parallel} dp{self.dp_size}{cp} tp{self.tp} pp{self.pp} "
                 f"mb{self.micro_batch}x{self.grad_accum} ac={self.activation_checkpoint}")
 
     @property
@@ -126,12 +139,13 @@ class Job:
         return self.precision in ("bf16", "fp16")
 
     def world_problem(self) -> str:
-        """Why dp x tp x pp is not the world size ('' when it is): a layout of another node count,
-        as a config's [parallel] for more nodes."""
-        if self.tp < 1 or self.pp < 1 or self.dp_size * self.tp * self.pp == self.world:
+        """Why dp x cp x tp x pp is not the world size ('' when it is): a layout of another node
+        count, as a config's [parallel] for more nodes."""
+        if self.tp < 1 or self.pp < 1 or self.cp < 1 or self.grad_ranks * self.tp * self.pp == self.world:
             return ""
-        return (f"--dp/--tp/--pp: dp={self.dp_size} x tp={self.tp} x pp={self.pp} does not match the "
-                f"world size {self.world} (nodes x gpus per node)")
+        cp = f" x cp={self.cp}" if self.cp > 1 else ""
+        return (f"--dp/--tp/--pp{'/--cp' * bool(cp)}: dp={self.dp_size}{cp} x tp={self.tp} x pp={self.pp} "
+                f"does not match the world size {self.world} (nodes x gpus per node)")
 
     def check(self, shape: ModelShape) -> "Job":
         """The job with train.global_batch resolved into grad_accum, or one line naming the option."""
@@ -139,7 +153,7 @@ class Job:
             if getattr(self, key) not in allowed:
                 raise ValueError(f"--{key.replace('_', '-')} {getattr(self, key)!r}: expected one of "
                                  f"{', '.join(allowed)}")
-        for key in ("nodes", "gpus_per_node", "tp", "pp", "micro_batch", "grad_accum",
+        for key in ("nodes", "gpus_per_node", "tp", "pp", "cp", "micro_batch", "grad_accum",
                     "inner_steps", "ac_every", "pp_virtual_stages", "shard_tokens",
                     "shuffle_block_shards"):
             if getattr(self, key) < 1:
@@ -153,6 +167,7 @@ class Job:
         problem = shape.tp_problem(self.tp)
         if problem:
             raise ValueError(f"--tp {self.tp} {problem}")
+        self.check_cp(shape)
         if self.pp * self.virtual > shape.n_layer:
             raise ValueError(f"--pp {self.pp} x {self.virtual} virtual stages > n_layer {shape.n_layer}")
         if self.sync_mode == "diloco" and self.data_parallel == "fsdp":
@@ -174,6 +189,24 @@ class Job:
             if getattr(self, key) <= 0:
                 raise ValueError(f"--{key.replace('_', '-')} must be > 0, got {getattr(self, key)}")
         return self.resolve_global_batch()
+
+    def check_cp(self, shape: ModelShape) -> None:
+        """parallel.cp's rules, each one line naming the option."""
+        if self.cp == 1:
+            return
+        if shape.block_size % (2 * self.cp):
+            raise ValueError(f"--cp {self.cp}: block_size {shape.block_size} must be a multiple of 2 x cp "
+                             f"= {2 * self.cp} (the zig-zag chunks)")
+        if self.pp > 1:
+            raise ValueError(f"--cp {self.cp} with --pp {self.pp}: context parallelism runs without "
+                             f"pipeline stages (parallel.pp = 1)")
+        if self.ep > 1:
+            raise ValueError(f"--cp {self.cp} with --ep {self.ep}: context parallelism runs without "
+                             f"expert parallelism (parallel.ep = 1)")
+        heads, kv = shape.n_head // self.tp, shape.kv_heads // self.tp
+        if self.cp_attention == "ulysses" and (heads % self.cp or kv % self.cp):
+            raise ValueError(f"--cp-attention ulysses: cp {self.cp} must divide each tp rank's "
+                             f"{heads} query and {kv} key/value heads; use ring")
 
     def resolve_global_batch(self) -> "Job":
         """config_rules.resolve_grad_accum: grad_accum = global_batch / (micro_batch x dp)."""

@@ -29,7 +29,8 @@ Owns the memory model of OUR code, per pipeline rank (the largest is what must f
   sync.overlap), and a round's flat fp32 delta + its average.
 - activations: one block's, a checkpointed block's and the head's bytes (plan/activations.py),
   in the precision the layout gives the blocks (`params16`: FSDP's 16-bit parameters make the
-  residual stream 16-bit).
+  residual stream 16-bit); under context parallelism (parallel.cp) those of the s / cp tokens a
+  rank holds, with the attention's own buffers (plan/context.py); FSDP shards over dp x cp.
 - peak = parameters + optimizer state + working copies + the highest activations + gradients of
   a step (FSDP with one micro-batch: the sweep above): with grad_accum > 1, micro-batches in
   flight (pipeline) or DDP (gradients are views of its buckets, allocated once) all gradients
@@ -47,7 +48,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from hpctrain.plan import moe
+from hpctrain.plan import context, moe
 from hpctrain.plan.activations import (activation_formula, checkpointed_layer_bytes,  # noqa: F401
                                        head_bytes, layer_activation_bytes, llama_layer_bytes)
 from hpctrain.plan.layout import Job
@@ -94,21 +95,23 @@ def pipeline_stages(shape: ModelShape, job: Job) -> list[Stage]:
 def params16(job: Job) -> bool:
     """Whether the blocks run on 16-bit parameters (FSDP2's MixedPrecisionPolicy under bf16 /
     fp16, dp > 1: parallel/parallelize.py), which makes the residual stream 16-bit (activations.py)."""
-    return job.half and job.data_parallel == "fsdp" and job.dp_size > 1
+    return job.half and job.data_parallel == "fsdp" and job.grad_ranks > 1
 
 
 def job_layer_bytes(shape: ModelShape, job: Job) -> int:
-    """One block's stored activations for one micro-batch of `job`."""
-    return layer_activation_bytes(shape, job.micro_batch, job.tp, job.half, params16(job))
+    """One block's stored activations for one micro-batch of `job` (a cp rank's tokens)."""
+    return (layer_activation_bytes(context.local_shape(shape, job), job.micro_batch, job.tp, job.half,
+                                   params16(job)) + context.stored_extra(shape, job))
 
 
 def job_checkpointed_bytes(shape: ModelShape, job: Job) -> int:
-    return checkpointed_layer_bytes(shape, job.micro_batch, job.tp, params16(job))
+    return checkpointed_layer_bytes(context.local_shape(shape, job), job.micro_batch, job.tp, params16(job))
 
 
 def job_head_bytes(shape: ModelShape, job: Job) -> int:
-    """The head's stored + transient bytes for one micro-batch of `job`."""
-    return sum(head_bytes(shape, job.micro_batch, job.tp, job.half, job.loss_chunk, params16(job)))
+    """The head's stored + transient bytes for one micro-batch of `job` (a cp rank's tokens)."""
+    return sum(head_bytes(context.local_shape(shape, job), job.micro_batch, job.tp, job.half,
+                          job.loss_chunk, params16(job)))
 
 
 def checkpointed_blocks(job: Job, stage: Stage) -> int:
@@ -195,7 +198,7 @@ def fsdp_backward_sweep(shape: ModelShape, job: Job, stage: Stage) -> int:
     full = job_layer_bytes(shape, job)
     pbytes, block = (2 if job.half else 4), shape.block_params_tp(job.tp)
     gathered, _ = _fsdp_buffers(shape, job, stage)
-    shard = 4 * block // job.dp_size
+    shard = 4 * block // job.grad_ranks
     rs_input = 4 * block * (2 if job.backend == "gloo" else 1)
     high = sum(b for b, _ in blocks)
     if stage.has_last:
@@ -230,7 +233,7 @@ def fsdp_accum_sweep(shape: ModelShape, job: Job, stage: Stage) -> int:
     blocks = _kept_per_block(shape, job, stage)
     n, full = len(blocks), job_layer_bytes(shape, job)
     pbytes, block = (2 if job.half else 4), shape.block_params_tp(job.tp)
-    acc, shard = 4 * block, 4 * block // job.dp_size
+    acc, shard = 4 * block, 4 * block // job.grad_ranks
     rs_input = 4 * block * (2 if job.backend == "gloo" else 1)
     convert = 4 * block if job.half else 0  # bf16 gradients cast to an fp32 copy, both alive
 
@@ -254,7 +257,7 @@ def fsdp_accum_sweep(shape: ModelShape, job: Job, stage: Stage) -> int:
 
 def rank_memory(shape: ModelShape, job: Job, stage: Stage) -> RankMemory:
     n, mm = local_params(shape, job, stage)
-    shard = job.dp_size if job.data_parallel == "fsdp" else 1
+    shard = job.grad_ranks if job.data_parallel == "fsdp" else 1
     fsdp, kept = shard > 1, functools.partial(moe.sharded_bytes, shape, job, stage.block_ids, n, shard)
     parts = {"parameters (fp32)": kept(4), "gradients (fp32)": kept(4), "AdamW m, v (fp32)": kept(ADAM_BYTES)}
     if fsdp:
@@ -270,6 +273,8 @@ def rank_memory(shape: ModelShape, job: Job, stage: Stage) -> RankMemory:
         parts["DiLoCo round delta + average (transient)"] = 8 * n
     by_mode = {m: stage_activations(shape, job, stage, m) for m in ("none", "selective", "full")}
     parts["activations"] = by_mode[job.activation_checkpoint]
+    if job.cp > 1:
+        parts[f"cp {job.cp_attention} attention buffers (transient)"] = context.transient_bytes(shape, job)
     out = RankMemory(stage, n, parts, by_mode)
     out.peak = _peak(shape, job, stage, parts)
     out.zero_paper = kept(16)
@@ -316,23 +321,24 @@ def _peak(shape: ModelShape, job: Job, stage: Stage, p: dict) -> int:
     work = (p.get("16-bit weight copies (autocast)", 0) + p.get("FSDP all-gathered params", 0)
             + p.get("FSDP unsharded grad (transient)", 0)
             + p.get("FSDP accumulated grads (grad_accum > 1)", 0))
-    acts = p["activations"]
-    ddp_buckets = (job.data_parallel == "ddp" and job.dp_size > (job.replicas or 1)
+    acts = p["activations"] + p.get(f"cp {job.cp_attention} attention buffers (transient)", 0)
+    ddp_buckets = (job.data_parallel == "ddp" and job.grad_ranks > (job.replicas or 1)
                    and (job.sync_mode == "sync" or job.replicas > 0)  # hierarchical: DDP inside
                    and job.tp == 1 and job.pp == 1)  # gradient_as_bucket_view: grads never freed
-    fsdp = job.data_parallel == "fsdp" and job.dp_size > 1
+    fsdp = job.data_parallel == "fsdp" and job.grad_ranks > 1
     if fsdp and stage.in_flight == 1 and (job.grad_accum == 1 or job.pp == 1):
         sweep = fsdp_backward_sweep if job.grad_accum == 1 else fsdp_accum_sweep
-        return state + max(sweep(shape, job, stage),  # reduce-scattered block by block
+        cp_buffers = acts - p["activations"]
+        return state + max(sweep(shape, job, stage) + cp_buffers,  # reduce-scattered block by block
                            grads + _tp_embedding_grad(shape, job, stage))
     if fsdp:  # pipelines (torch's stage: reshard_after_backward(False) until the last
         # micro-batch; not measured): every FSDP part summed at once
         head_grad = 4 * shape.embedding_params_tp(job.tp) if stage.has_last else 0
-        during = acts + head_grad // job.dp_size + grads
+        during = acts + head_grad // job.grad_ranks + grads
     elif ddp_buckets or job.grad_accum > 1 or stage.in_flight > 1:
         during = acts + grads  # gradients live through the forward passes
     else:
-        during = backward_sweep(shape, job, stage)
+        during = backward_sweep(shape, job, stage) + acts - p["activations"]  # + cp's buffers
     step_end = (grads + p.get("DiLoCo round delta + average (transient)", 0)
                 + _tp_embedding_grad(shape, job, stage))
     return state + max(work + during, step_end)

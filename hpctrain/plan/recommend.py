@@ -25,6 +25,7 @@ class Advice:
     ranked: list = field(default_factory=list)       # every searched layout, fitting ones first
     fixes: list = field(default_factory=list)        # (changes, Candidate) nearest to the user's
     more_nodes: search.Candidate | None = None       # when no layout fits this node count
+    cp_why: str = ""                                  # the recommended layout's cp > 1: why
 
     @property
     def best(self) -> search.Candidate | None:
@@ -43,7 +44,23 @@ def advise(shape: ModelShape, job: Job) -> Advice:
         advice.fixes = search.nearest_fixes(user.job, ranked)
     if advice.best is None:
         advice.more_nodes = search.smallest_fitting_nodes(shape, job)
+    elif advice.best.job.cp > 1:
+        advice.cp_why = cp_reason(shape, advice)
     return advice
+
+
+def cp_reason(shape: ModelShape, a: Advice) -> str:
+    """Why the recommended layout splits each sequence: its activations at cp 1 and at its cp, and
+    the fastest cp = 1 layout that fits (if any)."""
+    b = a.best.job
+    at_one, at_cp = search.cp_activations(shape, b)
+    plain = next((c for c in a.ranked if c.fits and c.job.cp == 1), None)
+    alone = (f"the fastest at cp 1, {plain.job.layout_name}, runs {plain.time.tokens_per_s:,.0f} "
+             f"tokens/s" if plain else "no layout fits at cp 1")
+    return (f"cp {b.cp}: a {shape.block_size:,}-token sequence needs {fmt_bytes(at_one)} of activations "
+            f"per rank at cp 1 (tp {b.tp}, micro-batch {b.micro_batch}, ac={b.activation_checkpoint}), "
+            f"{fmt_bytes(at_cp)} at cp {b.cp}; {alone}; {b.cp_attention} attention "
+            f"({fmt_seconds(a.best.time.cp)} of exposed cp transfers per step)")
 
 
 def fmt_count(n: float) -> str:
@@ -66,6 +83,10 @@ def candidate_dict(c: search.Candidate) -> dict:
            "pp": j.pp, "data_parallel": j.data_parallel, "micro_batch": j.micro_batch,
            "grad_accum": j.grad_accum, "activation_checkpoint": j.activation_checkpoint,
            "peak_bytes": c.peak, "setup_bytes": c.setup, "pp_rank": c.pp_rank}
+    if j.cp > 1:
+        out.update(cp=j.cp, cp_attention=j.cp_attention)
+    if t is not None and j.cp > 1:
+        out.update(cp_s=t.cp)
     if t is not None:
         out.update(step_s=t.total, compute_s=t.compute, tp_s=t.tp, pp_s=t.pp, bubble_s=t.bubble,
                    dp_exposed_s=t.dp_exposed, dp_total_s=t.dp_total, tokens_per_s=t.tokens_per_s,
@@ -84,7 +105,8 @@ def as_json(a: Advice, config: str | None = None) -> dict:
     best = a.best
     return {"assumptions": assumptions(a.job), "user": candidate_dict(a.user),
             "fixes": [{"changes": ch, **candidate_dict(c)} for ch, c in a.fixes],
-            "recommended": {**candidate_dict(best), "train_command": train_command(best.job, config)}
+            "recommended": {**candidate_dict(best), "train_command": train_command(best.job, config),
+                            **({"cp_why": a.cp_why} if a.cp_why else {})}
             if best else None,
             "more_nodes": {"nodes": a.more_nodes.job.nodes, **candidate_dict(a.more_nodes)}
             if a.more_nodes else None,
@@ -113,6 +135,13 @@ def _user_lines(a: Advice) -> list[str]:
     return lines
 
 
+def _dp_note(b: Job) -> str:
+    cp, cp_of = (" x cp", f"{b.cp} x ") if b.cp > 1 else ("", "")
+    return (f"  (--parallel.dp=0: dp = world / ({cp.strip(' x ') + ' x ' if cp else ''}tp x pp), parallel.dp "
+            f"of `hpctrain train --help`; {b.world} / ({cp_of}{b.tp} x {b.pp}) = {b.dp_size} here, and it "
+            f"follows the world of an elastic restart on fewer nodes)")
+
+
 def render(a: Advice, top: int = 5, config: str | None = None) -> str:
     j = a.job
     fit = [c for c in a.ranked if c.fits]
@@ -132,9 +161,8 @@ def render(a: Advice, top: int = 5, config: str | None = None) -> str:
     if a.best:
         b = a.best.job
         lines += [f"recommended: {b.layout_name}: {train_command(b, config)}",
-                  f"  (--parallel.dp=0: dp = world / (tp x pp), parallel.dp of `hpctrain train --help`; "
-                  f"{b.world} / ({b.tp} x {b.pp}) = {b.dp_size} here, and it follows the world of an "
-                  f"elastic restart on fewer nodes)"]
+                  _dp_note(b)]
+        lines += [f"  ({a.cp_why})"] * bool(a.cp_why)
     else:
         more = a.more_nodes
         lines.append(f"nothing fits {j.nodes} x {j.gpus_per_node} GPUs of {fmt_bytes(j.gpu_memory)}: "

@@ -133,6 +133,7 @@ def _memory_lines(p: Plan) -> list[str]:
     title = (f"## Memory per rank (pipeline rank {st.pp_rank}: {len(st.block_ids)} blocks, "
              f"{st.in_flight} micro-batch(es) in flight, {m.local_params:,} parameters before FSDP)")
     formula = memory.activation_formula(j.half, p.shape.llama)
+    formula += f"; s = block_size / cp = {p.shape.block_size // j.cp:,}" if j.cp > 1 else ""
     note = (f"Activations by checkpointing mode ({formula}, plus the head; "
             "one block recomputed when any is checkpointed):")
     return ([title, ""] + _table(("what", "bytes"), rows) + ["", note, ""]
@@ -152,7 +153,8 @@ def render(p: Plan, head: bool = True) -> str:
     """The report of the plan's layout; `head`: under its title line."""
     s, j = p.shape, p.job
     tokens_step = j.batch * s.block_size
-    lines = [f"Layout: dp {j.dp_size} ({j.data_parallel}{f', ep {j.ep}' if j.ep > 1 else ''}) x tp {j.tp} x pp {j.pp} ({j.pp_schedule}), "
+    cp = f"cp {j.cp} ({j.cp_attention}: {s.block_size // j.cp:,} tokens of each sequence per rank) x " if j.cp > 1 else ""
+    lines = [f"Layout: dp {j.dp_size} ({j.data_parallel}{f', ep {j.ep}' if j.ep > 1 else ''}) x {cp}tp {j.tp} x pp {j.pp} ({j.pp_schedule}), "
              f"micro_batch {j.micro_batch} x grad_accum {j.grad_accum} -> global batch "
              f"{j.batch} sequences ({tokens_step:,} tokens); activation_checkpoint "
              f"{j.activation_checkpoint}; {j.precision}; sync {j.sync_mode}"

@@ -2,7 +2,11 @@
 
 Owns: enumerating the layouts of a job at its global batch (tp over the divisors of the GPUs per
 node, pp over the divisors of what is left, DDP or FSDP, micro-batch 1/2/4/8, activation
-checkpointing none/selective/full; grad_accum follows from the batch), judging each one (`train`'s
+checkpointing none/selective/full; grad_accum follows from the batch; context parallelism cp > 1
+inside a node, ring or Ulysses, whichever is faster, searched only when the sequence binds: the
+user's layout has cp, the sequence is long (attention FLOPs >= half the dense ones), or at cp = 1
+nothing fits but a cp layout would, or every fitting layout recomputes all its blocks), judging
+each one (`train`'s
 rules via Job.check, the pipeline schedule's micro-batch rule, the peak per GPU of memory.py
 against Job.usable_memory) with the reason when it is rejected, ranking those that fit by
 step_time.py, the nearest fitting change to a layout that does not fit, the smallest node count
@@ -64,24 +68,45 @@ def evaluate(shape: ModelShape, job: Job) -> Candidate:
     return Candidate(job, not why, why, mem.peak, setup, mem.stage.pp_rank, step_time(shape, job, mem))
 
 
+def evaluate_cp(shape: ModelShape, job: Job) -> Candidate:
+    """A cp > 1 layout with the ring, or with Ulysses where it fits (Job.check: cp divides each tp
+    rank's heads) and is faster."""
+    ring = evaluate(shape, replace(job, cp_attention="ring"))
+    ulysses = evaluate(shape, replace(job, cp_attention="ulysses"))
+    if ulysses.fits and (not ring.fits or ulysses.time.total < ring.time.total):
+        return ulysses
+    return ring
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def cp_sizes(shape: ModelShape, base: Job, tp: int) -> list[int]:
+    """cp > 1 for one tp: cp x tp ranks inside a node, block_size a multiple of 2 cp (sync only)."""
+    return [cp for cp in divisors(base.gpus_per_node // tp)[1:]
+            if shape.block_size % (2 * cp) == 0 and base.sync_mode == "sync"]
+
+
 def layouts(base: Job, batch: int) -> list[Job]:
-    """Every layout of `base`'s cluster at `batch` sequences per step."""
-    out = []
-    for tp in divisors(base.gpus_per_node):
-        for pp in divisors(base.world // tp):
-            dp = base.world // (tp * pp)
-            sharding = ("ddp", "fsdp") if dp > 1 and base.sync_mode == "sync" else ("ddp",)
-            for mode in sharding:
-                for mb in MICRO_BATCHES:
-                    for ac in AC_MODES:
-                        out.append(replace(base, dp=0, tp=tp, pp=pp, data_parallel=mode,
-                                           pp_schedule="1f1b", micro_batch=mb, grad_accum=1,
-                                           global_batch=batch, activation_checkpoint=ac))
-    return out
+    """Every cp = 1 layout of `base`'s cluster at `batch` sequences per step."""
+    return [job for tp in divisors(base.gpus_per_node) for pp in divisors(base.world // tp)
+            for job in _variants(base, batch, tp, pp, 1)]
+
+
+def cp_layouts(shape: ModelShape, base: Job, batch: int) -> list[Job]:
+    """Every cp > 1 layout (cp x tp inside a node, no pipeline: cp runs at pp = 1)."""
+    return [job for tp in divisors(base.gpus_per_node) for cp in cp_sizes(shape, base, tp)
+            for job in _variants(base, batch, tp, 1, cp)]
+
+
+def _variants(base: Job, batch: int, tp: int, pp: int, cp: int) -> list[Job]:
+    """DDP / FSDP x micro-batches x checkpointing modes of one tp x pp x cp."""
+    dp = base.world // (tp * pp * cp)
+    sharding = ("ddp", "fsdp") if dp * cp > 1 and base.sync_mode == "sync" else ("ddp",)
+    return [replace(base, dp=0, tp=tp, pp=pp, cp=cp, data_parallel=mode, pp_schedule="1f1b",
+                    micro_batch=mb, grad_accum=1, global_batch=batch, activation_checkpoint=ac)
+            for mode in sharding for mb in MICRO_BATCHES for ac in AC_MODES]
 
 
 def ranked(cands: list[Candidate], user: Job) -> list[Candidate]:
@@ -94,9 +119,30 @@ def ranked(cands: list[Candidate], user: Job) -> list[Candidate]:
 
 
 def search(shape: ModelShape, base: Job) -> list[Candidate]:
-    """Every layout at `base`'s global batch, judged and ranked."""
+    """Every layout at `base`'s global batch, judged and ranked (cp > 1 ones when the sequence binds)."""
     checked = base.check(shape)
-    return ranked([evaluate(shape, j) for j in layouts(checked, checked.batch)], checked)
+    cands = [evaluate(shape, j) for j in layouts(checked, checked.batch)]
+    if sequence_binds(shape, checked, cands):
+        cands += [evaluate_cp(shape, j) for j in cp_layouts(shape, checked, checked.batch)]
+    return ranked(cands, checked)
+
+
+LONG_ATTENTION_SHARE = 0.5  # a sequence is long when its attention FLOPs reach half the dense ones
+
+
+def sequence_binds(shape: ModelShape, job: Job, cands: list[Candidate]) -> bool:
+    """Whether cp > 1 layouts are worth searching: the user's layout has cp; or the sequence is
+    long (attention's 12 L (heads x head_dim) s FLOPs per token >= LONG_ATTENTION_SHARE of the 6 N
+    dense ones: s >= 3 n_embd for a dense llama or gpt2); or at cp = 1 every fitting layout
+    checkpoints all its blocks (activation memory binds: cp may save the recompute); or none fits
+    and a cp one of the least memory does."""
+    dense = 6.0 * shape.active_params()
+    if job.cp > 1 or shape.flops_per_token() - dense >= LONG_ATTENTION_SHARE * dense:
+        return True
+    fitting = [c for c in cands if c.fits]
+    if fitting:
+        return all(c.job.activation_checkpoint == "full" for c in fitting)
+    return any(evaluate(shape, j).fits for j in frugal_layouts(shape, job, with_cp=True))
 
 
 def changes(user: Job, other: Job) -> list[str]:
@@ -105,6 +151,8 @@ def changes(user: Job, other: Job) -> list[str]:
     if user.data_parallel != other.data_parallel:
         out.append("add FSDP" if other.data_parallel == "fsdp" else "DDP instead of FSDP")
     out += [f"{k}={getattr(other, k)}" for k in ("tp", "pp") if getattr(user, k) != getattr(other, k)]
+    if user.cp != other.cp or (other.cp > 1 and user.cp_attention != other.cp_attention):
+        out.append(f"cp={other.cp}" + (f" ({other.cp_attention})" if other.cp > 1 else ""))
     if other.pp > 1 and user.pp_schedule != other.pp_schedule:
         out.append(f"pp_schedule {other.pp_schedule}")
     if user.micro_batch != other.micro_batch:
@@ -127,25 +175,38 @@ def nearest_fixes(user: Job, cands: list[Candidate], n: int = 4) -> list[tuple[l
     return sorted(best.values(), key=lambda fc: (len(fc[0]), fc[1].time.total))[:n]
 
 
-def frugal_layouts(shape: ModelShape, base: Job) -> list[Job]:
+def frugal_layouts(shape: ModelShape, base: Job, with_cp: bool = False) -> list[Job]:
     """The least memory per GPU each pipeline depth allows: the widest tp that divides the heads,
-    FSDP (sync), micro-batch 1, full checkpointing, the fewest micro-batches a pipeline runs."""
+    FSDP (sync), micro-batch 1, full checkpointing, the fewest micro-batches a pipeline runs;
+    `with_cp`: instead each tp with the widest cp a node has room for (pp = 1)."""
+    mode = "fsdp" if base.sync_mode == "sync" else "ddp"
+    frugal = replace(base, dp=0, cp=1, cp_attention="ring", data_parallel=mode, pp_schedule="1f1b",
+                     micro_batch=1, global_batch=0, activation_checkpoint="full")
+    if with_cp:
+        return [replace(frugal, tp=t, pp=1, grad_accum=1, cp=max(cp_sizes(shape, base, t)))
+                for t in divisors(base.gpus_per_node) if not shape.tp_problem(t) and cp_sizes(shape, base, t)]
     tp = max(t for t in divisors(base.gpus_per_node)
              if not shape.tp_problem(t))
-    mode = "fsdp" if base.sync_mode == "sync" else "ddp"
-    return [replace(base, dp=0, tp=tp, pp=pp, data_parallel=mode, pp_schedule="1f1b", micro_batch=1,
-                    grad_accum=pp, global_batch=0, activation_checkpoint="full")
+    return [replace(frugal, tp=tp, pp=pp, grad_accum=pp)
             for pp in divisors(base.world // tp) if pp <= shape.n_layer]
 
 
 def smallest_fitting_nodes(shape: ModelShape, base: Job) -> Candidate | None:
     """The first node count above `base.nodes` (up to MORE_NODES_LIMIT x) where a layout fits."""
     for nodes in range(base.nodes + 1, base.nodes * MORE_NODES_LIMIT + 1):
-        for job in frugal_layouts(shape, replace(base, nodes=nodes)):
+        more = replace(base, nodes=nodes)
+        for job in frugal_layouts(shape, more) + frugal_layouts(shape, more, with_cp=True):
             cand = evaluate(shape, job)
             if cand.fits:
                 return cand
     return None
+
+
+def cp_activations(shape: ModelShape, job: Job) -> tuple[int, int]:
+    """(activations per rank at cp 1, at the job's cp) of a cp layout, all else equal: why cp."""
+    at_one = replace(job, dp=0, cp=1, cp_attention="ring")
+    return (memory.largest_rank(shape, at_one).parts["activations"],
+            memory.largest_rank(shape, job).parts["activations"])
 
 
 def train_flags(job: Job) -> str:
@@ -156,6 +217,8 @@ def train_flags(job: Job) -> str:
              f"--parallel.activation_checkpoint={job.activation_checkpoint}"]
     if job.activation_checkpoint == "selective":
         flags.append(f"--parallel.ac_every={job.ac_every}")
+    if job.cp > 1:  # each sequence split over cp ranks
+        flags += [f"--parallel.cp={job.cp}", f"--parallel.cp_attention={job.cp_attention}"]
     if job.ep > 1:  # a mixture-of-experts model's experts split over ep ranks
         flags.append(f"--parallel.ep={job.ep}")
     flags += [f"--train.micro_batch_size={job.micro_batch}", "--train.grad_accum=1",

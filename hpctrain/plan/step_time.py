@@ -8,6 +8,9 @@ Owns the step-time model `hpctrain plan` ranks layouts by (docs/scale.md, "Recom
   (nothing overlaps them), over the intra-node bandwidth (the inter-node one when tp > a node).
 - EP (mixture of experts): the all-to-all of plan/moe.py on the critical path (each layer waits for
   its tokens), over the intra-node bandwidth while tp x ep fits a node.
+- CP (plan/context.py): the ring's block transfers, of which what the attention's compute does not
+  hide is exposed, or Ulysses' all-to-alls, all on the critical path; over the intra-node
+  bandwidth while cp x tp fits a node.
 - PP: the micro-batch activations / gradients of comm.pp_bytes, on the critical path; the 1F1B /
   GPipe bubble idles (pp - 1) / micro-batches of the pipelined time (compute + TP + p2p).
 - DP: comm.dp_bytes over the inter-node bandwidth when the dp group spans nodes (comm.link), the
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpctrain.plan import async_model, comm
+from hpctrain.plan import async_model, comm, context
 from hpctrain.plan.layout import Job
 from hpctrain.plan.memory import RankMemory, checkpointed_blocks
 from hpctrain.plan.shape import ModelShape
@@ -42,10 +45,11 @@ class StepTime:
     dp_total: float
     tokens_per_step: int
     ep: float = 0.0
+    cp: float = 0.0  # exposed context-parallel transfers
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp + self.ep + self.pp + self.bubble + self.dp_exposed
+        return self.compute + self.tp + self.ep + self.cp + self.pp + self.bubble + self.dp_exposed
 
     @property
     def tokens_per_s(self) -> float:
@@ -72,7 +76,8 @@ def step_time(shape: ModelShape, job: Job, mem: RankMemory) -> StepTime:
     compute = flops / (ranks * job.gpu_tflops * 1e12 * job.mfu)
     seconds = {axis: sent / bandwidth(job, link) if sent else 0.0
                for axis, link, sent, _ in comm.rows_of_rank(shape, job, mem)}
-    pipelined = compute + seconds["tp"] + seconds.get("ep", 0.0) + seconds["pp"]
+    cp = context.exposed_seconds(shape, job, seconds["cp"]) if "cp" in seconds else 0.0
+    pipelined = compute + seconds["tp"] + seconds.get("ep", 0.0) + cp + seconds["pp"]
     bubble = pipelined * (job.pp - 1) / job.grad_accum
     if job.sync_mode == "diloco":
         window = 0.0
@@ -82,4 +87,4 @@ def step_time(shape: ModelShape, job: Job, mem: RankMemory) -> StepTime:
         window = compute * 2 / 3 / job.grad_accum
     exposed = max(0.0, seconds["dp"] - window) + seconds.get("replica", 0.0)  # (not overlapped)
     return StepTime(compute, seconds["tp"], seconds["pp"], bubble, exposed, seconds["dp"], tokens * streams,
-                    seconds.get("ep", 0.0))
+                    seconds.get("ep", 0.0), cp)

@@ -1,12 +1,14 @@
 """Context-parallel attention (hpctrain/parallel/context_parallel.py, #51) under a real mpiexec
-(gloo), cp = 2 and 4, one launch each running every case (tests/mpi/scripts/context_parallel_probe.py):
-each rank's zig-zag part of the output and of the q, k, v gradients equals full-sequence SDPA on
-one rank within 1e-5 (fp32), for ring and Ulysses attention, causal and with packed document ids,
-4/4 and 8/4 (grouped-query) heads, and a v width (12) other than q/k's (8) as multi-head latent
-attention has; the ring computes exactly the chunk pairs where some query sees
-some key (all 2cp(2cp+1)/2 causal pairs without documents, fewer with them: the others skipped);
-and the ring finishes with sends that wait for their receive (NCCL's order, #49; a deadlock ends
-after the group's 20 s timeout with Gloo's "Timed out" error). The one-process arithmetic: tests/unit/test_context_parallel_blocks.py."""
+(gloo), cp = 2 and 4, one launch each running every case
+(tests/mpi/scripts/context_parallel_probe.py): each rank's zig-zag part of the output and of the
+q, k, v gradients equals full-sequence SDPA on one rank within 1e-5 (fp32), for ring and Ulysses
+attention, causal and with packed document ids, 4/4 and 8/4 (grouped-query) heads, and a v width
+(12; the ring also 6) other than q/k's (8) as multi-head latent attention has (on the CPU the
+ring's blocks run torch's fused flash kernel); the ring computes exactly the chunk pairs where some
+query sees some key (all 2cp(2cp+1)/2 causal pairs without documents, fewer with them: the others
+skipped); and the ring finishes with sends that wait for their receive (NCCL's order, #49; a
+deadlock ends after the group's 20 s timeout with Gloo's "Timed out" error). The one-process
+arithmetic: tests/unit/test_context_parallel_blocks.py."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +17,8 @@ from tests.conftest import ROOT, mpirun
 
 PROBE = ROOT / "tests/mpi/scripts/context_parallel_probe.py"
 CASES = [f"{kernel}-{mask}-{heads}" for kernel in ("ring", "ulysses") for mask in ("causal", "docs")
-         for heads in ("4/4", "8/4")] + ["ring-docs-v12", "ulysses-docs-v12", "ring-waiting-sends"]
+         for heads in ("4/4", "8/4")] + ["ring-docs-v12", "ulysses-docs-v12", "ring-causal-v6",
+                                         "ring-waiting-sends"]
 
 
 def _results(stdout: str) -> dict[tuple[int, str], dict[str, float]]:

@@ -1,7 +1,7 @@
 """Document masking (data.document_mask, data.document_positions): a packed window's per-token
 losses equal each of its documents run alone, for every family (GQA and MLA's own v width
 included), through the shard reader's document ids; the off path is SDPA's is_causal call itself;
-the reader's ids and positions; the config's one-line refusals."""
+the reader's ids and positions; the config's one-line refusals (not pipeline parallelism)."""
 from __future__ import annotations
 
 import json
@@ -145,7 +145,6 @@ def test_plain_micro_batch_passes_no_keywords():
 
 
 @pytest.mark.parametrize("overrides, key", [
-    (["--data.document_mask=true", "--parallel.pp=2"], "data.document_mask"),
     (["--data.document_positions=true"], "data.document_positions"),
 ])
 def test_config_refusals_are_one_line(tmp_path, overrides, key):
@@ -154,3 +153,11 @@ def test_config_refusals_are_one_line(tmp_path, overrides, key):
     with pytest.raises(ConfigError) as e:
         load(cfg, overrides)
     assert str(e.value).startswith(f"config key '{key}'") and "\n" not in str(e.value)
+
+
+def test_pipeline_parallelism_takes_document_masking(tmp_path):
+    """Every stage gets the ids (parallel/runner.py; tests/mpi/test_document_mask_mpi.py)."""
+    cfg, _ = write_config(tmp_path, tmp_path)
+    loaded = load(cfg, ["--data.document_mask=true", "--data.document_positions=true",
+                        "--parallel.pp=2"])
+    assert (loaded.parallel.pp, loaded.data.document_mask, loaded.data.document_positions) == (2, True, True)

@@ -2,7 +2,8 @@
 over every rank against full-sequence SDPA on one rank, fp32. The same q, k, v, output weights and
 document ids on every rank (seeded); each rank attends its zig-zag part with the kernel, backward
 of sum(out * w), and compares its part of the output and of the q, k, v gradients with its part
-of the reference's. Cases: ring / ulysses x causal / document ids x heads 4/4 and 8/4 (GQA), a v width of 12 against a q/k width of 8 (multi-head latent attention), and
+of the reference's. Cases: ring / ulysses x causal / document ids x heads 4/4 and 8/4 (GQA), a v width of 12 against a q/k width of 8 (multi-head latent attention; the
+ring also with v 6, narrower: its fused CPU blocks zero-pad the narrower side either way), and
 ring with Gloo sends replaced by sends that wait for their receive (NCCL's order, #49), the
 hang bounded by the group's timeout (argv[1] seconds). Prints per rank and case:
 `rank R case NAME out X dq X dk X dv X live N of M expected E` (max |difference|; the chunk pairs
@@ -94,6 +95,7 @@ for kernel in KERNELS:
             name = f"{kernel}-{'docs' if with_docs else 'causal'}-{heads}/{kv_heads}"
             lines.append(f"rank {r} case {name} {run_case(kernel, with_docs, heads, kv_heads)}")
     lines.append(f"rank {r} case {kernel}-docs-v12 {run_case(kernel, True, 4, 4, v_dim=12)}")
+lines.append(f"rank {r} case ring-causal-v6 {run_case('ring', False, 8, 4, v_dim=6)}")
 dist.isend = send_in_stream_order
 lines.append(f"rank {r} case ring-waiting-sends {run_case('ring', True, 8, 4)}")
 sys.stdout.write("".join(ln + "\n" for ln in lines))

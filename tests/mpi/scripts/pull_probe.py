@@ -87,6 +87,10 @@ def run(comm, kind: str, outdir: str) -> None:
                 got = np.empty(hi - lo, dtype=np.float32)
                 comm.Recv(got, source=r, tag=a)
                 identical &= bool(np.array_equal(got, inbox.views[r]))
+        # the servers' checks see this round only: no replica posts the next arrival before they
+        # are done (a server still inside serve() when the meeting ends would apply it, and answer
+        # the next pull, before comparing this round's weights)
+        comm.Barrier()
     drift = carried = 0.0
     if rank < 2:
         residual = inbox.push_residual if inbox.push_residual is not None else np.zeros(N, dtype=np.float32)
