@@ -146,6 +146,21 @@ def train_layout(n, tmp, data, name, *overrides, check=True, timeout=300):
     return train(n, cfg, *overrides, check=check, timeout=timeout), run
 
 
+def shared_layout_run(tmp_path_factory, data, name: str) -> tuple[str, Path]:
+    """(its stderr, run dir) of PARITY_GPT trained as `name` ("one": 1 rank, else a LAYOUTS
+    entry), once per session (tests/shared_dirs.py): test_parallel_parity.py's curves, which
+    test_meta_init.py also reads as its parallel.meta_init = true runs. Read-only."""
+    from tests.shared_dirs import shared_dir
+
+    n, overrides = (1, []) if name == "one" else LAYOUTS[name]
+
+    def build(out):
+        r, _ = train_layout(n, out, data, name, *overrides)
+        (out / "stderr.txt").write_text(r.stderr)
+    out = shared_dir(tmp_path_factory, f"parity_{name}", build)
+    return (out / "stderr.txt").read_text(), out / name
+
+
 def assert_same_curve(ref, got, steps):
     """`got` has exactly `steps`, each within 1e-5 (relative) of `ref`."""
     assert sorted(got) == list(steps), sorted(got)

@@ -12,12 +12,27 @@ from tests.conftest import ROOT, losses, mpirun, records
 from tests.helpers import copy_run_at, train, write_config
 from tests.mpi.test_diloco import model_parameters
 from tests.mpi.test_hierarchical import HIER_GPT, TWO_RANK_NODES
+from tests.shared_dirs import shared_dir
 
 pytestmark = pytest.mark.mpi
 
 ASYNC = ["--sync.mode=async_diloco", "--sync.inner_steps=2", "--sync.outer_momentum=0.5",
          "--train.eval_interval=0", "--train.steps=8"]
 HIER = [*ASYNC, "--sync.replica_nodes=1", "--sync.ps_servers=2"]  # servers: the last node's 2 ranks
+DDP_INSIDE = [*HIER, "--checkpoint.interval=4", "--checkpoint.keep=3"]
+
+
+@pytest.fixture(scope="module")
+def ddp_inside(tmp_path_factory, dataset):
+    """(its stderr, run dir) of HIER_GPT as 1 replica of one 2-rank node (DDP inside) + 2 servers
+    (DDP_INSIDE: checkpoints at steps 4 and 8), trained once per session (tests/shared_dirs.py):
+    the hierarchical run here and the DDP-inside side of test_async_hierarchical_fsdp.py."""
+    def build(out):
+        cfg, _ = write_config(out, dataset, "hier", HIER_GPT)
+        r = train(4, cfg, *DDP_INSIDE, env=TWO_RANK_NODES)
+        (out / "stderr.txt").write_text(r.stderr)
+    out = shared_dir(tmp_path_factory, "async_hier_ddp_inside", build)
+    return (out / "stderr.txt").read_text(), out / "hier"
 
 
 def model_at(run, step: int) -> dict:
@@ -44,20 +59,18 @@ def assert_step_4_resumes_bit_exact(run_b, cfg_c, run_c, hier) -> None:
     assert sorted(mb) == sorted(mc) and mb and all(torch.equal(mb[k], mc[k]) for k in mb)
 
 
-def test_one_replica_of_two_ranks_equals_the_flat_run_and_resumes_bit_exact(tmp_path, dataset):
+def test_one_replica_of_two_ranks_equals_the_flat_run_and_resumes_bit_exact(tmp_path, dataset, ddp_inside):
     """1 replica of one 2-rank node (DDP, 2 sequences each) + 2 servers vs 1 one-rank replica (4
     sequences) + 1 server: the same batches, the same rounds, the same outer Nesterov steps; the
     losses agree to float rounding (DDP's mean of two halves vs one mean). The hierarchical run
     resumed from its step-4 checkpoint repeats steps 5..8 and the global model bit for bit."""
     cfg_a, run_a = write_config(tmp_path, dataset, "flat", HIER_GPT)
-    cfg_b, run_b = write_config(tmp_path, dataset, "hier", HIER_GPT)
     cfg_c, run_c = write_config(tmp_path, dataset, "resumed", HIER_GPT)
     train(2, cfg_a, *ASYNC, "--sync.ps_servers=1", "--train.micro_batch_size=4")
-    hier = [*HIER, "--checkpoint.interval=4", "--checkpoint.keep=3"]
-    r = train(4, cfg_b, *hier, env=TWO_RANK_NODES)
-    assert "async_diloco: 1 replicas of 2 rank(s), 2 servers" in r.stderr
+    stderr, run_b = ddp_inside
+    assert "async_diloco: 1 replicas of 2 rank(s), 2 servers" in stderr
     assert_same_learning(run_a, run_b, 1e-5, "flat vs hierarchical")
-    assert_step_4_resumes_bit_exact(run_b, cfg_c, run_c, hier)
+    assert_step_4_resumes_bit_exact(run_b, cfg_c, run_c, DDP_INSIDE)
 
 
 def assert_same_learning(run_a, run_b, tol: float, what: str) -> None:

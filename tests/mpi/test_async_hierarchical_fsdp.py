@@ -10,7 +10,7 @@ import torch
 from tests.conftest import losses, records
 from tests.helpers import train, write_config
 from tests.mpi.test_async_hierarchical import (ASYNC, HIER, assert_same_learning, assert_step_4_resumes_bit_exact,
-                                               int8_push_bytes, model_at)
+                                               ddp_inside, int8_push_bytes, model_at)  # noqa: F401 - a fixture
 from tests.mpi.test_diloco import model_parameters
 from tests.mpi.test_hierarchical import HIER_GPT, TWO_RANK_NODES
 
@@ -28,17 +28,17 @@ def shards(run, step: int) -> dict:
     return {k: v["local"] for k, v in model_at(run, step)["sync"]["replica"].items()}
 
 
-def test_fsdp_inside_equals_ddp_inside_and_moves_its_shard(tmp_path, dataset):
+def test_fsdp_inside_equals_ddp_inside_and_moves_its_shard(tmp_path, dataset, ddp_inside):  # noqa: F811
     """1 replica of one 2-rank node + 2 servers, FSDP inside vs DDP inside (2 sequences per rank
     both): the same batches, rounds and outer Nesterov steps; SGD and the outer update are
     elementwise, so the only difference is the gradient mean (FSDP's reduce-scatter vs DDP's
     all-reduce of 2 ranks: (a + b) / 2 both, exact in fp32): the losses agree within 1e-6 (seen:
     bit-identical) and so does the final global model, read back from the servers' two shards
     into the layout-free checkpoint. Each FSDP rank's arrival reads and writes its own shard's
-    windows: about half the model, where DDP's pusher moves all of it."""
-    cfg_d, run_d = write_config(tmp_path, dataset, "ddp", HIER_GPT)
+    windows: about half the model, where DDP's pusher moves all of it. The DDP-inside run is
+    test_async_hierarchical.py's (checkpoints at 4 and 8 there: the same numbers)."""
+    _, run_d = ddp_inside
     cfg_f, run_f = write_config(tmp_path, dataset, "fsdp", HIER_GPT)
-    train(4, cfg_d, *HIER, env=TWO_RANK_NODES)
     r = train(4, cfg_f, *HIER, *FSDP, env=TWO_RANK_NODES)
     assert "replicas=2 x (pp=1 x dp=2 (fsdp) x tp=1)" in r.stderr, r.stderr
     assert "async_diloco: 1 replicas of 2 rank(s), 2 servers" in r.stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import losses, mpirun, run_cmd
+from tests.shared_dirs import shared_dir
 from tests.unit.test_deepseek_v3 import make_hf
 
 pytestmark = pytest.mark.mpi
@@ -48,20 +49,21 @@ LAYOUTS = {  # name: (ranks, overrides)
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, two_plays):
-    """{layout: run dir} of the one-rank reference and every LAYOUTS entry."""
+    """{layout: run dir} of the one-rank reference and every LAYOUTS entry, trained once per
+    session: xdist splits the layouts' tests between its workers, and tests/shared_dirs.py lets the
+    second read the first's runs."""
     import sys
 
-    tmp = tmp_path_factory.mktemp("dsv3_layouts")
-    make_hf(tmp / "hf", vocab_size=300, num_hidden_layers=4, max_position_embeddings=64)
-    out = {}
-    for name, (n, overrides) in {"one": (1, []), **LAYOUTS}.items():
-        cfg = tmp / f"{name}.toml"
-        cfg.write_text(CONFIG.format(run=tmp / name, data=two_plays, hf=tmp / "hf"))
-        args = ["-m", "hpctrain", "train", "--config", cfg, *overrides]
-        r = run_cmd([sys.executable, *args], timeout=400) if n == 1 else mpirun(n, args, timeout=400)
-        assert r.returncode == 0, (name, r.stderr[-3000:])
-        out[name] = tmp / name
-    return out
+    def train_all(tmp):
+        make_hf(tmp / "hf", vocab_size=300, num_hidden_layers=4, max_position_embeddings=64)
+        for name, (n, overrides) in {"one": (1, []), **LAYOUTS}.items():
+            cfg = tmp / f"{name}.toml"
+            cfg.write_text(CONFIG.format(run=tmp / name, data=two_plays, hf=tmp / "hf"))
+            args = ["-m", "hpctrain", "train", "--config", cfg, *overrides]
+            r = run_cmd([sys.executable, *args], timeout=400) if n == 1 else mpirun(n, args, timeout=400)
+            assert r.returncode == 0, (name, r.stderr[-3000:])
+    tmp = shared_dir(tmp_path_factory, "dsv3_layouts", train_all)
+    return {name: tmp / name for name in ("one", *LAYOUTS)}
 
 
 def _rel(a: float, b: float) -> float:

@@ -42,10 +42,10 @@ def dataset(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory, dataset):
-    """The 1-rank masked run (micro_batch 4 x grad_accum 2)."""
-    tmp = tmp_path_factory.mktemp("masked_one")
-    _, run = train(1, tmp, dataset, "one", *MASK)
-    return run
+    """The 1-rank masked run (micro_batch 4 x grad_accum 2), trained once per session (xdist
+    splits the tests that read it between its workers)."""
+    tmp = shared_dir(tmp_path_factory, "masked_one", lambda out: train(1, out, dataset, "one", *MASK))
+    return tmp / "one"
 
 
 @pytest.fixture(scope="module")

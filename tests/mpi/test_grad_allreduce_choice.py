@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from tests.conftest import mpiexec_path, run_cmd
+from tests.shared_dirs import shared_dir
 
 
 @pytest.mark.parametrize("mode, device, hook", [
@@ -89,12 +90,17 @@ teardown()
 
 @pytest.fixture(scope="module")
 def worker_lines(tmp_path_factory):
-    script = tmp_path_factory.mktemp("grad_allreduce") / "worker.py"
-    script.write_text(WORKER)
-    r = run_cmd([mpiexec_path(), "-n", "2", sys.executable, script], timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    """({"rank R MODE": its DDP line's key=values}, the worker's stdout), launched once per session
+    (tests/shared_dirs.py: xdist splits the tests that read them between its workers)."""
+    def launch(out):
+        script = out / "worker.py"
+        script.write_text(WORKER)
+        r = run_cmd([mpiexec_path(), "-n", "2", sys.executable, script], timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+        (out / "stdout.txt").write_text(r.stdout)
+    stdout = (shared_dir(tmp_path_factory, "grad_allreduce_worker", launch) / "stdout.txt").read_text()
     return {line.split(": ", 1)[0] + " " + line.split()[3]: dict(kv.split("=") for kv in line.split()[4:])
-            for line in r.stdout.splitlines() if line.startswith("rank ") and " ddp " in line}, r.stdout
+            for line in stdout.splitlines() if line.startswith("rank ") and " ddp " in line}, stdout
 
 
 @pytest.mark.mpi

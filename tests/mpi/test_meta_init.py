@@ -1,15 +1,16 @@
 """Meta-device initialization (#21) under a real mpiexec: in every layout, the initial weights are
 bit-identical to building the whole model on every rank (parallel.meta_init = false), and so are
-the losses of a few training steps.
+the losses of 20 training steps (the meta-init side: test_parallel_parity.py's run of the layout).
 
 The probe (scripts/meta_init_probe.py) builds the tiny GPT both ways in each layout and compares
 each rank's parameters, gathered whole, with the other build's and with a plain CPU GPT.
 """
+import tomllib
 
 import pytest
 
 from tests.conftest import ROOT, losses, mpirun
-from tests.helpers import LAYOUTS, probe
+from tests.helpers import LAYOUTS, probe, shared_layout_run
 from tests.helpers import train_layout as train
 
 pytestmark = pytest.mark.mpi
@@ -31,16 +32,16 @@ def test_weights_identical_four_ranks():
 @pytest.mark.parametrize("layout", ["one", "fsdp2", "pp2_1f1b",
                                     pytest.param("dp2", marks=pytest.mark.slow),
                                     pytest.param("tp2", marks=pytest.mark.slow)])
-def test_losses_identical(tmp_path, dataset, layout):  # noqa: F811
-    """5 steps with parallel.meta_init true and false: the same losses, bit for bit."""
+def test_losses_identical(tmp_path, tmp_path_factory, dataset, layout):  # noqa: F811
+    """PARITY_GPT's 20 steps with parallel.meta_init true and false: the same losses, bit for bit.
+    The true side (the default) is test_parallel_parity.py's run of the layout, trained once per
+    session (tests/helpers.py shared_layout_run); only the false side is trained here."""
     n, overrides = (1, []) if layout == "one" else LAYOUTS[layout]
-    got = {}
-    for meta in ("true", "false"):
-        _, run = train(n, tmp_path, dataset, f"{layout}_{meta}", *overrides, "--train.steps=5",
-                       "--train.warmup_steps=2", "--train.log_interval=1",
-                       f"--parallel.meta_init={meta}")
-        got[meta] = losses(run)
-    assert sorted(got["true"]) == [1, 2, 3, 4, 5], got
+    _, meta_run = shared_layout_run(tmp_path_factory, dataset, layout)
+    assert tomllib.loads((meta_run / "config.toml").read_text())["parallel"]["meta_init"] is True
+    _, run = train(n, tmp_path, dataset, f"{layout}_false", *overrides, "--parallel.meta_init=false")
+    got = {"true": losses(meta_run), "false": losses(run)}
+    assert sorted(got["true"]) == list(range(1, 21)), got
     assert got["true"] == got["false"], got
 
 

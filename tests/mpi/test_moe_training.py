@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import RUN_DATA, ROOT, model_section, mpiexec_path, mpirun, records, run_cmd
+from tests.shared_dirs import shared_dir
 
 PROBE = ROOT / "tests/mpi/scripts/moe_train_probe.py"
 CONFIG = RUN_DATA + """verify = "size"
@@ -35,23 +36,25 @@ STEPS = 40
 @pytest.fixture(scope="module")
 def skewed_runs(tmp_path_factory, one_play):
     """Two runs from the same skewed start, launched side by side: bias balancing on and off, one
-    intra-op thread each (two 2-thread ranks on CI's 2 cores ran 20-30x slower per step)."""
-    base = tmp_path_factory.mktemp("moe")
-    config = base / "moe.toml"
-    config.write_text(CONFIG.format(run=base / "on", data=one_play))
-    procs = {}
-    for name, rate in (("on", 0.005), ("off", 0.0)):
-        procs[name] = subprocess.Popen(
-            [mpiexec_path(), "-n", "1", sys.executable, PROBE, "skew", config,
-             f"--model.moe_bias_update_rate={rate}", f"--run.dir={base / name}"],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "HPCTRAIN_THREADS": "1"})
-    out = {}
-    for name, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=600)
-        assert proc.returncode == 0, stderr[-3000:]
-        out[name] = (base / name, stderr)
-    return out
+    intra-op thread each (two 2-thread ranks on CI's 2 cores ran 20-30x slower per step); trained
+    once per session (tests/shared_dirs.py: xdist splits the tests that read them between its
+    workers), each run's stderr kept beside it as NAME.stderr."""
+    def build(base):
+        config = base / "moe.toml"
+        config.write_text(CONFIG.format(run=base / "on", data=one_play))
+        procs = {}
+        for name, rate in (("on", 0.005), ("off", 0.0)):
+            procs[name] = subprocess.Popen(
+                [mpiexec_path(), "-n", "1", sys.executable, PROBE, "skew", config,
+                 f"--model.moe_bias_update_rate={rate}", f"--run.dir={base / name}"],
+                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                env={**os.environ, "HPCTRAIN_THREADS": "1"})
+        for name, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=600)
+            assert proc.returncode == 0, stderr[-3000:]
+            (base / f"{name}.stderr").write_text(stderr)
+    base = shared_dir(tmp_path_factory, "moe_skewed_runs", build)
+    return {name: (base / name, (base / f"{name}.stderr").read_text()) for name in ("on", "off")}
 
 
 def max_mean(run, layer: str) -> list[float]:
@@ -94,10 +97,13 @@ def test_an_expert_that_stays_hot_is_warned_about_naming_layer_and_expert(skewed
         assert all(max_mean(run, layer)[s - 1] > 2.5 for s in range(int(step) - 4, int(step) + 1))
 
 
-def test_plot_draws_the_expert_load_heat_map_of_the_metrics(skewed_runs):
+def test_plot_draws_the_expert_load_heat_map_of_the_metrics(skewed_runs, tmp_path):
+    import shutil
+
     from hpctrain.metrics.moe_plot import load_matrices
 
-    run, _ = skewed_runs["on"]
+    run = tmp_path / "on"  # the plot is written beside the metrics: a copy (the shared run is read-only)
+    shutil.copytree(skewed_runs["on"][0], run)
     r = run_cmd([sys.executable, "-m", "hpctrain", "plot", run], timeout=120, check=True)
     assert str(run / "expert_load.png") in r.stdout.split()
     image = __import__("matplotlib.image").image.imread(run / "expert_load.png")

@@ -4,14 +4,11 @@ reshard across layouts and world sizes, bf16 learns in every layout, bad layouts
 A tiny GPT (4 blocks, 64 wide, 32 tokens, 257 byte vocab) on Shakespeare, fp32, fixed seed, and
 the same global batch (8 sequences) in every layout: micro_batch x grad_accum x dp = 8.
 """
-from types import SimpleNamespace
-
 import pytest
 
 from tests.conftest import losses
-from tests.helpers import LAYOUTS, assert_same_curve, copy_run_at
+from tests.helpers import LAYOUTS, assert_same_curve, copy_run_at, shared_layout_run
 from tests.helpers import train_layout as train
-from tests.shared_dirs import shared_dir
 
 pytestmark = pytest.mark.mpi
 
@@ -22,32 +19,25 @@ SLOW = {"pp2_gpipe", "pp2_interleaved", "dp2_tp2", "fsdp2_tp2", "pp2_tp2", "fsdp
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, dataset):
     """The uninterrupted 1-rank curve (micro_batch 4 x grad_accum 2), trained once per session
-    (tests/shared_dirs.py: xdist's workers share it)."""
-    tmp = shared_dir(tmp_path_factory, "parity_one", lambda out: train(1, out, dataset, "one"))
-    return losses(tmp / "one")
+    (tests/helpers.py shared_layout_run: xdist's workers and test_meta_init.py share it)."""
+    return losses(shared_layout_run(tmp_path_factory, dataset, "one")[1])
 
 
 @pytest.fixture(scope="module")
 def dp2_tp2(tmp_path_factory, dataset):
-    """(its stderr, run dir) of the dp2_tp2 layout's 20 steps (checkpoints at 10 and 20): a parity
-    curve, and test_reshard_resume's source (its step-10 checkpoint), trained once per session."""
-    n, overrides = LAYOUTS["dp2_tp2"]
-
-    def build(out):
-        r, _ = train(n, out, dataset, "dp2_tp2", *overrides)
-        (out / "stderr.txt").write_text(r.stderr)
-    tmp = shared_dir(tmp_path_factory, "parity_dp2_tp2", build)
-    return SimpleNamespace(stderr=(tmp / "stderr.txt").read_text()), tmp / "dp2_tp2"
+    """The dp2_tp2 layout's 20 steps (checkpoints at 10 and 20), test_reshard_resume's source (its
+    step-10 checkpoint): its run dir, trained once per session."""
+    return shared_layout_run(tmp_path_factory, dataset, "dp2_tp2")[1]
 
 
 @pytest.mark.parametrize("layout", [pytest.param(k, marks=[pytest.mark.slow] * (k in SLOW)
                                                  + [pytest.mark.compiles] * k.endswith("_compile"))
                                     for k in LAYOUTS])
-def test_loss_parity(tmp_path, dataset, reference, layout, request):
-    n, overrides = LAYOUTS[layout]
-    r, run = (request.getfixturevalue("dp2_tp2") if layout == "dp2_tp2" else
-              train(n, tmp_path, dataset, layout, *overrides))
-    assert "training:" in r.stderr
+def test_loss_parity(tmp_path_factory, dataset, reference, layout):
+    """Each layout's 20 steps, trained once per session (test_meta_init.py reads some as its
+    parallel.meta_init = true runs), are the 1-rank curve."""
+    stderr, run = shared_layout_run(tmp_path_factory, dataset, layout)
+    assert "training:" in stderr
     assert_same_curve(reference, losses(run), range(1, 21))
     assert reference[20] < 0.75 * reference[1]  # and it learns
 
@@ -59,7 +49,7 @@ def test_reshard_resume(tmp_path_factory, dataset, reference, dp2_tp2, target):
     step 10 removed); resume to 20 with another layout / world size: the resumed curve is the
     uninterrupted 1-rank curve (weights, AdamW state and data position all carried)."""
     tmp = tmp_path_factory.mktemp(f"reshard_{target}")
-    copy_run_at(dp2_tp2[1], tmp / target, 10)
+    copy_run_at(dp2_tp2, tmp / target, 10)
     n, overrides = {"dp4": (4, ["--train.micro_batch_size=2", "--train.grad_accum=1"]),
                     "pp2_dp2": (4, ["--parallel.pp=2", "--train.micro_batch_size=2", "--train.grad_accum=2"]),
                     "one": (1, [])}[target]
@@ -72,7 +62,7 @@ def test_reshard_resume(tmp_path_factory, dataset, reference, dp2_tp2, target):
 
 def test_resume_with_another_global_batch_is_refused(tmp_path, dataset, dp2_tp2):
     """dp2_tp2's step-10 checkpoint (global batch 4 x 2 = 8) resumed on 1 rank with grad_accum 1 (4)."""
-    copy_run_at(dp2_tp2[1], tmp_path / "gb", 10)
+    copy_run_at(dp2_tp2, tmp_path / "gb", 10)
     r, _ = train(1, tmp_path, dataset, "gb", "--train.grad_accum=1", check=False)
     assert r.returncode == 2
     line = r.stderr.strip().splitlines()[-1]

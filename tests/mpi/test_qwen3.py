@@ -25,6 +25,7 @@ import torch
 from tests.conftest import ROOT, losses, mpirun, run_cmd
 from tests.helpers import assert_same_curve
 from tests.hf_models import OFFLINE, hf_logits
+from tests.shared_dirs import shared_dir
 
 pytestmark = pytest.mark.mpi
 
@@ -65,19 +66,19 @@ def test_tp_plan_gives_the_unsplit_gradients():
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, two_plays):
-    """{layout: run dir} of 1 rank and every LAYOUTS entry, from one Qwen3-MoE folder."""
-    tmp = tmp_path_factory.mktemp("qwen3")
-    run_cmd([sys.executable, ROOT / "tests/mpi/scripts/qwen3_hf_folder.py", tmp / "hf"], timeout=240,
-            check=True, env=OFFLINE)
-    out = {}
-    for name, (n, overrides) in {"one": (1, []), **LAYOUTS}.items():
-        cfg = tmp / f"{name}.toml"
-        cfg.write_text(CONFIG.format(run=tmp / name, data=two_plays, hf=tmp / "hf"))
-        args = ["-m", "hpctrain", "train", "--config", cfg, *overrides]
-        r = run_cmd([sys.executable, *args], timeout=300) if n == 1 else mpirun(n, args, timeout=300)
-        assert r.returncode == 0, r.stderr[-3000:]
-        out[name] = tmp / name
-    return out
+    """{layout: run dir} of 1 rank and every LAYOUTS entry, from one Qwen3-MoE folder, trained once
+    per session (tests/shared_dirs.py: xdist splits the tests that read them between its workers)."""
+    def train_all(tmp):
+        run_cmd([sys.executable, ROOT / "tests/mpi/scripts/qwen3_hf_folder.py", tmp / "hf"], timeout=240,
+                check=True, env=OFFLINE)
+        for name, (n, overrides) in {"one": (1, []), **LAYOUTS}.items():
+            cfg = tmp / f"{name}.toml"
+            cfg.write_text(CONFIG.format(run=tmp / name, data=two_plays, hf=tmp / "hf"))
+            args = ["-m", "hpctrain", "train", "--config", cfg, *overrides]
+            r = run_cmd([sys.executable, *args], timeout=300) if n == 1 else mpirun(n, args, timeout=300)
+            assert r.returncode == 0, r.stderr[-3000:]
+    tmp = shared_dir(tmp_path_factory, "qwen3_layouts", train_all)
+    return {name: tmp / name for name in ("one", *LAYOUTS)}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

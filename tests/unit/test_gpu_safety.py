@@ -12,11 +12,14 @@ NCCL's message before calling the real one; tensors built on the rank's device (
 """
 from __future__ import annotations
 
+import json
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 from tests.conftest import mpiexec_path, run_cmd
+from tests.shared_dirs import shared_dir
 
 # Every check that needs processes runs in ONE 2-rank mpiexec launch (the module's `two_ranks`
 # fixture; one launch instead of six processes: ~45 s less on 2 cores), section after section, each
@@ -54,13 +57,19 @@ teardown()  # without it the gloo group's threads can abort the exit ("terminate
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    """The worker's launch: {section: [its lines, rank 0's first]}, and the process."""
-    tmp = tmp_path_factory.mktemp("gpu_safety")
-    script = tmp / "worker.py"
-    script.write_text(HEAD_SECTION + SITES + GROUPS + STAGING + TAIL_SECTION)
-    python = [sys.executable, script, tmp / "run"]  # rank 0 as a user who set MPIR_CVAR_ENABLE_GPU
-    r = run_cmd([mpiexec_path(), "-n", "1", *python, "user", ":", "-n", "1", *python, "none"],
-                timeout=300)
+    """The worker's launch: {section: [its lines, rank 0's first]}, and the process (its
+    returncode, stdout, stderr), launched once per session (tests/shared_dirs.py: xdist splits the
+    tests that read it between its workers)."""
+    def launch(tmp):
+        script = tmp / "worker.py"
+        script.write_text(HEAD_SECTION + SITES + GROUPS + STAGING + TAIL_SECTION)
+        python = [sys.executable, script, tmp / "run"]  # rank 0 as a user who set MPIR_CVAR_ENABLE_GPU
+        r = run_cmd([mpiexec_path(), "-n", "1", *python, "user", ":", "-n", "1", *python, "none"],
+                    timeout=300)
+        (tmp / "process.json").write_text(json.dumps(
+            {"returncode": r.returncode, "stdout": r.stdout, "stderr": r.stderr}))
+    tmp = shared_dir(tmp_path_factory, "gpu_safety_worker", launch)
+    r = SimpleNamespace(**json.loads((tmp / "process.json").read_text()))
     sections: dict[str, list[str]] = {}
     for line in r.stdout.splitlines():
         if line.startswith("rank ") and ": " in line:

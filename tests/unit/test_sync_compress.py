@@ -9,6 +9,7 @@ from hpctrain.plan.wire import bytes_sent, wire_layout
 from hpctrain.sync.compress import Codec, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 from hpctrain.sync.diloco import split_fragments
 from tests.conftest import ROOT, mpirun
+from tests.shared_dirs import shared_dir
 
 
 @pytest.mark.parametrize("block", [1, 16, 256])
@@ -82,9 +83,10 @@ def test_split_fragments_balanced_and_contiguous():
 
 @pytest.fixture(scope="module")
 def probe_ranks(tmp_path_factory) -> list[dict]:
-    """tests/mpi/scripts/compress_probe.py on 3 ranks: each rank's input and results."""
-    out = tmp_path_factory.mktemp("compress")
-    mpirun(3, [ROOT / "tests/mpi/scripts/compress_probe.py", out], check=True, timeout=120)
+    """tests/mpi/scripts/compress_probe.py on 3 ranks: each rank's input and results, probed once
+    per session (tests/shared_dirs.py: xdist splits the tests that read them between its workers)."""
+    out = shared_dir(tmp_path_factory, "compress_probe", lambda out: mpirun(
+        3, [ROOT / "tests/mpi/scripts/compress_probe.py", out], check=True, timeout=120))
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
 
 
