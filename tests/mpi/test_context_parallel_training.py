@@ -61,14 +61,12 @@ def dataset(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory, dataset):
-    """{(model, mask): the 1-rank run dir}, trained on first use."""
-    tmp, runs = tmp_path_factory.mktemp("cp_one"), {}
-
+    """(model, mask) -> the 1-rank run dir, trained on first use, once per session
+    (tests/shared_dirs.py: both xdist workers read it). Read-only."""
     def run(model: str, mask: str):
-        if (model, mask) not in runs:
-            _, runs[model, mask] = train(1, tmp, dataset, f"one_{model}_{mask}", *SHORT,
-                                         *MODELS[model], *MASK[mask])
-        return runs[model, mask]
+        name = f"cp_one_{model}_{mask}"
+        return shared_dir(tmp_path_factory, name, lambda out: train(
+            1, out, dataset, "run", *SHORT, *MODELS[model], *MASK[mask])) / "run"
     return run
 
 
