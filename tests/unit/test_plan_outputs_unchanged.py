@@ -17,21 +17,24 @@ ROOT = Path(__file__).resolve().parents[2]
 CASES = [("8b", 1), ("8b", 8), ("8b", 32), ("70b", 1), ("70b", 8)]  # 70b on 1 node: nothing fits
 
 
-def _plan(capsys, model: str, nodes: int, *extra: str) -> str:
+def _plan(capsys, monkeypatch, model: str, nodes: int, *extra: str) -> str:
+    """The report of `hpctrain plan --config configs/llama3_MODEL.toml` run in the checkout, as
+    the files were written (a relative path: the printed command quotes an absolute one that
+    holds a space, as a clone in "/tmp/ci run/hpctrain" does)."""
+    monkeypatch.chdir(ROOT)
     capsys.readouterr()
-    assert cli.main(["--config", str(ROOT / "configs" / f"llama3_{model}.toml"), "--nodes", str(nodes),
-                     *extra]) == 0
+    assert cli.main(["--config", f"configs/llama3_{model}.toml", "--nodes", str(nodes), *extra]) == 0
     return capsys.readouterr().out
 
 
 @pytest.mark.parametrize("model,nodes", CASES)
-def test_report_is_byte_identical(capsys, model, nodes):
+def test_report_is_byte_identical(capsys, monkeypatch, model, nodes):
     expected = (OUTPUTS / f"llama3_{model}_nodes{nodes}.md").read_text()
-    assert _plan(capsys, model, nodes).replace(str(ROOT) + "/", "") == expected
+    assert _plan(capsys, monkeypatch, model, nodes).replace(str(ROOT) + "/", "") == expected
 
 
 @pytest.mark.parametrize("model,nodes", [("8b", 8), ("70b", 8)])
-def test_json_is_byte_identical(capsys, model, nodes):
+def test_json_is_byte_identical(capsys, monkeypatch, model, nodes):
     expected = (OUTPUTS / f"llama3_{model}_nodes{nodes}.json.sha256").read_text().strip()
-    out = _plan(capsys, model, nodes, "--json").replace(str(ROOT) + "/", "")
+    out = _plan(capsys, monkeypatch, model, nodes, "--json").replace(str(ROOT) + "/", "")
     assert hashlib.sha256(out.encode()).hexdigest() == expected
