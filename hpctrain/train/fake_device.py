@@ -254,7 +254,7 @@ def _fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sc
 
 def _attention(sdpa):
     """F.scaled_dot_product_attention, on fake device tensors `_fused_attention` (a patch of the
-    function, not a mode: activation checkpointing recomputes in autograd's device thread).
+    function, not a mode: activation checkpointing recomputes inside autograd's backward).
     Grouped-query attention: CUDA's flash kernel takes k and v with their own (kv) heads
     (sdp_utils.cpp: `check_batch_size_and_num_heads_dense<true /*supports GQA*/>`), so 16-bit
     saves them kv-wide; the memory-efficient kernel does not, so fp32's are repeated first."""
@@ -284,6 +284,10 @@ class FakeGpu(contextlib.ExitStack):
         # DDP compares every rank's parameter shapes through the group: a fake group has no peers
         self.enter_context(mock.patch.object(ddp_module, "_verify_param_shape_across_processes",
                                              lambda *args, **kwargs: None))
+        # backward on this thread: a device thread of autograd's engine could still be dropping the
+        # graph's Python objects as the process exits, and taking the GIL while Python finalizes
+        # ends the process in std::terminate (exit -6 after a complete dry run; 4 of 41 runs)
+        self.enter_context(torch.autograd.set_multithreading_enabled(False))
         fake_mode = self.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         watch = self.enter_context(Watch(fake_mode))
         self.enter_context(mock.patch.object(torch.nn.functional, "scaled_dot_product_attention",
