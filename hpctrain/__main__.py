@@ -63,6 +63,12 @@ def _sample(argv: list[str]) -> int:
     return sample_main(argv)
 
 
+def _eval(argv: list[str]) -> int:
+    from hpctrain.evaluate import main as eval_main
+
+    return eval_main(argv)
+
+
 def _plot(argv: list[str]) -> int:
     from hpctrain.metrics.plot import main as plot_main
 
@@ -103,16 +109,18 @@ def _doctor(argv: list[str]) -> int:
     return doctor_main(argv)
 
 
-COMMANDS = {"train": _train, "sample": _sample, "plot": _plot, "ckpt": _ckpt, "export": _export,
+COMMANDS = {"train": _train, "sample": _sample, "eval": _eval, "plot": _plot, "ckpt": _ckpt, "export": _export,
             "tune": _tune, "plan": _plan, "doctor": _doctor}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: python -m hpctrain {train,sample,plot,ckpt,export,tune,plan,doctor} [-h] ...\n\n"
+        print("usage: python -m hpctrain {train,sample,eval,plot,ckpt,export,tune,plan,doctor} [-h] ...\n\n"
               "  train   train a GPT (mpiexec/srun for several ranks); resumes automatically\n"
               "  sample  generate text from a checkpoint\n"
+              "  eval    RUN_OR_HF_DIR --data DATASET: loss, perplexity, bits per byte (mpiexec: "
+              "split over ranks)\n"
               "  plot    PNG of loss, val loss, lr, tokens/s and MFU of a run\n"
               "  ckpt    list RUN_DIR | verify DIR: checkpoint status and integrity\n"
               "  export  --checkpoint DIR --format hf --output OUT: a Hugging Face model folder (GPT-2,\n"

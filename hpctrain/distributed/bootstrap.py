@@ -298,6 +298,16 @@ def _pick_gpu(job_node_comm) -> torch.device:
     return torch.device("cuda", index)
 
 
+def share_node_cores(comm) -> int:
+    """For a command that runs on MPI ranks without a process group (`hpctrain eval`): this rank's
+    intra-op threads set as init_distributed sets them (its node's cores over the node's ranks).
+    Collective over COMM_WORLD; returns the rank's index on its node (its GPU, where there are)."""
+    MPI = _mpi()
+    node_comm = _node_comm(MPI, comm)
+    torch.set_num_threads(_threads_per_rank(_ranks_on_machine(MPI, node_comm)))
+    return node_comm.Get_rank()
+
+
 def init_distributed(backend: str = "auto", timeout_s: float = 300.0, comm=None) -> DistContext:
     """Bootstrap torch.distributed from MPI. Collective calls time out after `timeout_s` seconds.
 
