@@ -74,3 +74,16 @@ def test_a_dataset_of_another_tokenizer_is_refused_naming_it(run, gpt2_two_plays
     r = run_cmd([sys.executable, "-m", "hpctrain", "eval", run, "--data", gpt2_two_plays], timeout=300)
     assert r.returncode != 0 and str(gpt2_two_plays) in r.stderr and "Traceback" not in r.stderr
     assert "50257" in r.stderr  # its vocabulary, beyond the byte model's 257
+
+
+def test_the_exported_hugging_face_folder_scores_as_its_checkpoint(run, dataset, tmp_path):
+    """`hpctrain export` of the step-10 checkpoint, evaluated as a Hugging Face folder (weights
+    through the safetensors reader, the model built from its config.json): the same val loss."""
+    out = tmp_path / "hf"
+    r = run_cmd([sys.executable, "-m", "hpctrain", "export", "--checkpoint", run, "--format", "hf",
+                 "--output", out], timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = evaluate(1, out, "--data", dataset, "--windows", MICRO * EVAL_BATCHES)
+    assert got["step"] is None and got["windows"] == MICRO * EVAL_BATCHES
+    logged = losses(run, "val_loss")[10]
+    assert abs(got["loss"] - logged) <= 1e-5 * logged, (got["loss"], logged)
