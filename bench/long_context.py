@@ -1,36 +1,42 @@
 """Long-context training per rank (#51): tokens/s and peak memory of real `hpctrain train` runs on
 4 ranks at sequence lengths 2k, 8k and 32k with context parallelism cp = 1, 2, 4 (dp = 4 / cp),
-the planner's peak beside the measured one, and a memory cap that cp = 1 cannot train the longest
-sequence under while cp = 4 can.
+the planner's peak beside the measured one, and a memory cap under which cp = 1 cannot train the
+longest sequence while cp = 4 can.
 
 Run:  python bench/long_context.py [--seq 2048 8192 32768] [--cp 1 2 4] [--steps 2] [--warmup 1]
-                                   [--cap-mib 1400] [--smoke]
+                                   [--cap-mib 720|auto|0] [--smoke]
 
 The corpus: Shakespeare's plays (data_tools.corpora, no download) sharded with the byte tokenizer
 by `python -m data_tools shard` into a temporary folder. The model: MODEL below, a small Llama
 (RMSNorm, rotary, SwiGLU, grouped-query attention), fp32, micro batch 1, plain causal attention
 (no document mask: at cp = 1 the mask alone would be a [S, S] tensor), ring attention at cp > 1.
 Every run is `mpiexec -n 4 python bench/long_context.py --rank ... -- <hpctrain train args>`:
-each rank runs `python -m hpctrain train` in-process and writes, at its end, its peak resident
-memory (VmHWM: the kernel's high-water mark, exact however short the peak) and its RSS before
-the trainer was built (after torch, MPI and hpctrain are imported). Per rank:
+each rank runs `python -m hpctrain train` in-process and writes, at its end, its memory figures
+and the CPU seconds of every step. Per rank:
 - tokens/s: the trainer's tokens_per_s (global batch x block size / step time) / 4 ranks, the
-  median of the steps after `--warmup`;
-- peak RSS: the largest rank's VmHWM; "growth" is VmHWM less the RSS before the trainer, what
-  `hpctrain plan` models (weights, gradients, AdamW, activations, buffers), and "plan" is the
-  planner's peak for the same config and layout (bench/plan_memory.py's `predicted`, gloo).
+  median of the steps after `--warmup`; (cpu): S / cp tokens over the step's CPU seconds (the
+  process's, all threads, the ranks' mean): the work without the waits, which on a shared,
+  oversubscribed machine include a ring peer being descheduled;
+- peak RSS: the largest rank's VmHWM (the kernel's high-water mark, exact however short the peak);
+  growth: VmHWM less the RSS just before the Trainer is built (after torch, MPI and gloo);
+  in use: glibc's in-use bytes (mallinfo2, all arenas and mmap'ed blocks, sampled every 10 ms) at
+  their highest less those before the Trainer: tensors plus Python objects, without the library
+  code paged in on first use and the memory glibc keeps after a free that RSS counts;
+- plan: `hpctrain plan`'s peak for the same config and layout (bench/plan_memory.py's
+  `predicted`, gloo), and in use / plan.
 
-The memory cap (--cap-mib, per rank, on resident memory): what a Slurm job's cgroup (--mem)
-enforces. Without root there is no cgroup to make, and RLIMIT_AS caps virtual address space, which
-torch and glibc reserve far beyond what they touch (64 MiB per malloc arena, 8 MiB per thread
-stack), so its failures would not say "does not fit". So each rank runs a guard thread that reads
-VmHWM every 10 ms and ends the job (exit 137, as the OOM killer's SIGKILL) once the peak passes
-the cap; since VmHWM is the kernel's own peak it cannot miss a short spike, only act up to 10 ms
-late. The longest sequence is trained once under the cap at cp = 1 (the guard stops it) and its
-cp = 4 row runs under the same cap.
+The memory cap (per rank, on resident memory) is what a Slurm job's cgroup (--mem) enforces.
+Without root there is no cgroup to make, and RLIMIT_AS caps virtual address space, which torch and
+glibc reserve far beyond what they touch (64 MiB per malloc arena, 8 MiB per thread stack), so its
+failures would not mean "does not fit". So each rank runs a guard thread that reads VmHWM every
+10 ms and ends the rank (exit 137, as the OOM killer's SIGKILL; mpiexec then ends the job) once the
+peak passes the cap: VmHWM is the kernel's own peak, so the guard cannot miss a short spike, only
+act up to 10 ms late. --cap-mib N: the longest sequence's largest-cp row runs under the cap, then
+cp = 1 at that length; auto (--smoke's): the cap is midway between those two rows' peaks and both
+run again under it; 0: no capped runs.
 
-The runs are sequential (never two jobs at once), sequence by sequence, cp in turn; the ratio
-"vs cp=1" is cp's tokens/s per rank over cp = 1's at the same length (target at 8k, cp = 2: >= 0.8).
+The runs are sequential (never two jobs at once), sequence by sequence, cp in turn; "vs cp=1" is
+cp's tokens/s per rank over cp = 1's at the same length (the issue's target at 8k, cp = 2: >= 0.8).
 """
 from __future__ import annotations
 
