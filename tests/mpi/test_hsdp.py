@@ -18,6 +18,9 @@ DP4 = ["--train.micro_batch_size=2", "--train.grad_accum=1"]
 HSDP = {  # name: (ranks, overrides)
     "hsdp2x2": (4, FSDP + ["--parallel.dp_shard=2"] + DP4),  # replicate 2 x shard 2
     "hsdp2x1_tp2": (4, FSDP + ["--parallel.dp_shard=1", "--parallel.tp=2", "--train.grad_accum=1"]),
+    "hsdp2x1_cp2": (4, FSDP + ["--parallel.dp_shard=1", "--parallel.cp=2", "--train.grad_accum=1"]),
+    "hsdp2x1_pp2": (4, FSDP + ["--parallel.dp_shard=1", "--parallel.pp=2", "--train.micro_batch_size=2",
+                               "--train.grad_accum=2"]),
     "fsdp4": (4, FSDP + DP4),
     "ddp4": (4, DP4),
 }
@@ -53,10 +56,12 @@ def test_hsdp_is_the_one_rank_curve_sharded_over_dp_shard(reference, hsdp_run):
 
 
 @pytest.mark.slow
-def test_hsdp_with_tp(tmp_path, dataset, reference):
-    """tp=2 x dp_replicate=2 x dp_shard=1 (TP inside FSDP's 2-D mesh): the 1-rank curve."""
-    n, overrides = HSDP["hsdp2x1_tp2"]
-    _, run = train(n, tmp_path, dataset, "hsdp2x1_tp2", *overrides)
+@pytest.mark.parametrize("layout", ["hsdp2x1_tp2", "hsdp2x1_cp2", "hsdp2x1_pp2"])
+def test_hsdp_composes(tmp_path, dataset, reference, layout):
+    """dp_replicate=2 x dp_shard=1 beside tp=2, cp=2 (FSDP shards over dp_shard x cp) or pp=2: the
+    1-rank curve."""
+    n, overrides = HSDP[layout]
+    _, run = train(n, tmp_path, dataset, layout, *overrides)
     assert_same_curve(reference, losses(run), range(1, 21))
 
 
