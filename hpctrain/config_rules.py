@@ -207,6 +207,8 @@ def _validate_sync(s: SyncConfig, p: ParallelConfig) -> None:
         _check(p.data_parallel == "ddp" or s.replica_nodes > 0, "parallel.data_parallel",
                "sync.mode = 'diloco' replicates over dp: use 'ddp', or set sync.replica_nodes for "
                "FSDP inside a replica of nodes")
+    _check(p.dp_shard == 0 or s.mode == "sync", "parallel.dp_shard",
+           f"HSDP runs with sync.mode = 'sync' (not '{s.mode}'): leave parallel.dp_shard = 0")
     _check(s.replica_nodes >= 0, "sync.replica_nodes", f"{s.replica_nodes}: must be >= 0 (0 = off)")
     _check(s.replica_nodes == 0 or s.mode in ("diloco", "async_diloco"), "sync.replica_nodes",
            f"forms DiLoCo / async_diloco replicas of nodes: use sync.mode = 'diloco' or 'async_diloco' "

@@ -19,6 +19,8 @@ def toml(tmp_path):
     ["--parallel.dp_shard=2"],                                   # DDP: nothing to shard
     ["--parallel.dp_shard=-1", "--parallel.data_parallel=fsdp"],
     ["--parallel.dp_shard=3", "--parallel.dp=4", "--parallel.data_parallel=fsdp"],
+    ["--parallel.dp_shard=2", "--parallel.data_parallel=fsdp", "--sync.mode=diloco",
+     "--sync.replica_nodes=1"],                                   # replicas train apart
 ])
 def test_bad_dp_shard_names_the_key(toml, overrides):
     with pytest.raises(ConfigError) as e:
