@@ -207,6 +207,8 @@ def _validate_sync(s: SyncConfig, p: ParallelConfig) -> None:
         _check(p.data_parallel == "ddp" or s.replica_nodes > 0, "parallel.data_parallel",
                "sync.mode = 'diloco' replicates over dp: use 'ddp', or set sync.replica_nodes for "
                "FSDP inside a replica of nodes")
+    _check(p.dp_shard == 0 or s.mode == "sync", "parallel.dp_shard",
+           f"HSDP runs with sync.mode = 'sync' (not '{s.mode}'): leave parallel.dp_shard = 0")
     _check(s.replica_nodes >= 0, "sync.replica_nodes", f"{s.replica_nodes}: must be >= 0 (0 = off)")
     _check(s.replica_nodes == 0 or s.mode in ("diloco", "async_diloco"), "sync.replica_nodes",
            f"forms DiLoCo / async_diloco replicas of nodes: use sync.mode = 'diloco' or 'async_diloco' "
@@ -273,6 +275,12 @@ def _validate_parallel(p: ParallelConfig, m: ModelConfig, compile: bool = False)
     """Layout checks that need no world size (the mesh checks dp * tp * pp == world)."""
     _check(p.dp >= 0, "parallel.dp", f"{p.dp}: must be >= 0 (0 = derived from the world size)")
     _check(p.tp >= 1, "parallel.tp", f"{p.tp}: must be >= 1")
+    _check(p.dp_shard >= 0, "parallel.dp_shard", f"{p.dp_shard}: must be >= 0 (0 = all of dp)")
+    _check(p.dp_shard == 0 or p.data_parallel == "fsdp", "parallel.dp_shard",
+           f"{p.dp_shard} shards FSDP's parameters (HSDP): set parallel.data_parallel = 'fsdp' or "
+           f"leave parallel.dp_shard = 0")
+    _check(p.dp_shard == 0 or p.dp == 0 or p.dp % p.dp_shard == 0, "parallel.dp_shard",
+           f"{p.dp_shard} must divide parallel.dp={p.dp} (dp = dp_replicate x dp_shard)")
     _check(p.pp >= 1, "parallel.pp", f"{p.pp}: must be >= 1")
     _check(p.pp_virtual_stages >= 1, "parallel.pp_virtual_stages", "must be >= 1")
     _check(p.ac_every >= 1, "parallel.ac_every", "must be >= 1")

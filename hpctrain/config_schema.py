@@ -196,6 +196,10 @@ class ParallelConfig:
     data_parallel: Literal["ddp", "fsdp"] = field(default="ddp", metadata={
         "help": "ddp (replicated weights, all-reduce) | fsdp (FSDP2 fully_shard: sharded weights, "
                 "grads and optimizer state over dp)"})
+    dp_shard: int = field(default=0, metadata={
+        "help": "fsdp: ranks each parameter is sharded over (HSDP: shard within dp_shard consecutive "
+                "dp ranks, replicate over dp / dp_shard groups; dp_shard x tp x cp ranks per node "
+                "keeps the parameter all-gathers inside a node); 0 = all of dp (plain FSDP)"})
     pp_schedule: Literal["gpipe", "1f1b", "interleaved"] = field(default="1f1b", metadata={
         "help": "gpipe | 1f1b | interleaved (micro-batches per step = train.grad_accum)"})
     pp_virtual_stages: int = field(default=2, metadata={

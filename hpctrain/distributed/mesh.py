@@ -35,6 +35,7 @@ replicas * dp); DiLoCo averages over the "replica" axis (`outer_axis`).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -59,6 +60,12 @@ class ParallelDims:
     fsdp: bool = False
     replicas: int = 0  # hierarchical (sync.replica_nodes): replicas of dp x tp x pp ranks; 0 = off
     cp: int = 1        # context parallelism: ranks splitting each sequence (axis "cp" when > 1)
+    dp_shard: int = 0  # HSDP (parallel.dp_shard): FSDP shards over dp_shard dp ranks; 0 = all of dp
+
+    @property
+    def dp_replicate(self) -> int:
+        """HSDP's replicas of the sharded model: dp / dp_shard (1 = plain FSDP, or DDP)."""
+        return self.dp // self.dp_shard if self.dp_shard else 1
 
     @classmethod
     def from_world(cls, world_size: int, dp: int = 0, tp: int = 1, pp: int = 1,
@@ -101,8 +108,18 @@ class ParallelDims:
     @classmethod
     def from_config(cls, world_size: int, p, replica_ranks: int = 0) -> "ParallelDims":
         """From a `config.ParallelConfig` section (+ the ranks of a replica: `replica_ranks`)."""
-        return cls.from_world(world_size, dp=p.dp, tp=p.tp, pp=p.pp, fsdp=p.data_parallel == "fsdp",
+        dims = cls.from_world(world_size, dp=p.dp, tp=p.tp, pp=p.pp, fsdp=p.data_parallel == "fsdp",
                               replica_ranks=replica_ranks, cp=p.cp)
+        return dims.with_dp_shard(getattr(p, "dp_shard", 0))
+
+    def with_dp_shard(self, dp_shard: int) -> "ParallelDims":
+        """These dims with HSDP's shard size (0, or all of dp: plain FSDP, the dims unchanged)."""
+        if dp_shard in (0, self.dp):
+            return self
+        if dp_shard < 0 or self.dp % dp_shard:
+            raise ConfigError(f"config key 'parallel.dp_shard': {dp_shard} must divide dp={self.dp} "
+                              f"(dp = dp_replicate x dp_shard); use a divisor of {self.dp}")
+        return dataclasses.replace(self, dp_shard=dp_shard)
 
     @property
     def hierarchical(self) -> bool:
@@ -150,6 +167,8 @@ class ParallelDims:
 
     def describe(self) -> str:
         kind = "fsdp" if self.fsdp else "ddp"
+        if self.dp_shard:
+            kind = f"hsdp: dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard}"
         cp = f" x cp={self.cp}" if self.cp > 1 else ""
         inner = f"pp={self.pp} x dp={self.dp} ({kind}){cp} x tp={self.tp}"
         return f"replicas={self.replicas} x ({inner})" if self.hierarchical else inner
@@ -188,6 +207,7 @@ class Mesh:
         self.rank = ctx.rank
         self.world_comm = ctx.comm  # mpi4py COMM_WORLD, for MPI-backed collectives (grad sync)
         self._dp_cp: DeviceMesh | None = None  # reduce_mesh() with cp > 1
+        self._hsdp: DeviceMesh | None = None   # fsdp_mesh() with parallel.dp_shard
         self.device_mesh: DeviceMesh = init_device_mesh(
             ctx.device.type, dims.axis_sizes, mesh_dim_names=dims.axis_names)
         for axis in dims.axis_names:  # torch gives its groups its own default timeout, not dist.timeout_s
@@ -257,6 +277,21 @@ class Mesh:
 
     def reduce_group(self) -> dist.ProcessGroup:
         return self.reduce_mesh().get_group()
+
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2 shards over: reduce_mesh(), or with HSDP (parallel.dp_shard) its 2-D
+        ("dp_replicate", "dp_shard") unflattening: shard over dp_shard consecutive dp ranks (x cp),
+        replicate over dp / dp_shard. fully_shard on a 2-D mesh all-gathers and reduce-scatters
+        over "dp_shard" and all-reduces the gradient shards over "dp_replicate"."""
+        if not self.dims.dp_shard:
+            return self.reduce_mesh()
+        if self._hsdp is None:
+            replicate = self.dims.dp_replicate
+            self._hsdp = self.reduce_mesh()._unflatten(
+                0, (replicate, self.reduce_size // replicate), ("dp_replicate", "dp_shard"))
+            for axis in ("dp_replicate", "dp_shard"):
+                apply_timeout(self._hsdp[axis].get_group())
+        return self._hsdp
 
     @property
     def dp_size(self) -> int:

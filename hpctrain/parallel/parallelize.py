@@ -117,7 +117,7 @@ def apply_fsdp(model: nn.Module, roots: tuple[nn.Module, ...], mesh: Mesh, preci
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     mp = (MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
           if half is not None else MixedPrecisionPolicy())
-    dp_mesh = mesh.reduce_mesh()  # "dp", or with cp > 1 the flattened dp x cp ranks
+    dp_mesh = mesh.fsdp_mesh()  # "dp" (with cp > 1 dp x cp flattened); HSDP: (replicate, shard)
     for block in model.blocks.values():
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored)
     for root in roots:

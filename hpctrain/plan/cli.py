@@ -49,7 +49,8 @@ ARCH_OPTIONS = {"n_kv_head": "model.n_kv_head (llama: key/value heads; 0 = n_hea
 FROM_CONFIG = {"dp": ("parallel", "dp"), "tp": ("parallel", "tp"), "pp": ("parallel", "pp"),
                "cp": ("parallel", "cp"), "cp_attention": ("parallel", "cp_attention"),
                "ep": ("parallel", "ep"),
-               "data_parallel": ("parallel", "data_parallel"), "pp_schedule": ("parallel", "pp_schedule"),
+               "data_parallel": ("parallel", "data_parallel"), "dp_shard": ("parallel", "dp_shard"),
+               "pp_schedule": ("parallel", "pp_schedule"),
                "pp_virtual_stages": ("parallel", "pp_virtual_stages"),
                "activation_checkpoint": ("parallel", "activation_checkpoint"),
                "ac_every": ("parallel", "ac_every"), "micro_batch": ("train", "micro_batch_size"),
@@ -87,6 +88,8 @@ HELP = {
                     "heads); the search takes the faster",
     "ep": "parallel.ep (MoE: experts split over ep of the dp ranks; divides dp and the experts)",
     "data_parallel": "parallel.data_parallel: ddp | fsdp",
+    "dp_shard": "parallel.dp_shard: HSDP (fsdp): shard over dp_shard ranks, replicate over dp / "
+                "dp_shard (0 = all of dp); the search tries one node's dp ranks on > 1 node",
     "pp_schedule": "parallel.pp_schedule: gpipe | 1f1b | interleaved",
     "pp_virtual_stages": "parallel.pp_virtual_stages (interleaved only)",
     "micro_batch": "train.micro_batch_size: sequences per rank per forward",

@@ -10,7 +10,10 @@ Owns the communication model (ring collectives: an all-reduce of M bytes over p 
   gradients all-reduced over tp once per step (plan/moe.py).
 - DP (parallel/parallelize.py): DDP or the flat after-backward all-reduce of fp32 gradients once
   per step (under ep > 1 the experts' over their dp / ep replicas only: plan/moe.py); FSDP all-gathers parameters (16-bit under autocast) in forward and again in backward
-  for every micro-batch and reduce-scatters fp32 gradients once per step; DiLoCo averages the
+  for every micro-batch and reduce-scatters fp32 gradients once per step (HSDP, Job.dp_shard:
+  those over the dp_shard x cp group only, a "dp" row of that group's link, and a "dp_replicate"
+  row: the all-reduce of each rank's fp32 gradient shard over dp_replicate groups, inter-node
+  when the shard group fills a node); DiLoCo averages the
   pseudo-gradient once per round of inner_steps (plan/wire.py bytes_sent, on the wire fp32,
   bf16, int8 or int4 + a scale per block), nothing in between. Hierarchical (sync.replica_nodes):
   the dp row is DDP's all-reduce inside a replica of nodes (its own link kind), the "replica" row
@@ -72,6 +75,7 @@ def dp_bytes(shape: ModelShape, job: Job, n_local: int) -> tuple[int, str]:
     if job.sync_mode == "diloco":
         return diloco_bytes(job, n_local, p)
     if job.data_parallel == "fsdp":
+        p = job.shard_ranks  # HSDP: the dp_shard x cp group (its replicas: hsdp_replicate_row)
         gather = ring_share(p) * n_local * (2 if job.half else 4) * 2 * job.grad_accum
         scatter = ring_share(p) * n_local * 4
         return int(gather + scatter), "FSDP all-gather (fwd + bwd per micro-batch) + reduce-scatter"
@@ -103,6 +107,7 @@ def comm_per_step(shape: ModelShape, job: Job, blocks: int, ckpt_blocks: int, ha
     if moe.held_experts(shape, job, block_ids):  # ep > 1: left out of DDP / FSDP (plan/moe.py)
         dp += moe.replica_grad_bytes(shape, job, block_ids)
         what += " + all-reduce of the experts' fp32 gradients over dp / ep replicas"
+    span = job.tp * (job.shard_ranks if job.dp_shard else inner_dp)
     ep = [("ep", link(job.tp * job.ep, job), moe.all_to_all_bytes(shape, job, block_ids),
            "MoE all-to-all: routed rows to their experts' ranks and back, forward + backward")]
     return ep * bool(shape.moe_experts) + [
@@ -111,11 +116,22 @@ def comm_per_step(shape: ModelShape, job: Job, blocks: int, ckpt_blocks: int, ha
          "sequence-parallel all-gathers + reduce-scatters per block"
          + ", MoE gradients all-reduced" * bool(shape.moe_experts and job.tp > 1)),
         *cp_row(shape, job, blocks, ckpt_blocks),
-        ("dp", link(job.tp * inner_dp, job), dp, what),
+        ("dp", link(span, job), dp, what),
+        *hsdp_replicate_row(job, n_local - moe.held_experts(shape, job, block_ids), inner_dp),
         *across_replicas(job, n_local),
         ("pp", link(job.tp * inner_dp * 2, job) if job.pp > 1 else "-",
          pp_bytes(shape, job, has_first, has_last), "activations forward, gradients back"),
     ]
+
+
+def hsdp_replicate_row(job: Job, n_dense: int, inner_dp: int) -> list[tuple[str, str, int, str]]:
+    """HSDP's all-reduce of each rank's fp32 gradient shard (n_dense / shard_ranks values) over
+    dp_replicate groups (none without HSDP)."""
+    if not job.dp_shard or job.dp_replicate == 1:
+        return []
+    sent = int(2 * ring_share(job.dp_replicate) * n_dense * 4 / job.shard_ranks)
+    return [("dp_replicate", link(job.tp * inner_dp, job), sent,
+             f"HSDP all-reduce of fp32 gradient shards over {job.dp_replicate} replicas")]
 
 
 def cp_row(shape: ModelShape, job: Job, blocks: int, ckpt_blocks: int) -> list[tuple[str, str, int, str]]:

@@ -61,6 +61,7 @@ class Job:
     cp_attention: str = "ring"          # parallel.cp_attention: ring | ulysses (cp divides the heads)
     ep: int = 1                         # parallel.ep: MoE experts split over ep of the dp ranks
     data_parallel: str = "ddp"          # ddp | fsdp
+    dp_shard: int = 0                   # parallel.dp_shard: HSDP's shard group (fsdp; 0 = all of dp)
     pp_schedule: str = "1f1b"           # gpipe | 1f1b | interleaved
     pp_virtual_stages: int = 2
     micro_batch: int = 1
@@ -99,6 +100,22 @@ class Job:
         return self.dp_size * self.cp
 
     @property
+    def shard_ranks(self) -> int:
+        """Ranks FSDP shards parameters, gradients and AdamW state over: dp x cp, or with HSDP
+        (parallel.dp_shard) dp_shard x cp; the gradient shards are then all-reduced over
+        dp_replicate = dp / dp_shard such groups."""
+        return self.dp_shard * self.cp if self.dp_shard else self.grad_ranks
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.grad_ranks // self.shard_ranks
+
+    @property
+    def sharding(self) -> str:
+        """'ddp', 'fsdp', or HSDP's 'hsdp 2x8' (dp_replicate x dp_shard)."""
+        return f"hsdp {self.dp_replicate}x{self.dp_shard}" if self.dp_shard else self.data_parallel
+
+    @property
     def replicas(self) -> int:
         """DiLoCo replicas of sync.replica_nodes nodes (0: not hierarchical)."""
         return self.nodes // self.replica_nodes if self.replica_nodes else 0
@@ -123,7 +140,7 @@ class Job:
     @property
     def layout_name(self) -> str:
         cp = f" cp{self.cp}" + (" ulysses" if self.cp_attention == "ulysses" else "") if self.cp > 1 else ""
-        return (f"{self.data_parallel} dp{self.dp_size}{cp} tp{self.tp} pp{self.pp} "
+        return (f"{self.sharding} dp{self.dp_size}{cp} tp{self.tp} pp{self.pp} "
                 f"mb{self.micro_batch}x{self.grad_accum} ac={self.activation_checkpoint}")
 
     @property
@@ -170,6 +187,10 @@ class Job:
         self.check_cp(shape)
         if self.pp * self.virtual > shape.n_layer:
             raise ValueError(f"--pp {self.pp} x {self.virtual} virtual stages > n_layer {shape.n_layer}")
+        if self.dp_shard and (self.data_parallel != "fsdp" or self.dp_shard < 0
+                              or self.dp_size % self.dp_shard):
+            raise ValueError(f"--dp-shard {self.dp_shard}: HSDP shards FSDP over dp_shard ranks: "
+                             f"needs --data-parallel fsdp and a divisor of dp {self.dp_size}")
         if self.sync_mode == "diloco" and self.data_parallel == "fsdp":
             raise ValueError("--sync-mode diloco: replicas train apart; use --data-parallel ddp")
         if self.replica_nodes and (self.sync_mode == "sync" or self.replica_nodes < 0

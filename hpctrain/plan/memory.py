@@ -30,7 +30,8 @@ Owns the memory model of OUR code, per pipeline rank (the largest is what must f
 - activations: one block's, a checkpointed block's and the head's bytes (plan/activations.py),
   in the precision the layout gives the blocks (`params16`: FSDP's 16-bit parameters make the
   residual stream 16-bit); under context parallelism (parallel.cp) those of the s / cp tokens a
-  rank holds, with the attention's own buffers (plan/context.py); FSDP shards over dp x cp.
+  rank holds, with the attention's own buffers (plan/context.py); FSDP shards over dp x cp
+  (HSDP, Job.dp_shard: over dp_shard x cp only, `Job.shard_ranks`).
 - peak = parameters + optimizer state + working copies + the highest activations + gradients of
   a step (FSDP with one micro-batch: the sweep above): with grad_accum > 1, micro-batches in
   flight (pipeline) or DDP (gradients are views of its buckets, allocated once) all gradients
@@ -198,7 +199,7 @@ def fsdp_backward_sweep(shape: ModelShape, job: Job, stage: Stage) -> int:
     full = job_layer_bytes(shape, job)
     pbytes, block = (2 if job.half else 4), shape.block_params_tp(job.tp)
     gathered, _ = _fsdp_buffers(shape, job, stage)
-    shard = 4 * block // job.grad_ranks
+    shard = 4 * block // job.shard_ranks
     rs_input = 4 * block * (2 if job.backend == "gloo" else 1)
     high = sum(b for b, _ in blocks)
     if stage.has_last:
@@ -233,7 +234,7 @@ def fsdp_accum_sweep(shape: ModelShape, job: Job, stage: Stage) -> int:
     blocks = _kept_per_block(shape, job, stage)
     n, full = len(blocks), job_layer_bytes(shape, job)
     pbytes, block = (2 if job.half else 4), shape.block_params_tp(job.tp)
-    acc, shard = 4 * block, 4 * block // job.grad_ranks
+    acc, shard = 4 * block, 4 * block // job.shard_ranks
     rs_input = 4 * block * (2 if job.backend == "gloo" else 1)
     convert = 4 * block if job.half else 0  # bf16 gradients cast to an fp32 copy, both alive
 
@@ -257,8 +258,9 @@ def fsdp_accum_sweep(shape: ModelShape, job: Job, stage: Stage) -> int:
 
 def rank_memory(shape: ModelShape, job: Job, stage: Stage) -> RankMemory:
     n, mm = local_params(shape, job, stage)
-    shard = job.grad_ranks if job.data_parallel == "fsdp" else 1
-    fsdp, kept = shard > 1, functools.partial(moe.sharded_bytes, shape, job, stage.block_ids, n, shard)
+    shard = job.shard_ranks if job.data_parallel == "fsdp" else 1
+    fsdp = job.data_parallel == "fsdp" and job.grad_ranks > 1
+    kept = functools.partial(moe.sharded_bytes, shape, job, stage.block_ids, n, shard)
     parts = {"parameters (fp32)": kept(4), "gradients (fp32)": kept(4), "AdamW m, v (fp32)": kept(ADAM_BYTES)}
     if fsdp:
         gathered, grad_transient = _fsdp_buffers(shape, job, stage)
@@ -334,7 +336,7 @@ def _peak(shape: ModelShape, job: Job, stage: Stage, p: dict) -> int:
     if fsdp:  # pipelines (torch's stage: reshard_after_backward(False) until the last
         # micro-batch; not measured): every FSDP part summed at once
         head_grad = 4 * shape.embedding_params_tp(job.tp) if stage.has_last else 0
-        during = acts + head_grad // job.grad_ranks + grads
+        during = acts + head_grad // job.shard_ranks + grads
     elif ddp_buckets or job.grad_accum > 1 or stage.in_flight > 1:
         during = acts + grads  # gradients live through the forward passes
     else:

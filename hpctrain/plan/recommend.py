@@ -26,6 +26,7 @@ class Advice:
     fixes: list = field(default_factory=list)        # (changes, Candidate) nearest to the user's
     more_nodes: search.Candidate | None = None       # when no layout fits this node count
     cp_why: str = ""                                  # the recommended layout's cp > 1: why
+    hsdp_why: str = ""                                # the recommended layout's HSDP: why
 
     @property
     def best(self) -> search.Candidate | None:
@@ -44,9 +45,25 @@ def advise(shape: ModelShape, job: Job) -> Advice:
         advice.fixes = search.nearest_fixes(user.job, ranked)
     if advice.best is None:
         advice.more_nodes = search.smallest_fitting_nodes(shape, job)
-    elif advice.best.job.cp > 1:
-        advice.cp_why = cp_reason(shape, advice)
+    else:
+        advice.cp_why = cp_reason(shape, advice) if advice.best.job.cp > 1 else ""
+        advice.hsdp_why = hsdp_reason(shape, advice.best) if advice.best.job.dp_shard else ""
     return advice
+
+
+def hsdp_reason(shape: ModelShape, best: search.Candidate) -> str:
+    """Why the recommended layout is HSDP: its exposed data-parallel time against the same layout
+    sharded over all of dp (plain FSDP), and what the smaller shard group costs in memory."""
+    b = best.job
+    plain = search.evaluate(shape, replace(b, dp_shard=0))
+    against = (f"FSDP over all {b.grad_ranks} ranks: {fmt_seconds(plain.time.dp_exposed)} exposed, "
+               f"{plain.time.tokens_per_s:,.0f} tokens/s, peak {fmt_bytes(plain.peak)}"
+               if plain.fits else f"FSDP over all {b.grad_ranks} ranks: {plain.why}")
+    return (f"HSDP {b.dp_replicate} x {b.dp_shard}: parameter all-gathers and gradient "
+            f"reduce-scatters stay inside a node (dp_shard {b.dp_shard} = a node's dp ranks), only "
+            f"the fp32 gradient shards' all-reduce crosses nodes: {fmt_seconds(best.time.dp_exposed)} "
+            f"of exposed data-parallel time per step, {best.time.tokens_per_s:,.0f} tokens/s, peak "
+            f"{fmt_bytes(best.peak)}; {against}")
 
 
 def cp_reason(shape: ModelShape, a: Advice) -> str:
@@ -80,7 +97,8 @@ def fmt_seconds(s: float) -> str:
 def candidate_dict(c: search.Candidate) -> dict:
     j, t = c.job, c.time
     out = {"layout": j.layout_name, "fits": c.fits, "why": c.why, "dp": j.dp_size, "tp": j.tp,
-           "pp": j.pp, "data_parallel": j.data_parallel, "micro_batch": j.micro_batch,
+           "pp": j.pp, "data_parallel": j.data_parallel, **({"dp_shard": j.dp_shard} if j.dp_shard else {}),
+           "micro_batch": j.micro_batch,
            "grad_accum": j.grad_accum, "activation_checkpoint": j.activation_checkpoint,
            "peak_bytes": c.peak, "setup_bytes": c.setup, "pp_rank": c.pp_rank}
     if j.cp > 1:
@@ -106,7 +124,8 @@ def as_json(a: Advice, config: str | None = None) -> dict:
     return {"assumptions": assumptions(a.job), "user": candidate_dict(a.user),
             "fixes": [{"changes": ch, **candidate_dict(c)} for ch, c in a.fixes],
             "recommended": {**candidate_dict(best), "train_command": train_command(best.job, config),
-                            **({"cp_why": a.cp_why} if a.cp_why else {})}
+                            **({"cp_why": a.cp_why} if a.cp_why else {}),
+                            **({"hsdp_why": a.hsdp_why} if a.hsdp_why else {})}
             if best else None,
             "more_nodes": {"nodes": a.more_nodes.job.nodes, **candidate_dict(a.more_nodes)}
             if a.more_nodes else None,
@@ -162,7 +181,7 @@ def render(a: Advice, top: int = 5, config: str | None = None) -> str:
         b = a.best.job
         lines += [f"recommended: {b.layout_name}: {train_command(b, config)}",
                   _dp_note(b)]
-        lines += [f"  ({a.cp_why})"] * bool(a.cp_why)
+        lines += [f"  ({a.cp_why})"] * bool(a.cp_why) + [f"  ({a.hsdp_why})"] * bool(a.hsdp_why)
     else:
         more = a.more_nodes
         lines.append(f"nothing fits {j.nodes} x {j.gpus_per_node} GPUs of {fmt_bytes(j.gpu_memory)}: "

@@ -154,7 +154,7 @@ def render(p: Plan, head: bool = True) -> str:
     s, j = p.shape, p.job
     tokens_step = j.batch * s.block_size
     cp = f"cp {j.cp} ({j.cp_attention}: {s.block_size // j.cp:,} tokens of each sequence per rank) x " if j.cp > 1 else ""
-    lines = [f"Layout: dp {j.dp_size} ({j.data_parallel}{f', ep {j.ep}' if j.ep > 1 else ''}) x {cp}tp {j.tp} x pp {j.pp} ({j.pp_schedule}), "
+    lines = [f"Layout: dp {j.dp_size} ({j.sharding}{f', ep {j.ep}' if j.ep > 1 else ''}) x {cp}tp {j.tp} x pp {j.pp} ({j.pp_schedule}), "
              f"micro_batch {j.micro_batch} x grad_accum {j.grad_accum} -> global batch "
              f"{j.batch} sequences ({tokens_step:,} tokens); activation_checkpoint "
              f"{j.activation_checkpoint}; {j.precision}; sync {j.sync_mode}"
@@ -197,7 +197,7 @@ SUMMARY_HEAD = ("model", "nodes x GPUs", "layout", "peak / GPU", "setup / GPU", 
 def summary_row(p: Plan) -> tuple:
     j, m = p.job, p.mem
     layout = j.layout_name
-    dp = next(b for a, _, b, _ in p.comm if a == "dp")
+    dp = sum(b for a, _, b, _ in p.comm if a in ("dp", "dp_replicate"))  # (HSDP: both)
     return (fmt_params(p.shape.family.named_params(p.shape)), f"{j.nodes} x {j.gpus_per_node}", layout,
             fmt_bytes(m.peak), fmt_bytes(p.setup["per rank (host, then GPU)"]),
             fmt_bytes(p.sampler["per rank (kept)"]), f"{p.checkpoint['files']:,}", fmt_bytes(dp),

@@ -1,7 +1,8 @@
 """The layout search of `hpctrain plan`: which layouts of a model fit the GPUs, and how fast each is.
 
 Owns: enumerating the layouts of a job at its global batch (tp over the divisors of the GPUs per
-node, pp over the divisors of what is left, DDP or FSDP, micro-batch 1/2/4/8, activation
+node, pp over the divisors of what is left, DDP or FSDP, and on more than one node HSDP (FSDP
+sharded within a node, replicated across nodes: `hsdp_shard`), micro-batch 1/2/4/8, activation
 checkpointing none/selective/full; grad_accum follows from the batch; context parallelism cp > 1
 inside a node, ring or Ulysses, whichever is faster, searched only when the sequence binds: the
 user's layout has cp, the sequence is long (attention FLOPs >= half the dense ones), or at cp = 1
@@ -100,13 +101,36 @@ def cp_layouts(shape: ModelShape, base: Job, batch: int) -> list[Job]:
             for job in _variants(base, batch, tp, 1, cp)]
 
 
+def hsdp_shard(base: Job, tp: int, cp: int, dp: int) -> int:
+    """HSDP's dp_shard for one tp x cp: the dp ranks of one node (their parameter all-gathers and
+    reduce-scatters stay on its links; only the gradient shards' all-reduce crosses nodes); 0 where
+    that is all of dp (one node: plain FSDP), one rank, or not a whole node."""
+    shard = base.gpus_per_node // (tp * cp)
+    ok = base.nodes > 1 and base.sync_mode == "sync" and shard > 1 and dp % shard == 0 and dp > shard
+    return shard if ok else 0
+
+
 def _variants(base: Job, batch: int, tp: int, pp: int, cp: int) -> list[Job]:
-    """DDP / FSDP x micro-batches x checkpointing modes of one tp x pp x cp."""
+    """DDP / FSDP / HSDP x micro-batches x checkpointing modes of one tp x pp x cp."""
     dp = base.world // (tp * pp * cp)
-    sharding = ("ddp", "fsdp") if dp * cp > 1 and base.sync_mode == "sync" else ("ddp",)
-    return [replace(base, dp=0, tp=tp, pp=pp, cp=cp, data_parallel=mode, pp_schedule="1f1b",
-                    micro_batch=mb, grad_accum=1, global_batch=batch, activation_checkpoint=ac)
-            for mode in sharding for mb in MICRO_BATCHES for ac in AC_MODES]
+    sharding = [("ddp", 0), ("fsdp", 0)] if dp * cp > 1 and base.sync_mode == "sync" else [("ddp", 0)]
+    sharding += [("fsdp", hsdp_shard(base, tp, cp, dp))] * bool(hsdp_shard(base, tp, cp, dp))
+    return [replace(base, dp=0, tp=tp, pp=pp, cp=cp, data_parallel=mode, dp_shard=shard,
+                    pp_schedule="1f1b", micro_batch=mb, grad_accum=1, global_batch=batch,
+                    activation_checkpoint=ac)
+            for mode, shard in sharding for mb in MICRO_BATCHES for ac in AC_MODES]
+
+
+def paying_hsdp(cands: list[Candidate]) -> list[Candidate]:
+    """`cands` less the HSDP layouts that are not faster than the same layout as FSDP over all
+    of dp: HSDP shards over fewer ranks, so it never needs less memory, and where FSDP's transfers
+    hide under compute it only costs memory (dominated: not listed)."""
+    fsdp = {c.job: c for c in cands if c.job.data_parallel == "fsdp" and not c.job.dp_shard}
+
+    def pays(c: Candidate) -> bool:
+        twin = fsdp.get(replace(c.job, dp_shard=0))
+        return c.fits and (twin is None or not twin.fits or c.time.total < twin.time.total)
+    return [c for c in cands if not c.job.dp_shard or pays(c)]
 
 
 def ranked(cands: list[Candidate], user: Job) -> list[Candidate]:
@@ -121,7 +145,7 @@ def ranked(cands: list[Candidate], user: Job) -> list[Candidate]:
 def search(shape: ModelShape, base: Job) -> list[Candidate]:
     """Every layout at `base`'s global batch, judged and ranked (cp > 1 ones when the sequence binds)."""
     checked = base.check(shape)
-    cands = [evaluate(shape, j) for j in layouts(checked, checked.batch)]
+    cands = paying_hsdp([evaluate(shape, j) for j in layouts(checked, checked.batch)])
     if sequence_binds(shape, checked, cands):
         cands += [evaluate_cp(shape, j) for j in cp_layouts(shape, checked, checked.batch)]
     return ranked(cands, checked)
@@ -150,6 +174,8 @@ def changes(user: Job, other: Job) -> list[str]:
     out = []
     if user.data_parallel != other.data_parallel:
         out.append("add FSDP" if other.data_parallel == "fsdp" else "DDP instead of FSDP")
+    if user.dp_shard != other.dp_shard and other.data_parallel == "fsdp":
+        out.append(f"HSDP dp_shard={other.dp_shard}" if other.dp_shard else "FSDP over all of dp")
     out += [f"{k}={getattr(other, k)}" for k in ("tp", "pp") if getattr(user, k) != getattr(other, k)]
     if user.cp != other.cp or (other.cp > 1 and user.cp_attention != other.cp_attention):
         out.append(f"cp={other.cp}" + (f" ({other.cp_attention})" if other.cp > 1 else ""))
@@ -180,7 +206,8 @@ def frugal_layouts(shape: ModelShape, base: Job, with_cp: bool = False) -> list[
     FSDP (sync), micro-batch 1, full checkpointing, the fewest micro-batches a pipeline runs;
     `with_cp`: instead each tp with the widest cp a node has room for (pp = 1)."""
     mode = "fsdp" if base.sync_mode == "sync" else "ddp"
-    frugal = replace(base, dp=0, cp=1, cp_attention="ring", data_parallel=mode, pp_schedule="1f1b",
+    frugal = replace(base, dp=0, cp=1, cp_attention="ring", data_parallel=mode, dp_shard=0,
+                     pp_schedule="1f1b",
                      micro_batch=1, global_batch=0, activation_checkpoint="full")
     if with_cp:
         return [replace(frugal, tp=t, pp=1, grad_accum=1, cp=max(cp_sizes(shape, base, t)))
@@ -214,6 +241,7 @@ def train_flags(job: Job) -> str:
     flags = ["--parallel.dp=0", f"--parallel.tp={job.tp}", f"--parallel.pp={job.pp}",
              f"--parallel.pp_schedule={job.pp_schedule}",
              f"--parallel.data_parallel={job.data_parallel}",
+             *[f"--parallel.dp_shard={job.dp_shard}"] * bool(job.dp_shard),
              f"--parallel.activation_checkpoint={job.activation_checkpoint}"]
     if job.activation_checkpoint == "selective":
         flags.append(f"--parallel.ac_every={job.ac_every}")

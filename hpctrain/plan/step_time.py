@@ -85,6 +85,7 @@ def step_time(shape: ModelShape, job: Job, mem: RankMemory) -> StepTime:
         window = compute
     else:
         window = compute * 2 / 3 / job.grad_accum
-    exposed = max(0.0, seconds["dp"] - window) + seconds.get("replica", 0.0)  # (not overlapped)
-    return StepTime(compute, seconds["tp"], seconds["pp"], bubble, exposed, seconds["dp"], tokens * streams,
+    dp = seconds["dp"] + seconds.get("dp_replicate", 0.0)  # HSDP: shard group + replicas
+    exposed = max(0.0, dp - window) + seconds.get("replica", 0.0)  # (not overlapped)
+    return StepTime(compute, seconds["tp"], seconds["pp"], bubble, exposed, dp, tokens * streams,
                     seconds.get("ep", 0.0), cp)

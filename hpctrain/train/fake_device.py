@@ -50,9 +50,17 @@ class DeviceMixError(UserError):
     """A CPU tensor where the GPU job would need a device one (NCCL refuses it, or the op fails)."""
 
 
+class _FakeStream(torch.cpu.Stream):
+    """The CPU's no-op stream, but recording an event returns one (a CPU stream's returns None,
+    which FSDP2's HSDP all-reduce refuses on a non-CPU device: parallel.dp_shard)."""
+
+    def record_event(self, event=None):
+        return event if event is not None else torch.cpu.Event()
+
+
 class _FakeGpuModule:
     """torch.gpu: what torch asks of a device's module (streams behave as the CPU's: no-ops)."""
-    Stream, Event = torch.cpu.Stream, torch.cpu.Event
+    Stream, Event = _FakeStream, torch.cpu.Event
     stream, current_stream = staticmethod(torch.cpu.stream), staticmethod(torch.cpu.current_stream)
 
     def get_amp_supported_dtype(self):

@@ -19,6 +19,7 @@ CALLED_BY_NAME = {
     ("hpctrain/train/fake_device.py", "get_amp_supported_dtype"): "torch's autocast, of a device module",
     ("hpctrain/train/fake_device.py", "_is_in_bad_fork"): "torch's lazy init, of a device module",
     ("hpctrain/train/fake_device.py", "manual_seed_all"): "torch.manual_seed, of every device module",
+    ("hpctrain/train/fake_device.py", "record_event"): "FSDP2's HSDP all-reduce, of a device stream",
     ("hpctrain/checkpoint/safe_load.py", "persistent_load"): "pickle.Unpickler",
     ("hpctrain/checkpoint/metadata_scan.py", "persistent_load"): "pickle.Unpickler",
     ("hpctrain/checkpoint/safe_load.py", "load_bytes"): "torch.distributed.checkpoint's LoadPlanner",

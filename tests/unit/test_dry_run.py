@@ -111,6 +111,16 @@ def test_fsdp_tp_bytes_are_the_layouts_arithmetic(cfg, world, tp):
     assert rank["micro_batches"] == rank["grad_accum"] == 2
 
 
+def test_hsdp_dry_runs_sharded_over_dp_shard(cfg):
+    """parallel.dp_shard = 2 of dp 4 (HSDP, issue 52): each rank holds FSDP-over-2's shards, and
+    FSDP2's all-reduce over the replicas runs on the fake device (its stream gives an event)."""
+    report = dry_run_json(cfg, 8, "--parallel.tp=2", "--parallel.data_parallel=fsdp",
+                          "--parallel.dp_shard=2")
+    (rank,) = report["ranks"]
+    params, adam = expected_bytes(cfg, 2, 2)
+    assert rank["parameters"] == rank["gradients"] == params and rank["optimizer"] == adam
+
+
 def test_ddp_and_tp_without_fsdp_hold_whole_replicas(cfg):
     tp2 = dry_run_json(cfg, 4, "--parallel.tp=2", "--parallel.data_parallel=ddp")["ranks"][0]
     ddp = dry_run_json(cfg, 4, "--parallel.data_parallel=ddp")["ranks"][0]

@@ -90,7 +90,7 @@ def test_lower_inter_node_bandwidth_never_makes_a_layout_faster(capsys):
     step = {c["layout"]: c["step_s"] for c in fast["candidates"] if "step_s" in c}
     slower = 0
     for c in slow["candidates"]:
-        if "step_s" in c:
+        if "step_s" in c and c["layout"] in step:  # (HSDP layouts: listed where they pay)
             assert c["step_s"] >= step[c["layout"]], c["layout"]
             slower += c["step_s"] > step[c["layout"]] and c["dp"] * c["tp"] > 8
     assert slower > 0  # dp across nodes pays for it
