@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import collections
 
+import pytest
 import torch
 
 from hpctrain.model.llama import Llama, LlamaConfig
@@ -135,3 +136,28 @@ def test_the_cuda_expert_path_keeps_the_host_copy_of_its_counts(monkeypatch):
     got, want = _grads(wrapped, _tokens()), _grads(plain, _tokens())
     assert kept.ops[aten._to_copy.default] == 2, kept.ops
     assert all((g is None and got[n] is None) or torch.equal(got[n], g) for n, g in want.items())
+
+
+def test_the_planner_keeps_selective_op_blocks_between_none_and_full_and_repeats_no_flops():
+    """llama3-8b, fsdp dp8, bf16: activations of none less selective_op's = 32 blocks x (a block
+    less its kept bytes) less the recomputed block's (a block less its kept bytes + its input);
+    compute time = none's (no matmul repeated), full's 1 + 1/3 of it."""
+    from dataclasses import replace
+
+    from hpctrain.plan import memory
+    from hpctrain.plan.layout import Job
+    from hpctrain.plan.shape import PRESETS
+    from hpctrain.plan.step_time import step_time
+
+    shape = PRESETS["llama3-8b"]
+    job = Job(nodes=1, gpus_per_node=8, micro_batch=1, data_parallel="fsdp",
+              activation_checkpoint="selective_op").check(shape)
+    mem = memory.largest_rank(shape, job)
+    by = mem.activations_by_mode
+    layer, kept = memory.job_layer_bytes(shape, job), memory.job_selective_op_bytes(shape, job)
+    ckpt = memory.job_checkpointed_bytes(shape, job)
+    assert by["none"] - by["selective_op"] == shape.n_layer * (layer - kept) - (layer - kept + ckpt)
+    assert by["full"] < by["selective_op"] < by["none"] and mem.parts["activations"] == by["selective_op"]
+    compute = {m: step_time(shape, replace(job, activation_checkpoint=m), mem).compute
+               for m in ("none", "selective_op", "full")}
+    assert compute["selective_op"] == compute["none"] and compute["full"] == pytest.approx(compute["none"] * 4 / 3)
