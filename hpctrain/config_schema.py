@@ -204,8 +204,10 @@ class ParallelConfig:
         "help": "gpipe | 1f1b | interleaved (micro-batches per step = train.grad_accum)"})
     pp_virtual_stages: int = field(default=2, metadata={
         "help": "model chunks per pipeline rank with pp_schedule = 'interleaved'"})
-    activation_checkpoint: Literal["none", "full", "selective"] = field(default="none", metadata={
-        "help": "none | full (recompute every block in backward) | selective (every ac_every-th block)"})
+    activation_checkpoint: Literal["none", "full", "selective", "selective_op"] = field(default="none", metadata={
+        "help": "none | full (recompute every block in backward) | selective (every ac_every-th "
+                "block) | selective_op (every block keeps its matmul and attention outputs, "
+                "recomputes the rest: docs/parallelism.md)"})
     ac_every: int = field(default=2, metadata={
         "help": "with activation_checkpoint = 'selective': checkpoint blocks 0, N, 2N, ..."})
     meta_init: bool = field(default=True, metadata={

@@ -4,8 +4,10 @@ checkpoint wrapper, so their activations are recomputed in backward instead of s
 (`compile_whole_model`), as train.compile_scope says (`compile_scope`).
 
 Owns: which blocks are wrapped ("full": all; "selective": blocks 0, N, 2N, ... of the model, by
-their original index, so a pipeline stage wraps the same blocks the unsplit model would), and in a
-block with a MoE layer the one thing kept from the forward: the routing counts' host copy. It must
+their original index, so a pipeline stage wraps the same blocks the unsplit model would;
+"selective_op": all, each with the per-op policy of op_checkpoint.py), and in a fully
+checkpointed block with a MoE layer the one thing kept from the forward: the routing counts' host
+copy. It must
 never change parameter names as checkpoints see them: the wrapper's `_checkpoint_wrapped_module.`
 prefix is stripped by torch.distributed.checkpoint.state_dict.
 """
@@ -18,6 +20,7 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from hpctrain.model.moe import MoEFeedForward
+from hpctrain.parallel.op_checkpoint import op_policy_contexts
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> int:
@@ -26,10 +29,12 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> i
         return 0
     wrapped = 0
     for key in list(model.blocks.keys()):
-        if mode == "full" or int(key) % every == 0:
+        if mode in ("full", "selective_op") or int(key) % every == 0:
             block = model.blocks[key]
             moe = any(isinstance(m, MoEFeedForward) for m in block.modules())
             extra = {"context_fn": _keep_host_copies_context} if moe else {}
+            if mode == "selective_op":
+                extra = {"context_fn": op_policy_contexts}
             model.blocks[key] = checkpoint_wrapper(block, preserve_rng_state=True, **extra)
             wrapped += 1
     return wrapped

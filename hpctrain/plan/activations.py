@@ -25,6 +25,12 @@ Our blocks with flash / memory-efficient SDPA (no a s^2 scores) and dropout 0:
   what autograd saves, exactly.
 - A checkpointed block keeps its input (4 s b h / t; 2 with 16-bit parameters) and recomputes one
   block in backward.
+- A block under per-op checkpointing (selective_op: parallel/op_checkpoint.py) keeps its input
+  and the outputs of its matmuls and attention (`selective_op_layer_bytes`): e s b (q + 2 kv +
+  MLP-in + attention out) / t + 4 a s b / t (the fp32 log-sum-exp) + 2 e s b h (the two row-parallel
+  outputs, wo and the MLP's down projection: whole partial sums under tp), e = 4 in fp32, 2 in
+  16-bit; MLP-in is SwiGLU's gate and up (2 f) or GPT's fc (f), GPT's q/k/v one 3 h tensor.
+  Measured: exactly these bytes at tp 1 (tests/unit/test_op_checkpoint.py).
 - The head keeps its logits (2|4 b s V / t) and log-softmax (4 b s V / t), +8 b s V / t in backward
   (llama: + RMSNorm's fp32 copy, 4 b s h / t, and its normalized copy, 4 b s h / t, 2 with 16-bit
   parameters, with or without chunking). With train.loss_chunk = n (parallel/loss.py) it keeps
@@ -92,6 +98,20 @@ def checkpointed_layer_bytes(shape: ModelShape, micro_batch: int, tp: int,
     """A checkpoint-wrapped block keeps only its input (sequence-sharded under tp): fp32, or
     16-bit with 16-bit parameters."""
     return (2 if params16 else 4) * shape.block_size * micro_batch * shape.n_embd // tp
+
+
+def selective_op_layer_bytes(shape: ModelShape, micro_batch: int, tp: int, half: bool,
+                             params16: bool = False) -> int:
+    """A block under parallel.activation_checkpoint = selective_op (the module docstring); a family
+    that counts its own blocks (mixtures of experts) is counted as without checkpointing."""
+    if getattr(shape.family, "layer_activation_bytes", None) is not None:
+        return layer_activation_bytes(shape, micro_batch, tp, half, params16)
+    s, b, h, a = shape.block_size, micro_batch, shape.n_embd, shape.n_head
+    e = 2 if half else 4
+    mlp_in = 2 * shape.ffn if shape.llama else shape.ffn
+    column = h + 2 * shape.kv_dim + mlp_in + h  # q, k, v, the MLP's input projections, attention out
+    kept = e * s * b * column // tp + 4 * a * s * b // tp + 2 * e * s * b * h
+    return checkpointed_layer_bytes(shape, micro_batch, tp, params16) + kept
 
 
 def head_bytes(shape: ModelShape, micro_batch: int, tp: int, half: bool,

@@ -101,7 +101,7 @@ HELP = {
     "mfu": "model FLOPs utilization the step-time model assumes for compute",
     "intra_node_bw": "bytes/s per GPU for collectives inside a node (NVLink)",
     "inter_node_bw": "bytes/s per GPU for collectives across nodes (the NIC per GPU)",
-    "activation_checkpoint": "parallel.activation_checkpoint: none | full | selective",
+    "activation_checkpoint": "parallel.activation_checkpoint: none | full | selective | selective_op",
     "ac_every": "parallel.ac_every: selective checkpoints blocks 0, N, 2N, ...",
     "precision": "train.precision: fp32 | bf16 | fp16 (auto = bf16 on GPUs)",
     "loss_chunk": "train.loss_chunk: tokens per chunk of the chunked loss (0 = full logits)",

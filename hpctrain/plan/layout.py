@@ -67,7 +67,7 @@ class Job:
     micro_batch: int = 1
     grad_accum: int = 1
     global_batch: int = 0               # train.global_batch: 0 = micro_batch x grad_accum x dp
-    activation_checkpoint: str = "none"  # none | full | selective
+    activation_checkpoint: str = "none"  # none | full | selective | selective_op
     ac_every: int = 2
     precision: str = "bf16"             # fp32 | bf16 | fp16
     loss_chunk: int = 0                 # train.loss_chunk: 0 = full logits, else tokens per chunk

@@ -51,7 +51,8 @@ from dataclasses import dataclass, field
 
 from hpctrain.plan import context, moe
 from hpctrain.plan.activations import (activation_formula, checkpointed_layer_bytes,  # noqa: F401
-                                       head_bytes, layer_activation_bytes, llama_layer_bytes)
+                                       head_bytes, layer_activation_bytes, llama_layer_bytes,
+                                       selective_op_layer_bytes)
 from hpctrain.plan.layout import Job
 from hpctrain.plan.shape import ModelShape
 from hpctrain.plan.stages import layer_costs, split_stages, stages_of_rank
@@ -115,23 +116,42 @@ def job_head_bytes(shape: ModelShape, job: Job) -> int:
                           job.loss_chunk, params16(job)))
 
 
+def job_selective_op_bytes(shape: ModelShape, job: Job) -> int:
+    """A selective_op block's kept bytes for one micro-batch of `job` (a cp rank's tokens)."""
+    return selective_op_layer_bytes(context.local_shape(shape, job), job.micro_batch, job.tp, job.half,
+                                    params16(job)) + context.stored_extra(shape, job)
+
+
+def is_wrapped(mode: str, layer: int, every: int) -> bool:
+    """Whether activation checkpointing `mode` wraps block `layer` (parallel/activation.py)."""
+    return mode in ("full", "selective_op") or (mode == "selective" and layer % every == 0)
+
+
 def checkpointed_blocks(job: Job, stage: Stage) -> int:
     """How many of the stage's blocks activation checkpointing wraps."""
-    mode = job.activation_checkpoint
-    return sum(1 for i in stage.block_ids
-               if mode == "full" or (mode == "selective" and i % job.ac_every == 0))
+    return sum(1 for i in stage.block_ids if is_wrapped(job.activation_checkpoint, i, job.ac_every))
+
+
+def _block_bytes(shape: ModelShape, job: Job, mode: str) -> tuple[int, int]:
+    """(stored, recomputed in its backward) bytes of a block `mode` wraps: its input, or under
+    selective_op its input and kept outputs, while the recomputation makes the rest of a block's."""
+    full, ckpt = job_layer_bytes(shape, job), job_checkpointed_bytes(shape, job)
+    if mode != "selective_op":
+        return ckpt, full
+    kept = min(job_selective_op_bytes(shape, job), full)
+    return kept, full - kept + ckpt
 
 
 def stage_activations(shape: ModelShape, job: Job, stage: Stage, mode: str) -> int:
     """Peak activation bytes of `stage` with activation checkpointing `mode`."""
-    full, ckpt = job_layer_bytes(shape, job), job_checkpointed_bytes(shape, job)
-    wrapped = [i for i in stage.block_ids if mode == "full" or (mode == "selective" and i % job.ac_every == 0)]
+    full, (ckpt, recomputed) = job_layer_bytes(shape, job), _block_bytes(shape, job, mode)
+    wrapped = [i for i in stage.block_ids if is_wrapped(mode, i, job.ac_every)]
     kept = (len(stage.block_ids) - len(wrapped)) * full + len(wrapped) * ckpt
     per_chunk = kept // job.virtual if job.pp > 1 else kept
     stored = stage.in_flight * per_chunk
     if stage.has_last:
         stored += job_head_bytes(shape, job)
-    return stored + (full if wrapped else 0)  # one block recomputed in backward
+    return stored + (recomputed if wrapped else 0)  # one block recomputed in backward
 
 
 @dataclass
@@ -196,7 +216,6 @@ def fsdp_backward_sweep(shape: ModelShape, job: Job, stage: Stage) -> int:
     of blocks < i, its fp32 input (+ Gloo's clone of it: Gloo reduces in place, so it all-reduces a
     copy and keeps its chunk) and the shards of blocks >= i."""
     blocks = _kept_per_block(shape, job, stage)
-    full = job_layer_bytes(shape, job)
     pbytes, block = (2 if job.half else 4), shape.block_params_tp(job.tp)
     gathered, _ = _fsdp_buffers(shape, job, stage)
     shard = 4 * block // job.shard_ranks
@@ -208,7 +227,7 @@ def fsdp_backward_sweep(shape: ModelShape, job: Job, stage: Stage) -> int:
     for i in range(n - 1, -1, -1):
         later = shard * (n - 1 - i)
         kept_input = 4 * block if i < n - 1 else 0
-        in_block = (sum(b for b, _ in blocks[:i + 1]) + (full if blocks[i][1] else 0)
+        in_block = (sum(b for b, _ in blocks[:i + 1]) + blocks[i][1]
                     + pbytes * block + kept_input + later)
         at_reduce = sum(b for b, _ in blocks[:i]) + rs_input + later + shard
         high = max(high, in_block, at_reduce)
@@ -232,7 +251,7 @@ def fsdp_accum_sweep(shape: ModelShape, job: Job, stage: Stage) -> int:
     The micro-batches before the last never exceed the last one's block n-1 point (at most the same
     gradients beside fewer activations); they are walked all the same."""
     blocks = _kept_per_block(shape, job, stage)
-    n, full = len(blocks), job_layer_bytes(shape, job)
+    n = len(blocks)
     pbytes, block = (2 if job.half else 4), shape.block_params_tp(job.tp)
     acc, shard = 4 * block, 4 * block // job.shard_ranks
     rs_input = 4 * block * (2 if job.backend == "gloo" else 1)
@@ -245,7 +264,7 @@ def fsdp_accum_sweep(shape: ModelShape, job: Job, stage: Stage) -> int:
             if stage.has_last else 0)
     high = kept(n) + head + acc * n  # the loss of every micro-batch after the first
     for i in range(n - 1, -1, -1):
-        here = kept(i + 1) + (full if blocks[i][1] else 0) + pbytes * block  # block i's backward
+        here = kept(i + 1) + blocks[i][1] + pbytes * block  # block i's backward
         first = here + convert + acc * (n - 1 - i)
         middle = here + acc * n if job.grad_accum > 2 else 0
         later = shard * (n - 1 - i)
@@ -273,7 +292,8 @@ def rank_memory(shape: ModelShape, job: Job, stage: Stage) -> RankMemory:
     if job.sync_mode == "diloco":
         parts["DiLoCo anchor + momentum"] = 8 * n * (2 if job.overlap else 1)
         parts["DiLoCo round delta + average (transient)"] = 8 * n
-    by_mode = {m: stage_activations(shape, job, stage, m) for m in ("none", "selective", "full")}
+    modes = ("none", "selective", "full") + (("selective_op",) if job.activation_checkpoint == "selective_op" else ())
+    by_mode = {m: stage_activations(shape, job, stage, m) for m in modes}
     parts["activations"] = by_mode[job.activation_checkpoint]
     if job.cp > 1:
         parts[f"cp {job.cp_attention} attention buffers (transient)"] = context.transient_bytes(shape, job)
@@ -283,16 +303,13 @@ def rank_memory(shape: ModelShape, job: Job, stage: Stage) -> RankMemory:
     return out
 
 
-def _kept_per_block(shape: ModelShape, job: Job, stage: Stage) -> list[tuple[int, bool]]:
-    """(stored bytes, checkpointed?) of each of the stage's blocks for one micro-batch."""
+def _kept_per_block(shape: ModelShape, job: Job, stage: Stage) -> list[tuple[int, int]]:
+    """(stored bytes, bytes its recomputation makes in its backward: 0 unless checkpointed) of
+    each of the stage's blocks for one micro-batch."""
     full = job_layer_bytes(shape, job)
-    ckpt = job_checkpointed_bytes(shape, job)
-    mode = job.activation_checkpoint
-    out = []
-    for i in stage.block_ids:
-        wrapped = mode == "full" or (mode == "selective" and i % job.ac_every == 0)
-        out.append((ckpt if wrapped else full, wrapped))
-    return out
+    ckpt, recomputed = _block_bytes(shape, job, job.activation_checkpoint)
+    wrapped = [is_wrapped(job.activation_checkpoint, i, job.ac_every) for i in stage.block_ids]
+    return [(ckpt, recomputed) if w else (full, 0) for w in wrapped]
 
 
 def backward_sweep(shape: ModelShape, job: Job, stage: Stage) -> int:
@@ -302,7 +319,6 @@ def backward_sweep(shape: ModelShape, job: Job, stage: Stage) -> int:
     last (the activations of the blocks before it, its recomputation if checkpointed, and the
     gradients of it and the blocks after it)."""
     blocks = _kept_per_block(shape, job, stage)
-    full = job_layer_bytes(shape, job)
     block_grad = 4 * shape.block_params_tp(job.tp)
     head_grad, head, dw = 0, 0, 0
     if stage.has_last:
@@ -311,7 +327,7 @@ def backward_sweep(shape: ModelShape, job: Job, stage: Stage) -> int:
         dw = head_grad if job.loss_chunk else 0  # the chunked loss's dW becomes the head's grad
     high = sum(b for b, _ in blocks) + head + head_grad - dw
     for i in range(len(blocks) - 1, -1, -1):
-        here = (sum(b for b, _ in blocks[:i + 1]) + (full if blocks[i][1] else 0) + head_grad
+        here = (sum(b for b, _ in blocks[:i + 1]) + blocks[i][1] + head_grad
                 + block_grad * (len(blocks) - i))
         high = max(high, here)
     return high

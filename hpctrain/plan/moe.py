@@ -90,8 +90,8 @@ def inactive_params(shape) -> int:
 
 def _checkpointed(job, layer: int) -> bool:
     """Whether activation checkpointing recomputes block `layer` (memory.py's rule)."""
-    mode = job.activation_checkpoint
-    return mode == "full" or (mode == "selective" and layer % job.ac_every == 0)
+    mode = job.activation_checkpoint  # selective_op recomputes the exchanges (op_checkpoint.py)
+    return mode in ("full", "selective_op") or (mode == "selective" and layer % job.ac_every == 0)
 
 
 def all_to_all_bytes(shape, job, block_ids) -> int:

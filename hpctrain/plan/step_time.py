@@ -57,8 +57,11 @@ class StepTime:
 
 
 def recompute_factor(shape: ModelShape, job: Job, mem: RankMemory) -> float:
-    """FLOPs done / model FLOPs: each checkpointed block repeats its forward (1/3 of 6N)."""
+    """FLOPs done / model FLOPs: each checkpointed block repeats its forward (1/3 of 6N); under
+    selective_op none of its matmuls or attention (the FLOPs counted) is repeated."""
     st = mem.stage
+    if job.activation_checkpoint == "selective_op":
+        return 1.0
     return 1 + checkpointed_blocks(job, st) / max(len(st.block_ids), 1) / 3
 
 
