@@ -24,7 +24,8 @@ STEPS = 6
 SHORT = [f"--train.steps={STEPS}", "--model.n_layer=2", "--checkpoint.interval=3",
          f"--train.eval_interval={STEPS}", "--train.eval_batches=2", "--model.arch=llama"]
 MODELS = {"dense": [], "moe": ["--model.moe_experts=4", "--model.moe_top_k=2"],
-          "tied": ["--model.tie_embeddings=true"]}  # the embedding / head weight on both pp ends
+          "tied": ["--model.tie_embeddings=true"],
+          "deep": ["--model.n_layer=4"]}  # 4 blocks: pp = 2 x 2 virtual stages  # the embedding / head weight on both pp ends
 MASK = {"off": [], "on": ["--data.document_mask=true", "--data.document_positions=true"]}
 # dp = 2: the same 8 sequences per step and the same 8 validation windows (eval_batches x micro x dp)
 DP2 = ["--train.grad_accum=1", "--train.eval_batches=1"]
@@ -44,6 +45,8 @@ LAYOUTS = {
     # pp x cp: every stage's micro-batch (and the activations between stages) is the cp part
     "pp2_cp2_gpipe_masked": (4, "dense", "on", [*PP2_CP2, "--parallel.pp_schedule=gpipe"]),
     "pp2_cp2_1f1b_moe_masked": (4, "moe", "on", [*PP2_CP2, "--parallel.pp_schedule=1f1b"]),
+    "pp2_cp2_interleaved": (4, "deep", "off", [*PP2_CP2, "--parallel.pp_schedule=interleaved",
+                                               "--parallel.pp_virtual_stages=2"]),
 }
 
 
