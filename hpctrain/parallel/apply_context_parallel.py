@@ -10,11 +10,12 @@ goes in with its tokens' global positions.
   recomputation in backward, reads one `CPPlan` (built once per batch: one all-gather of the
   document ids with data.document_mask, none without).
 - With pipeline parallelism the schedule runs the micro-batches in its own order (1F1B interleaves
-  one micro-batch's forward with another's backward), so the runner enters `cp.pipeline_step(doc_ids)`
-  once around the schedule instead: one plan per micro-batch, built there (the same collectives as
-  above, before the schedule starts), and each attention picks its micro-batch's plan by the
-  address of the document-id rows it is given (the schedule's views of `doc_ids`, row block i =
-  micro-batch i); without document ids every micro-batch has the one causal plan.
+  one micro-batch's forward with another's backward), so the runner enters
+  `cp.pipeline_step(local_len, doc_ids, n_micro)` once around the schedule instead: one plan per
+  micro-batch, built there (the same collectives as above, before the schedule starts), and each
+  attention picks its micro-batch's plan by the address of the document-id rows it is given (the
+  schedule's views of `doc_ids`, row block i = micro-batch i); without document ids every
+  micro-batch has the one causal plan.
 - `local_batch(batch, cp, rank)`: what the loader keeps of a micro-batch ([mb, T+1] tokens or a
   DocumentBatch): rank `rank`'s zig-zag part of the inputs, targets, document ids and positions
   (the tokens' global positions 0..T-1, or their positions in their documents).
