@@ -93,7 +93,7 @@ class ParallelDims:
 
     @classmethod
     def _with_cp(cls, world_size: int, dp: int, tp: int, pp: int, fsdp: bool, cp: int) -> "ParallelDims":
-        """pp x dp x cp x tp = the world (config_rules refuses cp with replicas, pp > 1)."""
+        """pp x dp x cp x tp = the world (config_rules refuses cp with replicas)."""
         if dp == 0:
             if world_size % (tp * pp * cp):
                 raise ConfigError(f"parallel layout tp={tp} x pp={pp} x cp={cp} = {tp * pp * cp} does "

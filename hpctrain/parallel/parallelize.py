@@ -56,7 +56,7 @@ class Layout:
     mesh: Mesh
     dp_reduce: DpReduce
     split: PipelineSplit | None = None
-    tie_group: dist.ProcessGroup | None = None  # {first stage, last stage} at my (dp, tp)
+    tie_group: dist.ProcessGroup | None = None  # {first stage, last stage} at my (dp, cp, tp)
     mpi_grad_allreduce: MPIHookState | None = None   # DDP's MPI hook: its communicator
     wait_clock: WaitClock = field(default_factory=lambda: WaitClock(torch.device("cpu")))
     experts: ExpertParallel | None = None  # parallel.ep > 1: the sharded experts (DDP/FSDP skip them)
@@ -90,16 +90,17 @@ def apply_pipeline(model: nn.Module, mesh: Mesh, schedule: str, virtual_stages: 
 
 
 def tied_weight_group(mesh: Mesh) -> dist.ProcessGroup | None:
-    """Process group of {first stage, last stage} ranks at my (dp, tp) coordinate in my replica
+    """Process group of {first stage, last stage} ranks at my (dp, cp, tp) coordinate in my replica
     (sync.replica_nodes; else the one replica) (collective: every rank creates every group)."""
     dims, mine = mesh.dims, None
     for r in range(max(1, dims.replicas)):
         for d in range(dims.dp):
-            for k in range(dims.tp):
-                ranks = [dims.rank_of(0, d, k, r), dims.rank_of(dims.pp - 1, d, k, r)]
-                group = new_group(ranks)
-                if mesh.rank in ranks:
-                    mine = group
+            for c in range(dims.cp):
+                for k in range(dims.tp):
+                    ranks = [dims.rank_of(0, d, k, r, c), dims.rank_of(dims.pp - 1, d, k, r, c)]
+                    group = new_group(ranks)
+                    if mesh.rank in ranks:
+                        mine = group
     return mine
 
 

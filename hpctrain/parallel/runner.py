@@ -303,7 +303,8 @@ class PipelineRunner(StepRunner):
         last the targets and a list that the schedule fills with one loss per micro-batch. The
         model's keywords (data.document_mask's doc_ids, positions) go to every stage: the schedule
         splits them into micro-batches as the inputs, and every pp rank of a dp replica read the
-        same micro-batches, so nothing travels with the activations."""
+        same micro-batches, so nothing travels with the activations. With parallel.cp > 1 they are
+        all the cp rank's zig-zag part ([mb, T / cp]; LocalBatch), and so are the activations."""
         split, losses = self.layout.split, []
         inputs, keywords, targets = zip(*(model_inputs(b) for b in micro_batches))
         kwargs = {key: torch.cat([k[key] for k in keywords]) for key in keywords[0]}
@@ -314,7 +315,7 @@ class PipelineRunner(StepRunner):
     def _forward_backward_sum(self, micro_batches, autocast, loss_scale):
         total = torch.zeros((), device=self.device)
         args, kwargs, losses = self._schedule_inputs(micro_batches)
-        with self._loss_context(), autocast:
+        with self._loss_context(), autocast, self._cp_pipeline_context(kwargs):
             self.schedule.step(*args, **kwargs)
         for loss in losses:
             total += _value(loss.detach()) / loss_scale  # a power of two: exact
@@ -327,11 +328,19 @@ class PipelineRunner(StepRunner):
             group = batches[start:start + self.n_micro]
             real = len(group)
             args, kwargs, losses = self._schedule_inputs(group + [group[-1]] * (self.n_micro - real))
-            with autocast:
+            with autocast, self._cp_pipeline_context(kwargs):
                 self.schedule.eval(*args, **kwargs)
             for loss in losses[:real]:
                 total += _value(loss)
         return total
+
+    def _cp_pipeline_context(self, kwargs: dict):
+        """parallel.cp > 1: the plans of the schedule's micro-batches (their cp-local positions and
+        document ids are in `kwargs`, which the schedule splits into n_micro row blocks)."""
+        cp = self.layout.context_parallel
+        if cp is None:
+            return contextlib.nullcontext()
+        return cp.pipeline_step(kwargs["positions"].shape[1], kwargs.get("doc_ids"), self.n_micro)
 
     def _replica_mean(self, local_sum, count):
         loss = super()._replica_mean(local_sum, count)

@@ -219,8 +219,8 @@ class Job:
             raise ValueError(f"--cp {self.cp}: block_size {shape.block_size} must be a multiple of 2 x cp "
                              f"= {2 * self.cp} (the zig-zag chunks)")
         if self.pp > 1:
-            raise ValueError(f"--cp {self.cp} with --pp {self.pp}: context parallelism runs without "
-                             f"pipeline stages (parallel.pp = 1)")
+            raise ValueError(f"--cp {self.cp} with --pp {self.pp}: the planner does not model context "
+                             f"parallelism with pipeline stages yet (train runs it); plan with --pp 1")
         if self.ep > 1:
             raise ValueError(f"--cp {self.cp} with --ep {self.ep}: context parallelism runs without "
                              f"expert parallelism (parallel.ep = 1)")

@@ -23,10 +23,14 @@ pytestmark = pytest.mark.mpi
 STEPS = 6
 SHORT = [f"--train.steps={STEPS}", "--model.n_layer=2", "--checkpoint.interval=3",
          f"--train.eval_interval={STEPS}", "--train.eval_batches=2", "--model.arch=llama"]
-MODELS = {"dense": [], "moe": ["--model.moe_experts=4", "--model.moe_top_k=2"]}
+MODELS = {"dense": [], "moe": ["--model.moe_experts=4", "--model.moe_top_k=2"],
+          "tied": ["--model.tie_embeddings=true"],
+          "deep": ["--model.n_layer=4"]}  # 4 blocks: pp = 2 x 2 virtual stages  # the embedding / head weight on both pp ends
 MASK = {"off": [], "on": ["--data.document_mask=true", "--data.document_positions=true"]}
 # dp = 2: the same 8 sequences per step and the same 8 validation windows (eval_batches x micro x dp)
 DP2 = ["--train.grad_accum=1", "--train.eval_batches=1"]
+# pp = 2 x cp = 2 (4 ranks; the default 2 micro-batches of 4 sequences per step)
+PP2_CP2 = ["--parallel.pp=2", "--parallel.cp=2"]
 # name: (ranks, model, mask, overrides); together with the resume test's straight run (cp = 2,
 # dense, unmasked): cp 2 and 4, dense and MoE, masked and not, ring and Ulysses, cp with dp (DDP
 # and FSDP2) and with tp, and activation checkpointing (the ring recomputed inside backward)
@@ -38,6 +42,11 @@ LAYOUTS = {
                                                  *DP2]),
     "fsdp2_cp2": (4, "dense", "off", ["--parallel.cp=2", "--parallel.data_parallel=fsdp", *DP2]),
     "tp2_cp2_masked": (4, "dense", "on", ["--parallel.cp=2", "--parallel.tp=2"]),
+    # pp x cp: every stage's micro-batch (and the activations between stages) is the cp part
+    "pp2_cp2_gpipe_masked": (4, "dense", "on", [*PP2_CP2, "--parallel.pp_schedule=gpipe"]),
+    "pp2_cp2_1f1b_moe_masked": (4, "moe", "on", [*PP2_CP2, "--parallel.pp_schedule=1f1b"]),
+    "pp2_cp2_interleaved": (4, "deep", "off", [*PP2_CP2, "--parallel.pp_schedule=interleaved",
+                                               "--parallel.pp_virtual_stages=2"]),
 }
 
 
@@ -98,3 +107,23 @@ def test_cp2_matches_one_rank_resumes_exactly_and_continues_at_cp1(tmp_path, dat
 def first_step(process) -> int:
     """The step a run started from (its start-up line's "steps N -> M of M")."""
     return int(re.search(r"steps (\d+) -> \d+ of ", process.stderr).group(1))
+
+
+def test_pp2_cp2_matches_one_rank_resumes_exactly_and_continues_at_pp2_cp1(tmp_path, dataset, one_rank):
+    """A pp = 2 x cp = 2 run (1f1b, tied embeddings: their gradient summed over the first and last
+    stage of each cp rank, masked) on one rank's curve; its step-3 checkpoint: at pp2 x cp2 steps
+    4..6 bit-equal to the straight run's, at pp2 x cp1 (2 ranks) within 1e-5 of it."""
+    layout = [*MODELS["tied"], *MASK["on"], "--parallel.pp=2", "--parallel.pp_schedule=1f1b"]
+    _, straight = train(4, tmp_path, dataset, "straight", *SHORT, *layout, "--parallel.cp=2")
+    assert_matches(one_rank("tied", "on"), straight)
+    whole = losses(straight)
+    copy_run_at(straight, tmp_path / "again_cp2", 3)
+    copy_run_at(straight, tmp_path / "at_cp1", 3)
+    r, again = train(4, tmp_path, dataset, "again_cp2", *SHORT, *layout, "--parallel.cp=2")
+    assert first_step(r) == 3
+    resumed = losses(again)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    assert [resumed[s] for s in range(4, STEPS + 1)] == [whole[s] for s in range(4, STEPS + 1)]
+    r, cp1 = train(2, tmp_path, dataset, "at_cp1", *SHORT, *layout)
+    assert first_step(r) == 3
+    assert_same_curve(whole, losses(cp1), range(1, STEPS + 1))

@@ -61,7 +61,6 @@ def test_mesh_rank_order_puts_cp_between_dp_and_tp():
 
 @pytest.mark.parametrize("parallel, model, key", [
     ({"cp": 3}, {}, "model.block_size"),                    # 32 tokens: not 6 equal chunks
-    ({"cp": 2, "pp": 2}, {}, "parallel.cp"),
     ({"cp": 2, "ep": 2}, {"arch": "llama", "moe_experts": 4}, "parallel.cp"),
     ({"cp": 2}, {"dropout": 0.1}, "model.dropout"),
     ({"cp": 4, "tp": 2, "cp_attention": "ulysses"}, {}, "parallel.cp_attention"),  # 2 heads / tp rank
@@ -79,6 +78,10 @@ def test_cp_defaults_and_a_valid_layout():
     assert (config.from_dict(BASE).parallel.cp, config.from_dict(BASE).parallel.cp_attention) == (1, "ring")
     ok = config.from_dict({**BASE, "parallel": {"cp": 4, "cp_attention": "ulysses"}})
     assert (ok.parallel.cp, ok.parallel.cp_attention) == (4, "ulysses")
+    for schedule in ("gpipe", "1f1b", "interleaved"):  # cp composes with pipeline parallelism
+        piped = config.from_dict({**BASE, "model": {**BASE["model"], "n_layer": 4},
+                                  "parallel": {"cp": 2, "pp": 2, "pp_schedule": schedule}})
+        assert (piped.parallel.cp, piped.parallel.pp, piped.parallel.pp_schedule) == (2, 2, schedule)
 
 
 @pytest.mark.parametrize("arch", spec.names())
