@@ -10,6 +10,7 @@ from hpctrain.checkpoint.safe_load import read_metadata
 from tests.conftest import losses
 from tests.helpers import LAYOUTS, assert_same_curve, copy_run_at, shared_layout_run
 from tests.helpers import train_layout as train
+from tests.shared_dirs import shared_dir
 
 pytestmark = pytest.mark.mpi
 
@@ -33,11 +34,11 @@ def reference(tmp_path_factory, dataset):
 
 @pytest.fixture(scope="module")
 def hsdp_run(tmp_path_factory, dataset):
-    """hsdp2x2's 20 steps (checkpoints at 10 and 20): its run dir."""
-    tmp = tmp_path_factory.mktemp("hsdp2x2")
+    """hsdp2x2's 20 steps (checkpoints at 10 and 20): its run dir, trained once per session
+    (tests/shared_dirs.py; the tests read it and copy it before resuming)."""
     n, overrides = HSDP["hsdp2x2"]
-    train(n, tmp, dataset, "hsdp2x2", *overrides)
-    return tmp / "hsdp2x2"
+    return shared_dir(tmp_path_factory, "hsdp2x2",
+                      lambda out: train(n, out, dataset, "hsdp2x2", *overrides)) / "hsdp2x2"
 
 
 def chunks_per_tensor(run, step: int) -> set[int]:
