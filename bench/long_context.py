@@ -66,11 +66,9 @@ SMOKE = {"seq": [4096], "cp": [1, 4], "steps": 1, "warmup": 1, "cap_mib": "auto"
 
 
 def vm(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
+    from bench.plan_memory import vm as status_bytes
+
+    return status_bytes(field)
 
 
 def rank_number() -> int:
@@ -85,21 +83,12 @@ class RankMemory:
     as the OOM killer would (exit 137) once VmHWM passes it."""
 
     def __init__(self, out: Path, rank: int, cap: int | None):
-        import ctypes
+        from bench.plan_memory import malloc_in_use
 
-        from bench.plan_memory import _MallocInUse
-
-        libc = ctypes.CDLL("libc.so.6")  # loaded once: 6 us a sample, not 94 (plan_memory.malloc_in_use)
-        libc.mallinfo2.restype = _MallocInUse
-        self.out, self.rank, self.cap, self.libc = out, rank, cap, libc
+        self.out, self.rank, self.cap, self.in_use = out, rank, cap, malloc_in_use
         self.rss_before, self.alloc_before = vm("VmRSS"), self.in_use()
         self.alloc_peak = self.alloc_before
         self.step_cpu_s, self.last_cpu = {}, time.process_time()
-
-    def in_use(self) -> int:
-        """glibc's bytes in use: every arena's allocated chunks + mmap'ed blocks (all threads)."""
-        m = self.libc.mallinfo2()
-        return m.uordblks + m.hblkhd
 
     def before_trainer(self) -> None:
         self.rss_before, self.alloc_before = vm("VmRSS"), self.in_use()
