@@ -66,6 +66,11 @@ def _add_shard_parser(sub) -> None:
                         "over 65,536 give uint32 shards); "
                         "bytes: UTF-8 bytes, vocab 257, eot 256")
     _add_tokenizer_flags(s)
+    s.add_argument("--format", choices=("text", "chat"), default="text",
+                   help="chat: .jsonl lines of {\"messages\": [{\"role\": system|user|assistant, "
+                        "\"content\": ...}]}, rendered with the tokenizer.json's chat template "
+                        "(its tokenizer_config.json) as transformers does, with a loss mask "
+                        "(1 = assistant turns) stored beside the tokens (docs/data.md)")
     _add_layout_flags(s)
     s.add_argument("--filter", action="store_true",
                    help="drop invalid-UTF-8/malformed, empty, short (< --min-chars) and exactly "
@@ -223,7 +228,7 @@ def _run_mpi_command(args, comm) -> None:
                           round_bytes=args.round_bytes, filter=args.filter,
                           min_chars=args.min_chars, eot_token=args.eot_token,
                           eot_id=args.eot_id, extensions=args.extensions,
-                          text_column=args.text_column)
+                          text_column=args.text_column, format=args.format)
         elif args.command == "blend":
             from .blend import blend_datasets, describe_blend, parse_input
 

@@ -38,6 +38,7 @@ class DocumentTable:
     line: np.ndarray
     parquet: list = None  # per file: True if Parquet (None: no Parquet input)
     text_column: str = "text"
+    chat: bool = False  # --format chat: a JSONL line's document is its checked "messages" list
 
     def __len__(self) -> int:
         return int(self.file_idx.size)
@@ -155,7 +156,8 @@ def iter_texts(table: DocumentTable, start: int, end: int):
 
 
 def _jsonl_text(handle, table: DocumentTable, i: int) -> str:
-    """The ``text`` field of JSONL document i (its line at table.offset[i])."""
+    """The ``text`` field of JSONL document i (its line at table.offset[i]); with ``table.chat``
+    its ``messages`` list."""
     handle.seek(int(table.offset[i]))
     raw = handle.read(int(table.length[i]))
     try:
@@ -164,6 +166,10 @@ def _jsonl_text(handle, table: DocumentTable, i: int) -> str:
         raise DataError(where(table, i), "invalid JSON (nested too deeply to parse)") from None
     except ValueError as e:
         raise DataError(where(table, i), f"invalid JSON ({e})") from None
+    if table.chat:
+        from .chat import conversation_of
+
+        return conversation_of(obj, where(table, i))
     if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
         raise DataError(where(table, i), "JSONL line has no string 'text' field")
     return obj["text"]

@@ -22,6 +22,12 @@ import numpy as np
 from data_tools.errors import UserError
 
 FORMAT_VERSION = 1
+# A chat dataset (``shard --format chat``) also stores a per-token loss mask: version 2, so a
+# reader that knows only version 1 refuses it in one line instead of training on every token.
+CHAT_FORMAT_VERSION = 2
+READABLE_VERSIONS = (FORMAT_VERSION, CHAT_FORMAT_VERSION)
+FORMAT_CHAT = "chat"  # the manifest's "format" of a version-2 dataset
+LOSS_MASK_DSET = "loss_mask"
 MANIFEST_NAME = "manifest.json"
 SPLITS = ("train", "val")
 TOKENS_DSET = "tokens"
@@ -100,11 +106,11 @@ def tmp_path_for(final_path: str) -> str:
 
 
 def write_shard(final_path: str, tokens: np.ndarray, doc_offsets: np.ndarray, *, split: str,
-                tokenizer: str, vocab_size: int, eot_id: int) -> dict:
+                tokenizer: str, vocab_size: int, eot_id: int, loss_mask=None) -> dict:
     """Write one shard atomically (temp name in the same dir, fsync, os.replace).
 
     ``doc_offsets`` are offsets into THIS shard's ``tokens`` of the documents that begin here.
-    Returns the manifest entry for the shard (file, split, n_tokens, n_docs, bytes, sha256).
+    ``loss_mask`` (uint8, one per token; chat data) makes it a version-2 shard.  Returns the manifest entry for the shard (file, split, n_tokens, n_docs, bytes, sha256).
     """
     dtype = token_dtype(vocab_size)
     tokens = np.ascontiguousarray(tokens, dtype=dtype)
@@ -119,7 +125,11 @@ def write_shard(final_path: str, tokens: np.ndarray, doc_offsets: np.ndarray, *,
             # No chunks/compression/maxshape -> contiguous layout; track_times=False -> no clocks.
             f.create_dataset(TOKENS_DSET, data=tokens, track_times=False)
             f.create_dataset(DOC_OFFSETS_DSET, data=doc_offsets, track_times=False)
-            f.attrs["format_version"] = np.int64(FORMAT_VERSION)
+            if loss_mask is not None:
+                f.create_dataset(LOSS_MASK_DSET, data=_loss_mask_of(loss_mask, tokens.size),
+                                 track_times=False)
+            f.attrs["format_version"] = np.int64(FORMAT_VERSION if loss_mask is None
+                                                 else CHAT_FORMAT_VERSION)
             f.attrs["tokenizer"] = str(tokenizer)
             f.attrs["vocab_size"] = np.int64(vocab_size)
             f.attrs["eot_id"] = np.int64(eot_id)
@@ -145,14 +155,23 @@ def write_shard(final_path: str, tokens: np.ndarray, doc_offsets: np.ndarray, *,
     return entry
 
 
+def _loss_mask_of(loss_mask, n_tokens: int) -> np.ndarray:
+    mask = np.ascontiguousarray(loss_mask, dtype=np.uint8)
+    if mask.shape != (n_tokens,):
+        raise ValueError(f"loss_mask has shape {mask.shape}, the shard {n_tokens} tokens")
+    return mask
+
+
 @dataclass(frozen=True)
 class ShardLayout:
-    """Where a shard's tokens live inside its file (for np.memmap) and what they are."""
+    """Where a shard's tokens (and a chat shard's loss mask) live inside its file and what they
+    are."""
     path: str
     offset: int
     n_tokens: int
     dtype: np.dtype
     doc_offsets: np.ndarray
+    mask_offset: int | None = None  # byte offset of the uint8 loss_mask (version 2 only)
 
 
 def check_shard_size(path: str, entry: dict) -> None:
@@ -184,7 +203,7 @@ def open_shard_layout(path: str, entry: dict, manifest: dict) -> ShardLayout:
         for name in (TOKENS_DSET, DOC_OFFSETS_DSET):
             if name not in f or not isinstance(f[name], h5py.Dataset):
                 raise DataError(path, f"no dataset '{name}'")
-        want = {"format_version": FORMAT_VERSION, "tokenizer": tok["name"],
+        want = {"format_version": manifest["format_version"], "tokenizer": tok["name"],
                 "vocab_size": tok["vocab_size"], "eot_id": tok["eot_id"],
                 "n_tokens": entry["n_tokens"], "split": entry["split"]}
         for key, val in want.items():
@@ -214,7 +233,31 @@ def open_shard_layout(path: str, entry: dict, manifest: dict) -> ShardLayout:
         if o.shape[0] != entry["n_docs"]:
             raise DataError(path, f"doc_offsets has {o.shape[0]} entries, manifest says {entry['n_docs']}")
         doc_offsets = o[()]
-    return ShardLayout(path, int(offset), int(entry["n_tokens"]), want_dtype, doc_offsets)
+        mask_offset = (loss_mask_offset(f, path, entry["n_tokens"])
+                       if manifest["format_version"] == CHAT_FORMAT_VERSION else None)
+    return ShardLayout(path, int(offset), int(entry["n_tokens"]), want_dtype, doc_offsets,
+                       mask_offset)
+
+
+def loss_mask_offset(f, path: str, n_tokens: int) -> int:
+    """Byte offset in the open h5py file ``f`` of its loss_mask: uint8, 1-D, one per token,
+    contiguous and inside the file.  Raises DataError naming ``path``."""
+    import h5py
+
+    d = f.get(LOSS_MASK_DSET)
+    if not isinstance(d, h5py.Dataset):
+        raise DataError(path, f"no dataset '{LOSS_MASK_DSET}' (a chat dataset, format_version "
+                              f"{CHAT_FORMAT_VERSION})")
+    if d.ndim != 1 or d.dtype != np.uint8 or d.shape[0] != n_tokens:
+        raise DataError(path, f"loss_mask is {d.dtype}{list(d.shape)}, expected uint8 "
+                              f"[{n_tokens}] (one per token)")
+    offset = d.id.get_offset()
+    if d.id.get_create_plist().get_layout() != h5py.h5d.CONTIGUOUS or offset is None:
+        raise DataError(path, "loss_mask is not a contiguous uncompressed dataset")
+    if offset + n_tokens > os.path.getsize(path):
+        raise DataError(path, f"truncated (loss_mask ends at byte {offset + n_tokens}, file has "
+                              f"{os.path.getsize(path)})")
+    return int(offset)
 
 
 # ----------------------------------------------------------------------------- manifest
@@ -265,9 +308,9 @@ def load_manifest_json(root: str) -> tuple[dict, bytes]:
                               "`shard` or `blend` wrote") from None
     if not isinstance(m, dict):
         raise DataError(path, "not a JSON object")
-    if m.get("format_version") != FORMAT_VERSION:
+    if m.get("format_version") not in READABLE_VERSIONS:
         raise DataError(path, f"format_version {m.get('format_version')!r} unsupported "
-                              f"(this code reads {FORMAT_VERSION})")
+                              f"(this code reads {', '.join(map(str, READABLE_VERSIONS))})")
     kind = m.get("kind", KIND_SHARDS)
     if kind not in (KIND_SHARDS, KIND_BLEND):
         raise DataError(path, f"unknown kind {kind!r} (this code reads {KIND_SHARDS!r}, "
@@ -302,6 +345,10 @@ def read_manifest(root: str, loaded: dict | None = None) -> dict:
     missing = [k for k in MANIFEST_KEYS if k not in m]
     if missing:
         raise DataError(path, f"missing keys {missing}")
+    if (m["format_version"] == CHAT_FORMAT_VERSION) != (m.get("format") == FORMAT_CHAT):
+        raise DataError(path, f"format_version {m['format_version']} with format "
+                              f"{m.get('format')!r} (a chat dataset is version "
+                              f"{CHAT_FORMAT_VERSION} with format {FORMAT_CHAT!r})")
     tok = m["tokenizer"]
     _check_tokenizer(path, tok)
     if m["dtype"] != token_dtype(tok["vocab_size"]).name:

@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from . import documents, staging
-from .format import (FORMAT_VERSION, SPLITS, TMP_PREFIX, DataError, fsync_path, shard_filename,
+from .format import (CHAT_FORMAT_VERSION, FORMAT_CHAT, FORMAT_VERSION, SPLITS, TMP_PREFIX, DataError, fsync_path, shard_filename,
                      token_dtype, write_manifest, write_shard)
 from .exchange import ChunkQueue, RoundExchange, round_chunks, round_cuts, starts_in
 from .mpiutil import SerialComm, agree, root_then_bcast, threads_per_rank
@@ -34,6 +34,8 @@ BATCH_BYTES = 8 << 20  # text handed to the tokenizer per call
 BATCH_DOCS = 512
 TOKENIZER_FILE = "tokenizer.json"  # a tokenizer.json, copied beside the shards
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # copied too when it sits beside it
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers' separate template file: copied too
+FORMATS = ("text", FORMAT_CHAT)
 ROUND_BYTES = 64 << 20  # MPI: text each rank tokenizes per round (bounds memory, see docs/data.md)
 
 
@@ -45,11 +47,17 @@ def peak_rss_mb() -> float:
     return peak / 2 ** 20 if sys.platform == "darwin" else peak / 2 ** 10  # bytes on macOS, else KiB
 
 
-def _plan(inputs, out, val_fraction, seed, extensions, text_column):
+def _plan(inputs, out, val_fraction, seed, extensions, text_column, chat):
     """Rank 0: refuse a bad --output before any work, list the documents, then open the staging
     folder beside --output (nothing at --output changes until the final swap)."""
-    staging.check_output(out, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
+    staging.check_output(out, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, CHAT_TEMPLATE_FILE)
     table = documents.enumerate_documents(inputs, extensions=extensions, text_column=text_column)
+    if chat:
+        table.chat = True
+        for path, is_jsonl in zip(table.files, table.jsonl):
+            if not is_jsonl:
+                raise DataError(path, "--format chat reads .jsonl files of {\"messages\": [...]} "
+                                      "only")
     is_val = documents.assign_val(len(table), val_fraction, seed)
     staging.begin(out)
     return table, is_val
@@ -144,7 +152,7 @@ def shard_dataset(inputs, output, tokenizer="gpt2", shard_tokens=DEFAULT_SHARD_T
                   val_fraction=DEFAULT_VAL_FRACTION, seed=DEFAULT_SEED, comm=None,
                   progress=True, log=None, round_bytes=ROUND_BYTES, filter=False,
                   min_chars=1, eot_token=None, eot_id=None, extensions=None,
-                  text_column="text") -> dict:
+                  text_column="text", format="text") -> dict:
     """Build a dataset at ``output``; every rank of ``comm`` must call this with the same
     arguments.  Returns the manifest (on every rank).  Raises DataError (on all ranks)."""
     comm = comm if comm is not None else SerialComm()
@@ -155,20 +163,24 @@ def shard_dataset(inputs, output, tokenizer="gpt2", shard_tokens=DEFAULT_SHARD_T
                             (int(shard_tokens) < 1, "--shard-tokens", f"must be >= 1, got {shard_tokens}"),
                             (not 0.0 <= float(val_fraction) < 1.0, "--val-fraction",
                              f"must be in [0, 1), got {val_fraction}"),
-                            (not 0 <= int(seed) < 2 ** 63, "--seed", f"must be in [0, 2**63), got {seed}")):
+                            (not 0 <= int(seed) < 2 ** 63, "--seed", f"must be in [0, 2**63), got {seed}"),
+                            (format not in FORMATS, "--format", f"must be one of {FORMATS}, got {format!r}"),
+                            (format == FORMAT_CHAT and filter, "--filter",
+                             "is for text documents, not --format chat")):
         if bad:
             err = DataError(where, why)
             err.collective = True  # every rank checks the same arguments and fails identically
             raise err
     shard_tokens, val_fraction, seed = int(shard_tokens), float(val_fraction), int(seed)
-    tok = agree(comm, lambda: get_tokenizer(tokenizer, eot_token=eot_token, eot_id=eot_id))
+    tok = agree(comm, lambda: _tokenizer(tokenizer, eot_token, eot_id, format))
     import h5py  # noqa: F401 - the shard writer's library: loaded in setup, not at the first write
     dtype = token_dtype(tok.vocab_size)
     held = []  # rank 0: the output's lock, held until the dataset is swapped in or abandoned
 
     def lock_and_plan():
         held.append(OutputLock(output).acquire())
-        return _plan(inputs, output, val_fraction, seed, extensions, text_column)
+        return _plan(inputs, output, val_fraction, seed, extensions, text_column,
+                     format == FORMAT_CHAT)
 
     stage, planned = staging.staging_dir(output), False
     try:
@@ -202,11 +214,19 @@ def _build(comm, tok, dtype, table, is_val, output, final, shard_tokens, val_fra
     rounds = round_cuts(table.length, round_bytes * size) if size > 1 else [(0, len(table))]
     threads = threads_per_rank(comm)
     entries = []
+    packed = getattr(tok, "packs_loss_mask", False)  # chat: id | mask << 32 until written
+    token_dtype_ = dtype
+    dtype = np.dtype(np.uint64) if packed else dtype
 
     def emit(split, k, toks, offs):
         path = os.path.join(output, shard_filename(split, k))
+        mask = None
+        if packed:
+            from .chat import unpack
+
+            toks, mask = unpack(toks, token_dtype_)
         entries.append(write_shard(path, toks, offs, split=split, tokenizer=tok.name,
-                                   vocab_size=tok.vocab_size, eot_id=tok.eot_id))
+                                   vocab_size=tok.vocab_size, eot_id=tok.eot_id, loss_mask=mask))
 
     bar = _progress_bar(table, size) if rank == 0 and progress else None
     tokenize = _document_tokenizer(tok, dtype, table, is_val, threads,
@@ -225,7 +245,7 @@ def _build(comm, tok, dtype, table, is_val, output, final, shard_tokens, val_fra
     def finish():
         if rank != 0:
             return None
-        manifest = _manifest(tok, dtype, seed, val_fraction, shard_tokens, is_val,
+        manifest = _manifest(tok, token_dtype_, seed, val_fraction, shard_tokens, is_val,
                              _sorted_shards(gathered), report, min_chars)
         if getattr(tok, "path", None):  # a tokenizer.json: saved beside the data, pinned by sha256
             _copy_tokenizer_files(tok, output)
@@ -266,12 +286,13 @@ def _document_tokenizer(tok, dtype, table, is_val, threads, bar):
         docs, texts = [i for i, _ in batch], [t for _, t in batch]
         batch.clear()  # each text goes once it is tokenized, each token list once it is cast
         try:
-            arrs = tok.encode_batch(texts, num_threads=threads)
+            arrs = _encode(tok, texts, threads, table, docs)
             del texts
             for j, i in enumerate(docs):
                 ids, arrs[j] = arrs[j], None
-                if ids.size and int(ids.max()) >= tok.vocab_size:  # never a silent wrap to uint16
-                    raise DataError(documents.where(table, i), f"token id {int(ids.max())} >= "
+                top = _largest_id(tok, ids)
+                if top >= tok.vocab_size:  # never a silent wrap to uint16
+                    raise DataError(documents.where(table, i), f"token id {top} >= "
                                     f"the vocabulary size {tok.vocab_size} of {tok.name}")
                 doc = np.empty(ids.size + 1, dtype)  # one copy: ids cast in place, then end-of-text
                 doc[:-1] = ids
@@ -300,6 +321,39 @@ def _document_tokenizer(tok, dtype, table, is_val, threads, bar):
     return tokenize
 
 
+def _tokenizer(name, eot_token, eot_id, format):
+    """The tokenizer --tokenizer names; for --format chat wrapped to render conversations."""
+    tok = get_tokenizer(name, eot_token=eot_token, eot_id=eot_id)
+    if format != FORMAT_CHAT:
+        return tok
+    from .chat import ChatTokenizer
+
+    return ChatTokenizer(tok)
+
+
+def _encode(tok, texts, threads, table, docs) -> list:
+    """tok.encode_batch; a conversation it cannot shard is a DataError naming its file:line."""
+    if not getattr(tok, "packs_loss_mask", False):
+        return tok.encode_batch(texts, num_threads=threads)
+    from .chat import ChatError
+
+    try:
+        return tok.encode_batch(texts, num_threads=threads)
+    except ChatError as e:
+        raise DataError(documents.where(table, docs[e.index]), e.problem) from None
+
+
+def _largest_id(tok, ids: np.ndarray) -> int:
+    """The largest token id of an encoded document (ids packed with a loss mask: their low bits)."""
+    if not ids.size:
+        return -1
+    if getattr(tok, "packs_loss_mask", False):
+        from .chat import ID_BITS
+
+        return int((ids & ID_BITS).max())
+    return int(ids.max())
+
+
 def _sorted_shards(gathered) -> list[dict]:
     """Every rank's shard entries, train before val, by file name."""
     order = {s: i for i, s in enumerate(SPLITS)}
@@ -318,6 +372,8 @@ def _manifest(tok, dtype, seed, val_fraction, shard_tokens, is_val, shards, repo
         "n_tokens": {s: sum(e["n_tokens"] for e in shards if e["split"] == s) for s in SPLITS},
         "shards": shards,
     }
+    if getattr(tok, "packs_loss_mask", False):
+        manifest.update(format_version=CHAT_FORMAT_VERSION, format=FORMAT_CHAT)
     if report is not None:
         manifest["filter"] = {"min_chars": int(min_chars), "total": report["total"],
                               "dropped": {r: report[r] for r in
@@ -327,9 +383,11 @@ def _manifest(tok, dtype, seed, val_fraction, shard_tokens, is_val, shards, repo
 
 def _copy_tokenizer_files(tok, output) -> None:
     """tokenizer.json and, when it sits beside it, tokenizer_config.json into the dataset."""
-    config = os.path.join(os.path.dirname(os.path.abspath(tok.path)), TOKENIZER_CONFIG_FILE)
-    for src, name in ((tok.path, TOKENIZER_FILE), (config, TOKENIZER_CONFIG_FILE)):
-        if name == TOKENIZER_FILE or os.path.isfile(config):
+    folder = os.path.dirname(os.path.abspath(tok.path))
+    for src, name in ((tok.path, TOKENIZER_FILE),
+                      (os.path.join(folder, TOKENIZER_CONFIG_FILE), TOKENIZER_CONFIG_FILE),
+                      (os.path.join(folder, CHAT_TEMPLATE_FILE), CHAT_TEMPLATE_FILE)):
+        if name == TOKENIZER_FILE or os.path.isfile(src):
             tmp = os.path.join(output, f"{TMP_PREFIX}{os.getpid()}-{name}")
             shutil.copyfile(src, tmp)
             os.replace(tmp, os.path.join(output, name))

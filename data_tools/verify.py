@@ -78,6 +78,10 @@ def check_shard(root: str, m: dict, entry: dict, checksums: bool = True) -> tupl
                 return (f"{path}: token id {int(toks[pos])} at position {pos} >= vocab_size "
                         f"{vocab}"), 0
             n_eot += int(np.count_nonzero(chunk == eot))
+        if checksums and lay.mask_offset is not None:
+            problem = _mask_problem(path, lay)
+            if problem:
+                return problem, 0
         offs = lay.doc_offsets
         if offs.size:
             if offs[0] < 0 or offs[-1] >= lay.n_tokens:
@@ -96,6 +100,17 @@ def check_shard(root: str, m: dict, entry: dict, checksums: bool = True) -> tupl
     finally:
         del toks
     return None, n_eot
+
+
+def _mask_problem(path: str, lay) -> str | None:
+    """A chat shard's loss_mask (its length is checked by open_shard_layout) holds only 0/1."""
+    mask = np.memmap(path, dtype=np.uint8, mode="r", offset=lay.mask_offset, shape=(lay.n_tokens,))
+    try:
+        bad = np.flatnonzero(mask > 1)
+        return f"{path}: loss_mask value {int(mask[bad[0]])} at position {int(bad[0])} (0 or 1)" \
+            if bad.size else None
+    finally:
+        del mask
 
 
 def verify_dataset(path: str, shard_indices=None, checksums: bool = True,

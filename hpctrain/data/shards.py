@@ -19,8 +19,8 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from data_tools.format import (DOC_OFFSETS_DSET, SPLITS, DataError, open_shard_layout, read_manifest,
-                               shards_of)
+from data_tools.format import (DOC_OFFSETS_DSET, SPLITS, DataError, loss_mask_offset,
+                               open_shard_layout, read_manifest, shards_of)
 
 from .documents import window_doc_ids
 
@@ -120,6 +120,7 @@ class TokenShards:
         self._checked = set(range(len(entries))) if range_checked or cache is not None else set()
         self.max_open = max(1, int(max_open))
         self._offsets_read: dict[int, np.ndarray] = {}  # shard -> doc_offsets, read from a cache copy
+        self._mask_offsets: dict[int, int] = {}  # shard -> loss_mask byte offset in a cache copy
 
     def __len__(self) -> int:
         return self.n_samples
@@ -203,6 +204,43 @@ class TokenShards:
         for row, s, a in zip(range(indices.size), shard.tolist(), starts.tolist()):
             window_doc_ids(self._doc_offsets(s), a, self.block_size + 1, out[row])
         return out
+
+    @property
+    def has_loss_mask(self) -> bool:
+        """True for a chat dataset (`shard --format chat`): loss_mask() reads its mask."""
+        return self.manifest.get("format") == "chat"
+
+    def loss_mask(self, indices) -> torch.Tensor:
+        """uint8 tensor [B, block_size+1] aligned with ``batch(indices)``: 1 where the token is
+        part of an assistant turn (what SFT trains on: a target ``batch[:, 1:]`` counts where
+        ``loss_mask[:, 1:]`` is 1).  Only for a chat dataset (see has_loss_mask)."""
+        if not self.has_loss_mask:
+            raise DataError(os.path.join(self.path, "manifest.json"),
+                            "no loss mask: not a chat dataset (shard it with --format chat)")
+        indices = np.asarray(indices, dtype=np.int64).ravel()
+        shard = np.searchsorted(self.cum, indices, side="right") - 1
+        starts = (indices - self.cum[shard]) * self.block_size
+        out = np.empty((indices.size, self.block_size + 1), dtype=np.uint8)
+        try:
+            for row, s, a in zip(range(indices.size), shard.tolist(), starts.tolist()):
+                fd, _, where = self._open(s)
+                pread_exact(fd, out[row], self._mask_offset(s, where) + a, where)
+        finally:
+            if self.cache is not None:
+                self.close()
+        return torch.from_numpy(out)
+
+    def _mask_offset(self, s: int, where: str) -> int:
+        """Byte offset of shard ``s``'s loss_mask: from its layout, or once from the cached copy."""
+        if self.layouts is not None:
+            return self.layouts[s].mask_offset
+        got = self._mask_offsets.get(s)
+        if got is None:
+            import h5py
+
+            with h5py.File(where, "r") as f:
+                got = self._mask_offsets[s] = loss_mask_offset(f, where, int(self.shard_tokens[s]))
+        return got
 
     def _doc_offsets(self, s: int) -> np.ndarray:
         """Shard ``s``'s doc_offsets: from its layout, or once from the node cache's checked copy."""
