@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from .format import (KIND_BLEND, KIND_SHARDS, MANIFEST_NAME, SPLITS, TMP_PREFIX, DataError,
-                     FORMAT_VERSION, load_manifest_json, manifest_kind, manifest_path,
+                     FORMAT_CHAT, FORMAT_VERSION, load_manifest_json, manifest_kind, manifest_path,
                      read_blend_manifest, read_manifest, write_manifest)
 from .output_lock import OutputLock
 
@@ -120,7 +120,11 @@ def _read_component(path: str) -> dict:
     if os.path.isfile(manifest_path(path)) and manifest_kind(path) == KIND_BLEND:
         raise DataError(path, "is itself a blend; blends of blends are not supported (list its "
                               "components instead)")
-    return read_manifest(path)
+    m = read_manifest(path)
+    if m.get("format") == FORMAT_CHAT:  # a blend's reader would train on every token
+        raise DataError(manifest_path(path), "a chat dataset (format 'chat', with loss masks): "
+                                             "blends do not carry loss masks; train on it directly")
+    return m
 
 
 def _prepare_output(out: str, inputs: list[str]) -> None:

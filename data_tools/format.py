@@ -203,7 +203,8 @@ def open_shard_layout(path: str, entry: dict, manifest: dict) -> ShardLayout:
         for name in (TOKENS_DSET, DOC_OFFSETS_DSET):
             if name not in f or not isinstance(f[name], h5py.Dataset):
                 raise DataError(path, f"no dataset '{name}'")
-        want = {"format_version": manifest["format_version"], "tokenizer": tok["name"],
+        version = manifest.get("format_version", FORMAT_VERSION)  # a blend's flat view has none
+        want = {"format_version": version, "tokenizer": tok["name"],
                 "vocab_size": tok["vocab_size"], "eot_id": tok["eot_id"],
                 "n_tokens": entry["n_tokens"], "split": entry["split"]}
         for key, val in want.items():
@@ -234,7 +235,7 @@ def open_shard_layout(path: str, entry: dict, manifest: dict) -> ShardLayout:
             raise DataError(path, f"doc_offsets has {o.shape[0]} entries, manifest says {entry['n_docs']}")
         doc_offsets = o[()]
         mask_offset = (loss_mask_offset(f, path, entry["n_tokens"])
-                       if manifest["format_version"] == CHAT_FORMAT_VERSION else None)
+                       if version == CHAT_FORMAT_VERSION else None)
     return ShardLayout(path, int(offset), int(entry["n_tokens"]), want_dtype, doc_offsets,
                        mask_offset)
 

@@ -112,3 +112,14 @@ def test_end_of_text_inside_a_conversation_is_refused(tok_dir, tmp_path):
     with pytest.raises(DataError) as err:
         shard_chat([path], tmp_path / "out", tok_dir, eot_token=None)
     assert str(err.value).startswith(f"{path}:1: the end-of-text id ")
+
+
+def test_blend_refuses_a_chat_dataset(tok_dir, tmp_path):
+    """A blend's reader has no loss masks: blending chat data would train on every token."""
+    from data_tools.blend import blend_datasets
+
+    data = tmp_path / "data"
+    shard_chat([write_jsonl(tmp_path / "chat.jsonl", conversations(3))], data, tok_dir)
+    with pytest.raises(DataError) as err:
+        blend_datasets([(str(data), "1")], str(tmp_path / "mix"))
+    assert str(err.value).startswith(f"{data / 'manifest.json'}: a chat dataset")
