@@ -123,3 +123,23 @@ def test_blend_refuses_a_chat_dataset(tok_dir, tmp_path):
     with pytest.raises(DataError) as err:
         blend_datasets([(str(data), "1")], str(tmp_path / "mix"))
     assert str(err.value).startswith(f"{data / 'manifest.json'}: a chat dataset")
+
+
+def test_loss_mask_through_the_node_cache(tok_dir, tmp_path):
+    """With a NodeCache the mask is read from the node-local copy, as the tokens are."""
+    from data_tools.mpiutil import SerialComm
+    from hpctrain.data.cache import NodeCache
+
+    data = tmp_path / "data"
+    m = shard_chat([write_jsonl(tmp_path / "chat.jsonl", conversations(12))], data, tok_dir,
+                   shard_tokens=500)
+    plain = TokenShards(str(data), "train", block_size=32)
+    cache = NodeCache(str(tmp_path / "cache"), str(data), m, SerialComm(), prefetch=0)
+    cached = TokenShards(str(data), "train", block_size=32, cache=cache)
+    idx = [len(plain) - 1, 0, 7, 20]
+    cache.start(0, 1, lambda k: cached.shard_ids_of(idx).tolist())
+    cache.publish(0)
+    assert np.array_equal(cached.loss_mask(idx), plain.loss_mask(idx))
+    assert np.array_equal(cached.batch(idx), plain.batch(idx))
+    cache.close()
+    assert plain.loss_mask(idx).sum() > 0
