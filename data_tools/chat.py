@@ -128,6 +128,11 @@ class ChatTokenizer:
             mask[(starts < b) & (ends > a)] = 1
         return pack(ids, mask)
 
+    @staticmethod
+    def largest_id(packed: np.ndarray) -> int:
+        """The largest token id of packed tokens (-1 for none)."""
+        return int((packed & ID_BITS).max()) if packed.size else -1
+
     def encode_batch(self, conversations: list, num_threads: int = 1) -> list[np.ndarray]:
         out = []
         for j, messages in enumerate(conversations):

@@ -22,6 +22,7 @@ import numpy as np
 from . import documents, staging
 from .format import (CHAT_FORMAT_VERSION, FORMAT_CHAT, FORMAT_VERSION, SPLITS, TMP_PREFIX, DataError, fsync_path, shard_filename,
                      token_dtype, write_manifest, write_shard)
+from .chat import ChatError
 from .exchange import ChunkQueue, RoundExchange, round_chunks, round_cuts, starts_in
 from .mpiutil import SerialComm, agree, root_then_bcast, threads_per_rank
 from .output_lock import OutputLock
@@ -281,16 +282,20 @@ def _progress_bar(table, size):
 def _document_tokenizer(tok, dtype, table, is_val, threads, bar):
     """tokenize(lo, hi, add): documents [lo, hi) in order, add(split, tokens + end-of-text) for
     each, in batches of BATCH_BYTES / BATCH_DOCS; ``bar`` (1 rank only) advances per document."""
+    largest_id = getattr(tok, "largest_id", lambda ids: int(ids.max()) if ids.size else -1)
 
     def run(batch, add):
         docs, texts = [i for i, _ in batch], [t for _, t in batch]
         batch.clear()  # each text goes once it is tokenized, each token list once it is cast
         try:
-            arrs = _encode(tok, texts, threads, table, docs)
+            try:
+                arrs = tok.encode_batch(texts, num_threads=threads)
+            except ChatError as e:  # --format chat: a conversation it cannot shard
+                raise DataError(documents.where(table, docs[e.index]), e.problem) from None
             del texts
             for j, i in enumerate(docs):
                 ids, arrs[j] = arrs[j], None
-                top = _largest_id(tok, ids)
+                top = largest_id(ids)
                 if top >= tok.vocab_size:  # never a silent wrap to uint16
                     raise DataError(documents.where(table, i), f"token id {top} >= "
                                     f"the vocabulary size {tok.vocab_size} of {tok.name}")
@@ -329,29 +334,6 @@ def _tokenizer(name, eot_token, eot_id, format):
     from .chat import ChatTokenizer
 
     return ChatTokenizer(tok)
-
-
-def _encode(tok, texts, threads, table, docs) -> list:
-    """tok.encode_batch; a conversation it cannot shard is a DataError naming its file:line."""
-    if not getattr(tok, "packs_loss_mask", False):
-        return tok.encode_batch(texts, num_threads=threads)
-    from .chat import ChatError
-
-    try:
-        return tok.encode_batch(texts, num_threads=threads)
-    except ChatError as e:
-        raise DataError(documents.where(table, docs[e.index]), e.problem) from None
-
-
-def _largest_id(tok, ids: np.ndarray) -> int:
-    """The largest token id of an encoded document (ids packed with a loss mask: their low bits)."""
-    if not ids.size:
-        return -1
-    if getattr(tok, "packs_loss_mask", False):
-        from .chat import ID_BITS
-
-        return int((ids & ID_BITS).max())
-    return int(ids.max())
 
 
 def _sorted_shards(gathered) -> list[dict]:
