@@ -143,3 +143,24 @@ def test_loss_mask_through_the_node_cache(tok_dir, tmp_path):
     assert np.array_equal(cached.batch(idx), plain.batch(idx))
     cache.close()
     assert plain.loss_mask(idx).sum() > 0
+
+
+def test_verify_checks_the_loss_mask_length(tok_dir, tmp_path):
+    """A shard whose loss_mask is one entry short (its manifest entry updated, so only the mask
+    is wrong) is one problem naming the shard."""
+    import h5py
+
+    from data_tools.format import sha256_file, write_manifest
+
+    data = tmp_path / "data"
+    m = shard_chat([write_jsonl(tmp_path / "chat.jsonl", conversations(4))], data, tok_dir)
+    entry = m["shards"][0]
+    path = data / entry["file"]
+    with h5py.File(path, "r+") as f:
+        mask = f["loss_mask"][()]
+        del f["loss_mask"]
+        f.create_dataset("loss_mask", data=mask[:-1])
+    entry.update(bytes=os.path.getsize(path), sha256=sha256_file(str(path)))
+    write_manifest(str(data), m)
+    (problem,) = verify_dataset(str(data))
+    assert problem.startswith(f"{path}: loss_mask ") and f"[{entry['n_tokens'] - 1}]" in problem
