@@ -27,7 +27,7 @@ llama-demo: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash scripts/llama_demo.sh
 
 test: $(STAMP)
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest tests -n $(TEST_WORKERS) --durations=60
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest tests -n $(TEST_WORKERS) --durations=0 --durations-min=8
 
 test-fast: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest tests -n $(TEST_WORKERS) -m "not slow"
