@@ -2,7 +2,7 @@
 (train/model_setup.py: train.precision = fp8 converts its Linear layers before FSDP2) and runs one
 forward under bf16 autocast, counting the bytes FSDP2 all-gathers by dtype (the output tensors of
 every c10d all-gather). Rank 0 prints `GATHERED {json}` and the converted layers' weight elements
-(`CONVERTED n`)."""
+(`CONVERTED n`), and the forward's float8 matmuls (`FLOAT8_MM n`: matmuls of two torchao float8 tensors, torch._scaled_mm unless emulated)."""
 import json
 import sys
 from pathlib import Path
@@ -16,14 +16,18 @@ from hpctrain import config  # noqa: E402
 from hpctrain.distributed import init_distributed, teardown  # noqa: E402
 from hpctrain.distributed.mesh import Mesh, ParallelDims  # noqa: E402
 from hpctrain.train.model_setup import build_model  # noqa: E402
+from torchao.float8.float8_training_tensor import Float8TrainingTensor  # noqa: E402
 
 
 class Gathered(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.bytes: dict[str, int] = {}
+        self.float8_mm = 0  # matmuls of torchao's float8 tensors (torch._scaled_mm unless emulated)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.float8_mm += func.__name__.startswith("mm") and all(
+            isinstance(a, Float8TrainingTensor) for a in args[:2])
         if func.namespace == "c10d" and "allgather" in func.__name__:
             out = args[0]
             for t in out if isinstance(out, (list, tuple)) else [out]:
@@ -47,4 +51,5 @@ with Gathered() as gathered, torch.autocast(ctx.device.type, dtype=torch.bfloat1
 if ctx.rank == 0:
     print("GATHERED", json.dumps(gathered.bytes), flush=True)
     print("CONVERTED", converted_elements(model), flush=True)
+    print("FLOAT8_MM", gathered.float8_mm, flush=True)
 teardown()
