@@ -147,8 +147,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
-                    help="cpu: the process's CPU time (every thread), not wall time: steady on a "
-                         "machine others load (CPU only: a GPU's time is not the process's)")
+                    help="cpu: the process's CPU time, not wall time: steady on a machine others "
+                         "load; with --threads 1 only (OpenMP's threads spin while they wait, and "
+                         "that counts) and on CPUs only (a GPU's time is not the process's)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
