@@ -1,15 +1,17 @@
 """train.precision = "fp8" under a real mpiexec on CPUs, with torchao's emulated float8 matmuls
 (fp8.emulate: fp8's numbers, fp32 math; a CPU has no float8 tensor cores): a Llama on FSDP2 over
-2 ranks trains like bf16, resumes from its step-2 checkpoint bit for bit, and with
+2 ranks trains like bf16, resumes from its step-2 checkpoint bit for bit, its checkpoints hold
+plain tensors (`hpctrain sample` reads them without torchao), and with
 fp8.fsdp_all_gather FSDP2 all-gathers the converted layers' weights in float8 (one byte per
 element instead of bf16's two). Without emulate a CPU run is refused in one line.
 The same on a GPU with real float8 matmuls: tests/gpu/test_gpu_fp8.py."""
 import json
 import re
+import sys
 
 import pytest
 
-from tests.conftest import ROOT, losses, mpirun
+from tests.conftest import ROOT, losses, mpirun, run_cmd
 from tests.helpers import PARITY_GPT, copy_run_at
 from tests.helpers import train_layout as train
 from tests.mpi.test_llama_parallel import LLAMA, STEPS
@@ -31,6 +33,9 @@ def test_emulated_fp8_trains_like_bf16_and_resumes_bit_for_bit(tmp_path, dataset
     converted = re.search(r"fp8 \(tensorwise, float8 FSDP all-gather, emulated\): (\d+) of (\d+) "
                           r"Linear layers converted; kept in bf16: lm_head \(fp8.skip\)", r.stderr)
     assert converted and converted.groups() == ("28", "29"), r.stderr[-3000:]  # 4 blocks x 7
+    # its checkpoint holds plain tensors: sampled by a process that never imports torchao
+    sample = run_cmd([sys.executable, "-m", "hpctrain", "sample", "--checkpoint", fp8, "--tokens", "4"])
+    assert sample.returncode == 0, sample.stderr[-2000:]
     copy_run_at(fp8, tmp_path / "resumed", 2)
     r, resumed = train(2, tmp_path, dataset, "resumed", *LLAMA, *FSDP2, *FP8)
     assert "step_00000002" in r.stderr
