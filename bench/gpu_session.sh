@@ -100,7 +100,7 @@ for part in ${PARTS:-tests multi}; do
         # shellcheck disable=SC2086  # CASES is a word list
         timeout 420 "$PY" bench/two_gpu_runs.py "$OUTDIR" ${CASES:-} 2>&1 | tee "$OUTDIR/two_gpu_runs.txt" ;;
     moe)
-        timeout 120 "$PY" bench/moe_grouped.py 2>&1 | tee "$OUTDIR/moe_grouped.txt" ;;
+        timeout 120 "$PY" bench/moe_grouped.py --part experts --experts 8 --tokens 8192 --dim 1024 --hidden 2816 --reps 20 2>&1 | tee "$OUTDIR/moe_grouped.txt" ;;
     profile)  # op-level profiles of one step (bench/step_profile.py): MoE, and llama at vocab 50k
         { timeout 120 "$PY" bench/step_profile.py --model moe
           [ -n "${MOE_ONLY:-}" ] || timeout 120 "$PY" bench/step_profile.py --model llama --vocab 50304; } 2>&1 \

@@ -14,6 +14,7 @@ import typing
 from hpctrain.config_schema import (CheckpointConfig, Config, DataConfig, ModelConfig, ParallelConfig,
                                     SlurmConfig, SyncConfig, TrainConfig, sections)
 from hpctrain.config_rules_cp import validate_context_parallel
+from hpctrain.config_rules_fp8 import validate_fp8
 from hpctrain.errors import ConfigError
 from hpctrain.model import spec as model_spec
 from hpctrain.model.llama.args import llama_ffn_hidden  # noqa: F401 (the name plan/shape.py imported)
@@ -43,6 +44,7 @@ def validate(cfg: Config) -> Config:
     _check(t.precision != "fp16" or cfg.sync.mode not in ("ps", "async_diloco"), "train.precision",
            f"fp16 needs loss scaling agreed by every rank each step, which sync.mode="
            f"'{cfg.sync.mode}' workers do not do: use fp32 or bf16 there")
+    validate_fp8(cfg, _check)
     _check(t.loss_scale_init > 0, "train.loss_scale_init", "must be > 0")
     _check(t.loss_scale_growth_interval >= 1, "train.loss_scale_growth_interval", "must be >= 1")
     _check(0 <= t.warmup_steps <= t.steps, "train.warmup_steps",

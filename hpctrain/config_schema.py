@@ -102,9 +102,11 @@ class TrainConfig:
     stop_at_step: int = field(default=0, metadata={
         "help": "checkpoint and exit cleanly at this step without changing the schedule (0 = run to `steps`)"})
     seed: int = field(default=1337, metadata={"help": "seed for init, data order and dropout (0 to 2^32 - 1)"})
-    precision: Literal["fp32", "bf16", "fp16", "auto"] = field(default="fp32", metadata={
-        "help": "fp32 | bf16 | fp16 | auto (autocast; master weights stay fp32). fp16 is for GPUs "
+    precision: Literal["fp32", "bf16", "fp16", "fp8", "auto"] = field(default="fp32", metadata={
+        "help": "fp32 | bf16 | fp16 | fp8 | auto (autocast; master weights stay fp32). fp16 is for GPUs "
                 "without bf16 (V100, T4): dynamic loss scaling, overflow steps skipped and counted. "
+                "fp8: bf16 plus torchao float8 matmuls in the Linear layers ([fp8]; GPUs of compute "
+                "capability >= 8.9: H100, H200, L40; pip install 'hpctrain[fp8]'). "
                 "auto: bf16 on GPUs that have it; on CPUs bf16 where a matmul of the model's shape "
                 "measures >= 1.3x faster than fp32 at start, else fp32"})
     tf32: bool = field(default=True, metadata={
@@ -228,6 +230,23 @@ class InitConfig:
 
 
 @dataclass
+class Fp8Config:
+    recipe: Literal["tensorwise", "rowwise"] = field(default="tensorwise", metadata={
+        "help": "train.precision = fp8: torchao's scaling granularity: one scale per tensor "
+                "(fastest) or one per row (more accurate with outliers; no float8 all-gather)"})
+    fsdp_all_gather: bool = field(default=False, metadata={
+        "help": "fp8 + FSDP, tensorwise only: FSDP all-gathers the converted layers' weights in "
+                "float8 (half of bf16's bytes; torchao enable_fsdp_float8_all_gather)"})
+    skip: str = field(default="lm_head", metadata={
+        "help": "comma-separated: Linear layers whose name contains one of these stay in bf16 (the "
+                "output head: its logits need the precision; '' = none); layers with a dimension "
+                "not a multiple of 16 always do (float8 tensor cores need it)"})
+    emulate: bool = field(default=False, metadata={
+        "help": "fp8 on any device (CPUs, GPUs older than 8.9) with torchao's emulated float8 "
+                "matmuls: the numbers of fp8, none of its speed; for tests"})
+
+
+@dataclass
 class Config:
     run: RunConfig
     data: DataConfig
@@ -240,6 +259,7 @@ class Config:
     sync: SyncConfig = field(default_factory=SyncConfig)
     init: InitConfig = field(default_factory=InitConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    fp8: Fp8Config = field(default_factory=Fp8Config)
 
     @property
     def checkpoint_dir(self) -> Path:

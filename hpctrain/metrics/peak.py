@@ -79,6 +79,7 @@ def gpu_datasheet_peak(device_name: str, dtype: str) -> tuple[str, float | None]
 
 def gpu_peak(device: torch.device, precision: str) -> RankPeak:
     name = torch.cuda.get_device_name(device)
+    precision = "bf16" if precision == "fp8" else precision  # fp8: against bf16's peak (torchtitan's)
     dtype = precision if precision in ("bf16", "fp16") else (
         "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32")
     found = gpu_datasheet_peak(name, dtype)

@@ -115,7 +115,7 @@ def apply_fsdp(model: nn.Module, roots: tuple[nn.Module, ...], mesh: Mesh, preci
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # DTensor: not at start-up
 
     ignored = set(experts.params) if experts is not None else None
-    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    half = {"bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp16": torch.float16}.get(precision)
     mp = (MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
           if half is not None else MixedPrecisionPolicy())
     dp_mesh = mesh.fsdp_mesh()  # "dp" (with cp > 1 dp x cp flattened); HSDP: (replicate, shard)

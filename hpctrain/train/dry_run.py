@@ -42,6 +42,7 @@ from hpctrain.train.dry_run_pipeline import boundary_tensor, stage_peers
 from hpctrain.train.engine import StepEngine
 from hpctrain.train.fake_device import DEVICE, DeviceMixError, FakeGpu, init_fake_world
 from hpctrain.train.model_setup import build_model
+from hpctrain.train.precision import half_dtype
 
 STEPS = 2           # the second step runs with the optimizer state the first one made
 GPUS_PER_NODE = 8   # the node a rank's DistContext describes (local ranks; no effect on bytes)
@@ -60,6 +61,7 @@ class RankBytes:
     micro_batches: int = 0        # run per step (of grad_accum: `dry_micro_batches`)
     grad_accum: int = 0
     host_reads: int = 0           # .item() / .tolist() values a step reads on the host
+    fp8: str = ""                 # train.precision = fp8: the Linear layers converted (parallel/float8.py)
     seconds: float = 0.0
 
 
@@ -135,7 +137,8 @@ def _run_steps(cfg: Config, rank: int, world: int, out: RankBytes) -> None:
     peak = _PeakParts()
     with FakeGpu() as watch:
         watch.peak_listeners.append(peak)
-        layout = build_model(cfg, mesh, ctx.device, precision, initialize=False).layout
+        built = build_model(cfg, mesh, ctx.device, precision, initialize=False)
+        layout, out.fp8 = built.layout, built.fp8
         if layout.dp_reduce == "ddp" and cfg.dist.grad_allreduce in ("auto", "backend"):
             layout.forward_modules[0].register_comm_hook(None, _bucket_as_reduced)
         model = layout.module
@@ -160,7 +163,7 @@ def _pipeline_peers(cfg: Config, mesh: Mesh, precision: str):
     (16-bit where FSDP all-gathers 16-bit parameters, else fp32: autocast keeps the residual)."""
     if mesh.pp_size == 1:
         return contextlib.nullcontext()
-    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    half = half_dtype(precision)
     fsdp16 = half is not None and cfg.parallel.data_parallel == "fsdp" and mesh.dp_size > 1
     tokens = cfg.model.block_size // (mesh.tp_size if cfg.parallel.sp else 1)
     boundary = boundary_tensor(cfg.train.micro_batch_size, tokens, cfg.model.n_embd,

@@ -16,6 +16,7 @@ from hpctrain.plan.report import fmt_bytes
 from hpctrain.plan.shape import ModelShape
 from hpctrain.train.dry_run import GPUS_PER_NODE, RankBytes
 
+PLANNER_PRECISION = {"auto": "bf16", "fp8": "bf16"}  # fp8: bf16 activations and parameters
 ROWS = (("parameters", "parameters (fp32)"), ("gradients", "gradients (fp32)"),
         ("optimizer", "AdamW m, v (fp32)"))
 
@@ -28,7 +29,7 @@ def planner_job(cfg: Config, world: int, grad_accum: int) -> Job:
                data_parallel=p.data_parallel, dp_shard=p.dp_shard, pp_schedule=p.pp_schedule,
                pp_virtual_stages=p.pp_virtual_stages, micro_batch=t.micro_batch_size,
                grad_accum=grad_accum, activation_checkpoint=p.activation_checkpoint,
-               ac_every=p.ac_every, precision="bf16" if t.precision == "auto" else t.precision,
+               ac_every=p.ac_every, precision=PLANNER_PRECISION.get(t.precision, t.precision),
                loss_chunk=t.loss_chunk, meta_init=p.meta_init, backend="nccl")
 
 
@@ -69,6 +70,7 @@ def render(report: dict) -> str:
         lines += ["", f"rank {r['rank']} ({coords}): {r['micro_batches']} of {r['grad_accum']} "
                   f"micro-batches per step, 2 steps in {r['seconds']:.1f} s, "
                   f"{r['host_reads']} host reads of device values",
+                  *([r["fp8"]] if r.get("fp8") else []),
                   "| per rank | dry run | planner | dry / planner |", "|---|---|---|---|"]
         for key in ("parameters", "gradients", "optimizer", "peak"):
             ratio = f"{r[key] / plan[key]:.3f}" if plan[key] else "-"

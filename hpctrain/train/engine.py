@@ -22,6 +22,7 @@ from hpctrain.parallel import StepRunner
 from hpctrain.step_faults import StepFaults
 from hpctrain.train.bad_steps import BadStepPolicy
 from hpctrain.train.loss_scaling import LossScaling
+from hpctrain.train.precision import half_dtype
 
 
 class StepEngine:
@@ -32,7 +33,7 @@ class StepEngine:
         self.runner, self.optimizer, self.faults, self.rank = runner, optimizer, faults, rank
         self.agreed = agreed
         self.bad_steps = BadStepPolicy(train.max_bad_steps, faults.inject_nan_at_step, rank, world_size)
-        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(train.precision)
+        half = half_dtype(train.precision)
         self.autocast = (torch.autocast(device.type, dtype=half) if half is not None
                          else contextlib.nullcontext())
         self.loss_scaling = LossScaling(device, train.loss_scale_init, train.loss_scale_growth_interval,

@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from hpctrain.errors import UserError
 
 DEVICE = "gpu"
+FAKE_CAPABILITY = (9, 0)  # what torch.cuda.get_device_capability says of an H100
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 # CUDA autocast's lists (torch's autocast_mode.cpp), the ops our models and losses reach
 AUTOCAST_16BIT = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "einsum",

@@ -77,7 +77,7 @@ class Trainer:
         # the model in this job's layout, initialized from t.seed (on the meta device first, then
         # only this rank's shards: parallel.meta_init)
         built = build_model(cfg, self.mesh, ctx.device, t.precision)
-        self.params, self.flops_per_token = built.params, built.flops_per_token
+        self.params, self.flops_per_token, self.fp8_line = built.params, built.flops_per_token, built.fp8
         self.layout = built.layout  # the modules in this job's layout
         self.model = self.layout.module  # this rank's parameters (a pipeline stage holds a subset)
         self.optimizer = build_optimizer(self.model, t, undecayed_matrices(cfg.model))
@@ -370,6 +370,8 @@ class Trainer:
                  f"steps {self.step} -> {end} of {t.steps}{self.sync.describe()}")
         if t.global_batch:  # how the global batch splits on this world (elastic restarts)
             log(ctx, global_batch_line(t, self.plan.dp_size))
+        if self.fp8_line:
+            log(ctx, self.fp8_line)
 
     def _peak_flops(self) -> MfuMeter:
         """MFU of each step against the job's peak (hpctrain/metrics/peak.py), said once."""

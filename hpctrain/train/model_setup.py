@@ -29,11 +29,13 @@ from hpctrain.interop.hf_weights import WeightFiles, open_checked
 from hpctrain.model import build_model_from_section
 from hpctrain.model.params import hf_param_counts, params_words
 from hpctrain.parallel import Layout, parallelize
+from hpctrain.parallel.float8 import apply_float8
 from hpctrain.parallel.meta_init import _held_params, allocate, build_on_meta, materialize
 from hpctrain.parallel.loss import use_chunked_head
 from hpctrain.plan.report import fmt_bytes
 from hpctrain.plan.shape import STATE_BYTES_PER_PARAM, ModelShape
 from hpctrain.train.bad_steps import first_nonfinite
+from hpctrain.train.precision import cuda_capability
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class BuiltModel:
     n_params: int            # of the whole model, without position embeddings (GPT.num_params)
     flops_per_token: float   # of the whole model
     params: str = ""         # the start-up line's counts, as transformers counts them (model/params.py)
+    fp8: str = ""            # train.precision = fp8: which Linear layers were converted (parallel/float8.py)
 
 
 def build_model(cfg: Config, mesh: Mesh, device: torch.device, precision: str,
@@ -71,10 +74,12 @@ def build_model(cfg: Config, mesh: Mesh, device: torch.device, precision: str,
         use_chunked_head(model)  # lm_head hands hidden states to the chunked loss (parallel/loss.py)
     if hf_files is not None:  # each rank reads its part of the Hugging Face weights instead
         init = load_hf_weights(hf_files, section, device if cfg.parallel.meta_init else None)
+    # float8 Linear layers before any layout (FSDP2 then shards, and may all-gather, float8 weights)
+    fp8 = apply_float8(model, cfg.fp8, cuda_capability(device)).line() if precision == "fp8" else ""
     layout = parallelize(model, mesh, cfg, precision, materialize=init)
     if hf_files is not None:
         check_loaded_weights(layout.module, hf_files, section, device)
-    return BuiltModel(layout, n_params, flops, params)
+    return BuiltModel(layout, n_params, flops, params, fp8)
 
 
 def load_hf_weights(files: WeightFiles, section: dict, meta_device: torch.device | None):

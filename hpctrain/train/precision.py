@@ -88,3 +88,18 @@ def apply_deterministic(device: torch.device, deterministic_experts: bool) -> bo
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read at cuBLAS's first use
     torch.use_deterministic_algorithms(True, warn_only=True)
     return True
+
+
+def half_dtype(precision: str) -> torch.dtype | None:
+    """The 16-bit dtype of autocast and FSDP2's parameters under a resolved train.precision
+    (fp8: bf16, with float8 matmuls in the converted Linear layers: parallel/float8.py), or None."""
+    return {"bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """The device's CUDA compute capability; None where it is not a CUDA GPU. The dry run's fake
+    GPU (train/fake_device.py) is an H100's (9, 0)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)
+    from hpctrain.train.fake_device import DEVICE, FAKE_CAPABILITY
+    return FAKE_CAPABILITY if device.type == DEVICE else None

@@ -30,6 +30,38 @@ def _sd():
     return sd, sd.StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+def _inner(t: torch.Tensor) -> torch.Tensor:
+    """A tensor subclass that only wraps one plain tensor of its own shape and dtype (torchao's
+    float8 FSDP weights: WeightWithDynamicFloat8CastTensor) -> that tensor (same storage); else t."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(t):
+        return t
+    names, _ = t.__tensor_flatten__()
+    inner = getattr(t, names[0]) if len(names) == 1 else None
+    keep = inner is not None and inner.shape == t.shape and inner.dtype == t.dtype
+    return inner if keep and not is_traceable_wrapper_subclass(inner) else t
+
+
+def plain_tensors(state: dict) -> dict:
+    """`state` with wrapper-subclass tensors (and DTensor shards holding one) replaced by the plain
+    tensors they wrap, sharing storage: a checkpoint holds plain tensors only, which any process
+    loads with weights_only (no torchao import needed to sample or export an fp8 run's
+    checkpoint), and DCP's in-place load still writes the parameters' own storage."""
+    from hpctrain.distributed.dtensor import is_dtensor
+
+    out = {}
+    for key, v in state.items():
+        if is_dtensor(v) and _inner(v.to_local()) is not v.to_local():
+            from torch.distributed.tensor import DTensor
+            v = DTensor.from_local(_inner(v.to_local()), v.device_mesh, v.placements, run_check=False,
+                                   shape=v.shape, stride=v.stride())
+        elif isinstance(v, torch.Tensor) and not is_dtensor(v):
+            v = _inner(v)
+        out[key] = v
+    return out
+
+
 class ModelState:
     """The parameters this rank holds (a pipeline stage: a subset), DTensor shards included."""
 
@@ -38,7 +70,7 @@ class ModelState:
 
     def state_dict(self) -> dict:
         sd, options = _sd()
-        return sd.get_model_state_dict(self.module, options=options)
+        return plain_tensors(sd.get_model_state_dict(self.module, options=options))
 
     def load_state_dict(self, state: dict) -> None:
         sd, options = _sd()
@@ -59,7 +91,7 @@ class OptimState:
     def state_dict(self) -> dict:
         sd, options = _sd()
         state = sd.get_optimizer_state_dict(self.module, self.optimizer, options=options)
-        return {self._rename(k, _TIED_LAST, _TIED_FIRST): v for k, v in state.items()
+        return {self._rename(k, _TIED_LAST, _TIED_FIRST): v for k, v in plain_tensors(state).items()
                 if isinstance(v, torch.Tensor)}
 
     def load_state_dict(self, state: dict) -> None:

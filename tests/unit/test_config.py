@@ -57,7 +57,7 @@ def test_roundtrip_escapes_strings(toml, tmp_path, run_dir):
     (["--bogus.x=1"], "bogus"),
     (["--train.steps=abc"], "train.steps"),
     (["--train.lr=fast"], "train.lr"),
-    (["--train.precision=fp8"], "train.precision"),
+    (["--train.precision=fp4"], "train.precision"),
     (["--model.n_head=3"], "model.n_head"),
     (["--train.stop_at_step=11"], "train.stop_at_step"),
     (["train.steps=3"], "train.steps=3"),

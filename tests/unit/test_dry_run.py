@@ -192,6 +192,34 @@ def test_an_unsupported_layout_is_one_line_naming_its_key(cfg, override, key):
     assert len(out.stderr.strip().splitlines()) == 1
 
 
+def test_fp8_dry_runs_the_float8_swap_on_fsdp_with_bf16s_bytes(cfg):
+    """train.precision = fp8 on the fake H100: torchao's Float8Linear layers (tensorwise, their
+    weights all-gathered in float8) run the dry steps; the line names what converted (2 blocks x
+    7 Linear layers; the head skipped by name); fp32 master weights, gradients and AdamW state
+    are bf16's bytes to the byte."""
+    pytest.importorskip("torchao.float8")
+    fsdp = ("--parallel.data_parallel=fsdp",)
+    fp8 = dry_run_json(cfg, 2, *fsdp, "--train.precision=fp8", "--fp8.fsdp_all_gather=true")["ranks"][0]
+    bf16 = dry_run_json(cfg, 2, *fsdp, "--train.precision=bf16")["ranks"][0]
+    assert fp8["fp8"] == ("fp8 (tensorwise, float8 FSDP all-gather): 14 of 15 Linear layers "
+                          "converted; kept in bf16: lm_head (fp8.skip)")
+    assert bf16["fp8"] == ""
+    for key in ("parameters", "gradients", "optimizer"):
+        assert fp8[key] == bf16[key] == expected_bytes(cfg, 2, 1)[0 if key != "optimizer" else 1]
+    assert fp8["peak"] > fp8["parameters"] + fp8["optimizer"]
+
+
+@pytest.mark.parametrize("overrides,key", [(["--parallel.tp=2"], "parallel.tp"),
+                                           (["--fp8.recipe=rowwise", "--fp8.fsdp_all_gather=true"],
+                                            "fp8.fsdp_all_gather")])
+def test_fp8_where_it_is_not_supported_is_one_line_naming_its_key(cfg, overrides, key):
+    out = run("-m", "hpctrain", "train", "--config", cfg, "--dry-run", "4", "--train.precision=fp8",
+              *overrides, check=False)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert f"'{key}'" in line
+
+
 # A collective given a CPU tensor, and an op given a CPU and a GPU tensor, inside a real dry run:
 # the dp loss mean all-reduces what `_replica_mean` returns; the loss's `total` adds each loss.
 BREAK = {  # what: (object in hpctrain.parallel.runner, attribute, replacement)

@@ -95,3 +95,38 @@ def test_every_source_in_one_grouped_matmul_equals_source_by_source():
     assert not torch.equal(grouped[0], torch.zeros_like(grouped[0]))
     for a, b in zip(grouped, per_source):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n_experts", [8, 64])
+def test_the_whole_moe_layer_grouped_equals_its_loop_over_experts(n_experts, monkeypatch):
+    """bench/moe_grouped.py's two paths, checked: the MoE layer (router, sort, dispatch, experts,
+    gates, combine) with the experts' grouped matmul (3 torch._grouped_mm calls) against the loop
+    over experts (none), forward + backward in fp32 on the CPU: the same loss and the same
+    gradients of the input, the router and every expert weight (at 64 experts over 96 routed rows
+    some experts get none: their gradient is zero either way)."""
+    from hpctrain.model import moe
+
+    torch.manual_seed(2)
+    layer = moe.MoEFeedForward(32, 48, moe.MoEConfig(n_experts=n_experts, top_k=2))
+    moe.init_moe_(layer, 0.2, 0.2)
+    x = torch.randn(48, 32)
+    params = [p for p in layer.parameters() if p.requires_grad]
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def run(grouped: bool):
+        monkeypatch.setattr(moe, "_grouped_mm_fits", lambda *t: grouped)
+        xi = x.clone().requires_grad_()
+        loss = layer(xi).square().mean()
+        return loss.detach(), torch.autograd.grad(loss, [xi, *params])
+
+    loop_loss, loop_grads = run(False)
+    assert not calls
+    loss, grads = run(True)
+    assert len(calls) == 3
+    assert torch.allclose(loss, loop_loss, rtol=1e-6, atol=0)
+    for got, want in zip(grads, loop_grads):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-7)
+    if n_experts == 64:  # experts without rows were part of it
+        assert layer.load is not None and int((layer.load == 0).sum()) > 0
