@@ -1,0 +1,85 @@
+"""train.objective = "dpo" under a real mpiexec on a toy preference set made here (the chosen
+completion is the speech that follows the prompt in a play, the rejected one its words shuffled):
+the first step's loss is log 2 (the policy IS the reference), the reward margin then rises, dp2
+trains the same losses as dp1 (a pair never split: 2 ranks x 1 micro-batch = 1 rank x 2), and a
+run stopped at a checkpoint resumes bit-exactly, reusing the stored reference log-probs."""
+import math
+
+import pytest
+
+from data_tools.shard import shard_dataset
+from tests.chat_files import chatml_folder
+from tests.conftest import RUN_DATA, losses
+from tests.helpers import train
+from tests.preference_files import preference_rows, write_rows
+
+pytestmark = pytest.mark.mpi
+
+STEPS = 8
+DPO_GPT = RUN_DATA + """verify = "size"
+cache_dir = "off"
+[model]
+n_layer = 2
+n_head = 2
+n_embd = 64
+block_size = 128
+vocab_size = 3000
+[train]
+objective = "dpo"
+steps = 8
+micro_batch_size = 4
+grad_accum = 2
+lr = 3e-3
+min_lr = 3e-4
+warmup_steps = 2
+eval_interval = 0
+log_interval = 1
+[dpo]
+beta = 0.1
+[checkpoint]
+interval = 4
+keep = 2
+"""
+
+
+@pytest.fixture(scope="module")
+def pref_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dpo_data")
+    tok = chatml_folder(root / "tok")
+    out = root / "data"
+    shard_dataset([str(write_rows(root / "prefs.jsonl", preference_rows(64)))], str(out),
+                  tokenizer=str(tok), val_fraction=0, progress=False, format="preference",
+                  eot_token="<|endoftext|>", log=lambda m: None)
+    return out
+
+
+def run_dpo(tmp_path, data, name, n, *overrides):
+    cfg = tmp_path / f"{name}.toml"
+    if not cfg.exists():
+        cfg.write_text(DPO_GPT.format(run=tmp_path / name, data=data))
+    return train(n, cfg, *overrides, timeout=400), tmp_path / name
+
+
+def test_dpo_margin_rises_dp2_equals_dp1_resume_is_exact(tmp_path, pref_data):
+    r1, one = run_dpo(tmp_path, pref_data, "one", 1)
+    loss = losses(one)
+    margins, accuracies = losses(one, "rewards/margins"), losses(one, "rewards/accuracies")
+    assert sorted(loss) == list(range(1, STEPS + 1))
+    assert abs(loss[1] - math.log(2)) < 1e-6 and margins[1] == 0.0  # step 1: policy = reference
+    assert margins[STEPS] > 0.05 and margins[STEPS] > max(margins[s] for s in (1, 2, 3))
+    assert loss[STEPS] < math.log(2) - 0.03 and accuracies[STEPS] > 0.6
+    assert "dpo: reference log-probs of 64 pairs" in r1.stderr
+
+    _, two = run_dpo(tmp_path, pref_data, "two", 2, "--train.grad_accum=1")
+    assert (two / "dpo_reference.npy").read_bytes() == (one / "dpo_reference.npy").read_bytes()
+    for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins"):
+        a, b = losses(one, key), losses(two, key)
+        assert sorted(b) == sorted(a) and all(abs(a[s] - b[s]) <= 1e-5 for s in a), (key, a, b)
+
+    _, split = run_dpo(tmp_path, pref_data, "split", 1, "--train.stop_at_step=4")
+    reference = (split / "dpo_reference.npy").stat().st_mtime_ns
+    r2, _ = run_dpo(tmp_path, pref_data, "split", 1)
+    assert "resumed from" in r2.stderr and "dpo: reference" not in r2.stderr
+    assert (split / "dpo_reference.npy").stat().st_mtime_ns == reference
+    for key in ("loss", "rewards/margins", "rewards/accuracies"):
+        assert losses(split, key) == losses(one, key), key  # bit-exact, every step
