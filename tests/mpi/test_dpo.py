@@ -53,11 +53,11 @@ def pref_data(tmp_path_factory):
     return out
 
 
-def run_dpo(tmp_path, data, name, n, *overrides):
+def run_dpo(tmp_path, data, name, n, *overrides, check=True):
     cfg = tmp_path / f"{name}.toml"
     if not cfg.exists():
         cfg.write_text(DPO_GPT.format(run=tmp_path / name, data=data))
-    return train(n, cfg, *overrides, timeout=400), tmp_path / name
+    return train(n, cfg, *overrides, timeout=400, check=check), tmp_path / name
 
 
 def test_dpo_margin_rises_dp2_equals_dp1_resume_is_exact(tmp_path, pref_data):
@@ -83,3 +83,9 @@ def test_dpo_margin_rises_dp2_equals_dp1_resume_is_exact(tmp_path, pref_data):
     assert (split / "dpo_reference.npy").stat().st_mtime_ns == reference
     for key in ("loss", "rewards/margins", "rewards/accuracies"):
         assert losses(split, key) == losses(one, key), key  # bit-exact, every step
+
+
+def test_pretraining_on_preference_pairs_is_refused(tmp_path, pref_data):
+    r, _ = run_dpo(tmp_path, pref_data, "pretrain", 1, "--train.objective=pretrain", check=False)
+    assert r.returncode != 0 and "config key 'train.objective'" in r.stderr
+    assert "holds preference pairs" in r.stderr
