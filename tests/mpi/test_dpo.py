@@ -4,12 +4,13 @@ the first step's loss is log 2 (the policy IS the reference), the reward margin 
 trains the same losses as dp1 (a pair never split: 2 ranks x 1 micro-batch = 1 rank x 2), and a
 run stopped at a checkpoint resumes bit-exactly, reusing the stored reference log-probs."""
 import math
+import os
 
 import pytest
 
 from data_tools.shard import shard_dataset
 from tests.chat_files import chatml_folder
-from tests.conftest import RUN_DATA, losses
+from tests.conftest import RUN_DATA, losses, mpirun
 from tests.helpers import train
 from tests.preference_files import preference_rows, write_rows
 
@@ -89,3 +90,22 @@ def test_pretraining_on_preference_pairs_is_refused(tmp_path, pref_data):
     r, _ = run_dpo(tmp_path, pref_data, "pretrain", 1, "--train.objective=pretrain", check=False)
     assert r.returncode != 0 and "config key 'train.objective'" in r.stderr
     assert "holds preference pairs" in r.stderr
+
+
+def test_preference_shard_two_ranks_byte_identical(tmp_path):
+    """`mpiexec -n 2 data_tools shard --format preference`: the bytes of 1 rank (pairs spread over
+    ranks, rounds and shards; ids and masks travel packed together)."""
+    tok = chatml_folder(tmp_path / "tok")
+    data = write_rows(tmp_path / "prefs.jsonl", preference_rows(40))
+    outs = {}
+    for n in (1, 2):
+        out = tmp_path / f"n{n}"
+        mpirun(n, ["-m", "data_tools", "shard", "--format", "preference", "--input", data,
+                   "--output", out, "--tokenizer", tok, "--eot-token", "<|endoftext|>",
+                   "--shard-tokens", "900", "--val-fraction", "0.2", "--round-bytes", "4000",
+                   "--no-progress"], timeout=240, check=True)
+        outs[n] = {name: (out / name).read_bytes() for name in sorted(os.listdir(out))}
+    assert sum(n.startswith("train_") for n in outs[1]) >= 4 and "val_00000.h5" in outs[1]
+    assert outs[2] == outs[1]
+    assert "OK" in mpirun(1, ["-m", "data_tools", "verify", tmp_path / "n2"], timeout=120,
+                          check=True).stdout
