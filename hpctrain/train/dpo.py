@@ -42,8 +42,10 @@ def check_dpo_config(cfg) -> None:
     """The layouts and settings DPO runs with; ConfigError naming the first other key."""
     p = cfg.parallel
     for key, value, want in (("parallel.tp", p.tp, 1), ("parallel.pp", p.pp, 1),
-                             ("parallel.cp", p.cp, 1), ("parallel.data_parallel", p.data_parallel, "ddp"),
-                             ("sync.mode", cfg.sync.mode, "sync")):
+                             ("parallel.cp", p.cp, 1), ("parallel.ep", p.ep, 1),
+                             ("parallel.data_parallel", p.data_parallel, "ddp"),
+                             ("sync.mode", cfg.sync.mode, "sync"),
+                             ("train.loss_chunk", cfg.train.loss_chunk, 0)):
         if value != want:
             raise ConfigError(f"config key '{key}': {value!r} with train.objective = 'dpo', which "
                               f"runs with {key} = {want!r} only so far")

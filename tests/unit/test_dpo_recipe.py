@@ -34,7 +34,8 @@ def test_recipe_loads_as_dpo_on_the_folders_model(recipe):
 
 @pytest.mark.parametrize("override, key", [
     ("--parallel.tp=2", "parallel.tp"), ("--parallel.data_parallel=fsdp", "parallel.data_parallel"),
-    ("--sync.mode=diloco", "sync.mode"), ("--dpo.beta=0", "dpo.beta")])
+    ("--sync.mode=diloco", "sync.mode"), ("--train.loss_chunk=1024", "train.loss_chunk"),
+    ("--dpo.beta=0", "dpo.beta")])
 def test_what_dpo_does_not_run_on_is_refused_naming_the_key(recipe, override, key):
     with pytest.raises(ConfigError, match=f"config key '{key}'"):
         check_dpo_config(recipe(override))
