@@ -66,11 +66,13 @@ def _add_shard_parser(sub) -> None:
                         "over 65,536 give uint32 shards); "
                         "bytes: UTF-8 bytes, vocab 257, eot 256")
     _add_tokenizer_flags(s)
-    s.add_argument("--format", choices=("text", "chat"), default="text",
+    s.add_argument("--format", choices=("text", "chat", "preference"), default="text",
                    help="chat: .jsonl lines of {\"messages\": [{\"role\": system|user|assistant, "
                         "\"content\": ...}]}, rendered with the tokenizer.json's chat template "
                         "(its tokenizer_config.json) as transformers does, with a loss mask "
-                        "(1 = assistant turns) stored beside the tokens (docs/data.md)")
+                        "(1 = assistant turns) stored beside the tokens (docs/data.md); "
+                        "preference: .jsonl lines of {\"prompt\", \"chosen\", \"rejected\"} "
+                        "(TRL's conversational rows) for DPO, one pair per document")
     _add_layout_flags(s)
     s.add_argument("--filter", action="store_true",
                    help="drop invalid-UTF-8/malformed, empty, short (< --min-chars) and exactly "

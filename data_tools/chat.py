@@ -110,10 +110,10 @@ class ChatTokenizer:
             spans.append((len(head), len(upto)))
         return spans
 
-    def encode_conversation(self, messages: list[dict]) -> np.ndarray:
+    def encode_conversation(self, messages: list[dict], from_turn: int = 0) -> np.ndarray:
         """Packed ids + loss mask of one conversation: the ids transformers'
         ``apply_chat_template(messages, tokenize=True)`` gives, mask 1 on tokens overlapping an
-        assistant span (transformers' rule for its assistant mask)."""
+        assistant span (transformers' rule for its assistant mask) of messages[from_turn:]."""
         text = self.render(messages)
         enc = self.hf(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = np.asarray(enc["input_ids"], np.int64)
@@ -124,8 +124,10 @@ class ChatTokenizer:
         starts = np.asarray([a for a, _ in enc["offset_mapping"]], np.int64)
         ends = np.asarray([b for _, b in enc["offset_mapping"]], np.int64)
         mask = np.zeros(ids.size, np.uint8)
-        for a, b in self.assistant_spans(messages, text):
-            mask[(starts < b) & (ends > a)] = 1
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        for turn, (a, b) in zip(turns, self.assistant_spans(messages, text)):
+            if turn >= from_turn:
+                mask[(starts < b) & (ends > a)] = 1
         return pack(ids, mask)
 
     @staticmethod

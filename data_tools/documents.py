@@ -38,7 +38,8 @@ class DocumentTable:
     line: np.ndarray
     parquet: list = None  # per file: True if Parquet (None: no Parquet input)
     text_column: str = "text"
-    chat: bool = False  # --format chat: a JSONL line's document is its checked "messages" list
+    chat: str = ""  # --format chat / preference: a JSONL line's document is its checked
+    # "messages" list / its pair (data_tools/preference.py); "": plain text
 
     def __len__(self) -> int:
         return int(self.file_idx.size)
@@ -168,8 +169,10 @@ def _jsonl_text(handle, table: DocumentTable, i: int) -> str:
         raise DataError(where(table, i), f"invalid JSON ({e})") from None
     if table.chat:
         from .chat import conversation_of
+        from .preference import preference_of
 
-        return conversation_of(obj, where(table, i))
+        parse = preference_of if table.chat == "preference" else conversation_of
+        return parse(obj, where(table, i))
     if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
         raise DataError(where(table, i), "JSONL line has no string 'text' field")
     return obj["text"]

@@ -27,6 +27,8 @@ FORMAT_VERSION = 1
 CHAT_FORMAT_VERSION = 2
 READABLE_VERSIONS = (FORMAT_VERSION, CHAT_FORMAT_VERSION)
 FORMAT_CHAT = "chat"  # the manifest's "format" of a version-2 dataset
+FORMAT_PREFERENCE = "preference"  # version 2 too: one document per pair (data_tools/preference.py)
+MASKED_FORMATS = (FORMAT_CHAT, FORMAT_PREFERENCE)
 LOSS_MASK_DSET = "loss_mask"
 MANIFEST_NAME = "manifest.json"
 SPLITS = ("train", "val")
@@ -346,10 +348,11 @@ def read_manifest(root: str, loaded: dict | None = None) -> dict:
     missing = [k for k in MANIFEST_KEYS if k not in m]
     if missing:
         raise DataError(path, f"missing keys {missing}")
-    if (m["format_version"] == CHAT_FORMAT_VERSION) != (m.get("format") == FORMAT_CHAT):
+    if (m["format_version"] == CHAT_FORMAT_VERSION) != (m.get("format") in MASKED_FORMATS):
         raise DataError(path, f"format_version {m['format_version']} with format "
-                              f"{m.get('format')!r} (a chat dataset is version "
-                              f"{CHAT_FORMAT_VERSION} with format {FORMAT_CHAT!r})")
+                              f"{m.get('format')!r} (a chat or preference dataset is version "
+                              f"{CHAT_FORMAT_VERSION} with format {FORMAT_CHAT!r} or "
+                              f"{FORMAT_PREFERENCE!r})")
     tok = m["tokenizer"]
     _check_tokenizer(path, tok)
     if m["dtype"] != token_dtype(tok["vocab_size"]).name:

@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from . import documents, staging
-from .format import (CHAT_FORMAT_VERSION, FORMAT_CHAT, FORMAT_VERSION, SPLITS, TMP_PREFIX, DataError, fsync_path, shard_filename,
+from .format import (CHAT_FORMAT_VERSION, FORMAT_CHAT, FORMAT_PREFERENCE, FORMAT_VERSION, SPLITS, TMP_PREFIX, DataError, fsync_path, shard_filename,
                      token_dtype, write_manifest, write_shard)
 from .chat import ChatError
 from .exchange import ChunkQueue, RoundExchange, round_chunks, round_cuts, starts_in
@@ -36,7 +36,7 @@ BATCH_DOCS = 512
 TOKENIZER_FILE = "tokenizer.json"  # a tokenizer.json, copied beside the shards
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # copied too when it sits beside it
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers' separate template file: copied too
-FORMATS = ("text", FORMAT_CHAT)
+FORMATS = ("text", FORMAT_CHAT, FORMAT_PREFERENCE)
 ROUND_BYTES = 64 << 20  # MPI: text each rank tokenizes per round (bounds memory, see docs/data.md)
 
 
@@ -53,12 +53,11 @@ def _plan(inputs, out, val_fraction, seed, extensions, text_column, chat):
     folder beside --output (nothing at --output changes until the final swap)."""
     staging.check_output(out, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, CHAT_TEMPLATE_FILE)
     table = documents.enumerate_documents(inputs, extensions=extensions, text_column=text_column)
-    if chat:
-        table.chat = True
+    if chat:  # the format's name: how a JSONL line becomes a document (documents.py)
+        table.chat = chat
         for path, is_jsonl in zip(table.files, table.jsonl):
             if not is_jsonl:
-                raise DataError(path, "--format chat reads .jsonl files of {\"messages\": [...]} "
-                                      "only")
+                raise DataError(path, f"--format {chat} reads .jsonl files only (docs/data.md)")
     is_val = documents.assign_val(len(table), val_fraction, seed)
     staging.begin(out)
     return table, is_val
@@ -166,8 +165,8 @@ def shard_dataset(inputs, output, tokenizer="gpt2", shard_tokens=DEFAULT_SHARD_T
                              f"must be in [0, 1), got {val_fraction}"),
                             (not 0 <= int(seed) < 2 ** 63, "--seed", f"must be in [0, 2**63), got {seed}"),
                             (format not in FORMATS, "--format", f"must be one of {FORMATS}, got {format!r}"),
-                            (format == FORMAT_CHAT and filter, "--filter",
-                             "is for text documents, not --format chat")):
+                            (format != "text" and filter, "--filter",
+                             f"is for text documents, not --format {format}")):
         if bad:
             err = DataError(where, why)
             err.collective = True  # every rank checks the same arguments and fails identically
@@ -181,7 +180,7 @@ def shard_dataset(inputs, output, tokenizer="gpt2", shard_tokens=DEFAULT_SHARD_T
     def lock_and_plan():
         held.append(OutputLock(output).acquire())
         return _plan(inputs, output, val_fraction, seed, extensions, text_column,
-                     format == FORMAT_CHAT)
+                     format if format != "text" else "")
 
     stage, planned = staging.staging_dir(output), False
     try:
@@ -329,11 +328,12 @@ def _document_tokenizer(tok, dtype, table, is_val, threads, bar):
 def _tokenizer(name, eot_token, eot_id, format):
     """The tokenizer --tokenizer names; for --format chat wrapped to render conversations."""
     tok = get_tokenizer(name, eot_token=eot_token, eot_id=eot_id)
-    if format != FORMAT_CHAT:
+    if format == "text":
         return tok
     from .chat import ChatTokenizer
+    from .preference import PreferenceTokenizer
 
-    return ChatTokenizer(tok)
+    return (PreferenceTokenizer if format == FORMAT_PREFERENCE else ChatTokenizer)(tok)
 
 
 def _sorted_shards(gathered) -> list[dict]:
@@ -355,7 +355,10 @@ def _manifest(tok, dtype, seed, val_fraction, shard_tokens, is_val, shards, repo
         "shards": shards,
     }
     if getattr(tok, "packs_loss_mask", False):
-        manifest.update(format_version=CHAT_FORMAT_VERSION, format=FORMAT_CHAT)
+        from .preference import PreferenceTokenizer
+
+        manifest.update(format_version=CHAT_FORMAT_VERSION, format=FORMAT_PREFERENCE
+                        if isinstance(tok, PreferenceTokenizer) else FORMAT_CHAT)
     if report is not None:
         manifest["filter"] = {"min_chars": int(min_chars), "total": report["total"],
                               "dropped": {r: report[r] for r in

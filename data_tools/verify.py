@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from .format import (KIND_BLEND, KIND_SHARDS, SHARD_RE, SPLITS, DataError, check_shard_size,
+from .format import (FORMAT_PREFERENCE, KIND_BLEND, KIND_SHARDS, SHARD_RE, SPLITS, DataError, check_shard_size,
                      load_manifest_json, manifest_kind, manifest_path, open_shard_layout,
                      read_manifest, sha256_file, shards_of)
 
@@ -143,11 +143,13 @@ def verify_dataset(path: str, shard_indices=None, checksums: bool = True,
         if problem:
             problems.append(problem)
         eots[shards[i]["split"]] += n_eot
+    per_doc = 2 if m.get("format") == FORMAT_PREFERENCE else 1  # a pair: chosen, rejected
     if shard_indices is None and checksums and not problems:
         for s in SPLITS:
-            if eots[s] != m["n_documents"].get(s, 0):
+            if eots[s] != per_doc * m["n_documents"].get(s, 0):
                 problems.append(f"{manifest_path(path)}: {s} has {eots[s]} end-of-text tokens but "
-                                f"n_documents[{s}]={m['n_documents'].get(s, 0)}")
+                                f"n_documents[{s}]={m['n_documents'].get(s, 0)}"
+                                f"{' pairs' if per_doc == 2 else ''}")
     return problems
 
 

@@ -51,7 +51,12 @@ def _train(argv: list[str]) -> int:
 
     install_signal_handlers(cfg.slurm.signals)  # early: an uncaught SIGUSR1 would kill the rank
     ctx = init_distributed(cfg.dist.backend, cfg.dist.timeout_s)
-    status = train(cfg, ctx)  # an exception skips teardown's barrier: run_or_abort aborts all ranks
+    if cfg.train.objective == "dpo":  # preference pairs, the DPO loss (hpctrain/train/dpo.py)
+        from hpctrain.train.dpo import DpoTrainer
+
+        status = train(cfg, ctx, DpoTrainer)
+    else:  # an exception skips teardown's barrier: run_or_abort aborts all ranks
+        status = train(cfg, ctx)
     teardown()
     requeue_if_requested(ctx.comm)  # after a preemption stop: MPI finalized, then scontrol requeue
     return status

@@ -159,6 +159,10 @@ class TrainConfig:
     max_bad_steps: int = field(default=5, metadata={
         "help": "a non-finite loss or grad norm skips the step; this many in a row stops the run "
                 "(the last checkpoint stays the newest)"})
+    objective: Literal["pretrain", "dpo"] = field(default="pretrain", metadata={
+        "help": "pretrain (next-token loss on every token) | dpo (Direct Preference Optimization "
+                "on a `shard --format preference` dataset, against the initial model's log-probs: "
+                "the [dpo] section, README 'DPO')"})
 
 
 @dataclass
@@ -220,6 +224,15 @@ class ParallelConfig:
 
 
 @dataclass
+class DpoConfig:
+    beta: float = field(default=0.1, metadata={
+        "help": "train.objective = 'dpo': how far the policy may move from the reference (the "
+                "initial model); the loss is -log sigmoid(beta x (chosen - rejected log-ratio))"})
+    loss_type: Literal["sigmoid"] = field(default="sigmoid", metadata={
+        "help": "sigmoid: the DPO paper's loss (TRL's loss_type 'sigmoid')"})
+
+
+@dataclass
 class InitConfig:
     from_dir: str = field(default="", metadata={
         "help": "a local Hugging Face model folder (config.json + model.safetensors or shards with "
@@ -258,6 +271,7 @@ class Config:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     init: InitConfig = field(default_factory=InitConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     fp8: Fp8Config = field(default_factory=Fp8Config)
 

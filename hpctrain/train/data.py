@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from data_tools.format import DataError, shards_of
+from data_tools.format import FORMAT_PREFERENCE, DataError, shards_of
 from hpctrain import logs
 from hpctrain.config import Config
 from hpctrain.distributed import DistContext
@@ -48,6 +48,9 @@ class TrainData:
         # data.path's manifest.json is read here, once (a blend: its components' shards flattened)
         self.dataset = dataset if dataset is not None else Dataset.open(cfg.data.path)
         self.manifest = self.dataset.manifest
+        if self.manifest.get("format") == FORMAT_PREFERENCE:  # chosen AND rejected: never a corpus
+            raise ConfigError(f"config key 'train.objective': {cfg.data.path} holds preference "
+                              f"pairs (shard --format preference): set train.objective = \"dpo\"")
         self.feed = DataFeed.open(cfg, ctx, self.dataset)
         # With the node cache, sha256 is checked as each shard is staged (once per node), not here.
         if not self.feed.all_cached:  # the cache checks sha256 + layout as it stages each shard

@@ -72,8 +72,7 @@ class Trainer:
         self.plan = run_plan.resolve(cfg, ctx, self.mesh)
         t = self.plan.train
         self.hparams = t  # the values each step reads (lr schedule, clip): a PBT member's its own
-        self.data = TrainData(modes.data_config(cfg), ctx, self.plan.position, t.grad_accum,
-                              cp=(self.mesh.cp_size, self.mesh.cp_rank))
+        self.data = self._open_data()
         # the model in this job's layout, initialized from t.seed (on the meta device first, then
         # only this rank's shards: parallel.meta_init)
         built = build_model(cfg, self.mesh, ctx.device, t.precision)
@@ -123,6 +122,11 @@ class Trainer:
         self.sync_log = StepSyncLog(cfg.run.dir, ctx.rank) if StepSyncLog.enabled() else None
         self.stragglers = StragglerDetector(ctx.comm, window=t.straggler_window)
         rng.seed_rank(t.seed, ctx.rank)
+
+    def _open_data(self) -> TrainData:
+        """The data this rank trains on (train/dpo.py reads preference pairs instead)."""
+        return TrainData(modes.data_config(self.cfg), self.ctx, self.plan.position,
+                         self.plan.train.grad_accum, cp=(self.mesh.cp_size, self.mesh.cp_rank))
 
     # ---- checkpoint state -------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -385,9 +389,10 @@ def _next_multiple(step: int, every: int) -> int:
     return (step // every + 1) * every
 
 
-def train(cfg: Config, ctx: DistContext) -> int:
+def train(cfg: Config, ctx: DistContext, trainer_class: type = Trainer) -> int:
+    """`trainer_class`: Trainer, or a subclass of it for another train.objective (train/dpo.py)."""
     check_model_fits(cfg, ctx)  # a model no layout of this job could hold: named before building
     with watch_peers(ctx, cfg.dist.heartbeat_timeout_s, cfg.run.dir, cfg.dist.stall_timeout_s), \
             run_lock.hold(cfg.run.dir, ctx):
         # a lost rank ends the job, named; one job per run.dir
-        return Trainer(cfg, ctx).fit()
+        return trainer_class(cfg, ctx).fit()
