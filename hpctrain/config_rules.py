@@ -292,13 +292,15 @@ def _validate_parallel(p: ParallelConfig, m: ModelConfig, compile: bool = False)
            f"{p.ep} needs a mixture-of-experts model (model.moe_experts > 0); use parallel.ep = 1")
     _check(p.ep == 1 or experts % p.ep == 0, "parallel.ep",
            f"{p.ep} must divide model.moe_experts={experts} (each rank holds experts / ep)")
-    _check(p.ep == 1 or p.dp == 0 or p.dp % p.ep == 0, "parallel.ep",
-           f"{p.ep} must divide parallel.dp={p.dp} (the ep ranks are borrowed from dp)")
+    _check(p.ep == 1 or p.dp == 0 or p.dp * p.cp % p.ep == 0, "parallel.ep",  # dp x cp: #51
+           f"{p.ep} must divide parallel.dp={p.dp} x parallel.cp={p.cp} (the ep ranks are borrowed "
+           f"from dp x cp)")
     _check(not p.deterministic_experts or (experts > 0 and p.tp == 1), "parallel.deterministic_experts",
            "needs a mixture-of-experts model (model.moe_experts > 0) and parallel.tp = 1; set it to false")
-    _check(not p.deterministic_experts or all(n & (n - 1) == 0 for n in (p.ep, p.dp)),
-           "parallel.deterministic_experts", f"needs a power-of-two parallel.ep and parallel.dp (got "
-           f"ep={p.ep}, dp={p.dp}: its summation tree pairs ranks); set it to false")
+    _check(not p.deterministic_experts or all(n & (n - 1) == 0 for n in (p.ep, p.dp * p.cp)),
+           "parallel.deterministic_experts", f"needs a power-of-two parallel.ep and parallel.dp x "
+           f"parallel.cp (got ep={p.ep}, dp={p.dp}, cp={p.cp}: its summation tree pairs ranks); set "
+           f"it to false")
     _check(not (compile and p.pp > 1), "train.compile",
            "not supported with pipeline parallelism (parallel.pp > 1): the pipeline schedule runs "
            "stage modules directly; set train.compile = false")

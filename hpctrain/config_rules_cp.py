@@ -36,9 +36,6 @@ def validate_context_parallel(cfg: Config, check: Check) -> None:
 def _unsupported(cfg: Config, check: Check) -> None:
     """What cp > 1 does not do yet: each a key and the way out."""
     p, cp = cfg.parallel, cfg.parallel.cp
-    check(p.ep == 1 and not p.deterministic_experts, "parallel.cp",
-          f"cp={cp} with expert parallelism (parallel.ep={p.ep}, deterministic_experts="
-          f"{str(p.deterministic_experts).lower()}): not supported yet; use parallel.ep = 1 or parallel.cp = 1")
     check(cfg.sync.mode == "sync" and cfg.sync.replica_nodes == 0, "parallel.cp",
           f"cp={cp} with sync.mode = {cfg.sync.mode!r} / sync.replica_nodes = {cfg.sync.replica_nodes}: "
           f"context parallelism needs sync.mode = 'sync' without replica_nodes (or parallel.cp = 1)")

@@ -1,19 +1,22 @@
 """parallel.ep: shard every MoE layer's experts of a laid-out model over `ep` ranks borrowed from
-the data-parallel ranks (as torchtitan does), and the gradient bookkeeping that this needs.
+the ranks that average gradients, dp (x cp with context parallelism: as torchtitan borrows ep
+from dp_shard x cp), and the gradient bookkeeping that this needs.
 
-Owns: the expert mesh (dp split into dp / ep replicas x ep consecutive dp ranks: rank order
-(pp, ep_replica, ep, tp), the same global ranks as the Mesh's (pp, dp, tp) with
-dp index = replica * ep + ep index), replacing each MoEFeedForward.experts by its
+Owns: the expert mesh (the flattened dp x cp ranks, `Mesh.reduce_size` = n of them, split into
+n / ep replicas x ep consecutive ones: rank order (pp, ep_replica, ep, tp), the same global ranks
+as the Mesh's (pp, dp, cp, tp) with flattened index dp_index * cp + cp_index = replica * ep +
+ep index; at cp = 1 simply dp), replacing each MoEFeedForward.experts by its
 ExpertParallelExperts (hpctrain/parallel/expert.py: DTensor Shard(0) weights under the unsharded
 names, so checkpoints stay layout-free), and `ExpertParallel`, which the runner asks to average the
 expert gradients (DDP and FSDP never see the expert weights: parallelize.py leaves them out) and
 to count each expert once in the gradient norm. It must never run a step or touch the optimizer.
 
-Gradient scaling: each rank's loss is the mean over its micro-batch; the global (1-rank) gradient
-is the mean over dp of the ranks' gradients. An expert's gradient on its rank already sums the
-contributions of the ep ranks whose tokens it computed, so the global gradient is the sum over the
-dp / ep replicas holding that expert, divided by dp (or only summed where the loss was divided
-by dp before backward: the MPI gradient hook's `prescaled` loss).
+Gradient scaling: each rank's loss is the mean over its micro-batch (with cp: over its part of
+each sequence, the same number of tokens on every cp rank); the global (1-rank) gradient is the
+mean over the n = dp x cp ranks of their gradients. An expert's gradient on its rank already sums
+the contributions of the ep ranks whose tokens it computed, so the global gradient is the sum over
+the n / ep replicas holding that expert, divided by n (or only summed where the loss was divided
+by n before backward: the MPI gradient hook's `prescaled` loss).
 """
 from __future__ import annotations
 
@@ -40,8 +43,8 @@ class ExpertParallel:
 
     params: tuple[nn.Parameter, ...]
     mesh: DeviceMesh                       # 1-D, the ep ranks (the weights' DTensor mesh)
-    replica_group: dist.ProcessGroup       # the dp / ep ranks holding the same experts
-    dp_size: int
+    replica_group: dist.ProcessGroup       # the (dp x cp) / ep ranks holding the same experts
+    reduce_size: int                       # dp x cp: the ranks whose gradients are averaged
     layers: tuple[ExpertParallelExperts, ...] = ()
     deterministic: bool = False            # parallel.deterministic_experts: sum in tree order
 
@@ -60,23 +63,24 @@ class ExpertParallel:
         if dist.get_world_size(self.replica_group) > 1:
             dist.all_reduce(flat, group=self.replica_group)
         if not prescaled:
-            flat /= self.dp_size
+            flat /= self.reduce_size
         for g, v in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(v.view_as(g))
 
     def _reduce_in_tree_order(self, prescaled: bool) -> None:
-        """parallel.deterministic_experts: each weight's gradient is the sum over the global dp
-        index of the per-source gradients in one binary tree, whatever ep is: pairwise over this
-        rank's ep sources (an aligned block of dp indices), then by recursive doubling over the
-        replicas (a two-rank sum a + b is exact on both sides), so dp / ep / 1 ranks add the same
-        numbers in the same order. Sets .grad (a DTensor like the weight)."""
+        """parallel.deterministic_experts: each weight's gradient is the sum over the global
+        (flattened dp x cp) index of the per-source gradients in one binary tree, whatever ep is:
+        pairwise over this rank's ep sources (an aligned block of those indices), then by
+        recursive doubling over the replicas (a two-rank sum a + b is exact on both sides), so
+        n / ep / 1 ranks add the same numbers in the same order. Sets .grad (a DTensor like the
+        weight)."""
         from torch.distributed.tensor import DTensor
 
         per_source = [g for layer in self.layers for g in layer.take_source_grads()]
         flat = torch.cat([_pairwise_sum(g).flatten() for g in per_source])
         flat = _recursive_doubling_sum(flat, self.replica_group)
         if not prescaled:
-            flat /= self.dp_size
+            flat /= self.reduce_size
         sizes = [g[0].numel() for g in per_source]
         for p, v, g in zip(self.params, flat.split(sizes), per_source):
             p.grad = DTensor.from_local(v.view_as(g[0]), p.device_mesh, p.placements, run_check=False,
@@ -127,13 +131,14 @@ def _power_of_two(n: int) -> bool:
 
 
 def expert_mesh(mesh: Mesh, ep: int) -> DeviceMesh:
-    """The (pp, ep_replica, ep, tp) view of the world's ranks (collective: every rank calls it)."""
-    d = mesh.dims
-    if ep < 1 or d.dp % ep:
-        raise ConfigError(f"config key 'parallel.ep': {ep} must divide the data-parallel size "
-                          f"dp={d.dp} (the ep ranks are borrowed from dp)")
+    """The (pp, ep_replica, ep, tp) view of the world's ranks, ep_replica x ep = dp x cp
+    (collective: every rank calls it)."""
+    d, n = mesh.dims, mesh.reduce_size
+    if ep < 1 or n % ep:
+        raise ConfigError(f"config key 'parallel.ep': {ep} must divide dp={d.dp} x cp={d.cp} = {n} "
+                          f"(the ep ranks are borrowed from dp x cp)")
     device = mesh.device_mesh.device_type
-    emesh = init_device_mesh(device, (d.pp, d.dp // ep, ep, d.tp), mesh_dim_names=EXPERT_AXES)
+    emesh = init_device_mesh(device, (d.pp, n // ep, ep, d.tp), mesh_dim_names=EXPERT_AXES)
     for axis in EXPERT_AXES:  # dist.timeout_s, as the Mesh's groups
         apply_timeout(emesh[axis].get_group())
     return emesh
@@ -144,9 +149,10 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh, ep: int,
     """Shard the experts of every MoE layer this rank holds over `ep` ranks (in place).
     `deterministic` (parallel.deterministic_experts; ep = 1 too): per-source gradients summed in
     one tree order (ExpertParallel._reduce_in_tree_order)."""
-    if deterministic and not (_power_of_two(ep) and _power_of_two(mesh.dp_size)):
+    if deterministic and not (_power_of_two(ep) and _power_of_two(mesh.reduce_size)):
         raise ConfigError(f"config key 'parallel.deterministic_experts': needs a power-of-two "
-                          f"parallel.ep and dp (got ep={ep}, dp={mesh.dp_size}); set it to false")
+                          f"parallel.ep and dp x cp (got ep={ep}, dp x cp={mesh.reduce_size}); set it "
+                          f"to false")
     emesh = expert_mesh(mesh, ep)
     ep_mesh, params, layers = emesh["ep"], [], []
     for module in list(model.modules()):
@@ -157,5 +163,5 @@ def apply_expert_parallel(model: nn.Module, mesh: Mesh, ep: int,
             module.experts = shard_experts(module.experts, n, ep_mesh.get_group(), ep_mesh, deterministic)
             params += [getattr(module.experts, w) for w in WEIGHTS]
             layers.append(module.experts)
-    return ExpertParallel(tuple(params), ep_mesh, emesh["ep_replica"].get_group(), mesh.dp_size,
+    return ExpertParallel(tuple(params), ep_mesh, emesh["ep_replica"].get_group(), mesh.reduce_size,
                           tuple(layers), deterministic)

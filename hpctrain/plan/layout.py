@@ -177,10 +177,11 @@ class Job:
                 raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
         if self.world_problem():
             raise ValueError(self.world_problem())
-        if self.ep < 1 or self.dp_size % self.ep or (self.ep > 1 and (shape.moe_experts % self.ep
-                                                                        or not shape.moe_experts)):
-            raise ValueError(f"--ep {self.ep} must divide dp {self.dp_size} and model.moe_experts "
-                             f"{shape.moe_experts} (a mixture-of-experts model's experts per rank)")
+        if self.ep < 1 or self.grad_ranks % self.ep or (self.ep > 1 and (shape.moe_experts % self.ep
+                                                                           or not shape.moe_experts)):
+            raise ValueError(f"--ep {self.ep} must divide dp x cp {self.grad_ranks} (ep is borrowed "
+                             f"from them) and model.moe_experts {shape.moe_experts} (a "
+                             f"mixture-of-experts model's experts per rank)")
         problem = shape.tp_problem(self.tp)
         if problem:
             raise ValueError(f"--tp {self.tp} {problem}")
@@ -221,9 +222,6 @@ class Job:
         if self.pp > 1:
             raise ValueError(f"--cp {self.cp} with --pp {self.pp}: the planner does not model context "
                              f"parallelism with pipeline stages yet (train runs it); plan with --pp 1")
-        if self.ep > 1:
-            raise ValueError(f"--cp {self.cp} with --ep {self.ep}: context parallelism runs without "
-                             f"expert parallelism (parallel.ep = 1)")
         heads, kv = shape.n_head // self.tp, shape.kv_heads // self.tp
         if self.cp_attention == "ulysses" and (heads % self.cp or kv % self.cp):
             raise ValueError(f"--cp-attention ulysses: cp {self.cp} must divide each tp rank's "

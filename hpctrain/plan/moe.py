@@ -1,7 +1,7 @@
 """Mixture-of-experts arithmetic of `hpctrain plan` (hpctrain/model/moe.py's layer, #34): the
 parameters of a sparse layer, total vs active, what one rank holds under expert parallelism
-(parallel.ep: each sparse layer's routed experts split over ep ranks borrowed from dp), and the
-all-to-all traffic of the token dispatch.
+(parallel.ep: each sparse layer's routed experts split over ep ranks borrowed from dp x cp), and
+the all-to-all traffic of the token dispatch.
 
 A sparse layer's feed-forward (moe.py) is: router.weight [E, C] + its balancing bias [E], routed
 experts w1, w3 [E, H, C] and w2 [E, C, H] (3 E C H), shared experts as one SwiGLU of width S
@@ -17,13 +17,15 @@ All-to-all per optimizer step, sent by one rank: each sparse layer sends every r
 top_k rows of C activations) to the rank of its expert and gets the outputs back (dispatch +
 combine), in forward and again in backward (the gradients): 4 x tokens x top_k x C x bytes per
 layer, of which (ep - 1) / ep leave the rank when routing is balanced. Tokens per rank per step =
-micro_batch x block_size x grad_accum; bytes: 2 in bf16 / fp16, 4 in fp32. Activation checkpointing
-repeats a checkpointed layer's forward dispatch + combine (6 instead of 4 exchanges).
+micro_batch x block_size x grad_accum / (tp x cp): with context parallelism (#51) a rank routes only
+its part of each sequence, so its all-to-all shrinks with cp while the bytes per token stay; bytes:
+2 in bf16 / fp16, 4 in fp32. Activation checkpointing repeats a checkpointed layer's forward
+dispatch + combine (6 instead of 4 exchanges).
 
 Gradients under ep > 1 (parallel/apply_expert.py): DDP and FSDP leave the routed experts out, so
 FSDP never shards them (each rank keeps its E / ep whole, with their gradients and AdamW state),
-and their fp32 gradients are all-reduced once per step over the dp / ep replicas that hold the same
-experts (nothing moves when ep = dp), not over the whole dp group.
+and their fp32 gradients are all-reduced once per step over the (dp x cp) / ep replicas that hold
+the same experts (nothing moves when ep = dp x cp), not over the whole dp x cp group.
 
 Not modelled yet: a sparse layer's activations are counted as the dense SwiGLU's (memory.py's 8 f
 term; top_k x the expert width is nearer), FSDP's gathered-block buffers as a dense block's, and a
@@ -99,7 +101,7 @@ def all_to_all_bytes(shape, job, block_ids) -> int:
     (a recomputed layer's forward exchanges twice)."""
     if job.ep == 1:
         return 0
-    tokens = job.micro_batch * shape.block_size * job.grad_accum // job.tp  # its sequence shard
+    tokens = job.micro_batch * shape.block_size * job.grad_accum // (job.tp * job.cp)  # its shard
     exchanges = sum(4 + 2 * _checkpointed(job, i) for i in sparse_layers(shape, block_ids))
     act = 2 if job.half else 4
     return exchanges * tokens * shape.moe_top_k * shape.n_embd * act * (job.ep - 1) // job.ep
@@ -114,9 +116,9 @@ def held_experts(shape, job, block_ids) -> int:
 
 
 def replica_grad_bytes(shape, job, block_ids) -> int:
-    """Bytes one rank sends per step summing its experts' fp32 gradients over the dp / ep replicas
-    holding the same experts (ring all-reduce)."""
-    replicas = job.dp_size // job.ep
+    """Bytes one rank sends per step summing its experts' fp32 gradients over the (dp x cp) / ep
+    replicas holding the same experts (ring all-reduce)."""
+    replicas = job.grad_ranks // job.ep
     return int(2 * (replicas - 1) / replicas * 4 * held_experts(shape, job, block_ids))
 
 

@@ -61,7 +61,10 @@ def test_mesh_rank_order_puts_cp_between_dp_and_tp():
 
 @pytest.mark.parametrize("parallel, model, key", [
     ({"cp": 3}, {}, "model.block_size"),                    # 32 tokens: not 6 equal chunks
-    ({"cp": 2, "ep": 2}, {"arch": "llama", "moe_experts": 4}, "parallel.cp"),
+    # ep is borrowed from dp x cp (#51): 4 does not divide 1 x 2; a tree of 3 x 2 ranks has no pairs
+    ({"cp": 2, "dp": 1, "ep": 4}, {"arch": "llama", "moe_experts": 4}, "parallel.ep"),
+    ({"cp": 2, "dp": 3, "deterministic_experts": True}, {"arch": "llama", "moe_experts": 4},
+     "parallel.deterministic_experts"),
     ({"cp": 2}, {"dropout": 0.1}, "model.dropout"),
     ({"cp": 4, "tp": 2, "cp_attention": "ulysses"}, {}, "parallel.cp_attention"),  # 2 heads / tp rank
     ({"cp": 2, "cp_attention": "ulysses"}, {"arch": "llama", "n_kv_head": 1}, "parallel.cp_attention"),
@@ -82,6 +85,10 @@ def test_cp_defaults_and_a_valid_layout():
         piped = config.from_dict({**BASE, "model": {**BASE["model"], "n_layer": 4},
                                   "parallel": {"cp": 2, "pp": 2, "pp_schedule": schedule}})
         assert (piped.parallel.cp, piped.parallel.pp, piped.parallel.pp_schedule) == (2, 2, schedule)
+    moe = {**BASE["model"], "arch": "llama", "moe_experts": 4}
+    for parallel in ({"cp": 2, "dp": 1, "ep": 2}, {"cp": 2, "dp": 2, "ep": 4, "deterministic_experts": True}):
+        cp_ep = config.from_dict({**BASE, "model": moe, "parallel": parallel})  # ep over dp x cp (#51)
+        assert (cp_ep.parallel.cp, cp_ep.parallel.ep) == (2, parallel["ep"])
 
 
 @pytest.mark.parametrize("arch", spec.names())

@@ -72,6 +72,23 @@ def test_all_to_all_bytes_per_step_are_tokens_x_top_k_x_hidden_x_bytes():
     assert "ep" not in {a for a, *_ in make_plan(PRESETS["llama3-8b"], Job()).comm}  # dense: no row
 
 
+def test_cp_with_ep_borrows_ep_from_dp_x_cp():
+    """#51: cp 2 x ep on 8 GPUs (dp 4): ep divides dp x cp = 8, not only dp; a rank routes half of
+    each sequence, so its all-to-all halves (the bytes per token stay); its experts are / ep as at
+    cp 1, and their gradients are summed over (dp x cp) / ep replicas (none at ep 8)."""
+    cp1, cp2 = (make_plan(SHAPE, dataclasses.replace(JOB, ep=4, cp=cp)) for cp in (1, 2))
+    a2a = {cp: {a: b for a, _, b, _ in p.comm}["ep"] for cp, p in ((1, cp1), (2, cp2))}
+    assert (a2a[1], a2a[2]) == (442_368, 442_368 // 2)
+    assert cp2.mem.local_params == cp1.mem.local_params  # the experts / ep, the rest replicated
+    experts = 3 * 3 * 8 * 64 * 96 // 8  # ep 8 = dp 4 x cp 2: every rank holds its own experts
+    ep8 = make_plan(SHAPE, dataclasses.replace(JOB, ep=8, cp=2))
+    sent = {a: b for a, _, b, _ in ep8.comm}
+    assert sent["dp"] == int(2 * 7 / 8 * 4 * (ep8.mem.local_params - experts))  # no expert replicas
+    assert sent["ep"] == 4 * 2 * 32 * 3 // 2 * 2 * 3 * 64 * 2 * 7 // 8  # / cp 2; 7 of 8 shares leave
+    with pytest.raises(ValueError, match=r"^--ep 8 must divide dp x cp 4 "):
+        dataclasses.replace(JOB, gpus_per_node=4, ep=8, cp=2).check(SHAPE)
+
+
 def test_mixtral_preset_and_the_cli():
     mixtral = PRESETS["mixtral-8x7b"]
     assert round(mixtral.total_params() / 1e9, 2) == 46.70  # Mixtral's published 46.7B
