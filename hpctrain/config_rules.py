@@ -65,6 +65,10 @@ def validate(cfg: Config) -> Config:
     _validate_sync(cfg.sync, cfg.parallel)
     _validate_parallel(cfg.parallel, m, t.compile)
     validate_context_parallel(cfg, _check)
+    _check(cfg.parallel.offload != "all" or cfg.parallel.data_parallel == "fsdp", "parallel.offload",
+           "'all' is FSDP2's CPU offload: set parallel.data_parallel = 'fsdp', or use 'optimizer'")
+    _check(cfg.parallel.offload != "optimizer" or t.optimizer == "adamw", "parallel.offload",
+           f"'optimizer' offloads AdamW (train.optimizer = {t.optimizer!r}): use 'none'")
     _validate_compile_scope(t, cfg.parallel)
     _validate_slurm(cfg.slurm)
     _validate_seconds(cfg)

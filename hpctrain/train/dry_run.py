@@ -139,7 +139,7 @@ def _run_steps(cfg: Config, rank: int, world: int, out: RankBytes) -> None:
         if layout.dp_reduce == "ddp" and cfg.dist.grad_allreduce in ("auto", "backend"):
             layout.forward_modules[0].register_comm_hook(None, _bucket_as_reduced)
         model = layout.module
-        optimizer = build_optimizer(model, train, undecayed_matrices(cfg.model))
+        optimizer = build_optimizer(model, train, undecayed_matrices(cfg.model), cfg.parallel.offload)
         runner = build_runner(layout, cfg, out.micro_batches)
         engine = StepEngine(runner, optimizer, train, step_faults(), ctx.device, rank, world, agreed=True)
         grads: set[int] = set()
