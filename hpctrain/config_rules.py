@@ -69,6 +69,9 @@ def validate(cfg: Config) -> Config:
            "'all' is FSDP2's CPU offload: set parallel.data_parallel = 'fsdp', or use 'optimizer'")
     _check(cfg.parallel.offload != "optimizer" or t.optimizer == "adamw", "parallel.offload",
            f"'optimizer' offloads AdamW (train.optimizer = {t.optimizer!r}): use 'none'")
+    _check(cfg.parallel.offload == "none" or cfg.sync.mode == "sync", "parallel.offload",
+           f"{cfg.parallel.offload!r} with sync.mode = {cfg.sync.mode!r}, whose outer steps rewrite "
+           f"the weights between steps (not built for host-memory copies): use 'none'")
     _validate_compile_scope(t, cfg.parallel)
     _validate_slurm(cfg.slurm)
     _validate_seconds(cfg)

@@ -40,6 +40,26 @@ def fsdp_offload_policy(offload: str, device: torch.device):
     return CPUOffloadPolicy(pin_memory=device.type == "cuda")
 
 
+def compute_device(model: nn.Module, mesh) -> torch.device:
+    """Where `model` computes: its parameters' device, or the mesh's where FSDP2 keeps them on
+    the host (parallel.offload = "all")."""
+    device = next(model.parameters()).device
+    kind = mesh.device_mesh.device_type
+    if device.type == "cpu" and kind != "cpu":
+        return torch.device(kind, torch.get_device_module(kind).current_device())
+    return device
+
+
+def flag_for_step(optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> torch.Tensor:
+    """The bad-step flag where the optimizer's kernel runs: on the host for FSDP2's offloaded
+    shards (parallel.offload = "all"), copied there and waited for (torch's fused AdamW would copy
+    it without waiting: a GPU value read before it lands); the flag itself everywhere else."""
+    held = next((p for g in optimizer.param_groups for p in g["params"]), None)
+    if held is None or isinstance(optimizer, OffloadedAdamW) or flag.device == held.device:
+        return flag
+    return flag.to(held.device)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of `t` (a DTensor's local shard; a plain tensor itself)."""
     return t._local_tensor if is_dtensor(t) else t
@@ -63,8 +83,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
     zero_grad, gradient clipping, fp16 unscaling and checkpoints (keyed by the parameters' names)
     work unchanged. `state[p]`: "step" (0-dim float32), "exp_avg" and "exp_avg_sq" in host memory.
     The fp32 master copy of each parameter's local part lives on the host beside them; it is
-    refreshed from the device whenever the parameter was written by anything else (a checkpoint
-    load, DiLoCo's outer step): tensor version counters, read on the host, tell."""
+    refreshed from the device after a checkpoint load (load_state_dict: DCP writes FSDP2's shards
+    in place through aliases that leave their version counters alone) and whenever a parameter's
+    version counter says something else wrote it since this optimizer's last step. A writer that
+    does neither (DiLoCo's outer step) is why config_rules allows offload with sync.mode = "sync"
+    only."""
 
     _step_supports_amp_scaling = True  # loss_scaling.step_unless hands the bad-step flag as found_inf
 
@@ -144,6 +167,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """torch's load (which moves the state to each parameter's device), then the state back
         to host memory."""
         super().load_state_dict(state_dict)
+        self._seen.clear()  # the weights came with this state: masters from the device next step
         for p, state in self.state.items():
             for name, value in list(state.items()):
                 if name == "step":

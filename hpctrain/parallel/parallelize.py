@@ -28,9 +28,9 @@ from hpctrain.parallel.activation import (apply_activation_checkpointing, compil
                                           compile_scope, compile_whole_model)
 from hpctrain.parallel.apply_context_parallel import ContextParallel, apply_context_parallel
 from hpctrain.parallel.apply_expert import ExpertParallel, apply_expert_parallel
-from hpctrain.parallel.offload import fsdp_offload_policy
 from hpctrain.parallel.mpi_grad_allreduce import (MPIHookState, time_ddp_allreduce,
                                                   use_mpi_grad_allreduce, use_powersgd)
+from hpctrain.parallel.offload import compute_device, fsdp_offload_policy
 from hpctrain.parallel.tensor_parallel import apply_tensor_parallel
 
 if TYPE_CHECKING:  # imported where pp > 1: torch.distributed.pipelining pulls in dynamo (0.4 s)
@@ -222,7 +222,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, precision: str,
         apply_fsdp(model, roots, mesh, precision, experts, p.offload)
     if materialize is not None:
         materialize(model)
-    device = next(model.parameters()).device
+    device = compute_device(model, mesh)  # parallel.offload = all: the shards are on the host
     clock = WaitClock(device)
     if dp_reduce == "ddp":
         ddp, mpi_grad_allreduce = apply_ddp(model, mesh, cfg.dist, clock, experts)

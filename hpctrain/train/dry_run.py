@@ -60,6 +60,7 @@ class RankBytes:
     micro_batches: int = 0        # run per step (of grad_accum: `dry_micro_batches`)
     grad_accum: int = 0
     host_reads: int = 0           # .item() / .tolist() values a step reads on the host
+    in_host_memory: dict = field(default_factory=dict)  # parallel.offload: bytes kept on the host
     seconds: float = 0.0
 
 
@@ -83,6 +84,21 @@ def _local_bytes(t: torch.Tensor | None) -> int:
         return 0
     t = t.to_local() if is_dtensor(t) else t
     return t.numel() * t.element_size()
+
+
+def _on_host(t: torch.Tensor | None) -> bool:
+    return t is not None and (t.to_local() if is_dtensor(t) else t).device.type == "cpu"
+
+
+def _host_parts(model: torch.nn.Module, optimizer, out: RankBytes) -> dict:
+    """Bytes of parameters, gradients (as last noted) and optimizer state in host memory
+    (parallel.offload); an OffloadedAdamW's master copies and gradient buffers beside them."""
+    host = getattr(optimizer, "host_bytes", None)
+    parts = {"parameters": sum(_local_bytes(p) for p in model.parameters() if _on_host(p)),
+             "gradients": out.gradients if all(_on_host(p) for p in model.parameters()) else 0,
+             "optimizer": host() if host else sum(_local_bytes(t) for t in _optimizer_tensors(optimizer)
+                                                  if _on_host(t) and t.dim() > 0)}
+    return parts
 
 
 def _storages(tensors) -> set[int]:
@@ -135,6 +151,7 @@ def _run_steps(cfg: Config, rank: int, world: int, out: RankBytes) -> None:
     peak = _PeakParts()
     with FakeGpu() as watch:
         watch.peak_listeners.append(peak)
+        watch.cpu_collectives = cfg.parallel.offload == "all"  # Gloo beside NCCL (bootstrap.py)
         layout = build_model(cfg, mesh, ctx.device, precision, initialize=False).layout
         if layout.dp_reduce == "ddp" and cfg.dist.grad_allreduce in ("auto", "backend"):
             layout.forward_modules[0].register_comm_hook(None, _bucket_as_reduced)
@@ -150,6 +167,7 @@ def _run_steps(cfg: Config, rank: int, world: int, out: RankBytes) -> None:
                             time.perf_counter())
         out.parameters = sum(_local_bytes(p) for p in model.parameters())
         out.optimizer = sum(_local_bytes(t) for t in _optimizer_tensors(optimizer))
+        out.in_host_memory = _host_parts(model, optimizer, out)
         out.peak, out.host_reads = watch.peak_bytes, watch.host_reads
         out.peak_parts = peak.split(model, grads, optimizer)
 

@@ -55,6 +55,7 @@ def as_dict(cfg: Config, world: int, ranks: list[RankBytes]) -> dict:
 def _layout(cfg: Config) -> str:
     p = cfg.parallel
     hsdp = f" dp_shard{p.dp_shard}" if p.dp_shard else ""
+    hsdp += f" offload={p.offload}" if p.offload != "none" else ""
     return (f"{p.data_parallel}{hsdp} tp{p.tp} pp{p.pp} ep{p.ep} mb{cfg.train.micro_batch_size} "
             f"ac={p.activation_checkpoint} {cfg.train.precision}")
 
@@ -75,4 +76,7 @@ def render(report: dict) -> str:
             lines.append(f"| {key} | {fmt_bytes(r[key])} | {fmt_bytes(plan[key])} | {ratio} |")
         lines.append("| at the peak: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in r["peak_parts"].items())
                      + " | | | |")
+        if any(r["in_host_memory"].values()):  # parallel.offload: what the GPU no longer holds
+            lines.append("| in host memory (parallel.offload): " + ", ".join(
+                f"{k} {fmt_bytes(v)}" for k, v in r["in_host_memory"].items()) + " | | | |")
     return "\n".join(lines) + "\n"

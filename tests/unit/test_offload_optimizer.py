@@ -62,6 +62,21 @@ def test_same_updates_and_state_layout_as_fused_adamw():
         assert torch.equal(pa, pa2) and torch.equal(pa, pb2)
 
 
+def test_master_copy_follows_a_checkpoint_load_through_aliases():
+    """DCP writes FSDP2's shards in place through aliases that leave the version counter alone
+    (as p.data does here); the optimizer's own load then marks every master stale."""
+    a, b = model_pair()
+    plain, offloaded = build_optimizer(a, T), build_optimizer(b, T, offload="optimizer")
+    train_steps(a, plain, 2), train_steps(b, offloaded, 3)  # b: one step further
+    saved = {k: v.clone() for k, v in OptimState(a, plain).state_dict().items()}
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        pb.data.copy_(pa.data)  # no version bump
+    OptimState(b, offloaded).load_state_dict(saved)
+    train_steps(a, plain, 2), train_steps(b, offloaded, 2)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+
+
 def test_master_copy_follows_an_outside_write():
     """Weights loaded into the model after some steps (a resume): the next step starts from them,
     not from the stale host master."""
