@@ -49,7 +49,8 @@ GPUS_PER_NODE = 8   # the node a rank's DistContext describes (local ranks; no e
 
 @dataclass
 class RankBytes:
-    """What one rank holds, in bytes (local shards: a DTensor counts its local tensor)."""
+    """What one rank holds on the GPU, in bytes (local shards: a DTensor counts its local tensor);
+    `in_host_memory`: what parallel.offload keeps in host memory instead."""
     rank: int
     coords: dict
     parameters: int = 0
@@ -61,6 +62,7 @@ class RankBytes:
     grad_accum: int = 0
     host_reads: int = 0           # .item() / .tolist() values a step reads on the host
     in_host_memory: dict = field(default_factory=dict)  # parallel.offload: bytes kept on the host
+    host_gradients: int = 0       # of `gradients` before the step, those in host memory
     seconds: float = 0.0
 
 
@@ -94,11 +96,10 @@ def _host_parts(model: torch.nn.Module, optimizer, out: RankBytes) -> dict:
     """Bytes of parameters, gradients (as last noted) and optimizer state in host memory
     (parallel.offload); an OffloadedAdamW's master copies and gradient buffers beside them."""
     host = getattr(optimizer, "host_bytes", None)
-    parts = {"parameters": sum(_local_bytes(p) for p in model.parameters() if _on_host(p)),
-             "gradients": out.gradients if all(_on_host(p) for p in model.parameters()) else 0,
-             "optimizer": host() if host else sum(_local_bytes(t) for t in _optimizer_tensors(optimizer)
-                                                  if _on_host(t) and t.dim() > 0)}
-    return parts
+    return {"parameters": sum(_local_bytes(p) for p in model.parameters() if _on_host(p)),
+            "gradients": out.host_gradients,
+            "optimizer": host() if host else sum(_local_bytes(t) for t in _optimizer_tensors(optimizer)
+                                                 if _on_host(t))}
 
 
 def _storages(tensors) -> set[int]:
@@ -124,8 +125,8 @@ class _PeakParts:
         self.snapshot = watch.sizes()
 
     def split(self, model: torch.nn.Module, grads: set[int], optimizer) -> dict:
-        params = _storages(model.parameters())
-        opt = _storages(_optimizer_tensors(optimizer))
+        params = _storages(p for p in model.parameters() if not _on_host(p))
+        opt = _storages(t for t in _optimizer_tensors(optimizer) if not _on_host(t))
         parts = {"parameters": 0, "gradients": 0, "optimizer": 0, "activations and temporaries": 0}
         for key, nbytes in self.snapshot.items():
             part = ("parameters" if key in params else "gradients" if key in grads
@@ -165,9 +166,10 @@ def _run_steps(cfg: Config, rank: int, world: int, out: RankBytes) -> None:
             for step in range(1, STEPS + 1):
                 engine.step(_step_inputs(cfg, out.micro_batches), step, cfg.train.grad_clip,
                             time.perf_counter())
-        out.parameters = sum(_local_bytes(p) for p in model.parameters())
-        out.optimizer = sum(_local_bytes(t) for t in _optimizer_tensors(optimizer))
         out.in_host_memory = _host_parts(model, optimizer, out)
+        out.parameters = sum(_local_bytes(p) for p in model.parameters() if not _on_host(p))
+        out.optimizer = sum(_local_bytes(t) for t in _optimizer_tensors(optimizer) if not _on_host(t))
+        out.gradients -= out.in_host_memory["gradients"]
         out.peak, out.host_reads = watch.peak_bytes, watch.host_reads
         out.peak_parts = peak.split(model, grads, optimizer)
 
@@ -203,6 +205,7 @@ def _note_grads(model: torch.nn.Module, out: RankBytes, grads: set[int]) -> None
     """Before the optimizer step (the backward done): the gradients' bytes and storages."""
     held = [p.grad for p in model.parameters() if p.grad is not None]
     out.gradients = sum(_local_bytes(g) for g in held)
+    out.host_gradients = sum(_local_bytes(g) for g in held if _on_host(g))
     grads.update(_storages(held))
 
 

@@ -25,7 +25,8 @@ def planner_job(cfg: Config, world: int, grad_accum: int) -> Job:
     p, t = cfg.parallel, cfg.train
     per_node = min(world, GPUS_PER_NODE)
     return Job(nodes=world // per_node, gpus_per_node=per_node, dp=p.dp, tp=p.tp, pp=p.pp, ep=p.ep,
-               data_parallel=p.data_parallel, dp_shard=p.dp_shard, pp_schedule=p.pp_schedule,
+               data_parallel=p.data_parallel, dp_shard=p.dp_shard, offload=p.offload,
+               pp_schedule=p.pp_schedule,
                pp_virtual_stages=p.pp_virtual_stages, micro_batch=t.micro_batch_size,
                grad_accum=grad_accum, activation_checkpoint=p.activation_checkpoint,
                ac_every=p.ac_every, precision="bf16" if t.precision == "auto" else t.precision,
