@@ -55,9 +55,10 @@ def flag_for_step(optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> torch
     shards (parallel.offload = "all"), copied there and waited for (torch's fused AdamW would copy
     it without waiting: a GPU value read before it lands); the flag itself everywhere else."""
     held = next((p for g in optimizer.param_groups for p in g["params"]), None)
-    if held is None or isinstance(optimizer, OffloadedAdamW) or flag.device == held.device:
+    where = None if held is None else _local(held).device  # a DTensor's own device is the mesh's
+    if where is None or isinstance(optimizer, OffloadedAdamW) or flag.device == where:
         return flag
-    return flag.to(held.device)
+    return flag.to(where)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -123,10 +123,13 @@ def _variants(base: Job, batch: int, tp: int, pp: int, cp: int) -> list[Job]:
                     pp_schedule="1f1b", micro_batch=mb, grad_accum=1, global_batch=batch,
                     activation_checkpoint=ac, offload=off)
             for mode, shard in sharding for mb in MICRO_BATCHES for ac in AC_MODES
-            for off in OFFLOADS[mode] if base.sync_mode == "sync" or off == "none"]
+            for off in OFFLOADS[mode] if off == "none" or (base.sync_mode == "sync" and cp == 1)]
 
 
-OFFLOADS = {"ddp": ("none", "optimizer"), "fsdp": ("none", "optimizer", "all")}  # parallel.offload
+OFFLOAD_MARGIN = 0.03  # an offloading layout must be 3% faster to rank above one without offload
+# parallel.offload tried per data-parallel mode (cp = 1 layouts: where a sequence's activations
+# bind, cp is the searched answer; --offload with --cp is still judged)
+OFFLOADS = {"ddp": ("none", "optimizer"), "fsdp": ("none", "optimizer", "all")}
 
 
 def paying_offload(cands: list[Candidate]) -> list[Candidate]:
@@ -151,16 +154,18 @@ def paying_hsdp(cands: list[Candidate]) -> list[Candidate]:
 def ranked(cands: list[Candidate], user: Job) -> list[Candidate]:
     """Fitting layouts fastest first (the most tokens/s: the shortest step at one global batch;
     async_diloco's replicas step at once) (ties: fewer changes to `user`'s layout, then the lower
-    peak), then the rejected ones."""
+    peak), then the rejected ones. An offloading layout ranks as if OFFLOAD_MARGIN slower: what
+    its model leaves out (the host's own contention) is larger than a gain below that."""
     fit = sorted((c for c in cands if c.fits),
-                 key=lambda c: (-c.time.tokens_per_s, len(changes(user, c.job)), c.peak))
+                 key=lambda c: (-c.time.tokens_per_s / (1 + OFFLOAD_MARGIN * (c.job.offload != "none")),
+                                len(changes(user, c.job)), c.peak))
     return fit + [c for c in cands if not c.fits]
 
 
 def search(shape: ModelShape, base: Job) -> list[Candidate]:
     """Every layout at `base`'s global batch, judged and ranked (cp > 1 ones when the sequence binds)."""
     checked = base.check(shape)
-    cands = paying_offload(paying_hsdp([evaluate(shape, j) for j in layouts(checked, checked.batch)]))
+    cands = paying_hsdp(paying_offload([evaluate(shape, j) for j in layouts(checked, checked.batch)]))
     if sequence_binds(shape, checked, cands):
         cands += [evaluate_cp(shape, j) for j in cp_layouts(shape, checked, checked.batch)]
     return ranked(cands, checked)
