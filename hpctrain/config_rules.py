@@ -14,6 +14,7 @@ import typing
 from hpctrain.config_schema import (CheckpointConfig, Config, DataConfig, ModelConfig, ParallelConfig,
                                     SlurmConfig, SyncConfig, TrainConfig, sections)
 from hpctrain.config_rules_cp import validate_context_parallel
+from hpctrain.config_rules_offload import validate_offload
 from hpctrain.errors import ConfigError
 from hpctrain.model import spec as model_spec
 from hpctrain.model.llama.args import llama_ffn_hidden  # noqa: F401 (the name plan/shape.py imported)
@@ -65,13 +66,7 @@ def validate(cfg: Config) -> Config:
     _validate_sync(cfg.sync, cfg.parallel)
     _validate_parallel(cfg.parallel, m, t.compile)
     validate_context_parallel(cfg, _check)
-    _check(cfg.parallel.offload != "all" or cfg.parallel.data_parallel == "fsdp", "parallel.offload",
-           "'all' is FSDP2's CPU offload: set parallel.data_parallel = 'fsdp', or use 'optimizer'")
-    _check(cfg.parallel.offload != "optimizer" or t.optimizer == "adamw", "parallel.offload",
-           f"'optimizer' offloads AdamW (train.optimizer = {t.optimizer!r}): use 'none'")
-    _check(cfg.parallel.offload == "none" or cfg.sync.mode == "sync", "parallel.offload",
-           f"{cfg.parallel.offload!r} with sync.mode = {cfg.sync.mode!r}, whose outer steps rewrite "
-           f"the weights between steps (not built for host-memory copies): use 'none'")
+    validate_offload(cfg, _check)
     _validate_compile_scope(t, cfg.parallel)
     _validate_slurm(cfg.slurm)
     _validate_seconds(cfg)

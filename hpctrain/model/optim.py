@@ -29,7 +29,7 @@ def build_optimizer(model: nn.Module, t: TrainConfig, undecayed: tuple[str, ...]
                     offload: str = "none") -> torch.optim.Optimizer:
     """AdamW (or SGD) over `model`'s parameters: decay on matrices, except those whose name ends
     with one of `undecayed` (`undecayed_matrices(cfg.model)`). `offload` (parallel.offload):
-    "optimizer" keeps AdamW's state and step in host memory (hpctrain/parallel/offload.py)."""
+    "optimizer" keeps AdamW's state and step in host memory (model/optim_offload.py)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -43,7 +43,7 @@ def build_optimizer(model: nn.Module, t: TrainConfig, undecayed: tuple[str, ...]
     if t.optimizer == "sgd":  # plain SGD (the correctness anchor for diloco/ps); decay on matrices
         return torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum, nesterov=t.nesterov, foreach=True)
     if offload == "optimizer":
-        from hpctrain.parallel.offload import OffloadedAdamW
+        from hpctrain.model.optim_offload import OffloadedAdamW
 
         return OffloadedAdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
     # fused: one kernel per parameter group, on CPU too (torch >= 2.4): 4-5x faster than the

@@ -44,16 +44,10 @@ def host_bytes_per_rank(parts: dict, job: Job) -> int:
     return parts["parameters (fp32)"] // 4 * HOST_BYTES_PER_PARAM
 
 
-def host_problem(host: int, job: Job) -> str:
-    """Why the node's RAM cannot hold its ranks' offloaded state, `host` bytes per rank
-    (RankMemory.host); '' when it can."""
-    need, have = host * job.gpus_per_node, int(job.node_memory * HOST_SHARE)
-    if need <= have:
-        return ""
-    from hpctrain.plan.report import fmt_bytes
-
-    return (f"offload {job.offload}: {fmt_bytes(need)} of host memory per node > "
-            f"{fmt_bytes(have)} ({HOST_SHARE:.0%} of --node-memory)")
+def host_need_and_room(host: int, job: Job) -> tuple[int, int]:
+    """(host bytes a node's ranks need for their offloaded state, `host` per rank
+    (RankMemory.host); the bytes of its RAM offload may take)."""
+    return host * job.gpus_per_node, int(job.node_memory * HOST_SHARE)
 
 
 def pcie_bytes(host: int, job: Job) -> int:

@@ -67,8 +67,10 @@ def evaluate(shape: ModelShape, job: Job) -> Candidate:
                f"{fmt_bytes(usable)} usable")
     elif setup > usable:
         why = f"setup {fmt_bytes(setup)} per rank > {fmt_bytes(usable)} usable"
-    else:
-        why = offload.host_problem(mem.host, job)
+    elif mem.host:
+        need, room = offload.host_need_and_room(mem.host, job)
+        why = (f"offload {job.offload}: {fmt_bytes(need)} of host memory per node > {fmt_bytes(room)} "
+               f"({offload.HOST_SHARE:.0%} of --node-memory)") if need > room else ""
     return Candidate(job, not why, why, mem.peak, setup, mem.stage.pp_rank, step_time(shape, job, mem),
                      mem.host)
 

@@ -1,4 +1,4 @@
-"""OffloadedAdamW (parallel.offload = "optimizer", hpctrain/parallel/offload.py) on one process:
+"""OffloadedAdamW (parallel.offload = "optimizer", hpctrain/model/optim_offload.py) on one process:
 the same updates as torch's fused AdamW bit for bit, its state laid out as AdamW's (so checkpoints
 load across offload modes), a skipped step leaves everything alone, and a parameter written from
 outside (a checkpoint load) is picked up by the host master copy."""
@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from hpctrain.config import TrainConfig
 from hpctrain.model.optim import build_optimizer
-from hpctrain.parallel.offload import OffloadedAdamW
+from hpctrain.model.optim_offload import OffloadedAdamW
 from hpctrain.train.states import OptimState
 
 

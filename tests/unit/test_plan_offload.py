@@ -46,10 +46,12 @@ def test_host_memory_per_node_is_checked():
     nodes (80% usable), not 512 GB ones."""
     job, mem = _rank(offload="all")
     assert mem.host * 8 == pytest.approx(16 * SHAPE.total_params() / 2, rel=0.01)
-    assert offload.host_problem(mem.host, job) == ""
+    need, room = offload.host_need_and_room(mem.host, job)
+    assert need == mem.host * 8 <= room == int(0.8 * 1024 * GB)
     small = replace(job, node_memory=512 * GB)
-    assert "host memory per node" in offload.host_problem(mem.host, small)
-    assert not search.evaluate(SHAPE, small).fits and search.evaluate(SHAPE, job).fits
+    assert search.evaluate(SHAPE, job).fits
+    rejected = search.evaluate(SHAPE, small)
+    assert not rejected.fits and "host memory per node" in rejected.why
 
 
 def test_offload_seconds_in_the_step_time():
