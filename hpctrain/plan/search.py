@@ -167,7 +167,9 @@ def ranked(cands: list[Candidate], user: Job) -> list[Candidate]:
 def search(shape: ModelShape, base: Job) -> list[Candidate]:
     """Every layout at `base`'s global batch, judged and ranked (cp > 1 ones when the sequence binds)."""
     checked = base.check(shape)
-    cands = paying_hsdp(paying_offload([evaluate(shape, j) for j in layouts(checked, checked.batch)]))
+    judged = [evaluate(shape, j) for j in layouts(checked, checked.batch)]
+    kept = {id(c) for c in paying_hsdp(judged)} & {id(c) for c in paying_offload(judged)}  # each against its twin
+    cands = [c for c in judged if id(c) in kept]
     if sequence_binds(shape, checked, cands):
         cands += [evaluate_cp(shape, j) for j in cp_layouts(shape, checked, checked.batch)]
     return ranked(cands, checked)
