@@ -50,7 +50,8 @@ def _train(argv: list[str]) -> int:
     from hpctrain.train.loop import train
 
     install_signal_handlers(cfg.slurm.signals)  # early: an uncaught SIGUSR1 would kill the rank
-    ctx = init_distributed(cfg.dist.backend, cfg.dist.timeout_s)
+    ctx = init_distributed(cfg.dist.backend, cfg.dist.timeout_s,
+                           cpu_collectives=cfg.parallel.offload == "all")
     if cfg.train.objective == "dpo":  # preference pairs, the DPO loss (hpctrain/train/dpo.py)
         from hpctrain.train.dpo import DpoTrainer
 

@@ -15,6 +15,7 @@ from hpctrain.config_schema import (CheckpointConfig, Config, DataConfig, ModelC
                                     SlurmConfig, SyncConfig, TrainConfig, sections)
 from hpctrain.config_rules_cp import validate_context_parallel
 from hpctrain.config_rules_fp8 import validate_fp8
+from hpctrain.config_rules_offload import validate_offload
 from hpctrain.errors import ConfigError
 from hpctrain.model import spec as model_spec
 from hpctrain.model.llama.args import llama_ffn_hidden  # noqa: F401 (the name plan/shape.py imported)
@@ -67,6 +68,7 @@ def validate(cfg: Config) -> Config:
     _validate_sync(cfg.sync, cfg.parallel)
     _validate_parallel(cfg.parallel, m, t.compile)
     validate_context_parallel(cfg, _check)
+    validate_offload(cfg, _check)
     _validate_compile_scope(t, cfg.parallel)
     _validate_slurm(cfg.slurm)
     _validate_seconds(cfg)

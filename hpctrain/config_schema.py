@@ -206,6 +206,11 @@ class ParallelConfig:
         "help": "fsdp: ranks each parameter is sharded over (HSDP: shard within dp_shard consecutive "
                 "dp ranks, replicate over dp / dp_shard groups; dp_shard x tp x cp ranks per node "
                 "keeps the parameter all-gathers inside a node); 0 = all of dp (plain FSDP)"})
+    offload: Literal["none", "optimizer", "all"] = field(default="none", metadata={
+        "help": "CPU offload: none | optimizer (AdamW's state and step in host memory, parameters "
+                "and gradients on the device; any data_parallel; train.optimizer = 'adamw') | all "
+                "(FSDP2's CPUOffloadPolicy: parameters, gradients and AdamW's state in host memory "
+                "between uses; data_parallel = 'fsdp'). docs/parallelism.md"})
     pp_schedule: Literal["gpipe", "1f1b", "interleaved"] = field(default="1f1b", metadata={
         "help": "gpipe | 1f1b | interleaved (micro-batches per step = train.grad_accum)"})
     pp_virtual_stages: int = field(default=2, metadata={

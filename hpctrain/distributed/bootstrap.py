@@ -308,12 +308,14 @@ def share_node_cores(comm) -> int:
     return node_comm.Get_rank()
 
 
-def init_distributed(backend: str = "auto", timeout_s: float = 300.0, comm=None) -> DistContext:
+def init_distributed(backend: str = "auto", timeout_s: float = 300.0, comm=None,
+                     cpu_collectives: bool = False) -> DistContext:
     """Bootstrap torch.distributed from MPI. Collective calls time out after `timeout_s` seconds.
 
     `comm`: the ranks of this job (default COMM_WORLD); population-based training gives each
     member its sub-communicator, so that the member's ranks are a world of their own (their own
-    TCP store on a port of the OS's choosing, their own default process group)."""
+    TCP store on a port of the OS's choosing, their own default process group). `cpu_collectives`:
+    under NCCL, Gloo too for host tensors (parallel.offload = "all", as torchtitan's CPU offload)."""
     MPI = _mpi()
     slurm.check_launch(MPI.COMM_WORLD.Get_size())  # `srun` without --mpi=pmi2/pmix: N singletons, refuse
     whole_job = comm is None
@@ -358,7 +360,8 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, comm=None)
     with _quiet_c10d_warnings():
         if rank != 0:
             store = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
+        dist.init_process_group("cuda:nccl,cpu:gloo" if backend == "nccl" and cpu_collectives else backend,
+                                store=store, rank=rank, world_size=world, timeout=timeout,
                                 device_id=device if backend == "nccl" else None)
     return DistContext(rank=rank, world_size=world, local_rank=local_rank, local_size=local_size,
                        node_rank=node_rank, n_nodes=n_nodes, backend=backend, device=device,

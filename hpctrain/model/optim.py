@@ -25,10 +25,11 @@ def undecayed_matrices(model_section) -> tuple[str, ...]:
     return model_spec.get(model_section.arch).undecayed(model_section)
 
 
-def build_optimizer(model: nn.Module, t: TrainConfig,
-                    undecayed: tuple[str, ...] = ()) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, t: TrainConfig, undecayed: tuple[str, ...] = (),
+                    offload: str = "none") -> torch.optim.Optimizer:
     """AdamW (or SGD) over `model`'s parameters: decay on matrices, except those whose name ends
-    with one of `undecayed` (`undecayed_matrices(cfg.model)`)."""
+    with one of `undecayed` (`undecayed_matrices(cfg.model)`). `offload` (parallel.offload):
+    "optimizer" keeps AdamW's state and step in host memory (model/optim_offload.py)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -41,6 +42,10 @@ def build_optimizer(model: nn.Module, t: TrainConfig,
         groups.append({"params": experts, "weight_decay": t.weight_decay})
     if t.optimizer == "sgd":  # plain SGD (the correctness anchor for diloco/ps); decay on matrices
         return torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum, nesterov=t.nesterov, foreach=True)
+    if offload == "optimizer":
+        from hpctrain.model.optim_offload import OffloadedAdamW
+
+        return OffloadedAdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
     # fused: one kernel per parameter group, on CPU too (torch >= 2.4): 4-5x faster than the
     # foreach path here (9.8 vs 47.5 ms per step for 12.7M parameters, docs/benchmarks.md)
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, fused=True)

@@ -30,6 +30,7 @@ from hpctrain.parallel.apply_context_parallel import ContextParallel, apply_cont
 from hpctrain.parallel.apply_expert import ExpertParallel, apply_expert_parallel
 from hpctrain.parallel.mpi_grad_allreduce import (MPIHookState, time_ddp_allreduce,
                                                   use_mpi_grad_allreduce, use_powersgd)
+from hpctrain.parallel.offload import compute_device, fsdp_offload_policy
 from hpctrain.parallel.tensor_parallel import apply_tensor_parallel
 
 if TYPE_CHECKING:  # imported where pp > 1: torch.distributed.pipelining pulls in dynamo (0.4 s)
@@ -105,13 +106,14 @@ def tied_weight_group(mesh: Mesh) -> dist.ProcessGroup | None:
 
 
 def apply_fsdp(model: nn.Module, roots: tuple[nn.Module, ...], mesh: Mesh, precision: str,
-               experts: ExpertParallel | None = None) -> None:
+               experts: ExpertParallel | None = None, offload: str = "none") -> None:
     """FSDP2 over dp: each block, then each root (the model or its stage views); half-precision
     parameters with fp32 gradient reduction under bf16 / fp16. Expert-parallel weights are left
     out (sharded over ep already; the runner averages their gradients). A root keeps its
     parameters (embedding, final norm, head) gathered from forward to backward
     (reshard_after_forward=False, as torchtitan): backward needs them at once, so resharding would
-    only all-gather them again."""
+    only all-gather them again. `offload` = "all": shards, gradients (and so AdamW's state) in
+    host memory (parallel/offload.py)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # DTensor: not at start-up
 
     ignored = set(experts.params) if experts is not None else None
@@ -119,11 +121,12 @@ def apply_fsdp(model: nn.Module, roots: tuple[nn.Module, ...], mesh: Mesh, preci
     mp = (MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
           if half is not None else MixedPrecisionPolicy())
     dp_mesh = mesh.fsdp_mesh()  # "dp" (with cp > 1 dp x cp flattened); HSDP: (replicate, shard)
+    policy = fsdp_offload_policy(offload, torch.device(mesh.device_mesh.device_type))
     for block in model.blocks.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored, offload_policy=policy)
     for root in roots:
         fully_shard(root, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored,
-                    reshard_after_forward=False)
+                    reshard_after_forward=False, offload_policy=policy)
 
 
 def ddp_comm_hook(mode: str, device: torch.device) -> str | None:
@@ -211,11 +214,15 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, precision: str,
     apply_activation_checkpointing(model, p.activation_checkpoint, p.ac_every)
     roots = tuple(split.make_views()) if split else (model,)
     dp_reduce, mpi_grad_allreduce = dp_reduction(mesh, cfg), None
+    if p.offload == "all" and dp_reduce != "fsdp":
+        raise ConfigError(f"config key 'parallel.offload': 'all' is FSDP2's CPU offload, which this "
+                          f"job does not shard with (dp x cp = {mesh.reduce_size}, "
+                          f"data_parallel = {p.data_parallel!r}); use 'optimizer' or 'none'")
     if dp_reduce == "fsdp":
-        apply_fsdp(model, roots, mesh, precision, experts)
+        apply_fsdp(model, roots, mesh, precision, experts, p.offload)
     if materialize is not None:
         materialize(model)
-    device = next(model.parameters()).device
+    device = compute_device(model, mesh)  # parallel.offload = all: the shards are on the host
     clock = WaitClock(device)
     if dp_reduce == "ddp":
         ddp, mpi_grad_allreduce = apply_ddp(model, mesh, cfg.dist, clock, experts)

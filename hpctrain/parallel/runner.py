@@ -36,6 +36,7 @@ from hpctrain.errors import ConfigError
 from hpctrain.model.moe import MoEFeedForward
 from hpctrain.parallel.parallelize import Layout
 from hpctrain.parallel.loss import chunked_lm_loss
+from hpctrain.parallel.offload import compute_device
 from hpctrain.parallel.tensor_parallel import sum_moe_grads_over_tp, tp_token_split_moe
 from hpctrain.parallel.zigzag import LocalBatch
 
@@ -77,7 +78,7 @@ class StepRunner(ABC):
 
     def __init__(self, layout: Layout, mean_over_dp: bool = True, loss_chunk: int = 0):
         self.layout, self.mean_over_dp, self.loss_chunk = layout, mean_over_dp, loss_chunk
-        self.device = next(layout.module.parameters()).device
+        self.device = compute_device(layout.module, layout.mesh)  # parallel.offload = all: not the params'
         self._loss_hook, self._loss_scale = None, 1.0
         # Parameters counted in the grad norm: the tied weight's second copy (last stage) is skipped.
         skip = {id(layout.module.lm_head.weight)} if layout.tied_weight_is_head_copy else set()

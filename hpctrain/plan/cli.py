@@ -50,6 +50,7 @@ FROM_CONFIG = {"dp": ("parallel", "dp"), "tp": ("parallel", "tp"), "pp": ("paral
                "cp": ("parallel", "cp"), "cp_attention": ("parallel", "cp_attention"),
                "ep": ("parallel", "ep"),
                "data_parallel": ("parallel", "data_parallel"), "dp_shard": ("parallel", "dp_shard"),
+               "offload": ("parallel", "offload"),
                "pp_schedule": ("parallel", "pp_schedule"),
                "pp_virtual_stages": ("parallel", "pp_virtual_stages"),
                "activation_checkpoint": ("parallel", "activation_checkpoint"),
@@ -90,6 +91,10 @@ HELP = {
     "data_parallel": "parallel.data_parallel: ddp | fsdp",
     "dp_shard": "parallel.dp_shard: HSDP (fsdp): shard over dp_shard ranks, replicate over dp / "
                 "dp_shard (0 = all of dp); the search tries one node's dp ranks on > 1 node",
+    "offload": "parallel.offload: none | optimizer | all (fsdp): CPU offload (plan/offload.py); the "
+               "search tries it where the same layout without it does not fit",
+    "pcie_bw": "bytes/s per GPU between host memory and the GPU (offload's copies)",
+    "host_memory_bw": "host memory bytes/s per node (offload's AdamW on the CPU)",
     "pp_schedule": "parallel.pp_schedule: gpipe | 1f1b | interleaved",
     "pp_virtual_stages": "parallel.pp_virtual_stages (interleaved only)",
     "micro_batch": "train.micro_batch_size: sequences per rank per forward",
@@ -166,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = Job()
     for f in dataclasses.fields(Job):
         typ = size if f.name in ("tokens", "gpu_memory", "node_memory", "node_disk", "cache_bytes",
-                                 "shard_tokens", "intra_node_bw", "inter_node_bw") else type(f.default)
+                                 "shard_tokens", "intra_node_bw", "inter_node_bw", "pcie_bw",
+                                 "host_memory_bw") else type(f.default)
         if typ is bool:
             typ = _boolean
         p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=typ, default=None,

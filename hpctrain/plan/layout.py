@@ -33,7 +33,8 @@ CHOICES = {"data_parallel": key_choices(ParallelConfig, "data_parallel"),
            "shuffle": key_choices(DataConfig, "shuffle"),
            "backend": tuple(c for c in key_choices(DistConfig, "backend") if c != "auto"),
            "checkpoint_layout": key_choices(CheckpointConfig, "layout"),
-           "cp_attention": ("ring", "ulysses")}  # parallel.cp_attention
+           "cp_attention": ("ring", "ulysses"),  # parallel.cp_attention
+           "offload": key_choices(ParallelConfig, "offload")}
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,9 @@ class Job:
     ep: int = 1                         # parallel.ep: MoE experts split over ep of the dp ranks
     data_parallel: str = "ddp"          # ddp | fsdp
     dp_shard: int = 0                   # parallel.dp_shard: HSDP's shard group (fsdp; 0 = all of dp)
+    offload: str = "none"               # parallel.offload: none | optimizer | all (fsdp): plan/offload.py
+    pcie_bw: int = 25 * GB              # bytes/s per GPU between host memory and the GPU (offload)
+    host_memory_bw: int = 200 * GB      # host memory bytes/s per node (offload's CPU AdamW)
     pp_schedule: str = "1f1b"           # gpipe | 1f1b | interleaved
     pp_virtual_stages: int = 2
     micro_batch: int = 1
@@ -140,8 +144,9 @@ class Job:
     @property
     def layout_name(self) -> str:
         cp = f" cp{self.cp}" + (" ulysses" if self.cp_attention == "ulysses" else "") if self.cp > 1 else ""
+        off = f" offload={self.offload}" if self.offload != "none" else ""
         return (f"{self.sharding} dp{self.dp_size}{cp} tp{self.tp} pp{self.pp} "
-                f"mb{self.micro_batch}x{self.grad_accum} ac={self.activation_checkpoint}")
+                f"mb{self.micro_batch}x{self.grad_accum} ac={self.activation_checkpoint}{off}")
 
     @property
     def usable_memory(self) -> int:
@@ -192,6 +197,9 @@ class Job:
                               or self.dp_size % self.dp_shard):
             raise ValueError(f"--dp-shard {self.dp_shard}: HSDP shards FSDP over dp_shard ranks: "
                              f"needs --data-parallel fsdp and a divisor of dp {self.dp_size}")
+        if self.offload == "all" and self.data_parallel != "fsdp" or self.offload != "none" and self.sync_mode != "sync":
+            raise ValueError(f"--offload {self.offload}: 'all' needs --data-parallel fsdp; "
+                             f"offload needs --sync-mode sync")
         if self.sync_mode == "diloco" and self.data_parallel == "fsdp":
             raise ValueError("--sync-mode diloco: replicas train apart; use --data-parallel ddp")
         if self.replica_nodes and (self.sync_mode == "sync" or self.replica_nodes < 0

@@ -49,7 +49,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from hpctrain.plan import context, moe
+from hpctrain.plan import context, moe, offload
 from hpctrain.plan.activations import (activation_formula, checkpointed_layer_bytes,  # noqa: F401
                                        head_bytes, layer_activation_bytes, llama_layer_bytes,
                                        selective_op_layer_bytes)
@@ -163,6 +163,7 @@ class RankMemory:
     activations_by_mode: dict = field(default_factory=dict)
     peak: int = 0
     zero_paper: int = 0
+    host: int = 0                # host bytes of offloaded state (parallel.offload: plan/offload.py)
 
 
 def local_params(shape: ModelShape, job: Job, stage: Stage) -> tuple[int, int]:
@@ -297,8 +298,9 @@ def rank_memory(shape: ModelShape, job: Job, stage: Stage) -> RankMemory:
     parts["activations"] = by_mode[job.activation_checkpoint]
     if job.cp > 1:
         parts[f"cp {job.cp_attention} attention buffers (transient)"] = context.transient_bytes(shape, job)
-    out = RankMemory(stage, n, parts, by_mode)
-    out.peak = _peak(shape, job, stage, parts)
+    out = RankMemory(stage, n, offload.device_parts(parts, job), by_mode)  # on the GPU
+    out.host = offload.host_bytes_per_rank(parts, job)
+    out.peak = _peak(shape, job, stage, out.parts)
     out.zero_paper = kept(16)
     return out
 

@@ -27,6 +27,7 @@ class Advice:
     more_nodes: search.Candidate | None = None       # when no layout fits this node count
     cp_why: str = ""                                  # the recommended layout's cp > 1: why
     hsdp_why: str = ""                                # the recommended layout's HSDP: why
+    offload_why: str = ""                             # the recommended layout's CPU offload: why
 
     @property
     def best(self) -> search.Candidate | None:
@@ -48,6 +49,7 @@ def advise(shape: ModelShape, job: Job) -> Advice:
     else:
         advice.cp_why = cp_reason(shape, advice) if advice.best.job.cp > 1 else ""
         advice.hsdp_why = hsdp_reason(shape, advice.best) if advice.best.job.dp_shard else ""
+        advice.offload_why = offload_reason(shape, advice) if advice.best.job.offload != "none" else ""
     return advice
 
 
@@ -64,6 +66,23 @@ def hsdp_reason(shape: ModelShape, best: search.Candidate) -> str:
             f"the fp32 gradient shards' all-reduce crosses nodes: {fmt_seconds(best.time.dp_exposed)} "
             f"of exposed data-parallel time per step, {best.time.tokens_per_s:,.0f} tokens/s, peak "
             f"{fmt_bytes(best.peak)}; {against}")
+
+
+def offload_reason(shape: ModelShape, a: Advice) -> str:
+    """Why the recommended layout offloads to the CPU: the same layout without offload does not
+    fit; what offload costs (host memory per node, PCIe and CPU AdamW seconds per step); and the
+    fastest layout without offload, if any fits."""
+    best, b = a.best, a.best.job
+    plain = search.evaluate(shape, replace(b, offload="none"))
+    rival = next((c for c in a.ranked if c.fits and c.job.offload == "none"), None)
+    alone = (f"the fastest without offload, {rival.job.layout_name}, runs "
+             f"{rival.time.tokens_per_s:,.0f} tokens/s" if rival else "no layout fits without offload")
+    return (f"offload {b.offload}: without it this layout does not fit ({plain.why}); with it the "
+            f"peak is {fmt_bytes(best.peak)} per GPU and each node holds "
+            f"{fmt_bytes(best.host * b.gpus_per_node)} of offloaded state in host memory, at "
+            f"{fmt_seconds(best.time.offload_pcie)} of exposed PCIe copies and "
+            f"{fmt_seconds(best.time.offload_adam)} of AdamW on the CPU per step "
+            f"({best.time.tokens_per_s:,.0f} tokens/s); {alone}")
 
 
 def cp_reason(shape: ModelShape, a: Advice) -> str:
@@ -98,6 +117,7 @@ def candidate_dict(c: search.Candidate) -> dict:
     j, t = c.job, c.time
     out = {"layout": j.layout_name, "fits": c.fits, "why": c.why, "dp": j.dp_size, "tp": j.tp,
            "pp": j.pp, "data_parallel": j.data_parallel, **({"dp_shard": j.dp_shard} if j.dp_shard else {}),
+           **({"offload": j.offload, "host_bytes_per_rank": c.host} if j.offload != "none" else {}),
            "micro_batch": j.micro_batch,
            "grad_accum": j.grad_accum, "activation_checkpoint": j.activation_checkpoint,
            "peak_bytes": c.peak, "setup_bytes": c.setup, "pp_rank": c.pp_rank}
@@ -105,6 +125,8 @@ def candidate_dict(c: search.Candidate) -> dict:
         out.update(cp=j.cp, cp_attention=j.cp_attention)
     if t is not None and j.cp > 1:
         out.update(cp_s=t.cp)
+    if t is not None and j.offload != "none":
+        out.update(offload_pcie_s=t.offload_pcie, offload_adam_s=t.offload_adam)
     if t is not None:
         out.update(step_s=t.total, compute_s=t.compute, tp_s=t.tp, pp_s=t.pp, bubble_s=t.bubble,
                    dp_exposed_s=t.dp_exposed, dp_total_s=t.dp_total, tokens_per_s=t.tokens_per_s,
@@ -125,7 +147,8 @@ def as_json(a: Advice, config: str | None = None) -> dict:
             "fixes": [{"changes": ch, **candidate_dict(c)} for ch, c in a.fixes],
             "recommended": {**candidate_dict(best), "train_command": train_command(best.job, config),
                             **({"cp_why": a.cp_why} if a.cp_why else {}),
-                            **({"hsdp_why": a.hsdp_why} if a.hsdp_why else {})}
+                            **({"hsdp_why": a.hsdp_why} if a.hsdp_why else {}),
+                            **({"offload_why": a.offload_why} if a.offload_why else {})}
             if best else None,
             "more_nodes": {"nodes": a.more_nodes.job.nodes, **candidate_dict(a.more_nodes)}
             if a.more_nodes else None,
@@ -182,6 +205,7 @@ def render(a: Advice, top: int = 5, config: str | None = None) -> str:
         lines += [f"recommended: {b.layout_name}: {train_command(b, config)}",
                   _dp_note(b)]
         lines += [f"  ({a.cp_why})"] * bool(a.cp_why) + [f"  ({a.hsdp_why})"] * bool(a.hsdp_why)
+        lines += [f"  ({a.offload_why})"] * bool(a.offload_why)
     else:
         more = a.more_nodes
         lines.append(f"nothing fits {j.nodes} x {j.gpus_per_node} GPUs of {fmt_bytes(j.gpu_memory)}: "

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hpctrain.plan import memory
+from hpctrain.plan import memory, offload
 from hpctrain.plan.layout import Job
 from hpctrain.plan.report import fmt_bytes
 from hpctrain.plan.shape import ModelShape
@@ -38,6 +38,7 @@ class Candidate:
     setup: int = 0
     pp_rank: int = 0
     time: StepTime | None = None
+    host: int = 0  # bytes of offloaded state per rank in host memory (parallel.offload)
 
 
 def pipeline_rule(job: Job) -> str:
@@ -66,7 +67,12 @@ def evaluate(shape: ModelShape, job: Job) -> Candidate:
                f"{fmt_bytes(usable)} usable")
     elif setup > usable:
         why = f"setup {fmt_bytes(setup)} per rank > {fmt_bytes(usable)} usable"
-    return Candidate(job, not why, why, mem.peak, setup, mem.stage.pp_rank, step_time(shape, job, mem))
+    elif mem.host:
+        need, room = offload.host_need_and_room(mem.host, job)
+        why = (f"offload {job.offload}: {fmt_bytes(need)} of host memory per node > {fmt_bytes(room)} "
+               f"({offload.HOST_SHARE:.0%} of --node-memory)") if need > room else ""
+    return Candidate(job, not why, why, mem.peak, setup, mem.stage.pp_rank, step_time(shape, job, mem),
+                     mem.host)
 
 
 def evaluate_cp(shape: ModelShape, job: Job) -> Candidate:
@@ -117,8 +123,22 @@ def _variants(base: Job, batch: int, tp: int, pp: int, cp: int) -> list[Job]:
     sharding += [("fsdp", hsdp_shard(base, tp, cp, dp))] * bool(hsdp_shard(base, tp, cp, dp))
     return [replace(base, dp=0, tp=tp, pp=pp, cp=cp, data_parallel=mode, dp_shard=shard,
                     pp_schedule="1f1b", micro_batch=mb, grad_accum=1, global_batch=batch,
-                    activation_checkpoint=ac)
-            for mode, shard in sharding for mb in MICRO_BATCHES for ac in AC_MODES]
+                    activation_checkpoint=ac, offload=off)
+            for mode, shard in sharding for mb in MICRO_BATCHES for ac in AC_MODES
+            for off in OFFLOADS[mode] if off == "none" or (base.sync_mode == "sync" and cp == 1)]
+
+
+OFFLOAD_MARGIN = 0.03  # an offloading layout must be 3% faster to rank above one without offload
+# parallel.offload tried per data-parallel mode (cp = 1 layouts: where a sequence's activations
+# bind, cp is the searched answer; --offload with --cp is still judged)
+OFFLOADS = {"ddp": ("none", "optimizer"), "fsdp": ("none", "optimizer", "all")}
+
+
+def paying_offload(cands: list[Candidate]) -> list[Candidate]:
+    """`cands` less the offloading layouts whose twin without offload fits: offload only adds
+    time (copies, AdamW on the host), so it pays only where it makes a layout fit."""
+    fits = {c.job for c in cands if c.fits and c.job.offload == "none"}
+    return [c for c in cands if c.job.offload == "none" or replace(c.job, offload="none") not in fits]
 
 
 def paying_hsdp(cands: list[Candidate]) -> list[Candidate]:
@@ -136,16 +156,20 @@ def paying_hsdp(cands: list[Candidate]) -> list[Candidate]:
 def ranked(cands: list[Candidate], user: Job) -> list[Candidate]:
     """Fitting layouts fastest first (the most tokens/s: the shortest step at one global batch;
     async_diloco's replicas step at once) (ties: fewer changes to `user`'s layout, then the lower
-    peak), then the rejected ones."""
+    peak), then the rejected ones. An offloading layout ranks as if OFFLOAD_MARGIN slower: what
+    its model leaves out (the host's own contention) is larger than a gain below that."""
     fit = sorted((c for c in cands if c.fits),
-                 key=lambda c: (-c.time.tokens_per_s, len(changes(user, c.job)), c.peak))
+                 key=lambda c: (-c.time.tokens_per_s / (1 + OFFLOAD_MARGIN * (c.job.offload != "none")),
+                                len(changes(user, c.job)), c.peak))
     return fit + [c for c in cands if not c.fits]
 
 
 def search(shape: ModelShape, base: Job) -> list[Candidate]:
     """Every layout at `base`'s global batch, judged and ranked (cp > 1 ones when the sequence binds)."""
     checked = base.check(shape)
-    cands = paying_hsdp([evaluate(shape, j) for j in layouts(checked, checked.batch)])
+    judged = [evaluate(shape, j) for j in layouts(checked, checked.batch)]
+    kept = {id(c) for c in paying_hsdp(judged)} & {id(c) for c in paying_offload(judged)}  # each against its twin
+    cands = [c for c in judged if id(c) in kept]
     if sequence_binds(shape, checked, cands):
         cands += [evaluate_cp(shape, j) for j in cp_layouts(shape, checked, checked.batch)]
     return ranked(cands, checked)
@@ -174,6 +198,8 @@ def changes(user: Job, other: Job) -> list[str]:
     out = []
     if user.data_parallel != other.data_parallel:
         out.append("add FSDP" if other.data_parallel == "fsdp" else "DDP instead of FSDP")
+    if user.offload != other.offload:
+        out.append(f"CPU offload {other.offload}")
     if user.dp_shard != other.dp_shard and other.data_parallel == "fsdp":
         out.append(f"HSDP dp_shard={other.dp_shard}" if other.dp_shard else "FSDP over all of dp")
     out += [f"{k}={getattr(other, k)}" for k in ("tp", "pp") if getattr(user, k) != getattr(other, k)]
@@ -242,6 +268,7 @@ def train_flags(job: Job) -> str:
              f"--parallel.pp_schedule={job.pp_schedule}",
              f"--parallel.data_parallel={job.data_parallel}",
              *[f"--parallel.dp_shard={job.dp_shard}"] * bool(job.dp_shard),
+             *[f"--parallel.offload={job.offload}"] * (job.offload != "none"),
              f"--parallel.activation_checkpoint={job.activation_checkpoint}"]
     if job.activation_checkpoint == "selective":
         flags.append(f"--parallel.ac_every={job.ac_every}")

@@ -20,6 +20,8 @@ Owns the step-time model `hpctrain plan` ranks layouts by (docs/scale.md, "Recom
   under nothing. async_diloco: a step is one replica's batch on its ranks, the replicas step
   at once (tokens per step x replicas); its arrival (plan/async_model.py) is exposed, amortized
   over the round like DiLoCo's average (no collective blocks the other replicas).
+- offload (plan/offload.py): its host <-> GPU copies (what FSDP2's prefetch does not hide under
+  compute in the "all" mode; all of them in the "optimizer" mode) and AdamW on the host.
 A lower bandwidth never makes a layout faster; the model ignores latency and kernel efficiency
 beyond the one MFU, so it ranks layouts, it does not promise a wall clock. It must never
 compute memory (memory.py) or format text (recommend.py).
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpctrain.plan import async_model, comm, context
+from hpctrain.plan import async_model, comm, context, offload
 from hpctrain.plan.layout import Job
 from hpctrain.plan.memory import RankMemory, checkpointed_blocks
 from hpctrain.plan.shape import ModelShape
@@ -46,10 +48,17 @@ class StepTime:
     tokens_per_step: int
     ep: float = 0.0
     cp: float = 0.0  # exposed context-parallel transfers
+    offload_pcie: float = 0.0  # parallel.offload's host <-> GPU copies on the critical path
+    offload_adam: float = 0.0  # parallel.offload's AdamW on the host
+
+    @property
+    def offload(self) -> float:
+        return self.offload_pcie + self.offload_adam
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp + self.ep + self.cp + self.pp + self.bubble + self.dp_exposed
+        return (self.compute + self.tp + self.ep + self.cp + self.pp + self.bubble + self.dp_exposed
+                + self.offload)
 
     @property
     def tokens_per_s(self) -> float:
@@ -90,5 +99,6 @@ def step_time(shape: ModelShape, job: Job, mem: RankMemory) -> StepTime:
         window = compute * 2 / 3 / job.grad_accum
     dp = seconds["dp"] + seconds.get("dp_replicate", 0.0)  # HSDP: shard group + replicas
     exposed = max(0.0, dp - window) + seconds.get("replica", 0.0)  # (not overlapped)
+    pcie, adam = offload.exposed_seconds(mem.host, job, compute)
     return StepTime(compute, seconds["tp"], seconds["pp"], bubble, exposed, dp, tokens * streams,
-                    seconds.get("ep", 0.0), cp)
+                    seconds.get("ep", 0.0), cp, pcie, adam)

@@ -50,7 +50,8 @@ GPUS_PER_NODE = 8   # the node a rank's DistContext describes (local ranks; no e
 
 @dataclass
 class RankBytes:
-    """What one rank holds, in bytes (local shards: a DTensor counts its local tensor)."""
+    """What one rank holds on the GPU, in bytes (local shards: a DTensor counts its local tensor);
+    `in_host_memory`: what parallel.offload keeps in host memory instead."""
     rank: int
     coords: dict
     parameters: int = 0
@@ -62,6 +63,8 @@ class RankBytes:
     grad_accum: int = 0
     host_reads: int = 0           # .item() / .tolist() values a step reads on the host
     fp8: str = ""                 # train.precision = fp8: the Linear layers converted (parallel/float8.py)
+    in_host_memory: dict = field(default_factory=dict)  # parallel.offload: bytes kept on the host
+    host_gradients: int = 0       # of `gradients` before the step, those in host memory
     seconds: float = 0.0
 
 
@@ -87,6 +90,20 @@ def _local_bytes(t: torch.Tensor | None) -> int:
     return t.numel() * t.element_size()
 
 
+def _on_host(t: torch.Tensor | None) -> bool:
+    return t is not None and (t.to_local() if is_dtensor(t) else t).device.type == "cpu"
+
+
+def _host_parts(model: torch.nn.Module, optimizer, out: RankBytes) -> dict:
+    """Bytes of parameters, gradients (as last noted) and optimizer state in host memory
+    (parallel.offload); an OffloadedAdamW's master copies and gradient buffers beside them."""
+    host = getattr(optimizer, "host_bytes", None)
+    return {"parameters": sum(_local_bytes(p) for p in model.parameters() if _on_host(p)),
+            "gradients": out.host_gradients,
+            "optimizer": host() if host else sum(_local_bytes(t) for t in _optimizer_tensors(optimizer)
+                                                 if _on_host(t))}
+
+
 def _storages(tensors) -> set[int]:
     out = set()
     for t in tensors:
@@ -110,8 +127,8 @@ class _PeakParts:
         self.snapshot = watch.sizes()
 
     def split(self, model: torch.nn.Module, grads: set[int], optimizer) -> dict:
-        params = _storages(model.parameters())
-        opt = _storages(_optimizer_tensors(optimizer))
+        params = _storages(p for p in model.parameters() if not _on_host(p))
+        opt = _storages(t for t in _optimizer_tensors(optimizer) if not _on_host(t))
         parts = {"parameters": 0, "gradients": 0, "optimizer": 0, "activations and temporaries": 0}
         for key, nbytes in self.snapshot.items():
             part = ("parameters" if key in params else "gradients" if key in grads
@@ -137,12 +154,13 @@ def _run_steps(cfg: Config, rank: int, world: int, out: RankBytes) -> None:
     peak = _PeakParts()
     with FakeGpu() as watch:
         watch.peak_listeners.append(peak)
+        watch.cpu_collectives = cfg.parallel.offload == "all"  # Gloo beside NCCL (bootstrap.py)
         built = build_model(cfg, mesh, ctx.device, precision, initialize=False)
         layout, out.fp8 = built.layout, built.fp8
         if layout.dp_reduce == "ddp" and cfg.dist.grad_allreduce in ("auto", "backend"):
             layout.forward_modules[0].register_comm_hook(None, _bucket_as_reduced)
         model = layout.module
-        optimizer = build_optimizer(model, train, undecayed_matrices(cfg.model))
+        optimizer = build_optimizer(model, train, undecayed_matrices(cfg.model), cfg.parallel.offload)
         runner = build_runner(layout, cfg, out.micro_batches)
         engine = StepEngine(runner, optimizer, train, step_faults(), ctx.device, rank, world, agreed=True)
         grads: set[int] = set()
@@ -151,8 +169,10 @@ def _run_steps(cfg: Config, rank: int, world: int, out: RankBytes) -> None:
             for step in range(1, STEPS + 1):
                 engine.step(_step_inputs(cfg, out.micro_batches), step, cfg.train.grad_clip,
                             time.perf_counter())
-        out.parameters = sum(_local_bytes(p) for p in model.parameters())
-        out.optimizer = sum(_local_bytes(t) for t in _optimizer_tensors(optimizer))
+        out.in_host_memory = _host_parts(model, optimizer, out)
+        out.parameters = sum(_local_bytes(p) for p in model.parameters() if not _on_host(p))
+        out.optimizer = sum(_local_bytes(t) for t in _optimizer_tensors(optimizer) if not _on_host(t))
+        out.gradients -= out.in_host_memory["gradients"]
         out.peak, out.host_reads = watch.peak_bytes, watch.host_reads
         out.peak_parts = peak.split(model, grads, optimizer)
 
@@ -188,6 +208,7 @@ def _note_grads(model: torch.nn.Module, out: RankBytes, grads: set[int]) -> None
     """Before the optimizer step (the backward done): the gradients' bytes and storages."""
     held = [p.grad for p in model.parameters() if p.grad is not None]
     out.gradients = sum(_local_bytes(g) for g in held)
+    out.host_gradients = sum(_local_bytes(g) for g in held if _on_host(g))
     grads.update(_storages(held))
 
 

@@ -26,7 +26,8 @@ def planner_job(cfg: Config, world: int, grad_accum: int) -> Job:
     p, t = cfg.parallel, cfg.train
     per_node = min(world, GPUS_PER_NODE)
     return Job(nodes=world // per_node, gpus_per_node=per_node, dp=p.dp, tp=p.tp, pp=p.pp, ep=p.ep,
-               data_parallel=p.data_parallel, dp_shard=p.dp_shard, pp_schedule=p.pp_schedule,
+               data_parallel=p.data_parallel, dp_shard=p.dp_shard, offload=p.offload,
+               pp_schedule=p.pp_schedule,
                pp_virtual_stages=p.pp_virtual_stages, micro_batch=t.micro_batch_size,
                grad_accum=grad_accum, activation_checkpoint=p.activation_checkpoint,
                ac_every=p.ac_every, precision=PLANNER_PRECISION.get(t.precision, t.precision),
@@ -56,6 +57,7 @@ def as_dict(cfg: Config, world: int, ranks: list[RankBytes]) -> dict:
 def _layout(cfg: Config) -> str:
     p = cfg.parallel
     hsdp = f" dp_shard{p.dp_shard}" if p.dp_shard else ""
+    hsdp += f" offload={p.offload}" if p.offload != "none" else ""
     return (f"{p.data_parallel}{hsdp} tp{p.tp} pp{p.pp} ep{p.ep} mb{cfg.train.micro_batch_size} "
             f"ac={p.activation_checkpoint} {cfg.train.precision}")
 
@@ -77,4 +79,7 @@ def render(report: dict) -> str:
             lines.append(f"| {key} | {fmt_bytes(r[key])} | {fmt_bytes(plan[key])} | {ratio} |")
         lines.append("| at the peak: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in r["peak_parts"].items())
                      + " | | | |")
+        if any(r["in_host_memory"].values()):  # parallel.offload: what the GPU no longer holds
+            lines.append("| in host memory (parallel.offload): " + ", ".join(
+                f"{k} {fmt_bytes(v)}" for k, v in r["in_host_memory"].items()) + " | | | |")
     return "\n".join(lines) + "\n"

@@ -179,6 +179,7 @@ class Watch(TorchDispatchMode):
         self.host_reads = 0             # .item() / .tolist() values a GPU step would sync for
         self.peak_listeners: list = []
         self.paused = 0                 # > 0: inside DTensor's shape propagation (no job memory)
+        self.cpu_collectives = False    # the job adds Gloo for host tensors (parallel.offload = all)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -211,7 +212,7 @@ class Watch(TorchDispatchMode):
         if not cpu:
             return
         name = f"{func.namespace}.{func._opname}"
-        if func.namespace in COLLECTIVE_NAMESPACES:
+        if func.namespace in COLLECTIVE_NAMESPACES and not (self.cpu_collectives and len(cpu) == len(tensors)):
             raise DeviceMixError(f"dry run: a CPU tensor {tuple(cpu[0].shape)} reaches the collective "
                                  f"{name}: NCCL takes device tensors only (keep it on the GPU)")
         big = [t for t in cpu if t.dim() > 0]

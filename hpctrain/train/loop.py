@@ -79,7 +79,7 @@ class Trainer:
         self.params, self.flops_per_token, self.fp8_line = built.params, built.flops_per_token, built.fp8
         self.layout = built.layout  # the modules in this job's layout
         self.model = self.layout.module  # this rank's parameters (a pipeline stage holds a subset)
-        self.optimizer = build_optimizer(self.model, t, undecayed_matrices(cfg.model))
+        self.optimizer = build_optimizer(self.model, t, undecayed_matrices(cfg.model), cfg.parallel.offload)
         self.ckpt = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep, ctx.rank, ctx.world_size,
                                       timeout_s=cfg.dist.timeout_s,
                                       full_checksums=cfg.checkpoint.full_checksums,

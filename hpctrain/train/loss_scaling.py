@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hpctrain.parallel.offload import flag_for_step
+
 
 def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
     """optimizer.step() unless `skip` (a 0-dim float32 tensor on the gradients' device, 1.0 =
@@ -26,7 +28,7 @@ def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
     GradScaler protocol: the kernel leaves the weights and moments alone and its step counters are
     rolled back), so the host never reads the flag. Other optimizers (SGD): one host read."""
     if getattr(optimizer, "_step_supports_amp_scaling", False):
-        optimizer.grad_scale, optimizer.found_inf = None, skip
+        optimizer.grad_scale, optimizer.found_inf = None, flag_for_step(optimizer, skip)
         try:
             optimizer.step()
         finally:

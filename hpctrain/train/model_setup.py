@@ -59,12 +59,14 @@ def build_model(cfg: Config, mesh: Mesh, device: torch.device, precision: str,
     # the folder is not read, it may be gone); its tensors checked before anything is built
     hf_files = (open_checked(cfg.init.from_dir, section)
                 if initialize and cfg.init.from_dir and not hf_import.run_has_checkpoints(cfg.checkpoint_dir) else None)
+    # parallel.offload = "all": FSDP2 keeps the shards in host memory, so they are made there
+    shards_on = torch.device("cpu") if cfg.parallel.offload == "all" else device
     if not initialize:
         model = build_on_meta(lambda: build_model_from_section(section))[1]
-        init = lambda m: allocate(m, device)  # noqa: E731
+        init = lambda m: allocate(m, shards_on)  # noqa: E731
     elif cfg.parallel.meta_init:
         recipe, model = build_on_meta(lambda: build_model_from_section(section))
-        init = lambda m: materialize(m, recipe, seed, device)  # noqa: E731
+        init = lambda m: materialize(m, recipe, seed, shards_on)  # noqa: E731
     else:
         torch.manual_seed(seed)  # identical initial weights on every rank
         model, init = build_model_from_section(section).to(device), None
@@ -73,7 +75,7 @@ def build_model(cfg: Config, mesh: Mesh, device: torch.device, precision: str,
     if cfg.train.loss_chunk:
         use_chunked_head(model)  # lm_head hands hidden states to the chunked loss (parallel/loss.py)
     if hf_files is not None:  # each rank reads its part of the Hugging Face weights instead
-        init = load_hf_weights(hf_files, section, device if cfg.parallel.meta_init else None)
+        init = load_hf_weights(hf_files, section, shards_on if cfg.parallel.meta_init else None)
     # float8 Linear layers before any layout (FSDP2 then shards, and may all-gather, float8 weights)
     fp8 = apply_float8(model, cfg.fp8, cuda_capability(device)).line() if precision == "fp8" else ""
     layout = parallelize(model, mesh, cfg, precision, materialize=init)

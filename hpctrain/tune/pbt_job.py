@@ -29,7 +29,8 @@ def pbt(config_path: str, overrides: list[str]) -> int:
     world = MPI.COMM_WORLD
     member, member_comm, k = pbt_members.split_members(world, pbt_cfg.population)
     mcfg = member_config(cfg, member)
-    ctx = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, comm=member_comm)
+    ctx = init_distributed(cfg.dist.backend, cfg.dist.timeout_s, comm=member_comm,
+                           cpu_collectives=cfg.parallel.offload == "all")
     if world.Get_rank() == 0:
         logs.info(f"[pbt] {pbt_cfg.population} members of {k} rank(s) in {cfg.run.dir}; every "
                   f"{pbt_cfg.ready} steps the worst {pbt_cfg.n_exchanged()} copy one of the best "

@@ -35,6 +35,12 @@ TP_EMBEDDING = 2
 MOE_MONITOR_READ = 1
 EP_SPLIT_SIZES = 4
 
+# parallel.offload (hpctrain/parallel/offload.py) adds no counted op: "optimizer" copies into
+# pinned buffers without blocking and waits once per step with a stream synchronize (on CUDA: 1
+# sync per step, not a dispatched op); "all" moves the bad-step flag to the host for the CPU AdamW
+# (on CUDA: 1 counted Tensor.to per step; on this CPU run the flag is already there: 0).
+OFFLOAD = ["--parallel.data_parallel=fsdp", "--train.grad_accum=1"]
+
 # name: (ranks, overrides, K between log steps, K at a log step)
 LAYOUTS = {
     "one": (1, [], 0, LOG_READ),
@@ -47,6 +53,8 @@ LAYOUTS = {
     "chunked_loss": (1, ["--train.loss_chunk=16"], 0, LOG_READ),
     "chunked_loss_tp2": (2, TP + ["--train.loss_chunk=16"], TP_EMBEDDING, TP_EMBEDDING + LOG_READ),
     "fp16": (2, ["--train.grad_accum=1", "--train.precision=fp16"], 0, LOG_READ),
+    "fsdp2_offload_all": (2, OFFLOAD + ["--parallel.offload=all"], 0, LOG_READ),
+    "fsdp2_offload_optimizer": (2, OFFLOAD + ["--parallel.offload=optimizer"], 0, LOG_READ),
     "moe_one": (1, MOE, 0, LOG_READ + MOE_MONITOR_READ),
     "moe_ep2": (2, MOE + ["--parallel.ep=2", "--train.grad_accum=1"], EP_SPLIT_SIZES,
                 EP_SPLIT_SIZES + LOG_READ + MOE_MONITOR_READ),

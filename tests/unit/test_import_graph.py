@@ -23,6 +23,7 @@ LAYERS = (
     ("hpctrain.sample_words", 0), ("hpctrain.step_faults", 0), ("hpctrain.logs", 0),
     ("hpctrain.config_schema", 1), ("hpctrain.config_cluster", 1), ("hpctrain.config_values", 1),
     ("hpctrain.config_rules", 1), ("hpctrain.config_rules_cp", 1), ("hpctrain.config_rules_fp8", 1),
+    ("hpctrain.config_rules_offload", 1),
     ("hpctrain.config", 1),
     ("hpctrain.tune.space", 1),
     ("hpctrain.distributed", 2), ("hpctrain.metrics", 2), ("hpctrain.data", 2),

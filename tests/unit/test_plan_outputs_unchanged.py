@@ -2,7 +2,9 @@
 were before context parallelism entered the planner (#51): short sequences never search, show or
 recommend cp. The files under plan_outputs/ were written by main at fd379f4 (`hpctrain plan
 --config configs/llama3_*.toml --nodes N`; --json as its sha256); a deliberate change to the
-planner's figures rewrites them with the same commands."""
+planner's figures rewrites them with the same commands (#52's CPU offload did: offloading layouts
+are searched where the same layout without offload does not fit, so the counts of searched and
+fitting layouts grew and llama3-70b on 8 nodes now recommends offload = all with ac = none)."""
 from __future__ import annotations
 
 import hashlib
