@@ -58,6 +58,7 @@ def validate(cfg: Config) -> Config:
            f"{hb:g}: must be 0 (off) or in [{MIN_HEARTBEAT_S:g}, {MAX_HEARTBEAT_S:g}] seconds")
     _check(cfg.dist.stall_timeout_s > 0, "dist.stall_timeout_s", "must be > 0")
     _validate_data(cfg.data)
+    _validate_lora(cfg)
     _check(cfg.dist.powersgd_rank >= 1, "dist.powersgd_rank", "must be >= 1")
     _check(0.0 <= t.momentum < 1.0, "train.momentum", "must be in [0, 1)")
     _check(not t.nesterov or (t.optimizer == "sgd" and t.momentum > 0), "train.nesterov",
@@ -89,6 +90,28 @@ MAX_SEED = 2**32 - 1  # torch.manual_seed(seed * 1_000_003 + rank + 1) must fit 
 # `lfs setstripe -S`: bytes with an optional k/M/G suffix, a multiple of 64 KiB below 4 GiB, 0 = default
 STRIPE_UNIT, STRIPE_MAX = 64 << 10, (4 << 30) - (64 << 10)
 MAX_STRIPE_COUNT = 2000  # Lustre's LOV_MAX_STRIPE_COUNT
+
+
+def _validate_lora(cfg: Config) -> None:
+    """[lora]: on with rank > 0; the layouts it is tested with (DDP, FSDP2 over dp, sync mode)."""
+    lo, p = cfg.lora, cfg.parallel
+    _check(lo.rank >= 0, "lora.rank", f"{lo.rank}: must be >= 0 (0 = off)")
+    if lo.rank == 0:
+        return
+    _check(lo.alpha > 0, "lora.alpha", f"{lo.alpha:g}: must be > 0")
+    _check(0.0 <= lo.dropout < 1.0, "lora.dropout", f"{lo.dropout:g}: must be in [0, 1)")
+    _check(any(t.strip() for t in lo.targets.split(",")), "lora.targets",
+           "is empty: name the layers that get adapters, e.g. 'wq,wk,wv,wo'")
+    for key, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp),
+                       ("parallel.ep", p.ep)):
+        _check(value == 1, key, f"{value} with lora.rank = {lo.rank}: LoRA runs on DDP or FSDP2 "
+                                f"over dp only; set {key} = 1")
+    _check(cfg.sync.mode == "sync", "lora.rank", f"{lo.rank} with sync.mode = {cfg.sync.mode!r}: "
+                                                 f"LoRA trains with sync.mode = 'sync' only")
+    _check(cfg.train.precision != "fp8", "lora.rank", f"{lo.rank} with train.precision = 'fp8': "
+                                                     f"float8 layers replace the adapted ones; use bf16")
+    _check(not cfg.train.compile, "lora.rank", f"{lo.rank} with train.compile = true: not tested "
+                                               f"together; set train.compile = false")
 
 
 def _validate_checkpoint(c: CheckpointConfig) -> None:

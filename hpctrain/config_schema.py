@@ -265,6 +265,20 @@ class Fp8Config:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = field(default=0, metadata={
+        "help": "LoRA: rank of the low-rank adapters B A added to each target layer (0 = off: every "
+                "parameter trains); only the adapters train and are checkpointed (docs/lora in README)"})
+    alpha: float = field(default=16.0, metadata={
+        "help": "LoRA scale numerator: a layer computes W x + (alpha / rank) B A x"})
+    targets: str = field(default="wq,wk,wv,wo", metadata={
+        "help": "comma-separated names of the nn.Linear layers that get adapters (the last part of "
+                "their name: wq, wk, wv, wo; llama's MLP gate, up, proj; gpt2's fc, proj)"})
+    dropout: float = field(default=0.0, metadata={
+        "help": "dropout on the adapters' input (PEFT's lora_dropout), in [0, 1)"})
+
+
+@dataclass
 class Config:
     run: RunConfig
     data: DataConfig
@@ -279,6 +293,7 @@ class Config:
     dpo: DpoConfig = field(default_factory=DpoConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     fp8: Fp8Config = field(default_factory=Fp8Config)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     @property
     def checkpoint_dir(self) -> Path:

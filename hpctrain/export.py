@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from hpctrain import logs
+from hpctrain import export_lora, logs
 from hpctrain.checkpoint import CheckpointManager, disk_format
 from hpctrain.checkpoint.cli import resolve_checkpoint
 from hpctrain.checkpoint.safe_load import read_metadata
@@ -146,8 +146,10 @@ def export_hf(checkpoint: str | Path, output: str | Path, force: bool = False,
     spec = model_spec.of_section(model_cfg)
     if spec.hf is None:
         raise UserError(f"{ckpt}: model.arch {spec.name!r} has no Hugging Face export")
-    tensors, config = spec.hf_module().export({k: v.float().contiguous() for k, v in sd.items()}, model_cfg)
     trainer = disk_format.read_trainer_state(ckpt, use="export").get("trainer", {})
+    if export_lora.lora_section(trainer):  # adapters only: merged into the rebuilt base
+        sd = export_lora.merged_state(sd, trainer, model_cfg)
+    tensors, config = spec.hf_module().export({k: v.float().contiguous() for k, v in sd.items()}, model_cfg)
     tok = trainer.get("tokenizer") or {}
     if isinstance(tok.get("eot_id"), int):
         config["bos_token_id"] = config["eos_token_id"] = tok["eot_id"]
@@ -159,14 +161,29 @@ def export_hf(checkpoint: str | Path, output: str | Path, force: bool = False,
     return out
 
 
+def export_peft(checkpoint: str | Path, output: str | Path, force: bool = False) -> Path:
+    """A LoRA run's adapters as a PEFT adapter folder (hpctrain/export_lora.py)."""
+    out = Path(output)
+    check_output(out, force)
+    ckpt = resolve_checkpoint(checkpoint, use="export")
+    sd, model_cfg = load_model_state(ckpt)
+    trainer = disk_format.read_trainer_state(ckpt, use="export").get("trainer", {})
+    if not export_lora.lora_section(trainer):
+        raise UserError(f"{ckpt}: not a LoRA run's checkpoint (lora.rank = 0); export --format hf")
+    written = export_lora.write_peft(sd, trainer, model_cfg, out)
+    print(f"exported {ckpt} LoRA adapters -> {out} (PEFT: {', '.join(written)})")
+    return out
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hpctrain export", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True,
                         help="step_N directory, checkpoint root or run directory (newest intact)")
-    parser.add_argument("--format", default="hf", choices=["hf"],
+    parser.add_argument("--format", default="hf", choices=["hf", "peft"],
                         help="hf: a Hugging Face folder: " + "; ".join(
                             model_spec.get(n).hf.export_words for n in model_spec.names()
-                            if model_spec.get(n).hf))
+                            if model_spec.get(n).hf) + " (a LoRA run: its adapters merged); peft: a "
+                             "LoRA run's adapters as PEFT's adapter_config.json + adapter_model.safetensors")
     parser.add_argument("--output", required=True, help="output folder (new or empty)")
     parser.add_argument("--force", action="store_true",
                         help="export into a folder that is not empty: replace its config.json and "
@@ -176,7 +193,10 @@ def main(argv: list[str]) -> int:
                              "safetensors + model.safetensors.index.json, as transformers does "
                              "(default 5GB; units B, KB, MB, GB, KiB, MiB, GiB)")
     args = parser.parse_args(argv)
-    export_hf(args.checkpoint, args.output, args.force, args.max_shard_size)
+    if args.format == "peft":
+        export_peft(args.checkpoint, args.output, args.force)
+    else:
+        export_hf(args.checkpoint, args.output, args.force, args.max_shard_size)
     return 0
 
 

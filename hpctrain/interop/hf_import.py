@@ -147,10 +147,11 @@ def read_region(files: WeightFiles, source: tuple[str, bool, int], offset, shape
     return sl[cols, rows].t() if transposed else sl[rows, cols]
 
 
-def load_weights(model, folder: str | Path | WeightFiles, section: dict) -> int:
+def load_weights(model, folder: str | Path | WeightFiles, section: dict, skip=None) -> int:
     """Copy the folder's weights into the parts of `model` (laid out, materialized) this rank
     holds; returns the number of parameters written. `folder`: a path (its files opened and
-    checked against `section` first: hf_weights.open_checked) or the files opened so."""
+    checked against `section` first: hf_weights.open_checked) or the files opened so. `skip(fqn)`:
+    parameters the folder does not hold and the caller writes (LoRA's adapters)."""
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -160,7 +161,7 @@ def load_weights(model, folder: str | Path | WeightFiles, section: dict) -> int:
     done = set()
     with torch.no_grad():
         for fqn, param in _held_params(model).items():
-            if id(param) in done:
+            if id(param) in done or (skip is not None and skip(fqn)):
                 continue
             offset, shape = local_region(param)
             source = source_of(fqn, section)

@@ -40,6 +40,9 @@ def build_optimizer(model: nn.Module, t: TrainConfig, undecayed: tuple[str, ...]
     if experts:  # one fused / foreach call takes tensors of one kind: the experts' go apart
         groups[0]["params"] = [p for p in decay if not _sharded_over_ep(p)]
         groups.append({"params": experts, "weight_decay": t.weight_decay})
+    # an empty group (LoRA: only adapter matrices train, nothing undecayed) would break the
+    # checkpoint's flattened optimizer state on load (torch's _unflatten_optim_state_dict)
+    groups = [g for g in groups if g["params"]]
     if t.optimizer == "sgd":  # plain SGD (the correctness anchor for diloco/ps); decay on matrices
         return torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum, nesterov=t.nesterov, foreach=True)
     if offload == "optimizer":

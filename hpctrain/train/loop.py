@@ -49,7 +49,7 @@ from hpctrain.train.engine import StepEngine
 from hpctrain.train.step_log import StepLog
 from hpctrain.train.hooks import LoopHooks
 from hpctrain.train.resume import resume_newest
-from hpctrain.train.model_setup import build_model, check_model_fits
+from hpctrain.train.model_setup import build_model, check_model_fits, lora_base
 from hpctrain.train.moe_monitor import monitor_for
 from hpctrain.model.optim import build_optimizer, lr_at, set_lr, undecayed_matrices
 from hpctrain.train.states import ModelState, OptimState, RNGStates
@@ -91,7 +91,7 @@ class Trainer:
                                        step_sleep_s=self.plan.faults.step_sleep_s, run_dir=cfg.run.dir)
         # what happens between steps and what a checkpoint holds (hpctrain/sync/strategy.py)
         self.sync = modes.build_strategy(cfg, ctx, self.mesh, self.model)
-        self.sync.bind_local_state(ModelState(self.model), OptimState(self.model, self.optimizer,
+        self.sync.bind_local_state(ModelState(self.model, lora_base(cfg)), OptimState(self.model, self.optimizer,
                                                                       self.layout.tied_weight_is_head_copy))
         # forward/backward, clip and eval in this layout; losses averaged over dp where replicas
         # step together (every mode but ps)

@@ -15,8 +15,10 @@ for minutes).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -30,6 +32,7 @@ from hpctrain.model import build_model_from_section
 from hpctrain.model.params import hf_param_counts, params_words
 from hpctrain.parallel import Layout, parallelize
 from hpctrain.parallel.float8 import apply_float8
+from hpctrain.parallel.lora import apply_lora, init_adapters, is_adapter
 from hpctrain.parallel.meta_init import _held_params, allocate, build_on_meta, materialize
 from hpctrain.parallel.loss import use_chunked_head
 from hpctrain.plan.report import fmt_bytes
@@ -54,22 +57,30 @@ def build_model(cfg: Config, mesh: Mesh, device: torch.device, precision: str,
     `precision`: the resolved train.precision (FSDP's mixed precision). `initialize=False` (the
     dry run, train/dry_run.py): this rank's shards allocated, never written (no init.from read)."""
     section = dataclasses.asdict(cfg.model)  # model.arch picks the family (hpctrain/model/spec.py)
-    seed = cfg.train.seed
+    seed, lora = cfg.train.seed, cfg.lora if cfg.lora.rank else None
     # init.from seeds a fresh run only (on resume the checkpoint's weights replace the seed's:
-    # the folder is not read, it may be gone); its tensors checked before anything is built
+    # the folder is not read, it may be gone), but with LoRA it is the base on resume too (the
+    # checkpoint holds only the adapters); its tensors checked before anything is built
+    reads_base = lora is not None or not hf_import.run_has_checkpoints(cfg.checkpoint_dir)
     hf_files = (open_checked(cfg.init.from_dir, section)
-                if initialize and cfg.init.from_dir and not hf_import.run_has_checkpoints(cfg.checkpoint_dir) else None)
+                if initialize and cfg.init.from_dir and reads_base else None)
     # parallel.offload = "all": FSDP2 keeps the shards in host memory, so they are made there
     shards_on = torch.device("cpu") if cfg.parallel.offload == "all" else device
+
+    def factory():  # the family's model; LoRA's adapters added from outside (parallel/lora.py)
+        model = build_model_from_section(section)
+        if lora is not None:
+            apply_lora(model, lora)
+        return model
     if not initialize:
-        model = build_on_meta(lambda: build_model_from_section(section))[1]
+        model = build_on_meta(factory)[1]
         init = lambda m: allocate(m, shards_on)  # noqa: E731
     elif cfg.parallel.meta_init:
-        recipe, model = build_on_meta(lambda: build_model_from_section(section))
+        recipe, model = build_on_meta(factory)
         init = lambda m: materialize(m, recipe, seed, shards_on)  # noqa: E731
     else:
         torch.manual_seed(seed)  # identical initial weights on every rank
-        model, init = build_model_from_section(section).to(device), None
+        model, init = factory().to(device), None
     n_params, flops = model.num_params(), model.flops_per_token()  # before a pipeline split
     params = params_words(*hf_param_counts(model))
     if cfg.train.loss_chunk:
@@ -78,10 +89,35 @@ def build_model(cfg: Config, mesh: Mesh, device: torch.device, precision: str,
         init = load_hf_weights(hf_files, section, shards_on if cfg.parallel.meta_init else None)
     # float8 Linear layers before any layout (FSDP2 then shards, and may all-gather, float8 weights)
     fp8 = apply_float8(model, cfg.fp8, cuda_capability(device)).line() if precision == "fp8" else ""
+    if lora is not None and initialize:  # A's values once materialized, before DDP's broadcast
+        init = with_adapters(init, lora, seed)
     layout = parallelize(model, mesh, cfg, precision, materialize=init)
     if hf_files is not None:
         check_loaded_weights(layout.module, hf_files, section, device)
     return BuiltModel(layout, n_params, flops, params, fp8)
+
+
+def lora_base(cfg: Config) -> str:
+    """With LoRA, what the checkpoint records of the frozen base its adapters belong to: init.from's
+    folder, with its config.json's sha256 and the sizes of its weight files, or the seed that
+    initialized it ("" without LoRA). Weights are not hashed: an 8B model's 16 GB per save."""
+    if not cfg.lora.rank:
+        return ""
+    if not cfg.init.from_dir:
+        return f"seed {cfg.train.seed}"
+    folder = Path(cfg.init.from_dir).resolve()
+    config = hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()[:16]
+    sizes = sum(f.stat().st_size for f in sorted(folder.glob("*.safetensors")))
+    return f"init.from {folder} (config.json sha256 {config}..., {sizes} bytes of safetensors)"
+
+
+def with_adapters(init, lora, seed: int):
+    """The materialize step `init` (None: the model is built already), then LoRA's A values."""
+    def materialize_and_init(model: torch.nn.Module) -> None:
+        if init is not None:
+            init(model)
+        init_adapters(model, lora, seed)
+    return materialize_and_init
 
 
 def load_hf_weights(files: WeightFiles, section: dict, meta_device: torch.device | None):
@@ -91,7 +127,7 @@ def load_hf_weights(files: WeightFiles, section: dict, meta_device: torch.device
     def allocate_and_load(model: torch.nn.Module) -> None:
         if meta_device is not None:
             allocate(model, meta_device)
-        hf_import.load_weights(model, files, section)
+        hf_import.load_weights(model, files, section, skip=is_adapter)  # adapters: init_adapters
     return allocate_and_load
 
 

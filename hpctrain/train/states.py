@@ -2,7 +2,8 @@
 (torch.distributed.checkpoint.stateful.Stateful), handed to CheckpointManager.save_states as one
 dict {name: object}. The names are the checkpoint's top-level keys:
 
-    model    this rank's parameters under layout-free FQNs (ModelState; DiLoCo: the global model)
+    model    this rank's parameters under layout-free FQNs (ModelState; DiLoCo: the global model;
+             LoRA: the adapters and a pointer to the frozen base)
     optim    the optimizer's tensors, "state.<fqn>.<name>" on every layout (OptimState)
     trainer  step, world size, config, tokenizer (the trainer itself)
     sampler  the data order's position        rng  every rank's dropout stream (RNGStates)
@@ -16,7 +17,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from hpctrain.errors import UserError
+from hpctrain.parallel.lora import is_adapter
 from hpctrain.train import rng
+
+LORA_BASE_KEY = "lora_base"  # the model entry's pointer to LoRA's frozen base
 
 _TIED_LAST, _TIED_FIRST = "state.lm_head.weight.", "state.tok_emb.weight."
 
@@ -63,17 +68,31 @@ def plain_tensors(state: dict) -> dict:
 
 
 class ModelState:
-    """The parameters this rank holds (a pipeline stage: a subset), DTensor shards included."""
+    """The parameters this rank holds (a pipeline stage: a subset), DTensor shards included. With
+    LoRA (`lora_base`: a pointer to the frozen base, train/model_setup.py's `lora_base`) only the
+    adapters, and the pointer, which a resume must match."""
 
-    def __init__(self, module: nn.Module):
-        self.module = module
+    def __init__(self, module: nn.Module, lora_base: str = ""):
+        self.module, self.lora_base = module, lora_base
 
     def state_dict(self) -> dict:
         sd, options = _sd()
-        return plain_tensors(sd.get_model_state_dict(self.module, options=options))
+        state = plain_tensors(sd.get_model_state_dict(self.module, options=options))
+        if self.lora_base:
+            state = {k: v for k, v in state.items() if is_adapter(k)}
+            state[LORA_BASE_KEY] = self.lora_base
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         sd, options = _sd()
+        if self.lora_base:
+            state = dict(state)
+            saved = state.pop(LORA_BASE_KEY)
+            if saved != self.lora_base:
+                raise UserError(f"the checkpoint's LoRA adapters were trained on base {saved}, this "
+                                f"run's base is {self.lora_base}: resume with the same init.from "
+                                f"folder / seed and [model], or start a new run.dir")
+            options = sd.StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
         sd.set_model_state_dict(self.module, state, options=options)
 
 
