@@ -31,7 +31,8 @@ LAYERS = (
     ("hpctrain.model", 3),
     ("hpctrain.parallel", 4), ("hpctrain.sync", 4), ("hpctrain.interop", 4),
     ("hpctrain.train", 5),
-    ("hpctrain.tune", 6), ("hpctrain.sample", 6), ("hpctrain.export", 6), ("hpctrain.api", 6),
+    ("hpctrain.tune", 6), ("hpctrain.sample", 6), ("hpctrain.export", 6), ("hpctrain.export_lora", 6),
+    ("hpctrain.api", 6),
     ("hpctrain.evaluate", 6),
     ("hpctrain.__main__", 7), ("hpctrain", 7),
 )

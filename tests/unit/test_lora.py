@@ -17,9 +17,9 @@ SECTION = dict(arch="llama", n_layer=2, n_head=2, n_embd=32, block_size=16, voca
 LORA = LoraConfig(rank=4, alpha=8.0, targets="wq,wv,gate")
 
 
-def lora_model(seed=0, lora=LORA):
+def lora_model(seed=0, lora=LORA, section=SECTION):
     torch.manual_seed(seed)
-    model = build_model_from_section(SECTION)
+    model = build_model_from_section(section)
     apply_lora(model, lora)
     init_adapters(model, lora, seed)
     return model
@@ -34,16 +34,18 @@ def test_targets_get_adapters_and_everything_else_freezes():
     assert model.blocks["0"].mlp.gate.lora_B.weight.shape == (model.blocks["0"].mlp.gate.out_features, 4)
 
 
-def test_step0_is_the_base_and_only_adapters_train():
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_step0_is_the_base_and_only_adapters_train(arch):
+    section = {**SECTION, "arch": arch}
     torch.manual_seed(0)
-    base = build_model_from_section(SECTION)
-    model = lora_model()
+    base = build_model_from_section(section)
+    model = lora_model(section=section, lora=LoraConfig(rank=4, alpha=8.0, targets="wq,wv,proj"))
     tokens = torch.randint(0, 67, (2, 16), generator=torch.Generator().manual_seed(1))
     assert torch.equal(base(tokens), model(tokens))  # B = 0
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     opt = build_optimizer(model, type("T", (), dict(weight_decay=0.1, optimizer="adamw", lr=1e-2,
                                                     beta1=0.9, beta2=0.95))())
-    assert sum(len(g["params"]) for g in opt.param_groups) == 12
+    assert sum(len(g["params"]) for g in opt.param_groups) == 12  # (wq, wv, proj) x 2 blocks x (A, B)
     for _ in range(3):
         logits = model(tokens)
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
