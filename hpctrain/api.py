@@ -213,6 +213,7 @@ def _build(section: dict) -> torch.nn.Module:
 
 
 def _from_checkpoint(ckpt: Path, use: str) -> LoadedModel:
+    from hpctrain import export_lora
     from hpctrain.checkpoint import CheckpointManager, disk_format
 
     saved = disk_format.read_trainer_state(ckpt, use=use).get("trainer") or {}
@@ -221,9 +222,14 @@ def _from_checkpoint(ckpt: Path, use: str) -> LoadedModel:
         raise UserError(f"{ckpt / disk_format.TRAINER_STATE_FILE}: no config.model (not a checkpoint "
                         f"of `hpctrain train`); {use} a training run's checkpoint")
     model = _build(config["model"])
-    state = {"model": model.state_dict()}
-    CheckpointManager(ckpt.parent, keep=1, rank=0, world_size=1).load(ckpt, state)  # the model only
-    model.load_state_dict(state["model"])
+    if export_lora.lora_section(saved):  # LoRA: adapters only, merged into the rebuilt base
+        from hpctrain.export import load_model_state
+
+        model.load_state_dict(export_lora.merged_state(load_model_state(ckpt)[0], saved, config["model"]))
+    else:
+        state = {"model": model.state_dict()}
+        CheckpointManager(ckpt.parent, keep=1, rank=0, world_size=1).load(ckpt, state)  # the model only
+        model.load_state_dict(state["model"])
     info = saved.get("tokenizer") if isinstance(saved.get("tokenizer"), dict) else {}
     tokenizer = None
     if info.get("name"):

@@ -141,6 +141,8 @@ def test_merged_and_peft_exports_give_our_logits(tmp_path, runs, hf_dir):
                      "--format", fmt, "--output", out], timeout=180, env=OFFLINE)
         assert r.returncode == 0, r.stderr[-2000:]
     assert (hf_logits(merged, tokens) - ours).abs().max().item() < 1e-5  # measured 7e-7
+    import hpctrain  # the Python API (and `sample`) on the run: the base + adapters, merged
+    assert (hpctrain.load(runs["lora"]).logits(tokens) - ours).abs().max().item() < 1e-5
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"]) == (4, 16.0)
     assert sorted(config["target_modules"]) == ["gate_proj", "q_proj", "v_proj"]
