@@ -109,10 +109,12 @@ def test_unknown_target_names_the_layers():
 @pytest.mark.parametrize("override,key", [({"lora": {"rank": 2}, "parallel": {"tp": 2}}, "parallel.tp"),
                                           ({"lora": {"rank": -1}}, "lora.rank"),
                                           ({"lora": {"rank": 2, "dropout": 1.0}}, "lora.dropout"),
-                                          ({"lora": {"rank": 2, "targets": " , "}}, "lora.targets")])
+                                          ({"lora": {"rank": 2, "targets": " , "}}, "lora.targets"),
+                                          ({"lora": {"rank": 2}, "train": {"precision": "fp8"}}, "lora.rank")])
 def test_config_refusals_name_the_key(override, key):
+    override = dict(override)
     raw = {"run": {"dir": "r"}, "data": {"path": "d"}, "model": dict(SECTION),
-           "train": {"steps": 2, "micro_batch_size": 1}, **override}
+           "train": {"steps": 2, "micro_batch_size": 1, **override.pop("train", {})}, **override}
     with pytest.raises(ConfigError, match=f"config key '{key}'"):
         from_dict(raw)
 
