@@ -99,11 +99,17 @@ def evaluate(lm, split_reader, indices: np.ndarray, batch_size: int, tokenizer=N
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
         nats += float(loss.double().sum())
         tokens += targets.numel()
-        if lengths is not None:
-            n_bytes += int(lengths[targets.cpu().numpy()].sum())
-        elif tokenizer is not None:
-            n_bytes += sum(len(tokenizer.decode(row).encode("utf-8")) for row in targets.tolist())
+        if tokenizer is not None:
+            n_bytes += target_bytes(targets, lengths, tokenizer)
     return EvalResult(nats, tokens, n_bytes, len(indices), method)
+
+
+def target_bytes(targets: torch.Tensor, lengths: np.ndarray | None, tokenizer) -> int:
+    """UTF-8 bytes of the predicted tokens `targets` [windows, T]: by `lengths` (each token's
+    bytes, token_byte_lengths) where known, else each row decoded by `tokenizer`."""
+    if lengths is not None:
+        return int(lengths[targets.cpu().numpy()].sum())
+    return sum(len(tokenizer.decode(row).encode("utf-8")) for row in targets.tolist())
 
 
 def reduce_over_ranks(result: EvalResult, comm) -> EvalResult:
