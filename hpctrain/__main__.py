@@ -71,7 +71,7 @@ def _eval(argv: list[str]) -> int:
 
 def _lm_eval(argv: list[str]) -> int:
     try:
-        from hpctrain.interop.lm_eval_model import main as lm_eval_main  # registers --model hpctrain
+        from hpctrain.lm_eval_model import main as lm_eval_main  # registers --model hpctrain
     except ImportError as e:
         from hpctrain.errors import UserError
 

@@ -84,7 +84,7 @@ def open_set(i: int, spec: EvalSetConfig, cfg: Config, dp: int, tokenizer_name: 
 def count_bytes(sets: list[EvalSet], tokenizer, vocab_size: int, comm) -> None:
     """Each set's UTF-8 bytes of its predicted tokens, as hpctrain eval counts them: every rank
     counts every world-th window, one all-reduce for all sets (the sets never change)."""
-    from hpctrain.evaluate import target_bytes, token_byte_lengths
+    from hpctrain.data.token_bytes import target_bytes, token_byte_lengths
 
     lengths = token_byte_lengths(tokenizer, max(vocab_size, tokenizer.vocab_size))
     rank, world = comm.Get_rank(), comm.Get_size()

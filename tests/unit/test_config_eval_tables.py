@@ -89,3 +89,10 @@ def test_set_shape(n_windows, batches, max_tokens, shape):
 def test_tensorboard_tags_are_the_metric_names():
     assert tag_for("eval/wiki/loss") == "eval/wiki/loss" and tag_for("eval/wiki/bpb") == "eval/wiki/bpb"
     assert tag_for("val_loss") == "val/loss"
+
+
+def test_the_recipe_loads_with_its_sets():
+    from tests.conftest import ROOT
+
+    cfg = config.load(ROOT / "configs" / "demo_eval.toml")
+    assert [(e.name, e.interval or cfg.train.eval_interval) for e in cfg.eval] == [("plays", 200), ("hamlet", 100)]

@@ -27,12 +27,12 @@ class HpctrainLM(TemplateLM):
     """A run directory, step_N checkpoint or Hugging Face folder as an lm_eval model."""
 
     def __init__(self, path: str, step: int | None = None, device: str | None = None,
-                 batch_size: int | str = 1, max_gen_toks: int = 256, **_ignored):
+                 max_gen_toks: int = 256, **_ignored):
+        """`**_ignored`: lm_eval's batch_size and max_batch_size (one sequence per forward here)."""
         super().__init__()
         from hpctrain.api import load_as
 
         self.lm = load_as(path, device=device, step=None if step is None else int(step))
-        self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1  # 'auto': one at a time
         self.max_length, self.max_gen_toks = self.lm.block_size, int(max_gen_toks)
 
     @property

@@ -4,7 +4,7 @@ the one that follows it and three drawn from elsewhere in the text; lm_eval scor
 log-likelihood after the context and counts the item right when the true line scores highest
 (`acc`).
 
-    python -m hpctrain.interop.lm_eval_task --text PLAY.txt --output tasks/ [--items 200]
+    python -m hpctrain.lm_eval_task --text PLAY.txt --output tasks/ [--items 200]
 
 writes tasks/next_line.jsonl (the items) and tasks/next_line.yaml (the task, reading the JSONL with
 the `datasets` package's local json loader: works with HF_DATASETS_OFFLINE=1); then
@@ -38,6 +38,41 @@ metric_list:
 metadata:
   version: 1.0
 """
+# The same items as text (loglikelihood_rolling: bits per byte of each context line) and as
+# generation (generate_until: greedy up to the line's end, exact match with the true next line).
+TEXT_YAML = """task: {task}_text
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: context
+metric_list:
+  - metric: bits_per_byte
+  - metric: byte_perplexity
+metadata:
+  version: 1.0
+"""
+GEN_YAML = """task: {task}_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{context}}}}\\n"
+doc_to_target: "{{{{choices[label]}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 12
+  do_sample: false
+metric_list:
+  - metric: exact_match
+metadata:
+  version: 1.0
+"""
 
 
 def next_line_items(text: str, n_items: int, n_choices: int = 4, seed: int = 0) -> list[dict]:
@@ -60,18 +95,20 @@ def next_line_items(text: str, n_items: int, n_choices: int = 4, seed: int = 0) 
 
 
 def write_task(text: str, out: Path, n_items: int, seed: int = 0, task: str = TASK) -> Path:
-    """out/TASK.jsonl and out/TASK.yaml (its data path absolute); the YAML's path."""
+    """out/TASK.jsonl, out/TASK.yaml (multiple choice), TASK_text.yaml and TASK_gen.yaml (their
+    data path absolute); the first YAML's path."""
     out.mkdir(parents=True, exist_ok=True)
     data = out / f"{task}.jsonl"
     data.write_text("".join(json.dumps(item) + "\n" for item in next_line_items(text, n_items, seed=seed)),
                     encoding="utf-8")
-    yaml = out / f"{task}.yaml"
-    yaml.write_text(TASK_YAML.format(task=task, data=json.dumps(str(data.resolve()))), encoding="utf-8")
-    return yaml
+    for name, template in ((task, TASK_YAML), (f"{task}_text", TEXT_YAML), (f"{task}_gen", GEN_YAML)):
+        (out / f"{name}.yaml").write_text(template.format(task=task, data=json.dumps(str(data.resolve()))),
+                                          encoding="utf-8")
+    return out / f"{task}.yaml"
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hpctrain.interop.lm_eval_task", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m hpctrain.lm_eval_task", description=__doc__.split("\n\n")[0])
     p.add_argument("--text", required=True, help="a UTF-8 text file (e.g. a play of data_tools' corpus)")
     p.add_argument("--output", required=True, help="folder for TASK.jsonl and TASK.yaml")
     p.add_argument("--items", type=int, default=200, help="items (default 200)")
