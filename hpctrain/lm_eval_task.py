@@ -39,7 +39,8 @@ metadata:
   version: 1.0
 """
 # The same items as text (loglikelihood_rolling: bits per byte of each context line) and as
-# generation (generate_until: greedy up to the line's end, exact match with the true next line).
+# generation (generate_until: greedy, 12 tokens at most, up to a blank line; exact match with the
+# true next line).
 TEXT_YAML = """task: {task}_text
 dataset_path: json
 dataset_kwargs:
@@ -65,7 +66,7 @@ output_type: generate_until
 doc_to_text: "{{{{context}}}}\\n"
 doc_to_target: "{{{{choices[label]}}}}"
 generation_kwargs:
-  until: ["\\n"]
+  until: ["\\n\\n"]
   max_gen_toks: 12
   do_sample: false
 metric_list:

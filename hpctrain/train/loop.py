@@ -101,8 +101,7 @@ class Trainer:
         # one optimizer step in this layout and precision (hpctrain/train/engine.py)
         self.engine = StepEngine(runner, self.optimizer, t, self.plan.faults, ctx.device, ctx.rank,
                                  ctx.world_size, agreed=self.sync.global_each_step)
-        self.named_evals = NamedEvals(cfg, self.data, ctx.comm, self.sync.collective_steps,  # [[eval]]
-                                      lambda batches: self.sync.mean_over_replicas(self.engine.eval_loss(batches)))
+        self.named_evals = NamedEvals(cfg, self.data, ctx.comm, self.sync, self.engine)  # [[eval]] sets
         # the loop's named hook points (hpctrain/train/hooks.py): the strategy's saves, PBT's rounds
         self.hooks = LoopHooks()
         self.hooks.add("before_save", self.sync.before_save)  # ps, async_diloco: the servers' model
@@ -120,8 +119,7 @@ class Trainer:
                           t.log_interval, self.plan.end_step)  # read on the host at log steps only
         if moe is not None:
             self.hooks.add("after_step", moe.record)
-        self.step = 0
-        self._flush_now, self._step_log = False, None
+        self.step, self._flush_now, self._step_log = 0, False, None
         # HPCTRAIN_COUNT_HOST_SYNCS=1: each step's host syncs into host_syncs.rank<r>.json (tests)
         self.sync_log = StepSyncLog(cfg.run.dir, ctx.rank) if StepSyncLog.enabled() else None
         self.stragglers = StragglerDetector(ctx.comm, window=t.straggler_window)

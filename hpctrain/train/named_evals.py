@@ -102,12 +102,12 @@ def count_bytes(sets: list[EvalSet], tokenizer, vocab_size: int, comm) -> None:
 class NamedEvals:
     """The [[eval]] sets of a run and their metrics at the steps they are due."""
 
-    def __init__(self, cfg: Config, data, comm, on: bool, eval_loss):
+    def __init__(self, cfg: Config, data, comm, sync, engine):
         """`data`: the run's TrainData (dp rank and size, batches on the device, the tokenizer);
-        `comm`: the world's MPI communicator (the byte count's all-reduce); `on`: steps are
-        collective (every rank evaluates together); `eval_loss(batches)`: the mean loss over every
-        rank's batches in the run's layout (collective)."""
-        self.data, self.end, self.on, self.eval_loss = data, cfg.train.steps, on, eval_loss
+        `comm`: the world's MPI communicator (the byte count's all-reduce); `sync`, `engine`: the
+        run's strategy and step engine (the mean loss over every rank's batches in the run's
+        layout, as the val split's; only where steps are collective: every rank evaluates)."""
+        self.data, self.end, self.sync, self.engine = data, cfg.train.steps, sync, engine
         name = data.manifest["tokenizer"]["name"]
         self.sets = [open_set(i, spec, cfg, data.dp_size, name) for i, spec in enumerate(cfg.eval)]
         if self.sets:
@@ -123,9 +123,10 @@ class NamedEvals:
         """{eval/<name>/loss, eval/<name>/bpb} of every set due at `step` (bpb only where bytes are
         known); every rank calls it at the same steps."""
         out = {}
-        for s in self.due(step) if self.on else ():
+        for s in self.due(step) if self.sync.collective_steps else ():
             parts = split_for_rank(s.indices, self.data.dp_rank, self.data.dp_size, s.micro, s.batches)
-            loss = float(self.eval_loss([self.data.device_batch(s.reader, p) for p in parts]))
+            batches = [self.data.device_batch(s.reader, p) for p in parts]
+            loss = float(self.sync.mean_over_replicas(self.engine.eval_loss(batches)))
             out[f"eval/{s.spec.name}/loss"] = loss
             if s.bytes:
                 out[f"eval/{s.spec.name}/bpb"] = loss * s.tokens / math.log(2) / s.bytes
