@@ -75,6 +75,16 @@ def _eval(argv: list[str]) -> int:
     return eval_main(argv)
 
 
+def _lm_eval(argv: list[str]) -> int:
+    try:
+        from hpctrain.lm_eval_model import main as lm_eval_main  # registers --model hpctrain
+    except ImportError as e:
+        from hpctrain.errors import UserError
+
+        raise UserError(f"hpctrain lm-eval needs lm_eval ({e}): pip install -e '.[eval]'") from None
+    return lm_eval_main(argv)
+
+
 def _plot(argv: list[str]) -> int:
     from hpctrain.metrics.plot import main as plot_main
 
@@ -115,18 +125,20 @@ def _doctor(argv: list[str]) -> int:
     return doctor_main(argv)
 
 
-COMMANDS = {"train": _train, "sample": _sample, "eval": _eval, "plot": _plot, "ckpt": _ckpt, "export": _export,
+COMMANDS = {"train": _train, "sample": _sample, "eval": _eval, "lm-eval": _lm_eval, "plot": _plot, "ckpt": _ckpt, "export": _export,
             "tune": _tune, "plan": _plan, "doctor": _doctor}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: python -m hpctrain {train,sample,eval,plot,ckpt,export,tune,plan,doctor} [-h] ...\n\n"
+        print("usage: python -m hpctrain {train,sample,eval,lm-eval,plot,ckpt,export,tune,plan,doctor} [-h] ...\n\n"
               "  train   train a GPT (mpiexec/srun for several ranks); resumes automatically\n"
               "  sample  generate text from a checkpoint\n"
               "  eval    RUN_OR_HF_DIR --data DATASET: loss, perplexity, bits per byte (mpiexec: "
               "split over ranks)\n"
+              "  lm-eval lm_eval's command line with --model hpctrain --model_args path=RUN_DIR "
+              "(the `eval` extra)\n"
               "  plot    PNG of loss, val loss, lr, tokens/s and MFU of a run\n"
               "  ckpt    list RUN_DIR | verify DIR: checkpoint status and integrity\n"
               "  export  --checkpoint DIR --format hf --output OUT: a Hugging Face model folder (GPT-2,\n"

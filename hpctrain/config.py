@@ -21,9 +21,11 @@ else:  # pragma: no cover
 
 from hpctrain.config_schema import (  # noqa: F401 - the sections are re-exported from here
     REQUIRED, CheckpointConfig, Config, DataConfig, DistConfig, ModelConfig, ParallelConfig,
-    RunConfig, SlurmConfig, SyncConfig, TrainConfig, choices, coerce, sections, type_name)
+    EvalSetConfig, RunConfig, SlurmConfig, SyncConfig, TrainConfig, choices, coerce, sections,
+    table_lists, type_name)
 from hpctrain import logs
 from hpctrain.config_rules import validate
+from hpctrain.config_tables import describe_table_lists, parse_table_list, table_list_toml
 from hpctrain.errors import ConfigError
 from hpctrain.step_faults import ENV as TEST_FAULTS_ENV
 
@@ -101,13 +103,13 @@ def from_dict(raw: dict, source: str = "config", cli_keys: frozenset = frozenset
 
         parse(raw["tune"], source, str(raw.get("run", {}).get("dir", "")), cli_keys)
     for name in raw:
-        if name in OTHER_SECTIONS:
+        if name in OTHER_SECTIONS or name in table_lists():
             continue
         if name not in by_name:
             where = "on the command line" if any(k.startswith(f"{name}.") for k in cli_keys) else f"in {source}"
             if name == GONE_SECTION and isinstance(raw[name], dict):
                 raise ConfigError(f"unknown config section '{name}' {where}{_test_faults_hint(raw[name])}")
-            known = ", ".join([*by_name, *OTHER_SECTIONS])
+            known = ", ".join([*by_name, *table_lists(), *OTHER_SECTIONS])
             raise ConfigError(f"unknown config section '{name}' {where} (known: {known})")
     if isinstance(raw.get("init"), dict) and (raw["init"].get("from") or raw["init"].get("from_dir")):
         from hpctrain.interop.hf_import import fill_model_section  # [model] from its config.json
@@ -131,6 +133,8 @@ def from_dict(raw: dict, source: str = "config", cli_keys: frozenset = frozenset
             if key not in kwargs and f.default is REQUIRED and f.default_factory is REQUIRED:
                 raise ConfigError(_missing_key(f"{name}.{key}", source, by_name))
         built[name] = cls(**kwargs)
+    for name in table_lists():  # [[eval]] ...: lists of tables
+        built[name] = parse_table_list(name, raw.get(name, []), source, cli_keys)
     built["train"] = _clamp_default_warmup(raw, built["train"])
     return validate(Config(**built))
 
@@ -249,6 +253,9 @@ def toml_value(value) -> str:
 def to_toml(cfg: Config) -> str:
     lines = []
     for section, values in cfg.to_dict().items():
+        if section in table_lists():
+            lines.extend(table_list_toml(section, getattr(cfg, section), toml_value))
+            continue
         lines.append(f"[{section}]")
         lines.extend(f"{key} = {toml_value(value)}" for key, value in values.items())
         lines.append("")
@@ -273,4 +280,4 @@ def describe() -> str:
             others = [f"--{k}" for k in spellings if k != name]
             also = f" (also spelled {', '.join(others)})" if others else ""
             out.append(f"  --{name}={type_name(hints[f.name]):<6} [{default}] {f.metadata.get('help', '')}{also}")
-    return "\n".join(out)
+    return "\n".join(out + describe_table_lists())

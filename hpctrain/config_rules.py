@@ -16,6 +16,7 @@ from hpctrain.config_schema import (CheckpointConfig, Config, DataConfig, ModelC
 from hpctrain.config_rules_cp import validate_context_parallel
 from hpctrain.config_rules_fp8 import validate_fp8
 from hpctrain.config_rules_offload import validate_offload
+from hpctrain.config_tables import validate_eval_sets
 from hpctrain.errors import ConfigError
 from hpctrain.model import spec as model_spec
 from hpctrain.model.llama.args import llama_ffn_hidden  # noqa: F401 (the name plan/shape.py imported)
@@ -51,6 +52,7 @@ def validate(cfg: Config) -> Config:
     _check(0 <= t.warmup_steps <= t.steps, "train.warmup_steps",
            f"{t.warmup_steps}: must be in [0, train.steps={t.steps}]")
     _validate_checkpoint(cfg.checkpoint)
+    validate_eval_sets(cfg)
     _check(t.max_bad_steps >= 1, "train.max_bad_steps", "must be >= 1")
     _check(t.straggler_window >= 2, "train.straggler_window", "must be >= 2")
     hb = cfg.dist.heartbeat_timeout_s

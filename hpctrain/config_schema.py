@@ -279,6 +279,25 @@ class LoraConfig:
 
 
 @dataclass
+class EvalSetConfig:
+    """One `[[eval]]` table: a named validation set evaluated during training."""
+    name: str = field(metadata={
+        "help": "the set's name in the metrics: eval/<name>/loss and eval/<name>/bpb (letters, "
+                "digits, '_', '-', '.'; unique among the [[eval]] tables)"})
+    data: str = field(metadata={
+        "help": "a dataset directory made by `data_tools shard` with the training data's tokenizer"})
+    split: str = field(default="val", metadata={"help": "the split of `data` evaluated"})
+    interval: int = field(default=0, metadata={
+        "help": "evaluate every N steps and at the end (0 = train.eval_interval); at step 0 "
+                "too where the val split is (train.eval_interval > 0)"})
+    max_batches: int = field(default=0, metadata={
+        "help": "micro-batches of train.micro_batch_size windows per data-parallel rank "
+                "(0 = train.eval_batches)"})
+    max_tokens: int = field(default=0, metadata={
+        "help": "at most this many predicted tokens over all ranks (0 = no cap beyond max_batches)"})
+
+
+@dataclass
 class Config:
     run: RunConfig
     data: DataConfig
@@ -294,6 +313,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     fp8: Fp8Config = field(default_factory=Fp8Config)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    eval: list[EvalSetConfig] = field(default_factory=list)  # the [[eval]] tables, in order
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -304,5 +324,14 @@ class Config:
 
 
 def sections() -> dict[str, type]:
+    """The [section] tables of a config and their classes (no [[list]] tables: table_lists)."""
     hints = typing.get_type_hints(Config)
-    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config)
+            if typing.get_origin(hints[f.name]) is not list}
+
+
+def table_lists() -> dict[str, type]:
+    """The [[name]] tables of a config (a list of tables each): name -> the class of one table."""
+    hints = typing.get_type_hints(Config)
+    return {f.name: typing.get_args(hints[f.name])[0] for f in dataclasses.fields(Config)
+            if typing.get_origin(hints[f.name]) is list}

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hpctrain.data.token_bytes import target_bytes, token_byte_lengths  # noqa: F401 (tests read it here)
 from hpctrain.errors import UserError
 
 EXACT_BYTES, DECODED_BYTES = "token bytes", "decoded windows"
@@ -57,23 +58,6 @@ class EvalResult:
                 "bits_per_byte": self.bits_per_byte}
 
 
-def token_byte_lengths(tokenizer, vocab_size: int) -> np.ndarray | None:
-    """UTF-8 bytes of each token id (special tokens 0), where the tokenizer knows its tokens' bytes
-    (the GPT-2 BPE, raw bytes); None otherwise."""
-    from data_tools.tokenizers import BytesTokenizer, GPT2Tokenizer
-
-    if isinstance(tokenizer, BytesTokenizer):
-        lengths = np.ones(vocab_size, dtype=np.int64)
-        lengths[256:] = 0
-        return lengths
-    if isinstance(tokenizer, GPT2Tokenizer):
-        lengths = np.zeros(vocab_size, dtype=np.int64)
-        for i in range(min(vocab_size, tokenizer.eot_id)):
-            lengths[i] = len(tokenizer.enc.decode_single_token_bytes(i))
-        return lengths
-    return None
-
-
 def window_indices(n_windows: int, wanted: int | None, rank: int, world: int) -> np.ndarray:
     """This rank's windows: every window (wanted None / 0) or `wanted` spread evenly over the split
     (training's choice of its validation set), every world-th from the rank-th."""
@@ -99,10 +83,8 @@ def evaluate(lm, split_reader, indices: np.ndarray, batch_size: int, tokenizer=N
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
         nats += float(loss.double().sum())
         tokens += targets.numel()
-        if lengths is not None:
-            n_bytes += int(lengths[targets.cpu().numpy()].sum())
-        elif tokenizer is not None:
-            n_bytes += sum(len(tokenizer.decode(row).encode("utf-8")) for row in targets.tolist())
+        if tokenizer is not None:
+            n_bytes += target_bytes(targets, lengths, tokenizer)
     return EvalResult(nats, tokens, n_bytes, len(indices), method)
 
 

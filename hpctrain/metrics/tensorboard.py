@@ -45,6 +45,8 @@ def enabled_by_env() -> bool:
 def tag_for(key: str) -> str:
     if key.startswith("moe."):
         return key.replace(".", "/")
+    if key.startswith("eval/"):  # eval/<name>/loss, eval/<name>/bpb: the [[eval]] sets
+        return key
     if key.startswith("val_"):
         return "val/" + key[len("val_"):]
     if key in _PERF or key.startswith(("rank_", "comm_")):

@@ -100,6 +100,10 @@ class TrainData:
             return local_batch(batch, self.cp_size, self.cp_rank)
         return batch
 
+    def device_batch(self, reader, indices) -> torch.Tensor | DocumentBatch:
+        """The windows `indices` of any split's `reader` as training feeds them (named eval sets)."""
+        return self._batch(reader, indices)
+
     def next_train_micro_batches(self, at: int | None = None) -> list[torch.Tensor | DocumentBatch]:
         """This rank's micro-batches of the next step, or of step `at` (a batch claimed out of
         order; the sampler is left after it)."""

@@ -51,6 +51,7 @@ from hpctrain.train.hooks import LoopHooks
 from hpctrain.train.resume import resume_newest
 from hpctrain.train.model_setup import build_model, check_model_fits, lora_base
 from hpctrain.train.moe_monitor import monitor_for
+from hpctrain.train.named_evals import NamedEvals
 from hpctrain.model.optim import build_optimizer, lr_at, set_lr, undecayed_matrices
 from hpctrain.train.states import ModelState, OptimState, RNGStates
 
@@ -99,6 +100,7 @@ class Trainer:
         # one optimizer step in this layout and precision (hpctrain/train/engine.py)
         self.engine = StepEngine(runner, self.optimizer, t, self.plan.faults, ctx.device, ctx.rank,
                                  ctx.world_size, agreed=self.sync.global_each_step)
+        self.named_evals = NamedEvals(cfg, self.data, ctx.comm, self.sync, self.engine)  # [[eval]] sets
         # the loop's named hook points (hpctrain/train/hooks.py): the strategy's saves, PBT's rounds
         self.hooks = LoopHooks()
         self.hooks.add("before_save", self.sync.before_save)  # ps, async_diloco: the servers' model
@@ -116,8 +118,7 @@ class Trainer:
                           t.log_interval, self.plan.end_step)  # read on the host at log steps only
         if moe is not None:
             self.hooks.add("after_step", moe.record)
-        self.step = 0
-        self._flush_now, self._step_log = False, None
+        self.step, self._flush_now, self._step_log = 0, False, None
         # HPCTRAIN_COUNT_HOST_SYNCS=1: each step's host syncs into host_syncs.rank<r>.json (tests)
         self.sync_log = StepSyncLog(cfg.run.dir, ctx.rank) if StepSyncLog.enabled() else None
         self.stragglers = StragglerDetector(ctx.comm, window=t.straggler_window)
@@ -311,10 +312,11 @@ class Trainer:
         return MetricsLog(run / f"metrics.rank{ctx.rank}.jsonl", self.sync.writes_metrics, self.step, window)
 
     def _validate(self, metrics: MetricsLog) -> None:
-        val = self.evaluate()
-        if val is not None:
-            metrics.write({"step": self.step, "val_loss": val})
-            log(self.ctx, f"step {self.step} val {val:.4f}")
+        val, named = self.evaluate(), self.named_evals.metrics(self.step)
+        rec = {**({"val_loss": val} if val is not None else {}), **named}
+        if rec:
+            metrics.write({"step": self.step, **rec})
+            log(self.ctx, f"step {self.step}" + "".join(f" {k.replace('_loss', '')} {v:.4f}" for k, v in rec.items()))
 
     def _step_record(self, loss, grad_norm, lr: float, dt: float, wait: float) -> dict:
         """The metrics of the step just taken (`wait`: of its `dt` seconds, those spent waiting for
@@ -336,6 +338,7 @@ class Trainer:
             val = self.evaluate()
             if val is not None:
                 rec["val_loss"] = val
+        rec.update(self.named_evals.metrics(self.step) if collective else {})
         scaling = self.engine.loss_scaling  # device tensors (copies: they change in place)
         if scaling.enabled:
             rec.update(loss_scale=scaling.factor.clone(), overflow=scaling.overflowed.clone(),

@@ -90,6 +90,8 @@ class StepLog:
         done = max(1, step - self.start_step)
         eta = (time.perf_counter() - self.t_start) / done * (self.end - step)
         val_txt = f" val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
+        val_txt += "".join(f" {key[:-len('/loss')]} {value:.4f}" for key, value in rec.items()
+                           if key.startswith("eval/") and key.endswith("/loss"))  # [[eval]] sets
         mfu = rec.get("mfu")
         logs.info(f"step {step}/{self.end} loss {rec['loss']:.4f}{val_txt} lr {rec['lr']:.2e} "
                   f"{rec['tokens_per_s']:,.0f} tok/s mfu {'n/a' if mfu is None else f'{mfu:.1%}'} "

@@ -24,6 +24,9 @@ CALLED_BY_NAME = {
     ("hpctrain/checkpoint/metadata_scan.py", "persistent_load"): "pickle.Unpickler",
     ("hpctrain/checkpoint/safe_load.py", "load_bytes"): "torch.distributed.checkpoint's LoadPlanner",
     ("hpctrain/tune/journal.py", "append_logs"): "optuna's JournalStorage, of its backend",
+    ("hpctrain/lm_eval_model.py", "HpctrainLM"): "lm_eval's model registry (--model hpctrain)",
+    ("hpctrain/lm_eval_model.py", "loglikelihood_rolling"): "lm_eval's evaluator, of an LM",
+    ("hpctrain/lm_eval_model.py", "generate_until"): "lm_eval's evaluator, of an LM",
 }
 WORD = re.compile(r"[A-Za-z_]\w*")
 
