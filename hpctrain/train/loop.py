@@ -96,7 +96,8 @@ class Trainer:
                                                                       self.layout.tied_weight_is_head_copy))
         # forward/backward, clip and eval in this layout; losses averaged over dp where replicas
         # step together (every mode but ps)
-        runner = build_runner(self.layout, cfg, t.grad_accum, mean_over_dp=self.sync.collective_steps)
+        runner = build_runner(self.layout, cfg, t.grad_accum, mean_over_dp=self.sync.collective_steps,
+                              token_mean=self.data.objective.token_mean)  # train.objective
         # one optimizer step in this layout and precision (hpctrain/train/engine.py)
         self.engine = StepEngine(runner, self.optimizer, t, self.plan.faults, ctx.device, ctx.rank,
                                  ctx.world_size, agreed=self.sync.global_each_step)
