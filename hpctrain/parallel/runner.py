@@ -29,17 +29,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hpctrain.config import Config
-from hpctrain.data.documents import DocumentBatch
 from hpctrain.distributed.dtensor import is_dtensor
 from hpctrain.distributed.flight_recorder import RECORDER
 from hpctrain.errors import ConfigError
 from hpctrain.model.moe import MoEFeedForward
 from hpctrain.parallel.parallelize import Layout
 from hpctrain.parallel.loss import chunked_lm_loss
-from hpctrain.parallel.token_mean import (MaskedBatch, lm_loss_sum, per_micro_batch_denominator,
-                                          trained_count)
+from hpctrain.parallel.batch_inputs import model_inputs  # noqa: F401 (the runner's, re-exported)
+from hpctrain.parallel.token_mean import lm_loss_sum, per_micro_batch_denominator, trained_count
 from hpctrain.parallel.tensor_parallel import sum_moe_grads_over_tp, tp_token_split_moe
-from hpctrain.parallel.zigzag import LocalBatch
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -49,27 +47,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if is_dtensor(t) else t
-
-
-def model_inputs(batch: torch.Tensor | DocumentBatch | LocalBatch) -> tuple[torch.Tensor, dict, torch.Tensor]:
-    """(inputs [mb, T], the model's keywords, targets [mb, T]) of a micro-batch: tokens [mb, T+1],
-    or a DocumentBatch (data.document_mask: + doc_ids, and positions with data.document_positions),
-    or a cp rank's LocalBatch (parallel.cp > 1: its part, with the tokens' global positions), or
-    a MaskedBatch (train.objective = sft: one of those with its untrained targets ignored)."""
-    if isinstance(batch, MaskedBatch):
-        inputs, keywords, _ = model_inputs(batch.batch)
-        return inputs, keywords, batch.targets
-    if isinstance(batch, LocalBatch):
-        keywords = {"positions": batch.positions}
-        if batch.doc_ids is not None:
-            keywords["doc_ids"] = batch.doc_ids
-        return batch.tokens, keywords, batch.targets
-    if not isinstance(batch, DocumentBatch):
-        return batch[:, :-1], {}, batch[:, 1:]
-    keywords = {"doc_ids": batch.doc_ids[:, :-1]}
-    if batch.positions is not None:
-        keywords["positions"] = batch.positions[:, :-1]
-    return batch.tokens[:, :-1], keywords, batch.tokens[:, 1:]
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -122,7 +99,7 @@ class StepRunner(ABC):
         count = trained_count([model_inputs(b)[2] for b in batches])
         ranks = self._reduce_size if self.mean_over_dp else 1
         if ranks > 1:
-            count = self._sum_over_dp(count)
+            count = self._all_reduce_dp(count, "trained_tokens", average=False)
         self._denominator = per_micro_batch_denominator(count, len(batches), ranks)
 
     def _scaled_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -148,37 +125,30 @@ class StepRunner(ABC):
         """Mean loss of this dp replica from this rank's sum over `count` micro-batches."""
         return (local_sum / count).to(torch.float32)
 
-    def _sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
-        """`value` summed over the dp x cp ranks (the MPI communicator where the MPI gradient
-        hook runs, as the loss's own reduction)."""
+    def _all_reduce_dp(self, value: torch.Tensor, name: str, average: bool) -> torch.Tensor:
+        """`value` summed (or averaged) over the dp x cp ranks, in place. CPU with the MPI gradient
+        hook: its communicator over the same ranks (3 us over shared memory; Gloo's TCP takes
+        360 us, every step): sum, then divide, as Gloo's AVG. (DiLoCo's inner steps: where a
+        faster replica waits for a slower one.)"""
         sync = self.layout.mpi_grad_allreduce
-        with self.layout.wait_clock.blocked(), RECORDER.collective("trained_tokens", self._dp_name):
-            if sync is not None:
-                from mpi4py import MPI
+        with self.layout.wait_clock.blocked(), RECORDER.collective(name, self._dp_name):
+            if sync is None:
+                op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+                dist.all_reduce(value, op=op, group=self._reduce_group)
+                return value
+            from mpi4py import MPI
 
-                sync.comm.Allreduce(MPI.IN_PLACE, value.numpy(), op=MPI.SUM)
-            else:
-                dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self._reduce_group)
+            sync.comm.Allreduce(MPI.IN_PLACE, value.numpy(), op=MPI.SUM)
+        if average:
+            value /= self._reduce_size
         return value
 
     def _global_mean(self, local_sum: torch.Tensor, count: int) -> torch.Tensor:
         """Mean loss over the global batch: the replica means averaged over dp (unless the
         replicas step apart: sync.mode = ps, where the loss stays this worker's)."""
         loss = self._replica_mean(local_sum, count)
-        if not self.mean_over_dp:
-            return loss
-        dp, sync = self._reduce_size, self.layout.mpi_grad_allreduce
-        if dp > 1 and sync is not None:
-            # CPU with the MPI gradient hook: its communicator over the same dp ranks (3 us over
-            # shared memory; Gloo's TCP takes 360 us, every step). Sum, then divide: as Gloo's AVG
-            from mpi4py import MPI
-
-            with self.layout.wait_clock.blocked(), RECORDER.collective("loss_allreduce", self._dp_name):
-                sync.comm.Allreduce(MPI.IN_PLACE, loss.numpy(), op=MPI.SUM)
-            loss /= dp
-        elif dp > 1:  # (DiLoCo's inner steps: where a faster replica waits for a slower one)
-            with self.layout.wait_clock.blocked(), RECORDER.collective("loss_allreduce", self._dp_name):
-                dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self._reduce_group)
+        if self.mean_over_dp and self._reduce_size > 1:
+            self._all_reduce_dp(loss, "loss_allreduce", average=True)
         return loss
 
     # ---- gradients ------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The loss as the mean over the trained tokens of the whole global batch (train.objective = sft).
 
-A masked micro-batch's targets hold IGNORE_INDEX where no loss is taken (non-assistant tokens).
-Each micro-batch's loss is its SUM over trained targets divided by one per-step number
+A masked micro-batch's targets (parallel/batch_inputs.py's MaskedBatch) hold IGNORE_INDEX where
+no loss is taken (non-assistant tokens). Each micro-batch's loss is its SUM over trained targets
+divided by one per-step number
 
     D = N / (n x R)      N: trained targets in the global batch (every micro-batch, every dp x cp
                             rank), n: micro-batches per step, R: ranks the losses and gradients
@@ -12,29 +13,15 @@ for the loss and for the gradients: DDP, FSDP, the after-backward all-reduce, th
 scale_grads) gives sum / N: every trained token weighs the same, however the tokens fall into
 micro-batches and ranks (a per-micro-batch mean would weigh a token of a short answer more).
 
-Owns: the masked micro-batch type, masking targets, and D. It must never read data or decide which
-tokens are trained (hpctrain/train/objective.py does).
+Owns: counting trained targets, D and the summed loss. It must never read data or decide which
+tokens are trained (hpctrain/train/objective.py does; hpctrain/parallel/batch_inputs.py masks).
 """
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from hpctrain.parallel.loss import IGNORE_INDEX
-
-
-class MaskedBatch(NamedTuple):
-    """A micro-batch (tokens [mb, T+1] or a DocumentBatch) and its targets [mb, T] with the
-    untrained ones set to IGNORE_INDEX (the model's inputs are the batch's, unchanged)."""
-    batch: object
-    targets: torch.Tensor
-
-
-def mask_targets(targets: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
-    """`targets` with IGNORE_INDEX where `trained` (bool, same shape) is False."""
-    return targets.masked_fill(~trained, IGNORE_INDEX)
 
 
 def trained_count(targets_of_batches: list[torch.Tensor]) -> torch.Tensor:

@@ -22,7 +22,7 @@ from hpctrain import logs
 from hpctrain.data.documents import DocumentBatch
 from hpctrain.errors import ConfigError
 from hpctrain.parallel.apply_context_parallel import local_batch
-from hpctrain.parallel.token_mean import MaskedBatch, mask_targets
+from hpctrain.parallel.batch_inputs import MaskedBatch, mask_targets
 from hpctrain.parallel.zigzag import split_for_rank
 
 

@@ -47,7 +47,8 @@ grad_accum = 2
 lr = 2e-2
 min_lr = 2e-3
 warmup_steps = 1
-eval_interval = 0
+eval_interval = 3
+eval_batches = 2
 log_interval = 1
 [checkpoint]
 interval = 3
@@ -73,7 +74,7 @@ def setup(tmp_path_factory):
     convs = conversations(60, seed=1)
     data = root / "data"
     shard_dataset([str(write_jsonl(root / "chat.jsonl", convs))], str(data), tokenizer=str(tok),
-                  eot_token=EOT, val_fraction=0, progress=False, format="chat",
+                  eot_token=EOT, val_fraction=0.15, progress=False, format="chat",
                   shard_tokens=4000, log=lambda m: None)
     init = root / "init"
     make_hf_model("llama_gqa_untied", init, vocab_size=3000, max_position_embeddings=64)
@@ -94,14 +95,16 @@ def reference(tmp_path_factory, setup):
     return run
 
 
-def step_one_batch(data):
-    """Step 1's 8 windows and their loss masks, as the trainer's sampler orders them."""
+def step_one_batch(data, split="train"):
+    """Step 1's 8 windows, their loss masks and document ids, as the trainer's sampler orders them
+    (split "val": the 8 validation windows, 2 micro-batches of 4 as the 1-rank run evaluates)."""
     from hpctrain.config_schema import DataConfig
     from hpctrain.data import make_sampler, open_split
 
     d = {f: DataConfig.__dataclass_fields__[f].default for f in ("shuffle", "shuffle_block_shards")}
-    reader = open_split(str(data), "train", 64)
-    indices = make_sampler(reader, 8, 1337, d["shuffle"], d["shuffle_block_shards"]).next_indices()
+    reader = open_split(str(data), split, 64)
+    indices = (reader.eval_indices(8) if split == "val" else
+               make_sampler(reader, 8, 1337, d["shuffle"], d["shuffle_block_shards"]).next_indices())
     return reader.batch(indices).long(), reader.loss_mask(indices).bool(), reader.document_ids(indices)
 
 
@@ -126,6 +129,11 @@ def test_step_one_loss_is_the_masked_mean_over_the_global_batch(setup, reference
     per_micro = np.mean([(ce[r][trained[r]].sum() / trained[r].sum()).item() for r in (slice(0, 4), slice(4, 8))])
     assert 0.1 < trained.float().mean() < 0.9  # some targets are masked out
     assert abs(ce.mean().item() - want) > 1e-3 and abs(per_micro - want) > 1e-5  # both wrong
+    tokens, mask, doc_ids = step_one_batch(data, "val")  # validation: the same mean at step 0
+    ce, trained = token_losses(init, tokens, doc_ids).double(), mask[:, 1:]
+    want = (ce[trained].sum() / trained.sum()).item()
+    got = losses(reference, "val_loss")
+    assert sorted(got) == [0, 3, 6] and abs(got[0] - want) <= 1e-6 * want, (got, want)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -137,3 +137,14 @@ def test_chat_template_file_travels_to_the_export(tmp_path):
     write_hf_tokenizer({**info, "format": "chat"}, str(tmp_path / "data"), str(out))
     # a chat dataset's ids hold <|im_start|> as its special id (as `shard --format chat` encodes)
     assert json.loads((out / "tokenizer_config.json").read_text())["split_special_tokens"] is False
+
+
+def test_the_sft_recipe_loads_with_an_init_folder(tmp_path):
+    """configs/sft.toml with --init.from a Hugging Face folder: [model] from its config.json."""
+    from tests.conftest import ROOT
+    from tests.hf_models import make_hf_model
+
+    make_hf_model("llama_gqa_untied", tmp_path / "base", max_position_embeddings=2048)
+    cfg = config.load(ROOT / "configs" / "sft.toml", [f"--init.from={tmp_path / 'base'}"])
+    assert (cfg.train.objective, cfg.data.document_mask, cfg.model.arch) == ("sft", True, "llama")
+    assert (cfg.model.n_kv_head, cfg.model.block_size) == (2, 1024)
