@@ -168,12 +168,13 @@ def test_export_applies_the_chat_template_and_generates(tmp_path, setup, referen
         from data_tools.format import open_shard_layout, read_manifest, shards_of
         out, data, convs = sys.argv[1], sys.argv[2], json.loads(open(sys.argv[3]).read())
         m = read_manifest(data)
-        toks = np.concatenate([np.fromfile(l.path, l.dtype, l.n_tokens, offset=l.offset) for l in
-                               (open_shard_layout(f"{data}/{e['file']}", e, m) for e in shards_of(m, "train"))])
         tok = AutoTokenizer.from_pretrained(out)
         ids = [tok.apply_chat_template(c, tokenize=True, return_dict=True)["input_ids"] for c in convs]
-        eot = tok.convert_tokens_to_ids("<|endoftext|>")
-        stored = [[int(t) for t in d] for d in np.split(toks, np.flatnonzero(toks == eot) + 1)[:-1]]
+        eot, stored = tok.convert_tokens_to_ids("<|endoftext|>"), []
+        for split in ("train", "val"):  # each split's conversations, end-of-text after each
+            toks = np.concatenate([np.fromfile(l.path, l.dtype, l.n_tokens, offset=l.offset) for l in
+                                   (open_shard_layout(f"{data}/{e['file']}", e, m) for e in shards_of(m, split))])
+            stored += [[int(t) for t in d] for d in np.split(toks, np.flatnonzero(toks == eot) + 1)[:-1]]
         prompt = tok.apply_chat_template(convs[0][:2], add_generation_prompt=True, return_dict=True,
                                          return_tensors="pt")["input_ids"]
         model = AutoModelForCausalLM.from_pretrained(out).eval()
