@@ -126,7 +126,8 @@ def test_step_one_loss_is_the_masked_mean_over_the_global_batch(setup, reference
     want = (ce[trained].sum() / trained.sum()).item()
     got = losses(reference)[1]
     assert abs(got - want) <= 1e-6 * want, (got, want)
-    per_micro = np.mean([(ce[r][trained[r]].sum() / trained[r].sum()).item() for r in (slice(0, 4), slice(4, 8))])
+    halves = (slice(0, 4), slice(4, 8))  # the two micro-batches
+    per_micro = np.mean([(ce[r][trained[r]].sum() / trained[r].sum()).item() for r in halves])
     assert 0.1 < trained.float().mean() < 0.9  # some targets are masked out
     assert abs(ce.mean().item() - want) > 1e-3 and abs(per_micro - want) > 1e-5  # both wrong
     tokens, mask, doc_ids = step_one_batch(data, "val")  # validation: the same mean at step 0
@@ -172,8 +173,8 @@ def test_export_applies_the_chat_template_and_generates(tmp_path, setup, referen
         ids = [tok.apply_chat_template(c, tokenize=True, return_dict=True)["input_ids"] for c in convs]
         eot, stored = tok.convert_tokens_to_ids("<|endoftext|>"), []
         for split in ("train", "val"):  # each split's conversations, end-of-text after each
-            toks = np.concatenate([np.fromfile(l.path, l.dtype, l.n_tokens, offset=l.offset) for l in
-                                   (open_shard_layout(f"{data}/{e['file']}", e, m) for e in shards_of(m, split))])
+            lays = [open_shard_layout(f"{data}/{e['file']}", e, m) for e in shards_of(m, split)]
+            toks = np.concatenate([np.fromfile(l.path, l.dtype, l.n_tokens, offset=l.offset) for l in lays])
             stored += [[int(t) for t in d] for d in np.split(toks, np.flatnonzero(toks == eot) + 1)[:-1]]
         prompt = tok.apply_chat_template(convs[0][:2], add_generation_prompt=True, return_dict=True,
                                          return_tensors="pt")["input_ids"]
@@ -197,4 +198,5 @@ def test_sft_on_a_dataset_without_loss_mask_is_one_line(tmp_path, setup, dataset
     cfg.write_text(SFT.format(run=tmp_path / "plain", data=dataset, init=init))
     r = train(1, cfg, check=False, timeout=300)
     lines = [line for line in r.stderr.splitlines() if "config key 'train.objective'" in line]
-    assert r.returncode != 0 and lines and str(dataset) in lines[0] and "--format chat" in lines[0], r.stderr[-2000:]
+    assert r.returncode != 0 and lines, r.stderr[-2000:]
+    assert str(dataset) in lines[0] and "--format chat" in lines[0], lines[0]

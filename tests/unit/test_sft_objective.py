@@ -35,7 +35,8 @@ def test_denominator_gives_the_global_token_mean_whatever_the_split():
     g = torch.Generator().manual_seed(0)
     n, ranks = 3, 2
     ce = torch.rand(ranks, n, 4, 16, generator=g, dtype=torch.float64)
-    trained = torch.rand(ranks, n, 4, 16, generator=g) < torch.linspace(0.05, 0.9, n * ranks).view(ranks, n, 1, 1)
+    share = torch.linspace(0.05, 0.9, n * ranks).view(ranks, n, 1, 1)  # trained share per micro-batch
+    trained = torch.rand(ranks, n, 4, 16, generator=g) < share
     targets = torch.where(trained, 1, IGNORE_INDEX)
     counts = [trained_count(list(targets[r])) for r in range(ranks)]
     d = per_micro_batch_denominator(sum(counts), n, ranks)
@@ -102,7 +103,8 @@ def test_objectives_and_their_one_line_refusals(caplog):
         check_objective(build("/x/plain", objective="sft"), has_loss_mask=False, is_main=True)
     diloco = build(objective="sft")
     diloco.sync.mode = "diloco"
-    with pytest.raises(ConfigError, match=r"'train.objective': 'sft' needs sync.mode = 'sync' \(got 'diloco'"):
+    with pytest.raises(ConfigError, match=r"'train.objective': 'sft' needs sync.mode = 'sync' "
+                                          r"\(got 'diloco'"):
         check_objective(diloco, has_loss_mask=True, is_main=True)
     assert check_objective(build(objective="sft"), has_loss_mask=True, is_main=True).token_mean
     with caplog.at_level(logging.WARNING, logger="hpctrain"):
