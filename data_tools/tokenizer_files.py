@@ -26,6 +26,7 @@ from .tokenizers import ENDOFTEXT, dataset_tokenizer, gpt2_files
 
 CONFIG = "tokenizer_config.json"
 TOKENIZER = "tokenizer.json"
+CHAT_TEMPLATE = "chat_template.jinja"  # transformers' separate chat template file, where the data had one
 # model types whose registered tokenizer class transformers 5 loads whatever tokenizer_config.json
 # names (qwen2; qwen2_moe shares the class), rebuilding Qwen2's pre-tokenizer from the vocabulary:
 # an `auto_map` entry (naming LOADER, for trust_remote_code=True) is what makes it read the file
@@ -73,15 +74,17 @@ def _unk_token(spec: dict) -> str | None:
     return model.get("unk_token")
 
 
-def tokenizer_config(spec: dict, eos: str, carried: dict, max_length: int) -> dict:
+def tokenizer_config(spec: dict, eos: str, carried: dict, max_length: int,
+                     chat: bool = False) -> dict:
     """tokenizer_config.json for tokenizer.json `spec` (a dict) whose documents end with `eos`:
     the dataset's `carried` one (chat template, added tokens, bos) without the keys that name a
     class or BOS/EOS rules, and PreTrainedTokenizerFast (AutoTokenizer then loads tokenizer.json
-    as it is), special-token text split as plain text (split_special_tokens: the sharder's rule),
+    as it is), special-token text split as plain text (split_special_tokens: the sharder's rule;
+    `chat`: a chat dataset's, whose template's special tokens are recognised, as `--format chat`),
     no BOS/EOS added by the class, eos = the shards' end-of-text token (pad and unk default to it
     and the model's unk)."""
     cfg = {k: v for k, v in carried.items() if k not in REPLACED}
-    cfg.update(tokenizer_class="PreTrainedTokenizerFast", eos_token=eos, split_special_tokens=True,
+    cfg.update(tokenizer_class="PreTrainedTokenizerFast", eos_token=eos, split_special_tokens=not chat,
                add_bos_token=False, add_eos_token=False, model_max_length=max_length)
     cfg.setdefault("pad_token", eos)
     unk = _unk_token(spec)
@@ -114,6 +117,19 @@ def _dataset_files(info: dict, data_path: str) -> tuple[str, dict, str]:
     return text, carried if isinstance(carried, dict) else {}, tok.tok.id_to_token(int(info["eot_id"]))
 
 
+def _chat_template_file(info: dict, data_path: str) -> str | None:
+    """The dataset's chat_template.jinja text: as the checkpoint carries it, else the dataset's
+    copy (a checkpoint written before checkpoints carried it), else None."""
+    carried = (info.get("files") or {}).get(CHAT_TEMPLATE)
+    if carried is not None:
+        return carried
+    path = os.path.join(str(data_path), CHAT_TEMPLATE)
+    if data_path and os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    return None
+
+
 def write_hf_tokenizer(info: dict, data_path: str, out_dir: str, max_length: int = 1024,
                        model_type: str = "") -> list[str]:
     """Write the tokenizer files for ``info`` (a checkpoint's tokenizer record) into ``out_dir``
@@ -134,12 +150,17 @@ def write_hf_tokenizer(info: dict, data_path: str, out_dir: str, max_length: int
     else:
         text, carried, eos = _dataset_files(info, data_path)
     _write(os.path.join(out_dir, TOKENIZER), text)
-    config = tokenizer_config(json.loads(text), eos, carried, max_length)
+    config = tokenizer_config(json.loads(text), eos, carried, max_length,
+                              chat=info.get("format") == "chat")
     if model_type in REBUILT_BY_MODEL_TYPE:
         _write(os.path.join(out_dir, LOADER), LOADER_CODE)
         config["auto_map"] = {"AutoTokenizer": [LOADER_CLASS, LOADER_CLASS]}
         names.append(LOADER)
     _write(os.path.join(out_dir, CONFIG), json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    template = _chat_template_file(info, data_path)
+    if template is not None:  # apply_chat_template reads it beside tokenizer_config.json
+        _write(os.path.join(out_dir, CHAT_TEMPLATE), template)
+        names.append(CHAT_TEMPLATE)
     added = _post_processor_adds(text)
     if added:
         logs.get_logger(__name__).warning(

@@ -173,8 +173,9 @@ def get_tokenizer(name: str, eot_token=None, eot_id=None) -> Tokenizer:
 def tokenizer_file_of(data_path: str, manifest: dict) -> dict:
     """What a run records (in every checkpoint) about the tokenizer.json a dataset (or a blend's
     component holding it) was made with: {"file", "path" (absolute), "files": {name: text} of
-    tokenizer.json and tokenizer_config.json}, so ``sample`` / ``export`` have it even when the
-    dataset moved; {} for gpt2/bytes."""
+    tokenizer.json, tokenizer_config.json and chat_template.jinja (transformers' separate chat
+    template file)}, so ``sample`` / ``export`` have it even when the dataset moved; {} for
+    gpt2/bytes."""
     tok = manifest["tokenizer"]
     if "sha256" not in tok:
         return {}
@@ -183,7 +184,7 @@ def tokenizer_file_of(data_path: str, manifest: dict) -> dict:
         path = os.path.abspath(os.path.join(d, tok.get("file", "tokenizer.json")))
         if os.path.isfile(path):
             files = {}
-            for name in (os.path.basename(path), "tokenizer_config.json"):
+            for name in (os.path.basename(path), "tokenizer_config.json", "chat_template.jinja"):
                 if os.path.isfile(os.path.join(d, name)):
                     with open(os.path.join(d, name), "rb") as f:
                         files[name] = f.read().decode("utf-8")

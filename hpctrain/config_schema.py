@@ -151,6 +151,12 @@ class TrainConfig:
                 "128) for large vocabularies (GPT-2's 50k, Llama's 128k): the logits of one chunk "
                 "at a time, same loss and gradients, 2.2x the tokens/s and 7.5x less memory per "
                 "micro-batch at 50k on CPU (docs/benchmarks.md); works with DDP, FSDP, TP and PP"})
+    objective: Literal["pretrain", "sft", "dpo"] = field(default="pretrain", metadata={
+        "help": "pretrain (next-token loss on every token) | sft (a chat dataset from `data_tools "
+                "shard --format chat`: the loss on assistant tokens only, the mean over the global "
+                "batch's trained tokens; README 'Fine-tuning on conversations (SFT)') | dpo (Direct "
+                "Preference Optimization on a `shard --format preference` dataset, against the "
+                "initial model's log-probs: the [dpo] section, README 'DPO')"})
     eval_interval: int = field(default=50, metadata={"help": "validation every N steps and at the end (0 = never)"})
     eval_batches: int = field(default=8, metadata={"help": "micro-batches per rank per validation"})
     log_interval: int = field(default=10, metadata={"help": "print a progress line every N steps (rank 0)"})
@@ -159,10 +165,6 @@ class TrainConfig:
     max_bad_steps: int = field(default=5, metadata={
         "help": "a non-finite loss or grad norm skips the step; this many in a row stops the run "
                 "(the last checkpoint stays the newest)"})
-    objective: Literal["pretrain", "dpo"] = field(default="pretrain", metadata={
-        "help": "pretrain (next-token loss on every token) | dpo (Direct Preference Optimization "
-                "on a `shard --format preference` dataset, against the initial model's log-probs: "
-                "the [dpo] section, README 'DPO')"})
 
 
 @dataclass

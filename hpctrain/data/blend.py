@@ -39,6 +39,8 @@ class BlendShards:
     ``optional=True`` (validation) leaves out components with no window in ``split`` (listed
     in ``notes``) instead of failing; the remaining weights keep their ratios."""
 
+    has_loss_mask = False  # `blend` refuses a chat dataset: no component has a loss mask
+
     def __init__(self, path: str, split: str, block_size: int,
                  expected_vocab_size: int | None = None, max_open: int = 128, cache=None,
                  range_checked: bool = False, optional: bool = False, loaded: dict | None = None):

@@ -41,9 +41,12 @@ class Dataset:
         return self.kind == KIND_BLEND
 
     def tokenizer_info(self) -> dict:
-        """The manifest's tokenizer facts plus where its tokenizer.json is (for `sample`)."""
+        """The manifest's tokenizer facts plus where its tokenizer.json is (for `sample`); a chat
+        dataset's also "format": "chat" (its special tokens were encoded as such: export)."""
         info = dict(self.manifest["tokenizer"])
         info.update(tokenizer_file_of(self.path, self.manifest))
+        if self.manifest.get("format") == "chat":
+            info["format"] = "chat"
         return info
 
     def open_split(self, split: str, block_size: int, optional: bool = False, **kw):

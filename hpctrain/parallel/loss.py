@@ -191,10 +191,12 @@ def _compiled(fn):
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, w, targets, chunk, offset, group, dtype, need_grad, compiled=False):
+    def forward(ctx, h, w, targets, chunk, offset, group, dtype, need_grad, compiled=False,
+                denominator=None):
         hc, wc = h.to(dtype), w.to(dtype)
         valid = targets != IGNORE_INDEX
-        count = valid.sum().clamp(min=1).to(torch.float32)
+        count = (valid.sum().clamp(min=1).to(torch.float32) if denominator is None
+                 else denominator)
         weight = valid.float() / count if need_grad else None
         grad_h = torch.empty_like(h) if need_grad else None
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_grad else None
@@ -228,15 +230,18 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_w = ctx.saved_tensors  # ours, used once: scaled in place (no [V, C] copy)
-        return grad_h.mul_(grad_loss), grad_w.mul_(grad_loss), *([None] * 7)
+        return grad_h.mul_(grad_loss), grad_w.mul_(grad_loss), *([None] * 8)
 
 
 def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                    chunk: int, compiled: bool = False) -> torch.Tensor:
+                    chunk: int, compiled: bool = False,
+                    denominator: torch.Tensor | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy (fp32) of logits = hidden @ weight^T, `chunk` tokens at a time;
     the same value and gradients (wrt hidden and weight) as F.cross_entropy on the full logits.
     hidden [..., C] (a replicated DTensor under TP), weight [V, C] (vocab-sharded under TP).
-    `compiled`: each chunk's math through torch.compile (train.compile; not under TP)."""
+    `compiled`: each chunk's math through torch.compile (train.compile; not under TP).
+    `denominator` (a 0-dim fp32 tensor): the sum over the targets divided by it instead of by
+    their count (train.objective = sft: hpctrain/parallel/token_mean.py)."""
     if is_dtensor(hidden):
         if not all(p.is_replicate() for p in hidden.placements):
             raise ValueError(f"train.loss_chunk: hidden states laid out as {hidden.placements}; "
@@ -250,4 +255,5 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     need_grad = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)
     with torch.autocast(device_type, enabled=False):
         return _ChunkedLinearCrossEntropy.apply(h.flatten(0, -2), w, targets.flatten(), chunk,
-                                                offset, group, dtype, need_grad, compiled)
+                                                offset, group, dtype, need_grad, compiled,
+                                                denominator)

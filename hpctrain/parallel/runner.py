@@ -29,7 +29,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hpctrain.config import Config
-from hpctrain.data.documents import DocumentBatch
 from hpctrain.distributed.dtensor import is_dtensor
 from hpctrain.distributed.flight_recorder import RECORDER
 from hpctrain.errors import ConfigError
@@ -37,8 +36,9 @@ from hpctrain.model.moe import MoEFeedForward
 from hpctrain.parallel.parallelize import Layout
 from hpctrain.parallel.loss import chunked_lm_loss
 from hpctrain.parallel.offload import compute_device
+from hpctrain.parallel.batch_inputs import model_inputs  # noqa: F401 (the runner's, re-exported)
+from hpctrain.parallel.token_mean import lm_loss_sum, per_micro_batch_denominator, trained_count
 from hpctrain.parallel.tensor_parallel import sum_moe_grads_over_tp, tp_token_split_moe
-from hpctrain.parallel.zigzag import LocalBatch
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -50,23 +50,6 @@ def _value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if is_dtensor(t) else t
 
 
-def model_inputs(batch: torch.Tensor | DocumentBatch | LocalBatch) -> tuple[torch.Tensor, dict, torch.Tensor]:
-    """(inputs [mb, T], the model's keywords, targets [mb, T]) of a micro-batch: tokens [mb, T+1],
-    or a DocumentBatch (data.document_mask: + doc_ids, and positions with data.document_positions),
-    or a cp rank's LocalBatch (parallel.cp > 1: its part, with the tokens' global positions)."""
-    if isinstance(batch, LocalBatch):
-        keywords = {"positions": batch.positions}
-        if batch.doc_ids is not None:
-            keywords["doc_ids"] = batch.doc_ids
-        return batch.tokens, keywords, batch.targets
-    if not isinstance(batch, DocumentBatch):
-        return batch[:, :-1], {}, batch[:, 1:]
-    keywords = {"doc_ids": batch.doc_ids[:, :-1]}
-    if batch.positions is not None:
-        keywords["positions"] = batch.positions[:, :-1]
-    return batch.tokens[:, :-1], keywords, batch.tokens[:, 1:]
-
-
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy (fp32). Vocab-sharded DTensor logits need `loss_parallel()`."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
@@ -76,8 +59,12 @@ class StepRunner(ABC):
     """What every layout's step shares; subclasses run the micro-batches (`_forward_backward_sum`,
     `_eval_sum`) and add their own reductions over pipeline stages."""
 
-    def __init__(self, layout: Layout, mean_over_dp: bool = True, loss_chunk: int = 0):
+    def __init__(self, layout: Layout, mean_over_dp: bool = True, loss_chunk: int = 0,
+                 token_mean: bool = False):
+        """`token_mean`: each micro-batch's loss is its sum over trained targets / D, the mean
+        over the global batch's trained tokens (train.objective = sft: parallel/token_mean.py)."""
         self.layout, self.mean_over_dp, self.loss_chunk = layout, mean_over_dp, loss_chunk
+        self.token_mean, self._denominator = token_mean, None  # D of the step being run
         self.device = compute_device(layout.module, layout.mesh)  # parallel.offload = all: not the params'
         self._loss_hook, self._loss_scale = None, 1.0
         # Parameters counted in the grad norm: the tied weight's second copy (last stage) is skipped.
@@ -95,12 +82,26 @@ class StepRunner(ABC):
 
     # ---- the loss -------------------------------------------------------------------------
     def _loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The model's output is logits, or with train.loss_chunk the head's hidden states."""
+        """The model's output is logits, or with train.loss_chunk the head's hidden states; the
+        mean over the targets, or with token_mean their sum / the step's D."""
+        d = self._denominator
         if not self.loss_chunk:
-            return lm_loss(output, targets)
+            return lm_loss(output, targets) if d is None else lm_loss_sum(output, targets) / d
         # fetched each time: FSDP swaps the registered parameter between sharded and unsharded
         head = self.layout.module.lm_head
-        return chunked_lm_loss(output, head.weight, targets, self.loss_chunk, head.compiled)
+        return chunked_lm_loss(output, head.weight, targets, self.loss_chunk, head.compiled,
+                               denominator=d)
+
+    def _set_denominator(self, batches: list) -> None:
+        """token_mean: D of `batches` (this rank's micro-batches of one step or evaluation):
+        N counted here and summed over the ranks the loss is averaged over (one all-reduce)."""
+        if not self.token_mean:
+            return
+        count = trained_count([model_inputs(b)[2] for b in batches])
+        ranks = self._reduce_size if self.mean_over_dp else 1
+        if ranks > 1:
+            count = self._all_reduce_dp(count, "trained_tokens", average=False)
+        self._denominator = per_micro_batch_denominator(count, len(batches), ranks)
 
     def _scaled_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss that backward sees: after the loss hook, times the loss scale."""
@@ -125,24 +126,30 @@ class StepRunner(ABC):
         """Mean loss of this dp replica from this rank's sum over `count` micro-batches."""
         return (local_sum / count).to(torch.float32)
 
+    def _all_reduce_dp(self, value: torch.Tensor, name: str, average: bool) -> torch.Tensor:
+        """`value` summed (or averaged) over the dp x cp ranks, in place. CPU with the MPI gradient
+        hook: its communicator over the same ranks (3 us over shared memory; Gloo's TCP takes
+        360 us, every step): sum, then divide, as Gloo's AVG. (DiLoCo's inner steps: where a
+        faster replica waits for a slower one.)"""
+        sync = self.layout.mpi_grad_allreduce
+        with self.layout.wait_clock.blocked(), RECORDER.collective(name, self._dp_name):
+            if sync is None:
+                op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+                dist.all_reduce(value, op=op, group=self._reduce_group)
+                return value
+            from mpi4py import MPI
+
+            sync.comm.Allreduce(MPI.IN_PLACE, value.numpy(), op=MPI.SUM)
+        if average:
+            value /= self._reduce_size
+        return value
+
     def _global_mean(self, local_sum: torch.Tensor, count: int) -> torch.Tensor:
         """Mean loss over the global batch: the replica means averaged over dp (unless the
         replicas step apart: sync.mode = ps, where the loss stays this worker's)."""
         loss = self._replica_mean(local_sum, count)
-        if not self.mean_over_dp:
-            return loss
-        dp, sync = self._reduce_size, self.layout.mpi_grad_allreduce
-        if dp > 1 and sync is not None:
-            # CPU with the MPI gradient hook: its communicator over the same dp ranks (3 us over
-            # shared memory; Gloo's TCP takes 360 us, every step). Sum, then divide: as Gloo's AVG
-            from mpi4py import MPI
-
-            with self.layout.wait_clock.blocked(), RECORDER.collective("loss_allreduce", self._dp_name):
-                sync.comm.Allreduce(MPI.IN_PLACE, loss.numpy(), op=MPI.SUM)
-            loss /= dp
-        elif dp > 1:  # (DiLoCo's inner steps: where a faster replica waits for a slower one)
-            with self.layout.wait_clock.blocked(), RECORDER.collective("loss_allreduce", self._dp_name):
-                dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self._reduce_group)
+        if self.mean_over_dp and self._reduce_size > 1:
+            self._all_reduce_dp(loss, "loss_allreduce", average=True)
         return loss
 
     # ---- gradients ------------------------------------------------------------------------
@@ -203,6 +210,7 @@ class StepRunner(ABC):
         global mean loss (same value on every rank, unscaled, on the device).
         `loss_hook(loss) -> loss`, if given, sees each micro-batch loss before backward."""
         self.layout.module.train()
+        self._set_denominator(micro_batches)
         self._loss_hook, self._loss_scale = loss_hook, loss_scale
         for moe in self._moe_layers:  # the aux loss is per optimizer step, as the main loss
             moe.aux_scale = float(loss_scale) * self._micro_batch_weight(len(micro_batches))
@@ -210,7 +218,7 @@ class StepRunner(ABC):
             with RECORDER.collective("forward_backward (DDP/FSDP all-reduce inside)", self._dp_name):
                 total = self._forward_backward_sum(micro_batches, autocast, loss_scale)
         finally:
-            self._loss_hook, self._loss_scale = None, 1.0
+            self._loss_hook, self._loss_scale, self._denominator = None, 1.0, None
         self._finish_grads()
         return self._global_mean(total, len(micro_batches))
 
@@ -222,8 +230,12 @@ class StepRunner(ABC):
     def eval_loss(self, batches: list[torch.Tensor], autocast) -> float:
         """Mean loss over every rank's `batches` (equal-sized micro-batches), forward only."""
         self.layout.module.eval()
-        with self._loss_context():
-            total = self._eval_sum(batches, autocast)
+        self._set_denominator(batches)
+        try:
+            with self._loss_context():
+                total = self._eval_sum(batches, autocast)
+        finally:
+            self._denominator = None
         return self._global_mean(total, len(batches)).item()
 
     @abstractmethod
@@ -239,8 +251,9 @@ class StepRunner(ABC):
 class PlainRunner(StepRunner):
     """One forward module, micro-batches in a loop; the dp gradient sync runs on the last one."""
 
-    def __init__(self, layout: Layout, mean_over_dp: bool = True, loss_chunk: int = 0):
-        super().__init__(layout, mean_over_dp, loss_chunk)
+    def __init__(self, layout: Layout, mean_over_dp: bool = True, loss_chunk: int = 0,
+                 token_mean: bool = False):
+        super().__init__(layout, mean_over_dp, loss_chunk, token_mean)
         (self.forward_module,) = layout.forward_modules
         # the MPI hook sums: the loss is divided by dp before backward instead (no pass over grads)
         self._loss_divisor = self._reduce_size if layout.mpi_grad_allreduce is not None else 1
@@ -280,7 +293,7 @@ class PlainRunner(StepRunner):
             with autocast, self._cp_context(batch):
                 logits = self.forward_module(inputs, **keywords)
                 loss = self._loss(logits, targets) if self.loss_chunk else None
-            total += _value(loss if loss is not None else lm_loss(logits, targets))
+            total += _value(loss if loss is not None else self._loss(logits, targets))
         return total
 
 
@@ -289,8 +302,8 @@ class PipelineRunner(StepRunner):
     (0, summed away over pp). The tied embedding / head gradient is summed over its two stages."""
 
     def __init__(self, layout: Layout, schedule: str, n_micro: int, mean_over_dp: bool = True,
-                 loss_chunk: int = 0):
-        super().__init__(layout, mean_over_dp, loss_chunk)
+                 loss_chunk: int = 0, token_mean: bool = False):
+        super().__init__(layout, mean_over_dp, loss_chunk, token_mean)
         self.n_micro = n_micro
         self.schedule = layout.split.build_schedule(list(layout.forward_modules), schedule, n_micro,
                                                     self._scaled_loss, self.device,
@@ -370,20 +383,23 @@ class PipelineRunner(StepRunner):
         dist.all_reduce(_local(weight.grad), group=self.layout.tie_group)
 
 
-def build_runner(layout: Layout, cfg: Config, grad_accum: int, mean_over_dp: bool = True) -> StepRunner:
+def build_runner(layout: Layout, cfg: Config, grad_accum: int, mean_over_dp: bool = True,
+                 token_mean: bool = False) -> StepRunner:
     """The runner for `layout`: a pipeline schedule where it is split into stages, else a loop;
     `grad_accum`: the resolved micro-batches per step (the pipeline's micro-batches).
-    `mean_over_dp=False`: reported losses stay this replica's (replicas that never step together)."""
+    `mean_over_dp=False`: reported losses stay this replica's (replicas that never step together).
+    `token_mean`: the loss is the mean over the global batch's trained tokens (objective sft)."""
     if cfg.data.document_positions and layout.mesh.tp_size > 1 and layout.module.pos_emb is not None:
         raise ConfigError(f"config key 'data.document_positions': the learned position table is "
                           f"split over parallel.tp={layout.mesh.tp_size} by sequence, which "
                           f"per-document positions do not follow: use parallel.tp = 1 or "
                           f"data.document_positions = false (rotary families have no table)")
     if layout.split is None:
-        return PlainRunner(layout, mean_over_dp, cfg.train.loss_chunk)
+        return PlainRunner(layout, mean_over_dp, cfg.train.loss_chunk, token_mean)
     p, t = cfg.parallel, cfg.train
     try:
-        return PipelineRunner(layout, p.pp_schedule, grad_accum, mean_over_dp, t.loss_chunk)
+        return PipelineRunner(layout, p.pp_schedule, grad_accum, mean_over_dp, t.loss_chunk,
+                              token_mean)
     except ValueError as e:
         key = "train.global_batch" if t.global_batch else "train.grad_accum"  # derived or given
         raise ConfigError(f"config key '{key}': {grad_accum} micro-batches do not fit "

@@ -21,6 +21,7 @@ from hpctrain.data.dataset import Dataset
 from hpctrain.data.documents import DocumentBatch, document_batch
 from hpctrain.data.prefetch import DataFeed
 from hpctrain.parallel.apply_context_parallel import local_batch
+from hpctrain.train.objective import check_objective, masked_batch
 
 
 def verify_everywhere(dataset: Dataset, ctx: DistContext, checksums: bool) -> None:
@@ -64,6 +65,8 @@ class TrainData:
                                              cache=self.feed.cache,
                                              range_checked=self.cfg.data.verify == "checksum")
         self.val = self._open_optional(cfg.data.val_split)
+        # train.objective: sft reads the chat dataset's loss mask with each batch
+        self.objective = check_objective(cfg, self.train.has_loss_mask, ctx.is_main)
         self.micro_batch, self.grad_accum = t.micro_batch_size, grad_accum  # the resolved one
         self.global_batch = self.micro_batch * self.grad_accum * self.dp_size
         self.sampler = make_sampler(self.train, self.global_batch, t.seed, cfg.data.shuffle,
@@ -88,7 +91,8 @@ class TrainData:
 
     def _batch(self, reader, indices) -> torch.Tensor | DocumentBatch:
         """The windows ``indices`` of ``reader`` on the training device: a [mb, T+1] token tensor,
-        or with data.document_mask a DocumentBatch (+ each token's document, and position)."""
+        or with data.document_mask a DocumentBatch (+ each token's document, and position); with
+        train.objective = sft that batch with its loss mask (train/objective.py)."""
         tokens, d = reader.batch(indices), self.cfg.data
         pin = self.ctx.device.type == "cuda"
         if d.document_mask:
@@ -96,6 +100,8 @@ class TrainData:
                 self.ctx.device, pin)
         else:
             batch = tokens.pin_memory().to(self.ctx.device, non_blocking=True) if pin else tokens
+        if self.objective.loss_mask:
+            return masked_batch(batch, reader.loss_mask(indices), (self.cp_size, self.cp_rank))
         if self.cp_size > 1:  # parallel.cp: this rank's zig-zag part, with global positions
             return local_batch(batch, self.cp_size, self.cp_rank)
         return batch

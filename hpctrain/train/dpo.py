@@ -34,6 +34,7 @@ from hpctrain.errors import ConfigError
 from hpctrain.parallel.dpo import REWARD_KEYS, DpoRunner, sequence_logps
 from hpctrain.train.data import verify_everywhere
 from hpctrain.train.loop import Trainer
+from hpctrain.train.objective import OBJECTIVES
 
 REFERENCE_FILE = "dpo_reference.npy"
 
@@ -70,6 +71,7 @@ class DpoData:
         self.micro_batch, self.grad_accum = cfg.train.micro_batch_size, grad_accum
         self.global_batch = self.micro_batch * grad_accum * self.dp_size  # pairs per step
         self.sampler = GlobalSampler(len(self.train), self.global_batch, cfg.train.seed)
+        self.objective = OBJECTIVES["dpo"]  # what the loop asks of TrainData's (train/objective.py)
 
     def next_train_micro_batches(self, at: int | None = None) -> list:
         indices = self.sampler.next_indices()

@@ -95,8 +95,9 @@ class Trainer:
         self.sync.bind_local_state(ModelState(self.model, lora_base(cfg)), OptimState(self.model, self.optimizer,
                                                                       self.layout.tied_weight_is_head_copy))
         # forward/backward, clip and eval in this layout; losses averaged over dp where replicas
-        # step together (every mode but ps)
-        runner = build_runner(self.layout, cfg, t.grad_accum, mean_over_dp=self.sync.collective_steps)
+        # step together (every mode but ps); train.objective = sft: over the trained tokens
+        runner = build_runner(self.layout, cfg, t.grad_accum, self.sync.collective_steps,
+                              self.data.objective.token_mean)
         # one optimizer step in this layout and precision (hpctrain/train/engine.py)
         self.engine = StepEngine(runner, self.optimizer, t, self.plan.faults, ctx.device, ctx.rank,
                                  ctx.world_size, agreed=self.sync.global_each_step)
