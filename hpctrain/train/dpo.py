@@ -52,6 +52,9 @@ def check_dpo_config(cfg) -> None:
                               f"runs with {key} = {want!r} only so far")
     if not cfg.dpo.beta > 0:
         raise ConfigError(f"config key 'dpo.beta': {cfg.dpo.beta} must be > 0")
+    if cfg.eval:  # the named sets' loss is the next-token one, not DPO's (no validation loss yet)
+        raise ConfigError(f"config key 'eval[0].name': [[eval]] tables ({cfg.eval[0].name!r}) with "
+                          f"train.objective = 'dpo': not supported yet; remove them")
 
 
 class DpoData:

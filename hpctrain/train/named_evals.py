@@ -108,8 +108,8 @@ class NamedEvals:
         run's strategy and step engine (the mean loss over every rank's batches in the run's
         layout, as the val split's; only where steps are collective: every rank evaluates)."""
         self.data, self.end, self.sync, self.engine = data, cfg.train.steps, sync, engine
-        name = data.manifest["tokenizer"]["name"]
-        self.sets = [open_set(i, spec, cfg, data.dp_size, name) for i, spec in enumerate(cfg.eval)]
+        self.sets = [open_set(i, spec, cfg, data.dp_size, data.manifest["tokenizer"]["name"])
+                     for i, spec in enumerate(cfg.eval)]  # none: data need not be a TrainData
         if self.sets:
             from data_tools.tokenizers import dataset_tokenizer
 

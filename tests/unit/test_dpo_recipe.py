@@ -39,3 +39,13 @@ def test_recipe_loads_as_dpo_on_the_folders_model(recipe):
 def test_what_dpo_does_not_run_on_is_refused_naming_the_key(recipe, override, key):
     with pytest.raises(ConfigError, match=f"config key '{key}'"):
         check_dpo_config(recipe(override))
+
+
+def test_named_eval_sets_are_refused_with_dpo(recipe):
+    """[[eval]] sets measure the next-token loss, not DPO's: refused naming the first table."""
+    from hpctrain.config_schema import EvalSetConfig
+
+    cfg = recipe()
+    cfg.eval = [EvalSetConfig(name="held_out", data="data/prefs")]
+    with pytest.raises(ConfigError, match=r"config key 'eval\[0\].name'.*'held_out'"):
+        check_dpo_config(cfg)
