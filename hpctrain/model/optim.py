@@ -26,10 +26,11 @@ def undecayed_matrices(model_section) -> tuple[str, ...]:
 
 
 def build_optimizer(model: nn.Module, t: TrainConfig, undecayed: tuple[str, ...] = (),
-                    offload: str = "none") -> torch.optim.Optimizer:
+                    adamw: type | None = None) -> torch.optim.Optimizer:
     """AdamW (or SGD) over `model`'s parameters: decay on matrices, except those whose name ends
-    with one of `undecayed` (`undecayed_matrices(cfg.model)`). `offload` (parallel.offload):
-    "optimizer" keeps AdamW's state and step in host memory (model/optim_offload.py)."""
+    with one of `undecayed` (`undecayed_matrices(cfg.model)`). `adamw`: another AdamW class to
+    build (parallel/offload.py's `adamw_class`: parallel.offload = "optimizer" keeps AdamW's state
+    and step in host memory); None: torch's fused AdamW."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -45,10 +46,8 @@ def build_optimizer(model: nn.Module, t: TrainConfig, undecayed: tuple[str, ...]
     groups = [g for g in groups if g["params"]]
     if t.optimizer == "sgd":  # plain SGD (the correctness anchor for diloco/ps); decay on matrices
         return torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum, nesterov=t.nesterov, foreach=True)
-    if offload == "optimizer":
-        from hpctrain.model.optim_offload import OffloadedAdamW
-
-        return OffloadedAdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
+    if adamw is not None:
+        return adamw(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
     # fused: one kernel per parameter group, on CPU too (torch >= 2.4): 4-5x faster than the
     # foreach path here (9.8 vs 47.5 ms per step for 12.7M parameters, docs/benchmarks.md)
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, fused=True)

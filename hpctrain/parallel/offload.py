@@ -12,7 +12,7 @@
 Owns: the choice of what runs where for each mode: FSDP2's policy of the "all" mode
 (`fsdp_offload_policy`), the device a layout computes on when its shards are on the host
 (`compute_device`), where the bad-step flag goes (`flag_for_step`). The "optimizer" mode's
-optimizer is hpctrain/model/optim_offload.py's `OffloadedAdamW`. It must never decide the layout
+optimizer is hpctrain/parallel/optim_offload.py's `OffloadedAdamW`. It must never decide the layout
 (parallelize.py does) or read the config.
 
 Host syncs per step: "optimizer" one stream synchronize (its device -> host copies and the
@@ -24,7 +24,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from hpctrain.model.optim_offload import OffloadedAdamW, local_part
+from hpctrain.parallel.optim_offload import OffloadedAdamW, local_part
+
+
+def adamw_class(offload: str) -> type | None:
+    """The AdamW class model/optim.py's build_optimizer builds for parallel.offload: host-memory
+    state and step for "optimizer"; None (torch's fused AdamW) otherwise."""
+    return OffloadedAdamW if offload == "optimizer" else None
 
 
 def fsdp_offload_policy(offload: str, device: torch.device):

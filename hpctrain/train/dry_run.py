@@ -37,6 +37,7 @@ from hpctrain.errors import UserError
 from hpctrain.model import spec as model_spec
 from hpctrain.model.optim import build_optimizer, undecayed_matrices
 from hpctrain.parallel import build_runner
+from hpctrain.parallel.offload import adamw_class
 from hpctrain.step_faults import step_faults
 from hpctrain.train.dry_run_pipeline import boundary_tensor, stage_peers
 from hpctrain.train.engine import StepEngine
@@ -160,7 +161,8 @@ def _run_steps(cfg: Config, rank: int, world: int, out: RankBytes) -> None:
         if layout.dp_reduce == "ddp" and cfg.dist.grad_allreduce in ("auto", "backend"):
             layout.forward_modules[0].register_comm_hook(None, _bucket_as_reduced)
         model = layout.module
-        optimizer = build_optimizer(model, train, undecayed_matrices(cfg.model), cfg.parallel.offload)
+        optimizer = build_optimizer(model, train, undecayed_matrices(cfg.model),
+                                    adamw_class(cfg.parallel.offload))
         runner = build_runner(layout, cfg, out.micro_batches)
         engine = StepEngine(runner, optimizer, train, step_faults(), ctx.device, rank, world, agreed=True)
         grads: set[int] = set()

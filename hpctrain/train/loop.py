@@ -41,6 +41,7 @@ from hpctrain.metrics.mfu import MfuMeter
 from hpctrain.metrics.peak import job_meter
 from hpctrain.metrics.straggler import StragglerDetector
 from hpctrain.parallel import build_runner
+from hpctrain.parallel.offload import adamw_class
 from hpctrain.sync import modes
 from hpctrain.train import rng, run_plan
 from hpctrain.train.data import TrainData
@@ -63,6 +64,15 @@ def log(ctx: DistContext, msg: str) -> None:
         logs.info(msg)
 
 
+def _checkpoints(cfg: Config, ctx: DistContext) -> CheckpointManager:
+    """The run's checkpoints, as its [checkpoint] section and dist.timeout_s say."""
+    c = cfg.checkpoint
+    return CheckpointManager(cfg.checkpoint_dir, c.keep, ctx.rank, ctx.world_size, timeout_s=cfg.dist.timeout_s,
+                             full_checksums=c.full_checksums, async_cpu_share=c.async_cpu_share,
+                             layout=c.layout, node_id=ctx.node_rank, stripe_count=c.stripe_count,
+                             stripe_size=c.stripe_size)
+
+
 class Trainer:
     def __init__(self, cfg: Config, ctx: DistContext):
         self.cfg, self.ctx = cfg, ctx  # cfg: the user's, never written
@@ -80,14 +90,9 @@ class Trainer:
         self.params, self.flops_per_token, self.fp8_line = built.params, built.flops_per_token, built.fp8
         self.layout = built.layout  # the modules in this job's layout
         self.model = self.layout.module  # this rank's parameters (a pipeline stage holds a subset)
-        self.optimizer = build_optimizer(self.model, t, undecayed_matrices(cfg.model), cfg.parallel.offload)
-        self.ckpt = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep, ctx.rank, ctx.world_size,
-                                      timeout_s=cfg.dist.timeout_s,
-                                      full_checksums=cfg.checkpoint.full_checksums,
-                                      async_cpu_share=cfg.checkpoint.async_cpu_share,
-                                      layout=cfg.checkpoint.layout, node_id=ctx.node_rank,
-                                      stripe_count=cfg.checkpoint.stripe_count,
-                                      stripe_size=cfg.checkpoint.stripe_size)
+        self.optimizer = build_optimizer(self.model, t, undecayed_matrices(cfg.model),
+                                         adamw_class(cfg.parallel.offload))
+        self.ckpt = _checkpoints(cfg, ctx)
         self.preempt = Preemption(cfg.slurm, ctx.comm, ctx.rank,  # signals + wall-time guard
                                        step_sleep_s=self.plan.faults.step_sleep_s, run_dir=cfg.run.dir)
         # what happens between steps and what a checkpoint holds (hpctrain/sync/strategy.py)

@@ -1,4 +1,4 @@
-"""OffloadedAdamW (parallel.offload = "optimizer", hpctrain/model/optim_offload.py) on one process:
+"""OffloadedAdamW (parallel.offload = "optimizer", hpctrain/parallel/optim_offload.py) on one process:
 the same updates as torch's fused AdamW bit for bit, its state laid out as AdamW's (so checkpoints
 load across offload modes), a skipped step leaves everything alone, and a parameter written from
 outside (a checkpoint load) is picked up by the host master copy."""
@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from hpctrain.config import TrainConfig
 from hpctrain.model.optim import build_optimizer
-from hpctrain.model.optim_offload import OffloadedAdamW
+from hpctrain.parallel.optim_offload import OffloadedAdamW
 from hpctrain.train.states import OptimState
 
 
@@ -37,7 +37,7 @@ T = TrainConfig(steps=10, micro_batch_size=1, lr=1e-2, weight_decay=0.1)
 
 def test_same_updates_and_state_layout_as_fused_adamw():
     a, b = model_pair()
-    plain, offloaded = build_optimizer(a, T), build_optimizer(b, T, offload="optimizer")
+    plain, offloaded = build_optimizer(a, T), build_optimizer(b, T, adamw=OffloadedAdamW)
     assert isinstance(offloaded, OffloadedAdamW) and not isinstance(plain, OffloadedAdamW)
     train_steps(a, plain, 6, found_inf_at=3)
     train_steps(b, offloaded, 6, found_inf_at=3)
@@ -50,7 +50,7 @@ def test_same_updates_and_state_layout_as_fused_adamw():
             assert torch.equal(sa[k], sb[k]) and sb[k].device.type == "cpu" and sb[k].dtype == sa[k].dtype
     # a checkpoint's entries (train/states.py) of one load into the other; training goes on equally
     a2, b2 = model_pair()
-    p2, o2 = build_optimizer(a2, T), build_optimizer(b2, T, offload="optimizer")
+    p2, o2 = build_optimizer(a2, T), build_optimizer(b2, T, adamw=OffloadedAdamW)
     saved_plain, saved_offloaded = (  # copies, as a checkpoint's (state_dict() returns the live tensors)
         {k: v.clone() for k, v in OptimState(m, o).state_dict().items()}
         for m, o in ((a, plain), (b, offloaded)))
@@ -66,7 +66,7 @@ def test_master_copy_follows_a_checkpoint_load_through_aliases():
     """DCP writes FSDP2's shards in place through aliases that leave the version counter alone
     (as p.data does here); the optimizer's own load then marks every master stale."""
     a, b = model_pair()
-    plain, offloaded = build_optimizer(a, T), build_optimizer(b, T, offload="optimizer")
+    plain, offloaded = build_optimizer(a, T), build_optimizer(b, T, adamw=OffloadedAdamW)
     train_steps(a, plain, 2), train_steps(b, offloaded, 3)  # b: one step further
     saved = {k: v.clone() for k, v in OptimState(a, plain).state_dict().items()}
     for pa, pb in zip(a.parameters(), b.parameters()):
@@ -81,7 +81,7 @@ def test_master_copy_follows_an_outside_write():
     """Weights loaded into the model after some steps (a resume): the next step starts from them,
     not from the stale host master."""
     a, b = model_pair()
-    plain, offloaded = build_optimizer(a, T), build_optimizer(b, T, offload="optimizer")
+    plain, offloaded = build_optimizer(a, T), build_optimizer(b, T, adamw=OffloadedAdamW)
     train_steps(b, offloaded, 2)
     with torch.no_grad():
         for pa, pb in zip(a.parameters(), b.parameters()):

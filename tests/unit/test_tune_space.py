@@ -60,7 +60,7 @@ def test_training_config_accepts_and_checks_the_section():
     ({"params": {"train.steps": {"int": [1, 9], "step": 3}}}, "tune.params.train.steps",
      "step 3 must be >= 1 and divide"),
     ({"params": {"train.steps": {"int": [1.5, 9]}}}, "tune.params.train.steps", "integers"),
-    ({"params": {"train.precision": {"choice": ["fp32", "fp8"]}}}, "tune.params.train.precision",
+    ({"params": {"train.precision": {"choice": ["fp32", "fp4"]}}}, "tune.params.train.precision",
      "expected one of"),
     ({"params": {"train.seed": {"choice": []}}}, "tune.params.train.seed", "non-empty list"),
     ({"params": {"train.seed": {"choice": [1, 1]}}}, "tune.params.train.seed", "repeated"),
